@@ -1,0 +1,1 @@
+"""thoughtjax: a pretrained LLM cut into thoughtlets, composed into one XLA program."""

@@ -1,0 +1,1 @@
+"""Pallas kernels beside their pure-jnp references, dispatched by ``implementation=``."""
