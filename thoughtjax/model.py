@@ -174,25 +174,34 @@ class Transformer(nnx.Module):
     return tuple(range(self.cfg.num_layers))
 
   def forward(self, tokens: Array, positions: Array, caches: Sequence[tuple[Array, Array]],
-              write_at: Array, mask: Array, layers: Sequence[int] | None = None,
-              embeddings: Array | None = None):
-    """Run a layer path over new tokens.
-
-    tokens [B, T] i32 (ignored when ``embeddings`` [B, T, D] is given);
-    positions [B, T] i32 RoPE positions; caches: one (k, v) [B, S, K, E] pair per
-    entry of ``layers``; write_at: scalar cache slot of the first new token;
-    mask [B, T, S] bool. Returns logits [B, T, V] f32 and the new caches.
-    """
+              write_at: Array, mask: Array, layers: Sequence[int] | None = None):
+    """Run a layer path (default: every layer once); see :func:`run_path`."""
     layers = self.full_path() if layers is None else tuple(layers)
-    if len(caches) != len(layers):
-      raise ValueError(f"need one cache per path layer: {len(layers)} layers, {len(caches)} caches")
-    x = self.embed(tokens) if embeddings is None else embeddings
-    cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
-    new_caches = []
-    for layer, (ck, cv) in zip(layers, caches):
-      x, ck, cv = self.blocks[layer](x, cos, sin, ck, cv, write_at, mask)
+    return run_path(self.embed, [self.blocks[i] for i in layers], self.head, tokens, positions,
+                    caches, write_at, mask)
+
+
+def run_path(embed: Embed, blocks: Sequence[Block], head: Head, tokens: Array, positions: Array,
+             caches: Sequence[tuple[Array, Array]], write_at: Array, mask: Array,
+             embeddings: Array | None = None):
+  """Embed, then each block in order (a block may appear more than once), then the head.
+
+  tokens [B, T] i32 (ignored when ``embeddings`` [B, T, D] is given); positions [B, T]
+  i32 RoPE positions; caches: one (k, v) [B, S, K, E] pair per block of the path;
+  write_at: scalar cache slot of the first new token; mask [B, T, S] bool.
+  Returns logits [B, T, V] f32 and the new caches.
+  """
+  if len(caches) != len(blocks):
+    raise ValueError(f"need one cache per path block: {len(blocks)} blocks, {len(caches)} caches")
+  x = embed(tokens) if embeddings is None else embeddings
+  new_caches = []
+  if blocks:
+    cfg = blocks[0].attn.cfg
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    for block, (ck, cv) in zip(blocks, caches):
+      x, ck, cv = block(x, cos, sin, ck, cv, write_at, mask)
       new_caches.append((ck, cv))
-    return self.head(x, self.embed.table[...]), new_caches
+  return head(x, embed.table[...]), new_caches
 
 
 def init_random(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float = 0.02) -> Transformer:

@@ -1,0 +1,306 @@
+"""Programs: a layer path compiled into one XLA program (the only ``jax.jit`` boundary).
+
+A program serves one key: (path, batch bucket, prompt bucket, new-token bucket,
+stop-set width, sampling mode, bias on/off, decode chunk). Its single entry point
+``advance(parts, prompt, pad, sampling, state)`` runs, inside XLA,
+
+* on the first call (``state.step == 0``): the prefill over the left-padded prompt
+  [B, T] and the first sampled token, so the first token is out after one prefill;
+* on later calls: up to ``chunk`` decode steps in a ``lax.while_loop`` over the KV
+  cache, ending early when every row has stopped.
+
+Tokens reach the host after every call (short fixed-size chunks). A variant that
+pushes each token out through an ``io_callback`` from inside one long loop
+(:meth:`Program.run_with_callback`) exists for comparison: JAX does not write
+programs with host callbacks to the persistent compilation cache, so every new
+process would recompile it; see BENCHMARKS.md for the measured trade-off.
+
+Layout: prompts are left-padded, so every row's next token goes to the same cache
+slot; row b's RoPE positions are ``slot - pad[b]`` and slots before ``pad[b]`` are
+masked out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import io_callback
+
+from thoughtjax.model import Block, Embed, Head, Transformer, run_path
+from thoughtjax.sampling import SamplingArrays, SamplingMode, sample
+
+DEFAULT_CHUNK = 8
+
+
+def configure_compilation_cache(directory: str | os.PathLike | None = None) -> str:
+  """Turn on JAX's persistent compilation cache, small programs included."""
+  from thoughtjax.fetch import cache_dir
+
+  path = str(directory or os.environ.get("THOUGHTJAX_COMPILE_CACHE") or cache_dir() / "xla")
+  jax.config.update("jax_compilation_cache_dir", path)
+  # JAX skips programs that compile in under 1 s unless told otherwise.
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  return path
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+  """Smallest power of two >= max(n, minimum)."""
+  size = minimum
+  while size < n:
+    size *= 2
+  return size
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramKey:
+  layers: tuple[int, ...]  # path as layer indices, repeats allowed
+  batch: int  # B
+  prompt_len: int  # T
+  max_new: int  # N
+  stop_width: int  # M
+  mode: SamplingMode
+  has_bias: bool
+  chunk: int = DEFAULT_CHUNK
+  sampler: str | None = None  # kernels implementation; None = per backend
+
+  @property
+  def cache_len(self) -> int:  # S
+    return self.prompt_len + self.max_new
+
+
+class PathParts(NamedTuple):
+  """Parameters a path needs: embed, the distinct blocks it uses, head."""
+
+  embed: nnx.State
+  blocks: dict[int, nnx.State]
+  head: nnx.State
+
+  @classmethod
+  def from_model(cls, model: Transformer, layers: Sequence[int]) -> "PathParts":
+    return cls(nnx.state(model.embed), {i: nnx.state(model.blocks[i]) for i in sorted(set(layers))},
+               nnx.state(model.head))
+
+
+class GraphDefs(NamedTuple):
+  embed: nnx.GraphDef
+  block: nnx.GraphDef
+  head: nnx.GraphDef
+
+  @classmethod
+  def from_model(cls, model: Transformer) -> "GraphDefs":
+    return cls(nnx.graphdef(model.embed), nnx.graphdef(model.blocks[0]), nnx.graphdef(model.head))
+
+
+def merge_path(defs: GraphDefs, parts: PathParts, layers: Sequence[int]) -> tuple[Embed, list[Block], Head]:
+  """Modules of a path from graph definitions and states (inside traced code)."""
+  embed = nnx.merge(defs.embed, parts.embed)
+  by_layer = {i: nnx.merge(defs.block, s) for i, s in parts.blocks.items()}
+  return embed, [by_layer[i] for i in layers], nnx.merge(defs.head, parts.head)
+
+
+def _full_sequence_logits(defs: GraphDefs, layers: tuple[int, ...], parts: PathParts, tokens):
+  embed, blocks, head = merge_path(defs, parts, layers)
+  B, T = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(T)[None], (B, T))
+  mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool))[None], (B, T, T))
+  caches = []
+  if blocks:
+    cfg = blocks[0].attn.cfg
+    shape = (B, T, cfg.num_kv_heads, cfg.head_dim)
+    caches = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in blocks]
+  return run_path(embed, blocks, head, tokens, positions, caches, jnp.zeros((), jnp.int32), mask)[0]
+
+
+# Scoring: causal forward over whole sequences [B, T] -> logits [B, T, V].
+score_logits = jax.jit(_full_sequence_logits, static_argnums=(0, 1))
+
+
+class DecodeState(NamedTuple):
+  caches: tuple[tuple[jax.Array, jax.Array], ...]  # per path block: [B, S, K, E] x2
+  token: jax.Array  # [B] i32, last sampled
+  step: jax.Array  # i32, tokens generated so far
+  done: jax.Array  # [B] bool
+  out: jax.Array  # [B, N] i32, generated tokens, -1 where none
+  count: jax.Array  # [B] i32, tokens generated per row
+
+
+class Program:
+  """One compiled generation program; see the module docstring."""
+
+  def __init__(self, key: ProgramKey, defs: GraphDefs, cfg):
+    self.key, self.defs, self.cfg = key, defs, cfg
+    self._advance = jax.jit(self._advance_impl, donate_argnums=(4,))
+    self._init = jax.jit(self._init_impl)
+    self._callback_run = None
+
+  # ---- traced code -------------------------------------------------------------
+  def _modules(self, parts: PathParts) -> tuple[Embed, list[Block], Head]:
+    return merge_path(self.defs, parts, self.key.layers)
+
+  def _init_impl(self) -> DecodeState:
+    k = self.key
+    shape = (k.batch, k.cache_len, self.cfg.num_kv_heads, self.cfg.head_dim)
+    dtype = jnp.float32
+    caches = tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in k.layers)
+    return DecodeState(caches, jnp.zeros(k.batch, jnp.int32), jnp.zeros((), jnp.int32),
+                       jnp.zeros(k.batch, bool), jnp.full((k.batch, k.max_new), -1, jnp.int32),
+                       jnp.zeros(k.batch, jnp.int32))
+
+  def _record(self, state: DecodeState, token, stop, samp: SamplingArrays) -> DecodeState:
+    live = ~state.done
+    out = jax.lax.dynamic_update_slice(
+        state.out, jnp.where(live, token, -1)[:, None], (jnp.zeros((), jnp.int32), state.step))
+    count = state.count + live.astype(jnp.int32)
+    done = state.done | (live & stop) | (count >= samp.max_new)
+    return state._replace(token=jnp.where(live, token, state.token), step=state.step + 1,
+                          done=done, out=out, count=count)
+
+  def _prefill(self, parts, prompt, pad, samp, state):
+    k = self.key
+    embed, blocks, head = self._modules(parts)
+    T, S = k.prompt_len, k.cache_len
+    t = jnp.arange(T)
+    positions = jnp.maximum(t[None, :] - pad[:, None], 0)
+    s = jnp.arange(S)
+    mask = ((s[None, None, :] >= pad[:, None, None]) & (s[None, None, :] <= t[None, :, None])) | (
+        s[None, None, :] == t[None, :, None])  # padded queries see themselves: no NaN rows
+    logits, caches = run_path(embed, blocks, head, prompt, positions, state.caches,
+                              jnp.zeros((), jnp.int32), mask)
+    token, stop = sample(logits[:, -1], samp, state.step, k.mode, k.sampler)
+    return self._record(state._replace(caches=tuple(caches)), token, stop, samp)
+
+  def _decode_step(self, parts, pad, samp, state):
+    k = self.key
+    embed, blocks, head = self._modules(parts)
+    slot = k.prompt_len + state.step - 1
+    positions = (slot - pad)[:, None]
+    s = jnp.arange(k.cache_len)
+    mask = ((s[None, :] >= pad[:, None]) & (s[None, :] <= slot))[:, None, :]
+    logits, caches = run_path(embed, blocks, head, state.token[:, None], positions, state.caches,
+                              slot, mask)
+    token, stop = sample(logits[:, -1], samp, state.step, k.mode, k.sampler)
+    return self._record(state._replace(caches=tuple(caches)), token, stop, samp)
+
+  def _decode_chunk(self, parts, prompt, pad, samp, state):
+    del prompt
+    k = self.key
+
+    def cond(c):
+      i, st = c
+      return (i < k.chunk) & (st.step < k.max_new) & ~jnp.all(st.done)
+
+    def body(c):
+      i, st = c
+      return i + 1, self._decode_step(parts, pad, samp, st)
+
+    return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))[1]
+
+  def _advance_impl(self, parts, prompt, pad, samp, state):
+    return jax.lax.cond(state.step == 0, self._prefill, self._decode_chunk,
+                        parts, prompt, pad, samp, state)
+
+  # ---- host API --------------------------------------------------------------------
+  def init_state(self) -> DecodeState:
+    return self._init()
+
+  def advance(self, parts: PathParts, prompt: jax.Array, pad: jax.Array, samp: SamplingArrays,
+              state: DecodeState) -> DecodeState:
+    """Prefill (first call) or up to ``chunk`` decode steps; ``state`` is donated."""
+    return self._advance(parts, prompt, pad, samp, state)
+
+  def lower(self, parts, prompt, pad, samp):
+    state = jax.eval_shape(self._init_impl)
+    return self._advance.trace(parts, prompt, pad, samp, state).lower()
+
+  def run_with_callback(self, parts, prompt, pad, samp, on_token: Callable[[int, np.ndarray, np.ndarray], bool]):
+    """Prefill and the whole decode loop in one call; ``on_token(step, tokens[B], done[B])``
+    runs on the host after every step and returns True to stop early."""
+    if self._callback_run is None:
+      self._callback_run = jax.jit(self._callback_impl)
+    slot = _CALLBACKS.register(on_token)
+    try:
+      return jax.block_until_ready(self._callback_run(parts, prompt, pad, samp, jnp.int32(slot)))
+    finally:
+      _CALLBACKS.release(slot)
+
+  def _callback_impl(self, parts, prompt, pad, samp, slot):
+    k = self.key
+
+    def emit(st):
+      return io_callback(
+          _CALLBACKS.dispatch, jax.ShapeDtypeStruct((), jnp.bool_), slot, st.step,
+          jax.lax.dynamic_index_in_dim(st.out, st.step - 1, axis=1, keepdims=False), st.done,
+          ordered=True)
+
+    state = self._prefill(parts, prompt, pad, samp, self._init_impl())
+    cancel = emit(state)
+
+    def cond(c):
+      st, cancel = c
+      return (st.step < k.max_new) & ~jnp.all(st.done) & ~cancel
+
+    def body(c):
+      st, _ = c
+      st = self._decode_step(parts, pad, samp, st)
+      return st, emit(st)
+
+    return jax.lax.while_loop(cond, body, (state, cancel))[0]
+
+
+class _CallbackTable:
+  """Host sinks for io_callback programs, addressed by a slot number passed as data
+  (so one compiled program serves every request)."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._sinks: dict[int, Callable] = {}
+    self._next = 0
+
+  def register(self, fn) -> int:
+    with self._lock:
+      self._next += 1
+      self._sinks[self._next] = fn
+      return self._next
+
+  def release(self, slot: int) -> None:
+    with self._lock:
+      self._sinks.pop(slot, None)
+
+  def dispatch(self, slot, step, tokens, done):
+    fn = self._sinks.get(int(slot))
+    stop = bool(fn(int(step), np.asarray(tokens), np.asarray(done))) if fn else True
+    return np.asarray(stop)
+
+
+_CALLBACKS = _CallbackTable()
+
+
+class ProgramCache:
+  """In-memory programs by key; XLA executables also persist on disk via JAX's cache."""
+
+  def __init__(self):
+    self._programs: dict[tuple, Program] = {}
+    self._lock = threading.Lock()
+    self.hits = self.misses = 0
+
+  def get(self, key: ProgramKey, defs: GraphDefs, cfg) -> Program:
+    ident = (key, cfg)
+    with self._lock:
+      prog = self._programs.get(ident)
+      if prog is None:
+        self.misses += 1
+        prog = self._programs[ident] = Program(key, defs, cfg)
+      else:
+        self.hits += 1
+      return prog
+
+
+PROGRAMS = ProgramCache()

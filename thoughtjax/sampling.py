@@ -1,0 +1,144 @@
+"""Sampling settings (host side) and the in-program sampler.
+
+The sampler applies logit bias, temperature, top-k (and top-p when asked), draws with
+Gumbel-max from a counter-based RNG keyed by (seed, step, row) or takes the argmax,
+and flags rows whose token is a stop token. The fused pass lives in
+:mod:`thoughtjax.kernels.sample_stop` (Pallas kernel and pure-jnp reference); top-p
+needs a sort over the vocabulary, so it is applied here as a mask before that pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from thoughtjax.kernels.sample_stop import sample_stop
+
+
+class SamplingMode(enum.Enum):
+  """What the compiled sampler must be able to do; part of a program's cache key."""
+
+  GREEDY = "greedy"
+  SAMPLE = "sample"
+  SAMPLE_TOP_P = "sample_top_p"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How to pick tokens for one request. temperature 0 is greedy."""
+
+  max_tokens: int = 64
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+  logit_bias: Mapping[int, float] | None = None
+  stop_token_ids: Sequence[int] = ()
+  stop_strings: Sequence[str] = ()
+
+  def __post_init__(self):
+    if self.max_tokens < 1:
+      raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+    if self.temperature < 0:
+      raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    if not 0 <= self.seed < 2**32:
+      raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+
+  @property
+  def mode(self) -> SamplingMode:
+    if self.temperature == 0:
+      return SamplingMode.GREEDY
+    return SamplingMode.SAMPLE_TOP_P if self.top_p < 1.0 else SamplingMode.SAMPLE
+
+
+def program_mode(params: Sequence[SamplingParams]) -> SamplingMode:
+  """The least capable mode that serves every row of a batch."""
+  modes = {p.mode for p in params}
+  for m in (SamplingMode.SAMPLE_TOP_P, SamplingMode.SAMPLE):
+    if m in modes:
+      return m
+  return SamplingMode.GREEDY
+
+
+class SamplingArrays(NamedTuple):
+  """Per-row sampling settings as arrays; padded rows are inert."""
+
+  temperature: jax.Array  # [B] f32
+  top_k: jax.Array  # [B] i32
+  top_p: jax.Array  # [B] f32
+  seed: jax.Array  # [B] u32
+  max_new: jax.Array  # [B] i32
+  stop_ids: jax.Array  # [B, M] i32, -1 padded
+  logit_bias: jax.Array | None  # [B, V] f32
+
+
+def sampling_arrays(params: Sequence[SamplingParams], batch: int, vocab: int, stop_width: int,
+                    eos_id: int | None, with_bias: bool) -> SamplingArrays:
+  """Stack per-request settings into arrays for ``batch`` rows (extra rows: 1 greedy token)."""
+  temp = np.zeros(batch, np.float32)
+  top_k = np.zeros(batch, np.int32)
+  top_p = np.ones(batch, np.float32)
+  seed = np.zeros(batch, np.uint32)
+  max_new = np.ones(batch, np.int32)
+  stops = np.full((batch, stop_width), -1, np.int32)
+  bias = np.zeros((batch, vocab), np.float32) if with_bias else None
+  for i, p in enumerate(params):
+    temp[i], top_k[i], top_p[i], seed[i], max_new[i] = p.temperature, p.top_k, p.top_p, p.seed, p.max_tokens
+    ids = stop_ids_for(p, eos_id)
+    stops[i, : len(ids)] = ids
+    for tok, b in (p.logit_bias or {}).items():
+      if not 0 <= int(tok) < vocab:
+        raise ValueError(f"logit_bias names token {tok}, outside the vocabulary [0, {vocab})")
+      bias[i, int(tok)] += b
+  return SamplingArrays(*(jnp.asarray(a) for a in (temp, top_k, top_p, seed, max_new, stops)),
+                        None if bias is None else jnp.asarray(bias))
+
+
+def stop_ids_for(p: SamplingParams, eos_id: int | None) -> list[int]:
+  ids = list(dict.fromkeys(int(t) for t in p.stop_token_ids))
+  if eos_id is not None and eos_id not in ids:
+    ids.append(eos_id)
+  return ids
+
+
+def top_p_mask(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+  """logits [B, V] with everything outside each row's nucleus set to -inf.
+
+  The nucleus is taken over the biased, tempered, top-k-filtered distribution, as
+  Hugging Face's warpers do (top-k before top-p); the fused sampler then re-applies
+  bias, temperature and top-k, which leave the -inf entries at -inf.
+  """
+  x = logits.astype(jnp.float32)
+  if s.logit_bias is not None:
+    x = x + s.logit_bias
+  x = x / jnp.maximum(s.temperature, 1e-6)[:, None]
+  order = jnp.sort(x, axis=-1)[:, ::-1]  # [B, V] descending
+  V = x.shape[-1]
+  k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, V), V)
+  ranks = jnp.arange(V)[None, :]
+  order = jnp.where(ranks < k[:, None], order, -jnp.inf)
+  probs = jax.nn.softmax(order, axis=-1)
+  before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each rank
+  keep = before < s.top_p[:, None]
+  keep = keep.at[:, 0].set(True)
+  threshold = jnp.min(jnp.where(keep, order, jnp.inf), axis=-1)  # [B]
+  return jnp.where(x >= threshold[:, None], logits, -jnp.inf).astype(logits.dtype)
+
+
+def sample(logits: jax.Array, s: SamplingArrays, step: jax.Array, mode: SamplingMode,
+           implementation: str | None = None) -> tuple[jax.Array, jax.Array]:
+  """Token [B] i32 and stop flag [B] bool for logits [B, V]."""
+  if mode is SamplingMode.SAMPLE_TOP_P:
+    logits = top_p_mask(logits, s)
+  temperature = jnp.zeros_like(s.temperature) if mode is SamplingMode.GREEDY else s.temperature
+  return sample_stop(logits, temperature=temperature, top_k=s.top_k, seed=s.seed, step=step,
+                     stop_ids=s.stop_ids, logit_bias=s.logit_bias, implementation=implementation)
