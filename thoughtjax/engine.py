@@ -92,7 +92,8 @@ class Model:
   """A loaded model plus the path it runs (default: every layer once)."""
 
   def __init__(self, loaded: LoadedModel, layers: Sequence[int] | None = None,
-               sampler: str | None = None, chunk: int = program_lib.DEFAULT_CHUNK):
+               sampler: str | None = None, chunk: int = program_lib.DEFAULT_CHUNK,
+               parts: PathParts | None = None):
     self.loaded = loaded
     self.config = loaded.config
     self.codec = loaded.codec
@@ -100,12 +101,21 @@ class Model:
     self.layers = tuple(range(self.config.num_layers)) if layers is None else tuple(layers)
     self.sampler, self.chunk = sampler, chunk
     self._defs = GraphDefs.from_model(self.module)
-    self._parts = PathParts.from_model(self.module, self.layers)
+    # The parameters this path reads: taken from the module, or handed in (e.g. restored
+    # thoughtlets), holding only the blocks the path uses.
+    self._parts = PathParts.from_model(self.module, self.layers) if parts is None else parts
+    missing = set(self.layers) - set(self._parts.blocks)
+    if missing:
+      raise ValueError(f"path uses layers {sorted(missing)} that the given parts do not hold")
     self.last_timings: dict = {}
 
-  def with_path(self, layers: Sequence[int]) -> "Model":
+  @property
+  def parts(self) -> PathParts:
+    return self._parts
+
+  def with_path(self, layers: Sequence[int], parts: PathParts | None = None) -> "Model":
     """The same weights (shared, not copied) running another layer path."""
-    return Model(self.loaded, layers, self.sampler, self.chunk)
+    return Model(self.loaded, layers, self.sampler, self.chunk, parts)
 
   # ---- prompts ------------------------------------------------------------------
   def prompt_ids(self, prompt: str | Sequence[int], chat: bool = False, system: str | None = None) -> list[int]:

@@ -1,0 +1,1 @@
+"""Benchmark commands (`thoughtjax bench ...`): tables on stdout, JSON on request."""

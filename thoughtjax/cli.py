@@ -1,0 +1,183 @@
+"""``thoughtjax`` command line: fetch, generate, score, bench, registry.
+
+Output contracts other tools rely on:
+  generate --json  -> one JSON object with ``token_ids`` (generated ids) and ``text``
+  score --json     -> one JSON object with per-position ``top_ids``/``top_logits``,
+                      ``nll`` and ``perplexity``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--model", default=None, help="known model name or path to a .gguf / safetensors dir "
+                 "(default: smollm2-135m-instruct)")
+  p.add_argument("--path", default=None, help='thoughtlet path, e.g. "embed, blocks[0:12), head" '
+                 "(default: the full model)")
+  p.add_argument("--sampler", choices=("xla", "pallas"), default=None,
+                 help="sampling kernel implementation (default: pallas on GPU, xla elsewhere)")
+
+
+def _load(args):
+  import thoughtjax
+
+  model = thoughtjax.load(args.model, sampler=getattr(args, "sampler", None))
+  if getattr(args, "path", None):
+    from thoughtjax.paths import layers_of_path
+
+    model = model.with_path(layers_of_path(args.path, model.config.num_layers))
+  return model
+
+
+def cmd_fetch(args) -> int:
+  from thoughtjax.fetch import fetch
+
+  path = fetch(args.name, progress=True, force=args.force)
+  print(path)
+  return 0
+
+
+def cmd_generate(args) -> int:
+  from thoughtjax.sampling import SamplingParams
+
+  model = _load(args)
+  params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop or ()))
+  stream = model.stream_batch([args.prompt], params, chat=args.chat, system=args.system)
+  ids: list[int] = []
+  text, reason = "", None
+  for d in stream:
+    ids.extend(d.token_ids)
+    text += d.text
+    if d.finished:
+      reason = d.finish_reason
+    if not args.json:
+      sys.stdout.write(d.text)
+      sys.stdout.flush()
+  t = model.last_timings
+  if args.json:
+    print(json.dumps({
+        "prompt_ids": model.prompt_ids(args.prompt, args.chat, args.system),
+        "token_ids": ids, "text": text, "finish_reason": reason,
+        "time_to_first_token_s": t.get("first_token", 0) - t["start"],
+        "total_s": t.get("end", 0) - t["start"],
+    }))
+  else:
+    sys.stdout.write("\n")
+  return 0
+
+
+def cmd_score(args) -> int:
+  model = _load(args)
+  if (args.text is None) == (args.token_ids is None):
+    raise SystemExit("score: give exactly one of --text or --token-ids")
+  if args.text is not None:
+    ids = model.codec.encode(args.text)
+  else:
+    try:
+      ids = [int(t) for t in args.token_ids.split(",") if t.strip()]
+    except ValueError:
+      raise SystemExit(f"score: --token-ids must be comma-separated integers, got {args.token_ids!r}") from None
+  bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
+  if bad:
+    raise SystemExit(f"score: token ids {bad[:5]} are outside the vocabulary [0, {model.config.vocab_size})")
+  s = model.score(ids, top_k=args.top_k)
+  if args.json:
+    print(json.dumps({"token_ids": s.token_ids, "top_ids": s.top_ids, "top_logits": s.top_logits,
+                      "token_logprobs": s.token_logprobs, "nll": s.nll, "perplexity": s.perplexity}))
+    return 0
+  for t, (tid, tops, vals) in enumerate(zip(s.token_ids, s.top_ids, s.top_logits)):
+    nxt = s.token_logprobs[t] if t < len(s.token_logprobs) else None
+    shown = ", ".join(f"{i}:{model.codec.decode([i])!r}={v:.3f}" for i, v in zip(tops, vals))
+    lp = "" if nxt is None else f"  logp(next)={nxt:.4f}"
+    print(f"{t:4d} {tid:6d} {model.codec.decode([tid])!r:>14}  top: {shown}{lp}")
+  print(f"nll={s.nll:.6f} perplexity={s.perplexity:.4f}")
+  return 0
+
+
+def cmd_bench(args, rest: list[str]) -> int:
+  if args.what == "decode":
+    from thoughtjax.bench import decode
+
+    return decode.main(rest)
+  if args.what == "kernels":
+    from thoughtjax.kernels import bench
+
+    return bench.main(rest)
+  if args.what == "registry":
+    from thoughtjax.bench import registry
+
+    return registry.main(rest)
+  raise SystemExit(f"unknown benchmark {args.what!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="thoughtjax", description=__doc__.splitlines()[0])
+  sub = parser.add_subparsers(dest="command", required=True)
+
+  p = sub.add_parser("fetch", help="download and verify the default model")
+  p.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+  p.add_argument("--force", action="store_true", help="download again even if cached")
+  p.set_defaults(fn=cmd_fetch)
+
+  p = sub.add_parser("generate", help="stream a continuation or a chat answer")
+  _add_model_args(p)
+  p.add_argument("--prompt", required=True)
+  p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+  p.add_argument("--system", default=None, help="system message (with --chat)")
+  p.add_argument("--max-tokens", type=int, default=128)
+  p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+  p.add_argument("--top-k", type=int, default=0)
+  p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--stop", action="append", help="stop string (repeatable)")
+  p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+  p.set_defaults(fn=cmd_generate)
+
+  p = sub.add_parser("score", help="per-position top-K logits and log-likelihood of a sequence")
+  _add_model_args(p)
+  p.add_argument("--text", default=None)
+  p.add_argument("--token-ids", default=None, help="comma-separated ids, e.g. 1,2,3")
+  p.add_argument("--top-k", type=int, default=5)
+  p.add_argument("--json", action="store_true")
+  p.set_defaults(fn=cmd_score)
+
+  p = sub.add_parser("bench", help="benchmarks: decode, kernels, registry (args after the name go to it)")
+  p.add_argument("what", choices=("decode", "kernels", "registry"))
+  p.set_defaults(fn=cmd_bench, passthrough=True)
+
+  try:
+    from thoughtjax import registry_cli
+  except ImportError:
+    registry_cli = None
+  if registry_cli is not None:
+    registry_cli.add_parser(sub)
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  parser = build_parser()
+  if len(argv) >= 2 and argv[0] == "bench":
+    args = parser.parse_args(argv[:2])
+    return args.fn(args, argv[2:])
+  args = parser.parse_args(argv)
+  try:
+    return args.fn(args)
+  except (ValueError, FileNotFoundError, RuntimeError) as e:
+    # User-facing failures (bad path, bad model, fetch errors) without a traceback.
+    from thoughtjax.fetch import FetchError
+
+    if isinstance(e, (FetchError, FileNotFoundError, ValueError)):
+      print(f"thoughtjax {args.command}: error: {e}", file=sys.stderr)
+      return 2
+    raise
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
