@@ -104,3 +104,30 @@ def model_params(model: Transformer) -> dict:
 
 def param_bytes(tree) -> int:
   return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def to_hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
+  """Inverse of :func:`params_from_hf`: the model layout back to Hugging Face names."""
+  D, H, K, E = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  f = lambda x: np.asarray(x, np.float32)  # noqa: E731
+  out = {"model.embed_tokens.weight": f(params["embed"]["table"]),
+         "model.norm.weight": f(params["head"]["norm"]["weight"])}
+  if not cfg.tie_embeddings:
+    out["lm_head.weight"] = f(params["head"]["unembed"])
+  for i in range(cfg.num_layers):
+    b, pre = params["blocks"][i], f"model.layers.{i}."
+    a, m = b["attn"], b["mlp"]
+    out[pre + "input_layernorm.weight"] = f(b["attn_norm"]["weight"])
+    out[pre + "post_attention_layernorm.weight"] = f(b["mlp_norm"]["weight"])
+    out[pre + "self_attn.q_proj.weight"] = f(a["q"]).reshape(D, H * E).T.copy()
+    out[pre + "self_attn.k_proj.weight"] = f(a["k"]).reshape(D, K * E).T.copy()
+    out[pre + "self_attn.v_proj.weight"] = f(a["v"]).reshape(D, K * E).T.copy()
+    out[pre + "self_attn.o_proj.weight"] = f(a["o"]).reshape(H * E, D).T.copy()
+    if cfg.qkv_bias:
+      out[pre + "self_attn.q_proj.bias"] = f(a["q_bias"]).reshape(H * E)
+      out[pre + "self_attn.k_proj.bias"] = f(a["k_bias"]).reshape(K * E)
+      out[pre + "self_attn.v_proj.bias"] = f(a["v_bias"]).reshape(K * E)
+    out[pre + "mlp.gate_proj.weight"] = f(m["gate"]).T.copy()
+    out[pre + "mlp.up_proj.weight"] = f(m["up"]).T.copy()
+    out[pre + "mlp.down_proj.weight"] = f(m["down"]).T.copy()
+  return out
