@@ -81,11 +81,14 @@ def test_stop_token_ends_the_row_and_is_reported(engine):
 
 
 def test_stop_string_cuts_text(engine):
-  full = engine.generate([4, 5, 6], max_tokens=16, stop_token_ids=())
+  # Sample among a few letters (equal large bias) so the text is varied and printable.
+  letters = {t: 1e3 for t in engine.codec.encode("abcdefghij")}
+  kw = dict(max_tokens=16, stop_token_ids=(), temperature=5.0, seed=11, logit_bias=letters)
+  full = engine.generate([4, 5, 6], **kw)
   text = full.text
   at = next(i for i in range(1, len(text) - 1) if text[i:i + 2] not in text[:i + 1] and "\ufffd" not in text[:i + 2])
   needle = text[at:at + 2]
-  out = engine.generate([4, 5, 6], max_tokens=16, stop_token_ids=(), stop_strings=(needle,))
+  out = engine.generate([4, 5, 6], stop_strings=(needle,), **kw)
   assert out.finish_reason == "stop_string"
   assert out.text == full.text[: full.text.index(needle)]
 
