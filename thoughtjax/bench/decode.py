@@ -1,0 +1,199 @@
+"""``thoughtjax bench decode``: prefill/decode throughput, first-token latency, start-up, memory.
+
+Everything is measured in one run so the figures can be compared side by side:
+thoughtjax (chunked streaming and callback streaming), the machine's copy bandwidth,
+and llama.cpp on the same GGUF when ``llama-cpp-python`` is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+CHAT_PROMPT = "What is the capital of France?"
+LONG_TEXT = ("The history of the city spans many centuries, from its founding as a small settlement on "
+             "the river to its growth into a center of trade, learning and art. ") * 8
+
+
+def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+  """STREAM-style copy bandwidth in GB/s, counting bytes read plus bytes written."""
+  src = np.ones(nbytes // 4, np.float32)
+  dst = np.empty_like(src)
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    np.copyto(dst, src)
+    times.append(time.perf_counter() - t)
+  return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def _decode_rate(model, prompts, max_tokens, repeats, stream_mode="chunks"):
+  from thoughtjax.sampling import SamplingParams
+
+  params = SamplingParams(max_tokens=max_tokens, stop_token_ids=())
+  # Without EOS in the stop set the rows always run the full length.
+  rates, ttfts = [], []
+  for _ in range(repeats + 1):  # first run compiles
+    out = model.generate_batch(prompts, [params] * len(prompts), stream_mode=stream_mode)
+    t = out[0].timings
+    n = sum(len(c.token_ids) for c in out)
+    rates.append((n - len(prompts)) / (t["end"] - t["first_token"]))
+    ttfts.append(t["first_token"] - t["start"])
+  return statistics.median(rates[1:]), statistics.median(ttfts[1:])
+
+
+def _process_first_token(model_arg: str, cache_dir: str | None, prompt: str) -> float:
+  """Seconds from spawning ``thoughtjax generate`` to its first byte of answer text."""
+  env = dict(os.environ)
+  if cache_dir:
+    env["THOUGHTJAX_COMPILE_CACHE"] = cache_dir
+  cmd = [sys.executable, "-m", "thoughtjax.cli", "generate", "--chat", "--prompt", prompt,
+         "--max-tokens", "8"] + (["--model", model_arg] if model_arg else [])
+  t = time.perf_counter()
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+  first = proc.stdout.read(1)
+  elapsed = time.perf_counter() - t
+  proc.communicate()
+  if proc.returncode != 0 or not first:
+    raise RuntimeError(f"{' '.join(cmd)} failed with exit {proc.returncode}")
+  return elapsed
+
+
+def bench_thoughtjax(args) -> dict:
+  import jax
+
+  import thoughtjax
+
+  t0 = time.perf_counter()
+  model = thoughtjax.load(args.model)
+  load_s = time.perf_counter() - t0
+  cfg = model.config
+  weight_bytes = sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(model.parts))
+  chat_ids = model.prompt_ids(CHAT_PROMPT, chat=True)
+  long_ids = model.codec.encode(LONG_TEXT)[:250]
+  res = {"model": args.model or "smollm2-135m-instruct", "load_s": load_s, "weight_bytes": weight_bytes,
+         "chat_prompt_tokens": len(chat_ids), "prefill_prompt_tokens": len(long_ids)}
+
+  _, ttft_long = _decode_rate(model, [long_ids], 2, args.repeats)
+  res["prefill_tok_s"] = len(long_ids) / ttft_long
+  _, res["ttft_chat_s"] = _decode_rate(model, [chat_ids], 2, args.repeats)
+  for mode in ("chunks", "callback"):
+    rate, ttft = _decode_rate(model, [chat_ids], args.tokens, args.repeats, mode)
+    res[f"decode_b1_tok_s_{mode}"] = rate
+    res[f"ttft_chat_s_{mode}"] = ttft
+  rate8, _ = _decode_rate(model, [chat_ids] * 8, args.tokens, args.repeats)
+  res["decode_b1_tok_s"] = res["decode_b1_tok_s_chunks"]
+  res["decode_b8_tok_s"] = rate8
+  res["b8_over_b1"] = rate8 / res["decode_b1_tok_s"]
+  res["weight_bandwidth_gb_s"] = weight_bytes * res["decode_b1_tok_s"] / 1e9
+  res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+  if not args.skip_process:
+    with tempfile.TemporaryDirectory() as cold:
+      res["process_first_token_cold_s"] = _process_first_token(args.model, cold, CHAT_PROMPT)
+    _process_first_token(args.model, None, CHAT_PROMPT)  # make sure the user cache is warm
+    res["process_first_token_warm_s"] = statistics.median(
+        _process_first_token(args.model, None, CHAT_PROMPT) for _ in range(3))
+    res["process_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+  return res
+
+
+def bench_llama_cpp(args) -> dict | None:
+  try:
+    import llama_cpp
+  except ImportError:
+    return None
+  from thoughtjax.fetch import DEFAULT_MODEL, fetch
+
+  path = str(fetch(args.model or DEFAULT_MODEL)) if not args.model or not os.path.exists(args.model) else args.model
+  t = time.perf_counter()
+  llm = llama_cpp.Llama(model_path=path, n_ctx=1024, n_threads=os.cpu_count(), verbose=False, n_batch=512)
+  ready = time.perf_counter() - t
+  chat = llm.tokenize(
+      ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+       f"<|im_start|>user\n{CHAT_PROMPT}<|im_end|>\n<|im_start|>assistant\n").encode(), add_bos=False, special=True)
+  long_ids = llm.tokenize(LONG_TEXT.encode(), add_bos=False)[:250]
+
+  def run(ids, n):
+    llm.reset()
+    t = time.perf_counter()
+    first = None
+    count = 0
+    for _tok in llm.generate(ids, temp=0.0, reset=True):
+      count += 1
+      if first is None:
+        first = time.perf_counter()
+      if count >= n:
+        break
+    end = time.perf_counter()
+    return first - t, (count - 1) / (end - first) if count > 1 else float("nan")
+
+  ttft_long = statistics.median(run(long_ids, 1)[0] for _ in range(args.repeats + 1))
+  chat_runs = [run(chat, args.tokens) for _ in range(args.repeats + 1)][1:]
+  return {"ready_s": ready, "prefill_tok_s": len(long_ids) / ttft_long,
+          "ttft_chat_s": statistics.median(r[0] for r in chat_runs),
+          "decode_b1_tok_s": statistics.median(r[1] for r in chat_runs),
+          "chat_prompt_tokens": len(chat), "version": getattr(llama_cpp, "__version__", "?")}
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser(prog="thoughtjax bench decode", description=__doc__.splitlines()[0])
+  p.add_argument("--model", default=None)
+  p.add_argument("--tokens", type=int, default=64, help="decode tokens per run")
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--json", default=None, help="write results to this JSON file")
+  p.add_argument("--skip-process", action="store_true", help="skip the new-process start-up runs")
+  args = p.parse_args(argv)
+
+  bw = copy_bandwidth()
+  res = {"copy_bandwidth_gb_s": bw, "thoughtjax": bench_thoughtjax(args), "llama_cpp": bench_llama_cpp(args),
+         "cpu_count": os.cpu_count()}
+  tj = res["thoughtjax"]
+  tj["bandwidth_fraction"] = tj["weight_bandwidth_gb_s"] / bw
+  _print_table(res)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(res, f, indent=2)
+  return 0
+
+
+def _print_table(res: dict) -> None:
+  from rich.console import Console
+  from rich.table import Table
+
+  tj, lc = res["thoughtjax"], res["llama_cpp"] or {}
+  table = Table(title="thoughtjax bench decode")
+  table.add_column("figure")
+  table.add_column("thoughtjax", justify="right")
+  table.add_column("llama.cpp", justify="right")
+  fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+  rows = [
+      ("prefill tok/s (~250-token prompt)", tj.get("prefill_tok_s"), lc.get("prefill_tok_s"), ".1f"),
+      (f"time to first token, chat ({tj['chat_prompt_tokens']} tok), s", tj.get("ttft_chat_s"), lc.get("ttft_chat_s"), ".3f"),
+      ("decode tok/s, batch 1 (chunked stream)", tj.get("decode_b1_tok_s_chunks"), lc.get("decode_b1_tok_s"), ".1f"),
+      ("decode tok/s, batch 1 (callback stream)", tj.get("decode_b1_tok_s_callback"), None, ".1f"),
+      ("decode tok/s, batch 8 aggregate", tj.get("decode_b8_tok_s"), None, ".1f"),
+      ("batch 8 / batch 1", tj.get("b8_over_b1"), None, ".2f"),
+      ("weight bytes read per token, MB", tj["weight_bytes"] / 1e6, None, ".0f"),
+      ("achieved weight bandwidth, GB/s", tj.get("weight_bandwidth_gb_s"), None, ".2f"),
+      ("machine copy bandwidth, GB/s", res["copy_bandwidth_gb_s"], None, ".2f"),
+      ("fraction of copy bandwidth", tj.get("bandwidth_fraction"), None, ".2f"),
+      ("process start -> first token, cold, s", tj.get("process_first_token_cold_s"), lc.get("ready_s"), ".2f"),
+      ("process start -> first token, warm cache, s", tj.get("process_first_token_warm_s"), None, ".2f"),
+      ("peak RSS (bench process), MB", tj.get("peak_rss_mb"), None, ".0f"),
+  ]
+  for name, a, b, spec in rows:
+    table.add_row(name, fmt(a, spec), fmt(b, spec))
+  Console().print(table)
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
