@@ -144,3 +144,19 @@ def test_repeated_and_skipped_layers_run(engine):
   # parameters are shared with the full model, not copied
   assert repeat.parts.blocks[1] is not None
   assert repeat.parts.blocks[1]["attn"]["q"][...] is engine.parts.blocks[1]["attn"]["q"][...]
+
+
+def test_forced_pallas_sampler_matches_reference_in_the_program(engine):
+  """The Pallas sampling kernel (interpreted on CPU) inside the whole program."""
+  pallas = thoughtjax.Model(engine.loaded, sampler="pallas")
+  xla = thoughtjax.Model(engine.loaded, sampler="xla")
+  for kw in (dict(max_tokens=6), dict(max_tokens=6, temperature=0.9, top_k=40, seed=4)):
+    assert pallas.generate([4, 5, 6], **kw).token_ids == xla.generate([4, 5, 6], **kw).token_ids
+
+
+@pytest.mark.slow
+def test_forced_pallas_sampler_gives_identical_greedy_text_on_default_model(default_model):
+  pallas = thoughtjax.Model(default_model.loaded, sampler="pallas")
+  a = default_model.generate("What is the capital of France?", chat=True, max_tokens=16)
+  b = pallas.generate("What is the capital of France?", chat=True, max_tokens=16)
+  assert b.text == a.text and b.token_ids == a.token_ids
