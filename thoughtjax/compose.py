@@ -1,0 +1,342 @@
+"""``compose(path, source)``: a chain of thoughtlets, type-checked, running as one XLA program.
+
+>>> reg = Registry.open("build/registry")
+>>> m = compose("embed, blocks[0:12), head", reg)       # early exit, restores 14 of 17 units
+>>> m.generate("The capital of France is", max_tokens=8).text
+>>> compose("embed, blocks[0:20), blocks[10:30), head", reg)  # repeat: layers 10..19 run twice,
+...                                                           # their weights are held once
+
+A path is a list of refs (:func:`thoughtjax.paths.parse_path`). Each ref resolves to one
+published thoughtlet (``name@version``; no version = current) or, for ``blocks[a:b)`` that is
+not itself a thoughtlet, to the consecutive block thoughtlets that tile ``[a, b)`` exactly.
+Links are checked in order against the prompt's type (``tokens`` or, for a leading template,
+``message``) and the required ``logits`` output; the first mismatch raises
+:class:`PathTypeError` with the expected and the received type.
+
+The result is a :class:`ComposedModel` (an :class:`thoughtjax.engine.Model`): ``generate``,
+``stream``, ``score`` and ``logits`` run the path through :mod:`thoughtjax.program` as one
+compiled program (prefill + decode loop). Programs are cached by the path's layer sequence
+and shape buckets; weights are arguments, so two versions of the same layout share a program.
+``source`` may also be a loaded :class:`~thoughtjax.engine.Model` (no registry: its own weights
+are sliced) for quick experiments in a notebook.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from thoughtjax import program as program_lib
+from thoughtjax.engine import Model
+from thoughtjax.loading import LoadedModel
+from thoughtjax.model import abstract_model
+from thoughtjax.paths import PathSyntaxError, Ref, parse_path
+from thoughtjax.program import PathParts
+from thoughtjax.thoughtlet import Kind, SemanticSignature, TensorType, as_state, signature_for
+
+
+class PathTypeError(TypeError):
+  """A path's links do not fit: names the first broken link, expected vs received type."""
+
+  def __init__(self, message: str, *, link: int, expected: TensorType | str, received: TensorType | str):
+    super().__init__(message)
+    self.link, self.expected, self.received = link, expected, received
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+  """One ref of a path, resolved: the units (name, version) it reads and the layers it runs."""
+
+  ref: Ref
+  kind: Kind
+  signature: SemanticSignature
+  units: tuple[tuple[str, str | None], ...]
+  layers: tuple[int, ...] = ()
+
+  @property
+  def label(self) -> str:
+    return str(self.ref)
+
+
+def check_chain(links: Sequence[Link]) -> tuple[TensorType, TensorType]:
+  """Raise :class:`PathTypeError` at the first link whose input does not take the previous
+  output; returns the path's input and output types."""
+  if not links:
+    raise PathSyntaxError('empty path; expected e.g. "embed, blocks[0:12), head"')
+  first = links[0].signature.input
+  if first.role not in ("tokens", "message"):
+    raise PathTypeError(
+        f"link 0 ({links[0].label}) expects {first}, but a path starts from the prompt: tokens[B,T] i32 "
+        f"(or a user message, for a leading template). Start the path with embed or a template",
+        link=0, expected=first, received="tokens[B,T] i32")
+  prev, prev_label = first, "the prompt"
+  for i, link in enumerate(links):
+    want = link.signature.input
+    why = want.mismatch(prev) if i else None
+    if why:
+      raise PathTypeError(
+          f"link {i} ({link.label}) expects {want} but receives {prev} from link {i - 1} ({prev_label}): "
+          f"{why}. Put a thoughtlet producing {want.role} before {link.label}, or remove it",
+          link=i, expected=want, received=prev)
+    prev, prev_label = link.signature.output, link.label
+  if prev.role != "logits":
+    raise PathTypeError(
+        f"the path must end in logits[B,T,V] f32 for generation and scoring, but its last link "
+        f"{len(links) - 1} ({prev_label}) outputs {prev}. End the path with head",
+        link=len(links), expected="logits[B,T,V] f32", received=prev)
+  return first, prev
+
+
+def path_hash(links: Sequence[Link]) -> str:
+  """Identity of a path: a hash of its resolved refs."""
+  units = [f"{n}@{v}" for link in links for n, v in link.units]
+  return hashlib.sha3_256("\n".join(units).encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------ sources
+def _resolve_registry(refs: Sequence[Ref], reg) -> list[Link]:
+  from thoughtjax.registry import UnknownThoughtletError
+
+  spans = {}
+  for name in reg.names:
+    m = reg.manifest(name)
+    if m.kind is Kind.BLOCKS:
+      spans[m.layers] = m
+  links = []
+  for ref in refs:
+    if ref.name in reg.names:
+      m = reg.manifest(ref.name, ref.version)
+      layers = tuple(range(*m.layers)) if m.layers else ()
+      links.append(Link(ref, m.kind, m.signature, ((m.name, m.version),), layers))
+      continue
+    span = ref.span
+    if span is None:
+      raise UnknownThoughtletError(f"{ref}: the registry has no thoughtlet {ref.name!r}; it has "
+                                   f"{', '.join(reg.names)}")
+    a, b = span
+    chain, at = [], a
+    while at < b:
+      nxt = next((m for (lo, hi), m in spans.items() if lo == at and hi <= b), None)
+      if nxt is None:
+        cut = next((m for (lo, hi), m in spans.items() if lo < at < hi or (lo == at and hi > b)), None)
+        bounds = sorted({x for s in spans for x in s})
+        detail = (f"thoughtlet {cut.name} spans layer {at}" if cut is not None
+                  else f"no thoughtlet starts at layer {at}")
+        raise UnknownThoughtletError(
+            f"{ref}: {detail}; a block range must start and end on thoughtlet boundaries "
+            f"({', '.join(map(str, bounds))}) of this registry")
+      chain.append(nxt)
+      at = nxt.layers[1]
+    if ref.version is not None:
+      raise PathSyntaxError(
+          f"{ref}: a version pins one thoughtlet, but {ref.name} spans {len(chain)}: "
+          f"{', '.join(m.name for m in chain)}; write each with its own @version")
+    sig = dataclasses.replace(chain[0].signature, output=chain[-1].signature.output,
+                              constraints={**chain[0].signature.constraints, "layers": [a, b],
+                                           "max_context": min(m.signature.constraints["max_context"] for m in chain)})
+    links.append(Link(ref, Kind.BLOCKS, sig, tuple((m.name, m.version) for m in chain), tuple(range(a, b))))
+  return links
+
+
+def _resolve_model(refs: Sequence[Ref], model: Model) -> list[Link]:
+  from thoughtjax.registry import codec_digest
+
+  cfg = model.config
+  tok = codec_digest(model.codec)
+  links = []
+  for ref in refs:
+    if ref.version is not None:
+      raise PathSyntaxError(f"{ref}: versions exist only in a registry; this path is composed from a "
+                            f"loaded model. Drop @{ref.version} or compose from a Registry")
+    if ref.span is not None:
+      a, b = ref.span
+      if b > cfg.num_layers:
+        raise PathSyntaxError(f"{ref}: layer range ends at {b} but the model has {cfg.num_layers} layers")
+      links.append(Link(ref, Kind.BLOCKS, signature_for(Kind.BLOCKS, cfg, tok, layers=(a, b)),
+                        ((ref.name, None),), tuple(range(a, b))))
+    elif ref.name in ("embed", "head", "template"):
+      kind = Kind(ref.name)
+      links.append(Link(ref, kind, signature_for(kind, cfg, tok), ((ref.name, None),)))
+    else:
+      raise PathSyntaxError(f"{ref}: a loaded model has only embed, head, template and blocks[a:b); "
+                            f"named thoughtlets live in a registry")
+  return links
+
+
+# ------------------------------------------------------------------------------- model
+class ComposedModel(Model):
+  """A :class:`~thoughtjax.engine.Model` over a composed path; see the module docstring.
+
+  With a template at the head of the path, string prompts are wrapped in the template's
+  fixed parts (``prefix + message + suffix`` token ids); token-id prompts are used as given.
+  """
+
+  def __init__(self, loaded: LoadedModel, layers, parts: PathParts, *, links: Sequence[Link], source,
+               template: dict | None = None, sampler=None, chunk=program_lib.DEFAULT_CHUNK,
+               mesh=None, dtype=None):
+    super().__init__(loaded, layers, sampler, chunk, parts)
+    self.links = tuple(links)
+    self.source, self.mesh, self.dtype = source, mesh, dtype
+    self.template = template
+
+  @property
+  def path(self) -> str:
+    return ", ".join(str(link.ref) for link in self.links)
+
+  @property
+  def path_hash(self) -> str:
+    return path_hash(self.links)
+
+  @property
+  def refs(self) -> list[str]:
+    """The resolved units, ``name@version``, in path order."""
+    return [n if v is None else f"{n}@{v}" for link in self.links for n, v in link.units]
+
+  @property
+  def resident_bytes(self) -> int:
+    """Bytes of the distinct weight buffers this model holds (shared buffers counted once)."""
+    seen, total = set(), 0
+    for leaf in jax.tree.leaves(self.parts):
+      if id(leaf) not in seen:
+        seen.add(id(leaf))
+        total += leaf.nbytes
+    return total + (0 if self.template is None else sum(
+        np.asarray(x).nbytes for k, x in self.template.items() if k.endswith("rows")))
+
+  def with_path(self, layers_or_path, parts: PathParts | None = None) -> Model:
+    """Another path over the same source: a path string is composed (and type-checked); a
+    layer sequence must use only blocks this model already holds."""
+    if isinstance(layers_or_path, str):
+      return compose(layers_or_path, self.source, mesh=self.mesh, dtype=self.dtype,
+                     sampler=self.sampler, chunk=self.chunk)
+    layers = tuple(layers_or_path)
+    if parts is None:
+      missing = sorted(set(layers) - set(self.parts.blocks))
+      if missing:
+        raise ValueError(f"layers {missing} are not held by this composed model; compose a path "
+                         f"string that includes them, e.g. model.with_path('embed, blocks[0:30), head')")
+      parts = PathParts(self.parts.embed, {i: self.parts.blocks[i] for i in set(layers)}, self.parts.head)
+    return Model(self.loaded, layers, self.sampler, self.chunk, parts)
+
+  def prompt_ids(self, prompt, chat: bool = False, system: str | None = None) -> list[int]:
+    if self.template is None or not isinstance(prompt, str):
+      return super().prompt_ids(prompt, chat, system)
+    if system is not None and system != self.template["system"]:
+      raise ValueError(f"this path's template was cut with system={self.template['system']!r}; a "
+                       f"different system message needs its own template thoughtlet")
+    message = self.codec.tokenizer.encode(prompt, add_special_tokens=False).ids
+    if not message:
+      raise ValueError("the prompt is empty after tokenization; give at least one token")
+    return self.template["prefix_ids"] + message + self.template["suffix_ids"]
+
+
+def compose(path: str | Sequence[Ref | str], source, *, mesh=None, dtype=None, sampler: str | None = None,
+            chunk: int = program_lib.DEFAULT_CHUNK) -> ComposedModel:
+  """Resolve, type-check and assemble a path into a model running as one XLA program.
+
+  ``source`` is a :class:`thoughtjax.registry.Registry` (weights restored lazily: only the
+  path's thoughtlets, plus the embed table a tied head or a template reads) or a loaded
+  :class:`~thoughtjax.engine.Model`. ``mesh``/``dtype`` restore the weights straight into
+  ``NamedSharding``s on that mesh and into that dtype (registry sources).
+  """
+  from thoughtjax.registry import Registry
+
+  if isinstance(path, str):
+    refs = parse_path(path)
+  else:
+    refs = [r if isinstance(r, Ref) else parse_path(r)[0] for r in path]
+  if isinstance(source, Registry):
+    links = _resolve_registry(refs, source)
+  elif isinstance(source, Model):
+    links = _resolve_model(refs, source)
+  else:
+    raise TypeError(f"compose: source must be a Registry or a loaded Model, got {type(source).__name__}")
+  check_chain(links)
+  for i, link in enumerate(links):
+    if link.kind is Kind.TEMPLATE and i != 0:
+      raise PathTypeError(f"link {i} ({link.label}): a template takes the user message and must come "
+                          f"first", link=i, expected="message[B,U] i32", received=links[i - 1].signature.output)
+
+  cfg = source.config
+  context = min(link.signature.constraints.get("max_context", cfg.max_context) for link in links)
+  run_cfg = dataclasses.replace(cfg, max_context=min(context, cfg.max_context))
+
+  # Which units to read: the path's own, plus embed when something reads its table.
+  units: list[tuple[str, str | None]] = []
+  for link in links:
+    units.extend(link.units)
+  embed_units = [u for link in links if link.kind is Kind.EMBED for u in link.units]
+  needs_table = any("embed" in link.signature.constraints.get("requires", ()) for link in links)
+  if not embed_units:
+    if not needs_table:  # pragma: no cover - check_chain forces embed or template first
+      raise PathTypeError("the path has no embed", link=0, expected="embed", received="nothing")
+    embed_units = [("embed", None)]
+    units.append(embed_units[0])
+  if len(set(embed_units)) > 1:
+    raise PathTypeError("a path can use one embed version (the decode loop embeds new tokens with it)",
+                        link=0, expected="one embed", received=", ".join(f"{n}@{v}" for n, v in embed_units))
+
+  if isinstance(source, Registry):
+    restored = dict(zip(dict.fromkeys(units), source.restore_many(list(dict.fromkeys(units)), dtype=dtype, mesh=mesh)))
+    codec, module_src, source_hash = source.codec, f"registry:{source.root}", str(source.generation)
+  else:
+    if mesh is not None or dtype is not None:
+      raise ValueError("mesh= and dtype= apply to registry sources (restored into that layout)")
+    restored = _model_units(source, units)
+    codec, module_src, source_hash = source.codec, source.loaded.source, source.loaded.source_hash
+
+  abstract = abstract_model(cfg)
+  embed_state = as_state(abstract.embed, restored[embed_units[0]])
+  head_units = [u for link in links if link.kind is Kind.HEAD for u in link.units]
+  head_state = as_state(abstract.head, restored[head_units[0]])
+  blocks, layers, slot_of = {}, [], {}
+  for link in links:
+    if link.kind is not Kind.BLOCKS:
+      continue
+    for unit in link.units:
+      params = restored[unit]
+      for key in sorted(params, key=int):
+        layer = int(key)
+        ident = (unit, layer)
+        if ident not in slot_of:
+          # Two versions of one layer in a path get distinct slots; the program only sees slots.
+          slot = layer
+          while slot in blocks:
+            slot += cfg.num_layers
+          slot_of[ident] = slot
+          blocks[slot] = as_state(abstract.blocks[layer], params[key])
+        layers.append(slot_of[ident])
+  template = None
+  if links[0].kind is Kind.TEMPLATE:
+    p = restored[links[0].units[0]]
+    system = links[0].signature.constraints.get("system")
+    template = {"prefix_ids": [int(x) for x in np.asarray(p["prefix_ids"])],
+                "suffix_ids": [int(x) for x in np.asarray(p["suffix_ids"])],
+                "prefix_rows": p["prefix_rows"], "suffix_rows": p["suffix_rows"], "system": system}
+  loaded = LoadedModel(run_cfg, abstract, codec, module_src, source_hash)
+  return ComposedModel(loaded, tuple(layers), PathParts(embed_state, blocks, head_state), links=links,
+                       source=source, template=template, sampler=sampler, chunk=chunk, mesh=mesh, dtype=dtype)
+
+
+def _model_units(model: Model, units) -> dict:
+  from flax import nnx
+
+  from thoughtjax.thoughtlet import cut
+
+  module = model.module
+  out = {}
+  for name, version in dict.fromkeys(units):
+    if name == "embed":
+      out[(name, version)] = nnx.state(module.embed).to_pure_dict()
+    elif name == "head":
+      out[(name, version)] = nnx.state(module.head).to_pure_dict()
+    elif name == "template":
+      out[(name, version)] = cut(module, Kind.TEMPLATE, codec=model.codec)
+    else:
+      a, b = Ref(name).span
+      out[(name, version)] = {str(i): nnx.state(module.blocks[i]).to_pure_dict() for i in range(a, b)}
+  return out
