@@ -1,8 +1,11 @@
 """Fused sampling with stop-token detection: logits [B, V] -> (token [B], stop [B]).
 
-One pass over the vocabulary per row does logit bias, temperature, top-k, then
-Gumbel-max sampling (or argmax for greedy rows) and the stop-set lookup. Three
-implementations of one contract live here:
+One kernel does logit bias, temperature, top-k, Gumbel-max sampling (or argmax
+for greedy rows) and the stop-set lookup, one program per row. Without top-k it
+reads each row once; with top-k it first finds the k-th largest value by a binary
+search over float order keys (about 32 counting passes over the row, which stays
+in cache), then does the sampling pass. Three implementations of one contract
+live here:
 
 - ``sample_stop_reference``: pure ``jnp``, the CPU default and the ground truth;
 - the Pallas kernel (``implementation="pallas"``), lowered through Pallas' Triton
@@ -31,8 +34,11 @@ the kernel and the reference compute the same noise element by element and
 return bit-identical tokens on a given backend. The same (seed, step, row)
 gives the same token whatever the batch size. NaN logits are unsupported.
 
-Across backends the tokens agree as far as ``log`` agrees: on NVIDIA both XLA
-and the Triton kernel call libdevice's ``__nv_logf``; on CPU both run XLA's.
+On CPU the kernel (interpreted) and the reference run the same XLA ``log`` and
+agree bit for bit (tested). On NVIDIA the Triton kernel calls libdevice's
+``__nv_logf``; should XLA's GPU ``log`` differ from it in the last ulp, a sampled
+token could differ where two candidates' scores lie within an ulp. Greedy tokens
+involve no ``log`` and always agree. The native GPU run of the tests checks this.
 """
 
 from __future__ import annotations
