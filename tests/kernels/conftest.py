@@ -4,7 +4,6 @@ The same tests run natively on a GPU and in Pallas interpret mode on CPU: they a
 for ``implementation="pallas"`` and leave ``interpret`` to the dispatch rule.
 """
 
-import jax
 import numpy as np
 import pytest
 
@@ -13,8 +12,3 @@ import pytest
 def rng() -> np.random.Generator:
   """A numpy generator with a fixed seed, fresh for every test."""
   return np.random.default_rng(20240611)
-
-
-@pytest.fixture(scope="session")
-def on_gpu() -> bool:
-  return jax.default_backend() == "gpu"

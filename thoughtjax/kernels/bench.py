@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from thoughtjax.kernels.sample_stop import sample_stop
+from thoughtjax.kernels.sample_stop import prepare_inputs, sample_stop
 from thoughtjax.kernels.template_embed import template_embed
 
 BATCHES = (1, 8, 64)
@@ -83,7 +83,7 @@ class Case:
   args: tuple
   implementations: dict[str, Callable[..., Any]]
   compare: Callable[[Any, Any], bool]
-  cuda: Callable[[], Any] | None = None  # built lazily, GPU only
+  cuda: Callable[[], tuple[Callable, Callable]]  # -> (run, fetch); built on GPU only
 
 
 # ------------------------------------------------------------------------------ timing
@@ -149,10 +149,9 @@ def sample_stop_case(num_rows: int, vocab: int, *, top_k: int, with_bias: bool) 
   label = f"B={num_rows} V={vocab} " + (f"top_k={top_k}" if top_k else "no top-k") + (
       " +bias" if with_bias else "")
   compare = lambda a, b: bool(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]))
-  case = Case("sample_stop", label, num_bytes, args,
-              {"xla": make("xla"), "pallas": make("pallas")}, compare)
-  case.cuda = functools.partial(_cuda_sample_stop, args)
-  return case
+  return Case("sample_stop", label, num_bytes, args,
+              {"xla": make("xla"), "pallas": make("pallas")}, compare,
+              cuda=functools.partial(_cuda_sample_stop, args))
 
 
 def template_embed_case(num_rows: int, vocab: int, dim: int) -> Case:
@@ -174,10 +173,9 @@ def template_embed_case(num_rows: int, vocab: int, dim: int) -> Case:
   num_bytes = (rows_read * dim + num_rows * TOTAL_LEN * dim) * itemsize + ids.nbytes
   label = f"B={num_rows} T={TOTAL_LEN} D={dim} {jnp.dtype(dtype).name}"
   compare = lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b)))
-  case = Case("template_embed", label, num_bytes, args,
-              {"xla": make("xla"), "pallas": make("pallas")}, compare)
-  case.cuda = functools.partial(_cuda_template_embed, args)
-  return case
+  return Case("template_embed", label, num_bytes, args,
+              {"xla": make("xla"), "pallas": make("pallas")}, compare,
+              cuda=functools.partial(_cuda_template_embed, args))
 
 
 def build_cases(quick: bool) -> list[Case]:
@@ -341,19 +339,19 @@ def _cuda_module():
 
 
 def _cuda_sample_stop(args):
-  """A jittable-looking callable running the CUDA C sample_stop on jax arrays."""
+  """(run, fetch) for the CUDA C sample_stop on a case's inputs (zero-copy via DLPack):
+  ``run()`` launches and returns device outputs, ``fetch`` brings them to the host."""
   import cupy
 
-  logits, temperature, top_k, seed, step, stop_ids, bias = args
-  num_rows, vocab = logits.shape
-  if logits.dtype != jnp.float32:
+  p = prepare_inputs(*args)  # the canonical inputs the Pallas kernel gets too
+  num_rows, vocab = p.logits.shape
+  if p.logits.dtype != jnp.float32:
     raise NotImplementedError("the CUDA C sample_stop takes float32 logits")
-  greedy = temperature <= 0
-  inv_t = jnp.where(greedy, 1.0, 1 / jnp.where(greedy, 1.0, temperature)).astype(jnp.float32)
-  top_k = jnp.where((top_k > 0) & (top_k < vocab) & ~greedy, top_k, 0).astype(jnp.int32)
+  bias = p.logit_bias
   dev = {name: cupy.from_dlpack(jax.block_until_ready(a)) for name, a in dict(
-      logits=logits, bias=bias if bias is not None else logits, inv_t=inv_t,
-      greedy=greedy.astype(jnp.int32), top_k=top_k, seed=seed, stop_ids=stop_ids).items()}
+      logits=p.logits, bias=bias if bias is not None else p.logits, inv_t=p.inv_temperature,
+      greedy=p.greedy, top_k=p.top_k, seed=p.seed, stop_ids=p.stop_ids).items()}
+  step, num_stop = int(p.step[0]), p.stop_ids.shape[1]
   kernel = _cuda_module().get_function("sample_stop_f32")
   tokens = cupy.empty((num_rows,), cupy.int32)
   stop = cupy.empty((num_rows,), cupy.int32)
@@ -361,7 +359,7 @@ def _cuda_sample_stop(args):
   def run():
     kernel((num_rows,), (256,), (
         dev["logits"], dev["bias"], np.int32(bias is not None), dev["inv_t"], dev["greedy"],
-        dev["top_k"], dev["seed"], np.int32(int(step)), dev["stop_ids"], np.int32(stop_ids.shape[1]),
+        dev["top_k"], dev["seed"], np.int32(step), dev["stop_ids"], np.int32(num_stop),
         np.int32(vocab), tokens, stop))
     return tokens, stop
 
@@ -372,6 +370,7 @@ def _cuda_sample_stop(args):
 
 
 def _cuda_template_embed(args):
+  """(run, fetch) for the CUDA C template_embed, like ``_cuda_sample_stop``."""
   import cupy
 
   prefix, suffix, table, ids, lengths = args
@@ -390,7 +389,7 @@ def _cuda_template_embed(args):
     kernel(((total + 255) // 256,), (256,), (
         dev[0], np.int32(prefix.shape[0]), dev[1], np.int32(suffix.shape[0]), dev[2],
         np.int32(vocab), ids_dev, np.int32(max_user), lengths_dev, np.int32(TOTAL_LEN),
-        np.int32(dim), np.int32(1), out, np.int64(total)))
+        np.int32(dim), np.int32(1), out, np.int64(total)))  # 1: left padding, as the case
     return out
 
   def fetch(out):

@@ -126,8 +126,10 @@ class _Prepared(NamedTuple):
   stop_ids: jax.Array  # [B, M] i32
 
 
-def _check_and_prepare(logits, temperature, top_k, seed, step, stop_ids,
-                       logit_bias) -> _Prepared:
+def prepare_inputs(logits, temperature, top_k, seed, step, stop_ids,
+                   logit_bias) -> _Prepared:
+  """Validates the arguments and puts them in the canonical form every
+  implementation (reference, Pallas, the benchmark's CUDA C) consumes."""
   logits = jnp.asarray(logits)
   if logits.ndim != 2:
     raise ValueError(
@@ -207,8 +209,8 @@ def sample_stop_reference(
 
   Returns ``(tokens [B] int32, stop [B] bool)``.
   """
-  args = _check_and_prepare(logits, temperature, top_k, seed, step, stop_ids,
-                            logit_bias)
+  args = prepare_inputs(logits, temperature, top_k, seed, step, stop_ids,
+                        logit_bias)
   num_rows, vocab = logits.shape
   s = args.logits.astype(jnp.float32)
   if args.logit_bias is not None:
@@ -421,8 +423,8 @@ def sample_stop(
     raise ValueError(
         f"sample_stop: block_v must be a power of two (Triton block shapes are), "
         f"got {block_v}; pass e.g. {pl.next_power_of_2(max(block_v, 1))} or None.")
-  args = _check_and_prepare(logits, temperature, top_k, seed, step, stop_ids,
-                            logit_bias)
+  args = prepare_inputs(logits, temperature, top_k, seed, step, stop_ids,
+                        logit_bias)
   return _sample_stop_pallas(args, interpret=interpret, block_v=block_v)
 
 
