@@ -4,10 +4,16 @@ Behaviour only: which rows exist and that outputs agree; never how fast.
 """
 
 import json
+import shutil
+import subprocess
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from thoughtjax.kernels import bench
+from thoughtjax.kernels.sample_stop import _gumbel, _order_key, _row_key
 
 
 def test_quick_run_writes_a_consistent_report(tmp_path, capsys):
@@ -37,3 +43,58 @@ def test_peak_table_matches_device_names():
   assert bench.table_peak_gbps("NVIDIA H100 80GB HBM3") == 3350.0
   assert bench.table_peak_gbps("NVIDIA H100 PCIe") == 2000.0
   assert bench.table_peak_gbps("cpu") is None
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_cuda_source_compiles_for_hopper(tmp_path):
+  source = tmp_path / "kernels.cu"
+  source.write_text(bench.CUDA_SOURCE)
+  subprocess.run(["nvcc", "-ptx", "-arch=sm_90", "--std=c++14", "-o", str(tmp_path / "k.ptx"),
+                  str(source)], check=True, capture_output=True, timeout=300)
+  ptx = (tmp_path / "k.ptx").read_text()
+  for kernel in ("sample_stop_f32", "template_embed_4byte", "template_embed_2byte"):
+    assert f".entry {kernel}(" in ptx
+
+
+HOST_SHIM = r"""
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#define __device__
+static float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
+static float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+static int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+"""
+HOST_MAIN = r"""
+int main() {
+  unsigned seeds[3] = {0u, 7u, 4000000000u};
+  for (int s = 0; s < 3; ++s) for (unsigned step = 0; step < 3; ++step)
+    for (unsigned row = 0; row < 3; ++row) {
+      unsigned key = row_key(seeds[s], step, row);
+      for (int v = 0; v < 2000; v += 397) printf("%u %u %u %d %u %.9g\n", seeds[s], step, row, v, key, gumbel(key, v));
+    }
+  float ys[6] = {-0.0f, 0.0f, 1.5f, -1.5f, -INFINITY, INFINITY};
+  for (int i = 0; i < 6; ++i) printf("%d\n", order_key(ys[i]));
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
+def test_cuda_source_hashes_like_the_jax_kernel(tmp_path):
+  """The CUDA C comparator draws the same noise: its device helpers, built for the host."""
+  helpers = bench.CUDA_SOURCE.split("// Block-wide reductions")[0]
+  (tmp_path / "h.cpp").write_text(HOST_SHIM + helpers + HOST_MAIN)
+  subprocess.run(["g++", "-O1", "-ffp-contract=off", "-o", str(tmp_path / "h"),
+                  str(tmp_path / "h.cpp")], check=True, capture_output=True, timeout=120)
+  lines = subprocess.run([str(tmp_path / "h")], check=True, capture_output=True,
+                         text=True).stdout.splitlines()
+  noise = np.array([line.split() for line in lines[:-6]])  # [n, 6]: seed step row v key g
+  keys = [int(line) for line in lines[-6:]]
+  seed, step, row, v, key = (noise[:, i].astype(np.uint64).astype(np.uint32) for i in range(5))
+  np.testing.assert_array_equal(_row_key(jnp.asarray(seed), jnp.asarray(step), jnp.asarray(row)),
+                                key)
+  # Different libm logs: the noise agrees to float32 rounding, the hash bits exactly.
+  np.testing.assert_allclose(_gumbel(jnp.asarray(key), jnp.asarray(v.astype(np.int32))),
+                             noise[:, 5].astype(np.float32), rtol=1e-5, atol=1e-5)
+  ys = jnp.asarray([-0.0, 0.0, 1.5, -1.5, -np.inf, np.inf], jnp.float32)
+  np.testing.assert_array_equal(_order_key(ys), keys)
