@@ -256,13 +256,14 @@ def test_traceable_inside_while_loop_with_traced_step(rng):
   stop_ids = jnp.full((num_rows, 2), -1, jnp.int32)
 
   def loop(implementation):
-    def body(step, tokens):
+    def body(carry):
+      step, tokens = carry
       token, _ = sample_stop(logits + step, temperature=jnp.ones(num_rows), top_k=jnp.zeros(
           num_rows, jnp.int32), seed=seed, step=step, stop_ids=stop_ids,
           implementation=implementation, block_v=32 if implementation == "pallas" else None)
-      return tokens.at[:, step].set(token)
-    init = jnp.zeros((num_rows, num_steps), jnp.int32)
-    return jax.jit(lambda: jax.lax.fori_loop(0, num_steps, body, init))()
+      return step + 1, tokens.at[:, step].set(token)
+    init = (jnp.int32(0), jnp.zeros((num_rows, num_steps), jnp.int32))
+    return jax.jit(lambda: jax.lax.while_loop(lambda c: c[0] < num_steps, body, init)[1])()
 
   kernel, reference = loop("pallas"), loop("xla")
   np.testing.assert_array_equal(kernel, reference)
