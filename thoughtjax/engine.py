@@ -113,6 +113,12 @@ class Model:
   def parts(self) -> PathParts:
     return self._parts
 
+  def with_chunk(self, chunk: int) -> "Model":
+    """The same model streaming in decode chunks of ``chunk`` steps."""
+    if chunk < 1:
+      raise ValueError(f"chunk must be >= 1, got {chunk}")
+    return Model(self.loaded, self.layers, self.sampler, chunk, self._parts)
+
   def with_path(self, layers: Sequence[int], parts: PathParts | None = None) -> "Model":
     """The same weights (shared, not copied) running another layer path."""
     return Model(self.loaded, layers, self.sampler, self.chunk, parts)

@@ -90,6 +90,8 @@ def bench_thoughtjax(args) -> dict:
     rate, ttft = _decode_rate(model, [chat_ids], args.tokens, args.repeats, mode)
     res[f"decode_b1_tok_s_{mode}"] = rate
     res[f"ttft_chat_s_{mode}"] = ttft
+  for chunk in args.chunks:
+    res[f"decode_b1_tok_s_chunk{chunk}"], _ = _decode_rate(model.with_chunk(chunk), [chat_ids], args.tokens, args.repeats)
   rate8, _ = _decode_rate(model, [chat_ids] * 8, args.tokens, args.repeats)
   res["decode_b1_tok_s"] = res["decode_b1_tok_s_chunks"]
   res["decode_b8_tok_s"] = rate8
@@ -150,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--tokens", type=int, default=64, help="decode tokens per run")
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--json", default=None, help="write results to this JSON file")
+  p.add_argument("--chunks", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 16],
+                 help="other decode chunk sizes to compare with the default (comma-separated)")
   p.add_argument("--skip-process", action="store_true", help="skip the new-process start-up runs")
   args = p.parse_args(argv)
 
@@ -180,6 +184,8 @@ def _print_table(res: dict) -> None:
       (f"time to first token, chat ({tj['chat_prompt_tokens']} tok), s", tj.get("ttft_chat_s"), lc.get("ttft_chat_s"), ".3f"),
       ("decode tok/s, batch 1 (chunked stream)", tj.get("decode_b1_tok_s_chunks"), lc.get("decode_b1_tok_s"), ".1f"),
       ("decode tok/s, batch 1 (callback stream)", tj.get("decode_b1_tok_s_callback"), None, ".1f"),
+      *((f"decode tok/s, batch 1, chunk {c}", tj.get(f"decode_b1_tok_s_chunk{c}"), None, ".1f")
+        for c in sorted(int(k.rsplit("chunk", 1)[1]) for k in tj if k.startswith("decode_b1_tok_s_chunk"))),
       ("decode tok/s, batch 8 aggregate", tj.get("decode_b8_tok_s"), None, ".1f"),
       ("batch 8 / batch 1", tj.get("b8_over_b1"), None, ".2f"),
       ("weight bytes read per token, MB", tj["weight_bytes"] / 1e6, None, ".0f"),
