@@ -91,6 +91,12 @@ def check_chain(links: Sequence[Link]) -> tuple[TensorType, TensorType]:
   return first, prev
 
 
+def full_path(reg) -> str:
+  """The monolithic path of a registry: embed, every block thoughtlet in layer order, head."""
+  blocks = sorted((reg.manifest(n) for n in reg.names if n.startswith("blocks[")), key=lambda m: m.layers)
+  return ", ".join(["embed", *(m.name for m in blocks), "head"])
+
+
 def path_hash(links: Sequence[Link]) -> str:
   """Identity of a path: a hash of its resolved refs."""
   units = [f"{n}@{v}" for link in links for n, v in link.units]
@@ -101,11 +107,7 @@ def path_hash(links: Sequence[Link]) -> str:
 def _resolve_registry(refs: Sequence[Ref], reg) -> list[Link]:
   from thoughtjax.registry import UnknownThoughtletError
 
-  spans = {}
-  for name in reg.names:
-    m = reg.manifest(name)
-    if m.kind is Kind.BLOCKS:
-      spans[m.layers] = m
+  span_names = reg.block_spans()
   links = []
   for ref in refs:
     if ref.name in reg.names:
@@ -120,17 +122,17 @@ def _resolve_registry(refs: Sequence[Ref], reg) -> list[Link]:
     a, b = span
     chain, at = [], a
     while at < b:
-      nxt = next((m for (lo, hi), m in spans.items() if lo == at and hi <= b), None)
+      nxt = next(((lo, hi) for lo, hi in span_names if lo == at and hi <= b), None)
       if nxt is None:
-        cut = next((m for (lo, hi), m in spans.items() if lo < at < hi or (lo == at and hi > b)), None)
-        bounds = sorted({x for s in spans for x in s})
-        detail = (f"thoughtlet {cut.name} spans layer {at}" if cut is not None
+        cut = next(((lo, hi) for lo, hi in span_names if lo < at < hi or (lo == at and hi > b)), None)
+        bounds = sorted({x for s in span_names for x in s})
+        detail = (f"layer {at if cut[0] < at else b} falls inside thoughtlet {span_names[cut]}" if cut is not None
                   else f"no thoughtlet starts at layer {at}")
         raise UnknownThoughtletError(
             f"{ref}: {detail}; a block range must start and end on thoughtlet boundaries "
             f"({', '.join(map(str, bounds))}) of this registry")
-      chain.append(nxt)
-      at = nxt.layers[1]
+      chain.append(reg.manifest(span_names[nxt]))
+      at = nxt[1]
     if ref.version is not None:
       raise PathSyntaxError(
           f"{ref}: a version pins one thoughtlet, but {ref.name} spans {len(chain)}: "
@@ -301,7 +303,8 @@ def compose(path: str | Sequence[Ref | str], source, *, mesh=None, dtype=None, s
       params = restored[unit]
       for key in sorted(params, key=int):
         layer = int(key)
-        ident = (unit, layer)
+        # A registry unit is one version; a loaded model has one version of every layer.
+        ident = (unit if isinstance(source, Registry) else None, layer)
         if ident not in slot_of:
           # Two versions of one layer in a path get distinct slots; the program only sees slots.
           slot = layer

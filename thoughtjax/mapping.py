@@ -60,7 +60,8 @@ class MappingEntry:
   description: str = ""
   constraints: tuple[tuple[str, Any], ...] = ()
   system: str | None = None  # template only
-  line: int = 0
+  line: int = 0  # of the entry
+  layers_line: int = 0  # of its layers field (blocks)
 
   @property
   def constraint_dict(self) -> dict:
@@ -212,8 +213,9 @@ def _entry(i: int, raw: Any, node: yaml.Node, source: str) -> MappingEntry:
          f"or no name, got {name!r}", "name")
   if kind != "blocks" and name.startswith("blocks["):
     fail(f"name {name!r} is reserved for blocks entries", "name")
+  layers_line = _line(fields["layers"][1]) if "layers" in fields else line
   return MappingEntry(i, name, kind, layers, tuple(tags), desc, tuple(sorted(constraints.items())),
-                      system, line)
+                      system, line, layers_line)
 
 
 def _guess_name(raw: dict) -> str | None:
@@ -230,14 +232,14 @@ def _check_spans(mapping: Mapping, num_layers: int | None) -> None:
       raise MappingError(
           f"layers [{cur.layers[0]}, {cur.layers[1]}) overlap entry {prev.index} ({prev.name}, line "
           f"{prev.line}) on layers [{cur.layers[0]}, {min(prev.layers[1], cur.layers[1])}); spans "
-          f"must be disjoint", source=src, line=cur.line, entry=cur.index, name=cur.name)
+          f"must be disjoint", source=src, line=cur.layers_line, entry=cur.index, name=cur.name)
   if num_layers is None:
     return
   for e in spans:
     if e.layers[1] > num_layers:
       raise MappingError(f"layers [{e.layers[0]}, {e.layers[1]}) end past the model's last layer; "
                          f"the model has {num_layers} layers, so spans must end at <= {num_layers}",
-                         source=src, line=e.line, entry=e.index, name=e.name)
+                         source=src, line=e.layers_line, entry=e.index, name=e.name)
   covered = 0
   for i, e in enumerate(spans):
     if e.layers[0] > covered:
@@ -246,10 +248,10 @@ def _check_spans(mapping: Mapping, num_layers: int | None) -> None:
              else " before")
       raise MappingError(f"gap: layers [{covered}, {e.layers[0]}) are in no entry;{ctx} this one. "
                          f"Spans must tile [0, {num_layers}) so every path can reach every layer",
-                         source=src, line=e.line, entry=e.index, name=e.name)
+                         source=src, line=e.layers_line, entry=e.index, name=e.name)
     covered = e.layers[1]
   if covered < num_layers:
     last = spans[-1] if spans else None
     raise MappingError(f"gap: layers [{covered}, {num_layers}) are in no entry; spans must tile "
-                       f"[0, {num_layers})", source=src, line=last.line if last else None,
+                       f"[0, {num_layers})", source=src, line=last.layers_line if last else None,
                        entry=last.index if last else None, name=last.name if last else None)

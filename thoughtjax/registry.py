@@ -397,6 +397,10 @@ class Registry:
   def tokenizer_hash(self) -> str:
     return self._index["codec"]["digest"]
 
+  def block_spans(self) -> dict[tuple[int, int], str]:
+    """Layer span -> name of the current block thoughtlets (from the index alone)."""
+    return {tuple(e["layers"]): n for n, e in self._index["current"].items() if e.get("layers")}
+
   def versions(self, name: str) -> list[str]:
     self._known(name)
     return list(self._index["history"].get(name, []))
@@ -910,7 +914,7 @@ def _next_index(old: dict | None, staged, model, codec_entry, order, mapping_tex
   body["generation"] = int(body["generation"]) + 1
   for t, version, _ in staged:
     body["current"][t.name] = {"version": version, "dir": f"thoughtlets/{dir_name(t.name)}/{version}",
-                               "kind": t.kind.value}
+                               "kind": t.kind.value, "layers": None if t.layers is None else list(t.layers)}
     hist = body["history"].setdefault(t.name, [])
     if version in hist:
       hist.remove(version)
@@ -1014,6 +1018,36 @@ def build(out: str | os.PathLike, mapping: str | os.PathLike | SemanticMapping, 
            order=[t.name for t in units], mapping_text=mapping.text)
   report("done", "", n, n)
   return Registry(out)
+
+
+def collect_garbage(root: str | os.PathLike, *, keep: int = 2, dry_run: bool = False) -> list[Path]:
+  """Remove version directories that are not among the last ``keep`` published versions of
+  their thoughtlet (the current one always stays), and directories of versions that never
+  became current (left by a writer that died before switching the index).
+
+  Readers that opened the registry before an update may still restore an old version; run
+  this only when no such reader needs versions older than ``keep``.
+  """
+  if keep < 1:
+    raise ValueError(f"keep must be >= 1 (the current version always stays), got {keep}")
+  root = Path(root)
+  removed = []
+  with _writer_lock(root):
+    body, _ = _read_index(root)
+    live = set()
+    for name, hist in body["history"].items():
+      live.update((dir_name(name), v) for v in hist[-keep:])
+      live.add((dir_name(name), body["current"][name]["version"]))
+    for vdir in sorted((root / "thoughtlets").glob("*/*")):
+      if (vdir.parent.name, vdir.name) not in live:
+        removed.append(vdir)
+        if not dry_run:
+          # Rename first so a half-deleted directory is never mistaken for a version.
+          doomed = root / ".staging" / f"gc-{uuid.uuid4().hex}"
+          doomed.parent.mkdir(exist_ok=True)
+          os.rename(vdir, doomed)
+          shutil.rmtree(doomed)
+  return removed
 
 
 def is_registry(path: str | os.PathLike) -> bool:

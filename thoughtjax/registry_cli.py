@@ -1,0 +1,270 @@
+"""``thoughtjax registry ...``: build, verify, keygen, validate, list, show, gc.
+
+Also adds ``--registry DIR`` to ``thoughtjax generate`` and ``thoughtjax score``: the
+``--path`` is then composed from that registry (versions, templates and type checks
+included) instead of slicing a freshly loaded model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _user_errors():
+  from thoughtjax.compose import PathTypeError
+  from thoughtjax.mapping import MappingError
+  from thoughtjax.paths import PathSyntaxError
+  from thoughtjax.registry import RegistryError
+  from thoughtjax.signing import SignatureError
+
+  return (RegistryError, SignatureError, PathTypeError, PathSyntaxError, MappingError, FileExistsError,
+          FileNotFoundError)
+
+
+def _report(args, e: Exception) -> int:
+  cmd = getattr(args, "registry_command", None)
+  name = f"registry {cmd}" if cmd else args.command
+  print(f"thoughtjax {name}: {type(e).__name__}: {e}", file=sys.stderr)
+  return 2
+
+
+def _guarded(fn):
+  """Report the registry's user-facing errors in one line (exit status 2), no traceback."""
+
+  def run(args):
+    try:
+      return fn(args)
+    except _user_errors() as e:
+      return _report(args, e)
+
+  run.__name__ = fn.__name__
+  return run
+
+
+def _profile_settings(args):
+  from thoughtjax.thoughtlet import ProfileSettings
+
+  if args.no_profile:
+    return None
+  return ProfileSettings(batch=args.batch, context=args.context, reps=args.reps)
+
+
+def cmd_build(args) -> int:
+  from rich.console import Console
+  from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+  from thoughtjax.fetch import DEFAULT_MODEL
+  from thoughtjax.registry import build
+
+  console = Console(stderr=True)
+  stages = {}
+  with Progress(TextColumn("{task.description:<8}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[item]}"), TimeElapsedColumn(), console=console,
+                transient=False) as bar:
+
+    def progress(stage, name, done, total):
+      if stage == "done":
+        return
+      if stage not in stages:
+        stages[stage] = bar.add_task(stage, total=total, item="")
+      bar.update(stages[stage], completed=done if stage != "profile" else done + 1, item=name)
+
+    reg = build(args.out, args.mapping, args.model or DEFAULT_MODEL, sign_key=args.sign_key,
+                settings=_profile_settings(args), progress=progress)
+  console.print(f"registry {reg.root}: generation {reg.generation}, {len(reg.names)} thoughtlets"
+                + ("" if args.sign_key else " (unsigned: pass --sign-key to sign)"))
+  _print_table(reg)
+  return 0
+
+
+def _print_table(reg) -> None:
+  from rich.console import Console
+  from rich.table import Table
+
+  table = Table(title=f"{reg.root} (generation {reg.generation})")
+  for col in ("thoughtlet", "version", "in -> out", "MiB", "MFLOP/tok", "peak MiB", "ms/tok mean±std (p99)",
+              "key"):
+    table.add_column(col, overflow="fold")
+  for m in reg.manifests():
+    p = m.profile
+    lat = "-" if p is None else f"{p.latency_mean_s * 1e3:.3f}±{p.latency_std_s * 1e3:.3f} ({p.latency_p99_s * 1e3:.3f})"
+    table.add_row(m.name, m.version[:8], f"{m.signature.input.role} -> {m.signature.output.role}",
+                  f"{m.param_bytes / 2**20:.2f}", "-" if p is None else f"{p.flops_per_token / 1e6:.3f}",
+                  "-" if p is None else f"{p.peak_memory_bytes / 2**20:.2f}", lat, (m.signed_by or "unsigned")[:8])
+  Console().print(table)
+
+
+def _open(args, **kw):
+  from thoughtjax.registry import Registry
+
+  keys = getattr(args, "public_key", None) or None
+  return Registry.open(args.dir, trusted_keys=keys, **kw)
+
+
+def cmd_verify(args) -> int:
+  from thoughtjax.registry import ResourceProfileMismatch, Tolerance
+
+  reg = _open(args)
+  tol = Tolerance(flops=args.flops_tolerance, peak_memory=args.memory_tolerance,
+                  latency=None if args.latency_tolerance < 0 else args.latency_tolerance)
+  try:
+    report = reg.verify(hardware=args.hardware, all_versions=args.all_versions, tolerance=tol)
+  except ResourceProfileMismatch as e:
+    print(f"thoughtjax registry verify: ResourceProfileMismatch: {e}", file=sys.stderr)
+    return 3
+  trust = "trusted keys given" if args.public_key else "keys stored in the registry (integrity, not authenticity)"
+  if args.json:
+    print(json.dumps({"root": report.root, "generation": report.generation, "index_signed": report.index_signed,
+                      "thoughtlets": report.thoughtlets, "trust": trust}))
+    return 0
+  for t in report.thoughtlets:
+    print(f"ok  {t['ref']:<40} files={t['files']} signed_by={t['signed_by'] or 'unsigned'}")
+  print(f"{len(report.thoughtlets)} version(s) verified (digests, signatures, versioned hashes); "
+        f"index {'signed' if report.index_signed else 'unsigned'}; signatures checked against {trust}"
+        + ("; resource profiles match this machine" if args.hardware else ""))
+  return 0
+
+
+def cmd_keygen(args) -> int:
+  from thoughtjax.signing import key_id, keygen, load_public_key
+
+  priv, pub = keygen(args.path, overwrite=args.force)
+  print(f"private key {priv} (keep secret; pass to `registry build --sign-key`)")
+  print(f"public key  {pub} (key id {key_id(load_public_key(pub))}; pass to `registry verify --public-key`)")
+  return 0
+
+
+def cmd_validate(args) -> int:
+  from thoughtjax.mapping import load_mapping
+
+  m = load_mapping(args.mapping, args.num_layers)
+  print(f"{args.mapping}: ok, {len(m.entries)} thoughtlets: {', '.join(e.name for e in m.entries)}")
+  return 0
+
+
+def cmd_list(args) -> int:
+  _print_table(_open(args))
+  return 0
+
+
+def cmd_show(args) -> int:
+  from thoughtjax.paths import parse_path
+
+  reg = _open(args)
+  ref = parse_path(args.ref)[0]
+  print(json.dumps(reg.manifest(ref.name, ref.version).raw, indent=1, sort_keys=True))
+  return 0
+
+
+def cmd_gc(args) -> int:
+  from thoughtjax.registry import collect_garbage
+
+  removed = collect_garbage(args.dir, keep=args.keep, dry_run=args.dry_run)
+  for p in removed:
+    print(("would remove " if args.dry_run else "removed ") + str(p))
+  print(f"{len(removed)} version director{'y' if len(removed) == 1 else 'ies'}")
+  return 0
+
+
+def load_from_registry(args):
+  """The model of ``generate``/``score --registry DIR [--path P]``."""
+  from thoughtjax.compose import compose
+  from thoughtjax.program import configure_compilation_cache
+  from thoughtjax.registry import Registry
+
+  configure_compilation_cache()
+  from thoughtjax.compose import full_path
+
+  reg = Registry.open(args.registry)
+  return compose(args.path or full_path(reg), reg, sampler=getattr(args, "sampler", None))
+
+
+def _with_registry(parser: argparse.ArgumentParser) -> None:
+  """Add ``--registry`` to an existing ``generate``/``score`` parser."""
+  original = parser.get_default("fn")
+  parser.add_argument("--registry", default=None, metavar="DIR",
+                      help="compose --path from this thoughtlet registry (default path: embed, every block "
+                           "thoughtlet in layer order, head)")
+
+  def fn(args):
+    if args.registry is None:
+      return original(args)
+    if args.model is not None:
+      raise SystemExit("give --model or --registry, not both")
+    from thoughtjax import cli
+
+    try:
+      model = load_from_registry(args)
+    except _user_errors() as e:
+      return _report(args, e)
+    saved = cli._load
+    cli._load = lambda _args: model  # the command's own loader, pointed at the composed model
+    try:
+      return original(args)
+    finally:
+      cli._load = saved
+
+  parser.set_defaults(fn=fn)
+
+
+def add_parser(subparsers) -> None:
+  p = subparsers.add_parser("registry", help="build, verify and inspect a thoughtlet registry")
+  sub = p.add_subparsers(dest="registry_command", required=True)
+
+  b = sub.add_parser("build", help="cut a model into thoughtlets along a mapping and publish them")
+  b.add_argument("--model", default=None, help="known model name or path (default: smollm2-135m-instruct)")
+  b.add_argument("--mapping", default="registry/semantic_mapping.yaml")
+  b.add_argument("--out", required=True, help="registry directory (created, or updated atomically)")
+  b.add_argument("--sign-key", default=None, help="Ed25519 private key (PEM) from `registry keygen`")
+  b.add_argument("--batch", type=int, default=1, help="profile: rows per decode step")
+  b.add_argument("--context", type=int, default=256, help="profile: KV cache length")
+  b.add_argument("--reps", type=int, default=20, help="profile: timed runs per thoughtlet")
+  b.add_argument("--no-profile", action="store_true", help="publish without resource profiles")
+  b.set_defaults(fn=_guarded(cmd_build))
+
+  v = sub.add_parser("verify", help="check digests, signatures, versioned hashes (and profiles)")
+  v.add_argument("dir")
+  v.add_argument("--hardware", action="store_true", help="re-measure resource profiles here")
+  v.add_argument("--public-key", action="append", help="trusted public key (repeatable); "
+                 "default: the keys stored in the registry, which prove integrity, not authenticity")
+  v.add_argument("--all-versions", action="store_true", help="every published version, not only current")
+  v.add_argument("--latency-tolerance", type=float, default=1.0,
+                 help="measured/declared latency must lie in [1/(1+x), 1+x]; negative skips latency")
+  v.add_argument("--flops-tolerance", type=float, default=0.02)
+  v.add_argument("--memory-tolerance", type=float, default=0.25)
+  v.add_argument("--json", action="store_true")
+  v.set_defaults(fn=_guarded(cmd_verify))
+
+  k = sub.add_parser("keygen", help="create an Ed25519 key pair PATH.key / PATH.pub")
+  k.add_argument("path")
+  k.add_argument("--force", action="store_true", help="overwrite an existing pair")
+  k.set_defaults(fn=_guarded(cmd_keygen))
+
+  m = sub.add_parser("validate", help="check a semantic_mapping.yaml")
+  m.add_argument("mapping")
+  m.add_argument("--num-layers", type=int, default=None, help="check spans against this many layers")
+  m.set_defaults(fn=_guarded(cmd_validate))
+
+  ls = sub.add_parser("list", help="current thoughtlets with signatures and profiles")
+  ls.add_argument("dir")
+  ls.add_argument("--public-key", action="append")
+  ls.set_defaults(fn=_guarded(cmd_list))
+
+  sh = sub.add_parser("show", help="print one manifest (NAME or NAME@VERSION)")
+  sh.add_argument("dir")
+  sh.add_argument("ref")
+  sh.add_argument("--public-key", action="append")
+  sh.set_defaults(fn=_guarded(cmd_show))
+
+  g = sub.add_parser("gc", help="remove version directories that are neither current nor recent")
+  g.add_argument("dir")
+  g.add_argument("--keep", type=int, default=2, help="versions kept per thoughtlet, current included")
+  g.add_argument("--dry-run", action="store_true")
+  g.set_defaults(fn=_guarded(cmd_gc))
+
+  for name in ("generate", "score"):
+    if name in subparsers.choices:
+      _with_registry(subparsers.choices[name])
