@@ -233,8 +233,13 @@ def sample_stop_reference(
   rows = jnp.arange(num_rows, dtype=jnp.uint32)
   step_u32 = jnp.broadcast_to(args.step[0].astype(jnp.uint32), (num_rows,))
   row_key = _row_key(args.seed, step_u32, rows)  # [B]
-  noise = _gumbel(row_key[:, None], jnp.arange(vocab, dtype=jnp.int32)[None, :])
-  score = jnp.where(args.greedy[:, None] != 0, y, y + noise)
+
+  def sampled(y):
+    noise = _gumbel(row_key[:, None], jnp.arange(vocab, dtype=jnp.int32)[None, :])
+    return jnp.where(args.greedy[:, None] != 0, y, y + noise)
+
+  # The noise (a hash and two logs per entry) dominates the cost; all-greedy batches skip it.
+  score = lax.cond(jnp.all(args.greedy != 0), lambda y: y, sampled, y)
   tokens = jnp.argmax(score, axis=-1).astype(jnp.int32)
   stop = jnp.any(args.stop_ids == tokens[:, None], axis=-1)
   return tokens, stop
