@@ -526,6 +526,11 @@ class Registry:
 
     flat = {}
     model_size = 1 if mesh is None else int(mesh.shape.get("model", 1))
+    if mesh is not None and any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+      raise RegistryError(
+          "the mesh has Explicit axes; thoughtjax's model leaves sharding to XLA's propagation, so build the "
+          "mesh with Auto axes: jax.sharding.Mesh(devices, ('data', 'model')) or "
+          "jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * 2)")
     for path, spec in m.params.items():
       dt = np.dtype(spec["dtype"])
       if dtype is not None and np.issubdtype(dt, np.floating):
@@ -985,7 +990,9 @@ def build(out: str | os.PathLike, mapping: str | os.PathLike | SemanticMapping, 
   report = progress or (lambda stage, name, i, n: None)
   if isinstance(model, (str, os.PathLike)):
     report("load", str(model), 0, 1)
+    name = str(model)
     model = load_model(model)
+    report("load", name, 1, 1)
   if isinstance(model, LoadedModel):
     codec = codec or model.codec
     source, source_hash = source or model.source, source_hash or model.source_hash

@@ -85,9 +85,9 @@ def _print_table(reg) -> None:
   from rich.table import Table
 
   table = Table(title=f"{reg.root} (generation {reg.generation})")
-  for col in ("thoughtlet", "version", "in -> out", "MiB", "MFLOP/tok", "peak MiB", "ms/tok mean±std (p99)",
-              "key"):
-    table.add_column(col, overflow="fold")
+  for i, col in enumerate(("thoughtlet", "version", "in -> out", "MiB", "MFLOP/tok", "peak MiB",
+                            "ms/tok mean±std (p99)", "key")):
+    table.add_column(col, overflow="fold", no_wrap=i < 2)
   for m in reg.manifests():
     p = m.profile
     lat = "-" if p is None else f"{p.latency_mean_s * 1e3:.3f}±{p.latency_std_s * 1e3:.3f} ({p.latency_p99_s * 1e3:.3f})"

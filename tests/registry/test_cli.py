@@ -1,0 +1,90 @@
+"""``thoughtjax registry ...`` commands and ``generate/score --registry``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from thoughtjax import cli
+from thoughtjax.compose import compose
+from thoughtjax.registry import Registry, dir_name
+from tests.registry.helpers import REPO, mapping_text
+from tests.tiny import tiny_model, write_safetensors_dir
+
+
+@pytest.fixture(scope="module")
+def cli_registry(tmp_path_factory):
+  """A registry built by the CLI from a safetensors directory, signed with a CLI key."""
+  root = tmp_path_factory.mktemp("cli")
+  cfg, model = tiny_model("llama_gqa", seed=2)
+  src = write_safetensors_dir(root / "model", cfg, model)
+  (root / "mapping.yaml").write_text(mapping_text([(0, 1), (1, 3)], 3))
+  assert cli.main(["registry", "keygen", str(root / "keys" / "ci")]) == 0
+  assert cli.main(["registry", "build", "--model", str(src), "--mapping", str(root / "mapping.yaml"),
+                   "--out", str(root / "reg"), "--sign-key", str(root / "keys" / "ci.key"),
+                   "--context", "32", "--reps", "2"]) == 0
+  return root
+
+
+def test_build_verify_list_show(cli_registry, capsys):
+  reg_dir, pub = cli_registry / "reg", cli_registry / "keys" / "ci.pub"
+  capsys.readouterr()
+  assert cli.main(["registry", "verify", str(reg_dir), "--public-key", str(pub), "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["index_signed"] and len(out["thoughtlets"]) == 5
+  assert all(t["versioned_hash"] == "ok" for t in out["thoughtlets"])
+  assert cli.main(["registry", "list", str(reg_dir)]) == 0
+  listed = capsys.readouterr().out
+  assert "blocks[1:3)" in listed and "logits" in listed
+  assert cli.main(["registry", "show", str(reg_dir), "head"]) == 0
+  manifest = json.loads(capsys.readouterr().out)
+  assert manifest["resource_profile"]["context"] == 32 and manifest["resource_profile"]["flops_per_token"] > 0
+
+
+def test_verify_reports_a_flipped_byte(cli_registry, tmp_path, capsys):
+  import shutil
+
+  reg_dir = tmp_path / "reg"
+  shutil.copytree(cli_registry / "reg", reg_dir)
+  version = Registry.open(reg_dir).current["blocks[0:1)"]
+  vdir = reg_dir / "thoughtlets" / dir_name("blocks[0:1)") / version
+  victim = max((p for p in (vdir / "checkpoint").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+  data = bytearray(victim.read_bytes())
+  data[-7] ^= 0x80
+  victim.write_bytes(bytes(data))
+  capsys.readouterr()
+  assert cli.main(["registry", "verify", str(reg_dir)]) == 2
+  err = capsys.readouterr().err
+  assert f"IntegrityError: integrity check failed for blocks[0:1)@{version}: file {victim}" in err
+
+
+def test_validate_names_the_line(tmp_path, capsys):
+  bad = tmp_path / "bad.yaml"
+  bad.write_text(mapping_text([(0, 2), (1, 3)], 3))
+  assert cli.main(["registry", "validate", str(bad)]) == 2
+  err = capsys.readouterr().err
+  assert f"{bad}:15: entry 3 (blocks[1:3)): layers [1, 3) overlap entry 2" in err
+
+
+def test_generate_and_score_resolve_paths_through_a_registry(cli_registry, tmp_path):
+  reg_dir = cli_registry / "reg"
+  path = "embed, blocks[0:1), blocks[0:1), head"
+  code = (
+      "import json, sys\n"
+      "from thoughtjax import cli\n"
+      "reg, path = sys.argv[1], sys.argv[2]\n"
+      "cli.main(['generate', '--registry', reg, '--path', path, '--prompt', 'hello', '--max-tokens', '4', '--json'])\n"
+      "cli.main(['score', '--registry', reg, '--path', path, '--token-ids', '5,6,7,8', '--json'])\n"
+      "sys.exit(cli.main(['generate', '--registry', reg, '--path', 'embed, head, head', '--prompt', 'x']))\n")
+  r = subprocess.run([sys.executable, "-c", code, str(reg_dir), path], capture_output=True, text=True, cwd=REPO,
+                     env={**os.environ, "THOUGHTJAX_CACHE": str(tmp_path), "PYTHONPATH": str(REPO)}, timeout=600)
+  assert r.returncode == 2, r.stderr
+  gen, score = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+  m = compose(path, Registry.open(reg_dir))
+  assert gen["token_ids"] == m.generate("hello", max_tokens=4).token_ids
+  assert score["nll"] == pytest.approx(m.score([5, 6, 7, 8]).nll, abs=1e-5)
+  assert "PathTypeError: link 2 (head) expects residual" in r.stderr and "Traceback" not in r.stderr
