@@ -237,16 +237,19 @@ class ComposedModel(Model):
 
 
 def compose(path: str | Sequence[Ref | str], source, *, mesh=None, dtype=None, sampler: str | None = None,
-            chunk: int = program_lib.DEFAULT_CHUNK) -> ComposedModel:
+            chunk: int = program_lib.DEFAULT_CHUNK, compile_cache: bool = True) -> ComposedModel:
   """Resolve, type-check and assemble a path into a model running as one XLA program.
 
   ``source`` is a :class:`thoughtjax.registry.Registry` (weights restored lazily: only the
   path's thoughtlets, plus the embed table a tied head or a template reads) or a loaded
   :class:`~thoughtjax.engine.Model`. ``mesh``/``dtype`` restore the weights straight into
-  ``NamedSharding``s on that mesh and into that dtype (registry sources).
+  ``NamedSharding``s on that mesh and into that dtype (registry sources). ``compile_cache``
+  turns on JAX's persistent compilation cache, as :func:`thoughtjax.load` does.
   """
   from thoughtjax.registry import Registry
 
+  if compile_cache:
+    program_lib.configure_compilation_cache()
   if isinstance(path, str):
     refs = parse_path(path)
   else:

@@ -366,7 +366,6 @@ class Registry:
     self._stats = RegistryStats(budget_bytes=memory_budget)
     self._lock = threading.RLock()
     self._codec = None
-    self._ckptr = None
     self.refresh()
 
   @classmethod
@@ -514,13 +513,6 @@ class Registry:
                              f"sha256 {got[:16]}... does not match the manifest's {listed[rel]['sha256'][:16]}...")
 
   # ---- restore --------------------------------------------------------------------------
-  def _checkpointer(self):
-    import orbax.checkpoint as ocp
-
-    if self._ckptr is None:
-      self._ckptr = ocp.Checkpointer(ocp.StandardCheckpointHandler())
-    return self._ckptr
-
   def _target(self, m: Manifest, dtype, mesh):
     from jax.sharding import NamedSharding, SingleDeviceSharding
 
@@ -542,12 +534,16 @@ class Registry:
       flat[path] = jax.ShapeDtypeStruct(tuple(spec["shape"]), dt, sharding=sharding)
     return _nest(flat)
 
+  @staticmethod
+  def _key(name: str, version: str, dtype, mesh) -> tuple:
+    return (name, version, None if dtype is None else np.dtype(dtype).name, _sharding_key(mesh))
+
   def restore(self, name: str, version: str | None = None, *, dtype=None, mesh=None,
               pinned: set | None = None) -> dict:
     """The weights of one thoughtlet version as a nested dict of arrays (from the resident
     set if there, else read, checked and restored into ``dtype`` and ``mesh`` sharding)."""
     version = self.resolve(name, version)
-    key = (name, version, None if dtype is None else np.dtype(dtype).name, _sharding_key(mesh))
+    key = self._key(name, version, dtype, mesh)
     with self._lock:
       entry = self._resident.get(key)
       if entry is not None:
@@ -557,41 +553,53 @@ class Registry:
       m = self.manifest(name, version)
       target = self._target(m, dtype, mesh)
       need = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(target))
-      for e in self._resident.make_room(need, set(pinned or ()) | {key}, f"{m.ref}"):
+      for _ in self._resident.make_room(need, set(pinned or ()) | {key}, m.ref):
         self._stats.evictions += 1
-      t0 = time.perf_counter()
-      vdir = self.version_dir(name, version)
-      if self.verify_files:
-        self._check_files(m, vdir)
-      try:
-        import orbax.checkpoint as ocp
-
-        params = self._checkpointer().restore(vdir / "checkpoint", args=ocp.args.StandardRestore(target))
-        params = jax.block_until_ready(params)
-      except Exception as e:  # corrupt data that slipped past disabled file checks
-        self._count_failure(m.ref, "checkpoint", f"restore failed: {e}")
-        raise IntegrityError(name, version, str(vdir / "checkpoint"), f"Orbax could not restore it: {e}") from e
-      self._stats.restore_seconds[m.ref] = time.perf_counter() - t0
+    params, seconds = self._read(m, target)  # outside the lock: restores may overlap
+    with self._lock:
+      self._stats.restore_seconds[m.ref] = seconds
       self._stats.restores += 1
       self._stats.restored_bytes += need
+      entry = self._resident.get(key)
+      if entry is not None:  # another thread restored it meanwhile; keep one copy
+        return entry.params
       self._resident.put(key, _Resident(params, need, m.ref))
       return params
 
-  def restore_many(self, units: Sequence[tuple[str, str | None]], *, dtype=None, mesh=None) -> list[dict]:
-    """Restore several versions that must be resident together (one path)."""
+  def _read(self, m: Manifest, target) -> tuple[dict, float]:
+    """Check a version's files against its manifest, then restore it with Orbax."""
+    t0 = time.perf_counter()
+    vdir = self.version_dir(m.name, m.version)
+    if self.verify_files:
+      self._check_files(m, vdir)
+    try:
+      params = jax.block_until_ready(_restore_checkpoint(_checkpointer(), vdir / "checkpoint", target))
+    except Exception as e:  # corrupt data that slipped past disabled file checks
+      self._count_failure(m.ref, "checkpoint", f"restore failed: {e}")
+      raise IntegrityError(m.name, m.version, str(vdir / "checkpoint"), f"Orbax could not restore it: {e}") from e
+    return params, time.perf_counter() - t0
+
+  def restore_many(self, units: Sequence[tuple[str, str | None]], *, dtype=None, mesh=None,
+                   workers: int = 4) -> list[dict]:
+    """Restore several versions that must be resident together (one path), up to ``workers``
+    at a time; the byte budget is checked for all of them before anything is read."""
     with self._lock:
       resolved = [(n, self.resolve(n, v)) for n, v in units]
-      keyed = {(n, v, None if dtype is None else np.dtype(dtype).name, _sharding_key(mesh)) for n, v in resolved}
+      keyed = {self._key(n, v, dtype, mesh) for n, v in resolved}
+      missing = [u for u in dict.fromkeys(resolved) if self._resident.get(self._key(*u, dtype, mesh)) is None]
       if self._resident.budget is not None:
         need = 0
-        for n, v in dict.fromkeys(resolved):
-          if self._resident._entries.get((n, v, None if dtype is None else np.dtype(dtype).name,
-                                          _sharding_key(mesh))) is None:
-            m = self.manifest(n, v)
-            need += sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(self._target(m, dtype, None)))
+        for n, v in missing:
+          m = self.manifest(n, v)
+          need += sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(self._target(m, dtype, None)))
         for _ in self._resident.make_room(need, keyed, "this path"):
           self._stats.evictions += 1
-      return [self.restore(n, v, dtype=dtype, mesh=mesh, pinned=keyed) for n, v in resolved]
+    if len(missing) > 1 and workers > 1:
+      with concurrent.futures.ThreadPoolExecutor(min(workers, len(missing))) as pool:
+        futures = [pool.submit(self.restore, n, v, dtype=dtype, mesh=mesh, pinned=keyed) for n, v in missing]
+        for f in futures:
+          f.result()
+    return [self.restore(n, v, dtype=dtype, mesh=mesh, pinned=keyed) for n, v in resolved]
 
   def thoughtlet(self, name: str, version: str | None = None) -> Thoughtlet:
     """A published version as a :class:`Thoughtlet` (weights restored), e.g. to derive a new one."""
@@ -801,11 +809,27 @@ def _writer_lock(root: Path):
       fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
+def _checkpointer():
+  """A synchronous Orbax PyTree checkpointer (OCDBT). Uncompressed: weights barely compress,
+  and zstd decoding made restores 2-3x slower than reading the bytes (BENCHMARKS.md)."""
+  import orbax.checkpoint as ocp
+
+  return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
+
+
+def _restore_checkpoint(ckptr, path: Path, target):
+  """Restore straight into ``target``'s dtypes and shardings (``jax.ShapeDtypeStruct`` leaves)."""
+  import orbax.checkpoint as ocp
+
+  return ckptr.restore(path, args=ocp.args.PyTreeRestore(
+      item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
+
+
 def _save_checkpoint(path: Path, params: Mapping) -> None:
   import orbax.checkpoint as ocp
 
   tree = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x), dict(params))
-  ocp.Checkpointer(ocp.StandardCheckpointHandler()).save(path, args=ocp.args.StandardSave(tree))
+  _checkpointer().save(path, args=ocp.args.PyTreeSave(tree))
 
 
 def _stage_codec(staging: Path, codec) -> tuple[str, dict]:
@@ -934,8 +958,6 @@ def _next_index(old: dict | None, staged, model, codec_entry, order, mapping_tex
 
 def _verify_version_dir(vdir: Path, name: str, version: str, keys: dict) -> None:
   """Staged-version check: digests, signature, and the versioned hash of a fresh restore."""
-  import orbax.checkpoint as ocp
-
   raw = json.loads((vdir / "manifest.json").read_bytes())
   sig = vdir / "manifest.sig"
   if keys:
@@ -946,8 +968,7 @@ def _verify_version_dir(vdir: Path, name: str, version: str, keys: dict) -> None
     if _sha256_file(vdir / rel) != spec["sha256"]:
       raise IntegrityError(name, version, str(vdir / rel), "staged file changed before commit")
   target = _nest({p: jax.ShapeDtypeStruct(tuple(s["shape"]), np.dtype(s["dtype"])) for p, s in m.params.items()})
-  params = ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(
-      vdir / "checkpoint", args=ocp.args.StandardRestore(target))
+  params = _restore_checkpoint(_checkpointer(), vdir / "checkpoint", target)
   if versioned_hash(m.identity(), params) != m.versioned_hash:
     raise IntegrityError(name, version, str(vdir / "checkpoint"), "staged weights do not hash to the version")
 

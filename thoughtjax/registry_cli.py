@@ -172,10 +172,8 @@ def cmd_gc(args) -> int:
 def load_from_registry(args):
   """The model of ``generate``/``score --registry DIR [--path P]``."""
   from thoughtjax.compose import compose
-  from thoughtjax.program import configure_compilation_cache
   from thoughtjax.registry import Registry
 
-  configure_compilation_cache()
   from thoughtjax.compose import full_path
 
   reg = Registry.open(args.registry)
