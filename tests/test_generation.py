@@ -33,12 +33,15 @@ def _greedy_reference(engine, ids, n):
 
 def test_cached_decode_matches_full_recompute(engine):
   ids = [10, 20, 30, 40, 50]
-  got = engine.generate(ids, max_tokens=12, stop_token_ids=()).token_ids
-  want = _greedy_reference(engine, ids, 12)
+  got = engine.generate(ids, max_tokens=12, ignore_eos=True).token_ids
+  assert got == _greedy_reference(engine, ids, 12)
+
+
+def test_eos_stops_by_default_and_ignore_eos_runs_on(engine):
   eos = engine.config.eos_id
-  if eos in want:
-    want = want[: want.index(eos) + 1]
-  assert got == want
+  forced = {eos: 1e4}  # make EOS the greedy choice at every step
+  assert engine.generate([4, 5], max_tokens=6, logit_bias=forced).token_ids == [eos]
+  assert engine.generate([4, 5], max_tokens=6, logit_bias=forced, ignore_eos=True).token_ids == [eos] * 6
 
 
 def test_batch_of_different_lengths_equals_single_runs(engine):
@@ -72,18 +75,18 @@ def test_logit_bias_forces_a_token(engine):
 
 
 def test_stop_token_ends_the_row_and_is_reported(engine):
-  first = engine.generate([4, 5, 6], max_tokens=8, stop_token_ids=()).token_ids
+  first = engine.generate([4, 5, 6], max_tokens=8, ignore_eos=True).token_ids
   stop_at = first[3]
   out = engine.generate([4, 5, 6], max_tokens=8, stop_token_ids=(stop_at,))
   assert out.token_ids == first[: first.index(stop_at) + 1]
   assert out.finish_reason == "stop"
-  assert engine.generate([4, 5, 6], max_tokens=3, stop_token_ids=()).finish_reason == "length"
+  assert engine.generate([4, 5, 6], max_tokens=3, ignore_eos=True).finish_reason == "length"
 
 
 def test_stop_string_cuts_text(engine):
   # Sample among a few letters (equal large bias) so the text is varied and printable.
   letters = {t: 1e3 for t in engine.codec.encode("abcdefghij")}
-  kw = dict(max_tokens=16, stop_token_ids=(), temperature=5.0, seed=11, logit_bias=letters)
+  kw = dict(max_tokens=16, ignore_eos=True, temperature=5.0, seed=11, logit_bias=letters)
   full = engine.generate([4, 5, 6], **kw)
   text = full.text
   at = next(i for i in range(1, len(text) - 1) if text[i:i + 2] not in text[:i + 1] and "\ufffd" not in text[:i + 2])
@@ -94,9 +97,9 @@ def test_stop_string_cuts_text(engine):
 
 
 def test_stream_yields_pieces_that_add_up(engine):
-  deltas = list(engine.stream([4, 5, 6], max_tokens=20, stop_token_ids=()))
+  deltas = list(engine.stream([4, 5, 6], max_tokens=20, ignore_eos=True))
   assert len(deltas) >= 2 and deltas[-1].finished
-  assert sum((d.token_ids for d in deltas), []) == engine.generate([4, 5, 6], max_tokens=20, stop_token_ids=()).token_ids
+  assert sum((d.token_ids for d in deltas), []) == engine.generate([4, 5, 6], max_tokens=20, ignore_eos=True).token_ids
 
 
 def test_callback_streaming_equals_chunked(engine):
@@ -139,7 +142,7 @@ def test_repeated_and_skipped_layers_run(engine):
   repeat = engine.with_path((0, 1, 1, 2))
   for m in (skip, repeat):
     ids = [3, 4, 5]
-    got = m.generate(ids, max_tokens=6, stop_token_ids=()).token_ids
+    got = m.generate(ids, max_tokens=6, ignore_eos=True).token_ids
     assert got == _greedy_reference(m, ids, 6)
   # parameters are shared with the full model, not copied
   assert repeat.parts.blocks[1] is not None

@@ -40,6 +40,7 @@ class SamplingParams:
   logit_bias: Mapping[int, float] | None = None
   stop_token_ids: Sequence[int] = ()
   stop_strings: Sequence[str] = ()
+  ignore_eos: bool = False  # keep generating past the end-of-sequence token (benchmarks)
 
   def __post_init__(self):
     if self.max_tokens < 1:
@@ -105,7 +106,7 @@ def sampling_arrays(params: Sequence[SamplingParams], batch: int, vocab: int, st
 
 def stop_ids_for(p: SamplingParams, eos_id: int | None) -> list[int]:
   ids = list(dict.fromkeys(int(t) for t in p.stop_token_ids))
-  if eos_id is not None and eos_id not in ids:
+  if eos_id is not None and eos_id not in ids and not p.ignore_eos:
     ids.append(eos_id)
   return ids
 
