@@ -58,6 +58,11 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
   return out.astype(x.dtype)
 
 
+def kv_cache_shape(cfg: ModelConfig, batch: int, length: int) -> tuple[int, int, int, int]:
+  """Shape of one layer's K (or V) cache: [B, K, S, E]."""
+  return (batch, cfg.num_kv_heads, length, cfg.head_dim)
+
+
 class Attention(nnx.Module):
   """Grouped-query self-attention over a KV cache."""
 
@@ -77,31 +82,38 @@ class Attention(nnx.Module):
                write_at: Array, mask: Array) -> tuple[Array, Array, Array]:
     """One attention step over new tokens.
 
-    x [B, T, D]; cos, sin [B, T, E/2]; cache_k, cache_v [B, S, K, E];
+    x [B, T, D]; cos, sin [B, T, E/2]; cache_k, cache_v [B, K, S, E] (see kv_cache_shape);
     write_at: scalar index where the T new keys go in the cache;
     mask [B, T, S] bool, True where a query may attend a cache slot.
     Returns the output [B, T, D] and the updated caches.
     """
     cfg = self.cfg
-    q = jnp.einsum("btd,dhe->bthe", x, self.q[...])
-    k = jnp.einsum("btd,dke->btke", x, self.k[...])
-    v = jnp.einsum("btd,dke->btke", x, self.v[...])
+    B, T, D = x.shape
+    H, K, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    # Contract against the weights viewed as 2-D matrices (a free reshape): XLA:CPU runs
+    # these as plain GEMV/GEMM, about 3x faster than the 3-D einsum at batch 1.
+    q = jnp.einsum("btd,df->btf", x, self.q[...].reshape(D, H * E)).reshape(B, T, H, E)
+    k = jnp.einsum("btd,df->btf", x, self.k[...].reshape(D, K * E)).reshape(B, T, K, E)
+    v = jnp.einsum("btd,df->btf", x, self.v[...].reshape(D, K * E)).reshape(B, T, K, E)
     if cfg.qkv_bias:
       q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    # The cache is [B, K, S, E]: batch dims lead, so both attention contractions are
+    # plain batched matmuls with no per-step transpose of the cache.
     zero = jnp.zeros((), jnp.int32)
-    cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (zero, write_at, zero, zero))
-    cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (zero, write_at, zero, zero))
+    at = (zero, zero, write_at, zero)
+    cache_k = jax.lax.dynamic_update_slice(cache_k, k.transpose(0, 2, 1, 3).astype(cache_k.dtype), at)
+    cache_v = jax.lax.dynamic_update_slice(cache_v, v.transpose(0, 2, 1, 3).astype(cache_v.dtype), at)
 
-    B, T = x.shape[:2]
-    G = cfg.group_size
-    qg = q.reshape(B, T, cfg.num_kv_heads, G, cfg.head_dim)  # [B, T, K, G, E]
-    scores = jnp.einsum("btkge,bske->bkgts", qg, cache_k).astype(jnp.float32)
-    scores = scores * (cfg.head_dim ** -0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
+    G = cfg.group_size  # query heads k*G .. k*G+G-1 share kv head k
+    qg = q.reshape(B, T, K, G, E).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, E)
+    scores = jnp.einsum("bkqe,bkse->bkqs", qg, cache_k).astype(jnp.float32) * (E ** -0.5)
+    allowed = jnp.broadcast_to(mask[:, None, :, None, :], (B, 1, T, G, mask.shape[-1]))
+    scores = jnp.where(allowed.reshape(B, 1, T * G, -1), scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)
-    ctx = jnp.einsum("bkgts,bske->btkge", probs, cache_v).reshape(B, T, cfg.num_heads, cfg.head_dim)
-    out = jnp.einsum("bthe,hed->btd", ctx.astype(x.dtype), self.o[...])
+    ctx = jnp.einsum("bkqs,bkse->bkqe", probs, cache_v)  # [B, K, T*G, E]
+    ctx = ctx.reshape(B, K, T, G, E).transpose(0, 2, 1, 3, 4).reshape(B, T, H * E)
+    out = jnp.einsum("btf,fd->btd", ctx.astype(x.dtype), self.o[...].reshape(H * E, D))
     return out, cache_k, cache_v
 
 
@@ -187,7 +199,8 @@ def run_path(embed: Embed, blocks: Sequence[Block], head: Head, tokens: Array, p
   """Embed, then each block in order (a block may appear more than once), then the head.
 
   tokens [B, T] i32 (ignored when ``embeddings`` [B, T, D] is given); positions [B, T]
-  i32 RoPE positions; caches: one (k, v) [B, S, K, E] pair per block of the path;
+  i32 RoPE positions; caches: one (k, v) pair per block of the path, each
+  :func:`kv_cache_shape`;
   write_at: scalar cache slot of the first new token; mask [B, T, S] bool.
   Returns logits [B, T, V] f32 and the new caches.
   """

@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
-from thoughtjax.model import Block, Embed, Head, Transformer, run_path
+from thoughtjax.model import Block, Embed, Head, Transformer, kv_cache_shape, run_path
 from thoughtjax.sampling import SamplingArrays, SamplingMode, sample
 
 DEFAULT_CHUNK = 8
@@ -114,7 +114,7 @@ def _full_sequence_logits(defs: GraphDefs, layers: tuple[int, ...], parts: PathP
   caches = []
   if blocks:
     cfg = blocks[0].attn.cfg
-    shape = (B, T, cfg.num_kv_heads, cfg.head_dim)
+    shape = kv_cache_shape(cfg, B, T)
     caches = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in blocks]
   return run_path(embed, blocks, head, tokens, positions, caches, jnp.zeros((), jnp.int32), mask)[0]
 
@@ -124,7 +124,7 @@ score_logits = jax.jit(_full_sequence_logits, static_argnums=(0, 1))
 
 
 class DecodeState(NamedTuple):
-  caches: tuple[tuple[jax.Array, jax.Array], ...]  # per path block: [B, S, K, E] x2
+  caches: tuple[tuple[jax.Array, jax.Array], ...]  # per path block: kv_cache_shape x2
   token: jax.Array  # [B] i32, last sampled
   step: jax.Array  # i32, tokens generated so far
   done: jax.Array  # [B] bool
@@ -147,7 +147,7 @@ class Program:
 
   def _init_impl(self) -> DecodeState:
     k = self.key
-    shape = (k.batch, k.cache_len, self.cfg.num_kv_heads, self.cfg.head_dim)
+    shape = kv_cache_shape(self.cfg, k.batch, k.cache_len)
     dtype = jnp.float32
     caches = tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in k.layers)
     return DecodeState(caches, jnp.zeros(k.batch, jnp.int32), jnp.zeros((), jnp.int32),
