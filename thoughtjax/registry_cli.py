@@ -192,18 +192,19 @@ def _with_registry(parser: argparse.ArgumentParser) -> None:
       return original(args)
     if args.model is not None:
       raise SystemExit("give --model or --registry, not both")
-    from thoughtjax import cli
-
     try:
       model = load_from_registry(args)
     except _user_errors() as e:
       return _report(args, e)
-    saved = cli._load
-    cli._load = lambda _args: model  # the command's own loader, pointed at the composed model
+    # Point the command's own loader at the composed model. Its module globals, not an import
+    # of thoughtjax.cli: under `python -m thoughtjax.cli` the running module is __main__.
+    namespace = original.__globals__
+    saved = namespace["_load"]
+    namespace["_load"] = lambda _args: model
     try:
       return original(args)
     finally:
-      cli._load = saved
+      namespace["_load"] = saved
 
   parser.set_defaults(fn=fn)
 

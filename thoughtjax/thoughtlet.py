@@ -40,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 from thoughtjax.config import ModelConfig
-from thoughtjax.model import Transformer, abstract_model, rope_tables
+from thoughtjax.model import Transformer, abstract_model, kv_cache_shape, rope_tables
 from thoughtjax.program import GraphDefs
 
 HASH_DOMAIN = b"thoughtjax.thoughtlet/1\n"
@@ -340,7 +340,7 @@ def run_blocks(defs: GraphDefs, cfg: ModelConfig, states: list[nnx.State], x, po
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(T)[None], (B, T))
   if caches is None:
-    shape = (B, T, cfg.num_kv_heads, cfg.head_dim)
+    shape = kv_cache_shape(cfg, B, T)
     caches = [(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32)) for _ in states]
     write_at = jnp.zeros((), jnp.int32)
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool))[None], (B, T, T))
@@ -382,7 +382,7 @@ def _step_setup(t: Thoughtlet, settings: ProfileSettings, table) -> tuple[Callab
     return (lambda st, tb, h: run_head(defs, st, h, tb)), (state, table, x), B
   if t.kind is Kind.BLOCKS:
     states = [as_state(abstract.blocks[int(i)], p) for i, p in sorted(t.params.items(), key=lambda kv: int(kv[0]))]
-    shape = (B, S, cfg.num_kv_heads, cfg.head_dim)
+    shape = kv_cache_shape(cfg, B, S)
     caches = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in states]
     positions = jnp.full((B, 1), S - 1, jnp.int32)
     mask = jnp.ones((B, 1, S), bool)

@@ -80,11 +80,21 @@ def test_generate_and_score_resolve_paths_through_a_registry(cli_registry, tmp_p
       "cli.main(['generate', '--registry', reg, '--path', path, '--prompt', 'hello', '--max-tokens', '4', '--json'])\n"
       "cli.main(['score', '--registry', reg, '--path', path, '--token-ids', '5,6,7,8', '--json'])\n"
       "sys.exit(cli.main(['generate', '--registry', reg, '--path', 'embed, head, head', '--prompt', 'x']))\n")
+  env = {**os.environ, "THOUGHTJAX_CACHE": str(tmp_path), "PYTHONPATH": str(REPO)}
   r = subprocess.run([sys.executable, "-c", code, str(reg_dir), path], capture_output=True, text=True, cwd=REPO,
-                     env={**os.environ, "THOUGHTJAX_CACHE": str(tmp_path), "PYTHONPATH": str(REPO)}, timeout=600)
+                     env=env, timeout=600)
   assert r.returncode == 2, r.stderr
   gen, score = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
   m = compose(path, Registry.open(reg_dir))
   assert gen["token_ids"] == m.generate("hello", max_tokens=4).token_ids
   assert score["nll"] == pytest.approx(m.score([5, 6, 7, 8]).nll, abs=1e-5)
   assert "PathTypeError: link 2 (head) expects residual" in r.stderr and "Traceback" not in r.stderr
+  # As a module (`python -m thoughtjax.cli`), with a path only a registry can run (a template).
+  tpath = "template, blocks[0:3), head"
+  r = subprocess.run([sys.executable, "-m", "thoughtjax.cli", "generate", "--registry", str(reg_dir), "--path", tpath,
+                      "--prompt", "hello", "--max-tokens", "3", "--json"], capture_output=True, text=True, cwd=REPO,
+                     env=env, timeout=600)
+  assert r.returncode == 0, r.stderr
+  out = json.loads(r.stdout)
+  m = compose(tpath, Registry.open(reg_dir))
+  assert out["prompt_ids"] == m.prompt_ids("hello") and out["token_ids"] == m.generate("hello", max_tokens=3).token_ids

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from thoughtjax.model import Block, Embed, Head, abstract_model
+from thoughtjax.model import Block, Embed, Head, abstract_model, kv_cache_shape
 from thoughtjax.program import GraphDefs
 from thoughtjax.registry import Registry
 from thoughtjax.thoughtlet import Kind, as_state, run_blocks, run_embed, run_head, run_template
@@ -31,7 +31,7 @@ def _capture(monkeypatch, model, tokens):
     monkeypatch.setattr(cls, "__call__", tapped)
   cfg = model.cfg
   B, T = tokens.shape
-  shape = (B, T, cfg.num_kv_heads, cfg.head_dim)
+  shape = kv_cache_shape(cfg, B, T)
   caches = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(cfg.num_layers)]
   positions = jnp.broadcast_to(jnp.arange(T)[None], (B, T))
   mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool))[None], (B, T, T))
