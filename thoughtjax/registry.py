@@ -37,11 +37,11 @@ with hit/miss/eviction counts.
 
 **Multi-host.** With ``jax.distributed.initialize()`` called first in every process, pass a
 ``Mesh`` spanning all processes' devices to :meth:`restore` / :func:`thoughtjax.compose.compose`:
-each process then reads only the shards its devices hold (Orbax restores per addressable
-shard), the registry directory must be on storage every host can read (NFS, GCS via
-``gs://`` paths are not supported by this module's file checks), and every process must make
-the same restore and compose calls in the same order, as with any SPMD program. Publishing is
-a single-writer operation: run it on one host (process 0) only.
+Orbax then restores on each process only the shards its devices hold (the SHA-256 file checks
+still read each thoughtlet's files whole), the registry directory must be on storage every host
+can read (a shared file system: the checks read plain files), and every process must make the
+same restore and compose calls in the same order, as with any SPMD program. Publishing is a
+single-writer operation (the writer lock is a local ``flock``): run it from one process only.
 """
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ def bench_decode(root: Path, tokens: int, repeats: int) -> list[dict]:
   for label, path in (("early exit 12/30", EARLY), ("full 30", full_path(reg))):
     model = compose(path, reg, compile_cache=False)
     ids = model.codec.encode(PROMPT)
-    params = SamplingParams(max_tokens=tokens, stop_token_ids=())
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)  # every run decodes `tokens` tokens
     one, chained, same = [], [], True
     for r in range(repeats + 1):  # the first run compiles
       c = model.generate_batch([ids], [params])[0]
