@@ -72,12 +72,17 @@ def cmd_build(args) -> int:
         stages[stage] = bar.add_task(stage, total=total, item="")
       bar.update(stages[stage], completed=done if stage != "profile" else done + 1, item=name)
 
-    reg = build(args.out, args.mapping, args.model or DEFAULT_MODEL, sign_key=args.sign_key,
+    reg = build(args.out, args.mapping or _default_mapping(), args.model or DEFAULT_MODEL, sign_key=args.sign_key,
                 settings=_profile_settings(args), progress=progress)
   console.print(f"registry {reg.root}: generation {reg.generation}, {len(reg.names)} thoughtlets"
                 + ("" if args.sign_key else " (unsigned: pass --sign-key to sign)"))
   _print_table(reg)
   return 0
+
+
+def _default_mapping() -> Path:
+  here = Path("registry/semantic_mapping.yaml")
+  return here if here.exists() else Path(__file__).resolve().parents[1] / "registry" / "semantic_mapping.yaml"
 
 
 def _print_table(reg) -> None:
@@ -109,7 +114,8 @@ def cmd_verify(args) -> int:
 
   reg = _open(args)
   tol = Tolerance(flops=args.flops_tolerance, peak_memory=args.memory_tolerance,
-                  latency=None if args.latency_tolerance < 0 else args.latency_tolerance)
+                  latency=None if args.latency_tolerance < 0 else args.latency_tolerance,
+                  latency_floor_s=args.latency_floor_ms / 1e3)
   try:
     report = reg.verify(hardware=args.hardware, all_versions=args.all_versions, tolerance=tol)
   except ResourceProfileMismatch as e:
@@ -215,7 +221,8 @@ def add_parser(subparsers) -> None:
 
   b = sub.add_parser("build", help="cut a model into thoughtlets along a mapping and publish them")
   b.add_argument("--model", default=None, help="known model name or path (default: smollm2-135m-instruct)")
-  b.add_argument("--mapping", default="registry/semantic_mapping.yaml")
+  b.add_argument("--mapping", default=None,
+                 help="semantic_mapping.yaml (default: registry/semantic_mapping.yaml of this checkout)")
   b.add_argument("--out", required=True, help="registry directory (created, or updated atomically)")
   b.add_argument("--sign-key", default=None, help="Ed25519 private key (PEM) from `registry keygen`")
   b.add_argument("--batch", type=int, default=1, help="profile: rows per decode step")
@@ -232,6 +239,8 @@ def add_parser(subparsers) -> None:
   v.add_argument("--all-versions", action="store_true", help="every published version, not only current")
   v.add_argument("--latency-tolerance", type=float, default=1.0,
                  help="measured/declared latency must lie in [1/(1+x), 1+x]; negative skips latency")
+  v.add_argument("--latency-floor-ms", type=float, default=0.1,
+                 help="latency differences smaller than this never count as a mismatch")
   v.add_argument("--flops-tolerance", type=float, default=0.02)
   v.add_argument("--memory-tolerance", type=float, default=0.25)
   v.add_argument("--json", action="store_true")

@@ -143,7 +143,7 @@ def test_verify_hardware_reports_declared_and_measured(registry_copy, keypair):
   key = signing.load_private_key(keypair[0])
   (vdir / "manifest.sig").write_bytes(canonical_json(signing.sign(key, canonical_json(raw)).to_json()))
   with pytest.raises(ResourceProfileMismatch) as info:  # latency: only a 10^6-fold error counts here
-    reg.verify_hardware(Tolerance(latency=1e6), names=["blocks[0:2)", "head"])
+    reg.verify_hardware(Tolerance(latency=1e6, latency_floor_s=0.0), names=["blocks[0:2)", "head"])
   fields = {(x.thoughtlet, x.field) for x in info.value.mismatches}
   assert fields == {(m.ref, "flops_per_token"), (m.ref, "latency_mean_s")}
   flops = next(x for x in info.value.mismatches if x.field == "flops_per_token")
