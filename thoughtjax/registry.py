@@ -908,8 +908,9 @@ def _publish(root: Path, thoughtlets: Sequence[Thoughtlet], *, sign_key, on_step
     if key is not None:
       (root / "keys").mkdir(exist_ok=True)
       pub = root / "keys" / f"{key_id}.pub"
-      if not pub.exists():
-        _write_file(pub, signing.public_pem(key.public_key()))
+      if not pub.exists():  # readers list this directory: the file appears whole or not at all
+        _write_file(staging / f"{key_id}.pub", signing.public_pem(key.public_key()))
+        os.replace(staging / f"{key_id}.pub", pub)
     for t, version, vdir in staged:
       final = root / "thoughtlets" / dir_name(t.name) / version
       if vdir != final:
