@@ -20,7 +20,7 @@ import numpy as np
 from thoughtjax import program as program_lib
 from thoughtjax.loading import LoadedModel
 from thoughtjax.loading import load as load_model
-from thoughtjax.program import GraphDefs, PathParts, ProgramKey, bucket
+from thoughtjax.program import GraphDefs, PathParts, ProgramKey, TemplatePrompt, bucket
 from thoughtjax.sampling import SamplingParams, program_mode, sampling_arrays, stop_ids_for
 
 
@@ -136,11 +136,49 @@ class Model:
       raise ValueError("the prompt is empty after tokenization; give at least one token")
     return ids
 
+  def _template_split(self, prompts, chat: bool, system: str | None):
+    """(template, user token ids per prompt) for chat prompts, else (None, None)."""
+    if not all(isinstance(p, str) for p in prompts):
+      return None, None
+    template = getattr(self, "template", None)
+    if template is None:
+      if not chat or self.codec.chat_template is None:
+        return None, None
+      template = self._chat_template(system)
+    user = [self.codec.tokenizer.encode(p, add_special_tokens=False).ids for p in prompts]
+    if not all(user):
+      raise ValueError("the prompt is empty after tokenization; give at least one token")
+    if template is not getattr(self, "template", None):
+      # Tokenizing the parts apart must give what tokenizing the whole prompt gives.
+      for p, u in zip(prompts, user):
+        if template["prefix_ids"] + u + template["suffix_ids"] != self.prompt_ids(p, True, system):
+          return None, None
+    return template, user
+
+  def _chat_template(self, system: str | None) -> dict:
+    cache = self.__dict__.setdefault("_templates", {})
+    if system not in cache:
+      prefix, suffix = self.codec.chat_template_parts(system)
+      table = self._parts.embed["table"][...]
+      cache[system] = {"system": system, "prefix_ids": prefix, "suffix_ids": suffix,
+                       "prefix_rows": jnp.take(table, jnp.asarray(prefix, jnp.int32), axis=0),
+                       "suffix_rows": jnp.take(table, jnp.asarray(suffix, jnp.int32), axis=0)}
+    return cache[system]
+
   # ---- generation -------------------------------------------------------------------
   def stream_batch(self, prompts: Sequence[str | Sequence[int]], params: Sequence[SamplingParams] | SamplingParams | None = None,
                    chat: bool = False, system: str | None = None, stream_mode: str = "chunks") -> Iterator[Delta]:
-    """Generate for several prompts at once, yielding deltas as tokens are produced."""
-    ids = [self.prompt_ids(p, chat, system) for p in prompts]
+    """Generate for several prompts at once, yielding deltas as tokens are produced.
+
+    Chat prompts (``chat=True``, or any string prompt on a model with a template) go in as
+    the template's fixed rows around the user tokens, embedded by the fused template
+    kernel inside the program; other prompts go in as token ids.
+    """
+    template, user = self._template_split(prompts, chat, system)
+    if template is None:
+      ids = [self.prompt_ids(p, chat, system) for p in prompts]
+    else:
+      ids = [template["prefix_ids"] + u + template["suffix_ids"] for u in user]
     if params is None:
       params = SamplingParams()
     if isinstance(params, SamplingParams):
@@ -157,18 +195,32 @@ class Model:
         layers=self.layers, batch=bucket(len(ids), 1), prompt_len=bucket(longest),
         max_new=bucket(max_new), stop_width=bucket(max(len(s) for s in stops), 4),
         mode=program_mode(params), has_bias=any(p.logit_bias for p in params),
-        chunk=self.chunk, sampler=self.sampler)
+        chunk=self.chunk, sampler=self.sampler,
+        template=None if template is None else (len(template["prefix_ids"]), len(template["suffix_ids"])))
     prog = program_lib.PROGRAMS.get(key, self._defs, self.config)
     B, T = key.batch, key.prompt_len
-    prompt = np.zeros((B, T), np.int32)
     pad = np.full(B, T - 1, np.int32)
     for r, row in enumerate(ids):
-      prompt[r, T - len(row):] = row
       pad[r] = T - len(row)
+    if template is None:
+      tokens = np.zeros((B, T), np.int32)
+      for r, row in enumerate(ids):
+        tokens[r, T - len(row):] = row
+      prompt = jnp.asarray(tokens)
+    else:
+      P1, P2 = key.template
+      user_ids = np.zeros((B, T - P1 - P2), np.int32)
+      lengths = np.ones(B, np.int32)  # batch-bucket rows beyond the prompts: one token, inert
+      pad[len(user):] = T - (P1 + 1 + P2)
+      for r, u in enumerate(user):
+        user_ids[r, : len(u)] = u
+        lengths[r] = len(u)
+      prompt = TemplatePrompt(template["prefix_rows"], template["suffix_rows"], jnp.asarray(user_ids),
+                              jnp.asarray(lengths))
     samp = sampling_arrays(params, B, self.config.vocab_size, key.stop_width, self.config.eos_id, key.has_bias)
     rows = [_RowText(self.codec, p.stop_strings) for p in params]
     finished = [False] * len(ids)
-    timings = {"start": time.perf_counter(), "prompt_tokens": [len(i) for i in ids], "program": key}
+    timings = {"start": time.perf_counter(), "prompt_ids": ids, "program": key}
     self.last_timings = timings
 
     def emit(r: int, new: list[int], done_on_device: bool, count: int):
@@ -184,15 +236,15 @@ class Model:
       return Delta(r, new, text) if (new or text) else None
 
     if stream_mode == "callback":
-      yield from self._stream_callback(prog, prompt, pad, samp, len(ids), emit, finished, timings)
+      yield from self._stream_callback(prog, prompt, jnp.asarray(pad), samp, len(ids), emit, finished, timings)
       return
     if stream_mode != "chunks":
       raise ValueError(f"stream_mode must be 'chunks' or 'callback', got {stream_mode!r}")
     state = prog.init_state()
     seen = 0
-    prompt_d, pad_d = jnp.asarray(prompt), jnp.asarray(pad)
+    pad_d = jnp.asarray(pad)
     while True:
-      state = prog.advance(self._parts, prompt_d, pad_d, samp, state)
+      state = prog.advance(self._parts, prompt, pad_d, samp, state)
       step, done, out, count = jax.device_get((state.step, state.done, state.out, state.count))
       if seen == 0:
         timings["first_token"] = time.perf_counter()
@@ -221,7 +273,7 @@ class Model:
 
     def run():
       try:
-        prog.run_with_callback(self._parts, jnp.asarray(prompt), jnp.asarray(pad), samp, on_token)
+        prog.run_with_callback(self._parts, prompt, pad, samp, on_token)
       finally:
         q.put(None)
 
@@ -254,23 +306,22 @@ class Model:
   def generate_batch(self, prompts, params=None, chat=False, system=None, stream_mode="chunks") -> list[Completion]:
     if isinstance(prompts, (str,)):
       raise TypeError("generate_batch takes a list of prompts; use generate() for one")
-    ids = [self.prompt_ids(p, chat, system) for p in prompts]
-    toks: list[list[int]] = [[] for _ in ids]
-    texts = [""] * len(ids)
-    reasons = ["length"] * len(ids)
-    for d in self.stream_batch(ids, params, False, None, stream_mode):
+    toks: list[list[int]] = [[] for _ in prompts]
+    texts = [""] * len(prompts)
+    reasons = ["length"] * len(prompts)
+    for d in self.stream_batch(prompts, params, chat, system, stream_mode):
       toks[d.row].extend(d.token_ids)
       texts[d.row] += d.text
       if d.finished:
         reasons[d.row] = d.finish_reason
     t = self.last_timings
+    ids = t["prompt_ids"]
     return [Completion(i, tk, tx, rs, t) for i, tk, tx, rs in zip(ids, toks, texts, reasons)]
 
   def generate(self, prompt: str | Sequence[int], *, chat: bool = False, system: str | None = None,
                stream_mode: str = "chunks", **sampling) -> Completion:
     """The whole continuation of one prompt."""
-    ids = self.prompt_ids(prompt, chat, system)
-    return self.generate_batch([ids], SamplingParams(**sampling), stream_mode=stream_mode)[0]
+    return self.generate_batch([prompt], SamplingParams(**sampling), chat, system, stream_mode)[0]
 
   # ---- scoring ---------------------------------------------------------------------
   def logits(self, token_ids: Sequence[int]) -> np.ndarray:

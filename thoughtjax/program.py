@@ -34,6 +34,7 @@ from flax import nnx
 from jax.experimental import io_callback
 
 from thoughtjax.model import Block, Embed, Head, Transformer, kv_cache_shape, run_path
+from thoughtjax.kernels.template_embed import template_embed
 from thoughtjax.sampling import SamplingArrays, SamplingMode, sample
 
 DEFAULT_CHUNK = 8
@@ -69,11 +70,25 @@ class ProgramKey:
   mode: SamplingMode
   has_bias: bool
   chunk: int = DEFAULT_CHUNK
-  sampler: str | None = None  # kernels implementation; None = per backend
+  sampler: str | None = None  # kernels implementation (sampler, template embed); None = per backend
+  template: tuple[int, int] | None = None  # (P1, P2): prompts arrive as TemplatePrompt
 
   @property
   def cache_len(self) -> int:  # S
     return self.prompt_len + self.max_new
+
+
+class TemplatePrompt(NamedTuple):
+  """A chat prompt as the template's fixed rows around each row's user tokens.
+
+  The prefill embeds it with the fused template-embedding kernel, left-padded to T:
+  row b holds prefix rows, ``user_ids[b, :user_lengths[b]]`` rows and suffix rows.
+  """
+
+  prefix_rows: jax.Array  # [P1, D]
+  suffix_rows: jax.Array  # [P2, D]
+  user_ids: jax.Array  # [B, T - P1 - P2] i32
+  user_lengths: jax.Array  # [B] i32
 
 
 class PathParts(NamedTuple):
@@ -172,8 +187,14 @@ class Program:
     s = jnp.arange(S)
     mask = ((s[None, None, :] >= pad[:, None, None]) & (s[None, None, :] <= t[None, :, None])) | (
         s[None, None, :] == t[None, :, None])  # padded queries see themselves: no NaN rows
+    embeddings = None
+    if isinstance(prompt, TemplatePrompt):
+      embeddings = template_embed(prompt.prefix_rows, prompt.suffix_rows, embed.table[...],
+                                  prompt.user_ids, prompt.user_lengths, total_len=T, left_pad=True,
+                                  implementation=k.sampler)
+      prompt = None
     logits, caches = run_path(embed, blocks, head, prompt, positions, state.caches,
-                              jnp.zeros((), jnp.int32), mask)
+                              jnp.zeros((), jnp.int32), mask, embeddings)
     token, stop = sample(logits[:, -1], samp, state.step, k.mode, k.sampler)
     return self._record(state._replace(caches=tuple(caches)), token, stop, samp)
 

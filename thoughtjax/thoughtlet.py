@@ -276,17 +276,7 @@ def versioned_hash(identity: Mapping, params: Mapping[str, Any]) -> str:
 # ------------------------------------------------------------------------------ cutting
 def template_parts(codec, system: str | None) -> tuple[list[int], list[int]]:
   """Token ids of a chat template's fixed text before and after one user message."""
-  sentinel = "\u241fTHOUGHTJAX_USER_MESSAGE\u241f"
-  messages = ([{"role": "system", "content": system}] if system else []) + [
-      {"role": "user", "content": sentinel}]
-  text = codec.render_chat(messages)
-  if text.count(sentinel) != 1:
-    raise ValueError("the chat template does not place the user message verbatim exactly once; "
-                     "a template thoughtlet cannot be cut from it")
-  before, after = text.split(sentinel)
-  prefix = codec.encode(before) if before else ([codec.bos_id] if codec.add_bos and codec.bos_id is not None else [])
-  suffix = codec.tokenizer.encode(after, add_special_tokens=False).ids if after else []
-  return prefix, suffix
+  return codec.chat_template_parts(system)
 
 
 def cut(model: Transformer, kind: Kind, *, layers: tuple[int, int] | None = None,

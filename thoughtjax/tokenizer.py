@@ -106,6 +106,20 @@ class TextCodec:
                                  bos_token=self._token_text(self.bos_id),
                                  eos_token=self._token_text(self.eos_id))
 
+  def chat_template_parts(self, system: str | None = None) -> tuple[list[int], list[int]]:
+    """Token ids of the chat template's fixed text before and after one user message."""
+    sentinel = "\u241fTHOUGHTJAX_USER_MESSAGE\u241f"
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": sentinel}]
+    text = self.render_chat(messages)
+    if text.count(sentinel) != 1:
+      raise ValueError("the chat template does not place the user message verbatim exactly once; "
+                       "its fixed parts cannot be cut from it")
+    before, after = text.split(sentinel)
+    prefix = self.encode(before) if before else ([self.bos_id] if self.add_bos and self.bos_id is not None else [])
+    suffix = self.tokenizer.encode(after, add_special_tokens=False).ids if after else []
+    return prefix, suffix
+
   def _token_text(self, i: int | None) -> str:
     return "" if i is None else (self.tokenizer.id_to_token(i) or "")
 
