@@ -163,3 +163,21 @@ def test_forced_pallas_sampler_gives_identical_greedy_text_on_default_model(defa
   a = default_model.generate("What is the capital of France?", chat=True, max_tokens=16)
   b = pallas.generate("What is the capital of France?", chat=True, max_tokens=16)
   assert b.text == a.text and b.token_ids == a.token_ids
+
+
+def test_chat_prompts_take_the_template_path_and_match_token_ids():
+  from tests.tiny import CHAT_TEMPLATE
+
+  cfg, model = tiny_model("qwen2_bias", seed=5)
+  codec = TextCodec(tiny_tokenizer(), CHAT_TEMPLATE, cfg.bos_id, cfg.eos_id)
+  loaded = LoadedModel(cfg, model, codec, "tiny-chat", "")
+  prompts = ["hello there", "a much longer user message, with punctuation!"]
+  for sampler in ("xla", "pallas"):
+    m = thoughtjax.Model(loaded, sampler=sampler)
+    chat = m.generate_batch(prompts, SamplingParams(max_tokens=6, ignore_eos=True), chat=True)
+    assert chat[0].timings["program"].template is not None  # fused template embedding used
+    tokens = m.generate_batch([m.prompt_ids(p, chat=True) for p in prompts],
+                              SamplingParams(max_tokens=6, ignore_eos=True))
+    assert tokens[0].timings["program"].template is None
+    for a, b in zip(chat, tokens):
+      assert a.prompt_ids == b.prompt_ids and a.token_ids == b.token_ids
