@@ -13,18 +13,31 @@ import json
 import sys
 from typing import Sequence
 
+from thoughtjax import registry_cli
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", default=None, help="known model name or path to a .gguf / safetensors dir "
                  "(default: smollm2-135m-instruct)")
   p.add_argument("--path", default=None, help='thoughtlet path, e.g. "embed, blocks[0:12), head" '
                  "(default: the full model)")
+  p.add_argument("--registry", default=None, metavar="DIR",
+                 help="compose --path from this thoughtlet registry instead of loading --model "
+                 "(default path: embed, every block thoughtlet in layer order, head)")
   p.add_argument("--sampler", choices=("xla", "pallas"), default=None,
-                 help="sampling kernel implementation (default: pallas on GPU, xla elsewhere)")
+                 help="kernel implementation for sampling and template embedding "
+                 "(default: pallas on GPU, xla elsewhere)")
 
 
 def _load(args):
   import thoughtjax
+
+  if getattr(args, "registry", None):
+    if args.model is not None:
+      raise SystemExit("give --model or --registry, not both")
+    from thoughtjax.registry_cli import load_from_registry
+
+    return load_from_registry(args)
 
   model = thoughtjax.load(args.model, sampler=getattr(args, "sampler", None))
   if getattr(args, "path", None):
@@ -151,12 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("what", choices=("decode", "kernels", "registry"))
   p.set_defaults(fn=cmd_bench, passthrough=True)
 
-  try:
-    from thoughtjax import registry_cli
-  except ImportError:
-    registry_cli = None
-  if registry_cli is not None:
-    registry_cli.add_parser(sub)
+  registry_cli.add_parser(sub)
   return parser
 
 
@@ -169,14 +177,20 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parser.parse_args(argv)
   try:
     return args.fn(args)
-  except (ValueError, FileNotFoundError, RuntimeError) as e:
-    # User-facing failures (bad path, bad model, fetch errors) without a traceback.
-    from thoughtjax.fetch import FetchError
+  except Exception as e:
+    if not _is_user_error(e):
+      raise
+    # User-facing failures (bad path, bad model, fetch errors, registry integrity): one line.
+    print(f"thoughtjax {args.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
+    return 2
 
-    if isinstance(e, (FetchError, FileNotFoundError, ValueError)):
-      print(f"thoughtjax {args.command}: error: {e}", file=sys.stderr)
-      return 2
-    raise
+
+def _is_user_error(e: Exception) -> bool:
+  from thoughtjax.fetch import FetchError
+
+  if isinstance(e, (FileNotFoundError, ValueError, FetchError)):
+    return True
+  return isinstance(e, registry_cli._user_errors())  # imported only when something failed
 
 
 if __name__ == "__main__":

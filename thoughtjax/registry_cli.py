@@ -1,6 +1,6 @@
 """``thoughtjax registry ...``: build, verify, keygen, validate, list, show, gc.
 
-Also adds ``--registry DIR`` to ``thoughtjax generate`` and ``thoughtjax score``: the
+``thoughtjax generate`` and ``thoughtjax score`` take ``--registry DIR`` too: the
 ``--path`` is then composed from that registry (versions, templates and type checks
 included) instead of slicing a freshly loaded model.
 """
@@ -186,35 +186,6 @@ def load_from_registry(args):
   return compose(args.path or full_path(reg), reg, sampler=getattr(args, "sampler", None))
 
 
-def _with_registry(parser: argparse.ArgumentParser) -> None:
-  """Add ``--registry`` to an existing ``generate``/``score`` parser."""
-  original = parser.get_default("fn")
-  parser.add_argument("--registry", default=None, metavar="DIR",
-                      help="compose --path from this thoughtlet registry (default path: embed, every block "
-                           "thoughtlet in layer order, head)")
-
-  def fn(args):
-    if args.registry is None:
-      return original(args)
-    if args.model is not None:
-      raise SystemExit("give --model or --registry, not both")
-    try:
-      model = load_from_registry(args)
-    except _user_errors() as e:
-      return _report(args, e)
-    # Point the command's own loader at the composed model. Its module globals, not an import
-    # of thoughtjax.cli: under `python -m thoughtjax.cli` the running module is __main__.
-    namespace = original.__globals__
-    saved = namespace["_load"]
-    namespace["_load"] = lambda _args: model
-    try:
-      return original(args)
-    finally:
-      namespace["_load"] = saved
-
-  parser.set_defaults(fn=fn)
-
-
 def add_parser(subparsers) -> None:
   p = subparsers.add_parser("registry", help="build, verify and inspect a thoughtlet registry")
   sub = p.add_subparsers(dest="registry_command", required=True)
@@ -272,7 +243,3 @@ def add_parser(subparsers) -> None:
   g.add_argument("--keep", type=int, default=2, help="versions kept per thoughtlet, current included")
   g.add_argument("--dry-run", action="store_true")
   g.set_defaults(fn=_guarded(cmd_gc))
-
-  for name in ("generate", "score"):
-    if name in subparsers.choices:
-      _with_registry(subparsers.choices[name])
