@@ -112,6 +112,37 @@ def bench_thoughtjax(args) -> dict:
   return res
 
 
+_STREAM_PROBE = """
+import sys, time
+from jax._src import monitoring
+hits = []
+monitoring.register_event_listener(
+    lambda name, **kw: hits.append(name) if name == "/jax/compilation_cache/cache_hits" else None)
+import thoughtjax
+m = thoughtjax.load(sys.argv[2] or None)
+t = time.perf_counter()
+c = m.generate("Hi", max_tokens=4, stream_mode=sys.argv[1])
+print(c.timings["first_token"] - t, len(hits))
+"""
+
+
+def stream_startup(args) -> dict:
+  """Load call -> first token in two fresh processes per streaming mode, sharing a new
+  compile cache: shows which mode's program the persistent cache can serve."""
+  out = {}
+  with tempfile.TemporaryDirectory() as cache:
+    env = {**os.environ, "THOUGHTJAX_COMPILE_CACHE": cache}
+    for mode in ("callback", "chunks"):
+      runs = []
+      for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", _STREAM_PROBE, mode, args.model or ""], env=env,
+                           capture_output=True, text=True, check=True)
+        seconds, hits = r.stdout.split()[-2:]
+        runs.append({"first_token_s": float(seconds), "cache_hits": int(hits)})
+      out[mode] = runs
+  return out
+
+
 def bench_llama_cpp(args) -> dict | None:
   try:
     import llama_cpp
@@ -194,7 +225,19 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--chunks", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 16],
                  help="other decode chunk sizes to compare with the default (comma-separated)")
   p.add_argument("--skip-process", action="store_true", help="skip the new-process start-up runs")
+  p.add_argument("--stream-startup", action="store_true",
+                 help="only compare start-up of chunked vs callback streaming in fresh processes")
   args = p.parse_args(argv)
+
+  if args.stream_startup:
+    res = stream_startup(args)
+    for mode, runs in res.items():
+      print(f"{mode:9s} " + "  ".join(f"process {i + 1}: {r['first_token_s']:.2f} s to first token "
+                                      f"({r['cache_hits']} cache hits)" for i, r in enumerate(runs)))
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(res, f, indent=2)
+    return 0
 
   bw = copy_bandwidth()
   res = {"copy_bandwidth_gb_s": bw, "thoughtjax": bench_thoughtjax(args), "llama_cpp": bench_llama_cpp(args),
