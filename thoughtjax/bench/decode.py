@@ -58,13 +58,18 @@ def _process_first_token(model_arg: str, cache_dir: str | None, prompt: str) -> 
     env["THOUGHTJAX_COMPILE_CACHE"] = cache_dir
   cmd = [sys.executable, "-m", "thoughtjax.cli", "generate", "--chat", "--prompt", prompt,
          "--max-tokens", "8"] + (["--model", model_arg] if model_arg else [])
+  return _time_to_first_byte(cmd, env)
+
+
+def _time_to_first_byte(cmd: list[str], env: dict | None = None) -> float:
+  """Seconds from spawning ``cmd`` to the first byte on its stdout (it must then succeed)."""
   t = time.perf_counter()
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
   first = proc.stdout.read(1)
   elapsed = time.perf_counter() - t
   proc.communicate()
   if proc.returncode != 0 or not first:
-    raise RuntimeError(f"{' '.join(cmd)} failed with exit {proc.returncode}")
+    raise RuntimeError(f"{' '.join(cmd[:4])} ... failed with exit {proc.returncode}")
   return elapsed
 
 
@@ -205,15 +210,7 @@ def _llama_process_first_token(path: str) -> float:
   """Seconds from spawning a llama-cpp-python process to its first byte of answer text."""
   chat = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
           f"<|im_start|>user\n{CHAT_PROMPT}<|im_end|>\n<|im_start|>assistant\n")
-  t = time.perf_counter()
-  proc = subprocess.Popen([sys.executable, "-c", _LLAMA_PROBE, path, chat], stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL)
-  first = proc.stdout.read(1)
-  elapsed = time.perf_counter() - t
-  proc.communicate()
-  if proc.returncode != 0 or not first:
-    raise RuntimeError(f"llama.cpp probe failed with exit {proc.returncode}")
-  return elapsed
+  return _time_to_first_byte([sys.executable, "-c", _LLAMA_PROBE, path, chat])
 
 
 def main(argv: list[str] | None = None) -> int:
