@@ -357,7 +357,7 @@ class Registry:
   def __init__(self, root: str | os.PathLike, *, trusted_keys: Iterable | None = None,
                memory_budget: int | None = None, verify_files: bool = True,
                require_signatures: bool | None = None):
-    self.root = Path(root)
+    self.root = Path(root).absolute()  # Orbax takes absolute paths only
     self._explicit_trust = trusted_keys is not None
     self._trusted = {} if trusted_keys is None else _load_keys(trusted_keys)
     self.require_signatures = self._explicit_trust if require_signatures is None else require_signatures
@@ -852,7 +852,7 @@ def _publish(root: Path, thoughtlets: Sequence[Thoughtlet], *, sign_key, on_step
   step = on_step or (lambda event, name: None)
   key = signing.load_private_key(sign_key) if isinstance(sign_key, (str, os.PathLike)) else sign_key
   key_id = None if key is None else signing.key_id(key.public_key())
-  root = Path(root)
+  root = Path(root).absolute()  # Orbax takes absolute paths only
   with _writer_lock(root):
     staging_root = root / ".staging"
     shutil.rmtree(staging_root, ignore_errors=True)  # only a dead writer leaves anything here
@@ -1061,7 +1061,7 @@ def collect_garbage(root: str | os.PathLike, *, keep: int = 2, dry_run: bool = F
   """
   if keep < 1:
     raise ValueError(f"keep must be >= 1 (the current version always stays), got {keep}")
-  root = Path(root)
+  root = Path(root).absolute()
   removed = []
   with _writer_lock(root):
     body, _ = _read_index(root)

@@ -98,3 +98,17 @@ def test_generate_and_score_resolve_paths_through_a_registry(cli_registry, tmp_p
   out = json.loads(r.stdout)
   m = compose(tpath, Registry.open(reg_dir))
   assert out["prompt_ids"] == m.prompt_ids("hello") and out["token_ids"] == m.generate("hello", max_tokens=3).token_ids
+
+
+def test_relative_registry_paths_work(cli_registry, tmp_path, monkeypatch, capsys):
+  """Paths as a user types them (relative to the working directory) for build, verify, generate."""
+  monkeypatch.chdir(tmp_path)
+  src = cli_registry / "model"
+  (tmp_path / "mapping.yaml").write_text(mapping_text([(0, 1), (1, 3)], 3))
+  assert cli.main(["registry", "build", "--model", str(src), "--mapping", "mapping.yaml",
+                   "--out", "rel/reg", "--no-profile"]) == 0
+  assert cli.main(["registry", "verify", "rel/reg"]) == 0
+  capsys.readouterr()
+  assert cli.main(["generate", "--registry", "rel/reg", "--path", "embed, blocks[0:1), head",
+                   "--prompt", "hi", "--max-tokens", "3", "--json"]) == 0
+  assert len(json.loads(capsys.readouterr().out)["token_ids"]) >= 1
