@@ -7,7 +7,6 @@ included) instead of slicing a freshly loaded model.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path

@@ -9,7 +9,6 @@ import threading
 
 import jax
 import numpy as np
-import pytest
 
 from thoughtjax.compose import compose, full_path
 from thoughtjax.registry import Registry

@@ -81,7 +81,6 @@ def bench_thoughtjax(args) -> dict:
   t0 = time.perf_counter()
   model = thoughtjax.load(args.model)
   load_s = time.perf_counter() - t0
-  cfg = model.config
   weight_bytes = sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(model.parts))
   chat_ids = model.prompt_ids(CHAT_PROMPT, chat=True)
   long_ids = model.codec.encode(LONG_TEXT)[:250]
