@@ -10,7 +10,7 @@ from thoughtjax import program as program_lib
 from thoughtjax.loading import LoadedModel
 from thoughtjax.sampling import SamplingParams
 from thoughtjax.tokenizer import TextCodec
-from tests.tiny import tiny_model, tiny_tokenizer
+from tests.tiny import greedy_reference, tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -20,21 +20,10 @@ def engine():
   return thoughtjax.Model(LoadedModel(cfg, model, codec, "tiny", ""))
 
 
-def _greedy_reference(engine, ids, n):
-  """Greedy decoding by re-running the full forward each step (no cache, no program)."""
-  ids = list(ids)
-  out = []
-  for _ in range(n):
-    nxt = int(np.argmax(engine.logits(ids)[-1]))
-    out.append(nxt)
-    ids.append(nxt)
-  return out
-
-
 def test_cached_decode_matches_full_recompute(engine):
   ids = [10, 20, 30, 40, 50]
   got = engine.generate(ids, max_tokens=12, ignore_eos=True).token_ids
-  assert got == _greedy_reference(engine, ids, 12)
+  assert got == greedy_reference(engine, ids, 12)
 
 
 def test_eos_stops_by_default_and_ignore_eos_runs_on(engine):
@@ -143,7 +132,7 @@ def test_repeated_and_skipped_layers_run(engine):
   for m in (skip, repeat):
     ids = [3, 4, 5]
     got = m.generate(ids, max_tokens=6, ignore_eos=True).token_ids
-    assert got == _greedy_reference(m, ids, 6)
+    assert got == greedy_reference(m, ids, 6)
   # parameters are shared with the full model, not copied
   assert repeat.parts.blocks[1] is not None
   assert repeat.parts.blocks[1]["attn"]["q"][...] is engine.parts.blocks[1]["attn"]["q"][...]

@@ -153,3 +153,17 @@ def write_gguf(path: Path, cfg: ModelConfig, model, qtype: str = "F32") -> Path:
   writer.write_tensors_to_file()
   writer.close()
   return path
+
+
+def greedy_reference(model, ids, n: int, stop_at_eos: bool = False) -> list[int]:
+  """Greedy continuation by re-running the full forward each step (no KV cache, no
+  generation program): the reference the cached decode loop is checked against."""
+  ids = list(ids)
+  out = []
+  for _ in range(n):
+    nxt = int(np.argmax(model.logits(ids)[-1]))
+    out.append(nxt)
+    ids.append(nxt)
+    if stop_at_eos and nxt == model.config.eos_id:
+      break
+  return out

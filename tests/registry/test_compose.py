@@ -14,6 +14,7 @@ from thoughtjax.engine import Model
 from thoughtjax.loading import LoadedModel
 from thoughtjax.paths import PathSyntaxError
 from thoughtjax.registry import Registry
+from tests.tiny import greedy_reference
 
 IDS = [7, 70, 71, 72, 32, 73, 74, 75, 76, 77, 78, 79, 80]
 
@@ -34,22 +35,9 @@ def test_full_path_matches_the_monolithic_model(tiny, built):
   m.generate(IDS[:5], max_tokens=3)  # same buckets: the same compiled program
   assert program_lib.PROGRAMS.misses <= misses + 1
   assert m.last_timings["program"].layers == tuple(range(6))
-  assert got == _greedy(ref, IDS, 6)
+  assert got == greedy_reference(ref, IDS, 6, stop_at_eos=True)
   assert [t for d in m.stream(IDS, max_tokens=4) for t in d.token_ids] == got[:4]
   assert m.score(IDS).nll == pytest.approx(ref.score(IDS).nll, abs=1e-5)
-
-
-def _greedy(model, ids, n):
-  """Greedy continuation from full-sequence logits (no KV cache, no generation program)."""
-  ids = list(ids)
-  out = []
-  for _ in range(n):
-    nxt = int(np.argmax(model.logits(ids)[-1]))
-    out.append(nxt)
-    ids.append(nxt)
-    if nxt == model.config.eos_id:
-      break
-  return out
 
 
 def test_path_identity_is_a_hash_of_resolved_refs(built):
