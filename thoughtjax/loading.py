@@ -20,9 +20,9 @@ from thoughtjax import fetch as fetch_lib
 from thoughtjax.config import ModelConfig
 from thoughtjax.model import Transformer
 from thoughtjax.tokenizer import TextCodec
-from thoughtjax.weights import build_model, params_from_hf
+from thoughtjax.weights import build_model, params_from_hf, to_hf_tensors
 
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2  # 2: float32 weights in the model layout, memory-mapped on load
 
 
 @dataclasses.dataclass
@@ -54,25 +54,30 @@ def resolve_source(name_or_path: str | os.PathLike) -> Path:
   return path
 
 
-def load_tensors(source: Path) -> tuple[ModelConfig, dict[str, np.ndarray], TextCodec, str]:
-  """Config, float32 Hugging Face-named tensors, codec and source hash of a model source."""
+def load_params(source: Path) -> tuple[ModelConfig, dict, TextCodec, str]:
+  """Config, float32 parameters in the model layout (nested dict), codec and source hash."""
   if source.is_dir():
     from thoughtjax.sources.safetensors_dir import read_hf_config, read_safetensors
 
     cfg = read_hf_config(source)
-    digest = _dir_hash(source)
-    return cfg, read_safetensors(source), TextCodec.from_hf_dir(source, cfg.bos_id, cfg.eos_id), digest
+    codec = TextCodec.from_hf_dir(source, cfg.bos_id, cfg.eos_id)
+    return cfg, params_from_hf(cfg, read_safetensors(source)), codec, _dir_hash(source)
   if source.suffix != ".gguf":
     raise ValueError(f"{source}: expected a .gguf file or a directory with config.json and *.safetensors")
   return _load_gguf_cached(source)
 
 
+def load_tensors(source: Path) -> tuple[ModelConfig, dict[str, np.ndarray], TextCodec, str]:
+  """Like :func:`load_params`, with the weights under Hugging Face names ([out, in] layout)."""
+  cfg, params, codec, digest = load_params(source)
+  return cfg, to_hf_tensors(cfg, params), codec, digest
+
+
 def load(name_or_path: str | os.PathLike = fetch_lib.DEFAULT_MODEL, dtype=jnp.float32) -> LoadedModel:
   """Load a model by known name or path into a Flax NNX :class:`Transformer`."""
   source = resolve_source(name_or_path)
-  cfg, tensors, codec, digest = load_tensors(source)
-  model = build_model(cfg, params_from_hf(cfg, tensors), dtype)
-  return LoadedModel(cfg, model, codec, str(name_or_path), digest)
+  cfg, params, codec, digest = load_params(source)
+  return LoadedModel(cfg, build_model(cfg, params, dtype), codec, str(name_or_path), digest)
 
 
 def _dir_hash(directory: Path) -> str:
@@ -89,8 +94,48 @@ def _stat_key(path: Path) -> str:
   return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
 
 
+def _flatten(params: dict, prefix: str = "") -> dict[str, np.ndarray]:
+  out = {}
+  for k, v in params.items():
+    key = f"{prefix}{k}"
+    out.update(_flatten(v, key + "/") if isinstance(v, dict) else {key: np.ascontiguousarray(v)})
+  return out
+
+
+def _unflatten(flat: dict[str, np.ndarray]) -> dict:
+  out: dict = {}
+  for key, v in flat.items():
+    node = out
+    *parents, leaf = [int(p) if p.isdigit() else p for p in key.split("/")]
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = v
+  return out
+
+
+def _map_safetensors(path: Path) -> dict[str, np.ndarray]:
+  """Read-only memory-mapped arrays of a float32 safetensors file (we wrote it ourselves).
+
+  The format: 8-byte little-endian header size, a JSON header of name -> dtype, shape and
+  byte range, then the data. Mapping skips the copy that reading the file would make.
+  """
+  with open(path, "rb") as f:
+    size = int.from_bytes(f.read(8), "little")
+    header = json.loads(f.read(size))
+  data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + size)
+  out = {}
+  for name, info in header.items():
+    if name == "__metadata__":
+      continue
+    if info["dtype"] != "F32":
+      raise ValueError(f"{path}: tensor {name} is {info['dtype']}; the weight cache holds F32 only")
+    a, b = info["data_offsets"]
+    out[name] = data[a:b].view(np.float32).reshape(info["shape"])
+  return out
+
+
 def _load_gguf_cached(path: Path):
-  from safetensors.numpy import load_file, save_file
+  from safetensors.numpy import save_file
 
   root = fetch_lib.cache_dir() / "weights"
   index_path = root / "index.json"
@@ -102,21 +147,22 @@ def _load_gguf_cached(path: Path):
   if (entry / "meta.json").exists():
     meta = json.loads((entry / "meta.json").read_text())
     cfg = ModelConfig.from_json(meta["config"])
-    tensors = load_file(str(entry / "weights.safetensors"))
+    params = _unflatten(_map_safetensors(entry / "weights.safetensors"))
     from tokenizers import Tokenizer
 
     codec = TextCodec(Tokenizer.from_file(str(entry / "tokenizer.json")), meta["chat_template"],
                       meta["bos_id"], meta["eos_id"], meta["add_bos"])
-    return cfg, tensors, codec, digest
+    return cfg, params, codec, digest
 
   from thoughtjax.sources.gguf_file import load_gguf
 
   ckpt = load_gguf(path)
+  params = params_from_hf(ckpt.config, ckpt.tensors)
   codec = TextCodec.from_gguf(ckpt.tokenizer)
   root.mkdir(parents=True, exist_ok=True)
   staging = Path(tempfile.mkdtemp(dir=root, prefix=".staging-"))
   try:
-    save_file(ckpt.tensors, str(staging / "weights.safetensors"))
+    save_file(_flatten(params), str(staging / "weights.safetensors"))
     codec.tokenizer.save(str(staging / "tokenizer.json"))
     meta = {"config": ckpt.config.to_json(), "chat_template": codec.chat_template,
             "bos_id": codec.bos_id, "eos_id": codec.eos_id, "add_bos": codec.add_bos,
@@ -133,4 +179,4 @@ def _load_gguf_cached(path: Path):
   tmp_index = root / f".index-{os.getpid()}.json"
   tmp_index.write_text(json.dumps(index))
   os.replace(tmp_index, index_path)
-  return ckpt.config, ckpt.tensors, codec, digest
+  return ckpt.config, params, codec, digest
