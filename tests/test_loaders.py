@@ -82,3 +82,17 @@ def test_unsupported_quantization_is_named(tmp_path, monkeypatch):
 def test_missing_path_is_a_clear_error():
   with pytest.raises(FileNotFoundError, match="neither a known name"):
     thoughtjax.load("/nonexistent/model.gguf", compile_cache=False)
+
+
+def test_weight_cache_replaces_entries_of_older_formats(tmp_path, monkeypatch):
+  monkeypatch.setenv("THOUGHTJAX_CACHE", str(tmp_path / "cache"))
+  from thoughtjax import fetch as fetch_lib
+
+  cfg, model = tiny_model("llama_gqa")
+  path = write_gguf(tmp_path / "tiny.gguf", cfg, model, "F32")
+  stale = tmp_path / "cache" / "weights" / f"{fetch_lib.sha256_file(path)[:24]}-v0"
+  stale.mkdir(parents=True)
+  (stale / "weights.safetensors").write_bytes(b"old format")
+  thoughtjax.load(str(path), compile_cache=False)
+  entries = sorted(p.name for p in (tmp_path / "cache" / "weights").iterdir() if p.is_dir())
+  assert entries == [f"{stale.name[:-3]}-v{thoughtjax.loading._CACHE_FORMAT}"]

@@ -172,6 +172,9 @@ def _load_gguf_cached(path: Path):
       os.rename(staging, entry)
     except OSError:  # another process won the race; its copy is identical
       shutil.rmtree(staging, ignore_errors=True)
+    for stale in root.glob(f"{digest[:24]}-v*"):  # entries of older cache formats
+      if stale != entry:
+        shutil.rmtree(stale, ignore_errors=True)
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
     raise
