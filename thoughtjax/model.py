@@ -14,7 +14,7 @@ Model code never calls ``jax.jit``; :mod:`thoughtjax.program` owns that boundary
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -228,6 +228,38 @@ def run_path(embed: Embed, blocks: Sequence[Block], head: Head, tokens: Array, p
       x, ck, cv = block(x, cos, sin, ck, cv, write_at, mask)
       new_caches.append((ck, cv))
   return head(x, embed.table[...]), new_caches
+
+
+class PathParts(NamedTuple):
+  """Parameters a path needs: embed, the distinct blocks it uses, head."""
+
+  embed: nnx.State
+  blocks: dict[int, nnx.State]
+  head: nnx.State
+
+  @classmethod
+  def from_model(cls, model: Transformer, layers: Sequence[int]) -> "PathParts":
+    return cls(nnx.state(model.embed), {i: nnx.state(model.blocks[i]) for i in sorted(set(layers))},
+               nnx.state(model.head))
+
+
+class GraphDefs(NamedTuple):
+  """Static structure of a path's modules (one block graph serves every layer)."""
+
+  embed: nnx.GraphDef
+  block: nnx.GraphDef
+  head: nnx.GraphDef
+
+  @classmethod
+  def from_model(cls, model: Transformer) -> "GraphDefs":
+    return cls(nnx.graphdef(model.embed), nnx.graphdef(model.blocks[0]), nnx.graphdef(model.head))
+
+
+def merge_path(defs: GraphDefs, parts: PathParts, layers: Sequence[int]) -> tuple[Embed, list[Block], Head]:
+  """Modules of a path from graph definitions and states (inside traced code)."""
+  embed = nnx.merge(defs.embed, parts.embed)
+  by_layer = {i: nnx.merge(defs.block, s) for i, s in parts.blocks.items()}
+  return embed, [by_layer[i] for i in layers], nnx.merge(defs.head, parts.head)
 
 
 def init_random(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float = 0.02) -> Transformer:

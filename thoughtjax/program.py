@@ -33,7 +33,8 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
-from thoughtjax.model import Block, Embed, Head, Transformer, kv_cache_shape, run_path
+# GraphDefs, PathParts and merge_path live with the model; re-exported here for old imports.
+from thoughtjax.model import Block, Embed, GraphDefs, Head, PathParts, kv_cache_shape, merge_path, run_path
 from thoughtjax.kernels.template_embed import template_embed
 from thoughtjax.sampling import SamplingArrays, SamplingMode, sample
 
@@ -89,36 +90,6 @@ class TemplatePrompt(NamedTuple):
   suffix_rows: jax.Array  # [P2, D]
   user_ids: jax.Array  # [B, T - P1 - P2] i32
   user_lengths: jax.Array  # [B] i32
-
-
-class PathParts(NamedTuple):
-  """Parameters a path needs: embed, the distinct blocks it uses, head."""
-
-  embed: nnx.State
-  blocks: dict[int, nnx.State]
-  head: nnx.State
-
-  @classmethod
-  def from_model(cls, model: Transformer, layers: Sequence[int]) -> "PathParts":
-    return cls(nnx.state(model.embed), {i: nnx.state(model.blocks[i]) for i in sorted(set(layers))},
-               nnx.state(model.head))
-
-
-class GraphDefs(NamedTuple):
-  embed: nnx.GraphDef
-  block: nnx.GraphDef
-  head: nnx.GraphDef
-
-  @classmethod
-  def from_model(cls, model: Transformer) -> "GraphDefs":
-    return cls(nnx.graphdef(model.embed), nnx.graphdef(model.blocks[0]), nnx.graphdef(model.head))
-
-
-def merge_path(defs: GraphDefs, parts: PathParts, layers: Sequence[int]) -> tuple[Embed, list[Block], Head]:
-  """Modules of a path from graph definitions and states (inside traced code)."""
-  embed = nnx.merge(defs.embed, parts.embed)
-  by_layer = {i: nnx.merge(defs.block, s) for i, s in parts.blocks.items()}
-  return embed, [by_layer[i] for i in layers], nnx.merge(defs.head, parts.head)
 
 
 def _full_sequence_logits(defs: GraphDefs, layers: tuple[int, ...], parts: PathParts, tokens):
