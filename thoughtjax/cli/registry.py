@@ -81,7 +81,7 @@ def cmd_build(args) -> int:
 
 def _default_mapping() -> Path:
   here = Path("registry/semantic_mapping.yaml")
-  return here if here.exists() else Path(__file__).resolve().parents[1] / "registry" / "semantic_mapping.yaml"
+  return here if here.exists() else Path(__file__).resolve().parents[2] / "registry" / "semantic_mapping.yaml"
 
 
 def _print_table(reg) -> None:

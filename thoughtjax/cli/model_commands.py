@@ -1,19 +1,10 @@
-"""``thoughtjax`` command line: fetch, generate, score, bench, registry.
-
-Output contracts other tools rely on:
-  generate --json  -> one JSON object with ``token_ids`` (generated ids) and ``text``
-  score --json     -> one JSON object with per-position ``top_ids``/``top_logits``,
-                      ``nll`` and ``perplexity``
-"""
+"""``thoughtjax fetch``, ``generate`` and ``score``: the commands that run one model."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from typing import Sequence
-
-from thoughtjax import registry_cli
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -35,7 +26,7 @@ def _load(args):
   if getattr(args, "registry", None):
     if args.model is not None:
       raise SystemExit("give --model or --registry, not both")
-    from thoughtjax.registry_cli import load_from_registry
+    from thoughtjax.cli.registry import load_from_registry
 
     return load_from_registry(args)
 
@@ -113,26 +104,7 @@ def cmd_score(args) -> int:
   return 0
 
 
-def cmd_bench(args, rest: list[str]) -> int:
-  if args.what == "decode":
-    from thoughtjax.bench import decode
-
-    return decode.main(rest)
-  if args.what == "kernels":
-    from thoughtjax.kernels import bench
-
-    return bench.main(rest)
-  if args.what == "registry":
-    from thoughtjax.bench import registry
-
-    return registry.main(rest)
-  raise SystemExit(f"unknown benchmark {args.what!r}")
-
-
-def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="thoughtjax", description=__doc__.splitlines()[0])
-  sub = parser.add_subparsers(dest="command", required=True)
-
+def add_parsers(sub) -> None:
   p = sub.add_parser("fetch", help="download and verify the default model")
   p.add_argument("name", nargs="?", default="smollm2-135m-instruct")
   p.add_argument("--force", action="store_true", help="download again even if cached")
@@ -159,39 +131,3 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--top-k", type=int, default=5)
   p.add_argument("--json", action="store_true")
   p.set_defaults(fn=cmd_score)
-
-  p = sub.add_parser("bench", help="benchmarks: decode, kernels, registry (args after the name go to it)")
-  p.add_argument("what", choices=("decode", "kernels", "registry"))
-  p.set_defaults(fn=cmd_bench, passthrough=True)
-
-  registry_cli.add_parser(sub)
-  return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-  argv = list(sys.argv[1:] if argv is None else argv)
-  parser = build_parser()
-  if len(argv) >= 2 and argv[0] == "bench":
-    args = parser.parse_args(argv[:2])
-    return args.fn(args, argv[2:])
-  args = parser.parse_args(argv)
-  try:
-    return args.fn(args)
-  except Exception as e:
-    if not _is_user_error(e):
-      raise
-    # User-facing failures (bad path, bad model, fetch errors, registry integrity): one line.
-    print(f"thoughtjax {args.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
-    return 2
-
-
-def _is_user_error(e: Exception) -> bool:
-  from thoughtjax.fetch import FetchError
-
-  if isinstance(e, (FileNotFoundError, ValueError, FetchError)):
-    return True
-  return isinstance(e, registry_cli._user_errors())  # imported only when something failed
-
-
-if __name__ == "__main__":
-  raise SystemExit(main())

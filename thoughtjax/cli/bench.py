@@ -1,0 +1,25 @@
+"""``thoughtjax bench decode|kernels|registry [ARGS...]``: the arguments after the name go to the benchmark."""
+
+from __future__ import annotations
+
+
+def cmd_bench(args, rest: list[str]) -> int:
+  if args.what == "decode":
+    from thoughtjax.bench import decode
+
+    return decode.main(rest)
+  if args.what == "kernels":
+    from thoughtjax.kernels import bench
+
+    return bench.main(rest)
+  if args.what == "registry":
+    from thoughtjax.bench import registry
+
+    return registry.main(rest)
+  raise SystemExit(f"unknown benchmark {args.what!r}")
+
+
+def add_parser(subparsers) -> None:
+  p = subparsers.add_parser("bench", help="benchmarks: decode, kernels, registry (args after the name go to it)")
+  p.add_argument("what", choices=("decode", "kernels", "registry"))
+  p.set_defaults(fn=cmd_bench, passthrough=True)
