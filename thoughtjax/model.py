@@ -46,7 +46,7 @@ class RMSNorm(nnx.Module):
 def rope_tables(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
   """cos, sin of shape [B, T, E/2] for integer positions [B, T]."""
   inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq
+  angles = positions.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]
   return jnp.cos(angles), jnp.sin(angles)
 
 
