@@ -10,7 +10,9 @@ import pytest
 
 import thoughtjax
 from thoughtjax.config import UnsupportedModelError
+from thoughtjax.errors import UserError
 from thoughtjax.loading import load_tensors
+from thoughtjax.sources.errors import TruncatedModelError
 from thoughtjax.sources.gguf_file import permute_rows, unpermute_rows
 from thoughtjax.weights import model_params
 from tests.tiny import tiny_model, write_gguf, write_safetensors_dir
@@ -96,3 +98,133 @@ def test_weight_cache_replaces_entries_of_older_formats(tmp_path, monkeypatch):
   thoughtjax.load(str(path), compile_cache=False)
   entries = sorted(p.name for p in (tmp_path / "cache" / "weights").iterdir() if p.is_dir())
   assert entries == [f"{stale.name[:-3]}-v{thoughtjax.loading._CACHE_FORMAT}"]
+
+
+def _write_gguf_with(path, cfg, model, kv=(), tensors=(), qtype="F32"):
+  """tests.tiny.write_gguf plus extra metadata ``(key, value, GGUFValueType)`` and extra tensors."""
+  import gguf
+
+  original = gguf.GGUFWriter.write_header_to_file
+
+  def with_extras(self, *args, **kwargs):
+    for key, value, vtype in kv:
+      self.add_key_value(key, value, vtype)
+    for name, array in tensors:
+      self.add_tensor(name, array)
+    return original(self, *args, **kwargs)
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(gguf.GGUFWriter, "write_header_to_file", with_extras)
+    return write_gguf(path, cfg, model, qtype)
+
+
+@pytest.mark.parametrize("kind", ["linear", "yarn", "longrope"])
+def test_gguf_rope_scaling_type_is_refused_by_name(tmp_path, monkeypatch, kind):
+  import gguf
+
+  monkeypatch.setenv("THOUGHTJAX_CACHE", str(tmp_path / "cache"))
+  cfg, model = tiny_model("llama_gqa")
+  path = _write_gguf_with(tmp_path / "scaled.gguf", cfg, model, kv=[
+      ("llama.rope.scaling.type", kind, gguf.GGUFValueType.STRING),
+      ("llama.rope.scaling.factor", 8.0, gguf.GGUFValueType.FLOAT32)])
+  with pytest.raises(UnsupportedModelError) as err:
+    thoughtjax.load(str(path), compile_cache=False)
+  message = str(err.value)
+  assert f"llama.rope.scaling.type = {kind!r}" in message and "supported RoPE scaling types: none" in message
+  assert str(path) in message
+  assert isinstance(err.value, UserError)
+  assert not (tmp_path / "cache" / "weights").exists() or not any((tmp_path / "cache" / "weights").glob("*-v*"))
+
+
+def test_gguf_llama3_rope_freqs_tensor_is_refused_by_name(tmp_path, monkeypatch):
+  # llama.cpp writes Llama 3.x "llama3" scaling as a rope_freqs.weight tensor, with no type key.
+  monkeypatch.setenv("THOUGHTJAX_CACHE", str(tmp_path / "cache"))
+  cfg, model = tiny_model("llama_gqa")
+  factors = np.linspace(1.0, 8.0, cfg.head_dim // 2, dtype=np.float32)
+  path = _write_gguf_with(tmp_path / "llama3.gguf", cfg, model, tensors=[("rope_freqs.weight", factors)])
+  with pytest.raises(UnsupportedModelError, match=r"rope_freqs\.weight .*'llama3' scaling.*supported RoPE scaling "
+                                                  r"types: none"):
+    load_tensors(path)
+
+
+def test_gguf_plain_rope_scaling_keys_still_load(tmp_path, monkeypatch):
+  import gguf
+
+  monkeypatch.setenv("THOUGHTJAX_CACHE", str(tmp_path / "cache"))
+  cfg, model = tiny_model("llama_gqa")
+  path = _write_gguf_with(tmp_path / "plain.gguf", cfg, model, kv=[
+      ("llama.rope.scaling.type", "none", gguf.GGUFValueType.STRING),
+      ("llama.rope.dimension_count", cfg.head_dim, gguf.GGUFValueType.UINT32)])
+  assert load_tensors(path)[0].rope_theta == cfg.rope_theta
+
+
+def test_gguf_partial_rope_is_refused_by_name(tmp_path, monkeypatch):
+  import gguf
+
+  monkeypatch.setenv("THOUGHTJAX_CACHE", str(tmp_path / "cache"))
+  cfg, model = tiny_model("llama_gqa")
+  path = _write_gguf_with(tmp_path / "partial.gguf", cfg, model, kv=[
+      ("llama.rope.dimension_count", cfg.head_dim // 2, gguf.GGUFValueType.UINT32)])
+  with pytest.raises(UnsupportedModelError, match=rf"llama\.rope\.dimension_count = {cfg.head_dim // 2} but the "
+                                                  rf"head dimension is {cfg.head_dim}"):
+    load_tensors(path)
+
+
+@pytest.mark.parametrize("key,scaling", [
+    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192}),
+    ("rope_scaling", {"type": "linear", "factor": 2.0}),
+    ("rope_scaling", {"type": "yarn", "factor": 4.0}),
+    ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+])
+def test_safetensors_rope_scaling_is_refused_by_name(tmp_path, key, scaling):
+  cfg, model = tiny_model("llama_gqa")
+  d = write_safetensors_dir(tmp_path / "m", cfg, model)
+  raw = json.loads((d / "config.json").read_text())
+  (d / "config.json").write_text(json.dumps(raw | {key: scaling}))
+  kind = scaling.get("rope_type", scaling.get("type"))
+  type_key = "rope_type" if "rope_type" in scaling else "type"
+  with pytest.raises(UnsupportedModelError) as err:
+    thoughtjax.load(str(d), compile_cache=False)
+  message = str(err.value)
+  assert f"{key}.{type_key} = {kind!r}" in message and "supported RoPE scaling types: default" in message
+  assert str(d / "config.json") in message
+
+
+def test_safetensors_default_rope_parameters_load(tmp_path):
+  cfg, model = tiny_model("llama_gqa")
+  d = write_safetensors_dir(tmp_path / "m", cfg, model)
+  raw = json.loads((d / "config.json").read_text())
+  raw.pop("rope_theta")
+  (d / "config.json").write_text(json.dumps(raw | {"rope_scaling": None,
+                                                   "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}))
+  assert thoughtjax.load(str(d), compile_cache=False).config == cfg
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q4_1"])
+@pytest.mark.parametrize("keep", ["all_but_3", "half", "inside_header"])
+def test_truncated_gguf_says_truncated(tmp_path, monkeypatch, qtype, keep):
+  monkeypatch.setenv("THOUGHTJAX_CACHE", str(tmp_path / "cache"))
+  cfg, model = tiny_model("llama_gqa")
+  path = write_gguf(tmp_path / "cut.gguf", cfg, model, qtype)
+  data = path.read_bytes()
+  cut = {"all_but_3": len(data) - 3, "half": len(data) // 2, "inside_header": 200}[keep]
+  path.write_bytes(data[:cut])
+  with pytest.raises(TruncatedModelError) as err:
+    thoughtjax.load(str(path), compile_cache=False)
+  message = str(err.value)
+  assert str(path) in message and "truncated" in message and "thoughtjax fetch --force" in message
+  if keep != "inside_header":
+    assert f"expected {len(data)} bytes" in message and f"got {cut} bytes" in message
+  assert isinstance(err.value, UserError)
+
+
+def test_loader_errors_are_user_errors():
+  from thoughtjax.fetch import FetchError
+  from thoughtjax.sources.errors import ModelNotFoundError, WeightCacheError
+  from thoughtjax.weights import MissingTensorError, TensorShapeError
+
+  for cls in (UnsupportedModelError, FetchError, MissingTensorError, TensorShapeError, ModelNotFoundError,
+              TruncatedModelError, WeightCacheError):
+    assert issubclass(cls, UserError), cls
+  assert str(MissingTensorError("tensor 'x' is missing")) == "tensor 'x' is missing"  # no KeyError quotes

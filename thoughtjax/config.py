@@ -13,6 +13,8 @@ import enum
 import hashlib
 import json
 
+from thoughtjax.errors import UserError
+
 
 class Architecture(enum.Enum):
   """Llama-family decoders that share one Flax model."""
@@ -38,8 +40,8 @@ class Architecture(enum.Enum):
     return aliases[key]
 
 
-class UnsupportedModelError(ValueError):
-  """A model file uses an architecture or tensor type thoughtjax cannot load."""
+class UnsupportedModelError(UserError, ValueError):
+  """A model file uses an architecture, tensor type or RoPE variant thoughtjax cannot load."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,8 +18,10 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from thoughtjax.errors import UserError
 
-class FetchError(RuntimeError):
+
+class FetchError(UserError, RuntimeError):
   """The default model could not be fetched or failed its integrity check."""
 
 

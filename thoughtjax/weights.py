@@ -16,11 +16,19 @@ import numpy as np
 from flax import nnx
 
 from thoughtjax.config import ModelConfig
+from thoughtjax.errors import UserError
 from thoughtjax.model import Transformer, abstract_model
 
 
-class MissingTensorError(KeyError):
+class MissingTensorError(UserError, KeyError):
   """A checkpoint lacks a tensor the configuration requires."""
+
+  def __str__(self) -> str:  # KeyError would print the message in quotes
+    return str(self.args[0]) if self.args else ""
+
+
+class TensorShapeError(UserError, ValueError):
+  """A checkpoint tensor's shape does not match what its configuration implies."""
 
 
 def _layer_params(cfg: ModelConfig, get, i: int) -> dict:
@@ -85,7 +93,9 @@ def build_model(cfg: ModelConfig, params: dict, dtype=jnp.float32) -> Transforme
   for path, var in flat.items():
     arr = lookup(path)
     if tuple(arr.shape) != tuple(var.shape):
-      raise ValueError(f"parameter {'/'.join(map(str, path))}: expected shape {var.shape}, got {arr.shape}")
+      raise TensorShapeError(
+          f"parameter {'/'.join(map(str, path))}: expected shape {tuple(var.shape)} from the config, got "
+          f"{tuple(arr.shape)} from the checkpoint; the checkpoint and its config do not belong together")
     var.set_value(jnp.asarray(arr, dtype=dtype))
   nnx.update(model, nnx.from_flat_state(flat))
   return model

@@ -8,13 +8,22 @@ applied to adjacent pairs; :func:`unpermute_rows` undoes that so the one model
 from __future__ import annotations
 
 import dataclasses
+import mmap
+import struct
 from pathlib import Path
 
 import numpy as np
 
-from thoughtjax.config import Architecture, ModelConfig, UnsupportedModelError
+from thoughtjax.config import Architecture, ModelConfig
+from thoughtjax.sources.errors import ModelNotFoundError, TruncatedModelError, UnsupportedModelError
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+# RoPE scaling types the model computes exactly (thoughtjax.model.rope_tables: plain RoPE). llama.cpp
+# writes "none" or leaves the key out for plain RoPE; Llama 3.x's "llama3" scaling has no type key
+# and travels as a ``rope_freqs.weight`` tensor of per-frequency factors instead.
+SUPPORTED_ROPE_SCALING = ("none",)
+_FIX_TRUNCATED = ("The download or copy was interrupted: re-fetch a known model with `thoughtjax fetch --force`, "
+                  "or download / convert this file again.")
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -91,13 +100,40 @@ def _field(reader, key, default=None):
   return f.contents()
 
 
-def read_config(reader) -> ModelConfig:
+def check_rope(reader, name: str, head_dim: int) -> None:
+  """Refuse, by key and value, any RoPE variant other than plain RoPE over the whole head."""
+  p = _field(reader, "general.architecture") + "."
+  supported = (f"supported RoPE scaling types: {', '.join(SUPPORTED_ROPE_SCALING)} (plain RoPE). Loading it "
+               f"with plain RoPE would rotate positions wrongly, so the model is refused; use a model without "
+               f"RoPE scaling.")
+  kind = _field(reader, p + "rope.scaling.type")
+  if kind is not None and kind not in SUPPORTED_ROPE_SCALING:
+    factor = _field(reader, p + "rope.scaling.factor")
+    raise UnsupportedModelError(
+        f"{name}: {p}rope.scaling.type = {kind!r} (factor {factor}) is not supported; {supported}")
+  linear = _field(reader, p + "rope.scale_linear")  # older files' linear scaling key
+  if linear is not None and float(linear) != 1.0:
+    raise UnsupportedModelError(f"{name}: {p}rope.scale_linear = {linear} (linear scaling) is not supported; "
+                                f"{supported}")
+  if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+    raise UnsupportedModelError(
+        f"{name}: tensor rope_freqs.weight (per-frequency RoPE factors, Llama 3.x 'llama3' scaling) is "
+        f"present; that scaling is not supported; {supported}")
+  dims = _field(reader, p + "rope.dimension_count")
+  if dims is not None and int(dims) != head_dim:
+    raise UnsupportedModelError(
+        f"{name}: {p}rope.dimension_count = {dims} but the head dimension is {head_dim}; only RoPE over "
+        f"the whole head is supported. Use a model that rotates every head dimension.")
+
+
+def read_config(reader, name: str = "the GGUF file") -> ModelConfig:
   arch_name = _field(reader, "general.architecture")
   arch = Architecture.parse(arch_name)
   p = arch_name + "."
   D = int(_field(reader, p + "embedding_length"))
   H = int(_field(reader, p + "attention.head_count"))
   K = int(_field(reader, p + "attention.head_count_kv", H))
+  check_rope(reader, name, int(_field(reader, p + "attention.key_length", D // H)))
   names = {t.name for t in reader.tensors}
   vocab = _field(reader, p + "vocab_size")
   if vocab is None:
@@ -138,21 +174,117 @@ def read_tokenizer(reader) -> TokenizerData:
   )
 
 
+# GGUF metadata value types (gguf.GGUFValueType) -> struct format of one scalar.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def expected_size(path: Path) -> int:
+  """Bytes a GGUF file must have: the end of its last tensor's data, from the header alone.
+
+  Reads only the header (magic, version, key/values, tensor infos) so that a truncated file is named
+  before the gguf reader maps its data and fails with numpy's dtype-size error. Raises
+  :class:`TruncatedModelError` when the file ends inside the header.
+  """
+  import gguf
+
+  actual = path.stat().st_size
+  with open(path, "rb") as f:
+    if actual < 24:
+      raise TruncatedModelError(f"{path}: {actual} bytes, shorter than a GGUF header (24 bytes). {_FIX_TRUNCATED}")
+    buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+  try:
+    if buf[:4] != b"GGUF":
+      raise UnsupportedModelError(f"{path}: not a GGUF file (magic {bytes(buf[:4])!r}, expected b'GGUF')")
+    order = "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"
+    pos = 8
+
+    def take(fmt: str):
+      nonlocal pos
+      out = struct.unpack_from(order + fmt, buf, pos)
+      pos += struct.calcsize(order + fmt)
+      return out[0] if len(out) == 1 else out
+
+    def string() -> bytes:
+      nonlocal pos
+      n = take("Q")
+      if pos + n > actual:
+        raise struct.error("string past the end")
+      pos += n
+      return bytes(buf[pos - n:pos])
+
+    def skip_value(vtype: int) -> object:
+      nonlocal pos
+      if vtype == _STRING:
+        return string()
+      if vtype == _ARRAY:
+        etype, count = take("I"), take("Q")
+        if etype in _SCALARS:
+          pos += count * struct.calcsize(order + _SCALARS[etype])
+        elif etype == _STRING:  # vocabularies: ~10^5 strings, skipped without copying them
+          length, at = struct.Struct(order + "Q").unpack_from, pos
+          for _ in range(count):
+            at += 8 + length(buf, at)[0]
+          pos = at
+        else:
+          for _ in range(count):
+            skip_value(etype)
+        return None
+      if vtype not in _SCALARS:
+        raise UnsupportedModelError(f"{path}: metadata value type {vtype} is unknown; the file is corrupt")
+      return take(_SCALARS[vtype])
+
+    try:
+      n_tensors, n_kv = take("Q"), take("Q")
+      alignment = gguf.GGUF_DEFAULT_ALIGNMENT
+      for _ in range(n_kv):
+        key = string()
+        value = skip_value(take("I"))
+        if key == b"general.alignment" and isinstance(value, int) and value > 0:
+          alignment = value
+      end = 0
+      for _ in range(n_tensors):
+        string()
+        dims = [take("Q") for _ in range(take("I"))]
+        ttype, offset = take("I"), take("Q")
+        block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
+        end = max(end, offset + int(np.prod(dims, dtype=np.int64)) // block * nbytes)
+      if pos > actual:
+        raise struct.error("header past the end")
+    except struct.error:
+      raise TruncatedModelError(
+          f"{path}: the file ends inside its GGUF header (at {actual} bytes); it is truncated. "
+          f"{_FIX_TRUNCATED}") from None
+    return pos + (-pos % alignment) + end
+  finally:
+    buf.close()
+
+
+def check_complete(path: Path) -> None:
+  """Raise :class:`TruncatedModelError` (file, expected and actual size, fix) for a truncated GGUF."""
+  want, actual = expected_size(path), path.stat().st_size
+  if actual < want:
+    raise TruncatedModelError(
+        f"{path}: truncated GGUF file: expected {want} bytes (the end of its last tensor, per its header), "
+        f"got {actual} bytes ({want - actual} missing). {_FIX_TRUNCATED}")
+
+
 def load_gguf(path: str | Path) -> GGUFCheckpoint:
   """Dequantize every tensor of a Llama-family GGUF file to float32."""
   import gguf  # deferred: only GGUF users pay for the import
 
   path = Path(path)
   if not path.is_file():
-    raise FileNotFoundError(f"GGUF file not found: {path}")
+    raise ModelNotFoundError(f"GGUF file not found: {path}; pass an existing .gguf file or a known model name")
+  check_complete(path)
   reader = gguf.GGUFReader(str(path))
-  cfg = read_config(reader)
+  cfg = read_config(reader, str(path))
   tensors: dict[str, np.ndarray] = {}
   types: dict[str, str] = {}
   for t in reader.tensors:
     name = hf_name(t.name)
     if name is None:
-      continue  # e.g. rope_freqs: derived, not needed
+      continue  # nothing else the model reads (rope_freqs is refused in check_rope)
     type_name = t.tensor_type.name
     if type_name not in SUPPORTED_TYPES:
       raise UnsupportedModelError(
