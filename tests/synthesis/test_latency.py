@@ -1,0 +1,205 @@
+"""The latency model on synthetic measurements: fits recover known costs, predictions follow the
+formulas and the residency, tokens-that-fit is exact, and traces move predictions toward what happened."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from thoughtjax.synthesis.calibration import Candidate, Unit
+from thoughtjax.synthesis.latency import (COLD, FACTOR_BOUNDS, LatencyModel, LatencyModelError, LatencyParams,
+                                          LatencyTrace, LinearCost, Measurements, Residency, fit_linear)
+
+MB = 1 << 20
+
+
+def params(**over) -> LatencyParams:
+  base = dict(
+      prefill={"embed": LinearCost(0.1, 0.001), "block": LinearCost(1.0, 0.02), "head": LinearCost(0.5, 0.004)},
+      decode={"embed": LinearCost(0.05, 0.0), "block": LinearCost(0.4, 0.001), "head": LinearCost(0.3, 0.0)},
+      restore=LinearCost(2.0, 1e-5), compile={16: LinearCost(100.0, 10.0), 256: LinearCost(300.0, 20.0)},
+      step_ms=0.2, synthesis_ms=0.05)
+  base.update(over)
+  return LatencyParams(**base)
+
+
+def blocks(spans, version="v1"):
+  return [Unit(f"blocks[{a}:{b})", version, 4 * MB, b - a, "block") for a, b in spans]
+
+
+def candidate(spans, kind="manual") -> Candidate:
+  units = [Unit("embed", "v1", 30 * MB, 0, "embed"), *blocks(spans), Unit("head", "v1", 1 * MB, 0, "head")]
+  path = ", ".join(u.name for u in units)
+  return Candidate.build(path, kind, units)
+
+
+def test_fit_recovers_line_from_noisy_points():
+  rng = np.random.default_rng(0)
+  x = np.array([16, 32, 64, 128, 256, 512] * 5, dtype=float)
+  y = 1.5 + 0.03 * x + rng.normal(0, 0.01, x.shape)
+  fit = fit_linear(zip(x, y), "prefill[block]")
+  assert fit.a == pytest.approx(1.5, abs=0.02) and fit.b == pytest.approx(0.03, rel=0.01)
+
+
+def test_fit_keeps_costs_non_negative():
+  assert fit_linear([(10, 5.0), (10, 7.0)], "one size") == LinearCost(6.0, 0.0)  # one size: a constant
+  flat = fit_linear([(10, 5.2), (100, 4.8), (1000, 5.0)], "flat")  # noise slopes down: refit a constant
+  assert flat.b == 0.0 and flat.a == pytest.approx(5.0)
+  origin = fit_linear([(100, 1.0), (200, 3.0)], "steep")  # intercept would be -1: a line through 0
+  assert origin.a == 0.0 and origin.b > 0
+  with pytest.raises(LatencyModelError, match=r"restore: no measurements"):
+    fit_linear([], "restore")
+  with pytest.raises(LatencyModelError, match=r"finite and >= 0"):
+    fit_linear([(1, -2.0)], "decode[x]")
+
+
+def test_params_fit_recovers_every_stage():
+  rng = np.random.default_rng(1)
+
+  def line(a, b, xs):
+    return [(x, a + b * x + rng.normal(0, 1e-4)) for x in xs for _ in range(3)]
+
+  m = Measurements(prefill={"block": line(1.0, 0.02, [16, 64, 256, 1024])},
+                   decode={"block": line(0.4, 0.001, [32, 128, 512, 2048])},
+                   restore=line(2.0, 1e-5, [1e5, 1e6, 4e6]),
+                   compile={16: line(100.0, 10.0, [2, 10, 30])},
+                   step=[0.2, 0.2], synthesis=[0.05])
+  p = LatencyParams.fit(m)
+  assert p.prefill["block"].a == pytest.approx(1.0, abs=1e-3) and p.prefill["block"].b == pytest.approx(0.02, rel=1e-3)
+  assert p.decode["block"].b == pytest.approx(0.001, rel=1e-2)
+  assert 1 / p.restore.b == pytest.approx(1e5, rel=1e-2)  # restore bandwidth, bytes per ms
+  assert p.compile[16].a == pytest.approx(100.0, abs=1e-2) and p.compile[16].b == pytest.approx(10.0, rel=1e-3)
+  assert p.step_ms == pytest.approx(0.2)
+
+
+def test_cold_prediction_follows_the_formulas():
+  p = params()
+  c = candidate([(0, 2), (2, 4), (2, 4), (4, 6)], kind="repeat")  # blocks[2:4) runs twice, restored once
+  T, n = 40, 12
+  got = LatencyModel(p).predict(c, T, n, COLD)
+  distinct = {u.ref: u.nbytes for u in c.units}
+  assert got.restore == pytest.approx(sum(2.0 + 1e-5 * b for b in distinct.values()))
+  # bucket(40) = 64 is not measured; 16 and 256 are equally near in log2, the smaller one serves; 8 layers.
+  assert got.compile == pytest.approx(100.0 + 10.0 * 8)
+  assert got.prefill == pytest.approx(sum(p.prefill[u.cost_key](T) for u in c.units))
+  step = lambda ctx: p.step_ms + sum(p.decode[u.cost_key](ctx) for u in c.units)  # noqa: E731
+  assert got.decode == pytest.approx(sum(step(T + i) for i in range(n)))
+  assert got.synthesis == p.synthesis_ms
+  assert got.total == pytest.approx(got.synthesis + got.restore + got.compile + got.prefill + got.decode)
+
+
+def test_nearest_compile_bucket_is_used():
+  m = LatencyModel(params())
+  c = candidate([(0, 2)])
+  assert m.predict(c, 10, 4).compile == pytest.approx(100.0 + 10.0 * 2)  # bucket 16, measured
+  assert m.predict(c, 200, 4).compile == pytest.approx(300.0 + 20.0 * 2)  # bucket 256, measured
+  assert m.predict(c, 1000, 4).compile == pytest.approx(300.0 + 20.0 * 2)  # bucket 1024 -> nearest 256
+
+
+def test_resident_and_compiled_path_predicts_zero_restore_and_compile():
+  m = LatencyModel(params())
+  c = candidate([(0, 2), (2, 4)])
+  cold = m.predict(c, 30, 8, COLD)
+  warm = m.predict(c, 30, 8, Residency(frozenset(c.refs), frozenset({cold.program_key})))
+  assert cold.restore > 0 and cold.compile > 0
+  assert warm.restore == 0.0 and warm.compile == 0.0
+  assert (warm.prefill, warm.decode) == (cold.prefill, cold.decode)
+  half = m.predict(c, 30, 8, Residency(frozenset(c.refs[:2])))
+  missing = [u for u in c.units[2:]]
+  assert half.restore == pytest.approx(sum(2.0 + 1e-5 * u.nbytes for u in missing))
+  other_shape = m.predict(c, 30, 200, Residency(frozenset(c.refs), frozenset({cold.program_key})))
+  assert other_shape.compile > 0  # another new-token bucket is another program
+
+
+@pytest.mark.parametrize("budget", [0.0, 150.0, 250.0, 400.0, 1e9])
+def test_tokens_within_is_the_largest_count_that_fits(budget):
+  m = LatencyModel(params())
+  c = candidate([(0, 2), (2, 4), (4, 6)])
+  pred = m.predict(c, 64, 100)
+  fixed = pred.total - pred.decode
+  brute = max([k for k in range(101) if fixed + pred.decode_factor * pred.raw_decode(k) <= budget], default=0)
+  assert pred.tokens_within(budget) == brute
+  assert pred.raw_decode(100) == pytest.approx(pred.raw["decode"])
+
+
+def test_missing_cost_key_is_named():
+  c = candidate([(0, 2)])
+  p = params(decode={"embed": LinearCost(0.1), "head": LinearCost(0.1)})
+  with pytest.raises(LatencyModelError, match=r"blocks\[0:2\)@v1.*'block'.*decode.*--latency-only"):
+    LatencyModel(p).predict(c, 10, 4)
+
+
+def test_update_moves_predictions_toward_observed_times():
+  m = LatencyModel(params(), alpha=0.3, global_alpha=0.1)
+  c, other = candidate([(0, 2), (2, 4)]), candidate([(0, 2)])
+  before = m.predict(c, 50, 32)
+  target = 2.0 * before.decode
+  errors = []
+  for _ in range(20):
+    p = m.predict(c, 50, 32)
+    errors.append(abs(p.decode - target))
+    m.update(LatencyTrace(p, {"decode": target, "prefill": p.raw["prefill"]}))
+  assert all(b < a for a, b in zip(errors, errors[1:]))  # strictly closer every time
+  assert m.predict(c, 50, 32).decode == pytest.approx(target, rel=0.01)
+  assert m.predict(c, 50, 32).prefill == pytest.approx(before.prefill)
+  # A path never traced uses the global correction: moved the same way, by less.
+  o_before = LatencyModel(params()).predict(other, 50, 32).decode
+  o_after = m.predict(other, 50, 32).decode
+  assert o_before < o_after < 2.0 * o_before
+
+
+def test_update_is_bounded_and_skips_zero_stages():
+  m = LatencyModel(params(), alpha=0.3)
+  c = candidate([(0, 2)])
+  warm = Residency(frozenset(c.refs))
+  p = m.predict(c, 20, 8, warm)
+  m.update(LatencyTrace(p, {"decode": 1000 * p.raw["decode"]}))
+  assert m.factor(c.path_hash, "decode") == pytest.approx(0.7 + 0.3 * 4.0)  # a 1000x outlier counts as 4x
+  for _ in range(50):
+    p = m.predict(c, 20, 8, warm)
+    ratios = m.update(LatencyTrace(p, {"decode": 1000 * p.raw["decode"], "restore": 5.0}))
+    assert "restore" not in ratios  # predicted 0: nothing to scale
+  lo, hi = FACTOR_BOUNDS
+  assert m.factor(c.path_hash, "decode") <= hi and m.factor(c.path_hash, "decode") == pytest.approx(hi)
+  assert m.factor(c.path_hash, "restore") == 1.0
+  with pytest.raises(LatencyModelError, match="unknown stages"):
+    m.update(LatencyTrace(p, {"queue": 1.0}))
+  with pytest.raises(LatencyModelError, match=r"actual_ms\[decode\]"):
+    m.update(LatencyTrace(p, {"decode": math.nan}))
+
+
+def test_update_uses_tokens_actually_produced():
+  m = LatencyModel(params())
+  c = candidate([(0, 2)])
+  p = m.predict(c, 20, 64)
+  # The run stopped after 8 tokens, exactly as fast as the model says for 8: no correction.
+  ratios = m.update(LatencyTrace(p, {"decode": p.raw_decode(8)}, tokens_out=8))
+  assert ratios["decode"] == pytest.approx(1.0)
+  assert m.predict(c, 20, 64).decode == pytest.approx(p.decode)
+
+
+def test_params_json_round_trip_keeps_learned_corrections():
+  m = LatencyModel(params())
+  c = candidate([(0, 2)])
+  p = m.predict(c, 20, 8)
+  m.update(LatencyTrace(p, {"prefill": 1.5 * p.raw["prefill"]}))
+  learned = m.to_params()
+  back = LatencyParams.from_json(learned.to_json())
+  assert back == learned
+  assert LatencyModel(back).predict(c, 20, 8).prefill == pytest.approx(m.predict(c, 20, 8).prefill)
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda d: d.pop("restore"), r"expected keys"),
+    (lambda d: d["prefill"].update(block={"a": -1.0, "b": 0.0}), r"prefill\[block\]\.a: expected a finite number >= 0"),
+    (lambda d: d.update(compile={"x": {"a": 1.0, "b": 0.0}}), r"compile: keys are prompt buckets"),
+    (lambda d: d.update(compile={}), r"no compile fit"),
+    (lambda d: d.update(corrections={"global": {"decode": 9.0}}), r"correction factor in \[0.25, 4.0\]"),
+])
+def test_malformed_params_are_refused(mutate, match):
+  d = params().to_json()
+  mutate(d)
+  with pytest.raises(LatencyModelError, match=match):
+    LatencyParams.from_json(d)

@@ -1,0 +1,366 @@
+"""Calibration records: what each candidate path is worth per hint, and what it costs on this machine.
+
+A :class:`Calibration` is made against one registry sequence (the index ``generation``) on one
+machine (``fingerprint``). It holds
+
+* ``candidates``: the paths synthesis may choose, each with the thoughtlets it needs pinned to the
+  versions current at that sequence (:class:`Candidate`); exactly one is the full path;
+* ``quality[path_hash][hint]``: :class:`HintQuality`, measured against the full path on the hint's
+  calibration split and, separately, its held-out split (:class:`PathQuality`);
+* ``latency``: the fitted :class:`~thoughtjax.synthesis.latency.LatencyParams` of this machine.
+
+The full path is lossless by definition (agreement 1, KL 0, ΔNLL 0) and need not be measured.
+
+JSON form (``to_json``): canonical (sorted keys, no spaces, UTF-8, no NaN) so the bytes can be hashed
+and signed like the registry index; ``{"format": "thoughtjax.calibration", "version": 1, ...}``.
+``from_json`` refuses another format or version and any malformed field with
+:class:`CalibrationError`, naming the field, the expected and the received value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import math
+from typing import Any, Mapping, Sequence
+
+from thoughtjax.errors import UserError
+from thoughtjax.synthesis.latency import LatencyModel, LatencyModelError, LatencyParams
+from thoughtjax.thoughtlet import canonical_json
+
+FORMAT = "thoughtjax.calibration"
+FORMAT_VERSION = 1
+
+
+class CalibrationError(UserError, ValueError):
+  """A calibration document or record is malformed, of another format version, or inconsistent."""
+
+
+class CandidateKind(str, enum.Enum):
+  EXIT = "exit"
+  SKIP = "skip"
+  REPEAT = "repeat"
+  FULL = "full"
+  BRIDGED = "bridged"
+  VARIANT = "variant"
+  SPECULATIVE = "speculative"
+  MANUAL = "manual"
+
+
+def _number(v: Any, where: str, lo: float = 0.0, hi: float = math.inf) -> float:
+  if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
+    raise CalibrationError(f"{where}: expected a finite number in [{lo}, {hi}], got {v!r}")
+  return float(v)
+
+
+def _count(v: Any, where: str) -> int:
+  if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+    raise CalibrationError(f"{where}: expected an integer >= 0, got {v!r}")
+  return v
+
+
+def _obj(d: Any, where: str, required: set[str], optional: set[str] = frozenset()) -> Mapping:
+  if not isinstance(d, Mapping):
+    raise CalibrationError(f"{where}: expected an object, got {type(d).__name__}")
+  missing, extra = required - set(d), set(d) - required - set(optional)
+  if missing or extra:
+    raise CalibrationError(f"{where}: expected keys {sorted(required)}"
+                           + (f" (optional {sorted(optional)})" if optional else "")
+                           + f"; missing {sorted(missing)}, unknown {sorted(extra)}")
+  return d
+
+
+# ------------------------------------------------------------------------------- quality
+@dataclasses.dataclass(frozen=True)
+class PathQuality:
+  """A path against the full path on one split of one hint's corpus.
+
+  ``top1_agreement`` in [0, 1]: share of positions where the next-token argmax agrees;
+  ``mean_kl`` >= 0 (nats): mean KL(full || path); ``delta_nll`` (nats/token): path NLL minus full NLL
+  (may be negative); ``tokens``: positions measured.
+  """
+
+  top1_agreement: float
+  mean_kl: float
+  delta_nll: float
+  tokens: int
+
+  def __post_init__(self):
+    _number(self.top1_agreement, "top1_agreement", 0.0, 1.0)
+    _number(self.mean_kl, "mean_kl")
+    _number(self.delta_nll, "delta_nll", -math.inf)
+    _count(self.tokens, "tokens")
+
+  def to_json(self) -> dict:
+    return {"top1_agreement": float(self.top1_agreement), "mean_kl": float(self.mean_kl),
+            "delta_nll": float(self.delta_nll), "tokens": int(self.tokens)}
+
+  @classmethod
+  def from_json(cls, d: Any, where: str) -> "PathQuality":
+    d = _obj(d, where, {"top1_agreement", "mean_kl", "delta_nll", "tokens"})
+    return cls(_number(d["top1_agreement"], f"{where}.top1_agreement", 0.0, 1.0),
+               _number(d["mean_kl"], f"{where}.mean_kl"),
+               _number(d["delta_nll"], f"{where}.delta_nll", -math.inf),
+               _count(d["tokens"], f"{where}.tokens"))
+
+
+LOSSLESS = PathQuality(1.0, 0.0, 0.0, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class HintQuality:
+  """One path on one hint: floors are checked on ``calibration``; ``heldout`` shows whether they generalize."""
+
+  calibration: PathQuality
+  heldout: PathQuality
+
+  def to_json(self) -> dict:
+    return {"calibration": self.calibration.to_json(), "heldout": self.heldout.to_json()}
+
+  @classmethod
+  def from_json(cls, d: Any, where: str) -> "HintQuality":
+    d = _obj(d, where, {"calibration", "heldout"})
+    return cls(PathQuality.from_json(d["calibration"], f"{where}.calibration"),
+               PathQuality.from_json(d["heldout"], f"{where}.heldout"))
+
+
+LOSSLESS_HINT = HintQuality(LOSSLESS, LOSSLESS)
+
+
+# ------------------------------------------------------------------------------ candidates
+@dataclasses.dataclass(frozen=True)
+class Unit:
+  """One thoughtlet a path runs, pinned: ``name@version``, its parameter bytes (restore cost), the
+  number of transformer layers it runs (compile cost), and the key of its measured prefill/decode cost
+  (default: its ref; thoughtlets of identical shape and format may share one)."""
+
+  name: str
+  version: str
+  nbytes: int = 0
+  layers: int = 0
+  cost_key: str = ""
+
+  def __post_init__(self):
+    for f in ("name", "version"):
+      v = getattr(self, f)
+      if not isinstance(v, str) or not v or "@" in v or "," in v:
+        raise CalibrationError(f"unit {f}: expected a non-empty string without '@' or ',', got {v!r}")
+    _count(self.nbytes, f"unit {self.ref} nbytes")
+    _count(self.layers, f"unit {self.ref} layers")
+    if not self.cost_key:
+      object.__setattr__(self, "cost_key", self.ref)
+
+  @property
+  def ref(self) -> str:
+    return f"{self.name}@{self.version}"
+
+  def to_json(self) -> dict:
+    return {"name": self.name, "version": self.version, "nbytes": self.nbytes, "layers": self.layers,
+            "cost_key": self.cost_key}
+
+  @classmethod
+  def from_json(cls, d: Any, where: str) -> "Unit":
+    d = _obj(d, where, {"name", "version", "nbytes", "layers", "cost_key"})
+    try:
+      return cls(d["name"], d["version"], d["nbytes"], d["layers"], d["cost_key"])
+    except CalibrationError as e:
+      raise CalibrationError(f"{where}: {e}") from None
+
+
+def path_hash_of(units: Sequence[Unit]) -> str:
+  """A path's identity: the same hash as :func:`thoughtjax.compose.path_hash` over its resolved units."""
+  return hashlib.sha3_256("\n".join(u.ref for u in units).encode()).hexdigest()[:16]
+
+
+def program_of(units: Sequence[Unit]) -> str:
+  """A path's program layout: its unit names in order without versions (weights are program arguments,
+  so two versions of one layout share a compiled program)."""
+  return hashlib.sha3_256("\n".join(u.name for u in units).encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """A path synthesis may choose. ``units`` are in execution order (a repeated span appears twice);
+  ``path_hash`` must equal :func:`path_hash_of` of them."""
+
+  path: str
+  kind: CandidateKind
+  units: tuple[Unit, ...]
+  path_hash: str
+  program: str
+
+  def __post_init__(self):
+    object.__setattr__(self, "units", tuple(self.units))
+    try:
+      object.__setattr__(self, "kind", CandidateKind(self.kind))
+    except ValueError:
+      raise CalibrationError(f"candidate {self.path!r} kind: expected one of "
+                             f"{[k.value for k in CandidateKind]}, got {self.kind!r}") from None
+    if not self.units:
+      raise CalibrationError(f"candidate {self.path!r}: no units; a path runs at least embed and head")
+    want = path_hash_of(self.units)
+    if self.path_hash != want:
+      raise CalibrationError(f"candidate {self.path!r}: path_hash {self.path_hash!r} does not match its units "
+                             f"(expected {want!r}); the record was altered or built by hand, rebuild it with "
+                             f"Candidate.build")
+
+  @classmethod
+  def build(cls, path: str, kind: CandidateKind | str, units: Sequence[Unit]) -> "Candidate":
+    units = tuple(units)
+    return cls(path, kind, units, path_hash_of(units), program_of(units))
+
+  @property
+  def refs(self) -> tuple[str, ...]:
+    """The distinct thoughtlets it needs, ``name@version``, in first-use order."""
+    return tuple(dict.fromkeys(u.ref for u in self.units))
+
+  def to_json(self) -> dict:
+    return {"path": self.path, "kind": self.kind.value, "units": [u.to_json() for u in self.units],
+            "path_hash": self.path_hash, "program": self.program}
+
+  @classmethod
+  def from_json(cls, d: Any, where: str) -> "Candidate":
+    d = _obj(d, where, {"path", "kind", "units", "path_hash", "program"})
+    if not isinstance(d["path"], str) or not d["path"].strip():
+      raise CalibrationError(f"{where}.path: expected a path string, got {d['path']!r}")
+    if not isinstance(d["units"], list):
+      raise CalibrationError(f"{where}.units: expected a list, got {type(d['units']).__name__}")
+    units = tuple(Unit.from_json(u, f"{where}.units[{i}]") for i, u in enumerate(d["units"]))
+    for k in ("path_hash", "program"):
+      if not isinstance(d[k], str):
+        raise CalibrationError(f"{where}.{k}: expected a string, got {d[k]!r}")
+    try:
+      return cls(d["path"], d["kind"], units, d["path_hash"], d["program"])
+    except CalibrationError as e:
+      raise CalibrationError(f"{where}: {e}") from None
+
+
+# ----------------------------------------------------------------------------- calibration
+@dataclasses.dataclass(frozen=True, eq=False)
+class Calibration:
+  """Candidates, their per-hint quality and this machine's latency parameters, for one registry sequence.
+
+  ``current`` (optional): the registry's current version of each thoughtlet name at ``sequence``; a
+  candidate pinned to any other version is refused, so synthesis can never choose an older version.
+  Records are not to be mutated after construction (planners precompute from them).
+  """
+
+  sequence: int
+  fingerprint: str
+  candidates: tuple[Candidate, ...]
+  quality: Mapping[str, Mapping[str, HintQuality]]
+  latency: LatencyParams
+  current: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    object.__setattr__(self, "candidates", tuple(self.candidates))
+    _count(self.sequence, "calibration sequence")
+    if not isinstance(self.fingerprint, str) or not self.fingerprint:
+      raise CalibrationError(f"calibration fingerprint: expected a non-empty string, got {self.fingerprint!r}")
+    hashes = [c.path_hash for c in self.candidates]
+    dup = sorted({h for h in hashes if hashes.count(h) > 1})
+    if dup:
+      raise CalibrationError(f"calibration candidates: path hashes {dup} appear more than once; keep one "
+                             f"record per path")
+    full = [c for c in self.candidates if c.kind is CandidateKind.FULL]
+    if len(full) != 1:
+      raise CalibrationError(f"calibration candidates: expected exactly one full path (kind 'full'), got "
+                             f"{len(full)}; the full path is always a candidate")
+    unknown = sorted(set(self.quality) - set(hashes))
+    if unknown:
+      raise CalibrationError(f"calibration quality: entries for unknown path hashes {unknown}; every quality "
+                             f"entry must name a candidate")
+    for h, per_hint in self.quality.items():
+      for hint, q in per_hint.items():
+        if not isinstance(q, HintQuality):
+          raise CalibrationError(f"calibration quality[{h}][{hint}]: expected a HintQuality, got {q!r}")
+    for c in self.candidates:
+      for u in c.units:
+        cur = self.current.get(u.name)
+        if cur is not None and cur != u.version:
+          raise CalibrationError(
+              f"candidate {c.path!r} ({c.path_hash}) needs {u.ref}, but the current version of {u.name} at "
+              f"registry sequence {self.sequence} is {cur!r}; a calibration only pins current versions. "
+              f"Recalibrate (thoughtjax registry calibrate DIR)")
+    # Every unit must have a measured cost, so planning never fails on a missing key mid-request.
+    probe = LatencyModel(self.latency)
+    for c in self.candidates:
+      try:
+        probe.check(c)
+      except LatencyModelError as e:
+        raise CalibrationError(f"calibration latency: {e}") from None
+
+  @property
+  def full(self) -> Candidate:
+    return next(c for c in self.candidates if c.kind is CandidateKind.FULL)
+
+  def hint_quality(self, path_hash: str, hint: str) -> HintQuality | None:
+    """Measured quality of a path on a hint; the full path is lossless; ``None``: not calibrated."""
+    got = self.quality.get(path_hash, {}).get(hint)
+    if got is None and path_hash == self.full.path_hash:
+      return LOSSLESS_HINT
+    return got
+
+  @property
+  def hints(self) -> tuple[str, ...]:
+    return tuple(sorted({h for per in self.quality.values() for h in per}))
+
+  # ---- JSON
+  def to_dict(self) -> dict:
+    return {
+        "format": FORMAT, "version": FORMAT_VERSION,
+        "sequence": self.sequence, "fingerprint": self.fingerprint, "current": dict(self.current),
+        "candidates": [c.to_json() for c in self.candidates],
+        "quality": {h: {hint: q.to_json() for hint, q in per.items()} for h, per in self.quality.items()},
+        "latency": self.latency.to_json(),
+    }
+
+  def to_json(self) -> bytes:
+    """Canonical bytes: sorted keys, no spaces, UTF-8 (what is hashed and signed)."""
+    return canonical_json(self.to_dict())
+
+  def digest(self) -> str:
+    return hashlib.sha3_256(self.to_json()).hexdigest()
+
+  @classmethod
+  def from_json(cls, data: bytes | str | Mapping) -> "Calibration":
+    """Parse and validate a calibration document; refuses another format or version."""
+    if isinstance(data, (bytes, str)):
+      try:
+        d = json.loads(data)
+      except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CalibrationError(f"calibration: not valid JSON ({e}); regenerate it with "
+                               f"thoughtjax registry calibrate DIR") from None
+    else:
+      d = data
+    if not isinstance(d, Mapping):
+      raise CalibrationError(f"calibration: expected a JSON object, got {type(d).__name__}")
+    if d.get("format") != FORMAT or d.get("version") != FORMAT_VERSION:
+      raise CalibrationError(f"calibration: expected format {FORMAT!r} version {FORMAT_VERSION}, got format "
+                             f"{d.get('format')!r} version {d.get('version')!r}; recalibrate with this "
+                             f"thoughtjax (thoughtjax registry calibrate DIR)")
+    d = _obj(d, "calibration", {"format", "version", "sequence", "fingerprint", "current", "candidates",
+                                "quality", "latency"})
+    current = d["current"]
+    if not isinstance(current, Mapping) or not all(isinstance(v, str) for v in current.values()):
+      raise CalibrationError(f"calibration.current: expected an object of name -> version, got {current!r}")
+    if not isinstance(d["candidates"], list):
+      raise CalibrationError(f"calibration.candidates: expected a list, got {type(d['candidates']).__name__}")
+    candidates = tuple(Candidate.from_json(c, f"calibration.candidates[{i}]") for i, c in enumerate(d["candidates"]))
+    if not isinstance(d["quality"], Mapping):
+      raise CalibrationError(f"calibration.quality: expected an object, got {type(d['quality']).__name__}")
+    quality = {}
+    for h, per in d["quality"].items():
+      if not isinstance(per, Mapping):
+        raise CalibrationError(f"calibration.quality[{h}]: expected an object of hint -> quality, got {per!r}")
+      quality[h] = {hint: HintQuality.from_json(q, f"calibration.quality[{h}][{hint}]") for hint, q in per.items()}
+    try:
+      latency = LatencyParams.from_json(d["latency"], "calibration.latency")
+    except LatencyModelError as e:
+      raise CalibrationError(str(e)) from None
+    if not isinstance(d["fingerprint"], str):
+      raise CalibrationError(f"calibration.fingerprint: expected a string, got {d['fingerprint']!r}")
+    return cls(_count(d["sequence"], "calibration.sequence"), d["fingerprint"], candidates, quality,
+               latency, dict(current))
