@@ -1,0 +1,27 @@
+"""The thoughtlet registry: a directory of Orbax checkpoints, signed manifests and one index.
+
+One concept per module: :mod:`.errors`, :mod:`.layout` (on-disk layout, file I/O),
+:mod:`.manifest`, :mod:`.codec`, :mod:`.checkpoint` (Orbax I/O), :mod:`.trust`,
+:mod:`.resident` (resident set, stats), :mod:`.store` (the read-only :class:`Registry`),
+:mod:`.publish`, :mod:`.verify`, :mod:`.build`, :mod:`.sharding`, :mod:`.gc`.
+"""
+
+from thoughtjax.registry.build import build, cut_thoughtlets
+from thoughtjax.registry.codec import codec_digest
+from thoughtjax.registry.errors import (IntegrityError, MemoryBudgetError, Mismatch, RegistryError,
+                                        ResourceProfileMismatch, UnknownThoughtletError)
+from thoughtjax.registry.gc import collect_garbage
+from thoughtjax.registry.layout import FORMAT, MANIFEST_FORMAT, VERSION_LEN, dir_name, is_registry
+from thoughtjax.registry.manifest import Manifest
+from thoughtjax.registry.publish import StepHook
+from thoughtjax.registry.resident import RegistryStats, ResidentSet
+from thoughtjax.registry.sharding import param_partition
+from thoughtjax.registry.store import Registry
+from thoughtjax.registry.verify import Tolerance, VerifyReport
+
+__all__ = [
+    "FORMAT", "MANIFEST_FORMAT", "VERSION_LEN", "IntegrityError", "Manifest", "MemoryBudgetError", "Mismatch",
+    "Registry", "RegistryError", "RegistryStats", "ResidentSet", "ResourceProfileMismatch", "StepHook", "Tolerance",
+    "UnknownThoughtletError", "VerifyReport", "build", "codec_digest", "collect_garbage", "cut_thoughtlets",
+    "dir_name", "is_registry", "param_partition",
+]

@@ -1,0 +1,89 @@
+"""Building a registry: cut a model along a semantic mapping, profile, publish."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Callable
+
+from thoughtjax.mapping import Mapping as SemanticMapping
+from thoughtjax.mapping import load_mapping
+from thoughtjax.registry.codec import codec_digest
+from thoughtjax.registry.publish import _publish
+from thoughtjax.registry.store import Registry
+from thoughtjax.thoughtlet import Kind, ProfileSettings, Thoughtlet, cut, measure_profile, signature_for
+
+
+def cut_thoughtlets(model, codec, mapping: SemanticMapping) -> list[Thoughtlet]:
+  """One unprofiled thoughtlet per mapping entry, weights taken from ``model``."""
+  cfg = model.cfg
+  mapping.check_model(cfg.num_layers)
+  tok = codec_digest(codec)
+  out = []
+  for e in mapping.entries:
+    kind = Kind(e.kind)
+    sig = signature_for(kind, cfg, tok, layers=e.layers, max_context=e.constraint_dict.get("max_context"),
+                        tags=e.tags, description=e.description)
+    params = cut(model, kind, layers=e.layers, codec=codec, system=e.system)
+    if kind is Kind.TEMPLATE:
+      sig = dataclasses.replace(sig, constraints={**sig.constraints, "system": e.system,
+                                                  "prefix_len": int(params["prefix_ids"].shape[0]),
+                                                  "suffix_len": int(params["suffix_ids"].shape[0])})
+    out.append(Thoughtlet(e.name, kind, sig, params, cfg, e.layers))
+  return out
+
+
+def build(out: str | os.PathLike, mapping: str | os.PathLike | SemanticMapping, model, *, codec=None,
+          sign_key=None, settings: ProfileSettings | None = ProfileSettings(),
+          progress: Callable[[str, str, int, int], None] | None = None, source: str | None = None,
+          source_hash: str | None = None) -> Registry:
+  """Cut ``model`` along ``mapping``, profile every thoughtlet and publish them to ``out``.
+
+  ``model`` is a known model name or path (loaded with :func:`thoughtjax.loading.load`), a
+  :class:`~thoughtjax.loading.LoadedModel`, or a :class:`~thoughtjax.model.Transformer` with
+  ``codec`` given. Building into an existing registry of the same model publishes the changed
+  thoughtlets as new versions (one atomic index switch); unchanged ones keep their version.
+  """
+  from thoughtjax.loading import LoadedModel
+  from thoughtjax.loading import load as load_model
+  from thoughtjax.model import Transformer
+
+  report = progress or (lambda stage, name, i, n: None)
+  if isinstance(model, (str, os.PathLike)):
+    report("load", str(model), 0, 1)
+    name = str(model)
+    model = load_model(model)
+    report("load", name, 1, 1)
+  if isinstance(model, LoadedModel):
+    codec = codec or model.codec
+    source, source_hash = source or model.source, source_hash or model.source_hash
+    model = model.model
+  if not isinstance(model, Transformer) or codec is None:
+    raise TypeError("build needs a model name/path, a LoadedModel, or a Transformer together with codec=")
+  cfg = model.cfg
+  if not isinstance(mapping, SemanticMapping):
+    mapping = load_mapping(mapping, cfg.num_layers)
+  units = cut_thoughtlets(model, codec, mapping)
+  n = len(units)
+  if settings is not None:
+    table = model.embed.table[...]
+    profiled = []
+    for i, t in enumerate(units):
+      report("profile", t.name, i, n)
+      profiled.append(dataclasses.replace(t, profile=measure_profile(t, settings, table)))
+    units = profiled
+  counter = {"stage:checkpoint": 0, "verify": 0, "commit:version": 0}
+
+  def on_step(event, name):
+    if event in counter:
+      counter[event] += 1
+      report({"stage:checkpoint": "write", "verify": "verify", "commit:version": "commit"}[event],
+             name, counter[event], n)
+
+  model_info = {"config": cfg.to_json(), "family": cfg.family_hash, "source": source or "in-memory model",
+                "source_hash": source_hash}
+  _publish(Path(out), units, sign_key=sign_key, on_step=on_step, model=model_info, codec=codec,
+           order=[t.name for t in units], mapping_text=mapping.text)
+  report("done", "", n, n)
+  return Registry(out)

@@ -1,0 +1,113 @@
+"""On-disk layout of a registry and its file I/O: names, digests, durable writes, the index file,
+the writer lock.
+
+Layout::
+
+    DIR/index.json                          {"index": {...}, "signature": {...} | null}
+    DIR/thoughtlets/<name>/<version>/checkpoint/   one Orbax checkpoint (the weights)
+    DIR/thoughtlets/<name>/<version>/manifest.json signature, profile, hashes, file digests
+    DIR/thoughtlets/<name>/<version>/manifest.sig  detached Ed25519 signature (if signed)
+    DIR/codec/<digest>/                     tokenizer.json + codec.json (chat template, ids)
+    DIR/keys/<key id>.pub                   public keys that signed something here
+    DIR/.staging/, DIR/.lock                writer scratch space and lock
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+from thoughtjax.registry.errors import IntegrityError, RegistryError
+
+FORMAT = "thoughtjax.registry/1"
+MANIFEST_FORMAT = "thoughtjax.manifest/1"
+VERSION_LEN = 16
+
+
+def _sha256_file(path: Path) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    while block := f.read(1 << 22):
+      h.update(block)
+  return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+  with open(path, "wb") as f:
+    f.write(data)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _files_under(root: Path) -> list[Path]:
+  return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def dir_name(name: str) -> str:
+  """File-system name of a thoughtlet: ``blocks[0:2)`` -> ``blocks_0_2``."""
+  m = re.fullmatch(r"blocks\[(\d+):(\d+)\)", name)
+  if m:
+    return f"blocks_{m.group(1)}_{m.group(2)}"
+  if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.\-]*", name):
+    return name
+  return "x" + hashlib.sha3_256(name.encode()).hexdigest()[:16]
+
+
+def _now() -> str:
+  return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _nest(flat: Mapping[str, Any]) -> dict:
+  out: dict = {}
+  for path, leaf in flat.items():
+    node = out
+    parts = path.split("/")
+    for key in parts[:-1]:
+      node = node.setdefault(key, {})
+    node[parts[-1]] = leaf
+  return out
+
+
+def _read_index(root: Path) -> tuple[dict, dict | None]:
+  path = root / "index.json"
+  try:
+    doc = json.loads(path.read_bytes())
+  except FileNotFoundError:
+    raise RegistryError(f"{root} is not a thoughtlet registry (no index.json); create one with "
+                        f"`thoughtjax registry build`") from None
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise IntegrityError("index", None, str(path), f"not valid JSON ({e})") from None
+  body = doc.get("index") if isinstance(doc, dict) else None
+  if not isinstance(body, dict) or body.get("format") != FORMAT:
+    raise RegistryError(f"{path}: not a {FORMAT} index")
+  return body, doc.get("signature")
+
+
+@contextlib.contextmanager
+def _writer_lock(root: Path):
+  root.mkdir(parents=True, exist_ok=True)
+  with open(root / ".lock", "a+") as f:
+    fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def is_registry(path: str | os.PathLike) -> bool:
+  return (Path(path) / "index.json").is_file()

@@ -1,0 +1,81 @@
+"""Restored thoughtlets kept in memory (an LRU under a byte budget) and the registry's counters."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from thoughtjax.registry.errors import MemoryBudgetError
+
+
+@dataclasses.dataclass
+class RegistryStats:
+  hits: int = 0
+  misses: int = 0
+  evictions: int = 0
+  restores: int = 0
+  restored_bytes: int = 0
+  resident_bytes: int = 0
+  budget_bytes: int | None = None
+  integrity_failures: int = 0
+  signature_failures: int = 0
+  failures: list = dataclasses.field(default_factory=list)  # {"thoughtlet", "file", "reason"}
+  restore_seconds: dict = dataclasses.field(default_factory=dict)  # "name@version" -> s
+  resident: list = dataclasses.field(default_factory=list)  # "name@version", LRU first
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class _Resident:
+  params: dict
+  nbytes: int
+  ref: str
+
+
+class ResidentSet:
+  """Restored thoughtlets kept in memory: an LRU under an optional byte budget."""
+
+  def __init__(self, budget_bytes: int | None = None):
+    self.budget = budget_bytes
+    self._entries: collections.OrderedDict[tuple, _Resident] = collections.OrderedDict()
+
+  @property
+  def nbytes(self) -> int:
+    return sum(e.nbytes for e in self._entries.values())
+
+  def get(self, key: tuple) -> _Resident | None:
+    entry = self._entries.get(key)
+    if entry is not None:
+      self._entries.move_to_end(key)
+    return entry
+
+  def make_room(self, need: int, pinned: set, what: str) -> list[_Resident]:
+    """Evict least recently used unpinned entries until ``need`` more bytes fit."""
+    if self.budget is None:
+      return []
+    pinned_bytes = sum(e.nbytes for k, e in self._entries.items() if k in pinned)
+    if need + pinned_bytes > self.budget:
+      raise MemoryBudgetError(
+          f"{what} needs {need + pinned_bytes} bytes of weights resident at once but the registry's "
+          f"memory budget is {self.budget} bytes; raise memory_budget or use a shorter path")
+    evicted = []
+    for key in list(self._entries):
+      if self.nbytes + need <= self.budget:
+        break
+      if key not in pinned:
+        evicted.append(self._entries.pop(key))
+    return evicted
+
+  def put(self, key: tuple, entry: _Resident) -> None:
+    self._entries[key] = entry
+    self._entries.move_to_end(key)
+
+  def clear(self) -> int:
+    n = len(self._entries)
+    self._entries.clear()
+    return n
+
+  def refs(self) -> list[str]:
+    return [e.ref for e in self._entries.values()]
