@@ -411,7 +411,7 @@ def sample_stop(
     step: scalar int32, the decode step.
     stop_ids: [B, M] int32 padded with -1; M may be 0.
     logit_bias: optional [B, V] float32, added before temperature.
-    implementation: "pallas", "xla" or None (Pallas on GPU, XLA otherwise).
+    implementation: "pallas", "xla" or None (the default of kernels/dispatch.py).
     interpret: run the Pallas kernel interpreted; None means "unless on GPU".
     block_v: vocabulary block of the kernel, a power of two (default
       min(next_power_of_2(V), 2048)); a tuning knob, the result never depends on it.
@@ -435,14 +435,8 @@ def sample_stop(
 
 def resolve_dispatch(implementation: str | None,
                      interpret: bool | None) -> tuple[str, bool]:
-  """Resolves ``implementation``/``interpret`` defaults for the current backend."""
-  on_gpu = jax.default_backend() == "gpu"
-  if implementation is None:
-    implementation = "pallas" if on_gpu else "xla"
-  if implementation not in _IMPLEMENTATIONS:
-    raise ValueError(
-        f"implementation must be one of {_IMPLEMENTATIONS} or None, got "
-        f"{implementation!r}; None picks 'pallas' on GPU and 'xla' elsewhere.")
-  if interpret is None:
-    interpret = not on_gpu
-  return implementation, bool(interpret)
+  """Resolves ``implementation``/``interpret`` defaults for the current backend (the rule: kernels/dispatch.py)."""
+  from thoughtjax.kernels import dispatch
+
+  interpret = dispatch.interpret_default() if interpret is None else bool(interpret)
+  return dispatch.resolve(implementation, name="implementation"), interpret

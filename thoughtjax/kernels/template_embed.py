@@ -237,7 +237,7 @@ def template_embed(
     user_lengths: [B] int32 real lengths, clamped into [0, U].
     total_len: static T >= P1 + U + P2.
     left_pad: right-align each row's content behind zeros.
-    implementation: "pallas", "xla" or None (Pallas on GPU, XLA otherwise).
+    implementation: "pallas", "xla" or None (the default of kernels/dispatch.py).
     interpret: run the Pallas kernel interpreted; None means "unless on GPU".
     block_t, block_d: kernel tile, powers of two (defaults from
       ``default_blocks``); tuning knobs, the result never depends on them.
