@@ -253,7 +253,7 @@ def _hint(i: int, raw: Any, node: yaml.Node, source: str, base: Path) -> HintSpe
     f = _field_nodes(vnode)
     bad = sorted(set(value) - allowed)
     if bad:
-      fail(f"unknown key {key}.{bad[0]!r}; allowed: {sorted(allowed)}", at=f[bad[0]][0])
+      fail(f"unknown key '{key}.{bad[0]}'; allowed: {sorted(allowed)}", at=f[bad[0]][0])
     missing = [k for k in required if k not in value]
     if missing:
       fail(f"'{key}' is missing {missing[0]!r}; required: {list(required)}", key)
@@ -304,7 +304,7 @@ def _hint(i: int, raw: Any, node: yaml.Node, source: str, base: Path) -> HintSpe
     snodes = _field_nodes(snode)
     bad = sorted(set(spec) - _SPLIT_KEYS)
     if bad:
-      fail(f"unknown key corpus.{split}.{bad[0]!r}; allowed: {sorted(_SPLIT_KEYS)}", at=snodes[bad[0]][0])
+      fail(f"unknown key 'corpus.{split}.{bad[0]}'; allowed: {sorted(_SPLIT_KEYS)}", at=snodes[bad[0]][0])
     if not isinstance(spec.get("path"), str) or not spec["path"]:
       fail(f"corpus.{split}.path must be a file path relative to the dictionary's folder", at=snode)
     rel = Path(spec["path"])
