@@ -21,6 +21,8 @@ per stage, once globally and once per path hash. An observed stage time moves th
 paths); the ratio and the factor are clipped to ``[1/4, 4]`` so one outlier cannot swing a plan by
 more than 4x. A path with no factor of its own for a stage uses the global one. Stages predicted at
 zero (already resident, already compiled) carry no information and are not learned from.
+A candidate whose cost is not the sum of its units (a speculative plan: draft and verify in one
+program) starts from a per-path factor that calibration measured, stored in ``corrections``.
 """
 
 from __future__ import annotations
