@@ -40,7 +40,8 @@ class RMSNorm(nnx.Module):
     x32 = x.astype(jnp.float32)
     var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
     y = x32 * jax.lax.rsqrt(var + self.eps)
-    return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+    w = self.weight[...].astype(jnp.float32)
+    return (y * w.reshape((1,) * (y.ndim - 1) + w.shape)).astype(x.dtype)  # explicit broadcast over [...]
 
 
 def rope_tables(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
@@ -108,7 +109,7 @@ class Attention(nnx.Module):
     k = _matmul(x, self.k[...].reshape(D, K * E)).reshape(B, T, K, E)
     v = _matmul(x, self.v[...].reshape(D, K * E)).reshape(B, T, K, E)
     if cfg.qkv_bias:
-      q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+      q, k, v = q + self.q_bias[...][None, None], k + self.k_bias[...][None, None], v + self.v_bias[...][None, None]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     # The cache is [B, K, S, E]: batch dims lead, so both attention contractions are
     # plain batched matmuls with no per-step transpose of the cache.
