@@ -243,7 +243,8 @@ def _hint(i: int, raw: Any, node: yaml.Node, source: str, base: Path) -> HintSpe
   given = raw.get("name") if isinstance(raw.get("name"), str) else None
 
   def fail(msg: str, key: str | None = None, at: yaml.Node | None = None):
-    ln = _line(at) if at is not None else _line(fields[key][1]) if key in fields else line
+    # A key's own line: for a block mapping its value starts on the next one.
+    ln = _line(at) if at is not None else _line(fields[key][0]) if key in fields else line
     raise DictionaryError(msg, source=source, line=ln, entry=i, name=given)
 
   def sub(key: str, allowed: set[str], required: tuple[str, ...]) -> tuple[dict, dict]:
