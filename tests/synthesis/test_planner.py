@@ -15,7 +15,7 @@ from thoughtjax.synthesis.calibration import (FORMAT_VERSION, Calibration, Calib
                                               PathQuality, Unit)
 from thoughtjax.synthesis.latency import COLD, LatencyModel, LatencyParams, LinearCost, Residency
 from thoughtjax.synthesis.planner import (Floor, NoPathError, Plan, Planner, PlanError, PlanRequest,
-                                          SequenceMismatchError, get_optimal_path, planner_for)
+                                          SequenceMismatchError, floors_of, get_optimal_path, planner_for)
 
 MB = 1 << 20
 SEQUENCE = 7
@@ -198,6 +198,19 @@ def test_dictionary_floor_objects_and_mappings_are_accepted():
   assert Planner(cal, as_obj).plan(r) == Planner(cal, as_map).plan(r) == Planner(cal, FLOORS).plan(r)
   with pytest.raises(PlanError, match=r"floor of hint 'x': mean_kl must be a number, got 'low'"):
     Planner(cal, {"x": {"mean_kl": "low"}})
+  with pytest.raises(PlanError, match=r"floor of hint 'x': expected top1_agreement, mean_kl"):
+    Planner(cal, {"x": object()})  # never a silent "no floor"
+
+
+def test_the_synthesis_dictionary_floors_plug_in():
+  from thoughtjax.synthesis.dictionary import Floors
+
+  spec = types.SimpleNamespace(name="general_purpose", floors=Floors(0.6, 1.0))
+  floors = floors_of([spec])
+  assert floors == {"general_purpose": Floor(0.6, 1.0)}
+  r = PlanRequest(("general_purpose",), 40, 16, 1e9)
+  assert Planner(calibration(), {"general_purpose": Floors(0.6, 1.0)}).plan(r) == Planner(calibration(), floors).plan(r)
+  assert Planner(calibration(), {"general_purpose": spec}).plan(r) == Planner(calibration(), floors).plan(r)
 
 
 def test_hint_priority_is_lexicographic():
@@ -397,7 +410,8 @@ def test_malformed_or_wrong_version_documents_are_refused(doc, match):
 def test_field_errors_name_the_field():
   d = _doc()
   d["candidates"][1]["kind"] = "teleport"
-  with pytest.raises(CalibrationError, match=r"candidates\[1\].*kind: expected one of \[.*'speculative'.*got 'teleport'"):
+  with pytest.raises(CalibrationError,
+                     match=r"candidates\[1\].*kind: expected one of \[.*'speculative'.*got 'teleport'"):
     Calibration.from_json(d)
   d = _doc()
   h = next(iter(d["quality"]))

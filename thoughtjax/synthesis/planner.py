@@ -33,7 +33,7 @@ import threading
 from typing import AbstractSet, Any, Callable, Mapping, Sequence, Union
 
 from thoughtjax.errors import UserError
-from thoughtjax.synthesis.calibration import Calibration, Candidate, PathQuality
+from thoughtjax.synthesis.calibration import Calibration, PathQuality
 from thoughtjax.synthesis.latency import COLD, LatencyModel, Prediction, Residency
 
 MAX_HINTS = 3
@@ -81,14 +81,24 @@ def as_floor(obj: Any, hint: str) -> Floor:
   (/``delta_nll``) fields, such as the synthesis dictionary's floors."""
   if isinstance(obj, Floor):
     return obj
+  if hasattr(obj, "floors"):  # a dictionary entry (HintSpec)
+    obj = obj.floors
   get = obj.get if isinstance(obj, Mapping) else (lambda k, d=None: getattr(obj, k, d))
   vals = {k: get(k) for k in ("top1_agreement", "mean_kl", "delta_nll")}
+  if all(v is None for v in vals.values()):
+    raise PlanError(f"floor of hint {hint!r}: expected top1_agreement, mean_kl and/or delta_nll, got {obj!r}; "
+                    f"pass the synthesis dictionary's floors")
   for k, v in vals.items():
     if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v)):
       raise PlanError(f"floor of hint {hint!r}: {k} must be a number, got {v!r}; fix the synthesis dictionary")
   return Floor(float(vals["top1_agreement"] or 0.0),
                math.inf if vals["mean_kl"] is None else float(vals["mean_kl"]),
                None if vals["delta_nll"] is None else float(vals["delta_nll"]))
+
+
+def floors_of(dictionary: Any) -> dict[str, Floor]:
+  """Hint name -> :class:`Floor` of a synthesis dictionary (an iterable of entries with ``name``, ``floors``)."""
+  return {h.name: as_floor(h.floors, h.name) for h in dictionary}
 
 
 @dataclasses.dataclass(frozen=True)
