@@ -334,6 +334,22 @@ def test_an_older_version_is_never_a_candidate():
     calibration({}, cands, current={"blocks[0:2)": "v1"})
 
 
+def test_a_failed_thoughtlet_is_never_replaced_by_another_version():
+  # A calibration without a record of current versions that still lists an older blocks[0:2).
+  old = make("exit", [block(0, 2, version="v0"), *(block(a, b) for a, b in SPANS[1:4])])
+  cands = {**CANDIDATES, "old": old}
+  quality = {**DEFAULT_QUALITY, "old": {"general_purpose": hq((0.99, 0.01))}}
+  cal = calibration(quality, cands)
+  t = totals(cal, 40, 16)
+  budget = (t["int8"] + t["full"]) / 2
+  assert plan(cal, ["general_purpose"], budget).path_hash == old.path_hash  # best when nothing failed
+  p = plan(cal, ["general_purpose"], budget, unavailable={"blocks[0:2)@v1": "verification: bad signature"})
+  assert name_of(p) == "int8" and p.degraded and not any(r.startswith("blocks[0:2)@") for r in p.refs)
+  detail = next(r.detail for r in p.rejected if r.path_hash == old.path_hash)
+  assert detail == ("uses blocks[0:2)@v0 where the current blocks[0:2)@v1 failed verification: bad signature; "
+                    "another version is never used in its place")
+
+
 # ----------------------------------------------------------------------------- residency
 def test_a_resident_compiled_path_predicts_no_restore_or_compile():
   cal = calibration()
@@ -370,10 +386,11 @@ def test_an_unknown_hint_is_refused_with_the_known_list():
 
 
 def test_plan_json_has_the_command_line_contract():
-  d = plan(calibration(), ["general_purpose"], 1e9).to_json()
+  d = plan(calibration(), ["general_purpose"], float("inf")).to_json()  # no budget
   assert {"path", "path_hash", "hints", "corrected_hints", "predicted_ms", "quality", "degraded", "reason"} <= set(d)
   assert set(d["predicted_ms"]) == {"total", "synthesis", "restore", "compile", "prefill", "decode"}
   json.dumps(d, allow_nan=False)
+  assert d["max_latency_ms"] is None and d["degraded"] is False
 
 
 # ------------------------------------------------------------------------ calibration JSON

@@ -16,7 +16,8 @@ Rule (DESIGN.md "GetOptimalPath", issue 8 item 5):
    a thoughtlet the best choice needs failed verification or restore → the best candidate that avoids it,
    reason ``"unavailable: <ref> failed <why>"``; nothing eligible left → :class:`NoPathError`.
    A failed thoughtlet is never replaced by another version: candidates are pinned to the versions of
-   the calibration's registry sequence, and the planner never rewrites a ref.
+   the calibration's registry sequence, the planner never rewrites a ref, and a failure of ``name@v``
+   blocks every candidate that uses any version of ``name``.
 5. ``pin_sequence``: a calibration made against another registry sequence is refused
    (:class:`SequenceMismatchError`); the same request with the same pin gives the same plan.
 
@@ -173,7 +174,8 @@ class Plan:
         "predicted_ms": self.predicted.to_json(),
         "quality": {h: q.to_json() for h, q in self.quality.items()},
         "degraded": self.degraded, "reason": self.reason, "notes": list(self.notes),
-        "registry_sequence": self.sequence, "max_latency_ms": self.max_latency_ms, "max_tokens": self.max_tokens,
+        "registry_sequence": self.sequence,
+        "max_latency_ms": None if math.isinf(self.max_latency_ms) else self.max_latency_ms, "max_tokens": self.max_tokens,
         "tokens_that_fit": self.tokens_that_fit,
         "rejected": [dataclasses.asdict(r) for r in self.rejected],
     }
@@ -291,7 +293,8 @@ class Planner:
       reports = {str(r): "verification or restore" for r in unavailable}
     out: dict[int, tuple[str, str]] = {}
     for ref in sorted(reports):
-      for i in self._users.get(ref, ()):
+      # Every version of a failed thoughtlet's name is blocked: another version is never used in its place.
+      for i in self._users.get(ref.partition("@")[0], ()):
         out.setdefault(i, (ref, reports[ref]))
     return out
 
@@ -344,7 +347,10 @@ class Planner:
       if i not in order.eligible:
         continue
       ref, why = failed[i]
-      rejected.append(Rejection(cands[i].path, cands[i].path_hash, "unavailable", f"needs {ref}, which failed {why}"))
+      uses = next(r for r in cands[i].refs if r.partition("@")[0] == ref.partition("@")[0])
+      detail = (f"needs {ref}, which failed {why}" if uses == ref or "@" not in ref else
+                f"uses {uses} where the current {ref} failed {why}; another version is never used in its place")
+      rejected.append(Rejection(cands[i].path, cands[i].path_hash, "unavailable", detail))
 
     if chosen is None and not seen:
       self.counters._add(no_path=True)
