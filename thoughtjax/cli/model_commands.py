@@ -6,6 +6,9 @@ import argparse
 import json
 import sys
 
+from thoughtjax.cli.args import (CommandLineError, add_kernels_arg, add_trust_args, kernels_kwarg,
+                                 model_source)
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", default=None, help="known model name or path to a .gguf / safetensors dir "
@@ -15,23 +18,25 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--registry", default=None, metavar="DIR",
                  help="compose --path from this thoughtlet registry instead of loading --model "
                  "(default path: embed, every block thoughtlet in layer order, head)")
-  p.add_argument("--sampler", choices=("xla", "pallas"), default=None,
-                 help="kernel implementation for sampling and template embedding "
-                 "(default: pallas on GPU, xla elsewhere)")
+  add_kernels_arg(p)
+  add_trust_args(p, keys_help="with --registry: trusted Ed25519 public key (repeatable)")
 
 
 def _load(args):
+  """The model to run: composed from ``--registry`` (with the trust flags), or loaded from ``--model``."""
   import thoughtjax
 
-  if getattr(args, "registry", None):
+  if args.registry:
     if args.model is not None:
-      raise SystemExit("give --model or --registry, not both")
+      raise CommandLineError("--model and --registry both given: the registry holds the weights; drop one")
     from thoughtjax.cli.registry import load_from_registry
 
     return load_from_registry(args)
-
-  model = thoughtjax.load(args.model, sampler=getattr(args, "sampler", None))
-  if getattr(args, "path", None):
+  if args.public_key or args.require_signatures:
+    raise CommandLineError("--public-key and --require-signatures check a registry: add --registry DIR or "
+                           "drop them")
+  model = thoughtjax.load(model_source(args.model), **kernels_kwarg(thoughtjax.load, args.kernels))
+  if args.path:
     from thoughtjax.paths import layers_of_path
 
     model = model.with_path(layers_of_path(args.path, model.config.num_layers))
@@ -63,13 +68,17 @@ def cmd_generate(args) -> int:
     if not args.json:
       sys.stdout.write(d.text)
       sys.stdout.flush()
-  t = model.last_timings
   if args.json:
+    trace = getattr(stream, "trace", None)
+    if trace is not None:
+      prompt_ids, start, first, end = trace.prompt_ids[0], trace.start, trace.first_token, trace.end
+    else:  # Temporary: a model that keeps per-call timings on itself (before Generation.trace).
+      t = model.last_timings
+      prompt_ids = model.prompt_ids(args.prompt, args.chat, args.system)
+      start, first, end = t["start"], t.get("first_token"), t.get("end")
     print(json.dumps({
-        "prompt_ids": model.prompt_ids(args.prompt, args.chat, args.system),
-        "token_ids": ids, "text": text, "finish_reason": reason,
-        "time_to_first_token_s": t.get("first_token", 0) - t["start"],
-        "total_s": t.get("end", 0) - t["start"],
+        "prompt_ids": prompt_ids, "token_ids": ids, "text": text, "finish_reason": reason,
+        "time_to_first_token_s": (first or 0) - start, "total_s": (end or 0) - start,
     }))
   else:
     sys.stdout.write("\n")
@@ -77,19 +86,20 @@ def cmd_generate(args) -> int:
 
 
 def cmd_score(args) -> int:
-  model = _load(args)
   if (args.text is None) == (args.token_ids is None):
-    raise SystemExit("score: give exactly one of --text or --token-ids")
+    raise CommandLineError("give exactly one of --text or --token-ids")
+  model = _load(args)
   if args.text is not None:
     ids = model.codec.encode(args.text)
   else:
     try:
       ids = [int(t) for t in args.token_ids.split(",") if t.strip()]
     except ValueError:
-      raise SystemExit(f"score: --token-ids must be comma-separated integers, got {args.token_ids!r}") from None
+      raise CommandLineError(f"--token-ids must be comma-separated integers, e.g. 1,2,3; got {args.token_ids!r}") \
+          from None
   bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
   if bad:
-    raise SystemExit(f"score: token ids {bad[:5]} are outside the vocabulary [0, {model.config.vocab_size})")
+    raise CommandLineError(f"--token-ids {bad[:5]} are outside this model's vocabulary [0, {model.config.vocab_size})")
   s = model.score(ids, top_k=args.top_k)
   if args.json:
     print(json.dumps({"token_ids": s.token_ids, "top_ids": s.top_ids, "top_logits": s.top_logits,

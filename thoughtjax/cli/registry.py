@@ -11,36 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-
-def _user_errors():
-  from thoughtjax.compose import PathTypeError
-  from thoughtjax.mapping import MappingError
-  from thoughtjax.paths import PathSyntaxError
-  from thoughtjax.registry import RegistryError
-  from thoughtjax.signing import SignatureError
-
-  return (RegistryError, SignatureError, PathTypeError, PathSyntaxError, MappingError, FileExistsError,
-          FileNotFoundError)
-
-
-def _report(args, e: Exception) -> int:
-  cmd = getattr(args, "registry_command", None)
-  name = f"registry {cmd}" if cmd else args.command
-  print(f"thoughtjax {name}: {type(e).__name__}: {e}", file=sys.stderr)
-  return 2
-
-
-def _guarded(fn):
-  """Report the registry's user-facing errors in one line (exit status 2), no traceback."""
-
-  def run(args):
-    try:
-      return fn(args)
-    except _user_errors() as e:
-      return _report(args, e)
-
-  run.__name__ = fn.__name__
-  return run
+from thoughtjax.cli.args import (CommandLineError, add_trust_args, existing_path, kernels_kwarg, model_source,
+                                 open_registry)
 
 
 def _profile_settings(args):
@@ -58,6 +30,9 @@ def cmd_build(args) -> int:
   from thoughtjax.fetch import DEFAULT_MODEL
   from thoughtjax.registry import build
 
+  mapping = existing_path(args.mapping, "--mapping") if args.mapping else _default_mapping()
+  sign_key = existing_path(args.sign_key, "--sign-key") if args.sign_key else None
+  model_source(args.model)  # a wrong --model fails before the progress bars start
   console = Console(stderr=True)
   stages = {}
   with Progress(TextColumn("{task.description:<8}"), BarColumn(), MofNCompleteColumn(),
@@ -71,7 +46,7 @@ def cmd_build(args) -> int:
         stages[stage] = bar.add_task(stage, total=total, item="")
       bar.update(stages[stage], completed=done if stage != "profile" else done + 1, item=name)
 
-    reg = build(args.out, args.mapping or _default_mapping(), args.model or DEFAULT_MODEL, sign_key=args.sign_key,
+    reg = build(args.out, mapping, model_source(args.model) or DEFAULT_MODEL, sign_key=sign_key,
                 settings=_profile_settings(args), progress=progress)
   console.print(f"registry {reg.root}: generation {reg.generation}, {len(reg.names)} thoughtlets"
                 + ("" if args.sign_key else " (unsigned: pass --sign-key to sign)"))
@@ -101,11 +76,8 @@ def _print_table(reg) -> None:
   Console().print(table)
 
 
-def _open(args, **kw):
-  from thoughtjax.registry import Registry
-
-  keys = getattr(args, "public_key", None) or None
-  return Registry.open(args.dir, trusted_keys=keys, **kw)
+def _open(args):
+  return open_registry(args.dir, args)
 
 
 def cmd_verify(args) -> int:
@@ -118,7 +90,7 @@ def cmd_verify(args) -> int:
   try:
     report = reg.verify(hardware=args.hardware, all_versions=args.all_versions, tolerance=tol)
   except ResourceProfileMismatch as e:
-    print(f"thoughtjax registry verify: ResourceProfileMismatch: {e}", file=sys.stderr)
+    print(f"thoughtjax registry verify: error: ResourceProfileMismatch: {e}", file=sys.stderr)
     return 3
   trust = "trusted keys given" if args.public_key else "keys stored in the registry (integrity, not authenticity)"
   if args.json:
@@ -136,7 +108,10 @@ def cmd_verify(args) -> int:
 def cmd_keygen(args) -> int:
   from thoughtjax.signing import key_id, keygen, load_public_key
 
-  priv, pub = keygen(args.path, overwrite=args.force)
+  try:
+    priv, pub = keygen(args.path, overwrite=args.force)
+  except FileExistsError as e:  # a user-given path: say so in one line, with the fix
+    raise CommandLineError(f"keygen {args.path}: {e}") from None
   print(f"private key {priv} (keep secret; pass to `registry build --sign-key`)")
   print(f"public key  {pub} (key id {key_id(load_public_key(pub))}; pass to `registry verify --public-key`)")
   return 0
@@ -145,7 +120,7 @@ def cmd_keygen(args) -> int:
 def cmd_validate(args) -> int:
   from thoughtjax.mapping import load_mapping
 
-  m = load_mapping(args.mapping, args.num_layers)
+  m = load_mapping(existing_path(args.mapping, "mapping"), args.num_layers)
   print(f"{args.mapping}: ok, {len(m.entries)} thoughtlets: {', '.join(e.name for e in m.entries)}")
   return 0
 
@@ -167,7 +142,8 @@ def cmd_show(args) -> int:
 def cmd_gc(args) -> int:
   from thoughtjax.registry import collect_garbage
 
-  removed = collect_garbage(args.dir, keep=args.keep, dry_run=args.dry_run)
+  removed = collect_garbage(existing_path(args.dir, "registry directory", kind="dir"), keep=args.keep,
+                            dry_run=args.dry_run)
   for p in removed:
     print(("would remove " if args.dry_run else "removed ") + str(p))
   print(f"{len(removed)} version director{'y' if len(removed) == 1 else 'ies'}")
@@ -175,14 +151,11 @@ def cmd_gc(args) -> int:
 
 
 def load_from_registry(args):
-  """The model of ``generate``/``score --registry DIR [--path P]``."""
-  from thoughtjax.compose import compose
-  from thoughtjax.registry import Registry
+  """The model of ``generate``/``score --registry DIR [--path P] [--public-key F] [--require-signatures]``."""
+  from thoughtjax.compose import compose, full_path
 
-  from thoughtjax.compose import full_path
-
-  reg = Registry.open(args.registry)
-  return compose(args.path or full_path(reg), reg, sampler=getattr(args, "sampler", None))
+  reg = open_registry(args.registry, args, "--registry")
+  return compose(args.path or full_path(reg), reg, **kernels_kwarg(compose, getattr(args, "kernels", None)))
 
 
 def add_parser(subparsers) -> None:
@@ -199,13 +172,13 @@ def add_parser(subparsers) -> None:
   b.add_argument("--context", type=int, default=256, help="profile: KV cache length")
   b.add_argument("--reps", type=int, default=20, help="profile: timed runs per thoughtlet")
   b.add_argument("--no-profile", action="store_true", help="publish without resource profiles")
-  b.set_defaults(fn=_guarded(cmd_build))
+  b.set_defaults(fn=cmd_build)
 
   v = sub.add_parser("verify", help="check digests, signatures, versioned hashes (and profiles)")
   v.add_argument("dir")
   v.add_argument("--hardware", action="store_true", help="re-measure resource profiles here")
-  v.add_argument("--public-key", action="append", help="trusted public key (repeatable); "
-                 "default: the keys stored in the registry, which prove integrity, not authenticity")
+  add_trust_args(v, keys_help="trusted public key (repeatable); default: the keys stored in the registry, "
+                 "which prove integrity, not authenticity")
   v.add_argument("--all-versions", action="store_true", help="every published version, not only current")
   v.add_argument("--latency-tolerance", type=float, default=1.0,
                  help="measured/declared latency must lie in [1/(1+x), 1+x]; negative skips latency")
@@ -214,31 +187,31 @@ def add_parser(subparsers) -> None:
   v.add_argument("--flops-tolerance", type=float, default=0.02)
   v.add_argument("--memory-tolerance", type=float, default=0.25)
   v.add_argument("--json", action="store_true")
-  v.set_defaults(fn=_guarded(cmd_verify))
+  v.set_defaults(fn=cmd_verify)
 
   k = sub.add_parser("keygen", help="create an Ed25519 key pair PATH.key / PATH.pub")
   k.add_argument("path")
   k.add_argument("--force", action="store_true", help="overwrite an existing pair")
-  k.set_defaults(fn=_guarded(cmd_keygen))
+  k.set_defaults(fn=cmd_keygen)
 
   m = sub.add_parser("validate", help="check a semantic_mapping.yaml")
   m.add_argument("mapping")
   m.add_argument("--num-layers", type=int, default=None, help="check spans against this many layers")
-  m.set_defaults(fn=_guarded(cmd_validate))
+  m.set_defaults(fn=cmd_validate)
 
   ls = sub.add_parser("list", help="current thoughtlets with signatures and profiles")
   ls.add_argument("dir")
-  ls.add_argument("--public-key", action="append")
-  ls.set_defaults(fn=_guarded(cmd_list))
+  add_trust_args(ls)
+  ls.set_defaults(fn=cmd_list)
 
   sh = sub.add_parser("show", help="print one manifest (NAME or NAME@VERSION)")
   sh.add_argument("dir")
   sh.add_argument("ref")
-  sh.add_argument("--public-key", action="append")
-  sh.set_defaults(fn=_guarded(cmd_show))
+  add_trust_args(sh)
+  sh.set_defaults(fn=cmd_show)
 
   g = sub.add_parser("gc", help="remove version directories that are neither current nor recent")
   g.add_argument("dir")
   g.add_argument("--keep", type=int, default=2, help="versions kept per thoughtlet, current included")
   g.add_argument("--dry-run", action="store_true")
-  g.set_defaults(fn=_guarded(cmd_gc))
+  g.set_defaults(fn=cmd_gc)

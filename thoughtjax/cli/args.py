@@ -1,0 +1,81 @@
+"""Arguments shared by several commands: paths a user types, ``--kernels``, and the trust flags.
+
+A path the user gives is checked where it is taken, so a missing file is a :class:`CommandLineError`
+(one line, exit status 2) naming the flag, never a ``FileNotFoundError`` from deep inside a loader.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+from pathlib import Path
+
+from thoughtjax.errors import UserError
+from thoughtjax.kernels import dispatch
+
+
+class CommandLineError(UserError, ValueError):
+  """A command-line argument names something that does not exist, or flags that do not go together."""
+
+
+def existing_path(text: str, flag: str, *, kind: str = "file") -> Path:
+  """``text`` as a Path that exists and is a ``kind`` ("file", "dir" or "any")."""
+  path = Path(text).expanduser()
+  ok = {"file": path.is_file, "dir": path.is_dir, "any": path.exists}[kind]()
+  if not ok:
+    found = "a directory" if path.is_dir() else "a file" if path.exists() else "nothing"
+    wanted = {"file": "a file", "dir": "a directory", "any": "an existing path"}[kind]
+    raise CommandLineError(f"{flag} {text}: expected {wanted}, found {found}; check the path")
+  return path
+
+
+def model_source(text: str | None, flag: str = "--model") -> str | None:
+  """A known model name, or a path that exists (None: the default model)."""
+  from thoughtjax.fetch import KNOWN_MODELS
+
+  if text is None or text in KNOWN_MODELS or Path(text).expanduser().exists():
+    return text
+  raise CommandLineError(f"{flag} {text!r} is neither a known name ({', '.join(KNOWN_MODELS)}) nor an existing "
+                         f".gguf file or safetensors directory; pass a known name or fix the path")
+
+
+def add_kernels_arg(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--kernels", choices=tuple(dispatch.IMPLEMENTATIONS), default=None,
+                 help="implementation of both kernel ops, sampling and template embedding (default: xla on every "
+                 "backend until the GPU check earns pallas; see thoughtjax/kernels/dispatch.py)")
+
+
+def kernels_kwarg(fn, kernels: str | None) -> dict:
+  """``{"kernels": kernels}`` for ``thoughtjax.load`` / ``compose``.
+
+  Temporary: the keyword was ``sampler=`` before the rename; remove this once every callee takes ``kernels=``.
+  """
+  return {"kernels" if "kernels" in inspect.signature(fn).parameters else "sampler": kernels}
+
+
+def add_trust_args(p: argparse.ArgumentParser, *, keys_help: str | None = None) -> None:
+  p.add_argument("--public-key", action="append", default=None, metavar="FILE",
+                 help=keys_help or "trusted Ed25519 public key (repeatable); signatures must verify against one")
+  p.add_argument("--require-signatures", action="store_true",
+                 help="refuse unsigned manifests and indexes")
+
+
+def trust_policy(args):
+  """The ``TrustPolicy`` of ``--public-key`` (each file checked) and ``--require-signatures``."""
+  from thoughtjax.registry import TrustPolicy
+
+  keys = tuple(existing_path(k, "--public-key") for k in args.public_key or ())
+  return TrustPolicy(public_keys=keys, require_signatures=bool(args.require_signatures))
+
+
+def open_registry(directory: str, args, flag: str = "registry directory"):
+  """``Registry.open(directory, trust=trust_policy(args))`` after checking that the directory exists."""
+  import thoughtjax.registry as registry_lib
+
+  root = existing_path(directory, flag, kind="dir")
+  if hasattr(registry_lib, "TrustPolicy"):
+    return registry_lib.Registry.open(root, trust=trust_policy(args))
+  # Temporary, until the registry takes a TrustPolicy: the loose keywords it replaces.
+  keys = [existing_path(k, "--public-key") for k in args.public_key or ()]
+  return registry_lib.Registry.open(root, trusted_keys=keys or None,
+                                    require_signatures=True if args.require_signatures else None)
