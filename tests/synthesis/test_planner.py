@@ -295,6 +295,18 @@ def test_a_failed_thoughtlet_gives_the_best_path_avoiding_it_counted():
                                          "no_path": 0, "unavailable": {bad: 1}}
 
 
+def test_a_failure_that_leaves_nothing_within_budget_is_budget_with_the_failure_noted():
+  cal = calibration()
+  planner = Planner(cal, FLOORS)
+  t = totals(cal, 40, 16)
+  budget = (t["int8"] + t["exit8"]) / 2  # among general_purpose paths only int8 fits
+  p = planner.plan(PlanRequest(("general_purpose",), 40, 16, budget), unavailable={"blocks[0:12).int8@v1"})
+  assert name_of(p) == "exit8" and p.degraded and p.reason == "budget"
+  assert any("blocks[0:12).int8@v1 failed verification or restore" in note for note in p.notes)
+  c = planner.counters.snapshot()
+  assert (c["degraded_budget"], c["degraded_unavailable"], c["unavailable"]) == (1, 1, {"blocks[0:12).int8@v1": 1})
+
+
 @pytest.mark.parametrize("unavailable", [
     {"blocks[0:12).int8@v1"},  # a set of refs
     {"blocks[0:12).int8": "restore: checkpoint file missing"},  # a bare name: every version of it

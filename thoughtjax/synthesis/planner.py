@@ -146,7 +146,8 @@ class Rejection:
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """The chosen path and why. ``quality``: held-out per hint; ``quality_calibration``: the split the
-  floors were checked on. ``tokens_that_fit``: decode tokens within the budget when degraded for it."""
+  floors were checked on. ``tokens_that_fit``: decode tokens within the budget when degraded for it.
+  ``notes``: the details of a degradation, including a failure that mattered when the reason is ``budget``."""
 
   path: str
   refs: tuple[str, ...]
@@ -327,7 +328,7 @@ class Planner:
     rejected: list[Rejection] = []
     seen: list[tuple[float, str, int, Prediction]] = []  # eligible, available, predicted
     chosen: tuple[int, Prediction] | None = None
-    best_ignoring_failures: int | None = None  # the plan had nothing failed
+    best_ignoring_failures: int | None = None  # the choice had nothing failed
     for group in order.groups:
       preds = sorted((p.total, cands[i].path_hash, i, p)
                      for i in group for p in (latency_model.predict(cands[i], T, n, residency),))
@@ -361,7 +362,7 @@ class Planner:
     if best_ignoring_failures is not None and (chosen is None or best_ignoring_failures != chosen[0]):
       ref, why = failed[best_ignoring_failures]
       degraded_refs.append(ref)
-      notes.append(f"{ref} failed {why}; the best path that avoids it was chosen "
+      notes.append(f"{ref} failed {why}; every path that needs it was passed over "
                    f"(never another version in its place)")
     tokens_that_fit = None
     if chosen is None:  # nothing fits: the fastest eligible path, told how many tokens fit
