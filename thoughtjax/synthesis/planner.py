@@ -175,9 +175,8 @@ class Plan:
         "predicted_ms": self.predicted.to_json(),
         "quality": {h: q.to_json() for h, q in self.quality.items()},
         "degraded": self.degraded, "reason": self.reason, "notes": list(self.notes),
-        "registry_sequence": self.sequence,
-        "max_latency_ms": None if math.isinf(self.max_latency_ms) else self.max_latency_ms, "max_tokens": self.max_tokens,
-        "tokens_that_fit": self.tokens_that_fit,
+        "registry_sequence": self.sequence, "max_tokens": self.max_tokens, "tokens_that_fit": self.tokens_that_fit,
+        "max_latency_ms": None if math.isinf(self.max_latency_ms) else self.max_latency_ms,
         "rejected": [dataclasses.asdict(r) for r in self.rejected],
     }
 
