@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Mapping, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -96,8 +97,13 @@ class _Recorded:
 
 
 def _module(model):
-  """The NNX Transformer of a loaded/composed Model, or the Transformer itself."""
-  return getattr(model, "module", model)
+  """The NNX Transformer of a loaded Model, or the Transformer itself; it must hold real weights."""
+  module = getattr(model, "module", model)
+  if not isinstance(module.embed.table.get_value(), jax.Array):
+    raise ThoughtletError("this model holds no whole-model weights (a path composed from a registry holds only "
+                          "its parts); replay inside the loaded source model instead: "
+                          "replay(thoughtjax.load(source), registry.thoughtlet(name), prompt)")
+  return module
 
 
 def capture(model, tokens) -> Capture:

@@ -57,7 +57,7 @@ def _blocks(model: Transformer, layers) -> dict:
   if not 0 <= a < b <= len(model.blocks):
     raise ThoughtletError(f"blocks[{a}:{b}): the model has layers 0..{len(model.blocks) - 1}; "
                           f"give a half-open range inside [0, {len(model.blocks)})")
-  return {str(i): nnx.state(model.blocks[i]).to_pure_dict() for i in range(a, b)}
+  return {str(i): nnx.to_pure_dict(nnx.state(model.blocks[i])) for i in range(a, b)}
 
 
 def cut(model: Transformer, kind: Kind | str, *, layers: tuple[int, int] | None = None,
@@ -70,9 +70,9 @@ def cut(model: Transformer, kind: Kind | str, *, layers: tuple[int, int] | None 
   if isinstance(kind, str):
     kind, layers = unit_of(kind)
   if kind is Kind.EMBED:
-    return nnx.state(model.embed).to_pure_dict()
+    return nnx.to_pure_dict(nnx.state(model.embed))
   if kind is Kind.HEAD:
-    return nnx.state(model.head).to_pure_dict()
+    return nnx.to_pure_dict(nnx.state(model.head))
   if kind is Kind.BLOCKS:
     return _blocks(model, layers)
   return _template(model, codec, system)
