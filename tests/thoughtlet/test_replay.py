@@ -103,6 +103,8 @@ def test_replay_refuses_what_it_cannot_replay(tiny, loaded):
     replay(loaded, t, "hello")
   with pytest.raises(ThoughtletError, match="expected a str"):
     replay(loaded, "template", [5, 6, 7])
+  with pytest.raises(ThoughtletError, match="no tokens"):
+    replay(loaded, "embed", [])
   with pytest.raises(ThoughtletError, match="not a thoughtlet of a model"):
     replay(loaded, "bridge", "hello")
   with pytest.raises(ThoughtletError, match="pass codec="):

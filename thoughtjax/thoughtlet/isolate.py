@@ -205,8 +205,8 @@ def replay(model, unit: str | Thoughtlet, prompt: str | Sequence[int], *, chat: 
            system: str | None = None, table=None, codec=None, implementation: str | None = None) -> ReplayReport:
   """Run one thoughtlet alone on the input it receives inside ``model``; compare with its output there.
 
-  ``model``: a loaded or composed :class:`~thoughtjax.engine.Model` (or a bare Transformer with
-  ``codec=`` for text prompts). ``unit``: ``"embed"``, ``"head"``, ``"template"``, ``"blocks[a:b)"``
+  ``model``: a loaded :class:`~thoughtjax.engine.Model` (``thoughtjax.load()``) or a bare Transformer
+  (pass ``codec=`` for text prompts). ``unit``: ``"embed"``, ``"head"``, ``"template"``, ``"blocks[a:b)"``
   or a :class:`Thoughtlet` (its own weights are replayed). ``prompt``: text (``chat=True`` renders
   it as one user message) or token ids; a template takes the user message as text. ``table``: the
   [V, D] embed table a tied head or a template reads (default: the model's own).
@@ -215,6 +215,8 @@ def replay(model, unit: str | Thoughtlet, prompt: str | Sequence[int], *, chat: 
   codec = codec if codec is not None else getattr(model, "codec", None)
   name, kind, layers, params = _unit(module, unit, codec, system)
   tokens, user = _prompt(codec, prompt, kind, chat, system)
+  if not tokens:
+    raise ThoughtletError(f"replay {name}: the prompt has no tokens; give at least one")
   cap = capture(module, tokens)
   abstract = abstract_model(module.cfg)
   alone = _Alone(GraphDefs.from_model(module), abstract, module.embed.table[...] if table is None else table, user,
