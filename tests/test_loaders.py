@@ -45,7 +45,7 @@ def test_gguf_types_dequantize_to_the_same_model(tmp_path, monkeypatch, qtype, t
   monkeypatch.setenv("THOUGHTJAX_CACHE", str(tmp_path / "cache"))
   cfg, model = tiny_model("llama_gqa")
   path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", cfg, model, qtype)
-  got_cfg, tensors, codec, _ = load_tensors(path)
+  got_cfg, _, codec, _ = load_tensors(path)
   assert got_cfg.num_heads == cfg.num_heads and got_cfg.tie_embeddings
   loaded = thoughtjax.load(str(path), compile_cache=False)
   for a, b in zip(_leaves(model), _leaves(loaded.module)):
@@ -228,3 +228,62 @@ def test_loader_errors_are_user_errors():
               TruncatedModelError, WeightCacheError):
     assert issubclass(cls, UserError), cls
   assert str(MissingTensorError("tensor 'x' is missing")) == "tensor 'x' is missing"  # no KeyError quotes
+
+
+def test_safetensors_keeps_every_eos_id_and_generation_stops_on_each(tmp_path):
+  cfg, model = tiny_model("llama_gqa")
+  d = write_safetensors_dir(tmp_path / "m", cfg, model)
+  raw = json.loads((d / "config.json").read_text())
+  (d / "config.json").write_text(json.dumps(raw | {"eos_token_id": [2, 7]}))
+  (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 11]}))
+  loaded = thoughtjax.load(str(d), compile_cache=False)
+  assert loaded.codec.eos_ids == (2, 7, 11) and loaded.codec.eos_id == 2 and loaded.config.eos_id == 2
+  prompt = [5, 9, 100]
+  for eos in (7, 11):  # a bias makes the second (third) EOS id the greedy choice: generation ends on it
+    out = loaded.generate(prompt, max_tokens=6, logit_bias={eos: 1e4})
+    assert out.token_ids == [eos] and out.finish_reason == "stop"
+  # Without the extra ids the same biased run goes on to max_tokens: the stop above came from eos_ids.
+  (d / "config.json").write_text(json.dumps(raw | {"eos_token_id": 2}))
+  (d / "generation_config.json").unlink()
+  single = thoughtjax.load(str(d), compile_cache=False)
+  assert single.codec.eos_ids == (2,)
+  out = single.generate(prompt, max_tokens=3, logit_bias={7: 1e4})
+  assert out.token_ids == [7, 7, 7] and out.finish_reason == "length"
+
+
+def test_bad_eos_token_id_is_named(tmp_path):
+  cfg, model = tiny_model("llama_gqa")
+  d = write_safetensors_dir(tmp_path / "m", cfg, model)
+  raw = json.loads((d / "config.json").read_text())
+  (d / "config.json").write_text(json.dumps(raw | {"eos_token_id": [2, "</s>"]}))
+  with pytest.raises(UnsupportedModelError, match=r"config\.json: eos_token_id holds '</s>'"):
+    thoughtjax.load(str(d), compile_cache=False)
+
+
+def test_codec_eos_ids_keep_single_id_callers_working():
+  from thoughtjax.sampling import SamplingParams, stop_ids_for
+  from thoughtjax.tokenizer import TextCodec
+  from tests.tiny import tiny_tokenizer
+
+  single = TextCodec(tiny_tokenizer(), None, 1, 2)
+  assert single.eos_id == 2 and single.eos_ids == (2,)
+  several = TextCodec(tiny_tokenizer(), None, 1, 2, eos_ids=(2, 7, 2, 9))
+  assert several.eos_id == 2 and several.eos_ids == (2, 7, 9)
+  assert TextCodec(tiny_tokenizer(), None, 1, None, eos_ids=[7, 9]).eos_id == 7
+  assert TextCodec(tiny_tokenizer(), None, 1, None).eos_ids == ()
+  p = SamplingParams(stop_token_ids=(9, 4))
+  assert stop_ids_for(p, 2) == [9, 4, 2]
+  assert stop_ids_for(p, several.eos_ids) == [9, 4, 2, 7]
+  assert stop_ids_for(p, None) == [9, 4]
+  assert stop_ids_for(SamplingParams(ignore_eos=True), several.eos_ids) == []
+
+
+def test_gguf_end_of_turn_ids_join_eos_ids(tmp_path, monkeypatch):
+  import gguf
+
+  monkeypatch.setenv("THOUGHTJAX_CACHE", str(tmp_path / "cache"))
+  cfg, model = tiny_model("llama_gqa")
+  path = _write_gguf_with(tmp_path / "eot.gguf", cfg, model, kv=[
+      ("tokenizer.ggml.eot_token_id", 7, gguf.GGUFValueType.UINT32)])
+  assert load_tensors(path)[2].eos_ids == (2, 7)
+  assert load_tensors(path)[2].eos_ids == (2, 7)  # the second load comes from the weight cache

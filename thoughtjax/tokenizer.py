@@ -65,26 +65,32 @@ class TextCodec:
   """Encode/decode text and render chat prompts for one model."""
 
   def __init__(self, tokenizer: Tokenizer, chat_template: str | None, bos_id: int | None,
-               eos_id: int | None, add_bos: bool = False):
+               eos_id: int | None, add_bos: bool = False, eos_ids: Sequence[int] = ()):
+    """``eos_ids``: every end-of-sequence id (generation stops on each); ``eos_id`` comes first and
+    stays the one the chat template renders as ``eos_token``. Either may be given alone."""
     self.tokenizer = tokenizer
     self.chat_template = chat_template
-    self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
+    ids = ([] if eos_id is None else [int(eos_id)]) + [int(i) for i in eos_ids]
+    self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(ids))
+    self.bos_id, self.eos_id, self.add_bos = bos_id, (self.eos_ids[0] if self.eos_ids else None), add_bos
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise_template_error
     self._template = env.from_string(chat_template) if chat_template else None
 
   @classmethod
   def from_gguf(cls, data: TokenizerData) -> "TextCodec":
-    return cls(tokenizer_from_gguf(data), data.chat_template, data.bos_id, data.eos_id, data.add_bos)
+    return cls(tokenizer_from_gguf(data), data.chat_template, data.bos_id, data.eos_id, data.add_bos,
+               eos_ids=data.eos_ids)
 
   @classmethod
-  def from_hf_dir(cls, directory: Path, bos_id: int | None, eos_id: int | None) -> "TextCodec":
+  def from_hf_dir(cls, directory: Path, bos_id: int | None, eos_id: int | None,
+                  eos_ids: Sequence[int] = ()) -> "TextCodec":
     tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
     template = None
     cfg_path = directory / "tokenizer_config.json"
     if cfg_path.exists():
       template = json.loads(cfg_path.read_text()).get("chat_template")
-    return cls(tok, template, bos_id, eos_id)
+    return cls(tok, template, bos_id, eos_id, eos_ids=eos_ids)
 
   @property
   def vocab_size(self) -> int:

@@ -83,6 +83,7 @@ class TokenizerData:
   eos_id: int | None
   add_bos: bool
   chat_template: str | None
+  eos_ids: tuple[int, ...] = ()  # every end-of-generation id: eos, then eot and eom when the file names them
 
 
 @dataclasses.dataclass
@@ -171,6 +172,9 @@ def read_tokenizer(reader) -> TokenizerData:
       eos_id=_field(reader, "tokenizer.ggml.eos_token_id"),
       add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
       chat_template=_field(reader, "tokenizer.chat_template"),
+      # llama.cpp ends generation on each of these (end of turn, end of message), not only on eos.
+      eos_ids=tuple(dict.fromkeys(int(i) for i in (_field(reader, f"tokenizer.ggml.{k}_token_id")
+                                                   for k in ("eos", "eot", "eom")) if i is not None)),
   )
 
 
@@ -292,9 +296,9 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
           f"{', '.join(SUPPORTED_TYPES)}. Re-quantize the file to one of those."
       )
     w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-    if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
       w = unpermute_rows(w, cfg.num_heads)
-    elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+    elif name.endswith(("k_proj.weight", "k_proj.bias")):
       w = unpermute_rows(w, cfg.num_kv_heads)
     tensors[name] = w
     types[name] = type_name
