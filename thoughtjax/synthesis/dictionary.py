@@ -30,8 +30,9 @@ import hashlib
 import math
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import yaml
 

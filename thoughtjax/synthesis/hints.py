@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from thoughtjax.errors import UserError
+from thoughtjax.synthesis.dictionary import SynthesisDictionary
 
 MAX_HINTS = 3
 MAX_DISTANCE = 2
@@ -101,7 +102,7 @@ def near_entries(hint: str, names: Iterable[str]) -> tuple[str, ...]:
   return tuple(name for _, _, name in sorted(scored))
 
 
-def normalize_hints(raw: Sequence[str], dictionary) -> HintResolution:
+def normalize_hints(raw: Sequence[str], dictionary: SynthesisDictionary | Iterable[str]) -> HintResolution:
   """Resolve a request's hints against ``dictionary`` (a ``SynthesisDictionary`` or its names).
 
   Returns the dictionary names in priority order with the corrections made; raises a
