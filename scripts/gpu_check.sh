@@ -4,8 +4,9 @@
 #      the project and its deps, the JAX CUDA plugin matching the installed jax,
 #      pytest/hypothesis/scipy, and cupy (optional: without it the CUDA C column
 #      of the benchmark says "skipped");
-#   2. runs tests/kernels natively on the GPU (the same tests run interpreted on CPU);
-#   3. runs `thoughtjax bench kernels` (XLA vs Pallas/Triton vs CUDA C).
+#   2. runs tests/kernels and tests/bench/test_kernels.py natively on the GPU (the same tests
+#      run interpreted on CPU);
+#   3. runs `thoughtjax bench kernels` (XLA vs Pallas/Triton vs CUDA C, thoughtjax/bench/cuda/*.cu).
 # Results go to $OUT: kernels-tests.txt/.xml, bench-kernels.json/.txt, env.txt.
 #
 # Usage: WHEELS=/path/to/wheels OUT=/path/to/results scripts/gpu_check.sh
@@ -72,12 +73,12 @@ EOF
 cat "$OUT/env.txt" >&2
 
 # ---- 2. kernel tests, natively on the GPU
-"$PY" -m pytest tests/kernels -q -p no:cacheprovider --junitxml="$OUT/kernels-tests.xml" \
+"$PY" -m pytest tests/kernels tests/bench/test_kernels.py -q -p no:cacheprovider --junitxml="$OUT/kernels-tests.xml" \
   2>&1 | tee "$OUT/kernels-tests.txt"
 tests_status=${PIPESTATUS[0]}
 
 # ---- 3. benchmark
-"$PY" -m thoughtjax.kernels.bench --json "$OUT/bench-kernels.json" 2>&1 \
+"$PY" -m thoughtjax.bench.kernels --json "$OUT/bench-kernels.json" 2>&1 \
   | tee "$OUT/bench-kernels.txt"
 bench_status=${PIPESTATUS[0]}
 

@@ -8,7 +8,6 @@ and llama.cpp on the same GGUF when ``llama-cpp-python`` is installed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
@@ -17,7 +16,7 @@ import sys
 import tempfile
 import time
 
-import numpy as np
+from thoughtjax.bench import common
 
 CHAT_PROMPT = "What is the capital of France?"
 LONG_TEXT = ("The history of the city spans many centuries, from its founding as a small settlement on "
@@ -25,15 +24,8 @@ LONG_TEXT = ("The history of the city spans many centuries, from its founding as
 
 
 def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
-  """STREAM-style copy bandwidth in GB/s, counting bytes read plus bytes written."""
-  src = np.ones(nbytes // 4, np.float32)
-  dst = np.empty_like(src)
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    np.copyto(dst, src)
-    times.append(time.perf_counter() - t)
-  return 2 * nbytes / statistics.median(times) / 1e9
+  """STREAM-style host copy bandwidth in GB/s, counting bytes read plus bytes written."""
+  return common.copy_bandwidth_gbps(nbytes, repeats, on="host")
 
 
 def _decode_rate(model, prompts, max_tokens, repeats, stream_mode="chunks", chat=False):
@@ -58,19 +50,7 @@ def _process_first_token(model_arg: str, cache_dir: str | None, prompt: str) -> 
     env["THOUGHTJAX_COMPILE_CACHE"] = cache_dir
   cmd = [sys.executable, "-m", "thoughtjax.cli", "generate", "--chat", "--prompt", prompt,
          "--max-tokens", "8"] + (["--model", model_arg] if model_arg else [])
-  return _time_to_first_byte(cmd, env)
-
-
-def _time_to_first_byte(cmd: list[str], env: dict | None = None) -> float:
-  """Seconds from spawning ``cmd`` to the first byte on its stdout (it must then succeed)."""
-  t = time.perf_counter()
-  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
-  first = proc.stdout.read(1)
-  elapsed = time.perf_counter() - t
-  proc.communicate()
-  if proc.returncode != 0 or not first:
-    raise RuntimeError(f"{' '.join(cmd[:4])} ... failed with exit {proc.returncode}")
-  return elapsed
+  return common.first_byte(cmd, env).seconds
 
 
 def bench_thoughtjax(args) -> dict:
@@ -209,7 +189,7 @@ def _llama_process_first_token(path: str) -> float:
   """Seconds from spawning a llama-cpp-python process to its first byte of answer text."""
   chat = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
           f"<|im_start|>user\n{CHAT_PROMPT}<|im_end|>\n<|im_start|>assistant\n")
-  return _time_to_first_byte([sys.executable, "-c", _LLAMA_PROBE, path, chat])
+  return common.first_byte([sys.executable, "-c", _LLAMA_PROBE, path, chat]).seconds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,8 +211,7 @@ def main(argv: list[str] | None = None) -> int:
       print(f"{mode:9s} " + "  ".join(f"process {i + 1}: {r['first_token_s']:.2f} s to first token "
                                       f"({r['cache_hits']} cache hits)" for i, r in enumerate(runs)))
     if args.json:
-      with open(args.json, "w") as f:
-        json.dump(res, f, indent=2)
+      common.write_json(args.json, res)
     return 0
 
   bw = copy_bandwidth()
@@ -241,22 +220,14 @@ def main(argv: list[str] | None = None) -> int:
   tj = res["thoughtjax"]
   tj["bandwidth_fraction"] = tj["weight_bandwidth_gb_s"] / bw
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(res, f, indent=2)
+    common.write_json(args.json, res)
   _print_table(res)
   return 0
 
 
 def _print_table(res: dict) -> None:
-  from rich.console import Console
-  from rich.table import Table
-
   tj, lc = res["thoughtjax"], res["llama_cpp"] or {}
-  table = Table(title="thoughtjax bench decode")
-  table.add_column("figure")
-  table.add_column("thoughtjax", justify="right")
-  table.add_column("llama.cpp", justify="right")
-  fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+  fmt = common.fmt
   rows = [
       ("prefill tok/s (250-token prompt)", tj.get("prefill_tok_s"), lc.get("prefill_tok_s"), ".1f"),
       (f"time to first token, chat ({tj['chat_prompt_tokens']} tok), s", tj.get("ttft_chat_s"), lc.get("ttft_chat_s"), ".3f"),
@@ -275,9 +246,9 @@ def _print_table(res: dict) -> None:
       ("process start -> first token, warm cache, s", tj.get("process_first_token_warm_s"), None, ".2f"),
       ("peak RSS (bench process), MB", tj.get("peak_rss_mb"), None, ".0f"),
   ]
-  for name, a, b, spec in rows:
-    table.add_row(name, fmt(a, spec), fmt(b, spec))
-  Console().print(table)
+  common.print_table("thoughtjax bench decode", ["figure", "thoughtjax", "llama.cpp"],
+                     [(name, fmt(a, spec), fmt(b, spec)) for name, a, b, spec in rows],
+                     right=("thoughtjax", "llama.cpp"))
 
 
 if __name__ == "__main__":

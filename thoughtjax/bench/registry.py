@@ -17,14 +17,13 @@ Prints tables; ``--json FILE`` writes every number.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from thoughtjax.bench import common
 
 EARLY = "embed, blocks[0:12), head"
 PATHS = {
@@ -34,10 +33,6 @@ PATHS = {
     "full 30": None,  # filled from the registry
 }
 PROMPT = "The history of the city spans many centuries, from its founding as a small settlement"
-
-
-def _median(xs):
-  return statistics.median(xs) if xs else float("nan")
 
 
 # ---------------------------------------------------------------------------- restores
@@ -57,8 +52,8 @@ def bench_restores(root: Path, repeats: int) -> tuple[list[dict], list[dict]]:
         reg.restore(name)
         (checked if verify else raw).append(time.perf_counter() - t)
     nbytes = base.manifest(name).param_bytes
-    per_thoughtlet.append({"thoughtlet": name, "bytes": nbytes, "restore_s": _median(checked),
-                           "orbax_only_s": _median(raw), "gb_per_s": nbytes / _median(checked) / 1e9})
+    per_thoughtlet.append({"thoughtlet": name, "bytes": nbytes, "restore_s": common.median(checked),
+                           "orbax_only_s": common.median(raw), "gb_per_s": nbytes / common.median(checked) / 1e9})
   per_path = []
   paths = dict(PATHS, **{"full 30": full_path(base)})
   for label, path in paths.items():
@@ -69,27 +64,12 @@ def bench_restores(root: Path, repeats: int) -> tuple[list[dict], list[dict]]:
       m = compose(path, reg, compile_cache=False)
       times.append(time.perf_counter() - t)
       resident = m.resident_bytes
-    per_path.append({"path": label, "refs": path, "compose_s": _median(times), "resident_bytes": resident,
+    per_path.append({"path": label, "refs": path, "compose_s": common.median(times), "resident_bytes": resident,
                      "thoughtlets": len(m.refs)})
   return per_thoughtlet, per_path
 
 
 # --------------------------------------------------------------------------- cold start
-def _first_byte(cmd: list[str], env: dict) -> tuple[float, float]:
-  """Seconds from spawn to the first byte on stdout, and the child's peak RSS in MiB."""
-  t = time.perf_counter()
-  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-  first = proc.stdout.read(1)
-  elapsed = time.perf_counter() - t
-  proc.stdout.read()
-  err = proc.stderr.read()
-  _, status, usage = os.wait4(proc.pid, 0)
-  proc.returncode = os.waitstatus_to_exitcode(status)
-  if proc.returncode != 0 or not first:
-    raise RuntimeError(f"{' '.join(cmd)} failed with exit {proc.returncode}: {err.decode()[-2000:]}")
-  return elapsed, usage.ru_maxrss / 1024  # KiB on Linux
-
-
 def bench_cold_start(root: Path, model: str | None, repeats: int, cache: str) -> list[dict]:
   env = {**os.environ, "THOUGHTJAX_COMPILE_CACHE": cache}
   base = [sys.executable, "-m", "thoughtjax.cli", "generate", "--prompt", PROMPT, "--max-tokens", "8"]
@@ -100,16 +80,16 @@ def bench_cold_start(root: Path, model: str | None, repeats: int, cache: str) ->
       ("whole model loaded", "full 30", base + model_args),
   ]
   for _, _, cmd in cases:
-    _first_byte(cmd, env)  # warms the persistent compilation cache for this program
+    common.first_byte(cmd, env)  # warms the persistent compilation cache for this program
   times: list[list[float]] = [[] for _ in cases]
   rss: list[list[float]] = [[] for _ in cases]
   for _ in range(repeats):  # interleaved, so drifting machine load hits every case alike
     for i, (_, _, cmd) in enumerate(cases):
-      t, m = _first_byte(cmd, env)
-      times[i].append(t)
-      rss[i].append(m)
-  return [{"how": label, "path": path, "first_token_s": _median(ts), "min_s": min(ts), "runs": ts,
-           "peak_rss_mib": _median(ms)} for (label, path, _), ts, ms in zip(cases, times, rss)]
+      run = common.first_byte(cmd, env)
+      times[i].append(run.seconds)
+      rss[i].append(run.peak_rss_mib)
+  return [{"how": label, "path": path, "first_token_s": common.median(ts), "min_s": min(ts), "runs": ts,
+           "peak_rss_mib": common.median(ms)} for (label, path, _), ts, ms in zip(cases, times, rss)]
 
 
 # ------------------------------------------------------------------------------ decode
@@ -199,8 +179,8 @@ def bench_decode(root: Path, tokens: int, repeats: int) -> list[dict]:
       if r:
         one.append(rate_one)
         chained.append(rate_chained)
-    rows.append({"path": label, "thoughtlets": len(model.refs), "one_program_tok_s": _median(one),
-                 "chained_tok_s": _median(chained), "ratio": _median(one) / _median(chained),
+    rows.append({"path": label, "thoughtlets": len(model.refs), "one_program_tok_s": common.median(one),
+                 "chained_tok_s": common.median(chained), "ratio": common.median(one) / common.median(chained),
                  "same_tokens": same, "tokens": tokens})
   return rows
 
@@ -223,15 +203,7 @@ def _ensure_registry(args) -> Path:
 
 
 def _table(title: str, header: list[str], rows: list[list]) -> None:
-  from rich.console import Console
-  from rich.table import Table
-
-  t = Table(title=title)
-  for h in header:
-    t.add_column(h, no_wrap=True)
-  for r in rows:
-    t.add_row(*[str(x) for x in r])
-  Console(width=160).print(t)
+  common.print_table(title, header, rows, width=160, no_wrap=True)
 
 
 def main(argv=None) -> int:
@@ -277,7 +249,7 @@ def main(argv=None) -> int:
            [[r["path"], r["thoughtlets"], f"{r['one_program_tok_s']:.1f}", f"{r['chained_tok_s']:.1f}",
              f"{r['ratio']:.2f}x", "yes" if r["same_tokens"] else "NO"] for r in rows])
   if args.json:
-    Path(args.json).write_text(json.dumps(result, indent=1))
+    common.write_json(args.json, result, indent=1)
   return 0
 
 

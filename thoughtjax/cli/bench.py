@@ -9,9 +9,9 @@ def cmd_bench(args, rest: list[str]) -> int:
 
     return decode.main(rest)
   if args.what == "kernels":
-    from thoughtjax.kernels import bench
+    from thoughtjax.bench import kernels
 
-    return bench.main(rest)
+    return kernels.main(rest)
   if args.what == "registry":
     from thoughtjax.bench import registry
 
