@@ -19,14 +19,22 @@ from tests.registry.helpers import tiny_codec
 # Computed by the single-module thoughtlet.py before it became a package (commit 70edf65).
 # A change here renames every published thoughtlet: it needs a new HASH_DOMAIN, not new pins.
 PINNED = {
-    (True, "embed"): "6abe1fd02a51f461de2433a581e049bb3142ce71f9af767eaa707dbf8f49039341f2fc3f62a177ba2e93cc98e9525bfa4c05bf3091603b00f2a496bbd4ddd0e0",
-    (True, "blocks[1:3)"): "948764591adaee151797f5819de3934dc33d1d60cee74aba761b61807c2a2e0ac0d38d5ee82f5c6c6fcfe9f35f432949151b91d58f27449112305ce2c6de1060",
-    (True, "head"): "7a7d7b54268010458dcf92257a20c74b12038754f4893cfd30b3d98f2e9b388f7b03562bd6bd599a93a120f792005d81dac5103f7a0001c72952b40b80fe323d",
-    (True, "template"): "2a7639f8ad35ff0e6e1e4b51dea0fedc6479f7aaf89fe166a11b2ba84a7446927b994810b83b3069f2d179dad7f012a91c1fa197f7fb67cb4c599ba8f2abef36",
-    (False, "embed"): "fc8ec0a56f59b468f10f03b108efa6475db9496adc9def924d2104aeeff7325c16a7c6d766c25ae5ca04fe230372ca496207478722be5ba1c9c141d092b2518e",
-    (False, "blocks[1:3)"): "c4c96f9f8480bf3eb630592ed72fe6437025b6d705f8dda1faba7654ae879cf8419c677d5bbece0ca1debcc897eba3283345d8c0f500de23b15ddade2e884591",
-    (False, "head"): "6fdcb6917612468c2fbda77a75ba896ef1ec86cbd515cbf6c1c6297fb840d94dd5262cf878d8bd2d1eb0046cda22baaa2342a2a85d3b0a01d7ec9aec44dc4823",
-    (False, "template"): "bb90008f256ea5040b8f769acc3bc8fb1ebb37f21dab40e6498613897ac82bf3299ea930ca44ccf16ba3abc822c26966214323dc3733f9a22e1b618e8e844dcf",
+    (True, "embed"): ("6abe1fd02a51f461de2433a581e049bb3142ce71f9af767eaa707dbf8f490393"
+                      "41f2fc3f62a177ba2e93cc98e9525bfa4c05bf3091603b00f2a496bbd4ddd0e0"),
+    (True, "blocks[1:3)"): ("948764591adaee151797f5819de3934dc33d1d60cee74aba761b61807c2a2e0a"
+                            "c0d38d5ee82f5c6c6fcfe9f35f432949151b91d58f27449112305ce2c6de1060"),
+    (True, "head"): ("7a7d7b54268010458dcf92257a20c74b12038754f4893cfd30b3d98f2e9b388f"
+                     "7b03562bd6bd599a93a120f792005d81dac5103f7a0001c72952b40b80fe323d"),
+    (True, "template"): ("2a7639f8ad35ff0e6e1e4b51dea0fedc6479f7aaf89fe166a11b2ba84a744692"
+                         "7b994810b83b3069f2d179dad7f012a91c1fa197f7fb67cb4c599ba8f2abef36"),
+    (False, "embed"): ("fc8ec0a56f59b468f10f03b108efa6475db9496adc9def924d2104aeeff7325c"
+                       "16a7c6d766c25ae5ca04fe230372ca496207478722be5ba1c9c141d092b2518e"),
+    (False, "blocks[1:3)"): ("c4c96f9f8480bf3eb630592ed72fe6437025b6d705f8dda1faba7654ae879cf8"
+                             "419c677d5bbece0ca1debcc897eba3283345d8c0f500de23b15ddade2e884591"),
+    (False, "head"): ("6fdcb6917612468c2fbda77a75ba896ef1ec86cbd515cbf6c1c6297fb840d94d"
+                      "d5262cf878d8bd2d1eb0046cda22baaa2342a2a85d3b0a01d7ec9aec44dc4823"),
+    (False, "template"): ("bb90008f256ea5040b8f769acc3bc8fb1ebb37f21dab40e6498613897ac82bf3"
+                          "299ea930ca44ccf16ba3abc822c26966214323dc3733f9a22e1b618e8e844dcf"),
 }
 UNITS = {"embed": (Kind.EMBED, None), "blocks[1:3)": (Kind.BLOCKS, (1, 3)), "head": (Kind.HEAD, None),
          "template": (Kind.TEMPLATE, None)}

@@ -8,9 +8,6 @@ registry, named units with the weights cut from a loaded Model.
 
 from __future__ import annotations
 
-import dataclasses
-
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -72,7 +69,7 @@ def test_capture_follows_the_residual_and_leaves_the_model_alone(tiny):
   assert Block.__call__ is call  # nothing patched, so other threads see the plain model
   assert len(cap.blocks) == cfg.num_layers
   chain = [cap.embed] + list(cap.blocks) + [cap.head]
-  for (_, out), (nxt, _) in zip(chain, chain[1:]):
+  for (_, out), (nxt, _) in zip(chain, chain[1:], strict=False):
     np.testing.assert_array_equal(out, nxt)
   again = capture(model, tokens[None])
   np.testing.assert_array_equal(again.logits, cap.logits)

@@ -25,7 +25,7 @@ def test_cut_by_name_equals_cut_by_kind(tiny, name, kind, layers):
   by_name = cut(model, name, codec=codec)
   by_kind = cut(model, kind, layers=layers, codec=codec)
   assert sorted(by_name) == sorted(by_kind)
-  for (a, x), (b, y) in zip(sorted(_leaves(by_name)), sorted(_leaves(by_kind))):
+  for (a, x), (b, y) in zip(sorted(_leaves(by_name)), sorted(_leaves(by_kind)), strict=True):
     assert a == b and np.array_equal(np.asarray(x), np.asarray(y))
 
 

@@ -41,7 +41,7 @@ def run_blocks(defs: GraphDefs, cfg: ModelConfig, states: Sequence[nnx.State], x
     caches, write_at, mask = causal_setup(cfg, B, T, len(states))
   cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
   new = []
-  for state, (ck, cv) in zip(states, caches):
+  for state, (ck, cv) in zip(states, caches, strict=True):
     x, ck, cv = nnx.merge(defs.block, state)(x, cos, sin, ck, cv, write_at, mask)
     new.append((ck, cv))
   return x, new

@@ -44,10 +44,9 @@ def _template(model: Transformer, codec, system: str | None) -> dict:
     raise ThoughtletError("cutting a template thoughtlet needs the model's text codec; pass codec=")
   prefix, suffix = template_parts(codec, system)
   table = model.embed.table[...]
-  ids = lambda x: jnp.asarray(np.asarray(x, np.int32).reshape(-1))
-  return {"prefix_ids": ids(prefix), "suffix_ids": ids(suffix),
-          "prefix_rows": jnp.take(table, ids(prefix), axis=0),
-          "suffix_rows": jnp.take(table, ids(suffix), axis=0)}
+  prefix, suffix = (jnp.asarray(np.asarray(x, np.int32).reshape(-1)) for x in (prefix, suffix))
+  return {"prefix_ids": prefix, "suffix_ids": suffix,
+          "prefix_rows": jnp.take(table, prefix, axis=0), "suffix_rows": jnp.take(table, suffix, axis=0)}
 
 
 def _blocks(model: Transformer, layers) -> dict:

@@ -52,7 +52,7 @@ class TensorType:
       return f"dtype {received.dtype} is not {self.dtype}"
     if len(received.shape) != len(self.shape):
       return f"rank {len(received.shape)} is not {len(self.shape)}"
-    for i, (want, got) in enumerate(zip(self.shape, received.shape)):
+    for i, (want, got) in enumerate(zip(self.shape, received.shape, strict=True)):
       if isinstance(want, int) and isinstance(got, int) and want != got:
         return f"dimension {i} is {got}, not {want}"
     if self.family and received.family and self.family != received.family:
