@@ -249,3 +249,16 @@ def test_non_utf8_corpus_is_rejected(tmp_path):
   path.write_text(text.replace(old, digest))
   with pytest.raises(DictionaryError, match="is not UTF-8 text"):
     load_dictionary(path)
+
+
+@pytest.mark.slow
+def test_corpora_give_enough_positions_and_fit_the_default_model(shipped, default_model):
+  """Calibration measures next-token agreement per position: every split must give a few thousand
+  positions on the default model's tokenizer, and every document must fit its context."""
+  codec, max_context = default_model.codec, default_model.config.max_context
+  for h in shipped:
+    for split in ("calibration", "heldout"):
+      lengths = [len(codec.encode(d)) for d in h.documents(split)]
+      assert sum(lengths) >= 2000, (h.name, split, sum(lengths))
+      assert max(lengths) <= max_context, (h.name, split, max(lengths), max_context)
+      assert min(lengths) >= 16, (h.name, split, min(lengths))  # a document gives real context
