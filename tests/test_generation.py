@@ -132,22 +132,22 @@ def test_repeated_and_skipped_layers_run(engine):
     ids = [3, 4, 5]
     got = m.generate(ids, max_tokens=6, ignore_eos=True).token_ids
     assert got == greedy_reference(m, ids, 6)
-  # parameters are shared with the full model, not copied
-  assert repeat.parts.blocks[1] is not None
+  # Layer 1 runs twice but its parameters are held once, shared with the full model, not copied.
+  assert sorted(repeat.parts.blocks) == [0, 1, 2] and repeat.layers == (0, 1, 1, 2)
   assert repeat.parts.blocks[1]["attn"]["q"][...] is engine.parts.blocks[1]["attn"]["q"][...]
 
 
-def test_forced_pallas_sampler_matches_reference_in_the_program(engine):
+def test_forced_pallas_kernels_match_reference_in_the_program(engine):
   """The Pallas sampling kernel (interpreted on CPU) inside the whole program."""
-  pallas = thoughtjax.Model(engine.loaded, sampler="pallas")
-  xla = thoughtjax.Model(engine.loaded, sampler="xla")
+  pallas = thoughtjax.Model(engine.loaded, kernels="pallas")
+  xla = thoughtjax.Model(engine.loaded, kernels="xla")
   for kw in (dict(max_tokens=6), dict(max_tokens=6, temperature=0.9, top_k=40, seed=4)):
     assert pallas.generate([4, 5, 6], **kw).token_ids == xla.generate([4, 5, 6], **kw).token_ids
 
 
 @pytest.mark.slow
-def test_forced_pallas_sampler_gives_identical_greedy_text_on_default_model(default_model):
-  pallas = thoughtjax.Model(default_model.loaded, sampler="pallas")
+def test_forced_pallas_kernels_give_identical_greedy_text_on_default_model(default_model):
+  pallas = thoughtjax.Model(default_model.loaded, kernels="pallas")
   a = default_model.generate("What is the capital of France?", chat=True, max_tokens=16)
   b = pallas.generate("What is the capital of France?", chat=True, max_tokens=16)
   assert b.text == a.text and b.token_ids == a.token_ids
@@ -160,12 +160,12 @@ def test_chat_prompts_take_the_template_path_and_match_token_ids():
   codec = TextCodec(tiny_tokenizer(), CHAT_TEMPLATE, cfg.bos_id, cfg.eos_id)
   loaded = LoadedModel(cfg, model, codec, "tiny-chat", "")
   prompts = ["hello there", "a much longer user message, with punctuation!"]
-  for sampler in ("xla", "pallas"):
-    m = thoughtjax.Model(loaded, sampler=sampler)
+  for kernels in ("xla", "pallas"):
+    m = thoughtjax.Model(loaded, kernels=kernels)
     chat = m.generate_batch(prompts, SamplingParams(max_tokens=6, ignore_eos=True), chat=True)
-    assert chat[0].timings["program"].template is not None  # fused template embedding used
+    assert chat[0].trace.program.template == m.chat_template().widths  # fused template embedding used
     tokens = m.generate_batch([m.prompt_ids(p, chat=True) for p in prompts],
                               SamplingParams(max_tokens=6, ignore_eos=True))
-    assert tokens[0].timings["program"].template is None
+    assert tokens[0].trace.program.template is None
     for a, b in zip(chat, tokens):
       assert a.prompt_ids == b.prompt_ids and a.token_ids == b.token_ids

@@ -1,7 +1,8 @@
 """``compose(path, source)``: a chain of thoughtlets, type-checked, running as one XLA program.
 
 >>> reg = Registry.open("build/registry")
->>> m = compose("embed, blocks[0:12), head", reg)       # early exit, restores 14 of 17 units
+>>> m = compose("embed, blocks[0:12), head", reg)       # early exit: restores embed, head and the
+...                                                      # block thoughtlets of layers 0..11 only
 >>> m.generate("The capital of France is", max_tokens=8).text
 >>> compose("embed, blocks[0:20), blocks[10:30), head", reg)  # repeat: layers 10..19 run twice,
 ...                                                           # their weights are held once
@@ -13,10 +14,11 @@ Links are checked in order against the prompt's type (``tokens`` or, for a leadi
 ``message``) and the required ``logits`` output; the first mismatch raises
 :class:`PathTypeError` with the expected and the received type.
 
-The result is a :class:`ComposedModel` (an :class:`thoughtjax.engine.Model`): ``generate``,
-``stream``, ``score`` and ``logits`` run the path through :mod:`thoughtjax.program` as one
-compiled program (prefill + decode loop). Programs are cached by the path's layer sequence
-and shape buckets; weights are arguments, so two versions of the same layout share a program.
+The result is a :class:`thoughtjax.engine.Model` carrying the resolved path (``links``,
+``refs``, ``path_hash``, and the template of a leading template link): ``generate``, ``stream``,
+``score`` and ``logits`` run the path through :mod:`thoughtjax.program` as one compiled program
+(prefill + decode loop). Programs are cached by the path's layer sequence and shape buckets;
+weights are arguments, so two versions of the same layout share a program.
 ``source`` may also be a loaded :class:`~thoughtjax.engine.Model` (no registry: its own weights
 are sliced) for quick experiments in a notebook.
 """
@@ -24,22 +26,22 @@ are sliced) for quick experiments in a notebook.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from typing import Sequence
-
-import jax
-import numpy as np
 
 from thoughtjax import program as program_lib
 from thoughtjax.engine import Model
+from thoughtjax.errors import UserError
 from thoughtjax.loading import LoadedModel
-from thoughtjax.model import abstract_model
-from thoughtjax.paths import PathSyntaxError, Ref, parse_path
-from thoughtjax.program import PathParts
+from thoughtjax.model import PathParts, abstract_model
+from thoughtjax.paths import PathSyntaxError, Ref, hash_refs, parse_path
+from thoughtjax.template import Template
 from thoughtjax.thoughtlet import Kind, SemanticSignature, TensorType, as_state, signature_for
 
+# compose() returns a Model; the old name stays importable.
+ComposedModel = Model
 
-class PathTypeError(TypeError):
+
+class PathTypeError(UserError, TypeError):
   """A path's links do not fit: names the first broken link, expected vs received type."""
 
   def __init__(self, message: str, *, link: int, expected: TensorType | str, received: TensorType | str):
@@ -99,8 +101,7 @@ def full_path(reg) -> str:
 
 def path_hash(links: Sequence[Link]) -> str:
   """Identity of a path: a hash of its resolved refs."""
-  units = [f"{n}@{v}" for link in links for n, v in link.units]
-  return hashlib.sha3_256("\n".join(units).encode()).hexdigest()[:16]
+  return hash_refs([n if v is None else f"{n}@{v}" for link in links for n, v in link.units])
 
 
 # ------------------------------------------------------------------------------ sources
@@ -155,11 +156,9 @@ def _resolve_model(refs: Sequence[Ref], model: Model) -> list[Link]:
       raise PathSyntaxError(f"{ref}: versions exist only in a registry; this path is composed from a "
                             f"loaded model. Drop @{ref.version} or compose from a Registry")
     if ref.span is not None:
-      a, b = ref.span
-      if b > cfg.num_layers:
-        raise PathSyntaxError(f"{ref}: layer range ends at {b} but the model has {cfg.num_layers} layers")
-      links.append(Link(ref, Kind.BLOCKS, signature_for(Kind.BLOCKS, cfg, tok, layers=(a, b)),
-                        ((ref.name, None),), tuple(range(a, b))))
+      layers = ref.layers(cfg.num_layers)
+      links.append(Link(ref, Kind.BLOCKS, signature_for(Kind.BLOCKS, cfg, tok, layers=ref.span),
+                        ((ref.name, None),), layers))
     elif ref.name in ("embed", "head", "template"):
       kind = Kind(ref.name)
       links.append(Link(ref, kind, signature_for(kind, cfg, tok), ((ref.name, None),)))
@@ -169,82 +168,17 @@ def _resolve_model(refs: Sequence[Ref], model: Model) -> list[Link]:
   return links
 
 
-# ------------------------------------------------------------------------------- model
-class ComposedModel(Model):
-  """A :class:`~thoughtjax.engine.Model` over a composed path; see the module docstring.
-
-  With a template at the head of the path, string prompts are wrapped in the template's
-  fixed parts (``prefix + message + suffix`` token ids); token-id prompts are used as given.
-  """
-
-  def __init__(self, loaded: LoadedModel, layers, parts: PathParts, *, links: Sequence[Link], source,
-               template: dict | None = None, sampler=None, chunk=program_lib.DEFAULT_CHUNK,
-               mesh=None, dtype=None):
-    super().__init__(loaded, layers, sampler, chunk, parts)
-    self.links = tuple(links)
-    self.source, self.mesh, self.dtype = source, mesh, dtype
-    self.template = template
-
-  @property
-  def path(self) -> str:
-    return ", ".join(str(link.ref) for link in self.links)
-
-  @property
-  def path_hash(self) -> str:
-    return path_hash(self.links)
-
-  @property
-  def refs(self) -> list[str]:
-    """The resolved units, ``name@version``, in path order."""
-    return [n if v is None else f"{n}@{v}" for link in self.links for n, v in link.units]
-
-  @property
-  def resident_bytes(self) -> int:
-    """Bytes of the distinct weight buffers this model holds (shared buffers counted once)."""
-    seen, total = set(), 0
-    for leaf in jax.tree.leaves(self.parts):
-      if id(leaf) not in seen:
-        seen.add(id(leaf))
-        total += leaf.nbytes
-    return total + (0 if self.template is None else sum(
-        np.asarray(x).nbytes for k, x in self.template.items() if k.endswith("rows")))
-
-  def with_path(self, layers_or_path, parts: PathParts | None = None) -> Model:
-    """Another path over the same source: a path string is composed (and type-checked); a
-    layer sequence must use only blocks this model already holds."""
-    if isinstance(layers_or_path, str):
-      return compose(layers_or_path, self.source, mesh=self.mesh, dtype=self.dtype,
-                     sampler=self.sampler, chunk=self.chunk)
-    layers = tuple(layers_or_path)
-    if parts is None:
-      missing = sorted(set(layers) - set(self.parts.blocks))
-      if missing:
-        raise ValueError(f"layers {missing} are not held by this composed model; compose a path "
-                         f"string that includes them, e.g. model.with_path('embed, blocks[0:30), head')")
-      parts = PathParts(self.parts.embed, {i: self.parts.blocks[i] for i in set(layers)}, self.parts.head)
-    return Model(self.loaded, layers, self.sampler, self.chunk, parts)
-
-  def prompt_ids(self, prompt, chat: bool = False, system: str | None = None) -> list[int]:
-    if self.template is None or not isinstance(prompt, str):
-      return super().prompt_ids(prompt, chat, system)
-    if system is not None and system != self.template["system"]:
-      raise ValueError(f"this path's template was cut with system={self.template['system']!r}; a "
-                       f"different system message needs its own template thoughtlet")
-    message = self.codec.tokenizer.encode(prompt, add_special_tokens=False).ids
-    if not message:
-      raise ValueError("the prompt is empty after tokenization; give at least one token")
-    return self.template["prefix_ids"] + message + self.template["suffix_ids"]
-
-
-def compose(path: str | Sequence[Ref | str], source, *, mesh=None, dtype=None, sampler: str | None = None,
-            chunk: int = program_lib.DEFAULT_CHUNK, compile_cache: bool = True) -> ComposedModel:
+def compose(path: str | Sequence[Ref | str], source, *, mesh=None, dtype=None, kernels: str | None = None,
+            chunk: int = program_lib.DEFAULT_CHUNK, compile_cache: bool = True) -> Model:
   """Resolve, type-check and assemble a path into a model running as one XLA program.
 
   ``source`` is a :class:`thoughtjax.registry.Registry` (weights restored lazily: only the
   path's thoughtlets, plus the embed table a tied head or a template reads) or a loaded
   :class:`~thoughtjax.engine.Model`. ``mesh``/``dtype`` restore the weights straight into
-  ``NamedSharding``s on that mesh and into that dtype (registry sources). ``compile_cache``
-  turns on JAX's persistent compilation cache, as :func:`thoughtjax.load` does.
+  ``NamedSharding``s on that mesh and into that dtype (registry sources). ``kernels`` and
+  ``chunk`` are the :class:`~thoughtjax.engine.Model`'s. ``compile_cache`` turns on JAX's
+  persistent compilation cache, as :func:`thoughtjax.load` does. The model returned carries
+  the resolved path (``links``); ``model.with_path(...)`` composes another over the same source.
   """
   from thoughtjax.registry import Registry
 
@@ -254,6 +188,8 @@ def compose(path: str | Sequence[Ref | str], source, *, mesh=None, dtype=None, s
     refs = parse_path(path)
   else:
     refs = [r if isinstance(r, Ref) else parse_path(r)[0] for r in path]
+  if isinstance(source, Model) and source.source is not None:
+    source = source.source  # a composed model's weights are its source's
   if isinstance(source, Registry):
     links = _resolve_registry(refs, source)
   elif isinstance(source, Model):
@@ -318,31 +254,19 @@ def compose(path: str | Sequence[Ref | str], source, *, mesh=None, dtype=None, s
         layers.append(slot_of[ident])
   template = None
   if links[0].kind is Kind.TEMPLATE:
-    p = restored[links[0].units[0]]
-    system = links[0].signature.constraints.get("system")
-    template = {"prefix_ids": [int(x) for x in np.asarray(p["prefix_ids"])],
-                "suffix_ids": [int(x) for x in np.asarray(p["suffix_ids"])],
-                "prefix_rows": p["prefix_rows"], "suffix_rows": p["suffix_rows"], "system": system}
+    template = Template.from_params(restored[links[0].units[0]], links[0].signature.constraints.get("system"))
   loaded = LoadedModel(run_cfg, abstract, codec, module_src, source_hash)
-  return ComposedModel(loaded, tuple(layers), PathParts(embed_state, blocks, head_state), links=links,
-                       source=source, template=template, sampler=sampler, chunk=chunk, mesh=mesh, dtype=dtype)
+  return Model(loaded, tuple(layers), kernels, chunk, PathParts(embed_state, blocks, head_state), links=links,
+               source=source, template=template, mesh=mesh, dtype=dtype)
 
 
 def _model_units(model: Model, units) -> dict:
-  from flax import nnx
-
+  """Params of each unit, cut (not copied) from a loaded model by the one slicer."""
   from thoughtjax.thoughtlet import cut
 
-  module = model.module
   out = {}
   for name, version in dict.fromkeys(units):
-    if name == "embed":
-      out[(name, version)] = nnx.state(module.embed).to_pure_dict()
-    elif name == "head":
-      out[(name, version)] = nnx.state(module.head).to_pure_dict()
-    elif name == "template":
-      out[(name, version)] = cut(module, Kind.TEMPLATE, codec=model.codec)
-    else:
-      a, b = Ref(name).span
-      out[(name, version)] = {str(i): nnx.state(module.blocks[i]).to_pure_dict() for i in range(a, b)}
+    span = Ref(name).span
+    out[(name, version)] = (cut(model.module, Kind.BLOCKS, layers=span) if span is not None
+                            else cut(model.module, Kind(name), codec=model.codec))
   return out

@@ -1,17 +1,28 @@
-"""The user-facing model: ``generate``, ``stream`` and ``score`` over a layer path.
+"""The user-facing model and its per-call generation.
 
 >>> import thoughtjax
 >>> m = thoughtjax.load()                      # the default model, fetched on first use
 >>> m.generate("What is the capital of France?", chat=True).text
->>> for delta in m.stream("Once upon a time", max_tokens=20): print(delta.text, end="")
+>>> g = m.stream("Once upon a time", max_tokens=20)
+>>> for delta in g: print(delta.text, end="")
+>>> g.trace.decode_s, g.trace.tokens_out
+
+One :class:`Model` serves loaded and composed paths (:func:`thoughtjax.compose.compose` returns
+one carrying its resolved path: links, refs, path hash and template). A Model does not change
+after construction and is safe to share between threads: everything about one call (prompt
+ids, timings, cancellation) lives on the :class:`Generation` that call returns. A Generation
+runs device work only when asked for its next delta, one decode chunk at a time, so cancelling
+or abandoning it stops the work at the next chunk.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import queue
+import threading
 import time
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +31,14 @@ import numpy as np
 from thoughtjax import program as program_lib
 from thoughtjax.loading import LoadedModel
 from thoughtjax.loading import load as load_model
-from thoughtjax.program import GraphDefs, PathParts, ProgramKey, TemplatePrompt, bucket
-from thoughtjax.sampling import SamplingParams, program_mode, sampling_arrays, stop_ids_for
+from thoughtjax.model import GraphDefs, PathParts
+from thoughtjax.paths import format_path, hash_refs, parse_path
+from thoughtjax.program import COMPILE_CLOCK, Program, ProgramKey, TemplatePrompt, bucket
+from thoughtjax.sampling import SamplingArrays, SamplingParams, program_mode, sampling_arrays, stop_ids_for
+from thoughtjax.template import Template
+
+# Callback streaming: how many steps the device may run ahead of a consumer that is not reading.
+CALLBACK_QUEUE_STEPS = 16
 
 
 @dataclasses.dataclass
@@ -32,7 +49,53 @@ class Delta:
   token_ids: list[int]
   text: str
   finished: bool = False
-  finish_reason: str | None = None  # "stop", "length", "stop_string"
+  finish_reason: str | None = None  # "stop", "length", "stop_string", "cancelled"
+
+
+@dataclasses.dataclass
+class Trace:
+  """What one generation call did and when (``time.perf_counter`` seconds).
+
+  Phases: queue (call -> first device call: prompt preparation, program lookup), compile
+  (tracing, lowering and compiling this call had to do; 0 with a warm program), prefill (first
+  device call -> first tokens on the host, less compile), decode (first -> last tokens).
+  """
+
+  program: ProgramKey
+  prompt_ids: list[list[int]]  # per row, as the program saw them (template parts included)
+  start: float
+  device_start: float | None = None
+  first_token: float | None = None
+  end: float | None = None
+  compile_s: float = 0.0
+  decode_chunks: int = 0  # decode calls run on the device (callback streaming: decode steps)
+  tokens_out: list[int] = dataclasses.field(default_factory=list)  # per row
+  cancelled: bool = False
+
+  @property
+  def tokens_in(self) -> list[int]:
+    return [len(i) for i in self.prompt_ids]
+
+  @property
+  def queue_s(self) -> float | None:
+    return None if self.device_start is None else self.device_start - self.start
+
+  @property
+  def prefill_s(self) -> float | None:
+    if self.first_token is None or self.device_start is None:
+      return None
+    return self.first_token - self.device_start - self.compile_s
+
+  @property
+  def decode_s(self) -> float | None:
+    return None if self.end is None or self.first_token is None else self.end - self.first_token
+
+  def as_dict(self) -> dict:
+    """The timings as a flat dict (``start``, ``first_token``, ``end``, ...; benchmarks, JSON)."""
+    return {"start": self.start, "first_token": self.first_token, "end": self.end, "program": self.program,
+            "prompt_ids": self.prompt_ids, "generated": list(self.tokens_out), "queue_s": self.queue_s,
+            "compile_s": self.compile_s, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
+            "decode_chunks": self.decode_chunks, "cancelled": self.cancelled}
 
 
 @dataclasses.dataclass
@@ -41,7 +104,11 @@ class Completion:
   token_ids: list[int]
   text: str
   finish_reason: str
-  timings: dict
+  trace: Trace  # of the whole call (shared by the rows of a batch)
+
+  @property
+  def timings(self) -> dict:
+    return self.trace.as_dict()
 
 
 @dataclasses.dataclass
@@ -88,45 +155,332 @@ class _RowText:
     return delta, self.stopped
 
 
-class Model:
-  """A loaded model plus the path it runs (default: every layer once)."""
+class _Rows:
+  """Per-row bookkeeping of one call: detokenization, stop strings, finish reasons."""
 
-  def __init__(self, loaded: LoadedModel, layers: Sequence[int] | None = None,
-               sampler: str | None = None, chunk: int = program_lib.DEFAULT_CHUNK,
-               parts: PathParts | None = None):
+  def __init__(self, codec, params: Sequence[SamplingParams], stops: Sequence[Sequence[int]]):
+    self.params, self.stops = list(params), [list(s) for s in stops]
+    self.text = [_RowText(codec, p.stop_strings) for p in params]
+    self.finished = [False] * len(params)
+    self.counts = [0] * len(params)
+
+  @property
+  def all_finished(self) -> bool:
+    return all(self.finished)
+
+  def emit(self, r: int, new: list[int], done_on_device: bool, count: int) -> Delta | None:
+    if self.finished[r]:
+      return None
+    self.counts[r] = count
+    text, hit = self.text[r].push(new, done_on_device)
+    if hit or done_on_device:
+      self.finished[r] = True
+      reason = "stop_string" if hit else ("length" if count >= self.params[r].max_tokens and not (
+          new and new[-1] in self.stops[r]) else "stop")
+      return Delta(r, new, text, True, reason)
+    return Delta(r, new, text) if (new or text) else None
+
+  def chunk(self, out: np.ndarray, done: np.ndarray, count: np.ndarray, seen: int, step: int) -> Iterator[Delta]:
+    """Deltas of the tokens ``out[:, seen:step]`` one device call produced."""
+    for r in range(len(self.finished)):
+      d = self.emit(r, [int(t) for t in out[r, seen:step] if t >= 0], bool(done[r]), int(count[r]))
+      if d is not None:
+        yield d
+
+  def cancel(self) -> Iterator[Delta]:
+    """A last delta for every unfinished row, finish_reason ``cancelled``."""
+    for r, done in enumerate(self.finished):
+      if not done:
+        self.finished[r] = True
+        text, _ = self.text[r].push([], True)
+        yield Delta(r, [], text, True, "cancelled")
+
+
+class _Request(NamedTuple):
+  """One call's inputs, prepared on the host."""
+
+  program: Program
+  parts: PathParts
+  prompt: jax.Array | TemplatePrompt  # [B, T] i32 token ids, or template rows + user ids
+  pad: jax.Array  # [B] i32 left padding
+  samp: SamplingArrays
+
+
+class Generation:
+  """One generation call: iterate for :class:`Delta`s as tokens are produced.
+
+  ``trace`` holds its timings and sizes (filled in as it runs); ``cancel()`` (from any thread)
+  ends it at the next chunk with finish_reason ``cancelled`` for unfinished rows; ``close()``
+  (also run when the Generation is garbage-collected) abandons it: no further device work.
+  ``completions()`` runs it to the end and returns one :class:`Completion` per prompt.
+  """
+
+  def __init__(self, run: Iterator[Delta], trace: Trace, cancelled: threading.Event):
+    # The runner must not refer back to this object, so dropping it finalizes the runner.
+    self._run, self.trace, self._cancelled = run, trace, cancelled
+    n = len(trace.prompt_ids)
+    self._tokens: list[list[int]] = [[] for _ in range(n)]
+    self._texts = [""] * n
+    self._reasons = ["length"] * n
+
+  def __iter__(self) -> "Generation":
+    return self
+
+  def __next__(self) -> Delta:
+    d = next(self._run)
+    self._tokens[d.row].extend(d.token_ids)
+    self._texts[d.row] += d.text
+    if d.finished:
+      self._reasons[d.row] = d.finish_reason
+    return d
+
+  def cancel(self) -> None:
+    self._cancelled.set()
+
+  def close(self) -> None:
+    self._run.close()
+
+  def __enter__(self) -> "Generation":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def completions(self) -> list[Completion]:
+    for _ in self:
+      pass
+    return [Completion(i, t, x, r, self.trace)
+            for i, t, x, r in zip(self.trace.prompt_ids, self._tokens, self._texts, self._reasons)]
+
+  def result(self) -> Completion:
+    """The one completion of a single-prompt call."""
+    if len(self._tokens) != 1:
+      raise ValueError(f"this generation has {len(self._tokens)} prompts; use completions() for a batch")
+    return self.completions()[0]
+
+
+def _run_chunks(req: _Request, rows: _Rows, trace: Trace, cancelled: threading.Event) -> Iterator[Delta]:
+  """Prefill, then one decode chunk per round, each only after the previous deltas were taken."""
+  prog = req.program
+  try:
+    trace.device_start = time.perf_counter()
+    with COMPILE_CLOCK.measure() as compile_s:
+      state = prog.advance(req.parts, req.prompt, req.pad, req.samp, prog.init_state())
+      step, done, out, count = jax.device_get((state.step, state.done, state.out, state.count))
+    trace.compile_s = compile_s[0]
+    trace.first_token = time.perf_counter()
+    seen = 0
+    while True:
+      yield from rows.chunk(out, done, count, seen, int(step))
+      seen = int(step)
+      if rows.all_finished or seen >= prog.key.max_new:
+        return
+      if cancelled.is_set():
+        trace.cancelled = True
+        yield from rows.cancel()
+        return
+      state = prog.advance(req.parts, req.prompt, req.pad, req.samp, state)
+      trace.decode_chunks += 1
+      step, done, out, count = jax.device_get((state.step, state.done, state.out, state.count))
+  finally:
+    trace.end = time.perf_counter()
+    trace.tokens_out = list(rows.counts)
+
+
+def _run_callback(req: _Request, rows: _Rows, trace: Trace, cancelled: threading.Event) -> Iterator[Delta]:
+  """The whole loop in one device call on a worker thread; each step's tokens come back through a
+  host callback into a bounded queue. The callback tells the loop to stop once every row has
+  finished, the call is cancelled or the consumer has gone; a full queue holds the device back."""
+  n = len(rows.finished)
+  q: queue.Queue = queue.Queue(maxsize=CALLBACK_QUEUE_STEPS)
+  halt = threading.Event()  # the consumer stopped reading
+  failure: list[BaseException] = []
+
+  def on_token(step, tokens, done) -> bool:
+    if step == 1:
+      trace.first_token = time.perf_counter()
+    else:
+      trace.decode_chunks += 1
+    if not (halt.is_set() or cancelled.is_set()):
+      q.put((step, tokens, done))  # blocks while the consumer is CALLBACK_QUEUE_STEPS behind
+    return rows.all_finished or halt.is_set() or cancelled.is_set()
+
+  def work():
+    try:
+      with COMPILE_CLOCK.measure() as compile_s:
+        req.program.run_with_callback(req.parts, req.prompt, req.pad, req.samp, on_token)
+      trace.compile_s = compile_s[0]
+    except BaseException as e:  # handed to the consumer, raised there
+      failure.append(e)
+    finally:
+      q.put(None)
+
+  trace.device_start = time.perf_counter()
+  worker = threading.Thread(target=work, name="thoughtjax-callback-stream", daemon=True)
+  worker.start()
+  ended = False  # the worker's sentinel was taken
+  try:
+    counts = [0] * n
+    while not (ended := (item := q.get()) is None):
+      step, tokens, done = item
+      for r in range(n):
+        new = [int(tokens[r])] if tokens[r] >= 0 else []
+        counts[r] += len(new)
+        d = rows.emit(r, new, bool(done[r]), counts[r])
+        if d is not None:
+          yield d
+      if cancelled.is_set():
+        break
+    if failure:
+      raise failure[0]
+    if cancelled.is_set() and not rows.all_finished:
+      trace.cancelled = True
+      yield from rows.cancel()
+    for r in range(n):  # rows cut by the bucket's end
+      d = rows.emit(r, [], True, counts[r])
+      if d is not None:
+        yield d
+  finally:
+    halt.set()
+    while not ended:  # unblock a callback waiting on the full queue, up to the worker's sentinel
+      ended = q.get() is None
+    worker.join()
+    trace.end = time.perf_counter()
+    trace.tokens_out = list(rows.counts)
+
+
+def _resolve_kernels(kernels: str | None) -> str | None:
+  """The kernels implementation for this backend (``thoughtjax.kernels.dispatch``)."""
+  try:
+    from thoughtjax.kernels.dispatch import resolve
+  except ModuleNotFoundError as e:
+    if e.name != "thoughtjax.kernels.dispatch":
+      raise
+    # Without the dispatch module, None keeps each kernel's own per-backend default.
+    if kernels not in (None, "xla", "pallas"):
+      raise ValueError(f"kernels must be 'xla', 'pallas' or None (per backend), got {kernels!r}") from None
+    return kernels
+  return resolve(kernels, jax.default_backend())
+
+
+class Model:
+  """A path over a model's weights: generation and scoring run it as one compiled program.
+
+  ``layers`` is the path as layer indices (repeats allowed; default: every layer once),
+  ``kernels`` picks the kernels implementation (``"xla"``, ``"pallas"``; None: per backend),
+  ``chunk`` the decode steps per device call. ``parts`` hands in the weights the path reads
+  (e.g. restored thoughtlets); by default they are taken, not copied, from ``loaded``.
+  A composed model also carries its resolved path (``links``), the ``source`` it was composed
+  from and, when the path starts with one, its ``template``.
+  """
+
+  def __init__(self, loaded: LoadedModel, layers: Sequence[int] | None = None, kernels: str | None = None,
+               chunk: int = program_lib.DEFAULT_CHUNK, parts: PathParts | None = None, *,
+               links: Sequence | None = None, source=None, template: Template | None = None,
+               mesh=None, dtype=None):
+    if chunk < 1:
+      raise ValueError(f"chunk must be >= 1 decode step, got {chunk}")
     self.loaded = loaded
     self.config = loaded.config
     self.codec = loaded.codec
     self.module = loaded.model
-    self.layers = tuple(range(self.config.num_layers)) if layers is None else tuple(layers)
-    self.sampler, self.chunk = sampler, chunk
+    self.layers = tuple(range(self.config.num_layers)) if layers is None else tuple(int(i) for i in layers)
+    self.kernels, self.chunk = _resolve_kernels(kernels), chunk
+    self.links = None if links is None else tuple(links)
+    self.source, self.template, self.mesh, self.dtype = source, template, mesh, dtype
     self._defs = GraphDefs.from_model(self.module)
     # The parameters this path reads: taken from the module, or handed in (e.g. restored
     # thoughtlets), holding only the blocks the path uses.
-    self._parts = PathParts.from_model(self.module, self.layers) if parts is None else parts
+    if parts is None:
+      bad = [i for i in self.layers if not 0 <= i < self.config.num_layers]
+      if bad:
+        raise ValueError(f"path uses layers {bad}, but the model has layers 0..{self.config.num_layers - 1}")
+      parts = PathParts.from_model(self.module, self.layers)
+    self._parts = parts
     missing = set(self.layers) - set(self._parts.blocks)
     if missing:
       raise ValueError(f"path uses layers {sorted(missing)} that the given parts do not hold")
-    self.last_timings: dict = {}
+    self._templates: dict[str | None, Template] = {}
+    self._templates_lock = threading.Lock()
 
   @property
   def parts(self) -> PathParts:
     return self._parts
 
-  def with_chunk(self, chunk: int) -> "Model":
-    """The same model streaming in decode chunks of ``chunk`` steps."""
-    if chunk < 1:
-      raise ValueError(f"chunk must be >= 1, got {chunk}")
-    return Model(self.loaded, self.layers, self.sampler, chunk, self._parts)
+  # ---- the path ----------------------------------------------------------------------
+  @property
+  def path(self) -> str:
+    if self.links is not None:
+      return ", ".join(str(link.ref) for link in self.links)
+    return format_path(self.layers, template=self.template is not None)
 
-  def with_path(self, layers: Sequence[int], parts: PathParts | None = None) -> "Model":
-    """The same weights (shared, not copied) running another layer path."""
-    return Model(self.loaded, layers, self.sampler, self.chunk, parts)
+  @property
+  def refs(self) -> list[str]:
+    """The resolved units, ``name@version`` (bare names for a loaded model's parts), in path order."""
+    if self.links is not None:
+      return [n if v is None else f"{n}@{v}" for link in self.links for n, v in link.units]
+    return [str(r) for r in parse_path(self.path)]
+
+  @property
+  def path_hash(self) -> str:
+    return hash_refs(self.refs)
+
+  @property
+  def resident_bytes(self) -> int:
+    """Bytes of the distinct weight buffers this model holds (shared buffers counted once)."""
+    seen, total = set(), 0
+    for leaf in jax.tree.leaves(self._parts):
+      if id(leaf) not in seen:
+        seen.add(id(leaf))
+        total += leaf.nbytes
+    return total + (0 if self.template is None else self.template.nbytes)
+
+  def _replace(self, **changes) -> "Model":
+    fields = dict(loaded=self.loaded, layers=self.layers, kernels=self.kernels, chunk=self.chunk,
+                  parts=self._parts, links=self.links, source=self.source, template=self.template,
+                  mesh=self.mesh, dtype=self.dtype)
+    return Model(**(fields | changes))
+
+  def with_chunk(self, chunk: int) -> "Model":
+    """The same model and path streaming in decode chunks of ``chunk`` steps."""
+    return self._replace(chunk=chunk)
+
+  def with_path(self, layers_or_path: str | Sequence[int], parts: PathParts | None = None) -> "Model":
+    """The same weights (shared, not copied) running another path; a template stays.
+
+    A path string is composed and type-checked over the same source (for a loaded model: its
+    own weights). A layer sequence uses the weights this model holds (a loaded model holds
+    every layer)."""
+    if isinstance(layers_or_path, str):
+      from thoughtjax.compose import compose
+
+      return compose(layers_or_path, self if self.source is None else self.source, mesh=self.mesh,
+                     dtype=self.dtype, kernels=self.kernels, chunk=self.chunk, compile_cache=False)
+    layers = tuple(int(i) for i in layers_or_path)
+    if parts is None:
+      missing = sorted(set(layers) - set(self._parts.blocks))
+      if not missing:
+        parts = PathParts(self._parts.embed, {i: self._parts.blocks[i] for i in sorted(set(layers))},
+                          self._parts.head)
+      elif self.source is not None:  # a composed model holds only its path's blocks
+        raise ValueError(f"layers {missing} are not held by this composed model; compose a path "
+                         f"string that includes them, e.g. model.with_path('embed, blocks[0:30), head')")
+    return self._replace(layers=layers, parts=parts, links=None)
 
   # ---- prompts ------------------------------------------------------------------
+  def _check_system(self, system: str | None) -> None:
+    if system is not None and system != self.template.system:
+      raise ValueError(f"this path's template was cut with system={self.template.system!r}, got "
+                       f"system={system!r}; a different system message needs its own template thoughtlet")
+
   def prompt_ids(self, prompt: str | Sequence[int], chat: bool = False, system: str | None = None) -> list[int]:
+    """Token ids of one prompt: ids as given; text through the path's template if it has one,
+    else through the chat template when ``chat``, else plain."""
     if not isinstance(prompt, str):
       return [int(t) for t in prompt]
+    if self.template is not None:
+      self._check_system(system)
+      return self.template.wrap(self._user_ids(prompt))
     if chat:
       messages = ([{"role": "system", "content": system}] if system else []) + [
           {"role": "user", "content": prompt}]
@@ -136,49 +490,61 @@ class Model:
       raise ValueError("the prompt is empty after tokenization; give at least one token")
     return ids
 
+  def _user_ids(self, message: str) -> list[int]:
+    ids = self.codec.tokenizer.encode(message, add_special_tokens=False).ids
+    if not ids:
+      raise ValueError("the prompt is empty after tokenization; give at least one token")
+    return ids
+
   def _template_split(self, prompts, chat: bool, system: str | None):
-    """(template, user token ids per prompt) for chat prompts, else (None, None)."""
+    """(template, user token ids per prompt) for prompts that go through a template, else (None, None)."""
     if not all(isinstance(p, str) for p in prompts):
       return None, None
-    template = getattr(self, "template", None)
+    template = self.template
     if template is None:
       if not chat or self.codec.chat_template is None:
         return None, None
-      template = self._chat_template(system)
-    user = [self.codec.tokenizer.encode(p, add_special_tokens=False).ids for p in prompts]
-    if not all(user):
-      raise ValueError("the prompt is empty after tokenization; give at least one token")
-    if template is not getattr(self, "template", None):
+      template = self.chat_template(system)
+    else:
+      self._check_system(system)
+    user = [self._user_ids(p) for p in prompts]
+    if template is not self.template:
       # Tokenizing the parts apart must give what tokenizing the whole prompt gives.
       for p, u in zip(prompts, user):
-        if template["prefix_ids"] + u + template["suffix_ids"] != self.prompt_ids(p, True, system):
+        if template.wrap(u) != self.prompt_ids(p, True, system):
           return None, None
     return template, user
 
-  def _chat_template(self, system: str | None) -> dict:
-    cache = self.__dict__.setdefault("_templates", {})
-    if system not in cache:
-      prefix, suffix = self.codec.chat_template_parts(system)
-      table = self._parts.embed["table"][...]
-      cache[system] = {"system": system, "prefix_ids": prefix, "suffix_ids": suffix,
-                       "prefix_rows": jnp.take(table, jnp.asarray(prefix, jnp.int32), axis=0),
-                       "suffix_rows": jnp.take(table, jnp.asarray(suffix, jnp.int32), axis=0)}
-    return cache[system]
+  def chat_template(self, system: str | None = None) -> Template:
+    """The codec's chat template for ``system``, its rows from this path's embed table (cached)."""
+    with self._templates_lock:
+      if system not in self._templates:
+        self._templates[system] = Template.build(self.codec, self._parts.embed["table"][...], system)
+      return self._templates[system]
 
   # ---- generation -------------------------------------------------------------------
-  def stream_batch(self, prompts: Sequence[str | Sequence[int]], params: Sequence[SamplingParams] | SamplingParams | None = None,
-                   chat: bool = False, system: str | None = None, stream_mode: str = "chunks") -> Iterator[Delta]:
-    """Generate for several prompts at once, yielding deltas as tokens are produced.
+  def stream_batch(self, prompts: Sequence[str | Sequence[int]],
+                   params: Sequence[SamplingParams] | SamplingParams | None = None, chat: bool = False,
+                   system: str | None = None, stream_mode: str = "chunks") -> Generation:
+    """Generate for several prompts at once; the returned :class:`Generation` yields deltas as
+    tokens are produced (``stream_mode``: ``"chunks"``, or ``"callback"`` for comparison).
 
-    Chat prompts (``chat=True``, or any string prompt on a model with a template) go in as
-    the template's fixed rows around the user tokens, embedded by the fused template
-    kernel inside the program; other prompts go in as token ids.
+    Template prompts (``chat=True``, or any string prompt on a path with a template) go in as
+    the template's fixed rows around the user tokens, embedded by the fused template kernel
+    inside the program; other prompts go in as token ids.
     """
+    start = time.perf_counter()
+    if stream_mode not in ("chunks", "callback"):
+      raise ValueError(f"stream_mode must be 'chunks' or 'callback', got {stream_mode!r}")
+    if isinstance(prompts, str):
+      raise TypeError("stream_batch takes a list of prompts; use stream() for one")
     template, user = self._template_split(prompts, chat, system)
     if template is None:
       ids = [self.prompt_ids(p, chat, system) for p in prompts]
     else:
-      ids = [template["prefix_ids"] + u + template["suffix_ids"] for u in user]
+      ids = [template.wrap(u) for u in user]
+    if not ids:
+      raise ValueError("stream_batch needs at least one prompt")
     if params is None:
       params = SamplingParams()
     if isinstance(params, SamplingParams):
@@ -190,13 +556,12 @@ class Model:
     limit = self.config.max_context
     if longest + max_new > limit:
       raise ValueError(f"prompt ({longest} tokens) + max_tokens ({max_new}) exceeds the model's context of {limit}")
-    stops = [stop_ids_for(p, self.config.eos_id) for p in params]
+    stops = [stop_ids_for(p, self.codec.eos_ids) for p in params]
     key = ProgramKey(
         layers=self.layers, batch=bucket(len(ids), 1), prompt_len=bucket(longest),
         max_new=bucket(max_new), stop_width=bucket(max(len(s) for s in stops), 4),
         mode=program_mode(params), has_bias=any(p.logit_bias for p in params),
-        chunk=self.chunk, sampler=self.sampler,
-        template=None if template is None else (len(template["prefix_ids"]), len(template["suffix_ids"])))
+        chunk=self.chunk, kernels=self.kernels, template=None if template is None else template.widths)
     prog = program_lib.PROGRAMS.get(key, self._defs, self.config)
     B, T = key.batch, key.prompt_len
     pad = np.full(B, T - 1, np.int32)
@@ -215,113 +580,30 @@ class Model:
       for r, u in enumerate(user):
         user_ids[r, : len(u)] = u
         lengths[r] = len(u)
-      prompt = TemplatePrompt(template["prefix_rows"], template["suffix_rows"], jnp.asarray(user_ids),
+      prompt = TemplatePrompt(template.prefix_rows, template.suffix_rows, jnp.asarray(user_ids),
                               jnp.asarray(lengths))
-    samp = sampling_arrays(params, B, self.config.vocab_size, key.stop_width, self.config.eos_id, key.has_bias)
-    rows = [_RowText(self.codec, p.stop_strings) for p in params]
-    finished = [False] * len(ids)
-    timings = {"start": time.perf_counter(), "prompt_ids": ids, "program": key}
-    self.last_timings = timings
-
-    def emit(r: int, new: list[int], done_on_device: bool, count: int):
-      if finished[r]:
-        return None
-      final = done_on_device
-      text, hit = rows[r].push(new, final)
-      if hit or final:
-        finished[r] = True
-        reason = "stop_string" if hit else ("length" if count >= params[r].max_tokens and not (
-            new and new[-1] in stops[r]) else "stop")
-        return Delta(r, new, text, True, reason)
-      return Delta(r, new, text) if (new or text) else None
-
-    if stream_mode == "callback":
-      yield from self._stream_callback(prog, prompt, jnp.asarray(pad), samp, len(ids), emit, finished, timings)
-      return
-    if stream_mode != "chunks":
-      raise ValueError(f"stream_mode must be 'chunks' or 'callback', got {stream_mode!r}")
-    state = prog.init_state()
-    seen = 0
-    pad_d = jnp.asarray(pad)
-    while True:
-      state = prog.advance(self._parts, prompt, pad_d, samp, state)
-      step, done, out, count = jax.device_get((state.step, state.done, state.out, state.count))
-      if seen == 0:
-        timings["first_token"] = time.perf_counter()
-      for r in range(len(ids)):
-        new = [int(t) for t in out[r, seen:step] if t >= 0]
-        d = emit(r, new, bool(done[r]), int(count[r]))
-        if d is not None:
-          yield d
-      seen = int(step)
-      if all(finished) or seen >= key.max_new:
-        break
-    timings["end"] = time.perf_counter()
-    timings["generated"] = [len(r.ids) for r in rows]
-
-  def _stream_callback(self, prog, prompt, pad, samp, n, emit, finished, timings):
-    import queue
-    import threading
-
-    q: queue.Queue = queue.Queue()
-
-    def on_token(step, tokens, done):
-      if step == 1:
-        timings["first_token"] = time.perf_counter()
-      q.put((step, tokens, done))
-      return all(finished)
-
-    def run():
-      try:
-        prog.run_with_callback(self._parts, prompt, pad, samp, on_token)
-      finally:
-        q.put(None)
-
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
-    counts = [0] * n
-    while (item := q.get()) is not None:
-      step, tokens, done = item
-      for r in range(n):
-        tok = int(tokens[r])
-        new = [tok] if tok >= 0 else []
-        counts[r] += len(new)
-        d = emit(r, new, bool(done[r]), counts[r])
-        if d is not None:
-          yield d
-    worker.join()
-    for r in range(n):  # rows cut by the bucket's end
-      if not finished[r]:
-        d = emit(r, [], True, counts[r])
-        if d is not None:
-          yield d
-    timings["end"] = time.perf_counter()
-    timings["generated"] = counts
+    samp = sampling_arrays(params, B, self.config.vocab_size, key.stop_width, self.codec.eos_ids, key.has_bias)
+    req = _Request(prog, self._parts, prompt, jnp.asarray(pad), samp)
+    trace = Trace(key, ids, start, tokens_out=[0] * len(ids))
+    cancelled = threading.Event()
+    runner = _run_chunks if stream_mode == "chunks" else _run_callback
+    return Generation(runner(req, _Rows(self.codec, params, stops), trace, cancelled), trace, cancelled)
 
   def stream(self, prompt: str | Sequence[int], *, chat: bool = False, system: str | None = None,
-             stream_mode: str = "chunks", **sampling) -> Iterator[Delta]:
+             stream_mode: str = "chunks", **sampling) -> Generation:
     """Deltas of one prompt's continuation as they are produced."""
     return self.stream_batch([prompt], SamplingParams(**sampling), chat, system, stream_mode)
 
   def generate_batch(self, prompts, params=None, chat=False, system=None, stream_mode="chunks") -> list[Completion]:
-    if isinstance(prompts, (str,)):
+    """Whole continuations of several prompts, generated as one batch."""
+    if isinstance(prompts, str):
       raise TypeError("generate_batch takes a list of prompts; use generate() for one")
-    toks: list[list[int]] = [[] for _ in prompts]
-    texts = [""] * len(prompts)
-    reasons = ["length"] * len(prompts)
-    for d in self.stream_batch(prompts, params, chat, system, stream_mode):
-      toks[d.row].extend(d.token_ids)
-      texts[d.row] += d.text
-      if d.finished:
-        reasons[d.row] = d.finish_reason
-    t = self.last_timings
-    ids = t["prompt_ids"]
-    return [Completion(i, tk, tx, rs, t) for i, tk, tx, rs in zip(ids, toks, texts, reasons)]
+    return self.stream_batch(prompts, params, chat, system, stream_mode).completions()
 
   def generate(self, prompt: str | Sequence[int], *, chat: bool = False, system: str | None = None,
                stream_mode: str = "chunks", **sampling) -> Completion:
     """The whole continuation of one prompt."""
-    return self.generate_batch([prompt], SamplingParams(**sampling), chat, system, stream_mode)[0]
+    return self.stream(prompt, chat=chat, system=system, stream_mode=stream_mode, **sampling).result()
 
   # ---- scoring ---------------------------------------------------------------------
   def logits(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -347,11 +629,16 @@ class Model:
     return Score(ids, top.tolist(), np.take_along_axis(logits, top, -1).tolist(), lp, nll, float(np.exp(nll)))
 
 
-def load(name_or_path: str | os.PathLike | None = None, *, path: Sequence[int] | None = None,
-         sampler: str | None = None, compile_cache: bool = True) -> Model:
-  """Load a model by known name (default: SmolLM2-135M-Instruct) or by path."""
+def load(name_or_path: str | os.PathLike | None = None, *, path: str | Sequence[int] | None = None,
+         kernels: str | None = None, compile_cache: bool = True) -> Model:
+  """Load a model by known name (default: SmolLM2-135M-Instruct) or by path.
+
+  ``path``: the layer path to run, as layer indices or a path string
+  (``"embed, blocks[0:12), head"``); ``kernels``: ``"xla"``, ``"pallas"`` or None (per backend).
+  """
   if compile_cache:
     program_lib.configure_compilation_cache()
   from thoughtjax.fetch import DEFAULT_MODEL
 
-  return Model(load_model(name_or_path or DEFAULT_MODEL), path, sampler)
+  model = Model(load_model(name_or_path or DEFAULT_MODEL), kernels=kernels)
+  return model if path is None else model.with_path(path)

@@ -13,13 +13,17 @@ Grammar (whitespace-insensitive)::
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
+from typing import Sequence
+
+from thoughtjax.errors import UserError
 
 _BLOCKS = re.compile(r"^blocks\[\s*(\d+)\s*:\s*(\d+)\s*([)\]])$")
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
 
 
-class PathSyntaxError(ValueError):
+class PathSyntaxError(UserError, ValueError):
   """A path string could not be parsed."""
 
 
@@ -35,6 +39,16 @@ class Ref:
 
   def __str__(self) -> str:
     return self.name if self.version is None else f"{self.name}@{self.version}"
+
+  def layers(self, num_layers: int) -> tuple[int, ...]:
+    """The layers ``blocks[a:b)`` runs on a model of ``num_layers`` layers (checked)."""
+    span = self.span
+    if span is None:
+      raise PathSyntaxError(f"{self} is not a block range blocks[a:b)")
+    a, b = span
+    if b > num_layers:
+      raise PathSyntaxError(f"{self}: layer range ends at {b} but the model has {num_layers} layers")
+    return tuple(range(a, b))
 
 
 def parse_path(text: str) -> list[Ref]:
@@ -76,8 +90,24 @@ def layers_of_path(text: str, num_layers: int) -> tuple[int, ...]:
       raise PathSyntaxError(
           f"{ref} is not a block range; composing other thoughtlets (bridges, templates) "
           f"goes through the registry's compose()")
-    a, b = span
-    if b > num_layers:
-      raise PathSyntaxError(f"{ref}: layer range ends at {b} but the model has {num_layers} layers")
-    layers.extend(range(a, b))
+    layers.extend(ref.layers(num_layers))
   return tuple(layers)
+
+
+def format_path(layers: Sequence[int], *, template: bool = False) -> str:
+  """The path string of a layer sequence: runs of consecutive layers become one ``blocks[a:b)``."""
+  items, start, prev = ["template" if template else "embed"], None, None
+  for i in layers:
+    if start is not None and i != prev + 1:
+      items.append(f"blocks[{start}:{prev + 1})")
+      start = None
+    start = i if start is None else start
+    prev = i
+  if start is not None:
+    items.append(f"blocks[{start}:{prev + 1})")
+  return ", ".join([*items, "head"])
+
+
+def hash_refs(refs: Sequence[str]) -> str:
+  """Identity of a path: a hash of its resolved refs (``name@version`` or bare names), in order."""
+  return hashlib.sha3_256("\n".join(refs).encode()).hexdigest()[:16]

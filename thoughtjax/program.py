@@ -1,7 +1,12 @@
-"""Programs: a layer path compiled into one XLA program (the only ``jax.jit`` boundary).
+"""Programs: a layer path compiled into one XLA program; the jit boundary of generation and scoring.
+
+Model code never calls ``jax.jit``: generation (:class:`Program`) and scoring
+(:data:`score_logits`) are compiled here. Elsewhere ``jax.jit`` appears only to measure:
+thoughtlet profiling (one thoughtlet alone) and the benchmarks.
 
 A program serves one key: (path, batch bucket, prompt bucket, new-token bucket,
-stop-set width, sampling mode, bias on/off, decode chunk). Its single entry point
+stop-set width, sampling mode, bias on/off, decode chunk, kernels, template widths), and the
+graph definitions and model config it was built for. Its single entry point
 ``advance(parts, prompt, pad, sampling, state)`` runs, inside XLA,
 
 * on the first call (``state.step == 0``): the prefill over the left-padded prompt
@@ -9,23 +14,28 @@ stop-set width, sampling mode, bias on/off, decode chunk). Its single entry poin
 * on later calls: up to ``chunk`` decode steps in a ``lax.while_loop`` over the KV
   cache, ending early when every row has stopped.
 
-Tokens reach the host after every call (short fixed-size chunks). A variant that
-pushes each token out through an ``io_callback`` from inside one long loop
-(:meth:`Program.run_with_callback`) exists for comparison: JAX does not write
-programs with host callbacks to the persistent compilation cache, so every new
-process would recompile it; see BENCHMARKS.md for the measured trade-off.
+Tokens reach the host after every call (short fixed-size chunks), so a caller that stops
+asking stops the device work at the next chunk. A variant that pushes each token out through
+an ``io_callback`` from inside one long loop (:meth:`Program.run_with_callback`) exists for
+comparison; its host sink returns whether to stop, so it too ends at the next step. JAX does
+not write programs with host callbacks to the persistent compilation cache, so every new process
+would recompile it; see BENCHMARKS.md for the measured trade-off.
+
+Programs live in :data:`PROGRAMS`, a thread-safe LRU with a size bound that counts hits,
+misses and evictions; compiled executables also persist on disk through JAX's cache.
 
 Layout: prompts are left-padded, so every row's next token goes to the same cache
 slot; row b's RoPE positions are ``slot - pad[b]`` and slots before ``pad[b]`` are
 masked out.
 """
-
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import os
 import threading
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,7 +81,7 @@ class ProgramKey:
   mode: SamplingMode
   has_bias: bool
   chunk: int = DEFAULT_CHUNK
-  sampler: str | None = None  # kernels implementation (sampler, template embed); None = per backend
+  kernels: str | None = None  # implementation of both kernels (sampler, template embed); None = per backend
   template: tuple[int, int] | None = None  # (P1, P2): prompts arrive as TemplatePrompt
 
   @property
@@ -125,7 +135,7 @@ class Program:
     self.key, self.defs, self.cfg = key, defs, cfg
     self._advance = jax.jit(self._advance_impl, donate_argnums=(4,))
     self._init = jax.jit(self._init_impl)
-    self._callback_run = None
+    self._callback_run = jax.jit(self._callback_impl)
 
   # ---- traced code -------------------------------------------------------------
   def _modules(self, parts: PathParts) -> tuple[Embed, list[Block], Head]:
@@ -162,11 +172,11 @@ class Program:
     if isinstance(prompt, TemplatePrompt):
       embeddings = template_embed(prompt.prefix_rows, prompt.suffix_rows, embed.table[...],
                                   prompt.user_ids, prompt.user_lengths, total_len=T, left_pad=True,
-                                  implementation=k.sampler)
+                                  implementation=k.kernels)
       prompt = None
     logits, caches = run_path(embed, blocks, head, prompt, positions, state.caches,
                               jnp.zeros((), jnp.int32), mask, embeddings)
-    token, stop = sample(logits[:, -1], samp, state.step, k.mode, k.sampler)
+    token, stop = sample(logits[:, -1], samp, state.step, k.mode, k.kernels)
     return self._record(state._replace(caches=tuple(caches)), token, stop, samp)
 
   def _decode_step(self, parts, pad, samp, state):
@@ -178,7 +188,7 @@ class Program:
     mask = ((s[None, :] >= pad[:, None]) & (s[None, :] <= slot))[:, None, :]
     logits, caches = run_path(embed, blocks, head, state.token[:, None], positions, state.caches,
                               slot, mask)
-    token, stop = sample(logits[:, -1], samp, state.step, k.mode, k.sampler)
+    token, stop = sample(logits[:, -1], samp, state.step, k.mode, k.kernels)
     return self._record(state._replace(caches=tuple(caches)), token, stop, samp)
 
   def _decode_chunk(self, parts, prompt, pad, samp, state):
@@ -215,8 +225,6 @@ class Program:
   def run_with_callback(self, parts, prompt, pad, samp, on_token: Callable[[int, np.ndarray, np.ndarray], bool]):
     """Prefill and the whole decode loop in one call; ``on_token(step, tokens[B], done[B])``
     runs on the host after every step and returns True to stop early."""
-    if self._callback_run is None:
-      self._callback_run = jax.jit(self._callback_impl)
     slot = _CALLBACKS.register(on_token)
     try:
       return jax.block_until_ready(self._callback_run(parts, prompt, pad, samp, jnp.int32(slot)))
@@ -275,24 +283,97 @@ class _CallbackTable:
 _CALLBACKS = _CallbackTable()
 
 
-class ProgramCache:
-  """In-memory programs by key; XLA executables also persist on disk via JAX's cache."""
+@dataclasses.dataclass(frozen=True)
+class CacheStats:
+  hits: int
+  misses: int
+  evictions: int
+  size: int
+  capacity: int
 
-  def __init__(self):
-    self._programs: dict[tuple, Program] = {}
+
+class ProgramCache:
+  """Programs by everything that changes them: key, graph definitions and model config.
+
+  A least-recently-used map holding at most ``capacity`` programs (each holds its compiled
+  executables); safe to share between threads. XLA executables also persist on disk via JAX's
+  cache, so an evicted program that comes back recompiles from there.
+  """
+
+  def __init__(self, capacity: int | None = None):
+    if capacity is None:
+      capacity = int(os.environ.get("THOUGHTJAX_PROGRAM_CACHE", "32"))
+    if capacity < 1:
+      raise ValueError(f"program cache capacity must be >= 1, got {capacity} "
+                       f"(set THOUGHTJAX_PROGRAM_CACHE to a positive number)")
+    self.capacity = capacity
+    self._programs: collections.OrderedDict[tuple, Program] = collections.OrderedDict()
     self._lock = threading.Lock()
-    self.hits = self.misses = 0
+    self.hits = self.misses = self.evictions = 0
 
   def get(self, key: ProgramKey, defs: GraphDefs, cfg) -> Program:
-    ident = (key, cfg)
+    ident = (key, defs, cfg)
     with self._lock:
       prog = self._programs.get(ident)
-      if prog is None:
-        self.misses += 1
-        prog = self._programs[ident] = Program(key, defs, cfg)
-      else:
+      if prog is not None:
         self.hits += 1
+        self._programs.move_to_end(ident)
+        return prog
+      self.misses += 1
+      prog = self._programs[ident] = Program(key, defs, cfg)
+      while len(self._programs) > self.capacity:
+        self._programs.popitem(last=False)
+        self.evictions += 1
       return prog
+
+  def __len__(self) -> int:
+    return len(self._programs)
+
+  def stats(self) -> CacheStats:
+    with self._lock:
+      return CacheStats(self.hits, self.misses, self.evictions, len(self._programs), self.capacity)
 
 
 PROGRAMS = ProgramCache()
+
+
+class _CompileClock:
+  """Seconds JAX spends tracing, lowering and compiling in the calling thread.
+
+  Fed by ``jax.monitoring`` time spans; nested traces (a jitted kernel inside the program)
+  overlap their parent, so the union of the spans is measured, not their sum.
+  """
+
+  EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+            "/jax/core/compile/backend_compile_duration")
+
+  def __init__(self):
+    self._local = threading.local()
+    jax.monitoring.register_event_time_span_listener(self._on_span)
+
+  def _on_span(self, event: str, start: float, end: float, **_):
+    spans = getattr(self._local, "spans", None)
+    if spans is not None and event in self.EVENTS:
+      spans.append((start, end))
+
+  @contextlib.contextmanager
+  def measure(self) -> Iterator[list[float]]:
+    """``with CLOCK.measure() as out:`` ... then ``out[0]`` holds the compile seconds."""
+    outer = getattr(self._local, "spans", None)
+    self._local.spans = spans = []
+    out = [0.0]
+    try:
+      yield out
+    finally:
+      self._local.spans = outer
+      if outer is not None:
+        outer.extend(spans)
+      total, reach = 0.0, float("-inf")
+      for a, b in sorted(spans):
+        if b > reach:
+          total += b - max(a, reach)
+          reach = b
+      out[0] = total
+
+
+COMPILE_CLOCK = _CompileClock()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from thoughtjax import program as program_lib
-from thoughtjax.compose import ComposedModel, PathTypeError, compose, full_path
+from thoughtjax.compose import PathTypeError, compose, full_path
 from thoughtjax.engine import Model
 from thoughtjax.loading import LoadedModel
 from thoughtjax.paths import PathSyntaxError
@@ -27,14 +27,17 @@ def test_full_path_matches_the_monolithic_model(tiny, built):
   cfg, model, codec = tiny
   reg = Registry.open(built)
   m = compose(full_path(reg), reg)
-  assert isinstance(m, ComposedModel) and m.layers == tuple(range(6))
+  assert type(m) is Model and m.layers == tuple(range(6))  # one Model class, carrying its path
+  assert m.path == full_path(reg) and len(m.links) == len(m.path.split(", "))
   ref = _monolithic(cfg, model, codec)
   np.testing.assert_allclose(m.logits(IDS), ref.logits(IDS), atol=1e-5, rtol=0)
-  misses = program_lib.PROGRAMS.misses
   got = m.generate(IDS, max_tokens=6).token_ids
-  m.generate(IDS[:5], max_tokens=3)  # same buckets: the same compiled program
-  assert program_lib.PROGRAMS.misses <= misses + 1
-  assert m.last_timings["program"].layers == tuple(range(6))
+  before = program_lib.PROGRAMS.stats()
+  again = m.generate(IDS[:5], max_tokens=3)  # same buckets: the same compiled program
+  after = program_lib.PROGRAMS.stats()
+  assert (after.misses, after.hits) == (before.misses, before.hits + 1)
+  assert again.trace.compile_s == 0.0  # nothing traced or compiled for the second call
+  assert again.trace.program.layers == tuple(range(6))
   assert got == greedy_reference(ref, IDS, 6, stop_at_eos=True)
   assert [t for d in m.stream(IDS, max_tokens=4) for t in d.token_ids] == got[:4]
   assert m.score(IDS).nll == pytest.approx(ref.score(IDS).nll, abs=1e-5)
@@ -142,13 +145,48 @@ def test_compose_from_a_loaded_model(tiny):
     compose("embed@v1, head", ref)
 
 
-def test_two_versions_of_one_layer_in_one_path(registry_copy, tiny):
+def test_two_versions_of_one_layer_in_one_path(registry_copy, tiny, keypair):
   cfg, model, codec = tiny
   reg = Registry.open(registry_copy)
   old = reg.current["blocks[0:2)"]
   base = reg.thoughtlet("blocks[0:2)")
-  new = reg.publish([base.with_params(jax.tree.map(lambda x: x * 1.5, dict(base.params)))], settings=None)
+  new = reg.publish([base.with_params(jax.tree.map(lambda x: x * 1.5, dict(base.params)))], sign_key=keypair[0],
+                    settings=None)
   m = compose(f"embed, blocks[0:2)@{old}, blocks[0:2)@{new['blocks[0:2)']}, blocks[2:6), head", reg)
   assert len(m.parts.blocks) == 8 and m.layers[:4] == (0, 1, 6, 7)  # distinct slots, distinct weights
   assert not np.allclose(m.logits(IDS), compose(f"embed, blocks[0:2)@{old}, blocks[0:2)@{old}, blocks[2:6), head",
                                                        reg).logits(IDS))
+
+
+def test_composed_template_survives_with_chunk_and_with_path(tiny, built):
+  cfg, model, codec = tiny
+  reg = Registry.open(built)
+  m = compose("template, blocks[0:6), head", reg)
+  message = "hi there"
+  wrapped = codec.encode(codec.render_chat([{"role": "user", "content": message}]))
+  ref = _monolithic(cfg, model, codec)
+  want = greedy_reference(ref, wrapped, 4)
+  variants = {"composed": m, "with_chunk": m.with_chunk(3), "with_path(layers)": m.with_path((0, 1, 2, 3, 4, 5)),
+              "with_path(str)": m.with_path("template, blocks[0:6), head")}
+  for label, v in variants.items():
+    assert v.template is not None, label
+    assert v.prompt_ids(message) == wrapped, label
+    out = v.generate(message, max_tokens=4, ignore_eos=True)
+    assert out.prompt_ids == wrapped and out.token_ids == want, label
+    assert out.trace.program.template == (len(m.template.prefix_ids), len(m.template.suffix_ids)), label
+  assert variants["with_chunk"].chunk == 3 and variants["with_chunk"].refs == m.refs
+  # A shorter path over held layers keeps the template too.
+  short = m.with_path((0, 1, 2))
+  assert short.template is m.template and short.path == "template, blocks[0:3), head"
+  assert short.prompt_ids(message) == wrapped
+
+
+def test_with_path_string_on_a_loaded_model_composes(tiny):
+  cfg, model, codec = tiny
+  ref = _monolithic(cfg, model, codec)
+  m = ref.with_path("embed, blocks[0:2), blocks[1:4), head")
+  assert type(m) is Model and m.layers == (0, 1, 1, 2, 3) and m.source is ref
+  assert m.refs == ["embed", "blocks[0:2)", "blocks[1:4)", "head"]
+  np.testing.assert_allclose(m.logits(IDS), ref.with_path((0, 1, 1, 2, 3)).logits(IDS), atol=1e-6, rtol=0)
+  # Composing again from the composed model goes back to the same source weights.
+  assert m.with_path("embed, blocks[0:6), head").source is ref
