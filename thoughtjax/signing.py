@@ -18,10 +18,12 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from thoughtjax.errors import UserError
+
 ALGORITHM = "ed25519"
 
 
-class SignatureError(ValueError):
+class SignatureError(UserError, ValueError):
   """A signature is missing, malformed, made by an unknown key, or does not verify."""
 
 
@@ -36,11 +38,12 @@ def public_pem(public_key: Ed25519PublicKey) -> bytes:
 
 
 def keygen(path: str | os.PathLike, overwrite: bool = False) -> tuple[Path, Path]:
-  """Write ``PATH.key`` and ``PATH.pub``; returns both paths."""
+  """Write ``PATH.key`` and ``PATH.pub``; returns both paths. ``PATH`` is a name, not a file name
+  to re-suffix: ``keys/team.v2`` writes ``keys/team.v2.key`` (a trailing ``.key``/``.pub`` is dropped)."""
   base = Path(path)
   if base.suffix in (".key", ".pub"):
     base = base.with_suffix("")
-  priv_path, pub_path = base.with_suffix(".key"), base.with_suffix(".pub")
+  priv_path, pub_path = base.with_name(base.name + ".key"), base.with_name(base.name + ".pub")
   if not overwrite and (priv_path.exists() or pub_path.exists()):
     raise FileExistsError(f"{priv_path} or {pub_path} already exists; pass overwrite=True "
                           f"(CLI: --force) to replace the key pair")

@@ -7,6 +7,7 @@ when a test damages or updates one.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -68,3 +69,16 @@ def deep(tmp_path_factory):
   (root / "mapping.yaml").write_text(mapping_text(DEEP_SPANS, 30, template=False))
   build(root / "registry", root / "mapping.yaml", model, codec=codec, settings=None, source="tiny30-seed3")
   return cfg, model, codec, root / "registry"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def trust_state(tmp_path_factory):
+  """One rollback-state file for the session (subprocesses inherit it), not the user's."""
+  path = tmp_path_factory.mktemp("trust") / "trust-state.json"
+  old = os.environ.get("THOUGHTJAX_TRUST_STATE")
+  os.environ["THOUGHTJAX_TRUST_STATE"] = str(path)
+  yield path
+  if old is None:
+    os.environ.pop("THOUGHTJAX_TRUST_STATE", None)
+  else:
+    os.environ["THOUGHTJAX_TRUST_STATE"] = old

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -49,3 +50,40 @@ def run_python(code: str, *, env: dict | None = None, timeout: float = 300) -> s
   full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
   return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env,
                         timeout=timeout, cwd=REPO)
+
+
+def read_index(root: Path) -> tuple[dict, dict | None]:
+  doc = json.loads((Path(root) / "index.json").read_text())
+  return doc["index"], doc["signature"]
+
+
+def write_index(root: Path, body: dict, key_path: Path | None) -> None:
+  """Write ``index.json`` with ``body``, signed with the private key at ``key_path`` (None: unsigned):
+  what someone holding a key (or no key) can put in place."""
+  from thoughtjax import signing
+  from thoughtjax.thoughtlet import canonical_json
+
+  sig = None if key_path is None else signing.sign(signing.load_private_key(key_path), canonical_json(body)).to_json()
+  (Path(root) / "index.json").write_text(json.dumps({"index": body, "signature": sig}))
+
+
+def rewrite_manifest(vdir: Path, edit, key_path: Path | None, root: Path | None = None) -> dict:
+  """Edit a version's manifest, re-sign it with ``key_path`` and, given ``root``, record its new digest in
+  the index and re-sign that too (a key holder's republished mistake, not tampering)."""
+  import hashlib
+
+  from thoughtjax import signing
+  from thoughtjax.thoughtlet import canonical_json
+
+  raw = json.loads((vdir / "manifest.json").read_text())
+  edit(raw)
+  data = json.dumps(raw).encode()
+  (vdir / "manifest.json").write_bytes(data)
+  if key_path is not None:
+    key = signing.load_private_key(key_path)
+    (vdir / "manifest.sig").write_bytes(canonical_json(signing.sign(key, canonical_json(raw)).to_json()))
+  if root is not None:
+    body, _ = read_index(root)
+    body["manifest_sha256"][f"{raw['name']}@{raw['version']}"] = hashlib.sha256(data).hexdigest()
+    write_index(root, body, key_path)
+  return raw

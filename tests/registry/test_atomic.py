@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from thoughtjax.compose import compose, full_path
-from thoughtjax.registry import Registry
+from thoughtjax.registry import Registry, TrustPolicy
 from tests.registry.helpers import REPO
 
 IDS = [7, 70, 71, 72, 32, 73]
@@ -49,7 +49,7 @@ def _updates(reg, base=None):
 
 
 def _logits(root, keypair):
-  reg = Registry.open(root, trusted_keys=[keypair[1]])
+  reg = Registry.open(root, TrustPolicy(public_keys=(keypair[1],)))
   return reg.current, compose(full_path(reg), reg).logits(IDS)
 
 
@@ -70,7 +70,7 @@ def test_kill_during_update_keeps_previous_version(built, keypair, tmp_path):
     out, err = procs[point].communicate(timeout=300)
     assert procs[point].returncode == -9 and f"killed at {point}" in out, (point, out, err)
     root = roots[point]
-    reg = Registry.open(root, trusted_keys=[keypair[1]])
+    reg = Registry.open(root, TrustPolicy(public_keys=(keypair[1],)))
     reg.verify()  # every current version: digests, signatures, versioned hashes
     current, logits = _logits(root, keypair)
     if point == "commit:index":
@@ -82,14 +82,14 @@ def test_kill_during_update_keeps_previous_version(built, keypair, tmp_path):
     # The next writer is not blocked by what the dead one left behind.
     versions = reg.publish(_updates(reg, old_current), sign_key=keypair[0], settings=None)
     assert versions == new_versions
-    assert Registry.open(root, trusted_keys=[keypair[1]]).current == {**old_current, **new_versions}
+    assert Registry.open(root, TrustPolicy(public_keys=(keypair[1],))).current == {**old_current, **new_versions}
     assert not (root / ".staging").exists()
-    Registry.open(root, trusted_keys=[keypair[1]]).verify()
+    Registry.open(root, TrustPolicy(public_keys=(keypair[1],))).verify()
 
 
 def test_readers_see_old_or_new_never_a_mix(registry_copy, keypair):
   old_current, old_logits = _logits(registry_copy, keypair)
-  reg = Registry.open(registry_copy, trusted_keys=[keypair[1]])
+  reg = Registry.open(registry_copy, TrustPolicy(public_keys=(keypair[1],)))
   updates = _updates(reg)
   new_current = {**old_current, **{t.name: t.versioned_hash()[:16] for t in updates}}
   seen_at_steps = []
@@ -110,7 +110,7 @@ def test_readers_see_old_or_new_never_a_mix(registry_copy, keypair):
   def reader_loop():
     try:
       while not stop.is_set():
-        snapshot = Registry.open(registry_copy, trusted_keys=[keypair[1]]).current
+        snapshot = Registry.open(registry_copy, TrustPolicy(public_keys=(keypair[1],))).current
         observed.append(snapshot == new_current)
         if snapshot not in (old_current, new_current):
           errors.append(snapshot)

@@ -12,6 +12,7 @@ from thoughtjax.mapping import load_mapping
 from thoughtjax.registry.codec import codec_digest
 from thoughtjax.registry.publish import _publish
 from thoughtjax.registry.store import Registry
+from thoughtjax.registry.trust import TrustPolicy
 from thoughtjax.thoughtlet import Kind, ProfileSettings, Thoughtlet, cut, measure_profile, signature_for
 
 
@@ -37,13 +38,14 @@ def cut_thoughtlets(model, codec, mapping: SemanticMapping) -> list[Thoughtlet]:
 def build(out: str | os.PathLike, mapping: str | os.PathLike | SemanticMapping, model, *, codec=None,
           sign_key=None, settings: ProfileSettings | None = ProfileSettings(),
           progress: Callable[[str, str, int, int], None] | None = None, source: str | None = None,
-          source_hash: str | None = None) -> Registry:
+          source_hash: str | None = None, trust: TrustPolicy | None = None) -> Registry:
   """Cut ``model`` along ``mapping``, profile every thoughtlet and publish them to ``out``.
 
   ``model`` is a known model name or path (loaded with :func:`thoughtjax.loading.load`), a
   :class:`~thoughtjax.loading.LoadedModel`, or a :class:`~thoughtjax.model.Transformer` with
   ``codec`` given. Building into an existing registry of the same model publishes the changed
-  thoughtlets as new versions (one atomic index switch); unchanged ones keep their version.
+  thoughtlets as new versions (one atomic index switch); unchanged ones keep their version, and the
+  existing index is verified first under ``trust`` (see :mod:`.publish`).
   """
   from thoughtjax.loading import LoadedModel
   from thoughtjax.loading import load as load_model
@@ -84,6 +86,6 @@ def build(out: str | os.PathLike, mapping: str | os.PathLike | SemanticMapping, 
   model_info = {"config": cfg.to_json(), "family": cfg.family_hash, "source": source or "in-memory model",
                 "source_hash": source_hash}
   _publish(Path(out), units, sign_key=sign_key, on_step=on_step, model=model_info, codec=codec,
-           order=[t.name for t in units], mapping_text=mapping.text)
+           order=[t.name for t in units], mapping_text=mapping.text, trust=trust)
   report("done", "", n, n)
-  return Registry(out)
+  return Registry(out, trust)

@@ -3,17 +3,28 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
+import json
 from pathlib import Path
+from typing import Callable
 
-from thoughtjax.registry.layout import _files_under, _sha256_file, _write_file
+from thoughtjax.registry.layout import _files_under, _sha256_bytes, _sha256_file, _write_file
 from thoughtjax.thoughtlet import canonical_json
 
 
+def _eos_ids(codec) -> tuple[int, ...]:
+  ids = getattr(codec, "eos_ids", None)
+  return tuple(int(i) for i in ids) if ids else (() if codec.eos_id is None else (int(codec.eos_id),))
+
+
 def codec_digest(codec) -> str:
-  """Hash of everything that fixes token ids: vocabulary, merges, specials, chat template."""
-  return hashlib.sha3_256(canonical_json({
-      "tokenizer": codec.tokenizer.to_str(), "chat_template": codec.chat_template,
-      "bos_id": codec.bos_id, "eos_id": codec.eos_id, "add_bos": codec.add_bos})).hexdigest()[:16]
+  """Hash of everything that fixes token ids and stops: vocabulary, merges, specials, chat template.
+  Extra EOS ids enter only when there are several, so single-EOS digests stay what they were."""
+  doc = {"tokenizer": codec.tokenizer.to_str(), "chat_template": codec.chat_template,
+         "bos_id": codec.bos_id, "eos_id": codec.eos_id, "add_bos": codec.add_bos}
+  if len(_eos_ids(codec)) > 1:
+    doc["eos_ids"] = list(_eos_ids(codec))
+  return hashlib.sha3_256(canonical_json(doc)).hexdigest()[:16]
 
 
 def _stage_codec(staging: Path, codec) -> tuple[str, dict]:
@@ -23,5 +34,30 @@ def _stage_codec(staging: Path, codec) -> tuple[str, dict]:
   _write_file(cdir / "tokenizer.json", codec.tokenizer.to_str().encode())
   _write_file(cdir / "codec.json", canonical_json({
       "chat_template": codec.chat_template, "bos_id": codec.bos_id, "eos_id": codec.eos_id,
-      "add_bos": codec.add_bos}))
+      "eos_ids": list(_eos_ids(codec)), "add_bos": codec.add_bos}))
   return digest, {p.name: _sha256_file(p) for p in _files_under(cdir)}
+
+
+def load_codec(cdir: Path, files: dict, fail: Callable[[str, str], Exception]):
+  """The :class:`~thoughtjax.tokenizer.TextCodec` stored in ``cdir``; each file is read once and
+  its bytes are checked against ``files`` (name -> sha256, from the verified index) before use."""
+  from tokenizers import Tokenizer
+
+  from thoughtjax.tokenizer import TextCodec
+
+  data = {}
+  for rel in ("tokenizer.json", "codec.json"):
+    if rel not in files:
+      raise fail(rel, "the index lists no digest for it")
+    try:
+      data[rel] = (cdir / rel).read_bytes()
+    except FileNotFoundError:
+      raise fail(rel, "the file is missing") from None
+    if _sha256_bytes(data[rel]) != files[rel]:
+      raise fail(rel, "sha256 does not match the digest in the index")
+  meta = json.loads(data["codec.json"])
+  kwargs = {}
+  if meta.get("eos_ids") and "eos_ids" in inspect.signature(TextCodec).parameters:
+    kwargs["eos_ids"] = tuple(meta["eos_ids"])
+  return TextCodec(Tokenizer.from_str(data["tokenizer.json"].decode()), meta["chat_template"], meta["bos_id"],
+                   meta["eos_id"], meta["add_bos"], **kwargs)

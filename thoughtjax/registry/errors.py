@@ -5,11 +5,36 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from thoughtjax import signing
 from thoughtjax.errors import UserError
 
 
 class RegistryError(UserError, RuntimeError):
   """A registry cannot be opened, read or updated as asked."""
+
+
+class SignatureError(RegistryError, signing.SignatureError):
+  """A registry file's signature is missing, malformed, made by an untrusted key, or does not verify."""
+
+
+class SignatureDowngradeError(SignatureError):
+  """A signed registry presents an unsigned file, or a writer without a key would publish into it."""
+
+
+class RollbackError(RegistryError):
+  """An index's sequence number is lower than one already seen for the same registry."""
+
+
+class UntrustedIndexError(RegistryError):
+  """A writer refuses to build on an index (or a version it names) that fails verification."""
+
+
+class ReusedVersionError(RegistryError):
+  """A version directory left in place by an earlier writer cannot be reused as this publish's."""
+
+
+class RestoreError(RegistryError):
+  """Orbax could not restore a version whose files passed their checks (memory, sharding, I/O)."""
 
 
 class IntegrityError(RegistryError):

@@ -1,40 +1,69 @@
-"""Garbage collection of version directories that are neither current nor recent."""
+"""Garbage collection of version directories that are neither current nor recent, nor held by a reader."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import uuid
 from pathlib import Path
 
 from thoughtjax.registry.layout import _read_index, _writer_lock, dir_name
+from thoughtjax.registry.lease import HOLDS_ALL, held_versions
+from thoughtjax.registry.trust import TrustPolicy, Verifier
 
 
-def collect_garbage(root: str | os.PathLike, *, keep: int = 2, dry_run: bool = False) -> list[Path]:
+@dataclasses.dataclass
+class GcReport:
+  """What :func:`collect_garbage` removed (or would remove, with ``dry_run``) and what it kept and why."""
+
+  removed: list = dataclasses.field(default_factory=list)  # [Path]
+  skipped: list = dataclasses.field(default_factory=list)  # [(Path, reason)]
+  dry_run: bool = False
+
+  # Older callers treated the result as the list of removed directories.
+  def __iter__(self):
+    return iter(self.removed)
+
+  def __len__(self) -> int:
+    return len(self.removed)
+
+
+def collect_garbage(root: str | os.PathLike, *, keep: int = 2, dry_run: bool = False,
+                    trust: TrustPolicy | None = None) -> GcReport:
   """Remove version directories that are not among the last ``keep`` published versions of
   their thoughtlet (the current one always stays), and directories of versions that never
   became current (left by a writer that died before switching the index).
 
-  Readers that opened the registry before an update may still restore an old version; run
-  this only when no such reader needs versions older than ``keep``.
+  A version that an open :class:`~thoughtjax.registry.Registry` (in any process) holds is skipped,
+  never removed, with the reason in ``GcReport.skipped``. The index is verified first (as a reader
+  with ``trust`` would), so an edited index cannot make gc delete live versions.
   """
   if keep < 1:
     raise ValueError(f"keep must be >= 1 (the current version always stays), got {keep}")
   root = Path(root).absolute()
-  removed = []
+  report = GcReport(dry_run=dry_run)
   with _writer_lock(root):
-    body, _ = _read_index(root)
+    body, record = _read_index(root)
+    Verifier(root, trust or TrustPolicy()).check_index(body, record, None)
     live = set()
     for name, hist in body["history"].items():
       live.update((dir_name(name), v) for v in hist[-keep:])
       live.add((dir_name(name), body["current"][name]["version"]))
+    held = held_versions(root)
     for vdir in sorted((root / "thoughtlets").glob("*/*")):
-      if (vdir.parent.name, vdir.name) not in live:
-        removed.append(vdir)
-        if not dry_run:
-          # Rename first so a half-deleted directory is never mistaken for a version.
-          doomed = root / ".staging" / f"gc-{uuid.uuid4().hex}"
-          doomed.parent.mkdir(exist_ok=True)
-          os.rename(vdir, doomed)
-          shutil.rmtree(doomed)
-  return removed
+      key = (vdir.parent.name, vdir.name)
+      if key in live:
+        continue
+      holder = held.get(key) or held.get(HOLDS_ALL)
+      if holder:
+        report.skipped.append((vdir, f"held by {holder}"))
+        continue
+      report.removed.append(vdir)
+      if not dry_run:
+        # Rename first so a half-deleted directory is never mistaken for a version.
+        doomed = root / ".staging" / f"gc-{uuid.uuid4().hex}"
+        doomed.parent.mkdir(exist_ok=True)
+        os.rename(vdir, doomed)
+        shutil.rmtree(doomed)
+  return report

@@ -29,6 +29,8 @@ from thoughtjax.registry.errors import IntegrityError, RegistryError
 FORMAT = "thoughtjax.registry/1"
 MANIFEST_FORMAT = "thoughtjax.manifest/1"
 VERSION_LEN = 16
+# A version (and a codec digest) as the index names it: hex only, so it can never escape its directory.
+VERSION_RE = re.compile(f"[0-9a-f]{{{VERSION_LEN}}}")
 
 
 def _sha256_file(path: Path) -> str:
@@ -37,6 +39,10 @@ def _sha256_file(path: Path) -> str:
     while block := f.read(1 << 22):
       h.update(block)
   return h.hexdigest()
+
+
+def _sha256_bytes(data: bytes) -> str:
+  return hashlib.sha256(data).hexdigest()
 
 
 def _fsync(path: Path) -> None:
@@ -52,6 +58,30 @@ def _write_file(path: Path, data: bytes) -> None:
     f.write(data)
     f.flush()
     os.fsync(f.fileno())
+
+
+def _fsync_tree(root: Path) -> None:
+  """fsync every file and directory under ``root`` (and ``root``), children before parents, so that
+  a rename of ``root`` made after this cannot outlive a crash with any of its content missing."""
+  for p in sorted(root.rglob("*"), key=lambda p: -len(p.parts)):
+    if not p.is_symlink():
+      _fsync(p)
+  _fsync(root)
+
+
+def _mkdir_durable(path: Path) -> None:
+  """Create ``path`` and any missing parents, fsyncing each new directory's parent."""
+  missing = []
+  p = path
+  while not p.exists():
+    missing.append(p)
+    p = p.parent
+  for d in reversed(missing):
+    try:
+      d.mkdir()
+    except FileExistsError:
+      continue
+    _fsync(d.parent)
 
 
 def _files_under(root: Path) -> list[Path]:

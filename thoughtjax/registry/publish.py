@@ -7,6 +7,13 @@ writes the new index beside the old one and swaps it in with one ``os.replace``.
 at any point leaves either the old index (and possibly unreferenced new directories, reused or
 collected later) or the new one.
 
+A writer signs what it builds on, so it first verifies the index it read and every version that
+index names (structure, signature by a trusted or recorded key, sequence against the rollback
+state, each manifest's digest and signature): an edited index is refused
+(:class:`UntrustedIndexError`), never laundered into a validly signed successor. A signed registry
+stays signed: publishing into it without a key is a :class:`SignatureDowngradeError`. Every new
+file and directory is fsynced before the rename that makes it reachable.
+
 A version is the first 16 hex digits of the thoughtlet's ``versioned_hash`` (SHA3-512 over its
 canonical signature and weights), so versions are content-addressed and immutable: a version
 directory, once in place, never changes. The index is the only file that is ever replaced.
@@ -14,6 +21,7 @@ directory, once in place, never changes. The index is the only file that is ever
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -28,48 +36,71 @@ import numpy as np
 from thoughtjax import signing
 from thoughtjax.registry.checkpoint import _checkpointer, _restore_checkpoint, _save_checkpoint
 from thoughtjax.registry.codec import _stage_codec, codec_digest
-from thoughtjax.registry.errors import IntegrityError, RegistryError
-from thoughtjax.registry.layout import (FORMAT, VERSION_LEN, _files_under, _fsync, _nest, _now, _read_index,
-                                        _sha256_file, _write_file, _writer_lock, dir_name)
+from thoughtjax.registry.errors import (IntegrityError, RegistryError, ReusedVersionError, RollbackError,
+                                        SignatureDowngradeError, UntrustedIndexError)
+from thoughtjax.registry.layout import (FORMAT, VERSION_LEN, _files_under, _fsync, _fsync_tree, _mkdir_durable,
+                                        _nest, _now, _read_index, _sha256_bytes, _sha256_file, _write_file,
+                                        _writer_lock, dir_name)
 from thoughtjax.registry.manifest import Manifest, _manifest_json
+from thoughtjax.registry.trust import (DOWNGRADE, INTEGRITY, WRITER, RollbackState, TrustPolicy, Verifier,
+                                       sequence_of, state_key)
 from thoughtjax.thoughtlet import Thoughtlet, canonical_json, versioned_hash
 
 StepHook = Callable[[str, "str | None"], None]
 
 
 def _publish(root: Path, thoughtlets: Sequence[Thoughtlet], *, sign_key, on_step: StepHook | None,
-             model: dict | None, codec, order: Sequence[str] | None = None,
-             mapping_text: str | None = None) -> dict[str, str]:
-  """Stage, verify, rename into place, then switch the index (see the module docstring)."""
+             model: dict | None, codec, order: Sequence[str] | None = None, mapping_text: str | None = None,
+             trust: TrustPolicy | None = None, on_failure=None) -> dict[str, str]:
+  """Verify the base, stage, verify, fsync, rename into place, then switch the index (module docstring).
+  ``on_failure(kind, thoughtlet, file, reason)`` is told of every refusal before it is raised."""
   step = on_step or (lambda event, name: None)
+  count = on_failure or (lambda kind, thoughtlet, file, reason: None)
   key = signing.load_private_key(sign_key) if isinstance(sign_key, (str, os.PathLike)) else sign_key
   key_id = None if key is None else signing.key_id(key.public_key())
+  trust = trust or TrustPolicy()
   root = Path(root).absolute()  # Orbax takes absolute paths only
   with _writer_lock(root):
     staging_root = root / ".staging"
     shutil.rmtree(staging_root, ignore_errors=True)  # only a dead writer leaves anything here
     staging = staging_root / uuid.uuid4().hex
     staging.mkdir(parents=True)
-    old = None if not (root / "index.json").exists() else _read_index(root)[0]
+    old, old_record = _read_index(root) if (root / "index.json").exists() else (None, None)
     if old is None and (model is None or codec is None):
       raise RegistryError(f"{root} is not a registry yet; build it first")
-    if old is not None and model is not None and old["model"]["config"] != model["config"]:
-      raise RegistryError(f"{root} holds thoughtlets of another model ({old['model']['config']}); "
-                          f"build into an empty directory")
+    signed_base = False
+    if old is not None:
+      signed_base = _verify_base(root, old, old_record, trust, key, count)
+      if old["model"]["config"] != (model or old["model"])["config"]:
+        raise RegistryError(f"{root} holds thoughtlets of another model ({old['model']['config']}); "
+                            f"build into an empty directory")
+    if signed_base and key is None:
+      path = str(root / "index.json")
+      count(DOWNGRADE, "index", path, "publish without a key into a signed registry")
+      count(WRITER, "index", path, "publish without a key into a signed registry")
+      raise SignatureDowngradeError(
+          f"{path}: the registry is signed (keys {sorted(old.get('signing_keys') or [])}) but this publish has "
+          f"no signing key; it would turn a signed registry unsigned. Pass sign_key= (CLI: --sign-key) with "
+          f"the private key of one of its signing keys")
     tok_hash = codec_digest(codec) if codec is not None else old["codec"]["digest"]
     codec_entry = None
     if codec is not None:
       digest, files = _stage_codec(staging, codec)
       codec_entry = {"dir": f"codec/{digest}", "digest": digest, "files": files}
+      _fsync_tree(staging / "codec" / digest)
 
+    published = set() if old is None else {(n, v) for n, vs in old["history"].items() for v in vs}
     staged: list[tuple[Thoughtlet, str, Path]] = []
     versions: dict[str, str] = {}
+    digests: dict[str, str] = {}
     for t in thoughtlets:
       vhash = t.versioned_hash()
       version = vhash[:VERSION_LEN]
       versions[t.name] = version
       final = root / "thoughtlets" / dir_name(t.name) / version
-      if final.exists():  # content-addressed: this exact version is already published
+      if final.exists():  # content-addressed: this exact version is already here
+        digests[f"{t.name}@{version}"] = _check_existing(final, t.name, version, vhash, key,
+                                                         (t.name, version) in published, count)
         staged.append((t, version, final))
         continue
       vdir = staging / "thoughtlets" / dir_name(t.name) / version
@@ -81,32 +112,39 @@ def _publish(root: Path, thoughtlets: Sequence[Thoughtlet], *, sign_key, on_step
                for p in _files_under(vdir / "checkpoint")}
       parent = None if old is None or t.name not in old["current"] else old["current"][t.name]["version"]
       manifest = _manifest_json(t, version, vhash, files, parent, key_id, tok_hash)
-      _write_file(vdir / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True).encode())
+      data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+      _write_file(vdir / "manifest.json", data)
+      digests[f"{t.name}@{version}"] = _sha256_bytes(data)
       if key is not None:
         _write_file(vdir / "manifest.sig", canonical_json(signing.sign(key, canonical_json(manifest)).to_json()))
+      # Every checkpoint file and directory reaches the disk before the rename that makes it reachable.
+      _fsync_tree(vdir)
       step("stage:manifest", t.name)
       staged.append((t, version, vdir))
 
     # Verify what is about to become visible: digests, signature, weights as restored.
     keys = {} if key is None else {key_id: key.public_key()}
     for t, version, vdir in staged:
-      _verify_version_dir(vdir, t.name, version, keys)
+      if vdir.is_relative_to(staging):
+        _verify_version_dir(vdir, t.name, version, keys)
       step("verify", t.name)
 
     # Commit: new version directories first (unreferenced, so invisible), then the index.
     if codec_entry is not None and not (root / codec_entry["dir"]).exists():
-      (root / "codec").mkdir(exist_ok=True)
+      _mkdir_durable(root / "codec")
       os.rename(staging / codec_entry["dir"], root / codec_entry["dir"])
+      _fsync(root / "codec")
     if key is not None:
-      (root / "keys").mkdir(exist_ok=True)
+      _mkdir_durable(root / "keys")
       pub = root / "keys" / f"{key_id}.pub"
       if not pub.exists():  # readers list this directory: the file appears whole or not at all
         _write_file(staging / f"{key_id}.pub", signing.public_pem(key.public_key()))
         os.replace(staging / f"{key_id}.pub", pub)
+        _fsync(root / "keys")
     for t, version, vdir in staged:
       final = root / "thoughtlets" / dir_name(t.name) / version
       if vdir != final:
-        final.parent.mkdir(parents=True, exist_ok=True)
+        _mkdir_durable(final.parent)
         try:
           os.rename(vdir, final)
         except OSError:
@@ -115,7 +153,7 @@ def _publish(root: Path, thoughtlets: Sequence[Thoughtlet], *, sign_key, on_step
         _fsync(final.parent)
       step("commit:version", t.name)
 
-    body = _next_index(old, staged, model, codec_entry, order, mapping_text)
+    body = _next_index(old, staged, model, codec_entry, order, mapping_text, key_id, digests)
     doc = {"index": body, "signature": None if key is None else signing.sign(key, canonical_json(body)).to_json()}
     tmp = staging / "index.json"
     _write_file(tmp, json.dumps(doc, indent=1, sort_keys=True).encode())
@@ -124,18 +162,110 @@ def _publish(root: Path, thoughtlets: Sequence[Thoughtlet], *, sign_key, on_step
     _fsync(root)
     step("commit:index", None)
     shutil.rmtree(staging_root, ignore_errors=True)
+    try:  # the writer has seen its own sequence; a reader records it on open anyway
+      RollbackState(trust.state_path()).record(state_key(body["registry_id"], root), body["sequence"], key is not None)
+    except OSError:
+      pass
   return versions
 
 
-def _next_index(old: dict | None, staged, model, codec_entry, order, mapping_text) -> dict:
+def _verify_base(root: Path, body: dict, record, trust: TrustPolicy, key, count) -> bool:
+  """Verify the index a writer builds on and every version it names; True if the registry is signed.
+  A writer never opts out of signatures (``allow_unsigned``): it would sign what it cannot vouch for."""
+  extra = {} if key is None else {signing.key_id(key.public_key()): key.public_key()}
+  verifier = Verifier(root, dataclasses.replace(trust, allow_unsigned=False), count, extra_keys=extra)
+  digests = body.get("manifest_sha256") or {}
+  try:
+    verifier.check_index(body, record, RollbackState(trust.state_path()))
+    for name, versions in body["history"].items():
+      for version in versions:
+        vdir = root / "thoughtlets" / dir_name(name) / version
+        if version != body["current"].get(name, {}).get("version") and not vdir.exists():
+          continue  # an old version removed by gc; nothing refers to it any more
+        ref = f"{name}@{version}"
+        _, raw = verifier.check_manifest(name, version, vdir, digests.get(ref),
+                                         index_signed=record is not None)
+        if raw.get("name") != name or raw.get("version") != version \
+            or not str(raw.get("versioned_hash", "")).startswith(version):
+          raise verifier.fail(INTEGRITY, IntegrityError(name, version, str(vdir / "manifest.json"),
+                                                        f"it does not describe {ref}"), ref, "manifest.json")
+  except RollbackError:
+    count(WRITER, "index", str(root / "index.json"), "rollback")
+    raise
+  except RegistryError as e:
+    count(WRITER, "index", str(root / "index.json"), str(e))
+    raise UntrustedIndexError(
+        f"refusing to publish on top of {root / 'index.json'}: {e}. A writer signs the index it builds on, so "
+        f"it must verify first; restore the changed files from a backup (or rebuild the registry) and publish "
+        f"again") from e
+  return verifier.signed
+
+
+def _check_existing(final: Path, name: str, version: str, vhash: str, key, published: bool, count) -> str:
+  """Vouch for a version directory that is already in place; returns its manifest's sha256.
+
+  One the verified index names was checked with it. Any other was left by a writer that died before
+  its index switch, or put there by someone else: it is reused only if signed by this publish's key
+  (unsigned for an unsigned publish) and its files and weights hash to the version."""
+  ref = f"{name}@{version}"
+  data = (final / "manifest.json").read_bytes() if (final / "manifest.json").exists() else b""
+  try:
+    raw = json.loads(data)
+  except (json.JSONDecodeError, UnicodeDecodeError):
+    raw = {}
+  if published:
+    if raw.get("versioned_hash") != vhash:
+      count(INTEGRITY, ref, "manifest.json", "published version's hash differs")
+      raise IntegrityError(name, version, str(final / "manifest.json"),
+                           f"it records versioned hash {str(raw.get('versioned_hash'))[:16]}..., but the weights "
+                           f"being published hash to {vhash[:16]}...")
+    return _sha256_bytes(data)
+  key_id = None if key is None else signing.key_id(key.public_key())
+  sig = final / "manifest.sig"
+  problem = None
+  if key is None and (sig.exists() or raw.get("signed_by")):
+    problem = f"it is signed (by key {raw.get('signed_by')}) but this publish is unsigned"
+  elif key is not None:
+    try:
+      record = signing.SignatureRecord.from_json(json.loads(sig.read_bytes()))
+      signing.verify({key_id: key.public_key()}, canonical_json(raw), record, f"{final / 'manifest.json'}")
+    except FileNotFoundError:
+      problem = f"it is unsigned, but this publish signs with key {key_id}"
+    except (json.JSONDecodeError, UnicodeDecodeError, signing.SignatureError) as e:
+      problem = f"its signature is not this publish's (key {key_id}): {e}"
+  if problem:
+    count(WRITER, ref, str(final), problem)
+    raise ReusedVersionError(
+        f"{final}: a version directory that no published index names is in the way of {ref}, and {problem}; "
+        f"it cannot be vouched for. Run `thoughtjax registry gc {final.parents[2]}` to remove unreferenced "
+        f"version directories, then publish again")
+  try:
+    _verify_version_dir(final, name, version, {} if key is None else {key_id: key.public_key()})
+  except (RegistryError, signing.SignatureError, OSError, KeyError, ValueError) as e:
+    count(INTEGRITY, ref, str(final), f"left-over version directory fails verification: {e}")
+    raise IntegrityError(name, version, str(final), f"a left-over version directory fails verification ({e}); "
+                         f"run `thoughtjax registry gc` and publish again") from None
+  return _sha256_bytes(data)
+
+
+def _next_index(old: dict | None, staged, model, codec_entry, order, mapping_text, key_id: str | None,
+                digests: dict) -> dict:
   if old is None:
-    body = {"format": FORMAT, "generation": 0, "model": model, "codec": codec_entry,
-            "order": list(order or []), "current": {}, "history": {}}
+    body = {"format": FORMAT, "sequence": 0, "registry_id": uuid.uuid4().hex, "model": model,
+            "codec": codec_entry, "order": list(order or []), "current": {}, "history": {}}
   else:
     body = json.loads(json.dumps(old))
+    body["sequence"] = sequence_of(body)
+    body.pop("generation", None)  # named sequence since registry ids and rollback checks came in
+    body.setdefault("registry_id", uuid.uuid4().hex)
     if codec_entry is not None:
       body["codec"] = codec_entry
-  body["generation"] = int(body["generation"]) + 1
+  body["sequence"] = int(body["sequence"]) + 1
+  if key_id is not None:
+    body["signing_keys"] = sorted(set(body.get("signing_keys") or []) | {key_id})
+  else:
+    body.setdefault("signing_keys", [])
+  body.setdefault("manifest_sha256", {}).update(digests)
   for t, version, _ in staged:
     body["current"][t.name] = {"version": version, "dir": f"thoughtlets/{dir_name(t.name)}/{version}",
                                "kind": t.kind.value, "layers": None if t.layers is None else list(t.layers)}

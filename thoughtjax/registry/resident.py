@@ -17,14 +17,35 @@ class RegistryStats:
   restored_bytes: int = 0
   resident_bytes: int = 0
   budget_bytes: int | None = None
-  integrity_failures: int = 0
-  signature_failures: int = 0
-  failures: list = dataclasses.field(default_factory=list)  # {"thoughtlet", "file", "reason"}
+  integrity_failures: int = 0  # a file does not match its digest
+  signature_failures: int = 0  # a signature missing, malformed, untrusted or wrong (downgrades included)
+  downgrade_refusals: int = 0  # a signed registry presented an unsigned file, or a keyless publish into it
+  rollback_refusals: int = 0  # an index sequence lower than one seen
+  restore_failures: int = 0  # Orbax failed on files that passed their checks (memory, sharding, I/O)
+  writer_refusals: int = 0  # a publish refused to build on an index or version that failed verification
+  failures: list = dataclasses.field(default_factory=list)  # {"kind", "thoughtlet", "file", "reason"}
   restore_seconds: dict = dataclasses.field(default_factory=dict)  # "name@version" -> s
   resident: list = dataclasses.field(default_factory=list)  # "name@version", LRU first
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
+
+  def count(self, kind: str, thoughtlet: str, file: str, reason: str) -> None:
+    """Count one refusal of ``kind`` (see :data:`FAILURE_COUNTERS`)."""
+    for name in FAILURE_COUNTERS[kind]:
+      setattr(self, name, getattr(self, name) + 1)
+    self.failures.append({"kind": kind, "thoughtlet": thoughtlet, "file": file, "reason": reason})
+
+
+# Failure kind -> the counters it increments.
+FAILURE_COUNTERS = {
+    "integrity": ("integrity_failures",),
+    "signature": ("signature_failures",),
+    "downgrade": ("signature_failures", "downgrade_refusals"),
+    "rollback": ("rollback_refusals",),
+    "restore": ("restore_failures",),
+    "writer": ("writer_refusals",),
+}
 
 
 @dataclasses.dataclass

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -35,52 +35,116 @@ from typing import Iterable, Sequence
 import jax
 import numpy as np
 
-from thoughtjax import signing
 from thoughtjax.config import ModelConfig
-from thoughtjax.registry.checkpoint import _checkpointer, _restore_checkpoint
-from thoughtjax.registry.errors import IntegrityError, Mismatch, RegistryError, UnknownThoughtletError
+from thoughtjax.registry.checkpoint import _checkpointer, _restore_checkpoint, verified_copy
+from thoughtjax.registry.codec import load_codec
+from thoughtjax.registry.errors import IntegrityError, Mismatch, RegistryError, RestoreError, UnknownThoughtletError
 from thoughtjax.registry.layout import _files_under, _nest, _read_index, _sha256_file, dir_name
+from thoughtjax.registry.lease import ReaderLease
 from thoughtjax.registry.manifest import Manifest
 from thoughtjax.registry.publish import StepHook, _publish
 from thoughtjax.registry.resident import RegistryStats, ResidentSet, _Resident
 from thoughtjax.registry.sharding import _sharding_key, param_partition
-from thoughtjax.registry.trust import _load_keys
+from thoughtjax.registry.trust import (INTEGRITY, RESTORE, SIGNATURE, RollbackState, TrustPolicy, Verifier,
+                                       sequence_of)
 from thoughtjax.registry.verify import Tolerance, VerifyReport, verify_hardware, verify_registry
-from thoughtjax.thoughtlet import Kind, ProfileSettings, Thoughtlet, canonical_json, measure_profile
-
+from thoughtjax.thoughtlet import Kind, ProfileSettings, Thoughtlet, measure_profile
 
 class Registry:
-  """A registry directory opened for reading (and, with :meth:`publish`, writing)."""
+  """A registry directory opened for reading (and, with :meth:`publish`, writing).
 
-  def __init__(self, root: str | os.PathLike, *, trusted_keys: Iterable | None = None,
+  ``trust`` (a :class:`TrustPolicy`, default ``TrustPolicy()``) decides which keys are trusted and
+  how unsigned files are treated; every refusal is a named :class:`RegistryError`, counted in
+  :meth:`stats`. An open registry holds a reader lease (see :mod:`.lease`) until :meth:`close`
+  (or garbage collection), so ``gc`` keeps the versions it may restore; use it as a context manager.
+  """
+
+  def __init__(self, root: str | os.PathLike, trust: TrustPolicy | None = None, *,
                memory_budget: int | None = None, verify_files: bool = True,
-               require_signatures: bool | None = None):
+               trusted_keys: Iterable | None = None, require_signatures: bool | None = None):
     self.root = Path(root).absolute()  # Orbax takes absolute paths only
-    self._explicit_trust = trusted_keys is not None
-    self._trusted = {} if trusted_keys is None else _load_keys(trusted_keys)
-    self.require_signatures = self._explicit_trust if require_signatures is None else require_signatures
+    if trusted_keys is not None or require_signatures is not None:
+      # The keywords TrustPolicy replaces, still accepted from callers not yet moved over.
+      if trust is not None:
+        raise TypeError("pass trust=TrustPolicy(...) or the older trusted_keys=/require_signatures=, not both")
+      trust = TrustPolicy(public_keys=tuple(trusted_keys or ()), require_signatures=bool(require_signatures))
+    self.trust = trust or TrustPolicy()
     self.verify_files = verify_files
     self._resident = ResidentSet(memory_budget)
     self._stats = RegistryStats(budget_bytes=memory_budget)
     self._lock = threading.RLock()
     self._codec = None
-    self.refresh()
+    self._index: dict | None = None
+    self._held: set[tuple[str, str]] = set()  # (dir name, version) resolved explicitly
+    self._verifier = Verifier(self.root, self.trust, self._count)
+    self._lease = ReaderLease.acquire(self.root)  # before the index is read: gc then sees this reader
+    try:
+      self.refresh()
+    except BaseException:
+      self.close()
+      raise
 
   @classmethod
-  def open(cls, root: str | os.PathLike, **kwargs) -> "Registry":
-    return cls(root, **kwargs)
+  def open(cls, root: str | os.PathLike, trust: TrustPolicy | None = None, **kwargs) -> "Registry":
+    return cls(root, trust, **kwargs)
+
+  def close(self) -> None:
+    """Release the reader lease (gc may then remove versions this reader held); idempotent."""
+    if self._lease is not None:
+      self._lease.release()
+      self._lease = None
+
+  def __enter__(self) -> "Registry":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
   # ---- index ------------------------------------------------------------------------
   def refresh(self) -> None:
-    """Read the index again (one read: a consistent snapshot of current versions)."""
+    """Read the index again (one read: a consistent snapshot of current versions), check its
+    structure, signature and sequence (never lower than one seen before: :class:`RollbackError`)."""
     body, sig = _read_index(self.root)
-    self._check_signature(canonical_json(body), sig, "index.json", None)
-    self._index = body
-    self.config = ModelConfig.from_json(body["model"]["config"])
+    seen = None if self._index is None else sequence_of(self._index)
+    verifier = Verifier(self.root, self.trust, self._count)
+    verifier.check_index(body, sig, RollbackState(self.trust.state_path()), seen=seen)
+    with self._lock:
+      self._verifier, self._index, self._index_record = verifier, body, sig
+      self.config = ModelConfig.from_json(body["model"]["config"])
+    self._hold_lease()
+
+  def _hold_lease(self, also: tuple[str, str] | None = None) -> None:
+    """The lease holds the current versions and every version this reader resolved by name."""
+    with self._lock:
+      if also is not None:
+        if also in self._held:
+          return
+        self._held.add(also)
+      if self._lease is not None:
+        self._lease.hold(self._held | {(dir_name(n), e["version"]) for n, e in self._index["current"].items()})
+
+  @property
+  def sequence(self) -> int:
+    """The index's signed sequence number: every publish increments it."""
+    return int(sequence_of(self._index))
 
   @property
   def generation(self) -> int:
-    return int(self._index["generation"])
+    """Alias of :attr:`sequence`."""
+    return self.sequence
+
+  @property
+  def registry_id(self) -> str | None:
+    return self._index.get("registry_id")
+
+  @property
+  def signing_keys(self) -> list[str]:
+    """Ids of the keys that signed this registry (empty: unsigned)."""
+    return list(self._index.get("signing_keys") or [])
+
+  @property
+  def signed(self) -> bool:
+    return self._index_record is not None
 
   @property
   def names(self) -> list[str]:
@@ -117,64 +181,35 @@ class Registry:
       raise UnknownThoughtletError(
           f"{name}@{version}: {'no' if not found else 'more than one'} published version matches; "
           f"versions of {name}: {', '.join(self._index['history'][name])}")
+    self._hold_lease((dir_name(name), found[0]))  # before anything is read: gc keeps it from now on
     return found[0]
 
   def version_dir(self, name: str, version: str) -> Path:
     return self.root / "thoughtlets" / dir_name(name) / version
 
-  # ---- keys and signatures --------------------------------------------------------------
-  def _keys(self) -> dict:
-    if self._explicit_trust:
-      return self._trusted
-    keys = {}
-    for p in sorted((self.root / "keys").glob("*.pub")):
-      k = signing.load_public_key(p)
-      keys[signing.key_id(k)] = k
-    return keys
-
-  def _check_signature(self, message: bytes, record: dict | None, what: str, thoughtlet: str | None) -> bool:
-    """True if signed and verified; False if unsigned and signatures are optional."""
-    if record is None:
-      if self.require_signatures:
-        self._count_failure(thoughtlet or what, what, "unsigned, but signatures are required", sig=True)
-        raise signing.SignatureError(f"{what} is not signed, but this registry was opened with trusted "
-                                     f"keys; sign it with `thoughtjax registry build --sign-key`")
-      return False
-    try:
-      signing.verify(self._keys(), message, signing.SignatureRecord.from_json(record), what)
-    except signing.SignatureError as e:
-      self._count_failure(thoughtlet or what, what, str(e), sig=True)
-      raise
-    return True
+  # ---- failures -----------------------------------------------------------------------------
+  def _count(self, kind: str, thoughtlet: str, file: str, reason: str) -> None:
+    with self._lock:
+      self._stats.count(kind, thoughtlet, file, reason)
 
   def _count_failure(self, thoughtlet: str, file: str, reason: str, sig: bool = False) -> None:
-    with self._lock:
-      if sig:
-        self._stats.signature_failures += 1
-      else:
-        self._stats.integrity_failures += 1
-      self._stats.failures.append({"thoughtlet": thoughtlet, "file": file, "reason": reason})
+    self._count(SIGNATURE if sig else INTEGRITY, thoughtlet, file, reason)
 
   # ---- manifests ------------------------------------------------------------------------
   def manifest(self, name: str, version: str | None = None, *, check: bool = True) -> Manifest:
-    """The manifest of a version, its detached signature checked."""
+    """The manifest of a version: read once, checked against the digest the index records and
+    against its detached signature (``check=False`` skips the signature)."""
     version = self.resolve(name, version)
     vdir = self.version_dir(name, version)
     ref = f"{name}@{version}"
+    digest = (self._index.get("manifest_sha256") or {}).get(ref)
+    _, raw = self._verifier.check_manifest(name, version, vdir, digest, check_signature=check,
+                                             index_signed=self.signed)
     try:
-      raw_bytes = (vdir / "manifest.json").read_bytes()
-      raw = json.loads(raw_bytes)
-    except FileNotFoundError:
-      self._count_failure(ref, "manifest.json", "missing")
-      raise IntegrityError(name, version, str(vdir / "manifest.json"), "the file is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      self._count_failure(ref, "manifest.json", f"unreadable: {e}")
-      raise IntegrityError(name, version, str(vdir / "manifest.json"), f"not valid JSON ({e})") from None
-    sig_path = vdir / "manifest.sig"
-    record = json.loads(sig_path.read_bytes()) if sig_path.exists() else None
-    if check:
-      self._check_signature(canonical_json(raw), record, f"{ref} manifest.json", ref)
-    m = Manifest.from_json(raw)
+      m = Manifest.from_json(raw)
+    except (KeyError, TypeError, ValueError, RegistryError) as e:
+      self._count_failure(ref, "manifest.json", f"malformed: {e}")
+      raise IntegrityError(name, version, str(vdir / "manifest.json"), f"not a manifest ({e})") from None
     if (m.name, m.version) != (name, version) or not m.versioned_hash.startswith(version):
       self._count_failure(ref, "manifest.json", "names another thoughtlet or version")
       raise IntegrityError(name, version, str(vdir / "manifest.json"),
@@ -184,12 +219,15 @@ class Registry:
   def manifests(self) -> list[Manifest]:
     return [self.manifest(n) for n in self.names]
 
-  def _check_files(self, m: Manifest, vdir: Path) -> None:
-    listed = {rel: spec for rel, spec in m.files.items()}
+  def _check_unlisted(self, m: Manifest, vdir: Path) -> None:
     present = {str(p.relative_to(vdir)) for p in _files_under(vdir / "checkpoint")}
-    for rel in sorted(present - set(listed)):
+    for rel in sorted(present - set(m.files)):
       self._count_failure(m.ref, rel, "not listed in the manifest")
       raise IntegrityError(m.name, m.version, str(vdir / rel), "the file is not listed in the signed manifest")
+
+  def _check_files(self, m: Manifest, vdir: Path) -> None:
+    listed = {rel: spec for rel, spec in m.files.items()}
+    self._check_unlisted(m, vdir)
 
     def digest(rel):
       p = vdir / rel
@@ -265,16 +303,32 @@ class Registry:
       return params
 
   def _read(self, m: Manifest, target) -> tuple[dict, float]:
-    """Check a version's files against its manifest, then restore it with Orbax."""
+    """Restore a version with Orbax from a private copy of its files whose bytes were hashed on the
+    way there (what is checked is what is read). A failure after the checks passed is reported as
+    what it is (:class:`RestoreError`: memory, sharding, I/O), not as tampering."""
     t0 = time.perf_counter()
     vdir = self.version_dir(m.name, m.version)
+    copy = None
     if self.verify_files:
-      self._check_files(m, vdir)
+      self._check_unlisted(m, vdir)
+
+      def fail(rel, reason):
+        self._count_failure(m.ref, rel, reason)
+        return IntegrityError(m.name, m.version, str(vdir / rel), reason)
+
+      copy = verified_copy(vdir, m.files, fail)
     try:
-      params = jax.block_until_ready(_restore_checkpoint(_checkpointer(), vdir / "checkpoint", target))
-    except Exception as e:  # corrupt data that slipped past disabled file checks
-      self._count_failure(m.ref, "checkpoint", f"restore failed: {e}")
-      raise IntegrityError(m.name, m.version, str(vdir / "checkpoint"), f"Orbax could not restore it: {e}") from e
+      params = jax.block_until_ready(_restore_checkpoint(_checkpointer(), (copy or vdir) / "checkpoint", target))
+    except Exception as e:
+      self._count(RESTORE, m.ref, "checkpoint", f"{type(e).__name__}: {e}")
+      checked = ("every file matched its signed sha256 digest, so this is not tampering" if self.verify_files else
+                 "file checks were off (verify_files=False): run `thoughtjax registry verify` to rule out corruption")
+      raise RestoreError(f"restoring {m.ref} from {vdir / 'checkpoint'} failed with {type(e).__name__}: {e} "
+                         f"({checked}). Fix the cause (free memory or lower memory_budget, check the mesh, "
+                         f"check the file system) and restore again") from e
+    finally:
+      if copy is not None:
+        shutil.rmtree(copy, ignore_errors=True)
     return params, time.perf_counter() - t0
 
   def restore_many(self, units: Sequence[tuple[str, str | None]], *, dtype=None, mesh=None,
@@ -321,20 +375,14 @@ class Registry:
   @property
   def codec(self):
     if self._codec is None:
-      from tokenizers import Tokenizer
-
-      from thoughtjax.tokenizer import TextCodec
-
       entry = self._index["codec"]
       cdir = self.root / entry["dir"]
-      for rel, digest in entry["files"].items():
-        p = cdir / rel
-        if not p.exists() or _sha256_file(p) != digest:
-          self._count_failure("codec", rel, "sha256 mismatch" if p.exists() else "missing")
-          raise IntegrityError("codec", None, str(p), "does not match the digest in the signed index")
-      meta = json.loads((cdir / "codec.json").read_text())
-      self._codec = TextCodec(Tokenizer.from_file(str(cdir / "tokenizer.json")), meta["chat_template"],
-                              meta["bos_id"], meta["eos_id"], meta["add_bos"])
+
+      def fail(rel, reason):
+        self._count_failure("codec", rel, reason)
+        return IntegrityError("codec", None, str(cdir / rel), f"{reason} (checked against the index)")
+
+      self._codec = load_codec(cdir, entry["files"], fail)
     return self._codec
 
   # ---- publishing -------------------------------------------------------------------------
@@ -365,7 +413,8 @@ class Registry:
         table = (new_embed[0].params if new_embed else self.restore("embed"))["table"]
       thoughtlets = [t if t.profile is not None else
                      dataclasses.replace(t, profile=measure_profile(t, settings, table)) for t in thoughtlets]
-    versions = _publish(self.root, thoughtlets, sign_key=sign_key, on_step=on_step, model=None, codec=None)
+    versions = _publish(self.root, thoughtlets, sign_key=sign_key, on_step=on_step, model=None, codec=None,
+                        trust=self.trust, on_failure=self._count)
     self.refresh()
     return versions
 
@@ -375,10 +424,6 @@ class Registry:
     """See :func:`thoughtjax.registry.verify.verify_registry`."""
     return verify_registry(self, hardware=hardware, all_versions=all_versions, tolerance=tolerance,
                            settings=settings, deep=deep)
-
-  def _index_signed(self) -> bool:
-    _, sig = _read_index(self.root)
-    return sig is not None
 
   def verify_hardware(self, tolerance: Tolerance, settings: ProfileSettings | None = None,
                       names: Sequence[str] | None = None, raise_on_mismatch: bool = True) -> list[Mismatch]:

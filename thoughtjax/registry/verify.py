@@ -48,6 +48,9 @@ class VerifyReport:
   root: str
   generation: int
   index_signed: bool
+  sequence: int = 0
+  registry_id: str | None = None
+  signing_keys: list = dataclasses.field(default_factory=list)
   thoughtlets: list = dataclasses.field(default_factory=list)
   mismatches: list = dataclasses.field(default_factory=list)
 
@@ -57,8 +60,8 @@ def verify_registry(reg, *, hardware: bool = False, all_versions: bool = False, 
   """Check every (current, or every published) version: file digests, signatures and the
   versioned hash recomputed from the restored weights. With ``hardware``, re-measure
   profiles and raise :class:`ResourceProfileMismatch` where they disagree."""
-  report = VerifyReport(root=str(reg.root), generation=reg.generation,
-                        index_signed=reg._index_signed())
+  report = VerifyReport(root=str(reg.root), generation=reg.sequence, index_signed=reg.signed,
+                        sequence=reg.sequence, registry_id=reg.registry_id, signing_keys=reg.signing_keys)
   reg.codec  # digests of the tokenizer files
   todo = [(n, v) for n in reg.names for v in (reg.versions(n) if all_versions else [reg.resolve(n)])]
   for name, version in todo:
