@@ -259,3 +259,11 @@ def test_a_single_string_or_a_non_string_is_refused():
 def test_no_hints_is_an_empty_resolution():
   res = normalize_hints([], DICT)
   assert res.hints == () and res.corrections == ()
+
+
+def test_long_input_is_cut_in_the_message_and_any_iterable_is_taken():
+  with pytest.raises(UnknownHintError) as info:
+    normalize_hints(iter(["code_generation", "x" * 5000]), DICT)
+  msg = str(info.value)
+  assert len(msg) < 400 and "(5000 characters)" in msg and msg.endswith(", ".join(NAMES))
+  assert normalize_hints(iter(["fast draft", "Fast-Draft"]), DICT).hints == ("fast_draft",)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from thoughtjax.errors import UserError
 from thoughtjax.synthesis.dictionary import SynthesisDictionary
@@ -102,7 +102,12 @@ def near_entries(hint: str, names: Iterable[str]) -> tuple[str, ...]:
   return tuple(name for _, _, name in sorted(scored))
 
 
-def normalize_hints(raw: Sequence[str], dictionary: SynthesisDictionary | Iterable[str]) -> HintResolution:
+def _shown(text: str, limit: int = 60) -> str:
+  """``repr`` of a caller's string, cut so that an error message stays one readable line."""
+  return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
+
+
+def normalize_hints(raw: Iterable[str], dictionary: SynthesisDictionary | Iterable[str]) -> HintResolution:
   """Resolve a request's hints against ``dictionary`` (a ``SynthesisDictionary`` or its names).
 
   Returns the dictionary names in priority order with the corrections made; raises a
@@ -111,24 +116,26 @@ def normalize_hints(raw: Sequence[str], dictionary: SynthesisDictionary | Iterab
   names = tuple(getattr(dictionary, "names", dictionary))
   valid = ", ".join(names)
   if isinstance(raw, (str, bytes)):
-    raise HintError(f"hints must be a sequence of strings, got the single string {raw!r}; "
-                    f"pass a list such as [{raw!r}]")
+    raise HintError(f"hints must be a sequence of strings, got the single string {_shown(raw)}; "
+                    f"pass a list such as [{_shown(raw)}]")
   known = set(names)
+  raw = list(raw)
   out: list[str] = []
   corrections: list[Correction] = []
   for pos, given in enumerate(raw):
     if not isinstance(given, str):
-      raise HintError(f"hint {pos} must be a string, got {type(given).__name__} {given!r}; valid hints: {valid}")
+      shown = repr(given) if len(repr(given)) <= 60 else repr(given)[:60] + "..."
+      raise HintError(f"hint {pos} must be a string, got {type(given).__name__} {shown}; valid hints: {valid}")
     hint = normalize(given)
     if not hint:
-      raise EmptyHintError(f"hint {pos} is empty ({given!r}); give a hint name or leave the hint out. "
+      raise EmptyHintError(f"hint {pos} is empty ({_shown(given)}); give a hint name or leave the hint out. "
                            f"Valid hints: {valid}")
     if hint not in known:
       near = near_entries(hint, names)
       if len(near) != 1:
         why = (f"it is near {len(near)} hints ({', '.join(near)}), so no correction is safe; write the one you mean"
                if near else "no hint is near it")
-        raise UnknownHintError(f"unknown hint {given!r}: {why}. Valid hints: {valid}",
+        raise UnknownHintError(f"unknown hint {_shown(given)}: {why}. Valid hints: {valid}",
                                given=given, valid=names, candidates=near)
       corrections.append(Correction(given, near[0]))
       hint = near[0]
