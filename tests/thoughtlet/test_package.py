@@ -35,8 +35,8 @@ def _names_imported_from_the_package(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
   except (SyntaxError, UnicodeDecodeError):
     return set()
-  return {a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "thoughtjax.thoughtlet"
-          for a in node.names}
+  return {a.name for node in ast.walk(tree)
+          if isinstance(node, ast.ImportFrom) and node.module == "thoughtjax.thoughtlet" for a in node.names}
 
 
 def test_every_name_the_repository_imports_is_exported():
