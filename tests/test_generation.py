@@ -169,3 +169,154 @@ def test_chat_prompts_take_the_template_path_and_match_token_ids():
     assert tokens[0].trace.program.template is None
     for a, b in zip(chat, tokens):
       assert a.prompt_ids == b.prompt_ids and a.token_ids == b.token_ids
+
+
+# ---- one model shared between threads; cancelling and abandoning generations -----------------
+PROMPTS = [[7, 8, 9], list(range(40, 52)), [100], [5, 6, 7, 8, 9, 10, 11], [3, 4], [200, 201, 202], [9], [60, 61]]
+
+
+def _request(i: int) -> dict:
+  """Request i of the concurrency test: even rows greedy, odd rows sampled with their own seed."""
+  kw = dict(max_tokens=10, ignore_eos=True)
+  return kw if i % 2 == 0 else kw | dict(temperature=1.0, top_k=40, seed=100 + i)
+
+
+def test_eight_threads_sharing_one_model_match_each_request_alone(engine):
+  from concurrent.futures import ThreadPoolExecutor
+  import threading
+
+  alone = [engine.generate(p, **_request(i)) for i, p in enumerate(PROMPTS)]
+  start = threading.Barrier(len(PROMPTS))
+
+  def run(i):
+    start.wait()  # all eight enter generation together
+    if i % 4 == 3:  # some consume the stream delta by delta
+      return [t for d in engine.stream(PROMPTS[i], **_request(i)) for t in d.token_ids]
+    return engine.generate(PROMPTS[i], **_request(i)).token_ids
+
+  for _ in range(2):
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+      together = list(pool.map(run, range(len(PROMPTS))))
+    assert together == [c.token_ids for c in alone]
+  assert not hasattr(engine, "last_timings")  # nothing per call lives on the model
+
+
+def test_trace_counts_tokens_and_decode_chunks(engine):
+  m = engine.with_chunk(4)
+  g = m.stream([4, 5, 6], max_tokens=9, ignore_eos=True)
+  deltas = list(g)
+  t = g.trace
+  assert t.tokens_in == [3] and t.tokens_out == [9] and sum(len(d.token_ids) for d in deltas) == 9
+  assert t.decode_chunks == 2  # prefill gives token 1, two chunks of 4 give the other 8
+  assert t.program.chunk == 4 and t.prompt_ids == [[4, 5, 6]] and not t.cancelled
+  assert t.start <= t.device_start <= t.first_token <= t.end
+  again = m.stream([4, 5, 6], max_tokens=9, ignore_eos=True)
+  assert again.completions()[0].token_ids == [x for d in deltas for x in d.token_ids]
+  assert again.trace.compile_s == 0.0  # a warm program: nothing traced or compiled
+
+
+def test_cancel_stops_before_the_next_chunk(engine):
+  m = engine.with_chunk(2)
+  g = m.stream([4, 5, 6], max_tokens=64, ignore_eos=True)
+  first = next(g)  # the prefill's token
+  g.cancel()
+  rest = list(g)
+  assert g.trace.decode_chunks == 0 and g.trace.cancelled
+  assert rest[-1].finished and rest[-1].finish_reason == "cancelled"
+  assert len(first.token_ids) == 1 and [t for d in rest for t in d.token_ids] == []
+  assert g.trace.tokens_out == [1]
+  done = m.generate([4, 5, 6], max_tokens=4, ignore_eos=True)  # the model is unaffected
+  assert done.finish_reason == "length" and len(done.token_ids) == 4
+
+
+def test_cancel_from_another_thread_stops_within_one_chunk(engine):
+  import threading
+
+  m = engine.with_chunk(2)
+  g = m.stream([4, 5, 6], max_tokens=64, ignore_eos=True)
+  reading, cancelled = threading.Event(), threading.Event()
+  got: list = []
+
+  def consume():
+    for i, d in enumerate(g):
+      got.append(d)
+      if i == 2:
+        reading.set()
+        cancelled.wait()
+
+  worker = threading.Thread(target=consume)
+  worker.start()
+  reading.wait()
+  g.cancel()
+  at_cancel = g.trace.decode_chunks
+  cancelled.set()
+  worker.join()
+  assert g.trace.decode_chunks <= at_cancel + 1 and g.trace.cancelled
+  assert got[-1].finish_reason == "cancelled" and sum(len(d.token_ids) for d in got) < 64
+
+
+def test_abandoned_generation_stops_device_work(engine):
+  import gc
+
+  m = engine.with_chunk(2)
+  g = m.stream([4, 5, 6], max_tokens=64, ignore_eos=True)
+  trace = g.trace
+  next(g), next(g)
+  chunks = trace.decode_chunks
+  del g
+  gc.collect()
+  assert trace.end is not None  # the runner was finalized
+  assert trace.decode_chunks == chunks == 1 and trace.tokens_out == [3]
+  with m.stream([4, 5, 6], max_tokens=64, ignore_eos=True) as g:
+    next(g)
+  assert g.trace.end is not None and g.trace.decode_chunks == 0
+  with pytest.raises(StopIteration):
+    next(g)
+
+
+@pytest.mark.parametrize("stop", ["close", "cancel"])
+def test_callback_stream_worker_stops_with_its_consumer(engine, stop):
+  import threading
+
+  from thoughtjax.engine import CALLBACK_QUEUE_STEPS
+
+  g = engine.stream([4, 5, 6], max_tokens=200, ignore_eos=True, stream_mode="callback")
+  next(g)
+  if stop == "close":
+    g.close()
+  else:
+    g.cancel()
+    assert list(g)[-1].finish_reason == "cancelled"
+  assert not any(t.name == "thoughtjax-callback-stream" and t.is_alive() for t in threading.enumerate())
+  # The device ran at most a full queue ahead of the consumer, not the 199 remaining steps.
+  assert g.trace.decode_chunks <= CALLBACK_QUEUE_STEPS + 2
+  assert g.trace.end is not None
+
+
+def test_program_cache_is_a_bounded_counted_lru(engine):
+  from thoughtjax.model import GraphDefs
+  from thoughtjax.program import ProgramCache, ProgramKey, SamplingMode
+
+  cache = ProgramCache(capacity=2)
+  keys = [ProgramKey(engine.layers, 1, 16, 16, 4, SamplingMode.GREEDY, False, chunk=c) for c in (1, 2, 3)]
+  a = cache.get(keys[0], engine._defs, engine.config)
+  cache.get(keys[1], engine._defs, engine.config)
+  assert cache.get(keys[0], engine._defs, engine.config) is a  # a hit refreshes keys[0]
+  cache.get(keys[2], engine._defs, engine.config)  # evicts keys[1], the least recently used
+  s = cache.stats()
+  assert (s.hits, s.misses, s.evictions, s.size, s.capacity) == (1, 3, 1, 2, 2)
+  assert cache.get(keys[0], engine._defs, engine.config) is a
+  cache.get(keys[1], engine._defs, engine.config)
+  assert cache.stats().misses == 4 and cache.stats().evictions == 2 and len(cache) == 2
+  # The graph definitions are part of the key: another model's graph gets its own program.
+  other = GraphDefs.from_model(tiny_model("qwen2_bias")[1])
+  assert cache.get(keys[1], other, engine.config) is not cache.get(keys[1], engine._defs, engine.config)
+  with pytest.raises(ValueError, match="capacity"):
+    ProgramCache(capacity=0)
+
+
+def test_result_of_a_batch_points_to_completions(engine):
+  g = engine.stream_batch([[4, 5], [6, 7]], SamplingParams(max_tokens=2))
+  with pytest.raises(ValueError, match="completions"):
+    g.result()
+  assert all(1 <= len(c.token_ids) <= 2 for c in g.completions())
