@@ -9,7 +9,7 @@ import thoughtjax.thoughtlet as thoughtlet
 
 PACKAGE = Path(thoughtlet.__file__).parent
 # What a thoughtlet may build on: the model's parts and config, path names, the error base, the kernels.
-ALLOWED = {"thoughtjax.config", "thoughtjax.errors", "thoughtjax.model", "thoughtjax.paths",
+ALLOWED = {"thoughtjax.config", "thoughtjax.errors", "thoughtjax.model", "thoughtjax.paths", "thoughtjax.template",
            "thoughtjax.kernels.template_embed"}
 
 

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from typing import Mapping
 
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from thoughtjax.config import ModelConfig
 from thoughtjax.model import GraphDefs, Transformer, abstract_model
 from thoughtjax.paths import Ref
+from thoughtjax.template import Template
 from thoughtjax.thoughtlet.errors import ThoughtletError
 from thoughtjax.thoughtlet.types import Kind
 
@@ -42,11 +41,7 @@ def template_parts(codec, system: str | None) -> tuple[list[int], list[int]]:
 def _template(model: Transformer, codec, system: str | None) -> dict:
   if codec is None:
     raise ThoughtletError("cutting a template thoughtlet needs the model's text codec; pass codec=")
-  prefix, suffix = template_parts(codec, system)
-  table = model.embed.table[...]
-  prefix, suffix = (jnp.asarray(np.asarray(x, np.int32).reshape(-1)) for x in (prefix, suffix))
-  return {"prefix_ids": prefix, "suffix_ids": suffix,
-          "prefix_rows": jnp.take(table, prefix, axis=0), "suffix_rows": jnp.take(table, suffix, axis=0)}
+  return Template.build(codec, model.embed.table[...], system).params()  # the one template builder
 
 
 def _blocks(model: Transformer, layers) -> dict:
