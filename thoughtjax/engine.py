@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from thoughtjax import program as program_lib
+from thoughtjax.kernels.dispatch import resolve as resolve_kernels
 from thoughtjax.loading import LoadedModel
 from thoughtjax.loading import load as load_model
 from thoughtjax.model import GraphDefs, PathParts
@@ -349,25 +350,12 @@ def _run_callback(req: _Request, rows: _Rows, trace: Trace, cancelled: threading
     trace.tokens_out = list(rows.counts)
 
 
-def _resolve_kernels(kernels: str | None) -> str | None:
-  """The kernels implementation for this backend (``thoughtjax.kernels.dispatch``)."""
-  try:
-    from thoughtjax.kernels.dispatch import resolve
-  except ModuleNotFoundError as e:
-    if e.name != "thoughtjax.kernels.dispatch":
-      raise
-    # Without the dispatch module, None keeps each kernel's own per-backend default.
-    if kernels not in (None, "xla", "pallas"):
-      raise ValueError(f"kernels must be 'xla', 'pallas' or None (per backend), got {kernels!r}") from None
-    return kernels
-  return resolve(kernels, jax.default_backend())
-
-
 class Model:
   """A path over a model's weights: generation and scoring run it as one compiled program.
 
   ``layers`` is the path as layer indices (repeats allowed; default: every layer once),
-  ``kernels`` picks the kernels implementation (``"xla"``, ``"pallas"``; None: per backend),
+  ``kernels`` picks the implementation of both kernels (``"xla"``, ``"pallas"``; None: the
+  default of :func:`thoughtjax.kernels.dispatch.resolve`),
   ``chunk`` the decode steps per device call. ``parts`` hands in the weights the path reads
   (e.g. restored thoughtlets); by default they are taken, not copied, from ``loaded``.
   A composed model also carries its resolved path (``links``), the ``source`` it was composed
@@ -385,7 +373,7 @@ class Model:
     self.codec = loaded.codec
     self.module = loaded.model
     self.layers = tuple(range(self.config.num_layers)) if layers is None else tuple(int(i) for i in layers)
-    self.kernels, self.chunk = _resolve_kernels(kernels), chunk
+    self.kernels, self.chunk = resolve_kernels(kernels), chunk
     self.links = None if links is None else tuple(links)
     self.source, self.template, self.mesh, self.dtype = source, template, mesh, dtype
     self._defs = GraphDefs.from_model(self.module)
@@ -634,7 +622,8 @@ def load(name_or_path: str | os.PathLike | None = None, *, path: str | Sequence[
   """Load a model by known name (default: SmolLM2-135M-Instruct) or by path.
 
   ``path``: the layer path to run, as layer indices or a path string
-  (``"embed, blocks[0:12), head"``); ``kernels``: ``"xla"``, ``"pallas"`` or None (per backend).
+  (``"embed, blocks[0:12), head"``); ``kernels``: ``"xla"``, ``"pallas"`` or None (the default of
+  :func:`thoughtjax.kernels.dispatch.resolve`).
   """
   if compile_cache:
     program_lib.configure_compilation_cache()
