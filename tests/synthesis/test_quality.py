@@ -7,9 +7,12 @@ Tiny seeded models; the real default model only in the one slow sanity test.
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import thoughtjax
 from thoughtjax.loading import LoadedModel
@@ -26,11 +29,17 @@ PATHS = ["embed, blocks[0:3), head", "embed, blocks[0:5), head", "embed, blocks[
          "embed, blocks[0:4), blocks[2:6), head", "embed, blocks[1:6), head"]
 
 
+@functools.lru_cache(maxsize=None)
+def _seeded(seed: int):
+  cfg = tiny_config()
+  return cfg, init_random(cfg, seed=seed, scale=0.08)
+
+
 def make_model(seed: int = 7, identity: int | None = None) -> thoughtjax.Model:
   """A 6-layer random model; ``identity``: that block's output projections are zero (it returns its input)."""
-  cfg = tiny_config()
-  module = init_random(cfg, seed=seed, scale=0.08)
+  cfg, module = _seeded(seed)
   if identity is not None:
+    module = nnx.clone(module)  # the seeded model stays as it is for other tests
     blk = module.blocks[identity]
     blk.attn.o.set_value(jnp.zeros_like(blk.attn.o.get_value()))
     blk.mlp.down.set_value(jnp.zeros_like(blk.mlp.down.get_value()))
