@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -112,3 +113,20 @@ def test_relative_registry_paths_work(cli_registry, tmp_path, monkeypatch, capsy
   assert cli.main(["generate", "--registry", "rel/reg", "--path", "embed, blocks[0:1), head",
                    "--prompt", "hi", "--max-tokens", "3", "--json"]) == 0
   assert len(json.loads(capsys.readouterr().out)["token_ids"]) >= 1
+
+
+def test_trust_flags_reach_the_registry_end_to_end(cli_registry, tmp_path, capsys):
+  """A key the registry was not signed with is refused by every reader command, in one line."""
+  reg_dir, good = cli_registry / "reg", cli_registry / "keys" / "ci.pub"
+  assert cli.main(["registry", "keygen", str(tmp_path / "other")]) == 0
+  capsys.readouterr()
+  assert cli.main(["registry", "verify", str(reg_dir), "--public-key", str(good), "--require-signatures"]) == 0
+  capsys.readouterr()
+  for argv in (["registry", "verify", str(reg_dir)], ["registry", "list", str(reg_dir)],
+               ["generate", "--registry", str(reg_dir), "--prompt", "x", "--max-tokens", "1"]):
+    assert cli.main([*argv, "--public-key", str(tmp_path / "other.pub")]) == 2
+    err = capsys.readouterr().err
+    command = " ".join(argv[:2]) if argv[0] == "registry" else "generate"
+    # One line naming the file and the check that refused it.
+    assert re.fullmatch(rf"thoughtjax {command}: error: \w+Error: {re.escape(str(reg_dir))}/index\.json .*trusted.*\n",
+                        err), err
