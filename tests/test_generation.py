@@ -112,8 +112,12 @@ def test_chunked_program_has_no_host_callbacks(engine):
 
 
 def test_bad_sampling_settings_are_rejected():
-  with pytest.raises(ValueError, match="temperature"):
+  from thoughtjax.errors import UserError
+  from thoughtjax.sampling import SamplingError
+
+  with pytest.raises(SamplingError, match="temperature") as info:
     SamplingParams(temperature=-1)
+  assert isinstance(info.value, UserError)  # the CLI reports it in one line
   with pytest.raises(ValueError, match="top_p"):
     SamplingParams(top_p=0)
   with pytest.raises(ValueError, match="max_tokens"):
@@ -121,7 +125,9 @@ def test_bad_sampling_settings_are_rejected():
 
 
 def test_context_overflow_is_rejected(engine):
-  with pytest.raises(ValueError, match="context"):
+  from thoughtjax.engine import RequestError
+
+  with pytest.raises(RequestError, match="exceeds the model's context of 256; shorten the prompt"):
     engine.generate([1] * 200, max_tokens=100)
 
 

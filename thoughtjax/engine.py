@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from thoughtjax import program as program_lib
+from thoughtjax.errors import UserError
 from thoughtjax.kernels.dispatch import resolve as resolve_kernels
 from thoughtjax.loading import LoadedModel
 from thoughtjax.loading import load as load_model
@@ -37,6 +38,10 @@ from thoughtjax.paths import format_path, hash_refs, parse_path
 from thoughtjax.program import COMPILE_CLOCK, Program, ProgramKey, TemplatePrompt, bucket
 from thoughtjax.sampling import SamplingArrays, SamplingParams, program_mode, sampling_arrays, stop_ids_for
 from thoughtjax.template import Template
+
+class RequestError(UserError, ValueError):
+  """A generation or scoring request this model cannot serve as given; the message says the fix."""
+
 
 # Callback streaming: how many steps the device may run ahead of a consumer that is not reading.
 CALLBACK_QUEUE_STEPS = 16
@@ -256,7 +261,8 @@ class Generation:
   def result(self) -> Completion:
     """The one completion of a single-prompt call."""
     if len(self._tokens) != 1:
-      raise ValueError(f"this generation has {len(self._tokens)} prompts; use completions() for a batch")
+      raise RequestError(f"result() gives the one completion of a single prompt, but this generation has "
+                         f"{len(self._tokens)} prompts; use completions() for a batch")
     return self.completions()[0]
 
 
@@ -367,7 +373,7 @@ class Model:
                links: Sequence | None = None, source=None, template: Template | None = None,
                mesh=None, dtype=None):
     if chunk < 1:
-      raise ValueError(f"chunk must be >= 1 decode step, got {chunk}")
+      raise RequestError(f"chunk must be >= 1 decode step per device call, got {chunk}")
     self.loaded = loaded
     self.config = loaded.config
     self.codec = loaded.codec
@@ -382,12 +388,14 @@ class Model:
     if parts is None:
       bad = [i for i in self.layers if not 0 <= i < self.config.num_layers]
       if bad:
-        raise ValueError(f"path uses layers {bad}, but the model has layers 0..{self.config.num_layers - 1}")
+        raise RequestError(f"path uses layers {bad}, but the model has layers 0..{self.config.num_layers - 1}; "
+                           f"give layer indices in that range")
       parts = PathParts.from_model(self.module, self.layers)
     self._parts = parts
     missing = set(self.layers) - set(self._parts.blocks)
     if missing:
-      raise ValueError(f"path uses layers {sorted(missing)} that the given parts do not hold")
+      raise RequestError(f"path uses layers {sorted(missing)} that the given parts do not hold (they hold "
+                         f"{sorted(self._parts.blocks)}); pass parts with those blocks or a path over the held ones")
     self._templates: dict[str | None, Template] = {}
     self._templates_lock = threading.Lock()
 
@@ -451,15 +459,15 @@ class Model:
         parts = PathParts(self._parts.embed, {i: self._parts.blocks[i] for i in sorted(set(layers))},
                           self._parts.head)
       elif self.source is not None:  # a composed model holds only its path's blocks
-        raise ValueError(f"layers {missing} are not held by this composed model; compose a path "
-                         f"string that includes them, e.g. model.with_path('embed, blocks[0:30), head')")
+        raise RequestError(f"layers {missing} are not held by this composed model; compose a path "
+                           f"string that includes them, e.g. model.with_path('embed, blocks[0:30), head')")
     return self._replace(layers=layers, parts=parts, links=None)
 
   # ---- prompts ------------------------------------------------------------------
   def _check_system(self, system: str | None) -> None:
     if system is not None and system != self.template.system:
-      raise ValueError(f"this path's template was cut with system={self.template.system!r}, got "
-                       f"system={system!r}; a different system message needs its own template thoughtlet")
+      raise RequestError(f"this path's template was cut with system={self.template.system!r}, got "
+                         f"system={system!r}; a different system message needs its own template thoughtlet")
 
   def prompt_ids(self, prompt: str | Sequence[int], chat: bool = False, system: str | None = None) -> list[int]:
     """Token ids of one prompt: ids as given; text through the path's template if it has one,
@@ -475,13 +483,13 @@ class Model:
       prompt = self.codec.render_chat(messages)
     ids = self.codec.encode(prompt)
     if not ids:
-      raise ValueError("the prompt is empty after tokenization; give at least one token")
+      raise RequestError("the prompt is empty after tokenization; give at least one token")
     return ids
 
   def _user_ids(self, message: str) -> list[int]:
     ids = self.codec.tokenizer.encode(message, add_special_tokens=False).ids
     if not ids:
-      raise ValueError("the prompt is empty after tokenization; give at least one token")
+      raise RequestError("the prompt is empty after tokenization; give at least one token")
     return ids
 
   def _template_split(self, prompts, chat: bool, system: str | None):
@@ -523,7 +531,7 @@ class Model:
     """
     start = time.perf_counter()
     if stream_mode not in ("chunks", "callback"):
-      raise ValueError(f"stream_mode must be 'chunks' or 'callback', got {stream_mode!r}")
+      raise RequestError(f"stream_mode must be 'chunks' or 'callback', got {stream_mode!r}")
     if isinstance(prompts, str):
       raise TypeError("stream_batch takes a list of prompts; use stream() for one")
     template, user = self._template_split(prompts, chat, system)
@@ -532,18 +540,20 @@ class Model:
     else:
       ids = [template.wrap(u) for u in user]
     if not ids:
-      raise ValueError("stream_batch needs at least one prompt")
+      raise RequestError("stream_batch got no prompts; give at least one")
     if params is None:
       params = SamplingParams()
     if isinstance(params, SamplingParams):
       params = [params] * len(ids)
     if len(params) != len(ids):
-      raise ValueError(f"got {len(ids)} prompts but {len(params)} sampling settings")
+      raise RequestError(f"got {len(ids)} prompts but {len(params)} sampling settings; give one per prompt "
+                         f"or a single SamplingParams for all")
     longest = max(len(i) for i in ids)
     max_new = max(p.max_tokens for p in params)
     limit = self.config.max_context
     if longest + max_new > limit:
-      raise ValueError(f"prompt ({longest} tokens) + max_tokens ({max_new}) exceeds the model's context of {limit}")
+      raise RequestError(f"prompt ({longest} tokens) + max_tokens ({max_new}) exceeds the model's context of {limit}; "
+                         f"shorten the prompt or lower max_tokens")
     stops = [stop_ids_for(p, self.codec.eos_ids) for p in params]
     key = ProgramKey(
         layers=self.layers, batch=bucket(len(ids), 1), prompt_len=bucket(longest),
@@ -598,7 +608,7 @@ class Model:
     """Raw next-token logits [T, V] (f32) at every position of one sequence."""
     ids = np.asarray(token_ids, np.int32)[None, :]
     if ids.shape[1] == 0:
-      raise ValueError("need at least one token to score")
+      raise RequestError("need at least one token to score, got none")
     T = bucket(ids.shape[1])
     padded = np.zeros((1, T), np.int32)
     padded[0, : ids.shape[1]] = ids
@@ -608,7 +618,7 @@ class Model:
   def score(self, token_ids: Sequence[int] | str, top_k: int = 5) -> Score:
     ids = self.codec.encode(token_ids) if isinstance(token_ids, str) else [int(t) for t in token_ids]
     if len(ids) < 2:
-      raise ValueError(f"scoring needs at least 2 tokens to predict one; got {len(ids)}")
+      raise RequestError(f"scoring needs at least 2 tokens to predict one; got {len(ids)}")
     logits = self.logits(ids)
     top = np.argsort(-logits, axis=-1, kind="stable")[:, :top_k]
     lse = np.logaddexp.reduce(logits.astype(np.float64), axis=-1)

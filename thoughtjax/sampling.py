@@ -17,7 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from thoughtjax.errors import UserError
 from thoughtjax.kernels.sample_stop import sample_stop
+
+
+class SamplingError(UserError, ValueError):
+  """Sampling settings out of range; the message names the setting, its range and the value."""
 
 
 class SamplingMode(enum.Enum):
@@ -44,15 +49,15 @@ class SamplingParams:
 
   def __post_init__(self):
     if self.max_tokens < 1:
-      raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+      raise SamplingError(f"max_tokens must be >= 1, got {self.max_tokens}")
     if self.temperature < 0:
-      raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+      raise SamplingError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
     if self.top_k < 0:
-      raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+      raise SamplingError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
     if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+      raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
     if not 0 <= self.seed < 2**32:
-      raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+      raise SamplingError(f"seed must be in [0, 2**32), got {self.seed}")
 
   @property
   def mode(self) -> SamplingMode:
@@ -98,7 +103,7 @@ def sampling_arrays(params: Sequence[SamplingParams], batch: int, vocab: int, st
     stops[i, : len(ids)] = ids
     for tok, b in (p.logit_bias or {}).items():
       if not 0 <= int(tok) < vocab:
-        raise ValueError(f"logit_bias names token {tok}, outside the vocabulary [0, {vocab})")
+        raise SamplingError(f"logit_bias names token {tok}, outside the vocabulary [0, {vocab})")
       bias[i, int(tok)] += b
   return SamplingArrays(*(jnp.asarray(a) for a in (temp, top_k, top_p, seed, max_new, stops)),
                         None if bias is None else jnp.asarray(bias))
