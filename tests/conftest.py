@@ -1,13 +1,46 @@
-"""Shared test set-up: strict warnings (pyproject), seeded tiny models, the real default model."""
+"""Shared test set-up: a strict JAX, visible warnings, seeded randomness, several fake CPU devices,
+seeded tiny models and the real default model.
+
+Strictness (equinox/lineax style): an implicit rank promotion (``x[B, T] + y[T]``) raises instead
+of broadcasting silently, and pyproject's ``filterwarnings`` turns warnings into errors (third-party
+deprecations are shown in the summary instead). The settings live here, not in the library: user
+code keeps JAX's defaults.
+"""
 
 from __future__ import annotations
 
 import os
 
-import pytest
-
+# The device count is fixed when JAX starts, so this precedes every JAX import. Eight host devices
+# match the sharding tests' mesh; tests that do not ask for a mesh still run on device 0. An
+# explicit device count in XLA_FLAGS wins.
+_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}=8".strip()
 # Tests share the user cache (the default model is fetched once) unless CI points elsewhere.
 os.environ.setdefault("THOUGHTJAX_CACHE", os.path.expanduser("~/.cache/thoughtjax"))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+SEED = 20240611
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+  """A numpy generator with a fixed seed, fresh for every test."""
+  return np.random.default_rng(SEED)
+
+
+@pytest.fixture
+def getkey():
+  """A function returning a new JAX key on every call, from a fixed seed fresh for every test:
+  ``k1, k2 = getkey(), getkey()``."""
+  base, count = jax.random.key(SEED), iter(range(2**31))
+  return lambda: jax.random.fold_in(base, next(count))
 
 
 @pytest.fixture(scope="session")
