@@ -174,7 +174,7 @@ def test_refusals_name_the_setting_and_the_fix(ident, docs):
     unit_spans(6, [(0, 2), (3, 6)])
   with pytest.raises(CandidateError, match="end at layer 4"):
     unit_spans(6, [(0, 2), (2, 4)])
-  quiet = dict(single_skips=0, greedy_removals=0, repeats=[])
+  quiet = {"single_skips": 0, "greedy_removals": 0, "repeats": []}
   with pytest.raises(CandidateError, match=r"exit depth: expected a unit boundary in \[0, 2, 6\], got 3"):
     propose(ident, docs, CandidateSettings(exits=[3], **quiet), spans=[(0, 2), (2, 6)])
   with pytest.raises(CandidateError, match="exit depth: expected 1..5"):
@@ -189,3 +189,11 @@ def test_refusals_name_the_setting_and_the_fix(ident, docs):
     CandidateSettings(single_skips=-1)
   with pytest.raises(CandidateError, match="2 or more tokens"):
     block_influence(ident, [[5]])
+
+
+def test_proposing_reports_progress_per_measurement(ident, docs):
+  seen = []
+  propose(ident, docs, CandidateSettings(exits=[], single_skips=1, greedy_removals=2, greedy_windows=2, repeats=[],
+                                         window=WINDOW), progress=lambda *a: seen.append(a))
+  n = len(windows(None, docs, WINDOW))
+  assert seen == [(i, n, "influence") for i in range(1, n + 1)] + [(1, 2, "greedy removal"), (2, 2, "greedy removal")]

@@ -179,3 +179,8 @@ def test_default_model_exits_agree_less_the_earlier_they_exit(default_model):
   assert e12.top1_agreement <= e20.top1_agreement <= e24.top1_agreement < 1.0
   assert e24.mean_kl < e12.mean_kl and e24.delta_nll < e12.delta_nll
   assert all(isinstance(q, PathQuality) and q.tokens == full.tokens > 20 for q in (e24, e20, e12))
+
+
+def test_a_bare_transformer_measures_token_ids_like_its_model(model):
+  ids = [model.codec.encode(d) for d in DOCS]
+  assert measure(model.module, PATHS[:2], ids, window=WINDOW) == measure(model, PATHS[:2], DOCS, window=WINDOW)

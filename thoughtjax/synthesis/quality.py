@@ -47,6 +47,7 @@ DEFAULT_WINDOW = 128
 # (done, total, what): called after each unit of work; ``what`` names it, e.g. "general_purpose/heldout".
 Progress = Callable[[int, int, str], None]
 Document = Union[str, Sequence[int]]
+Corpora = Mapping[str, tuple[Sequence[Document], Sequence[Document]]]  # hint -> (calibration, held-out) documents
 
 
 class QualityError(UserError, ValueError):
@@ -319,9 +320,8 @@ def _candidate_path(c) -> str | Sequence[int]:
   return getattr(c, "layers", None) or getattr(c, "path", c)
 
 
-def measure_candidates(model, candidates: Sequence, corpora: Mapping[str, tuple[Sequence[Document], Sequence[Document]]],
-                       *, window: int = DEFAULT_WINDOW, progress: Progress | None = None
-                       ) -> dict[str, dict[str, HintQuality]]:
+def measure_candidates(model, candidates: Sequence, corpora: Corpora, *, window: int = DEFAULT_WINDOW,
+                       progress: Progress | None = None) -> dict[str, dict[str, HintQuality]]:
   """``quality[path_hash][hint]`` of every candidate on every hint's (calibration, held-out) documents.
 
   ``candidates``: :class:`~thoughtjax.synthesis.calibration.Candidate`\\ s or
