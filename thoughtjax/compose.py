@@ -7,9 +7,10 @@
 >>> compose("embed, blocks[0:20), blocks[10:30), head", reg)  # repeat: layers 10..19 run twice,
 ...                                                           # their weights are held once
 
-A path is a list of refs (:func:`thoughtjax.paths.parse_path`). Each ref resolves to one
+A path is a list of refs (:func:`thoughtjax.paths.parse_path`). :func:`resolve` turns each into one
 published thoughtlet (``name@version``; no version = current) or, for ``blocks[a:b)`` that is
-not itself a thoughtlet, to the consecutive block thoughtlets that tile ``[a, b)`` exactly.
+not itself a thoughtlet, the consecutive block thoughtlets that tile ``[a, b)`` exactly (a loaded
+Model as source: its own embed, head, template and layer ranges).
 Links are checked in order against the prompt's type (``tokens`` or, for a leading template,
 ``message``) and the required ``logits`` output; the first mismatch raises
 :class:`PathTypeError` with the expected and the received type.
@@ -168,6 +169,25 @@ def _resolve_model(refs: Sequence[Ref], model: Model) -> list[Link]:
   return links
 
 
+def resolve(path: str | Sequence[Ref | str], source) -> list[Link]:
+  """The one path resolver: each ref of ``path`` as a :class:`Link` of ``source`` (a Registry, or a
+  Model: a loaded model's own parts, a composed model's source). Not yet type-checked
+  (:func:`check_chain`); nothing is restored."""
+  from thoughtjax.registry import Registry
+
+  if isinstance(path, str):
+    refs = parse_path(path)
+  else:
+    refs = [r if isinstance(r, Ref) else parse_path(r)[0] for r in path]
+  if isinstance(source, Model) and source.source is not None:
+    source = source.source  # a composed model's weights are its source's
+  if isinstance(source, Registry):
+    return _resolve_registry(refs, source)
+  if isinstance(source, Model):
+    return _resolve_model(refs, source)
+  raise TypeError(f"compose: source must be a Registry or a loaded Model, got {type(source).__name__}")
+
+
 def compose(path: str | Sequence[Ref | str], source, *, mesh=None, dtype=None, kernels: str | None = None,
             chunk: int = program_lib.DEFAULT_CHUNK, compile_cache: bool = True) -> Model:
   """Resolve, type-check and assemble a path into a model running as one XLA program.
@@ -184,18 +204,9 @@ def compose(path: str | Sequence[Ref | str], source, *, mesh=None, dtype=None, k
 
   if compile_cache:
     program_lib.configure_compilation_cache()
-  if isinstance(path, str):
-    refs = parse_path(path)
-  else:
-    refs = [r if isinstance(r, Ref) else parse_path(r)[0] for r in path]
+  links = resolve(path, source)
   if isinstance(source, Model) and source.source is not None:
-    source = source.source  # a composed model's weights are its source's
-  if isinstance(source, Registry):
-    links = _resolve_registry(refs, source)
-  elif isinstance(source, Model):
-    links = _resolve_model(refs, source)
-  else:
-    raise TypeError(f"compose: source must be a Registry or a loaded Model, got {type(source).__name__}")
+    source = source.source
   check_chain(links)
   for i, link in enumerate(links):
     if link.kind is Kind.TEMPLATE and i != 0:
