@@ -6,7 +6,6 @@ traceback; usage errors are argparse's (exit 2 with the usage line).
 
 from __future__ import annotations
 
-import inspect
 import os
 import subprocess
 import sys
@@ -148,7 +147,6 @@ def test_kernels_reaches_the_model(monkeypatch, choice):
     seen.update(kw)
     raise Stop
 
-  fake_load.__signature__ = inspect.signature(thoughtjax.load)
   monkeypatch.setattr(thoughtjax, "load", fake_load)
   argv = ["generate", "--prompt", "x"] + ([] if choice is None else ["--kernels", choice])
   with pytest.raises(Stop):

@@ -7,7 +7,6 @@ A path the user gives is checked where it is taken, so a missing file is a :clas
 from __future__ import annotations
 
 import argparse
-import inspect
 from pathlib import Path
 
 from thoughtjax.errors import UserError
@@ -43,14 +42,6 @@ def add_kernels_arg(p: argparse.ArgumentParser) -> None:
   p.add_argument("--kernels", choices=tuple(dispatch.IMPLEMENTATIONS), default=None,
                  help="implementation of both kernel ops, sampling and template embedding (default: xla on every "
                  "backend until the GPU check earns pallas; see thoughtjax/kernels/dispatch.py)")
-
-
-def kernels_kwarg(fn, kernels: str | None) -> dict:
-  """``{"kernels": kernels}`` for ``thoughtjax.load`` / ``compose``.
-
-  Temporary: the keyword was ``sampler=`` before the rename; remove this once every callee takes ``kernels=``.
-  """
-  return {"kernels" if "kernels" in inspect.signature(fn).parameters else "sampler": kernels}
 
 
 def add_trust_args(p: argparse.ArgumentParser, *, keys_help: str | None = None) -> None:

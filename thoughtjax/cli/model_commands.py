@@ -6,8 +6,7 @@ import argparse
 import json
 import sys
 
-from thoughtjax.cli.args import (CommandLineError, add_kernels_arg, add_trust_args, kernels_kwarg,
-                                 model_source)
+from thoughtjax.cli.args import CommandLineError, add_kernels_arg, add_trust_args, model_source
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -35,7 +34,7 @@ def _load(args):
   if args.public_key or args.require_signatures:
     raise CommandLineError("--public-key and --require-signatures check a registry: add --registry DIR or "
                            "drop them")
-  model = thoughtjax.load(model_source(args.model), **kernels_kwarg(thoughtjax.load, args.kernels))
+  model = thoughtjax.load(model_source(args.model), kernels=args.kernels)
   if args.path:
     from thoughtjax.paths import layers_of_path
 
@@ -57,28 +56,23 @@ def cmd_generate(args) -> int:
   model = _load(args)
   params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop or ()))
-  stream = model.stream_batch([args.prompt], params, chat=args.chat, system=args.system)
   ids: list[int] = []
   text, reason = "", None
-  for d in stream:
-    ids.extend(d.token_ids)
-    text += d.text
-    if d.finished:
-      reason = d.finish_reason
-    if not args.json:
-      sys.stdout.write(d.text)
-      sys.stdout.flush()
+  # Leaving the block early (an interrupt, a closed stdout) abandons the generation: no more device work.
+  with model.stream_batch([args.prompt], params, chat=args.chat, system=args.system) as stream:
+    for d in stream:
+      ids.extend(d.token_ids)
+      text += d.text
+      if d.finished:
+        reason = d.finish_reason
+      if not args.json:
+        sys.stdout.write(d.text)
+        sys.stdout.flush()
   if args.json:
-    trace = getattr(stream, "trace", None)
-    if trace is not None:
-      prompt_ids, start, first, end = trace.prompt_ids[0], trace.start, trace.first_token, trace.end
-    else:  # Temporary: a model that keeps per-call timings on itself (before Generation.trace).
-      t = model.last_timings
-      prompt_ids = model.prompt_ids(args.prompt, args.chat, args.system)
-      start, first, end = t["start"], t.get("first_token"), t.get("end")
+    t = stream.trace
     print(json.dumps({
-        "prompt_ids": prompt_ids, "token_ids": ids, "text": text, "finish_reason": reason,
-        "time_to_first_token_s": (first or 0) - start, "total_s": (end or 0) - start,
+        "prompt_ids": t.prompt_ids[0], "token_ids": ids, "text": text, "finish_reason": reason,
+        "time_to_first_token_s": (t.first_token or 0) - t.start, "total_s": (t.end or 0) - t.start,
     }))
   else:
     sys.stdout.write("\n")

@@ -11,8 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from thoughtjax.cli.args import (CommandLineError, add_trust_args, existing_path, kernels_kwarg, model_source,
-                                 open_registry)
+from thoughtjax.cli.args import CommandLineError, add_trust_args, existing_path, model_source, open_registry
 
 
 def _profile_settings(args):
@@ -155,7 +154,7 @@ def load_from_registry(args):
   from thoughtjax.compose import compose, full_path
 
   reg = open_registry(args.registry, args, "--registry")
-  return compose(args.path or full_path(reg), reg, **kernels_kwarg(compose, getattr(args, "kernels", None)))
+  return compose(args.path or full_path(reg), reg, kernels=args.kernels)
 
 
 def add_parser(subparsers) -> None:
