@@ -168,3 +168,23 @@ def test_gc_keeps_current_and_recent(registry_copy, keypair):
   reg2 = Registry.open(registry_copy)
   assert reg2.current["blocks[5:6)"] == versions[-1]
   reg2.verify()
+
+
+def test_codec_keeps_every_eos_id_and_is_checked(tiny, tmp_path):
+  from thoughtjax.registry import build, codec_digest
+  from thoughtjax.tokenizer import TextCodec
+  from tests.registry.helpers import TINY_SPANS, mapping_text, tiny_codec
+
+  _, model, _ = tiny
+  base = tiny_codec()
+  codec = TextCodec(base.tokenizer, base.chat_template, base.bos_id, base.eos_id, base.add_bos, eos_ids=(2, 3))
+  (tmp_path / "mapping.yaml").write_text(mapping_text(TINY_SPANS, 6))
+  reg = build(tmp_path / "reg", tmp_path / "mapping.yaml", model, codec=codec, settings=None)
+  assert reg.codec.eos_ids == (2, 3) and reg.codec.eos_id == 2
+  assert reg.tokenizer_hash == codec_digest(codec) != codec_digest(base)
+  meta = tmp_path / "reg" / "codec" / reg.tokenizer_hash / "codec.json"
+  meta.write_text(meta.read_text().replace("[2,3]", "[2]"))  # stop on fewer tokens
+  fresh = Registry.open(tmp_path / "reg")
+  with pytest.raises(IntegrityError, match=f"{meta}: sha256 does not match"):
+    fresh.codec
+  assert fresh.stats().integrity_failures == 1

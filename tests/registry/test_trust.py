@@ -214,3 +214,16 @@ def test_planted_version_directory_signed_by_another_key_is_refused(registry_cop
   reg = Registry.open(registry_copy)
   assert reg.publish([update], sign_key=keypair[0], settings=None)[NAME] == version
   assert reg.manifest(NAME).signed_by == signing.key_id(signing.load_private_key(keypair[0]).public_key())
+
+
+def test_build_into_an_edited_registry_is_refused(registry_copy, keypair, tiny, tiny_mapping):
+  from thoughtjax.registry import build
+
+  _, model, codec = tiny
+  body, sig = read_index(registry_copy)
+  body["order"].reverse()  # any change under the old signature
+  (registry_copy / "index.json").write_text(json.dumps({"index": body, "signature": sig}))
+  edited = _index_bytes(registry_copy)
+  with pytest.raises(UntrustedIndexError, match="refusing to publish on top of"):
+    build(registry_copy, tiny_mapping, model, codec=codec, sign_key=keypair[0], settings=None)
+  assert _index_bytes(registry_copy) == edited

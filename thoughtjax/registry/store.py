@@ -30,7 +30,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import jax
 import numpy as np
@@ -49,6 +49,14 @@ from thoughtjax.registry.trust import (INTEGRITY, RESTORE, SIGNATURE, RollbackSt
                                        sequence_of)
 from thoughtjax.registry.verify import Tolerance, VerifyReport, verify_hardware, verify_registry
 from thoughtjax.thoughtlet import Kind, ProfileSettings, Thoughtlet, measure_profile
+
+def _counter(stats: RegistryStats, lock) -> Callable[[str, str, str, str], None]:
+  def count(kind: str, thoughtlet: str, file: str, reason: str) -> None:
+    with lock:
+      stats.count(kind, thoughtlet, file, reason)
+
+  return count
+
 
 class Registry:
   """A registry directory opened for reading (and, with :meth:`publish`, writing).
@@ -73,6 +81,9 @@ class Registry:
     self._resident = ResidentSet(memory_budget)
     self._stats = RegistryStats(budget_bytes=memory_budget)
     self._lock = threading.RLock()
+    # Counts a refusal; closes over the stats, not self, so a dropped Registry is freed (and its lease
+    # released) at once rather than by the cycle collector.
+    self._count = _counter(self._stats, self._lock)
     self._codec = None
     self._index: dict | None = None
     self._held: set[tuple[str, str]] = set()  # (dir name, version) resolved explicitly
@@ -188,10 +199,6 @@ class Registry:
     return self.root / "thoughtlets" / dir_name(name) / version
 
   # ---- failures -----------------------------------------------------------------------------
-  def _count(self, kind: str, thoughtlet: str, file: str, reason: str) -> None:
-    with self._lock:
-      self._stats.count(kind, thoughtlet, file, reason)
-
   def _count_failure(self, thoughtlet: str, file: str, reason: str, sig: bool = False) -> None:
     self._count(SIGNATURE if sig else INTEGRITY, thoughtlet, file, reason)
 
