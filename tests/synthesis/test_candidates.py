@@ -18,7 +18,7 @@ from thoughtjax.compose import compose
 from thoughtjax.model import GraphDefs
 from thoughtjax.paths import layers_of_path
 from thoughtjax.synthesis.calibration import Calibration, CandidateKind, PathQuality
-from thoughtjax.synthesis.candidates import (CandidateError, CandidateSettings, _default_exits, _default_repeats,
+from thoughtjax.synthesis.candidates import (CandidateError, CandidateSettings, default_exits, default_repeats,
                                              block_influence, greedy_removal, pin, propose, unit_spans)
 from thoughtjax.synthesis.latency import LatencyParams, LinearCost
 from thoughtjax.synthesis.quality import measure, measure_candidates, windows
@@ -123,12 +123,19 @@ def test_the_full_path_is_always_proposed(ident, docs):
 
 
 def test_defaults_follow_the_depth_and_unit_boundaries():
-  assert _default_exits(unit_spans(30), 30) == list(range(15, 30, 2))  # 15, 17, ..., 29
-  assert _default_repeats(unit_spans(30), 30) == [(10, 20)]
+  assert default_exits(unit_spans(30), 30) == list(range(15, 30, 2))  # 15, 17, ..., 29
+  assert default_repeats(unit_spans(30), 30) == [(10, 20)]
   shipped = [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10), (10, 12), (12, 15), (15, 18), (18, 20), (20, 22), (22, 24),
              (24, 26), (26, 28), (28, 30)]
-  assert _default_exits(unit_spans(30, shipped), 30) == [15, 18, 20, 22, 24, 26, 28]
-  assert _default_repeats(unit_spans(30, shipped), 30) == [(10, 20)]
+  assert default_exits(unit_spans(30, shipped), 30) == [15, 18, 20, 22, 24, 26, 28]
+  assert default_repeats(unit_spans(30, shipped), 30) == [(10, 20)]
+
+
+def test_default_settings_on_the_tiny_model(ident, docs):
+  got = propose(ident, docs, CandidateSettings(single_skips=0, greedy_removals=0))
+  assert [(p.kind.value, p.path) for p in got] == [
+      ("full", "embed, blocks[0:6), head"), ("exit", "embed, blocks[0:3), head"), ("exit", "embed, blocks[0:5), head"),
+      ("repeat", "embed, blocks[0:4), blocks[2:6), head")]
 
 
 def test_hashes_are_those_compose_reports(ident, proposals):

@@ -191,7 +191,8 @@ def _check_depth(d, units: list[Span], L: int, what: str) -> int:
   return int(d)
 
 
-def _default_exits(units: list[Span], L: int) -> list[int]:
+def default_exits(units: list[Span], L: int) -> list[int]:
+  """Exit depths on unit boundaries from L//2 on, at least 2 layers apart, and the deepest boundary below L."""
   bounds = sorted({a for a, _ in units if a >= max(1, L // 2)})
   picked, last = [], None
   for d in bounds:  # every 2 layers, on unit boundaries
@@ -207,7 +208,8 @@ def _nearest(bounds: list[int], target: float) -> int:
   return min(bounds, key=lambda b: (abs(b - target), b))
 
 
-def _default_repeats(units: list[Span], L: int) -> list[Span]:
+def default_repeats(units: list[Span], L: int) -> list[Span]:
+  """One repeated span, between the unit boundaries nearest L/3 and 2L/3 (10..20 of 30 layers)."""
   bounds = sorted({a for a, _ in units} | {L})
   a, b = _nearest(bounds, L / 3), _nearest(bounds, 2 * L / 3)
   return [(a, b)] if a < b else []
@@ -230,7 +232,7 @@ def propose(model, calibration_docs: Sequence[Document], settings: CandidateSett
       out.append(Proposal(format_path(layers), kind, layers, why))
 
   add(CandidateKind.FULL, range(L), "the full path (the reference)")
-  exits = _default_exits(units, L) if settings.exits is None else [
+  exits = default_exits(units, L) if settings.exits is None else [
       _check_depth(d, units, L, "exit depth") for d in settings.exits]
   for d in exits:
     if not 1 <= d < L:
@@ -253,7 +255,7 @@ def propose(model, calibration_docs: Sequence[Document], settings: CandidateSett
       add(CandidateKind.SKIP, _layers(v for v in units if v not in removed),
           f"greedy removal of {', '.join(map(_label, removed))}: ΔNLL {dnll:.4g}")
 
-  repeats = _default_repeats(units, L) if settings.repeats is None else list(settings.repeats)
+  repeats = default_repeats(units, L) if settings.repeats is None else list(settings.repeats)
   for rep in repeats:
     if not isinstance(rep, (tuple, list)) or len(rep) != 2:
       raise CandidateError(f"repeat: expected a span (a, b) with a < b, got {rep!r}")
