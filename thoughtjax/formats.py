@@ -1,0 +1,189 @@
+"""Native weights: a GGUF's quantized blocks held so that XLA reads the packed bytes.
+
+A :class:`BlockQuant` is one weight matrix W [O, I] (rows = outputs, the GGUF / PyTorch layout)
+quantized in blocks of 32 consecutive inputs, as the GGUF stores it:
+
+- ``Q8_0``: ``W[o, i] = scale[o, i // 32] * q[o, i]``, q int8;
+- ``Q4_0``: the same with q in [-8, 7] (the file's 4-bit value minus 8), q int8;
+- ``Q4_1``: ``W[o, i] = scale[o, i // 32] * q[o, i] + min[o, i // 32]``, q uint8 in [0, 15].
+
+4-bit values are held one per byte: XLA:CPU fuses a uint8 -> float32 convert into the dot that
+reads them, while unpacking two nibbles per byte (``jnp.uint4``) falls to a slow path (measured in
+``../shared/experiments/cpu_weight_formats.py``). ``scale`` and ``min`` are the file's float16
+values widened to float32, an exact conversion.
+
+Contract: :func:`dequantize` gives, bit for bit, the float32 matrix that ``gguf.quants.dequantize``
+gives for the same blocks (the same products and sums in float32, in the same order), so a model
+computed from native weights is the f32 model up to the summation order inside each matmul.
+:func:`matmul` and :func:`take_rows` compute from the packed form inside the traced program.
+
+A :class:`BlockQuant` is a JAX pytree (arrays are children; ``kind`` is static) and can be the
+value of an ``nnx.Param``. Like an array, ``w[...]`` is ``w`` itself (what ``Variable[...]`` calls),
+``w[ids]`` gathers and dequantizes rows, and ``jnp.asarray(w)`` dequantizes the whole matrix
+(code that needs a float32 table, e.g. a template's rows, keeps working).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from thoughtjax.errors import UserError
+
+Kind = Literal["Q8_0", "Q4_0", "Q4_1"]
+KINDS: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1")
+BLOCK = 32  # inputs per block, for every kind here (gguf.GGML_QUANT_SIZES[...][0])
+WEIGHT_FORMATS = ("f32", "native")
+ArrayLike = Union[jax.Array, np.ndarray]
+
+
+class WeightFormatError(UserError, ValueError):
+  """A weight format, a block type or packed data is not what native weights accept."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockQuant:
+  """W [O, I] as blocks of 32 inputs: q [O, I] (int8, or uint8 for Q4_1), scale [O, I/32] f32,
+  min [O, I/32] f32 (Q4_1 only, else None)."""
+
+  q: ArrayLike
+  scale: ArrayLike
+  min: ArrayLike | None
+  kind: str = dataclasses.field(metadata=dict(static=True), default="Q8_0")
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    return tuple(self.q.shape)
+
+  @property
+  def ndim(self) -> int:
+    return 2
+
+  @property
+  def dtype(self):
+    return np.dtype(np.float32)  # what it computes as
+
+  @property
+  def nbytes(self) -> int:
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(self))
+
+  def __getitem__(self, index):
+    if index is Ellipsis:
+      return self
+    return take_rows(self, index)
+
+  def __jax_array__(self):
+    return dequantize_jnp(self)
+
+  def map(self, fn) -> "BlockQuant":
+    """The same kind with ``fn`` applied to q, scale and min (e.g. a row permutation)."""
+    return BlockQuant(fn(self.q), fn(self.scale), None if self.min is None else fn(self.min), self.kind)
+
+
+def is_packed(w) -> bool:
+  return isinstance(w, BlockQuant)
+
+
+def check_format(weights: str) -> str:
+  if weights not in WEIGHT_FORMATS:
+    raise WeightFormatError(f"weights={weights!r} is not a weight format; expected one of {', '.join(WEIGHT_FORMATS)} "
+                            f"(native: the GGUF's quantized blocks, computed in float32; f32: dequantized float32)")
+  return weights
+
+
+def _type_size(kind: str) -> int:
+  import gguf
+
+  block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+  if block != BLOCK:
+    raise WeightFormatError(f"block type {kind}: expected blocks of {BLOCK} values, gguf says {block}")
+  return size
+
+
+def from_gguf_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int] | None = None) -> BlockQuant:
+  """Packed numpy form of a GGUF tensor's raw blocks.
+
+  raw: uint8 [O, I/32 * type_size] (what ``gguf.GGUFReader`` gives for a quantized tensor), or any
+  array of the same bytes when ``shape`` = (O, I) is given.
+  """
+  if kind not in KINDS:
+    raise WeightFormatError(f"block type {kind!r} has no native form; supported: {', '.join(KINDS)}. Load it with "
+                            f"weights='f32' (dequantized).")
+  size = _type_size(kind)
+  raw = np.ascontiguousarray(raw).view(np.uint8)
+  if shape is None:
+    if raw.ndim != 2 or raw.shape[1] % size:
+      raise WeightFormatError(f"{kind} blocks: expected uint8 [O, I/32 * {size}], got shape {raw.shape}")
+    shape = (raw.shape[0], raw.shape[1] // size * BLOCK)
+  rows, cols = shape
+  if cols % BLOCK or raw.size != rows * cols // BLOCK * size:
+    raise WeightFormatError(f"{kind} blocks: {raw.size} bytes do not hold a [{rows}, {cols}] matrix "
+                            f"(needs I divisible by {BLOCK} and {rows * cols // BLOCK * size} bytes)")
+  blocks = raw.reshape(rows, cols // BLOCK, size)
+  scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [O, I/32]
+  if kind == "Q8_0":
+    return BlockQuant(blocks[..., 2:].copy().view(np.int8).reshape(rows, cols), scale, None, kind)
+  at = 4 if kind == "Q4_1" else 2
+  nib = blocks[..., at:at + BLOCK // 2]  # byte j holds value j (low nibble) and value j + 16 (high)
+  q = np.concatenate([nib & np.uint8(0x0F), nib >> np.uint8(4)], axis=-1).reshape(rows, cols)
+  if kind == "Q4_0":
+    return BlockQuant((q.astype(np.int8) - np.int8(8)), scale, None, kind)
+  mins = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+  return BlockQuant(q, scale, mins, kind)
+
+
+def dequantize(w: BlockQuant) -> np.ndarray:
+  """float32 [O, I] in numpy, bit for bit ``gguf.quants.dequantize`` of the same blocks."""
+  q = np.asarray(w.q)
+  rows, cols = q.shape
+  d = np.asarray(w.scale, np.float32)[:, :, None]
+  out = d * q.reshape(rows, cols // BLOCK, BLOCK).astype(np.float32)
+  if w.min is not None:
+    out = out + np.asarray(w.min, np.float32)[:, :, None]
+  return out.reshape(rows, cols)
+
+
+def dequantize_jnp(w: BlockQuant) -> jax.Array:
+  """float32 [O, I] computed in the traced program (the same products and sums as :func:`dequantize`)."""
+  rows, cols = w.q.shape
+  out = jnp.asarray(w.scale)[:, :, None] * jnp.asarray(w.q).reshape(rows, cols // BLOCK, BLOCK).astype(jnp.float32)
+  if w.min is not None:
+    out = out + jnp.asarray(w.min)[:, :, None]
+  return out.reshape(rows, cols)
+
+
+def matmul(x: jax.Array, w: BlockQuant) -> jax.Array:
+  """x [..., I] @ W.T -> [..., O] in float32, W read from its packed form.
+
+  Dequantize-then-dot in one expression: XLA fuses the convert and the block scale into the dot's
+  operand, so the program reads q's bytes (int8 / uint8) and no float32 W exists in memory.
+  """
+  if x.shape[-1] != w.shape[1]:
+    raise ValueError(f"matmul: x has {x.shape[-1]} inputs, the {w.kind} weight [O, I] = {w.shape} expects {w.shape[1]}")
+  # Exactly x2 [M, I] @ W.T [I, O] (measured with HLO dumps, jax 0.10.2): with M = 1 XLA:CPU then emits
+  # the dot as one loop fusion that converts and scales q's bytes as it reads them. Contracting W's
+  # dim 1 directly, or a [1, 1, I] operand, gets a materialized float32 W instead.
+  x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+  y = jax.lax.dot_general(x2, dequantize_jnp(w).T, (((1,), (0,)), ((), ())))
+  return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def take_rows(w: BlockQuant, ids) -> jax.Array:
+  """Rows ``W[ids]`` in float32 (ids of any shape -> [*ids.shape, I]): gathers the packed rows, then
+  dequantizes only those (the embedding lookup of a quantized table)."""
+  ids = jnp.asarray(ids)
+  cols = w.q.shape[1]
+  q = jnp.take(jnp.asarray(w.q), ids, axis=0).reshape(*ids.shape, cols // BLOCK, BLOCK).astype(jnp.float32)
+  out = jnp.take(jnp.asarray(w.scale), ids, axis=0)[..., None] * q
+  if w.min is not None:
+    out = out + jnp.take(jnp.asarray(w.min), ids, axis=0)[..., None]
+  return out.reshape(*ids.shape, cols)
+
+
+def to_device(w: BlockQuant) -> BlockQuant:
+  return w.map(jnp.asarray)
