@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from thoughtjax import formats
 from thoughtjax.config import ModelConfig
 
 Array = jax.Array
@@ -59,10 +60,18 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
   return out.astype(x.dtype)
 
 
-def _matmul(x: Array, w: Array) -> Array:
+def _matmul(x: Array, w: Array | formats.BlockQuant) -> Array:
   """[B, T, I] x [I, O] -> [B, T, O]. Direct dot_general: einsum's path search and
-  nested jit cost start-up time when tracing 30 layers."""
+  nested jit cost start-up time when tracing 30 layers. A native weight is W [O, I] in its
+  quantized blocks (:mod:`thoughtjax.formats`), read packed and computed in float32."""
+  if formats.is_packed(w):
+    return formats.matmul(x, w)
   return jax.lax.dot_general(x, w, (((2,), (0,)), ((), ())))
+
+
+def _matrix(w: Array | formats.BlockQuant, rows: int, cols: int):
+  """A weight as the [I, O] = [rows, cols] matrix _matmul takes (a native weight already is one)."""
+  return w if formats.is_packed(w) else w.reshape(rows, cols)
 
 
 def _batched(a: Array, b: Array, b_contract: int) -> Array:
@@ -105,9 +114,9 @@ class Attention(nnx.Module):
     H, K, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     # Contract against the weights viewed as 2-D matrices (a free reshape): XLA:CPU runs
     # these as plain GEMV/GEMM, about 3x faster than the 3-D einsum at batch 1.
-    q = _matmul(x, self.q[...].reshape(D, H * E)).reshape(B, T, H, E)  # btd,df->btf
-    k = _matmul(x, self.k[...].reshape(D, K * E)).reshape(B, T, K, E)
-    v = _matmul(x, self.v[...].reshape(D, K * E)).reshape(B, T, K, E)
+    q = _matmul(x, _matrix(self.q[...], D, H * E)).reshape(B, T, H, E)  # btd,df->btf
+    k = _matmul(x, _matrix(self.k[...], D, K * E)).reshape(B, T, K, E)
+    v = _matmul(x, _matrix(self.v[...], D, K * E)).reshape(B, T, K, E)
     if cfg.qkv_bias:
       q, k, v = q + self.q_bias[...][None, None], k + self.k_bias[...][None, None], v + self.v_bias[...][None, None]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -126,7 +135,7 @@ class Attention(nnx.Module):
     probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)
     ctx = _batched(probs, cache_v, 2)  # bkqs,bkse->bkqe
     ctx = ctx.reshape(B, K, T, G, E).transpose(0, 2, 1, 3, 4).reshape(B, T, H * E)
-    out = _matmul(ctx.astype(x.dtype), self.o[...].reshape(H * E, D))  # btf,fd->btd
+    out = _matmul(ctx.astype(x.dtype), _matrix(self.o[...], H * E, D))  # btf,fd->btd
     return out, cache_k, cache_v
 
 
@@ -167,7 +176,10 @@ class Embed(nnx.Module):
     self.table = _zeros((cfg.vocab_size, cfg.d_model), dtype)
 
   def __call__(self, tokens: Array) -> Array:
-    return jnp.take(self.table[...], tokens, axis=0)
+    table = self.table[...]
+    if formats.is_packed(table):  # gather the quantized rows, dequantize only those
+      return formats.take_rows(table, tokens)
+    return jnp.take(table, tokens, axis=0)
 
 
 class Head(nnx.Module):
@@ -184,6 +196,8 @@ class Head(nnx.Module):
     if w is None:
       raise ValueError("a tied head needs the embedding table; pass table=embed.table[...]")
     h = self.norm(x)  # btd,vd->btv
+    if formats.is_packed(w):  # [V, D] blocks: the head reads the packed bytes
+      return formats.matmul(h, w)
     return jax.lax.dot_general(h, w, (((2,), (1,)), ((), ()))).astype(jnp.float32)
 
 
