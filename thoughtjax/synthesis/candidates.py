@@ -277,8 +277,9 @@ def propose(model, calibration_docs: Sequence[Document], settings: CandidateSett
 def pin(proposals: Sequence[Proposal], registry) -> tuple[list[Candidate], list[tuple[Proposal, str]]]:
   """Resolve proposals in ``registry`` to its current versions: (candidates, refused with the reason).
 
-  Resolution is compose's own, so each candidate's ``path_hash`` is what ``compose(path, registry)``
-  reports; a proposal whose ranges do not start and end on the registry's block thoughtlets is refused.
+  Resolution and type checks are compose's own (:func:`thoughtjax.compose.resolve`), so each candidate's
+  ``path_hash`` is what ``compose(path, registry)`` reports; a proposal that does not compose (a range
+  that does not start and end on the registry's block thoughtlets) is refused.
   """
   from thoughtjax import compose as compose_lib
   from thoughtjax.registry import UnknownThoughtletError
@@ -286,8 +287,9 @@ def pin(proposals: Sequence[Proposal], registry) -> tuple[list[Candidate], list[
   candidates, refused = [], []
   for p in proposals:
     try:
-      links = compose_lib._resolve_registry(parse_path(p.path), registry)
-    except (UnknownThoughtletError, PathSyntaxError) as e:  # integrity failures stay loud
+      links = compose_lib.resolve(p.path, registry)
+      compose_lib.check_chain(links)
+    except (UnknownThoughtletError, PathSyntaxError, compose_lib.PathTypeError) as e:  # integrity failures stay loud
       refused.append((p, str(e)))
       continue
     units = []
