@@ -95,6 +95,8 @@ def test_rollback_is_refused_by_readers_and_writers(registry_copy, keypair, tmp_
   with pytest.raises(RollbackError):  # a writer does not build on it either
     reg.publish([_bumped(reg, 2)], sign_key=keypair[0], settings=None)
   assert reg.stats().rollback_refusals == 2 and reg.stats().writer_refusals == 1
+  with pytest.raises(RollbackError):  # nor does gc decide what is live from it
+    collect_garbage(registry_copy, trust=trust)
   # Another user (another state file) has not seen sequence 2: the rule is per user, as in TUF.
   assert Registry.open(registry_copy, TrustPolicy(state_file=tmp_path / "other.json")).sequence == 1
   # The state is small: one entry per registry and directory, written whole.

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from thoughtjax.registry.layout import _read_index, _writer_lock, dir_name
 from thoughtjax.registry.lease import HOLDS_ALL, held_versions
-from thoughtjax.registry.trust import TrustPolicy, Verifier
+from thoughtjax.registry.trust import RollbackState, TrustPolicy, Verifier
 
 
 @dataclasses.dataclass
@@ -36,8 +36,9 @@ def collect_garbage(root: str | os.PathLike, *, keep: int = 2, dry_run: bool = F
   became current (left by a writer that died before switching the index).
 
   A version that an open :class:`~thoughtjax.registry.Registry` (in any process) holds is skipped,
-  never removed, with the reason in ``GcReport.skipped``. The index is verified first (as a reader
-  with ``trust`` would), so an edited index cannot make gc delete live versions.
+  never removed, with the reason in ``GcReport.skipped``. The index is verified first as a reader
+  with ``trust`` would (signature, structure, sequence), so an edited or rolled-back index cannot make
+  gc delete live versions.
   """
   if keep < 1:
     raise ValueError(f"keep must be >= 1 (the current version always stays), got {keep}")
@@ -45,7 +46,9 @@ def collect_garbage(root: str | os.PathLike, *, keep: int = 2, dry_run: bool = F
   report = GcReport(dry_run=dry_run)
   with _writer_lock(root):
     body, record = _read_index(root)
-    Verifier(root, trust or TrustPolicy()).check_index(body, record, None)
+    # gc trusts the index to say what is live: an edited or rolled-back one must not decide deletions.
+    trust = trust or TrustPolicy()
+    Verifier(root, trust).check_index(body, record, RollbackState(trust.state_path()))
     live = set()
     for name, hist in body["history"].items():
       live.update((dir_name(name), v) for v in hist[-keep:])

@@ -116,7 +116,8 @@ class Registry:
     """Read the index again (one read: a consistent snapshot of current versions), check its
     structure, signature and sequence (never lower than one seen before: :class:`RollbackError`)."""
     body, sig = _read_index(self.root)
-    seen = None if self._index is None else sequence_of(self._index)
+    same = self._index is not None and self._index.get("registry_id") == body.get("registry_id")
+    seen = sequence_of(self._index) if same else None  # a registry rebuilt at this path starts over
     verifier = Verifier(self.root, self.trust, self._count)
     verifier.check_index(body, sig, RollbackState(self.trust.state_path()), seen=seen)
     with self._lock:

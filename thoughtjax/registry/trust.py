@@ -102,7 +102,11 @@ def recorded_keys(root: Path) -> dict:
   """key id -> public key of the files in ``DIR/keys`` (named ``<key id>.pub``)."""
   keys = {}
   for p in sorted((root / "keys").glob("*.pub")):
-    k = signing.load_public_key(p)
+    try:
+      k = signing.load_public_key(p)
+    except signing.SignatureError as e:
+      raise SignatureError(f"{p}: {e}; a registry's keys directory holds only the PEM public keys of its "
+                           f"signers. Restore the file from a backup or remove it") from None
     if signing.key_id(k) == p.stem:  # a key file under another key's name is not that key
       keys[p.stem] = k
   return keys
