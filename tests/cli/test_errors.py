@@ -161,7 +161,8 @@ def test_trust_flags_become_one_trust_policy(tmp_path):
     k.write_text("key")
   parser = cli.build_parser()
   for argv in (["generate", "--registry", "r", "--prompt", "x"], ["score", "--registry", "r"],
-               ["registry", "verify", "r"], ["registry", "list", "r"], ["registry", "show", "r", "head"]):
+               ["registry", "verify", "r"], ["registry", "list", "r"], ["registry", "show", "r", "head"],
+               ["registry", "build", "--out", "r"], ["registry", "gc", "r"]):
     args = parser.parse_args([*argv, "--public-key", str(keys[0]), "--public-key", str(keys[1]),
                               "--require-signatures"])
     assert args_lib.trust_policy(args) == TrustPolicy(public_keys=tuple(keys), require_signatures=True)
@@ -188,6 +189,30 @@ def test_the_policy_is_what_the_registry_is_opened_with(tmp_path, monkeypatch):
     with pytest.raises(Stop):
       cli.main([*argv, "--public-key", str(key), "--require-signatures"])
   assert opened == [(tmp_path, TrustPolicy(public_keys=(key,), require_signatures=True), {})] * 2
+
+
+def test_build_and_gc_verify_the_index_under_the_policy(tmp_path, monkeypatch):
+  import thoughtjax.registry as registry_lib
+
+  key = tmp_path / "team.pub"
+  key.write_text("key")
+  policy = TrustPolicy(public_keys=(key,), require_signatures=True)
+  seen = []
+
+  class Stop(Exception):
+    pass
+
+  def fake(*args, trust=None, **kw):
+    seen.append(trust)
+    raise Stop
+
+  monkeypatch.setattr(registry_lib, "build", fake)
+  monkeypatch.setattr(registry_lib, "collect_garbage", fake)
+  for argv in (["registry", "build", "--out", str(tmp_path / "reg"), "--model", str(tmp_path)],
+               ["registry", "gc", str(tmp_path)]):
+    with pytest.raises(Stop):
+      cli.main([*argv, "--public-key", str(key), "--require-signatures"])
+  assert seen == [policy, policy]
 
 
 def test_a_missing_public_key_file_is_named(tmp_path, capsys):

@@ -61,12 +61,6 @@ def trust_policy(args):
 
 def open_registry(directory: str, args, flag: str = "registry directory"):
   """``Registry.open(directory, trust=trust_policy(args))`` after checking that the directory exists."""
-  import thoughtjax.registry as registry_lib
+  from thoughtjax.registry import Registry
 
-  root = existing_path(directory, flag, kind="dir")
-  if hasattr(registry_lib, "TrustPolicy"):
-    return registry_lib.Registry.open(root, trust=trust_policy(args))
-  # Temporary, until the registry takes a TrustPolicy: the loose keywords it replaces.
-  keys = [existing_path(k, "--public-key") for k in args.public_key or ()]
-  return registry_lib.Registry.open(root, trusted_keys=keys or None,
-                                    require_signatures=True if args.require_signatures else None)
+  return Registry.open(existing_path(directory, flag, kind="dir"), trust=trust_policy(args))

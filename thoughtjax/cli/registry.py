@@ -11,7 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from thoughtjax.cli.args import CommandLineError, add_trust_args, existing_path, model_source, open_registry
+from thoughtjax.cli.args import (CommandLineError, add_trust_args, existing_path, model_source, open_registry,
+                                 trust_policy)
 
 
 def _profile_settings(args):
@@ -32,6 +33,7 @@ def cmd_build(args) -> int:
   mapping = existing_path(args.mapping, "--mapping") if args.mapping else _default_mapping()
   sign_key = existing_path(args.sign_key, "--sign-key") if args.sign_key else None
   model_source(args.model)  # a wrong --model fails before the progress bars start
+  trust = trust_policy(args)  # of the existing index a build publishes onto
   console = Console(stderr=True)
   stages = {}
   with Progress(TextColumn("{task.description:<8}"), BarColumn(), MofNCompleteColumn(),
@@ -46,7 +48,7 @@ def cmd_build(args) -> int:
       bar.update(stages[stage], completed=done if stage != "profile" else done + 1, item=name)
 
     reg = build(args.out, mapping, model_source(args.model) or DEFAULT_MODEL, sign_key=sign_key,
-                settings=_profile_settings(args), progress=progress)
+                settings=_profile_settings(args), progress=progress, trust=trust)
   console.print(f"registry {reg.root}: generation {reg.generation}, {len(reg.names)} thoughtlets"
                 + ("" if args.sign_key else " (unsigned: pass --sign-key to sign)"))
   _print_table(reg)
@@ -142,7 +144,7 @@ def cmd_gc(args) -> int:
   from thoughtjax.registry import collect_garbage
 
   removed = collect_garbage(existing_path(args.dir, "registry directory", kind="dir"), keep=args.keep,
-                            dry_run=args.dry_run)
+                            dry_run=args.dry_run, trust=trust_policy(args))
   for p in removed:
     print(("would remove " if args.dry_run else "removed ") + str(p))
   print(f"{len(removed)} version director{'y' if len(removed) == 1 else 'ies'}")
@@ -171,6 +173,7 @@ def add_parser(subparsers) -> None:
   b.add_argument("--context", type=int, default=256, help="profile: KV cache length")
   b.add_argument("--reps", type=int, default=20, help="profile: timed runs per thoughtlet")
   b.add_argument("--no-profile", action="store_true", help="publish without resource profiles")
+  add_trust_args(b, keys_help="trusted public key (repeatable) for the existing index the build publishes onto")
   b.set_defaults(fn=cmd_build)
 
   v = sub.add_parser("verify", help="check digests, signatures, versioned hashes (and profiles)")
@@ -213,4 +216,5 @@ def add_parser(subparsers) -> None:
   g.add_argument("dir")
   g.add_argument("--keep", type=int, default=2, help="versions kept per thoughtlet, current included")
   g.add_argument("--dry-run", action="store_true")
+  add_trust_args(g, keys_help="trusted public key (repeatable); gc verifies the index before it removes anything")
   g.set_defaults(fn=cmd_gc)
