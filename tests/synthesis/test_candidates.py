@@ -8,6 +8,8 @@ path itself, so every other removal costs a positive expected ΔNLL (its KL from
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -143,13 +145,22 @@ def test_hashes_are_those_compose_reports(ident, proposals):
     assert p.path_hash == ident.with_path(p.path).path_hash
 
 
-def test_measured_candidates_build_a_calibration(ident, docs, proposals, tmp_path):
+@pytest.fixture(scope="module")
+def built(ident, tmp_path_factory):
+  """A registry of the identity model cut in spans (0, 2), (2, 3), (3, 5), (5, 6); unsigned, unprofiled. Read-only."""
   from tests.registry.helpers import TINY_SPANS, mapping_text
-  from thoughtjax.registry import Registry, build
+  from thoughtjax.registry import build
 
-  (tmp_path / "mapping.yaml").write_text(mapping_text(TINY_SPANS, 6))
-  build(tmp_path / "reg", tmp_path / "mapping.yaml", ident.module, codec=ident.codec, settings=None, source="tiny")
-  reg = Registry.open(tmp_path / "reg")
+  root = tmp_path_factory.mktemp("candidates-registry")
+  (root / "mapping.yaml").write_text(mapping_text(TINY_SPANS, 6))
+  build(root / "reg", root / "mapping.yaml", ident.module, codec=ident.codec, settings=None, source="tiny")
+  return root / "reg"
+
+
+def test_measured_candidates_build_a_calibration(ident, docs, proposals, built):
+  from thoughtjax.registry import Registry
+
+  reg = Registry.open(built)
   # Per-layer proposals that cut inside a registry thoughtlet are refused, with the reason.
   pinned, refused = pin(proposals, reg)
   assert refused and all("boundaries" in why for _, why in refused)
@@ -173,6 +184,26 @@ def test_measured_candidates_build_a_calibration(ident, docs, proposals, tmp_pat
   exit3 = next(c for c in pinned if c.kind is CandidateKind.EXIT)
   got = again.hint_quality(exit3.path_hash, "general_purpose").heldout
   assert isinstance(got, PathQuality) and got == measure(ident, [exit3.path], docs[2:], window=WINDOW)[0]
+
+
+def test_a_tampered_thoughtlet_is_an_error_never_a_quiet_refusal(ident, docs, built, tmp_path):
+  from thoughtjax.registry import IntegrityError, Registry
+
+  shutil.copytree(built, tmp_path / "reg")
+  reg = Registry.open(tmp_path / "reg")
+  version = reg.current["blocks[2:3)"]
+  path = reg.version_dir("blocks[2:3)", version) / "manifest.json"
+  raw = json.loads(path.read_text())
+  raw["layers"] = [2, 4]  # claims to run one more layer than it was published with
+  path.write_text(json.dumps(raw))
+  aligned = propose(ident, docs, CandidateSettings(exits=[2, 3], single_skips=0, greedy_removals=0, repeats=[]),
+                    spans=reg.block_spans())
+  with pytest.raises(IntegrityError) as info:
+    pin(aligned, reg)
+  assert (info.value.thoughtlet, info.value.version) == ("blocks[2:3)", version)
+  assert reg.stats().integrity_failures == 1 and reg.stats().failures[0]["thoughtlet"] == f"blocks[2:3)@{version}"
+  # A path that avoids the tampered thoughtlet still pins.
+  assert [c.path for c in pin([aligned[1]], reg)[0]] == ["embed, blocks[0:2), head"]
 
 
 # ------------------------------------------------------------------------------ refusals
