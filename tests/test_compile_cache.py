@@ -21,7 +21,8 @@ _CACHE_PROBE = """
 import sys, jax
 from jax._src import monitoring
 hits = []
-monitoring.register_event_listener(lambda name, **kw: hits.append(name) if name == "/jax/compilation_cache/cache_hits" else None)
+monitoring.register_event_listener(
+    lambda name, **kw: hits.append(name) if name == "/jax/compilation_cache/cache_hits" else None)
 import thoughtjax
 m = thoughtjax.load(sys.argv[1])
 m.generate([5, 6, 7], max_tokens=4)

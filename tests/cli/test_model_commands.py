@@ -1,4 +1,4 @@
-"""``thoughtjax generate`` and ``score``: their JSON contracts agree with the library, and a bad model path is one line."""
+"""``thoughtjax generate`` and ``score``: their JSON agrees with the library; a bad model path is one line."""
 
 from __future__ import annotations
 

@@ -230,8 +230,10 @@ def _print_table(res: dict) -> None:
   fmt = common.fmt
   rows = [
       ("prefill tok/s (250-token prompt)", tj.get("prefill_tok_s"), lc.get("prefill_tok_s"), ".1f"),
-      (f"time to first token, chat ({tj['chat_prompt_tokens']} tok), s", tj.get("ttft_chat_s"), lc.get("ttft_chat_s"), ".3f"),
-      (f"decode tok/s, batch 1 (chunked stream, {tj['chunk']} steps)", tj.get("decode_b1_tok_s_chunks"), lc.get("decode_b1_tok_s"), ".1f"),
+      (f"time to first token, chat ({tj['chat_prompt_tokens']} tok), s", tj.get("ttft_chat_s"),
+       lc.get("ttft_chat_s"), ".3f"),
+      (f"decode tok/s, batch 1 (chunked stream, {tj['chunk']} steps)", tj.get("decode_b1_tok_s_chunks"),
+       lc.get("decode_b1_tok_s"), ".1f"),
       ("decode tok/s, batch 1 (callback stream)", tj.get("decode_b1_tok_s_callback"), None, ".1f"),
       *((f"decode tok/s, batch 1, chunks of {c}", rate, None, ".1f")
         for c, rate in sorted(tj["decode_b1_tok_s_by_chunk"].items(), key=lambda kv: int(kv[0]))),
@@ -241,7 +243,8 @@ def _print_table(res: dict) -> None:
       ("achieved weight bandwidth, GB/s", tj.get("weight_bandwidth_gb_s"), None, ".2f"),
       ("machine copy bandwidth, GB/s", res["copy_bandwidth_gb_s"], None, ".2f"),
       ("fraction of copy bandwidth", tj.get("bandwidth_fraction"), None, ".2f"),
-      ("process start -> first token, cold, s", tj.get("process_first_token_cold_s"), lc.get("process_first_token_s"), ".2f"),
+      ("process start -> first token, cold, s", tj.get("process_first_token_cold_s"),
+       lc.get("process_first_token_s"), ".2f"),
       ("model ready after load call, s", tj.get("load_s"), lc.get("ready_s"), ".2f"),
       ("process start -> first token, warm cache, s", tj.get("process_first_token_warm_s"), None, ".2f"),
       ("peak RSS (bench process), MB", tj.get("peak_rss_mb"), None, ".0f"),

@@ -110,7 +110,8 @@ def _chained(model, prompt_ids: list[int], max_new: int):
         groups.append(unit_layers)
 
   embed = jax.jit(lambda st, tok: run_embed(defs, st, tok))
-  head = jax.jit(lambda st, table, x: jnp.argmax(run_head(defs, st, x[:, -1:], table)[:, -1], axis=-1).astype(jnp.int32))
+  head = jax.jit(lambda st, table, x: jnp.argmax(run_head(defs, st, x[:, -1:], table)[:, -1],
+                                                 axis=-1).astype(jnp.int32))
 
   def blocks_step(states, x, caches, slot, n_new: int):
     t = jnp.arange(n_new)

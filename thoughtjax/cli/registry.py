@@ -70,7 +70,8 @@ def _print_table(reg) -> None:
     table.add_column(col, overflow="fold", no_wrap=i < 2)
   for m in reg.manifests():
     p = m.profile
-    lat = "-" if p is None else f"{p.latency_mean_s * 1e3:.3f}±{p.latency_std_s * 1e3:.3f} ({p.latency_p99_s * 1e3:.3f})"
+    lat = "-" if p is None else (f"{p.latency_mean_s * 1e3:.3f}±{p.latency_std_s * 1e3:.3f} "
+                                 f"({p.latency_p99_s * 1e3:.3f})")
     table.add_row(m.name, m.version[:8], f"{m.signature.input.role} -> {m.signature.output.role}",
                   f"{m.param_bytes / 2**20:.2f}", "-" if p is None else f"{p.flops_per_token / 1e6:.3f}",
                   "-" if p is None else f"{p.peak_memory_bytes / 2**20:.2f}", lat, (m.signed_by or "unsigned")[:8])
