@@ -6,17 +6,13 @@ import pytest
 
 import thoughtjax
 from thoughtjax import program as program_lib
-from thoughtjax.loading import LoadedModel
 from thoughtjax.sampling import SamplingParams
-from thoughtjax.tokenizer import TextCodec
-from tests.tiny import greedy_reference, tiny_model, tiny_tokenizer
+from tests.tiny import greedy_reference, tiny_engine, tiny_model
 
 
 @pytest.fixture(scope="module")
 def engine():
-  cfg, model = tiny_model("llama_gqa", seed=3)
-  codec = TextCodec(tiny_tokenizer(), None, cfg.bos_id, cfg.eos_id)
-  return thoughtjax.Model(LoadedModel(cfg, model, codec, "tiny", ""))
+  return tiny_engine("llama_gqa", seed=3)
 
 
 def test_cached_decode_matches_full_recompute(engine):
@@ -160,11 +156,7 @@ def test_forced_pallas_kernels_give_identical_greedy_text_on_default_model(defau
 
 
 def test_chat_prompts_take_the_template_path_and_match_token_ids():
-  from tests.tiny import CHAT_TEMPLATE
-
-  cfg, model = tiny_model("qwen2_bias", seed=5)
-  codec = TextCodec(tiny_tokenizer(), CHAT_TEMPLATE, cfg.bos_id, cfg.eos_id)
-  loaded = LoadedModel(cfg, model, codec, "tiny-chat", "")
+  loaded = tiny_engine("qwen2_bias", seed=5, chat=True).loaded
   prompts = ["hello there", "a much longer user message, with punctuation!"]
   for kernels in ("xla", "pallas"):
     m = thoughtjax.Model(loaded, kernels=kernels)

@@ -48,6 +48,18 @@ def tiny_model(name: str, seed: int = 0):
   return cfg, init_random(cfg, seed, scale=0.08)
 
 
+def tiny_engine(name: str, seed: int = 0, *, chat: bool = False, **model_kw):
+  """A :class:`thoughtjax.Model` over ``tiny_model(name, seed)`` with the byte-level tokenizer (and the
+  chat template when ``chat``); ``model_kw`` go to the Model (``kernels=``, ``chunk=``)."""
+  import thoughtjax
+  from thoughtjax.loading import LoadedModel
+  from thoughtjax.tokenizer import TextCodec
+
+  cfg, model = tiny_model(name, seed)
+  codec = TextCodec(tiny_tokenizer(), CHAT_TEMPLATE if chat else None, cfg.bos_id, cfg.eos_id)
+  return thoughtjax.Model(LoadedModel(cfg, model, codec, f"tiny-{name}-seed{seed}", ""), **model_kw)
+
+
 def write_safetensors_dir(directory: Path, cfg: ModelConfig, model) -> Path:
   """A Hugging Face-style directory: config.json, model.safetensors, tokenizer files."""
   from safetensors.numpy import save_file

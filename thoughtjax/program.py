@@ -40,7 +40,6 @@ from typing import Callable, Iterator, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.experimental import io_callback
 
 # GraphDefs, PathParts and merge_path live with the model; re-exported here for old imports.
