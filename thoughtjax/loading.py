@@ -6,6 +6,10 @@ straight from disk. ``weights/index.json`` maps a GGUF's path, size and mtime to
 warm load does not hash the GGUF; the entry it names must record that GGUF's size and the sha256
 of its sampled blocks, else the GGUF is hashed in full (an edited index cannot swap models).
 
+With ``weights="native"`` an entry of its own (``weights/<sha256[:24]>-native-v<format>/``) holds the
+GGUF's quantized matrices packed (:mod:`thoughtjax.formats`: U8/I8 values, F32 block scales and
+minimums; 165 MB instead of 538 MB for the default model), mapped and checked the same way.
+
 Integrity of that derived cache. An entry holds ``weights.safetensors`` (float32, 538 MB for the
 default model), ``tokenizer.json`` and ``meta.json``; ``meta.json`` records each file's size,
 mtime and sha256, the sha256 of sampled blocks of the weights, and a hash of itself. A full
@@ -42,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from thoughtjax import fetch as fetch_lib
+from thoughtjax import formats
 from thoughtjax.config import ModelConfig
 from thoughtjax.model import Transformer
 from thoughtjax.sources.errors import ModelNotFoundError, UnsupportedModelError, WeightCacheError
@@ -50,6 +55,10 @@ from thoughtjax.weights import build_model, params_from_hf, to_hf_tensors
 
 # 2: float32 weights in the model layout, memory-mapped on load; 3: + integrity record and eos_ids
 _CACHE_FORMAT = 3
+# Native entries (weights="native", ``<sha>-native-v<format>``): packed blocks as U8/I8 q plus F32 scale
+# and min under ``<param>@q`` etc., their block types in meta["packed"]. 1: first version.
+_NATIVE_FORMAT = 1
+_DTYPES = {"F32": np.float32, "U8": np.uint8, "I8": np.int8}
 _SAMPLED_BLOCKS, _BLOCK = 64, 1 << 16
 # Counted outcomes of cache checks: "sampled" and "full" passes, "refused" failures, "index_reset".
 CACHE_STATS: collections.Counter = collections.Counter()
@@ -84,8 +93,14 @@ def resolve_source(name_or_path: str | os.PathLike) -> Path:
   return path
 
 
-def load_params(source: Path) -> tuple[ModelConfig, dict, TextCodec, str]:
-  """Config, float32 parameters in the model layout (nested dict), codec and source hash."""
+def load_params(source: Path, weights: str = "f32") -> tuple[ModelConfig, dict, TextCodec, str]:
+  """Config, parameters in the model layout (nested dict), codec and source hash.
+
+  ``weights="f32"``: float32 arrays. ``"native"``: a GGUF's Q8_0 / Q4_0 / Q4_1 matrices stay packed
+  (:class:`thoughtjax.formats.BlockQuant`), everything else float32; a safetensors directory has no
+  blocks, so its native form is its float32 one.
+  """
+  formats.check_format(weights)
   if source.is_dir():
     from thoughtjax.sources.safetensors_dir import read_eos_ids, read_hf_config, read_safetensors
 
@@ -96,7 +111,7 @@ def load_params(source: Path) -> tuple[ModelConfig, dict, TextCodec, str]:
     raise UnsupportedModelError(
         f"{source}: expected a .gguf file or a directory with config.json and *.safetensors, got a "
         f"{source.suffix or 'suffix-less'} file")
-  return _load_gguf_cached(source)
+  return _load_gguf_cached(source, weights)
 
 
 def load_tensors(source: Path) -> tuple[ModelConfig, dict[str, np.ndarray], TextCodec, str]:
@@ -105,10 +120,15 @@ def load_tensors(source: Path) -> tuple[ModelConfig, dict[str, np.ndarray], Text
   return cfg, to_hf_tensors(cfg, params), codec, digest
 
 
-def load(name_or_path: str | os.PathLike = fetch_lib.DEFAULT_MODEL, dtype=jnp.float32) -> LoadedModel:
-  """Load a model by known name or path into a Flax NNX :class:`Transformer`."""
+def load(name_or_path: str | os.PathLike = fetch_lib.DEFAULT_MODEL, dtype=jnp.float32,
+         weights: str = "f32") -> LoadedModel:
+  """Load a model by known name or path into a Flax NNX :class:`Transformer`.
+
+  ``weights``: ``"f32"`` (dequantized float32) or ``"native"`` (a GGUF's quantized blocks, read packed
+  by every matmul and computed in float32: the same logits up to summation order).
+  """
   source = resolve_source(name_or_path)
-  cfg, params, codec, digest = load_params(source)
+  cfg, params, codec, digest = load_params(source, weights)
   return LoadedModel(cfg, build_model(cfg, params, dtype), codec, str(name_or_path), digest)
 
 
@@ -126,15 +146,32 @@ def _stat_key(path: Path) -> str:
   return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
 
 
-def _flatten(params: dict, prefix: str = "") -> dict[str, np.ndarray]:
+def _flatten(params: dict, prefix: str = "", packed: dict | None = None) -> dict[str, np.ndarray]:
+  """Flat ``a/b/c`` names; a packed weight becomes ``<name>@q``, ``@scale`` (and ``@min``), its block
+  type recorded in ``packed[name]``."""
   out = {}
   for k, v in params.items():
     key = f"{prefix}{k}"
-    out.update(_flatten(v, key + "/") if isinstance(v, dict) else {key: np.ascontiguousarray(v)})
+    if isinstance(v, dict):
+      out.update(_flatten(v, key + "/", packed))
+    elif formats.is_packed(v):
+      if packed is None:
+        raise ValueError(f"{key}: packed weights need a record of their block types")
+      packed[key] = v.kind
+      parts = {"q": v.q, "scale": v.scale} | ({} if v.min is None else {"min": v.min})
+      out.update({f"{key}@{n}": np.ascontiguousarray(a) for n, a in parts.items()})
+    else:
+      out[key] = np.ascontiguousarray(v)
   return out
 
 
-def _unflatten(flat: dict[str, np.ndarray]) -> dict:
+def _unflatten(flat: dict[str, np.ndarray], packed: dict | None = None) -> dict:
+  flat = dict(flat)
+  for key, kind in (packed or {}).items():
+    if not isinstance(kind, str) or kind not in formats.KINDS or f"{key}@q" not in flat or f"{key}@scale" not in flat:
+      raise WeightCacheError(f"weight cache: packed weight {key!r} ({kind!r}) lacks its q/scale tensors or has an "
+                             f"unknown block type; delete the entry and load again to rebuild it")
+    flat[key] = formats.BlockQuant(flat.pop(f"{key}@q"), flat.pop(f"{key}@scale"), flat.pop(f"{key}@min", None), kind)
   out: dict = {}
   for key, v in flat.items():
     node = out
@@ -145,8 +182,8 @@ def _unflatten(flat: dict[str, np.ndarray]) -> dict:
   return out
 
 
-def _map_safetensors(path: Path) -> dict[str, np.ndarray]:
-  """Read-only memory-mapped arrays of a float32 safetensors file (we wrote it ourselves).
+def _map_safetensors(path: Path, dtypes: tuple[str, ...] = ("F32",)) -> dict[str, np.ndarray]:
+  """Read-only memory-mapped arrays of a safetensors file (we wrote it ourselves) of ``dtypes``.
 
   The format: 8-byte little-endian header size, a JSON header of name -> dtype, shape and
   byte range, then the data. Mapping skips the copy that reading the file would make. The header
@@ -169,10 +206,10 @@ def _map_safetensors(path: Path) -> dict[str, np.ndarray]:
   for name, info in header.items():
     if name == "__metadata__":
       continue
-    if info["dtype"] != "F32":
-      raise _cache_error(path, f"tensor {name} is {info['dtype']}; the weight cache holds F32 only")
+    if info["dtype"] not in dtypes:
+      raise _cache_error(path, f"tensor {name} is {info['dtype']}; this weight cache entry holds {', '.join(dtypes)} only")
     a, b = info["data_offsets"]
-    out[name] = data[a:b].view(np.float32).reshape(info["shape"])
+    out[name] = data[a:b].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
   return out
 
 
@@ -261,7 +298,7 @@ def verify_weight_cache(root: Path | None = None) -> dict[str, str]:
   """
   root = root or fetch_lib.cache_dir() / "weights"
   report = {}
-  for entry in sorted(root.glob(f"*-v{_CACHE_FORMAT}")):
+  for entry in sorted({*root.glob(f"*-v{_CACHE_FORMAT}"), *root.glob(f"*-native-v{_NATIVE_FORMAT}")}):
     try:
       _check_entry(entry, _read_meta(entry), full=True)
       report[str(entry)] = "ok"
@@ -294,7 +331,19 @@ def _codec_from_entry(entry: Path, meta: dict) -> TextCodec:
                    meta["bos_id"], meta["eos_id"], meta["add_bos"], eos_ids=meta.get("eos_ids", ()))
 
 
-def _load_gguf_cached(path: Path):
+def _entry_name(digest: str, weights: str) -> str:
+  if weights == "native":  # not matched by the f32 entries' "<sha>-v*" clean-up glob
+    return f"{digest[:24]}-native-v{_NATIVE_FORMAT}"
+  return f"{digest[:24]}-v{_CACHE_FORMAT}"
+
+
+def _params_from_entry(entry: Path, meta: dict) -> dict:
+  packed = meta.get("packed") or {}
+  dtypes = ("F32", "U8", "I8") if packed else ("F32",)
+  return _unflatten(_map_safetensors(entry / "weights.safetensors", dtypes), packed)
+
+
+def _load_gguf_cached(path: Path, weights: str = "f32"):
   from safetensors.numpy import save_file
 
   root = fetch_lib.cache_dir() / "weights"
@@ -304,7 +353,7 @@ def _load_gguf_cached(path: Path):
   indexed = digest is not None
   if not indexed:
     digest = fetch_lib.sha256_file(path)
-  entry = root / f"{digest[:24]}-v{_CACHE_FORMAT}"
+  entry = root / _entry_name(digest, weights)
   if entry.exists() and not (entry / "meta.json").exists():  # entries appear whole (one rename)
     raise _cache_error(entry / "meta.json", "the file is missing")
   if (entry / "meta.json").exists():
@@ -314,43 +363,46 @@ def _load_gguf_cached(path: Path):
         and (not indexed or meta.get("source_sampled_sha256") == _sampled_sha256(path, size))):
       _check_entry(entry, meta, full=os.environ.get("THOUGHTJAX_VERIFY_CACHE") == "full")
       cfg = ModelConfig.from_json(meta["config"])
-      params = _unflatten(_map_safetensors(entry / "weights.safetensors"))
+      params = _params_from_entry(entry, meta)
       if not indexed:  # e.g. the GGUF was touched or copied: next time skip hashing it
         index[_stat_key(path)] = digest
         _write_index(root, index_path, index)
       return cfg, params, _codec_from_entry(entry, meta), digest
     # The index named an entry of another file (edited index): trust only the GGUF's own hash.
     digest = fetch_lib.sha256_file(path)
-    entry = root / f"{digest[:24]}-v{_CACHE_FORMAT}"
+    entry = root / _entry_name(digest, weights)
     if (entry / "meta.json").exists():
       meta = _read_meta(entry)
       _check_entry(entry, meta, full=True)
       index[_stat_key(path)] = digest
       _write_index(root, index_path, index)
-      return (ModelConfig.from_json(meta["config"]), _unflatten(_map_safetensors(entry / "weights.safetensors")),
-              _codec_from_entry(entry, meta), digest)
+      return (ModelConfig.from_json(meta["config"]), _params_from_entry(entry, meta), _codec_from_entry(entry, meta),
+              digest)
 
   from thoughtjax.sources.gguf_file import load_gguf
 
-  ckpt = load_gguf(path)
+  ckpt = load_gguf(path, weights)
   params = params_from_hf(ckpt.config, ckpt.tensors)
   codec = TextCodec.from_gguf(ckpt.tokenizer)
   root.mkdir(parents=True, exist_ok=True)
   staging = Path(tempfile.mkdtemp(dir=root, prefix=".staging-"))
   try:
-    save_file(_flatten(params), str(staging / "weights.safetensors"))
+    packed: dict[str, str] = {}
+    save_file(_flatten(params, packed=packed), str(staging / "weights.safetensors"))
     codec.tokenizer.save(str(staging / "tokenizer.json"))
     meta = {"config": ckpt.config.to_json(), "chat_template": codec.chat_template,
             "bos_id": codec.bos_id, "eos_id": codec.eos_id, "eos_ids": list(codec.eos_ids), "add_bos": codec.add_bos,
             "source": str(path), "sha256": digest, "source_size": path.stat().st_size,
             "source_sampled_sha256": _sampled_sha256(path, path.stat().st_size), "types": ckpt.source_types,
+            "weights": weights, "packed": packed,
             "files": {n: _file_record(staging / n) for n in ("weights.safetensors", "tokenizer.json")}}
     _write_meta(staging, meta)
     try:
       os.rename(staging, entry)
     except OSError:  # another process won the race; its copy is identical
       shutil.rmtree(staging, ignore_errors=True)
-    for stale in root.glob(f"{digest[:24]}-v*"):  # entries of older cache formats
+    stale_glob = f"{digest[:24]}-native-v*" if weights == "native" else f"{digest[:24]}-v*"
+    for stale in root.glob(stale_glob):  # entries of older cache formats
       if stale != entry:
         shutil.rmtree(stale, ignore_errors=True)
   except BaseException:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from thoughtjax import formats
 from thoughtjax.config import ModelConfig
 from thoughtjax.errors import UserError
 from thoughtjax.model import Transformer, abstract_model
@@ -31,14 +32,32 @@ class TensorShapeError(UserError, ValueError):
   """A checkpoint tensor's shape does not match what its configuration implies."""
 
 
+# Parameters used as an [I, O] matrix whose leading dims (the count given) are the inputs; a native
+# weight keeps the checkpoint's [O, I] blocks instead (see thoughtjax.model._matrix).
+_IN_DIMS = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
+
+
+def _in_out(w, *shape):
+  """[out, in] checkpoint tensor -> the model's [in..., out...] layout; packed blocks stay [O, I]."""
+  return w if formats.is_packed(w) else w.T.reshape(shape)
+
+
+def native_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+  """Shape [O, I] of a native weight standing for parameter ``name`` of shape ``shape``."""
+  if name not in _IN_DIMS:  # embed table, unembed: already [V, D] = [O, I]
+    return tuple(shape)
+  n = _IN_DIMS[name]
+  return (int(np.prod(shape[n:])), int(np.prod(shape[:n])))
+
+
 def _layer_params(cfg: ModelConfig, get, i: int) -> dict:
   D, H, K, E = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   pre = f"model.layers.{i}."
   attn = {
-      "q": get(pre + "self_attn.q_proj.weight").T.reshape(D, H, E),
-      "k": get(pre + "self_attn.k_proj.weight").T.reshape(D, K, E),
-      "v": get(pre + "self_attn.v_proj.weight").T.reshape(D, K, E),
-      "o": get(pre + "self_attn.o_proj.weight").T.reshape(H, E, D),
+      "q": _in_out(get(pre + "self_attn.q_proj.weight"), D, H, E),
+      "k": _in_out(get(pre + "self_attn.k_proj.weight"), D, K, E),
+      "v": _in_out(get(pre + "self_attn.v_proj.weight"), D, K, E),
+      "o": _in_out(get(pre + "self_attn.o_proj.weight"), H, E, D),
   }
   if cfg.qkv_bias:
     attn["q_bias"] = get(pre + "self_attn.q_proj.bias").reshape(H, E)
@@ -49,15 +68,15 @@ def _layer_params(cfg: ModelConfig, get, i: int) -> dict:
       "attn": attn,
       "mlp_norm": {"weight": get(pre + "post_attention_layernorm.weight")},
       "mlp": {
-          "gate": get(pre + "mlp.gate_proj.weight").T,
-          "up": get(pre + "mlp.up_proj.weight").T,
-          "down": get(pre + "mlp.down_proj.weight").T,
+          "gate": _in_out(get(pre + "mlp.gate_proj.weight"), D, cfg.ffn_dim),
+          "up": _in_out(get(pre + "mlp.up_proj.weight"), D, cfg.ffn_dim),
+          "down": _in_out(get(pre + "mlp.down_proj.weight"), cfg.ffn_dim, D),
       },
   }
 
 
 def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> dict:
-  """Nested dict of numpy arrays in the model's parameter layout."""
+  """Nested dict of numpy arrays (or packed native blocks, kept as they are) in the model's parameter layout."""
 
   def get(name: str) -> np.ndarray:
     if name not in tensors:
@@ -66,7 +85,8 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> dict:
           f"({cfg.architecture.value}, {cfg.num_layers} layers, qkv_bias={cfg.qkv_bias}, "
           f"tie_embeddings={cfg.tie_embeddings}) requires it"
       )
-    return np.asarray(tensors[name])
+    w = tensors[name]
+    return w if formats.is_packed(w) else np.asarray(w)
 
   params = {
       "embed": {"table": get("model.embed_tokens.weight")},
@@ -79,7 +99,8 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> dict:
 
 
 def build_model(cfg: ModelConfig, params: dict, dtype=jnp.float32) -> Transformer:
-  """Materialize a Transformer from nested numpy params, cast to ``dtype``."""
+  """Materialize a Transformer from nested numpy params, cast to ``dtype``; native (packed) weights
+  stay packed on the device (they compute in float32 whatever ``dtype``)."""
   model = abstract_model(cfg, dtype)
   state = nnx.state(model, nnx.Param)
   flat = dict(nnx.to_flat_state(state))
@@ -92,11 +113,13 @@ def build_model(cfg: ModelConfig, params: dict, dtype=jnp.float32) -> Transforme
 
   for path, var in flat.items():
     arr = lookup(path)
-    if tuple(arr.shape) != tuple(var.shape):
+    packed = formats.is_packed(arr)
+    want = native_shape(str(path[-1]), tuple(var.shape)) if packed else tuple(var.shape)
+    if tuple(arr.shape) != want:
       raise TensorShapeError(
-          f"parameter {'/'.join(map(str, path))}: expected shape {tuple(var.shape)} from the config, got "
+          f"parameter {'/'.join(map(str, path))}: expected shape {want} from the config, got "
           f"{tuple(arr.shape)} from the checkpoint; the checkpoint and its config do not belong together")
-    var.set_value(jnp.asarray(arr, dtype=dtype))
+    var.set_value(formats.to_device(arr) if packed else jnp.asarray(arr, dtype=dtype))
   nnx.update(model, nnx.from_flat_state(flat))
   return model
 
@@ -120,24 +143,33 @@ def to_hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
   """Inverse of :func:`params_from_hf`: the model layout back to Hugging Face names."""
   D, H, K, E = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   f = lambda x: np.asarray(x, np.float32)  # noqa: E731
-  out = {"model.embed_tokens.weight": f(params["embed"]["table"]),
+
+  def mat(x, rows, cols):  # the [out, in] tensor of a weight held as [in, out] or as native [O, I] blocks
+    return formats.dequantize(x) if formats.is_packed(x) else f(x).reshape(rows, cols).T.copy()
+
+  out = {"model.embed_tokens.weight": _dense(params["embed"]["table"]),
          "model.norm.weight": f(params["head"]["norm"]["weight"])}
   if not cfg.tie_embeddings:
-    out["lm_head.weight"] = f(params["head"]["unembed"])
+    out["lm_head.weight"] = _dense(params["head"]["unembed"])
   for i in range(cfg.num_layers):
     b, pre = params["blocks"][i], f"model.layers.{i}."
     a, m = b["attn"], b["mlp"]
     out[pre + "input_layernorm.weight"] = f(b["attn_norm"]["weight"])
     out[pre + "post_attention_layernorm.weight"] = f(b["mlp_norm"]["weight"])
-    out[pre + "self_attn.q_proj.weight"] = f(a["q"]).reshape(D, H * E).T.copy()
-    out[pre + "self_attn.k_proj.weight"] = f(a["k"]).reshape(D, K * E).T.copy()
-    out[pre + "self_attn.v_proj.weight"] = f(a["v"]).reshape(D, K * E).T.copy()
-    out[pre + "self_attn.o_proj.weight"] = f(a["o"]).reshape(H * E, D).T.copy()
+    out[pre + "self_attn.q_proj.weight"] = mat(a["q"], D, H * E)
+    out[pre + "self_attn.k_proj.weight"] = mat(a["k"], D, K * E)
+    out[pre + "self_attn.v_proj.weight"] = mat(a["v"], D, K * E)
+    out[pre + "self_attn.o_proj.weight"] = mat(a["o"], H * E, D)
     if cfg.qkv_bias:
       out[pre + "self_attn.q_proj.bias"] = f(a["q_bias"]).reshape(H * E)
       out[pre + "self_attn.k_proj.bias"] = f(a["k_bias"]).reshape(K * E)
       out[pre + "self_attn.v_proj.bias"] = f(a["v_bias"]).reshape(K * E)
-    out[pre + "mlp.gate_proj.weight"] = f(m["gate"]).T.copy()
-    out[pre + "mlp.up_proj.weight"] = f(m["up"]).T.copy()
-    out[pre + "mlp.down_proj.weight"] = f(m["down"]).T.copy()
+    out[pre + "mlp.gate_proj.weight"] = mat(m["gate"], D, cfg.ffn_dim)
+    out[pre + "mlp.up_proj.weight"] = mat(m["up"], D, cfg.ffn_dim)
+    out[pre + "mlp.down_proj.weight"] = mat(m["down"], cfg.ffn_dim, D)
   return out
+
+
+def _dense(x) -> np.ndarray:
+  """float32 numpy of an array or of native blocks (dequantized, the same values)."""
+  return formats.dequantize(x) if formats.is_packed(x) else np.asarray(x, np.float32)

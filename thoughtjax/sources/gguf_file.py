@@ -89,7 +89,7 @@ class TokenizerData:
 @dataclasses.dataclass
 class GGUFCheckpoint:
   config: ModelConfig
-  tensors: dict[str, np.ndarray]  # Hugging Face names, float32, [out, in]
+  tensors: dict[str, np.ndarray]  # Hugging Face names, float32 or (weights="native") packed blocks, [out, in]
   tokenizer: TokenizerData
   source_types: dict[str, str]  # HF name -> GGUF tensor type
 
@@ -273,9 +273,15 @@ def check_complete(path: Path) -> None:
         f"got {actual} bytes ({want - actual} missing). {_FIX_TRUNCATED}")
 
 
-def load_gguf(path: str | Path) -> GGUFCheckpoint:
-  """Dequantize every tensor of a Llama-family GGUF file to float32."""
+def load_gguf(path: str | Path, weights: str = "f32") -> GGUFCheckpoint:
+  """Every tensor of a Llama-family GGUF file: dequantized to float32 (``weights="f32"``), or with
+  ``weights="native"`` the 2-D Q8_0 / Q4_0 / Q4_1 tensors kept as their blocks
+  (:class:`thoughtjax.formats.BlockQuant`, numpy arrays; the same float32 values once dequantized)."""
   import gguf  # deferred: only GGUF users pay for the import
+
+  from thoughtjax import formats
+
+  formats.check_format(weights)
 
   path = Path(path)
   if not path.is_file():
@@ -295,11 +301,21 @@ def load_gguf(path: str | Path) -> GGUFCheckpoint:
           f"tensor {t.name!r} in {path.name} has quantization type {type_name}; supported: "
           f"{', '.join(SUPPORTED_TYPES)}. Re-quantize the file to one of those."
       )
-    w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+    if weights == "native" and type_name in formats.KINDS and len(t.shape) == 2:
+      w = formats.from_gguf_blocks(t.data, type_name, (int(t.shape[1]), int(t.shape[0])))
+    else:
+      w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
     if name.endswith(("q_proj.weight", "q_proj.bias")):
-      w = unpermute_rows(w, cfg.num_heads)
+      w = _rows(w, lambda a: unpermute_rows(a, cfg.num_heads))
     elif name.endswith(("k_proj.weight", "k_proj.bias")):
-      w = unpermute_rows(w, cfg.num_kv_heads)
+      w = _rows(w, lambda a: unpermute_rows(a, cfg.num_kv_heads))
     tensors[name] = w
     types[name] = type_name
   return GGUFCheckpoint(cfg, tensors, read_tokenizer(reader), types)
+
+
+def _rows(w, permute):
+  """Apply a row (output) permutation to an array or to each part of packed blocks (rows are outputs)."""
+  from thoughtjax import formats
+
+  return w.map(permute) if formats.is_packed(w) else permute(w)
