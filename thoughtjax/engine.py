@@ -628,16 +628,17 @@ class Model:
 
 
 def load(name_or_path: str | os.PathLike | None = None, *, path: str | Sequence[int] | None = None,
-         kernels: str | None = None, compile_cache: bool = True) -> Model:
+         kernels: str | None = None, compile_cache: bool = True, weights: str = "f32") -> Model:
   """Load a model by known name (default: SmolLM2-135M-Instruct) or by path.
 
   ``path``: the layer path to run, as layer indices or a path string
   (``"embed, blocks[0:12), head"``); ``kernels``: ``"xla"``, ``"pallas"`` or None (the default of
-  :func:`thoughtjax.kernels.dispatch.resolve`).
+  :func:`thoughtjax.kernels.dispatch.resolve`); ``weights``: ``"f32"`` or ``"native"`` (a GGUF's
+  quantized blocks, computed in float32).
   """
   if compile_cache:
     program_lib.configure_compilation_cache()
   from thoughtjax.fetch import DEFAULT_MODEL
 
-  model = Model(load_model(name_or_path or DEFAULT_MODEL), kernels=kernels)
+  model = Model(load_model(name_or_path or DEFAULT_MODEL, weights=weights), kernels=kernels)
   return model if path is None else model.with_path(path)
