@@ -47,6 +47,17 @@ def test_copy_bandwidth_probe_names_a_wrong_target():
     common.copy_bandwidth_gbps(1 << 20, on="gpu")
 
 
+@pytest.mark.parametrize("bench", ["decode", "registry", "kernels"])
+def test_an_unwritable_json_path_is_refused_before_the_run(bench, tmp_path, capsys):
+  from thoughtjax import cli
+
+  with pytest.raises(SystemExit) as info:
+    cli.main(["bench", bench, "--json", str(tmp_path / "missing" / "out.json")])
+  assert info.value.code == 2
+  assert f"argument --json: {tmp_path / 'missing' / 'out.json'}: expected a file in an existing directory" in (
+      capsys.readouterr().err)
+
+
 def test_table_and_json(tmp_path, capsys):
   common.print_table("figures", ["name", "value"], [("decode tok/s", common.fmt(12.345, ".1f")),
                                                     ("llama.cpp", common.fmt(None, ".1f"))], right=("value",))

@@ -106,6 +106,15 @@ def test_missing_user_paths_are_command_line_errors(tmp_path, capsys, argv, flag
   assert f"error: CommandLineError: {fill(flag)}" in err and err.count("\n") == 1
 
 
+def test_a_build_into_a_file_is_refused_before_any_work(tmp_path, capsys):
+  target = tmp_path / "notes.txt"
+  target.write_text("not a registry")
+  assert cli.main(["registry", "build", "--out", str(target), "--model", str(tmp_path)]) == 2
+  assert capsys.readouterr().err == (f"thoughtjax registry build: error: CommandLineError: --out {target}: expected a "
+                                     "directory (new or existing), found a file; pick another path\n")
+  assert target.read_text() == "not a registry"
+
+
 def test_keygen_over_an_existing_pair_says_how_to_replace_it(tmp_path, capsys):
   assert cli.main(["registry", "keygen", str(tmp_path / "team")]) == 0
   capsys.readouterr()

@@ -132,6 +132,17 @@ def fmt(value: float | None, spec: str) -> str:
   return "-" if value is None else format(value, spec)
 
 
+def json_path(text: str) -> str:
+  """argparse ``type=`` of ``--json FILE``: refuse a file that cannot be written before the run, not after it."""
+  import argparse
+
+  path = Path(text).expanduser()
+  if path.is_dir() or not path.parent.is_dir():
+    raise argparse.ArgumentTypeError(f"{text}: expected a file in an existing directory; create "
+                                     f"{path.parent} first or pick another path")
+  return text
+
+
 def write_json(path: str | os.PathLike, report: Any, *, indent: int = 2) -> None:
   """Write a benchmark's report (plain JSON types) to ``path``."""
   Path(path).write_text(json.dumps(report, indent=indent))

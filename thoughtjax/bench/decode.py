@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--model", default=None)
   p.add_argument("--tokens", type=int, default=64, help="decode tokens per run")
   p.add_argument("--repeats", type=int, default=3)
-  p.add_argument("--json", default=None, help="write results to this JSON file")
+  p.add_argument("--json", default=None, type=common.json_path, help="write results to this JSON file")
   p.add_argument("--chunks", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 16],
                  help="other decode chunk sizes to compare with the default (comma-separated)")
   p.add_argument("--skip-process", action="store_true", help="skip the new-process start-up runs")

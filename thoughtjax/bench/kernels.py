@@ -340,7 +340,7 @@ def print_table(report: dict, results: list[Result]) -> None:
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="thoughtjax bench kernels", description=__doc__.split(
       "\n\n")[0])
-  parser.add_argument("--json", metavar="PATH", help="also write the report as JSON here")
+  parser.add_argument("--json", metavar="PATH", type=common.json_path, help="also write the report as JSON here")
   parser.add_argument("--repeats", type=int, default=None,
                       help="timed rounds per implementation (default 20 on GPU, 5 on CPU)")
   parser.add_argument("--quick", action="store_true",

@@ -215,7 +215,7 @@ def main(argv=None) -> int:
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--tokens", type=int, default=64, help="tokens per decode run")
   p.add_argument("--skip", action="append", default=[], choices=("restore", "cold", "decode"))
-  p.add_argument("--json", default=None, help="write the results here")
+  p.add_argument("--json", default=None, type=common.json_path, help="write the results here")
   args = p.parse_args(argv)
 
   from thoughtjax.thoughtlet import fingerprint

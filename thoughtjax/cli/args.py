@@ -28,6 +28,14 @@ def existing_path(text: str, flag: str, *, kind: str = "file") -> Path:
   return path
 
 
+def output_dir(text: str, flag: str) -> Path:
+  """A directory to create or update: it may not exist yet, but must not be a file."""
+  path = Path(text).expanduser()
+  if path.exists() and not path.is_dir():
+    raise CommandLineError(f"{flag} {text}: expected a directory (new or existing), found a file; pick another path")
+  return path
+
+
 def model_source(text: str | None, flag: str = "--model") -> str | None:
   """A known model name, or a path that exists (None: the default model)."""
   from thoughtjax.fetch import KNOWN_MODELS

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from thoughtjax.cli.args import (CommandLineError, add_trust_args, existing_path, model_source, open_registry,
-                                 trust_policy)
+                                 output_dir, trust_policy)
 
 
 def _profile_settings(args):
@@ -30,6 +30,7 @@ def cmd_build(args) -> int:
   from thoughtjax.fetch import DEFAULT_MODEL
   from thoughtjax.registry import build
 
+  out = output_dir(args.out, "--out")
   mapping = existing_path(args.mapping, "--mapping") if args.mapping else _default_mapping()
   sign_key = existing_path(args.sign_key, "--sign-key") if args.sign_key else None
   model_source(args.model)  # a wrong --model fails before the progress bars start
@@ -47,7 +48,7 @@ def cmd_build(args) -> int:
         stages[stage] = bar.add_task(stage, total=total, item="")
       bar.update(stages[stage], completed=done if stage != "profile" else done + 1, item=name)
 
-    reg = build(args.out, mapping, model_source(args.model) or DEFAULT_MODEL, sign_key=sign_key,
+    reg = build(out, mapping, model_source(args.model) or DEFAULT_MODEL, sign_key=sign_key,
                 settings=_profile_settings(args), progress=progress, trust=trust)
   console.print(f"registry {reg.root}: generation {reg.generation}, {len(reg.names)} thoughtlets"
                 + ("" if args.sign_key else " (unsigned: pass --sign-key to sign)"))
