@@ -229,3 +229,11 @@ def test_build_into_an_edited_registry_is_refused(registry_copy, keypair, tiny, 
   with pytest.raises(UntrustedIndexError, match="refusing to publish on top of"):
     build(registry_copy, tiny_mapping, model, codec=codec, sign_key=keypair[0], settings=None)
   assert _index_bytes(registry_copy) == edited
+
+
+def test_trust_takes_key_objects_and_names_an_unusable_state_file(built, keypair, tmp_path):
+  key = signing.load_public_key(keypair[1])
+  assert Registry.open(built, TrustPolicy(public_keys=(key,), state_file=tmp_path / "s.json")).signed
+  (tmp_path / "file").write_text("")
+  with pytest.raises(RegistryError, match=r"trust state .*file/s.json: cannot be read or written .*THOUGHTJAX_TRUST_STATE"):
+    Registry.open(built, TrustPolicy(state_file=tmp_path / "file" / "s.json"))

@@ -164,8 +164,8 @@ def _publish(root: Path, thoughtlets: Sequence[Thoughtlet], *, sign_key, on_step
     shutil.rmtree(staging_root, ignore_errors=True)
     try:  # the writer has seen its own sequence; a reader records it on open anyway
       RollbackState(trust.state_path()).record(state_key(body["registry_id"], root), body["sequence"], key is not None)
-    except OSError:
-      pass
+    except RegistryError:
+      pass  # the publish is complete; an unwritable state file is reported by the next open
   return versions
 
 

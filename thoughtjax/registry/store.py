@@ -1,8 +1,9 @@
 """The read-only view of a registry: index, manifests, signatures, lazy verified restores.
 
 A reader reads the index once per :meth:`Registry.open`/:meth:`Registry.refresh`, so it sees
-one consistent set of current versions. Every file a restore reads is checked against the
-SHA-256 digest its signed manifest lists (SHA-256 rather than SHA3 here because it runs at
+one consistent set of current versions, and checks it under its :class:`TrustPolicy` (see
+:mod:`.trust`). Every file a restore reads is checked against the SHA-256 digest its signed
+manifest lists, on the very bytes Orbax then reads (a private verified copy) (SHA-256 rather than SHA3 here because it runs at
 memory speed with CPU support; the versioned hash stays SHA3-512). A mismatch raises
 :class:`IntegrityError` naming the thoughtlet, version and file, counts it in
 :meth:`Registry.stats`, and nothing falls back to another version.
@@ -15,7 +16,7 @@ with hit/miss/eviction counts.
 **Multi-host.** With ``jax.distributed.initialize()`` called first in every process, pass a
 ``Mesh`` spanning all processes' devices to :meth:`restore` / :func:`thoughtjax.compose.compose`:
 Orbax then restores on each process only the shards its devices hold (the SHA-256 file checks
-still read each thoughtlet's files whole), the registry directory must be on storage every host
+still read and copy each thoughtlet's files whole), the registry directory must be on storage every host
 can read (a shared file system: the checks read plain files), and every process must make the
 same restore and compose calls in the same order, as with any SPMD program. Publishing is a
 single-writer operation (the writer lock is a local ``flock``): run it from one process only.

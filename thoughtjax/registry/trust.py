@@ -32,7 +32,8 @@ from typing import Iterable
 
 from thoughtjax import signing
 from thoughtjax.errors import UserError
-from thoughtjax.registry.errors import IntegrityError, RollbackError, SignatureDowngradeError, SignatureError
+from thoughtjax.registry.errors import (IntegrityError, RegistryError, RollbackError, SignatureDowngradeError,
+                                        SignatureError)
 from thoughtjax.registry.layout import VERSION_RE, _sha256_bytes
 from thoughtjax.thoughtlet import canonical_json
 
@@ -137,7 +138,15 @@ class RollbackState:
     return doc.get("registries", {})
 
   def get(self, key: str) -> dict | None:
-    return self._read().get(key)
+    try:
+      return self._read().get(key)
+    except OSError as e:
+      raise self._unusable(e) from e
+
+  def _unusable(self, e: OSError) -> RegistryError:
+    return RegistryError(f"trust state {self.path}: cannot be read or written ({e}); it records the highest index "
+                         f"sequence seen per registry. Point {STATE_ENV} (or TrustPolicy(state_file=...)) at a "
+                         f"writable file")
 
   @contextlib.contextmanager
   def _locked(self):
@@ -151,6 +160,12 @@ class RollbackState:
 
   def record(self, key: str, sequence: int, signed: bool) -> dict:
     """Raise the stored sequence of ``key`` to ``sequence`` (never lower it); returns the entry."""
+    try:
+      return self._record(key, sequence, signed)
+    except OSError as e:
+      raise self._unusable(e) from e
+
+  def _record(self, key: str, sequence: int, signed: bool) -> dict:
     with self._locked():
       entries = self._read()
       old = entries.get(key, {})
