@@ -41,7 +41,8 @@ def test_verify_checks_every_hash_and_signature(built, keypair):
 
 def test_untrusted_key_is_refused(built, tmp_path):
   _, other_pub = signing.keygen(tmp_path / "other")
-  with pytest.raises(signing.SignatureError, match=r"index.json \(index signature\): signed by key .* not among the trusted keys"):
+  with pytest.raises(signing.SignatureError,
+                     match=r"index.json \(index signature\): signed by key .* not among the trusted keys"):
     Registry.open(built, TrustPolicy(public_keys=(other_pub,)))
 
 

@@ -235,5 +235,13 @@ def test_trust_takes_key_objects_and_names_an_unusable_state_file(built, keypair
   key = signing.load_public_key(keypair[1])
   assert Registry.open(built, TrustPolicy(public_keys=(key,), state_file=tmp_path / "s.json")).signed
   (tmp_path / "file").write_text("")
-  with pytest.raises(RegistryError, match=r"trust state .*file/s.json: cannot be read or written .*THOUGHTJAX_TRUST_STATE"):
+  with pytest.raises(RegistryError,
+                     match=r"trust state .*file/s.json: cannot be read or written .*THOUGHTJAX_TRUST_STATE"):
     Registry.open(built, TrustPolicy(state_file=tmp_path / "file" / "s.json"))
+
+
+def test_a_corrupt_state_file_is_named(built, tmp_path):
+  state = tmp_path / "s.json"
+  state.write_text("{truncated")
+  with pytest.raises(RegistryError, match=rf"trust state {state} is not valid JSON.*Delete it to start over"):
+    Registry.open(built, TrustPolicy(state_file=state))

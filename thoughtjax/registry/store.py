@@ -3,8 +3,8 @@
 A reader reads the index once per :meth:`Registry.open`/:meth:`Registry.refresh`, so it sees
 one consistent set of current versions, and checks it under its :class:`TrustPolicy` (see
 :mod:`.trust`). Every file a restore reads is checked against the SHA-256 digest its signed
-manifest lists, on the very bytes Orbax then reads (a private verified copy) (SHA-256 rather than SHA3 here because it runs at
-memory speed with CPU support; the versioned hash stays SHA3-512). A mismatch raises
+manifest lists, on the very bytes Orbax then reads (a private verified copy). SHA-256 rather
+than SHA3 here because it runs at memory speed with CPU support; the versioned hash stays SHA3-512. A mismatch raises
 :class:`IntegrityError` naming the thoughtlet, version and file, counts it in
 :meth:`Registry.stats`, and nothing falls back to another version.
 

@@ -129,12 +129,13 @@ class RollbackState:
     except FileNotFoundError:
       return {}
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      raise UserError(f"trust state {self.path} is not valid JSON ({e}); it records the highest index "
-                      f"sequence seen per registry. Delete it to start over (rollback protection then "
-                      f"restarts from the next registry opened)") from None
+      raise RegistryError(f"trust state {self.path} is not valid JSON ({e}); it records the highest index "
+                          f"sequence seen per registry. Delete it to start over (rollback protection then "
+                          f"restarts from the sequences seen next)") from None
     if not isinstance(doc, dict) or doc.get("format") != STATE_FORMAT:
-      raise UserError(f"trust state {self.path}: expected format {STATE_FORMAT!r}, got "
-                      f"{doc.get('format') if isinstance(doc, dict) else type(doc).__name__!r}; delete it to start over")
+      got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+      raise RegistryError(f"trust state {self.path}: expected format {STATE_FORMAT!r}, got {got!r}; delete it to "
+                          f"start over")
     return doc.get("registries", {})
 
   def get(self, key: str) -> dict | None:
