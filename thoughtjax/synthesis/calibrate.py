@@ -1,0 +1,334 @@
+"""``registry calibrate``: measure every candidate path's quality per hint and this machine's latency model.
+
+>>> from thoughtjax.registry import Registry
+>>> from thoughtjax.synthesis.calibrate import calibrate, store
+>>> reg = Registry.open("build/registry")
+>>> cal = calibrate(reg)                        # candidates, quality per hint, latency, ~minutes on 2 cores
+>>> store(reg, cal, sign_key="keys/registry.key")   # DIR/calibration/<sequence>.json + .sig
+
+Steps (each reported to ``progress(stage, done, total, item)``):
+
+1. **load**: the full path composed from the registry (every current block thoughtlet), so quality is
+   measured on exactly the weights synthesis will run.
+2. **candidates**: :func:`~thoughtjax.synthesis.candidates.propose` on the first hint's calibration split
+   with the registry's own block spans, then :func:`~thoughtjax.synthesis.candidates.pin` to the current
+   versions (a proposal that does not compose is dropped with its reason in ``report.refused``).
+3. **quality**: :func:`~thoughtjax.synthesis.quality.measure_candidates` on every hint's calibration and
+   held-out split, each cut to ``max_windows`` windows of ``window`` tokens (the full path's logits once
+   per window, shared by all candidates).
+4. **latency**: the real program (prefill + decode loop, as synthesis runs it) of the full path and of
+   the shortest candidate, at two prompt buckets and two decode lengths, ``ignore_eos`` so every step
+   runs; per-layer and fixed (embed + head + loop) costs are fitted by non-negative least squares to the
+   same stage times a synthesis trace reports, so predictions and traces compare like with like. Restore
+   cost: every unit restored once from disk (bytes, ms). Compile cost: the first run of each program
+   (layers run, ms) per prompt bucket. Synthesis overhead: planning time on the new calibration.
+
+``latency_only=True`` keeps a stored calibration's candidates and quality and re-measures step 4 on this
+machine (another fingerprint), well under two minutes for the default model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from thoughtjax.errors import UserError
+from thoughtjax.synthesis.calibration import Calibration, Candidate, CandidateKind, Unit
+from thoughtjax.synthesis.candidates import CandidateSettings, pin, propose
+from thoughtjax.synthesis.latency import LatencyModel, LatencyParams, LinearCost
+from thoughtjax.synthesis.quality import measure_candidates, windows
+
+# (stage, done, total, item): stage is load, candidates, quality, latency or done.
+CalibrateProgress = Callable[[str, int, int, str], None]
+
+EMBED_KEY, HEAD_KEY = "embed", "head"
+
+
+class CalibrateError(UserError, ValueError):
+  """Calibration settings or inputs that cannot produce a calibration; the message says the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LatencySettings:
+  """What the latency measurement runs: prompt lengths (tokens; two buckets), decode lengths (steps;
+  one bucket, so one program per path and prompt bucket) and repetitions of each run after the first."""
+
+  prompt_tokens: tuple[int, ...] = (12, 100)
+  max_tokens: tuple[int, ...] = (6, 16)
+  reps: int = 2
+  plan_reps: int = 200
+
+  def __post_init__(self):
+    for f in ("prompt_tokens", "max_tokens"):
+      v = tuple(getattr(self, f))
+      object.__setattr__(self, f, v)
+      if len(v) < 2 or any(isinstance(x, bool) or not isinstance(x, int) or x < 2 for x in v):
+        raise CalibrateError(f"LatencySettings.{f}: expected at least two integers >= 2 (a line needs two points), "
+                             f"got {v!r}")
+    if self.reps < 1 or self.plan_reps < 1:
+      raise CalibrateError(f"LatencySettings reps and plan_reps: expected >= 1, got {self.reps}, {self.plan_reps}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrateSettings:
+  """``candidates``: what to propose; ``window``: tokens per quality window; ``max_windows``: windows per
+  split per hint (None: all; the default keeps the default model's run within minutes on 2 cores);
+  ``hints``: the hints to calibrate (None: every hint of the dictionary); ``manual``: extra paths."""
+
+  candidates: CandidateSettings = CandidateSettings(single_skips=3, greedy_removals=3, greedy_windows=3)
+  window: int = 128
+  max_windows: int | None = 6
+  hints: tuple[str, ...] | None = None
+  manual: tuple[str, ...] = ()
+  latency: LatencySettings = LatencySettings()
+
+
+@dataclasses.dataclass
+class CalibrateReport:
+  """What a calibration run did: seconds per stage, proposals refused (path, why), runs measured."""
+
+  seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+  refused: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+  latency_runs: list[dict] = dataclasses.field(default_factory=list)
+
+  @property
+  def total_seconds(self) -> float:
+    return sum(self.seconds.values())
+
+
+def machine_fingerprint() -> str:
+  """This machine and software, as a short string: ``platform/device kind/cpus/jax version/<hash>``."""
+  from thoughtjax.thoughtlet import canonical_json, fingerprint
+
+  fp = fingerprint()
+  digest = hashlib.sha3_256(canonical_json(fp)).hexdigest()[:12]
+  return f"{fp['platform']}/{fp['device_kind']}/{fp['cpu_count']}cpu/jax{fp['jax']}/{digest}"
+
+
+def cost_key(unit: Unit) -> str:
+  """Units of equal shape share one measured cost: embed, head, and ``blocks:<layers>``."""
+  if unit.layers:
+    return f"blocks:{unit.layers}"
+  return HEAD_KEY if unit.name == "head" else EMBED_KEY
+
+
+def with_cost_keys(c: Candidate) -> Candidate:
+  return Candidate.build(c.path, c.kind, [dataclasses.replace(u, cost_key=cost_key(u)) for u in c.units])
+
+
+def _nop(stage, done, total, item):
+  pass
+
+
+def _token_docs(codec, documents: Sequence[str], window: int, max_windows: int | None) -> list[list[int]]:
+  """The first ``max_windows`` windows of ``documents``, as token-id documents (one per window)."""
+  wins = windows(codec, documents, window)
+  return [w.tolist() for w in (wins if max_windows is None else wins[:max_windows])]
+
+
+def full_model(registry, *, kernels: str | None = None):
+  """The registry's full path, composed (restores every current block thoughtlet)."""
+  from thoughtjax.compose import compose, full_path
+
+  return compose(full_path(registry), registry, kernels=kernels)
+
+
+def calibrate(registry, dictionary=None, settings: CalibrateSettings = CalibrateSettings(), *,
+              progress: CalibrateProgress | None = None, report: CalibrateReport | None = None,
+              kernels: str | None = None) -> Calibration:
+  """A new :class:`Calibration` of ``registry`` at its current sequence (see the module docstring)."""
+  from thoughtjax.synthesis.dictionary import load_dictionary
+  from thoughtjax.synthesis.quality import corpora_of
+
+  progress = progress or _nop
+  report = report if report is not None else CalibrateReport()
+  dictionary = dictionary if dictionary is not None else load_dictionary()
+  hints = tuple(settings.hints or dictionary.names)
+  unknown = [h for h in hints if h not in dictionary]
+  if unknown:
+    raise CalibrateError(f"calibrate hints {unknown} are not in the dictionary {dictionary.source}; known: "
+                         f"{', '.join(dictionary.names)}")
+  t0 = time.perf_counter()
+  progress("load", 0, 1, "full path")
+  model = full_model(registry, kernels=kernels)
+  progress("load", 1, 1, "full path")
+  report.seconds["load"] = time.perf_counter() - t0
+
+  t0 = time.perf_counter()
+  corpora = {}
+  for h, (cal, held) in corpora_of(dictionary, hints).items():
+    corpora[h] = (_token_docs(model.codec, cal, settings.window, settings.max_windows),
+                  _token_docs(model.codec, held, settings.window, settings.max_windows))
+  cand_settings = dataclasses.replace(settings.candidates, window=settings.window)
+  proposals = propose(model, corpora[hints[0]][0], cand_settings, spans=list(registry.block_spans()),
+                      manual=settings.manual, progress=lambda d, n, what: progress("candidates", d, n, what))
+  pinned, refused = pin(proposals, registry)
+  report.refused = [(p.path, why) for p, why in refused]
+  # pin() keeps proposal order: the full path first. Paths that compose to the same units are kept once.
+  candidates, seen = [], set()
+  for c in pinned:
+    if c.path_hash not in seen:
+      seen.add(c.path_hash)
+      candidates.append(with_cost_keys(c))
+  progress("candidates", 1, 1, f"{len(candidates)} candidates, {len(refused)} refused")
+  report.seconds["candidates"] = time.perf_counter() - t0
+
+  t0 = time.perf_counter()
+  quality = measure_candidates(model, candidates, corpora, window=settings.window,
+                               progress=lambda d, n, what: progress("quality", d, n, what))
+  report.seconds["quality"] = time.perf_counter() - t0
+  del model
+  return _with_latency(registry, candidates, quality, settings.latency, progress, report, kernels)
+
+
+def recalibrate_latency(registry, stored: Calibration, settings: LatencySettings = LatencySettings(), *,
+                        progress: CalibrateProgress | None = None, report: CalibrateReport | None = None,
+                        kernels: str | None = None) -> Calibration:
+  """``stored``'s candidates and quality with latency re-measured on this machine (``--latency-only``)."""
+  progress = progress or _nop
+  report = report if report is not None else CalibrateReport()
+  if stored.sequence != registry.sequence:
+    raise CalibrateError(f"the stored calibration is of registry sequence {stored.sequence}, the registry is at "
+                         f"{registry.sequence}; its candidates may name old versions. Run a full calibration "
+                         f"(thoughtjax registry calibrate {registry.root}) instead of --latency-only")
+  candidates = [with_cost_keys(c) for c in stored.candidates]
+  quality = {with_cost_keys(c).path_hash: stored.quality[c.path_hash] for c in stored.candidates
+             if c.path_hash in stored.quality}
+  return _with_latency(registry, candidates, quality, settings, progress, report, kernels)
+
+
+# ------------------------------------------------------------------------------ latency
+def _nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
+  from scipy.optimize import nnls
+
+  return nnls(A, y)[0]
+
+
+def _with_latency(registry, candidates, quality, settings: LatencySettings, progress, report, kernels):
+  t0 = time.perf_counter()
+  params = measure_latency(registry, candidates, settings, progress=progress, report=report, kernels=kernels)
+  draft = Calibration(registry.sequence, machine_fingerprint(), candidates, quality, params, registry.current)
+  params = dataclasses.replace(params, synthesis_ms=_planning_ms(draft, settings.plan_reps))
+  cal = Calibration(registry.sequence, draft.fingerprint, candidates, quality, params, registry.current)
+  report.seconds["latency"] = time.perf_counter() - t0
+  progress("done", 1, 1, "")
+  return cal
+
+
+def _planning_ms(cal: Calibration, reps: int) -> float:
+  """Median time of one warm GetOptimalPath on ``cal`` (ms), floors that every candidate meets."""
+  from thoughtjax.synthesis.planner import Floor, PlanRequest, Planner
+
+  hints = cal.hints or ("_",)
+  planner = Planner(cal, {h: Floor() for h in hints})
+  model = LatencyModel(cal.latency)
+  req = PlanRequest(hints[:1], 32, 32, 1e9)
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    planner.plan(req, model)
+    times.append((time.perf_counter() - t) * 1e3)
+  return float(np.median(times))
+
+
+def _run(model, prompt_tokens: int, max_tokens: int) -> dict:
+  """One generation of the real program with every step run; its trace's stage times (ms)."""
+  vocab = model.config.vocab_size
+  rng = np.random.default_rng(prompt_tokens * 1000 + max_tokens)
+  ids = [int(t) for t in rng.integers(3, vocab, prompt_tokens)]
+  g = model.stream(ids, max_tokens=max_tokens, ignore_eos=True)
+  for _ in g:
+    pass
+  t = g.trace
+  return {"prompt_tokens": prompt_tokens, "tokens_out": t.tokens_out[0], "compile_ms": t.compile_s * 1e3,
+          "prefill_ms": t.prefill_s * 1e3, "decode_ms": t.decode_s * 1e3}
+
+
+def measure_latency(registry, candidates: Sequence[Candidate], settings: LatencySettings = LatencySettings(), *,
+                    progress: CalibrateProgress | None = None, report: CalibrateReport | None = None,
+                    kernels: str | None = None) -> LatencyParams:
+  """Fitted :class:`LatencyParams` of this machine for ``candidates`` (see the module docstring)."""
+  from thoughtjax.compose import compose
+
+  progress = progress or _nop
+  units = {u.ref: u for c in candidates for u in c.units}
+  by_layers = sorted(candidates, key=lambda c: (sum(u.layers for u in c.units), c.path_hash))
+  full = next(c for c in candidates if c.kind is CandidateKind.FULL)
+  timed = [full] + ([by_layers[0]] if sum(u.layers for u in by_layers[0].units) < sum(u.layers for u in full.units)
+                    else [])
+  total = len(units) + len(timed) * len(settings.prompt_tokens) * (1 + len(settings.max_tokens) * settings.reps)
+  done = 0
+
+  # Restore: every unit once from disk (evicted first), bytes against ms.
+  registry.evict_all()
+  restore_pts = []
+  for ref, u in units.items():
+    t = time.perf_counter()
+    registry.restore(u.name, u.version)
+    restore_pts.append((float(u.nbytes), (time.perf_counter() - t) * 1e3))
+    done += 1
+    progress("latency", done, total, f"restore {ref}")
+
+  rows, compile_pts = [], {}
+  from thoughtjax.program import bucket
+
+  for c in timed:
+    layers = sum(u.layers for u in c.units)
+    model = compose(", ".join(u.ref for u in c.units), registry, kernels=kernels)
+    for T in settings.prompt_tokens:
+      # The first run of a program key compiles it; later runs are the warm measurements.
+      first = _run(model, T, max(settings.max_tokens))
+      compile_pts.setdefault(bucket(T), []).append((float(layers), first["compile_ms"]))
+      done += 1
+      progress("latency", done, total, f"compile {c.path} T={T}")
+      for n in settings.max_tokens:
+        for _ in range(settings.reps):
+          r = _run(model, T, n)
+          r["layers"] = layers
+          rows.append(r)
+          done += 1
+          progress("latency", done, total, f"run {c.path} T={T} n={n}")
+    del model
+  if report is not None:
+    report.latency_runs = rows
+
+  # prefill = (P0 + L Pl) + (Q0 + L Ql) T;  decode = sum_{i<n} (A0 + L Al) + (B0 + L Bl)(T + i).
+  L = np.array([r["layers"] for r in rows], float)
+  T = np.array([r["prompt_tokens"] for r in rows], float)
+  n = np.array([r["tokens_out"] for r in rows], float)
+  ctx = n * T + n * (n - 1) / 2
+  one_path = len(set(L.tolist())) < 2
+  if one_path:  # no second depth: every cost is per layer (the fixed part spread over the layers)
+    p = _nnls(np.stack([L, L * T], 1), np.array([r["prefill_ms"] for r in rows]))
+    d = _nnls(np.stack([n * L, ctx * L], 1), np.array([r["decode_ms"] for r in rows]))
+    (P0, Q0, Pl, Ql), (A0, B0, Al, Bl) = (0.0, 0.0, p[0], p[1]), (0.0, 0.0, d[0], d[1])
+  else:
+    P0, Q0, Pl, Ql = _nnls(np.stack([np.ones_like(L), T, L, L * T], 1), np.array([r["prefill_ms"] for r in rows]))
+    A0, B0, Al, Bl = _nnls(np.stack([n, ctx, n * L, ctx * L], 1), np.array([r["decode_ms"] for r in rows]))
+  prefill = {EMBED_KEY: LinearCost(0.0), HEAD_KEY: LinearCost(float(P0), float(Q0))}
+  decode = {EMBED_KEY: LinearCost(0.0), HEAD_KEY: LinearCost(float(A0), float(B0))}
+  for k in sorted({u.layers for u in units.values() if u.layers}):
+    prefill[f"blocks:{k}"] = LinearCost(float(k * Pl), float(k * Ql))
+    decode[f"blocks:{k}"] = LinearCost(float(k * Al), float(k * Bl))
+  from thoughtjax.synthesis.latency import fit_linear
+
+  return LatencyParams(prefill=prefill, decode=decode, restore=fit_linear(restore_pts, "restore"),
+                       compile={b: fit_linear(pts, f"compile[{b}]") for b, pts in compile_pts.items()})
+
+
+def store(registry, calibration: Calibration, *, sign_key=None):
+  """Write ``calibration`` into ``registry`` (hashed, signed with ``sign_key`` when given)."""
+  from thoughtjax.registry.calibration_store import write_calibration
+
+  return write_calibration(registry, calibration, sign_key=sign_key)
+
+
+def load(registry, sequence: int | None = None) -> Calibration:
+  """The stored calibration of ``registry`` at ``sequence`` (default: current), verified."""
+  from thoughtjax.registry.calibration_store import read_calibration
+
+  return read_calibration(registry, sequence)
