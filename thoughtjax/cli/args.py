@@ -18,12 +18,11 @@ class CommandLineError(UserError, ValueError):
 
 
 def existing_path(text: str, flag: str, *, kind: str = "file") -> Path:
-  """``text`` as a Path that exists and is a ``kind`` ("file", "dir" or "any")."""
+  """``text`` as a Path that exists and is a ``kind``: "file" or "dir"."""
   path = Path(text).expanduser()
-  ok = {"file": path.is_file, "dir": path.is_dir, "any": path.exists}[kind]()
-  if not ok:
+  if not (path.is_dir() if kind == "dir" else path.is_file()):
     found = "a directory" if path.is_dir() else "a file" if path.exists() else "nothing"
-    wanted = {"file": "a file", "dir": "a directory", "any": "an existing path"}[kind]
+    wanted = "a directory" if kind == "dir" else "a file"
     raise CommandLineError(f"{flag} {text}: expected {wanted}, found {found}; check the path")
   return path
 
