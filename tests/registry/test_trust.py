@@ -245,3 +245,19 @@ def test_a_corrupt_state_file_is_named(built, tmp_path):
   state.write_text("{truncated")
   with pytest.raises(RegistryError, match=rf"trust state {state} is not valid JSON.*Delete it to start over"):
     Registry.open(built, TrustPolicy(state_file=state))
+
+
+def test_signing_an_unsigned_registry_binds_its_older_manifests(deep, keypair, tmp_path):
+  root = tmp_path / "reg"
+  shutil.copytree(deep[3], root)
+  reg = Registry.open(root)
+  assert not reg.signed
+  reg.publish([_bumped(reg, 1, "head")], sign_key=keypair[0], settings=None)
+  assert reg.signed and reg.sequence == 2
+  trusted = Registry.open(root, TrustPolicy(public_keys=(keypair[1],)))
+  old = trusted.manifest("embed")  # published unsigned, bound by its digest in the signed index
+  assert old.signed_by is None and trusted.manifest("head").signed_by
+  path = trusted.version_dir("embed", old.version) / "manifest.json"
+  path.write_text(path.read_text().replace('"parent"', '"parent" ', 1))  # a changed byte
+  with pytest.raises(IntegrityError, match=f"{path}: sha256 .* does not match the .* that the index records"):
+    trusted.manifest("embed")
