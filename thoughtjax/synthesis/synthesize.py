@@ -1,0 +1,314 @@
+"""``synthesize``: a request's hints and latency budget -> a plan -> the plan run as one program -> a trace.
+
+>>> from thoughtjax.registry import Registry
+>>> from thoughtjax.synthesis.synthesize import Synthesizer
+>>> syn = Synthesizer.open(Registry.open("build/registry"))       # the stored calibration, verified
+>>> r = syn.synthesize("Write a haiku about rain", hints=["general_purpose"], max_latency_ms=2000)
+>>> r.plan.path, r.plan.reason
+>>> for delta in r: print(delta.text, end="")                    # streamed as produced
+>>> r.trace.to_json()          # predicted vs actual ms per stage, tokens in/out, compute-seconds, path
+
+A :class:`Synthesizer` holds one registry, its stored calibration (at the registry's current sequence),
+the synthesis dictionary's floors, a :class:`~thoughtjax.synthesis.latency.LatencyModel` that learns from
+every finished request, and what is warm: composed paths (their thoughtlets restored) and the program
+keys it has run (compiled). Planning sees that residency, so a warm path predicts no restore or compile.
+
+Stages as measured (milliseconds), the same definitions calibration fitted:
+``synthesis`` hint normalization + GetOptimalPath; ``restore`` reading the plan's missing thoughtlets and
+composing the path; ``compile`` the program compile the first call of a new key pays (the engine's
+trace); ``prefill`` and ``decode`` from the engine's trace. ``total`` is the wall time from the request to
+the last token. ``compute_seconds`` is restore + compile + prefill + decode, in seconds.
+
+Degradation: a thoughtlet of the plan that fails verification or restore is reported to the planner as
+unavailable and the request is planned again (the best path avoiding it, ``degraded=True``, counted);
+another version is never used in its place. With no hints, the request uses ``general_purpose`` and the
+plan's notes say so (the router is not stored in registries yet).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import threading
+import time
+from typing import Iterator, Sequence
+
+from thoughtjax.errors import UserError
+from thoughtjax.synthesis.calibration import Calibration
+from thoughtjax.synthesis.latency import STAGES, LatencyModel, LatencyTrace, Residency
+from thoughtjax.synthesis.planner import Plan, PlanRequest, Planner, floors_of
+
+DEFAULT_HINT = "general_purpose"
+STAGE_NAMES = ("restore", "compile", "prefill", "decode")
+
+
+class SynthesisError(UserError, ValueError):
+  """A synthesis request that cannot be served as given; the message says the fix."""
+
+
+@dataclasses.dataclass
+class SynthesisTrace:
+  """Predicted vs actual latency per stage of one synthesized request, and what it ran."""
+
+  path: str
+  path_hash: str
+  refs: tuple[str, ...]
+  hints: tuple[str, ...]
+  degraded: bool
+  reason: str
+  tokens_in: int
+  predicted_ms: dict
+  actual_ms: dict = dataclasses.field(default_factory=dict)
+  tokens_out: int = 0
+  finish_reason: str | None = None
+  finished: bool = False
+
+  @property
+  def compute_seconds(self) -> float:
+    return sum(self.actual_ms.get(s, 0.0) for s in STAGE_NAMES) / 1e3
+
+  def to_json(self) -> dict:
+    return {"path": self.path, "path_hash": self.path_hash, "refs": list(self.refs), "hints": list(self.hints),
+            "degraded": self.degraded, "reason": self.reason, "tokens_in": self.tokens_in,
+            "tokens_out": self.tokens_out, "predicted_ms": dict(self.predicted_ms), "actual_ms": dict(self.actual_ms),
+            "compute_seconds": self.compute_seconds, "finish_reason": self.finish_reason}
+
+  def table(self) -> str:
+    """Predicted vs actual per stage, one line each (what the command line prints to stderr)."""
+    lines = [f"path {self.path} ({self.path_hash}){'  DEGRADED: ' + self.reason if self.degraded else ''}",
+             f"{'stage':<10}{'predicted ms':>14}{'actual ms':>12}"]
+    for s in ("synthesis", *STAGE_NAMES, "total"):
+      a = self.actual_ms.get(s)
+      lines.append(f"{s:<10}{self.predicted_ms.get(s, 0.0):>14.2f}{'-' if a is None else f'{a:.2f}':>12}")
+    lines.append(f"tokens in {self.tokens_in}, out {self.tokens_out}; compute {self.compute_seconds:.3f} s")
+    return "\n".join(lines)
+
+
+class SynthesisResult:
+  """One synthesized request: ``plan``, a stream of deltas (iterate it), ``trace`` (filled in as it runs;
+  complete once the stream ends), ``cancel()``/``close()`` like a :class:`~thoughtjax.engine.Generation`."""
+
+  def __init__(self, plan: Plan, generation, trace: SynthesisTrace, on_done, t_request: float):
+    self.plan, self.generation, self.trace = plan, generation, trace
+    self._on_done, self._t0 = on_done, t_request
+    self.token_ids: list[int] = []
+    self.text = ""
+
+  def __iter__(self) -> Iterator:
+    return self
+
+  def __next__(self):
+    try:
+      d = next(self.generation)
+    except StopIteration:
+      self._finish()
+      raise
+    self.token_ids.extend(d.token_ids)
+    self.text += d.text
+    if d.finished:
+      self.trace.finish_reason = d.finish_reason
+    return d
+
+  def _finish(self) -> None:
+    if self.trace.finished:
+      return
+    t = self.generation.trace
+    self.trace.actual_ms.update({"compile": t.compile_s * 1e3, "prefill": (t.prefill_s or 0.0) * 1e3,
+                                 "decode": (t.decode_s or 0.0) * 1e3,
+                                 "total": ((t.end or time.perf_counter()) - self._t0) * 1e3})
+    self.trace.tokens_out = t.tokens_out[0] if t.tokens_out else 0
+    self.trace.finished = True
+    self._on_done(self)
+
+  def finish(self) -> "SynthesisResult":
+    """Run to the end (the trace is then complete); returns self."""
+    for _ in self:
+      pass
+    return self
+
+  def cancel(self) -> None:
+    self.generation.cancel()
+
+  def close(self) -> None:
+    self.generation.close()
+
+  def __enter__(self) -> "SynthesisResult":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def to_json(self) -> dict:
+    """The plan's fields plus ``token_ids``, ``text``, ``actual_ms`` and the trace (the CLI's ``--json``)."""
+    d = self.plan.to_json()
+    d.update({"token_ids": list(self.token_ids), "text": self.text, "actual_ms": dict(self.trace.actual_ms),
+              "tokens_in": self.trace.tokens_in, "tokens_out": self.trace.tokens_out,
+              "compute_seconds": self.trace.compute_seconds, "finish_reason": self.trace.finish_reason})
+    return d
+
+
+class Synthesizer:
+  """Plans and runs requests over one registry and its stored calibration (see the module docstring)."""
+
+  def __init__(self, registry, calibration: Calibration, dictionary=None, *, kernels: str | None = None,
+               keep_paths: int = 4):
+    from thoughtjax.synthesis.dictionary import load_dictionary
+
+    if calibration.sequence != registry.sequence:
+      raise SynthesisError(f"the calibration is of registry sequence {calibration.sequence}, the registry is at "
+                           f"{registry.sequence}; recalibrate (thoughtjax registry calibrate {registry.root})")
+    self.registry, self.calibration = registry, calibration
+    self.dictionary = dictionary if dictionary is not None else load_dictionary()
+    self.floors = floors_of(self.dictionary)
+    self.planner = Planner(calibration, self.floors)
+    self.latency = LatencyModel(calibration.latency)
+    self.kernels, self.keep_paths = kernels, keep_paths
+    self._models: "collections.OrderedDict[str, object]" = collections.OrderedDict()
+    self._compiled: set[str] = set()
+    self._lock = threading.Lock()
+    self.traces: list[SynthesisTrace] = []
+
+  @classmethod
+  def open(cls, registry, dictionary=None, *, sequence: int | None = None, **kwargs) -> "Synthesizer":
+    """A synthesizer over ``registry``'s stored calibration (verified; refused loudly when tampered)."""
+    from thoughtjax.registry.calibration_store import read_calibration
+
+    return cls(registry, read_calibration(registry, sequence), dictionary, **kwargs)
+
+  # ---- residency ---------------------------------------------------------------------
+  def residency(self) -> Residency:
+    with self._lock:
+      composed = {u.ref for h in self._models for c in self.calibration.candidates if c.path_hash == h
+                  for u in c.units}
+      return Residency(set(self.registry.stats().resident) | composed, set(self._compiled))
+
+  def _model(self, candidate):
+    """The composed model of ``candidate`` (cached); each unit restored alone, so a failure names its ref."""
+    from thoughtjax.compose import compose
+    from thoughtjax.registry import IntegrityError, RegistryError
+
+    with self._lock:
+      got = self._models.get(candidate.path_hash)
+      if got is not None:
+        self._models.move_to_end(candidate.path_hash)
+        return got
+    for u in dict.fromkeys(candidate.units):
+      try:
+        self.registry.restore(u.name, u.version)
+      except IntegrityError as e:
+        raise _Unavailable(u.ref, f"verification ({e.reason})") from e
+      except RegistryError as e:
+        raise _Unavailable(u.ref, f"restore ({type(e).__name__})") from e
+    model = compose(", ".join(u.ref for u in candidate.units), self.registry, kernels=self.kernels)
+    with self._lock:
+      self._models[candidate.path_hash] = model
+      while len(self._models) > self.keep_paths:
+        self._models.popitem(last=False)
+    return model
+
+  def warm(self, hints: Sequence[str] | None = None, *, prompt_tokens: Sequence[int] = (16,),
+           max_tokens: Sequence[int] = (64,)) -> list[str]:
+    """Restore and compile ahead of time the plans of ``hints`` (default: every calibrated hint) under a
+    generous budget, for the given shape buckets, so a first request pays no restore or compile.
+    Returns the paths warmed."""
+    warmed = []
+    for hint in hints or self.calibration.hints:
+      for T in prompt_tokens:
+        for n in max_tokens:
+          r = self.synthesize([3] * T, hints=[hint], max_latency_ms=math.inf, max_tokens=n, ignore_eos=True)
+          r.finish()
+          if r.plan.path not in warmed:
+            warmed.append(r.plan.path)
+    return warmed
+
+  # ---- requests ----------------------------------------------------------------------
+  def plan(self, prompt: str | Sequence[int], hints: Sequence[str] | None = None, *, max_latency_ms: float,
+           max_tokens: int = 64, chat: bool = False, pin_sequence: int | None = None, unavailable=None) -> Plan:
+    """GetOptimalPath for this request (hints normalized and corrected against the dictionary)."""
+    return self._plan(prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, unavailable)[0]
+
+  def prompt_ids(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+    if not isinstance(prompt, str):
+      return [int(t) for t in prompt]
+    codec = self.registry.codec
+    text = codec.render_chat([{"role": "user", "content": prompt}]) if chat else prompt
+    ids = codec.encode(text)
+    if not ids:
+      raise SynthesisError("the prompt is empty after tokenization; give at least one token")
+    return ids
+
+  def _plan(self, prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, unavailable):
+    from thoughtjax.synthesis.hints import normalize_hints
+
+    t0 = time.perf_counter()
+    routed = not hints
+    res = normalize_hints([DEFAULT_HINT] if routed else list(hints), self.dictionary)
+    ids = self.prompt_ids(prompt, chat)
+    if max_latency_ms is None:
+      max_latency_ms = math.inf
+    req = PlanRequest(res.hints, len(ids), int(max_tokens), float(max_latency_ms),
+                      tuple((c.given, c.corrected) for c in res.corrections))
+    plan = self.planner.plan(req, self.latency, self.residency(), pin_sequence=pin_sequence, unavailable=unavailable)
+    if routed:
+      plan = dataclasses.replace(plan, notes=plan.notes + (
+          f"no hints given: used {DEFAULT_HINT} (the hint router is not stored in this registry)",))
+    return plan, ids, (time.perf_counter() - t0) * 1e3
+
+  def synthesize(self, prompt: str | Sequence[int], hints: Sequence[str] | None = None, *,
+                 max_latency_ms: float | None, max_tokens: int = 64, chat: bool = False,
+                 pin_sequence: int | None = None, **sampling) -> SynthesisResult:
+    """Plan, restore and compose, and start the plan's program; iterate the result for deltas.
+
+    ``sampling``: :class:`~thoughtjax.sampling.SamplingParams` fields (temperature, top_k, top_p, seed,
+    stop_strings, ...). A thoughtlet that fails verification or restore is planned around (degraded)."""
+    from thoughtjax.sampling import SamplingParams
+
+    t_request = time.perf_counter()
+    unavailable: dict[str, str] = {}
+    synthesis_ms = 0.0
+    while True:
+      plan, ids, ms = self._plan(prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence,
+                                 dict(unavailable) or None)
+      synthesis_ms += ms
+      candidate = next(c for c in self.calibration.candidates if c.path_hash == plan.path_hash)
+      t = time.perf_counter()
+      try:
+        model = self._model(candidate)
+      except _Unavailable as e:
+        if e.ref in unavailable:  # pragma: no cover - the planner never returns a blocked path
+          raise
+        unavailable[e.ref] = e.why
+        continue
+      restore_ms = (time.perf_counter() - t) * 1e3
+      break
+    params = SamplingParams(max_tokens=int(max_tokens), **sampling)
+    with self._lock:
+      self._compiled.add(plan.predicted.program_key)
+    # ids already carry the chat template: the path runs them as token ids.
+    generation = model.stream_batch([ids], params)
+    trace = SynthesisTrace(plan.path, plan.path_hash, plan.refs, plan.hints, plan.degraded, plan.reason, len(ids),
+                           plan.predicted.to_json(), {"synthesis": synthesis_ms, "restore": restore_ms})
+    return SynthesisResult(plan, generation, trace, self._learn, t_request)
+
+  def _learn(self, result: SynthesisResult) -> None:
+    """Move the latency model toward what the finished request measured."""
+    actual = {s: result.trace.actual_ms[s] for s in STAGES if s in result.trace.actual_ms}
+    tokens = result.trace.tokens_out
+    if tokens and not result.generation.trace.cancelled:
+      self.latency.update(LatencyTrace(result.plan.predicted, actual, tokens))
+    with self._lock:
+      self.traces.append(result.trace)
+
+
+class _Unavailable(Exception):
+  def __init__(self, ref: str, why: str):
+    super().__init__(f"{ref} failed {why}")
+    self.ref, self.why = ref, why
+
+
+def synthesize(registry, prompt: str | Sequence[int], hints: Sequence[str] | None = None, *,
+               max_latency_ms: float | None, max_tokens: int = 64, chat: bool = False, **sampling) -> SynthesisResult:
+  """One request on ``registry``'s stored calibration (see :class:`Synthesizer` to keep what is warm)."""
+  return Synthesizer.open(registry).synthesize(prompt, hints, max_latency_ms=max_latency_ms, max_tokens=max_tokens,
+                                               chat=chat, **sampling)
