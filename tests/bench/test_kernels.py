@@ -131,3 +131,19 @@ def test_cuda_source_hashes_like_the_jax_kernel(tmp_path):
                              noise[:, 5].astype(np.float32), rtol=1e-5, atol=1e-5)
   ys = jnp.asarray([-0.0, 0.0, 1.5, -1.5, -np.inf, np.inf], jnp.float32)
   np.testing.assert_array_equal(_order_key(ys), keys)
+
+
+def test_every_cuda_file_is_shipped_as_package_data():
+  """A wheel carries only what pyproject's package-data globs match; the bench reads these files at run time."""
+  import tomllib
+  from pathlib import Path
+
+  import thoughtjax
+
+  root = Path(thoughtjax.__file__).parent
+  pyproject = tomllib.loads((root.parent / "pyproject.toml").read_text())
+  globs = pyproject["tool"]["setuptools"]["package-data"]["thoughtjax"]
+  shipped = {p for g in globs for p in root.glob(g)}
+  sources = set(bench.CUDA_DIR.glob("*.cu")) | set(bench.CUDA_DIR.glob("*.cuh"))
+  assert {bench.CUDA_DIR / f for f in bench.CUDA_FILES} | {bench.CUDA_DIR / "hash.cuh"} <= sources
+  assert sources <= shipped
