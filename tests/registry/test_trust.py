@@ -261,3 +261,24 @@ def test_signing_an_unsigned_registry_binds_its_older_manifests(deep, keypair, t
   path.write_text(path.read_text().replace('"parent"', '"parent" ', 1))  # a changed byte
   with pytest.raises(IntegrityError, match=f"{path}: sha256 .* does not match the .* that the index records"):
     trusted.manifest("embed")
+
+
+def test_an_index_re_signed_by_a_foreign_key_is_refused_given_public_keys(registry_copy, keypair, tmp_path, tiny,
+                                                                          tiny_mapping):
+  """Someone who can write the directory re-signs an edited index with their own key and records it."""
+  mallory, mallory_pub = signing.keygen(tmp_path / "mallory")
+  mallory_id = signing.key_id(signing.load_public_key(mallory_pub))
+  body, _ = read_index(registry_copy)
+  body["order"].reverse()
+  body["signing_keys"].append(mallory_id)
+  shutil.copy(mallory_pub, registry_copy / "keys" / f"{mallory_id}.pub")
+  write_index(registry_copy, body, mallory)
+  trusted = TrustPolicy(public_keys=(keypair[1],))
+  with pytest.raises(SignatureError, match=f"signed by key {mallory_id}, which is not among the trusted keys"):
+    Registry.open(registry_copy, trusted)
+  assert Registry.open(registry_copy).signed  # default trust: integrity, not authenticity (README, Known limits)
+  from thoughtjax.registry import build
+
+  _, model, codec = tiny  # a writer that names its team's keys does not build on it
+  with pytest.raises(UntrustedIndexError, match="not among the trusted keys"):
+    build(registry_copy, tiny_mapping, model, codec=codec, sign_key=keypair[0], settings=None, trust=trusted)
