@@ -1,0 +1,163 @@
+"""registry calibrate: candidates, quality per hint, latency from the real program, stored signed.
+
+Attacks on the stored calibration (an edited byte, a removed signature, a re-signature by an untrusted
+key, an unsigned write into a signed registry) must each be a loud, named refusal, counted in the
+registry's stats.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from thoughtjax.registry import IntegrityError, Registry, SignatureDowngradeError, SignatureError
+from thoughtjax.registry.calibration_store import (MissingCalibrationError, calibration_path, read_calibration,
+                                                   write_calibration)
+from thoughtjax.synthesis.calibrate import (CalibrateError, LatencySettings, load, machine_fingerprint,
+                                            recalibrate_latency)
+from thoughtjax.synthesis.calibration import CandidateKind
+from thoughtjax.synthesis.latency import LatencyModel
+from tests.synthesis.tiny_synthesis import FULL, HINTS, IDENTITY_SKIP, registry_copy, tiny_setup
+
+
+@pytest.fixture(scope="module")
+def setup():
+  return tiny_setup()
+
+
+@pytest.fixture(scope="module")
+def cal(setup):
+  with Registry.open(setup.registry) as reg:
+    return load(reg)
+
+
+def test_candidates_are_pinned_to_current_versions_and_include_the_lossless_skip(setup, cal):
+  with Registry.open(setup.registry) as reg:
+    current = reg.current
+    assert cal.sequence == reg.sequence and dict(cal.current) == current
+  paths = {c.path: c for c in cal.candidates}
+  assert cal.full.path == FULL and cal.full.kind is CandidateKind.FULL
+  assert {"embed, blocks[0:2), head", "embed, blocks[0:3), head", "embed, blocks[0:5), head", IDENTITY_SKIP} <= set(paths)
+  for c in cal.candidates:
+    assert all(current[u.name] == u.version for u in c.units)
+  skip = paths[IDENTITY_SKIP]
+  for hint in HINTS:
+    q = cal.hint_quality(skip.path_hash, hint)
+    assert q.calibration.top1_agreement == 1.0 and q.calibration.mean_kl == pytest.approx(0.0, abs=1e-9)
+    assert q.heldout.top1_agreement == 1.0 and q.calibration.tokens > 0 and q.heldout.tokens > 0
+    exit2 = cal.hint_quality(paths["embed, blocks[0:2), head"].path_hash, hint)
+    assert exit2.calibration.top1_agreement < 1.0 and exit2.calibration.mean_kl > 0
+
+
+def test_latency_is_measured_here_and_predicts_every_candidate(cal, setup):
+  assert cal.fingerprint == machine_fingerprint()
+  lat = cal.latency
+  assert lat.restore.a + lat.restore.b > 0 and all(c.a + c.b > 0 for c in lat.compile.values())
+  blocks = [k for k in lat.decode if k.startswith("blocks:")]
+  assert blocks and all(lat.prefill[k].a + lat.prefill[k].b > 0 for k in blocks)
+  model = LatencyModel(lat)
+  by_layers = {}
+  for c in cal.candidates:
+    p = model.predict(c, 10, 8)
+    assert math.isfinite(p.total) and p.total > 0 and p.compile > 0 and p.restore > 0
+    by_layers.setdefault(sum(u.layers for u in c.units), []).append(p.prefill + p.decode)
+  depths = sorted(by_layers)
+  assert max(by_layers[depths[0]]) <= min(by_layers[depths[-1]])  # more layers never predicted faster
+  assert setup.report.latency_runs and all(r["tokens_out"] in (4, 9) for r in setup.report.latency_runs)
+  assert set(setup.report.seconds) == {"load", "candidates", "quality", "latency"}
+
+
+def test_stored_calibration_reads_back_identical(setup, cal):
+  with Registry.open(setup.registry) as reg:
+    again = read_calibration(reg)
+  assert again.digest() == cal.digest()
+  assert calibration_path(setup.registry, cal.sequence).with_suffix(".sig").is_file()
+
+
+def test_an_edited_calibration_is_refused_loudly_and_counted(setup, tmp_path):
+  root = registry_copy(tmp_path / "reg")
+  with Registry.open(root) as reg:
+    path = calibration_path(root, reg.sequence)
+    doc = json.loads(path.read_bytes())
+    # The attack: make a lossy path look lossless on a hint.
+    h = next(iter(doc["calibration"]["quality"]))
+    doc["calibration"]["quality"][h]["fast_draft"]["calibration"]["top1_agreement"] = 1.0
+    path.write_bytes(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
+    before = reg.stats().signature_failures
+    with pytest.raises(SignatureError, match="does not verify"):
+      read_calibration(reg)
+    stats = reg.stats()
+    assert stats.signature_failures == before + 1
+    assert stats.failures[-1]["kind"] == "signature" and stats.failures[-1]["thoughtlet"] == "calibration"
+
+
+def test_a_removed_signature_is_a_downgrade(setup, tmp_path):
+  root = registry_copy(tmp_path / "reg")
+  with Registry.open(root) as reg:
+    calibration_path(root, reg.sequence).with_suffix(".sig").unlink()
+    before = reg.stats().downgrade_refusals
+    with pytest.raises(SignatureDowngradeError, match="the signature was removed"):
+      read_calibration(reg)
+    assert reg.stats().downgrade_refusals == before + 1 and reg.stats().failures[-1]["kind"] == "downgrade"
+
+
+def test_a_resigned_calibration_by_an_untrusted_key_is_refused(setup, tmp_path):
+  from thoughtjax.signing import keygen
+
+  root = registry_copy(tmp_path / "reg")
+  other, _ = keygen(tmp_path / "keys" / "mallory")
+  with Registry.open(root) as reg:
+    cal = read_calibration(reg)
+    write_calibration(reg, cal, sign_key=other)  # a writer with a key the registry never listed
+    with pytest.raises(SignatureError, match="not among the trusted"):
+      read_calibration(reg)
+    assert [f["kind"] for f in reg.stats().failures if f["thoughtlet"] == "calibration"] == ["signature"]
+
+
+def test_an_unsigned_calibration_cannot_be_written_into_a_signed_registry(setup, tmp_path):
+  root = registry_copy(tmp_path / "reg")
+  with Registry.open(root) as reg:
+    cal = read_calibration(reg)
+    with pytest.raises(SignatureDowngradeError, match="--sign-key"):
+      write_calibration(reg, cal)
+    assert read_calibration(reg).digest() == cal.digest()  # nothing was replaced
+
+
+def test_a_corrupted_document_is_an_integrity_error(setup, tmp_path):
+  root = registry_copy(tmp_path / "reg")
+  with Registry.open(root) as reg:
+    path = calibration_path(root, reg.sequence)
+    path.with_suffix(".sig").unlink()
+    path.write_bytes(path.read_bytes()[:-40])
+  from thoughtjax.registry import TrustPolicy
+
+  with Registry.open(root, trust=TrustPolicy(allow_unsigned=True)) as reg:
+    with pytest.raises(IntegrityError, match="calibration"):
+      read_calibration(reg)
+    assert reg.stats().integrity_failures == 1
+
+
+def test_missing_calibration_names_the_fix(setup):
+  with Registry.open(setup.registry) as reg:
+    with pytest.raises(MissingCalibrationError, match="registry calibrate"):
+      read_calibration(reg, reg.sequence + 5)
+
+
+def test_latency_only_keeps_candidates_and_quality(setup, cal, tmp_path):
+  root = registry_copy(tmp_path / "reg")
+  with Registry.open(root) as reg:
+    again = recalibrate_latency(reg, cal, LatencySettings(prompt_tokens=(4, 12), max_tokens=(4, 9), reps=1,
+                                                          plan_reps=5))
+    assert [c.path_hash for c in again.candidates] == [c.path_hash for c in cal.candidates]
+    assert {h: {k: q.to_json() for k, q in v.items()} for h, v in again.quality.items()} == \
+        {h: {k: q.to_json() for k, q in v.items()} for h, v in cal.quality.items()}
+    assert again.fingerprint == machine_fingerprint()
+    write_calibration(reg, again, sign_key=setup.key)
+    assert read_calibration(reg).digest() == again.digest()
+
+
+def test_settings_refuse_what_cannot_be_fitted():
+  with pytest.raises(CalibrateError, match="at least two"):
+    LatencySettings(prompt_tokens=(8,))

@@ -1,0 +1,161 @@
+"""synthesize(): plan over the stored calibration, run the plan as one program, trace predicted vs actual.
+
+On the tiny registry the skip of the identity block ties the full path on quality and runs fewer layers,
+so GetOptimalPath must choose it; tampering with that block must make the plan degrade to a path that
+avoids it (never another version of it), counted.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from thoughtjax.compose import compose
+from thoughtjax.registry import Registry
+from thoughtjax.synthesis.hints import UnknownHintError
+from thoughtjax.synthesis.latency import STAGES
+from thoughtjax.synthesis.planner import NoPathError, SequenceMismatchError
+from thoughtjax.synthesis.synthesize import DEFAULT_HINT, Synthesizer
+from tests.synthesis.tiny_synthesis import FULL, IDENTITY_SKIP, registry_copy, tiny_setup
+
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def reg():
+  with Registry.open(tiny_setup().registry) as r:
+    yield r
+
+
+@pytest.fixture(scope="module")
+def syn(reg):
+  return Synthesizer.open(reg)
+
+
+def test_the_plan_is_the_lossless_skip_and_runs_as_that_path(syn, reg):
+  r = syn.synthesize(PROMPT, ["general_purpose"], max_latency_ms=math.inf, max_tokens=9, ignore_eos=True)
+  assert r.plan.path == IDENTITY_SKIP and not r.plan.degraded and r.plan.sequence == reg.sequence
+  assert all(ref.partition("@")[2] == reg.current[ref.partition("@")[0]] for ref in r.plan.refs)
+  text = "".join(d.text for d in r)
+  # The same path composed by hand gives the same greedy tokens.
+  ids = syn.prompt_ids(PROMPT)
+  alone = compose(IDENTITY_SKIP, reg).generate(ids, max_tokens=9, ignore_eos=True)
+  assert r.token_ids == alone.token_ids and r.text == text == alone.text
+  t = r.trace
+  assert t.finished and t.tokens_in == len(ids) and t.tokens_out == 9 and t.path_hash == r.plan.path_hash
+  assert set(t.predicted_ms) == {"total", *STAGES} and set(t.actual_ms) == {"total", *STAGES}
+  assert t.actual_ms["total"] >= t.actual_ms["prefill"] + t.actual_ms["decode"]
+  assert t.compute_seconds > 0
+  j = r.to_json()
+  assert {"path", "path_hash", "hints", "corrected_hints", "predicted_ms", "quality", "degraded", "reason",
+          "token_ids", "text", "actual_ms"} <= set(j)
+
+
+def test_the_latency_model_learns_and_a_warm_path_predicts_no_restore_or_compile(syn):
+  before = syn.latency.updates
+  first = syn.synthesize(PROMPT, ["fast_draft"], max_latency_ms=math.inf, max_tokens=9, ignore_eos=True).finish()
+  assert syn.latency.updates == before + 1 and syn.traces[-1] is first.trace
+  factors = {s: syn.latency.factor(first.plan.path_hash, s) for s in ("prefill", "decode")}
+  assert any(f != 1.0 for f in factors.values())  # moved toward what was measured
+  again = syn.synthesize(PROMPT, ["fast_draft"], max_latency_ms=math.inf, max_tokens=9, ignore_eos=True)
+  assert again.plan.predicted.restore == 0 and again.plan.predicted.compile == 0
+  again.finish()
+  assert again.trace.actual_ms["compile"] < 1.0 or again.trace.actual_ms["compile"] <= first.trace.actual_ms["compile"]
+
+
+def test_a_budget_nothing_fits_degrades_to_the_fastest_and_says_how_many_tokens_fit(syn):
+  before = syn.planner.counters.snapshot()["degraded_budget"]
+  plan = syn.plan(PROMPT, ["general_purpose"], max_latency_ms=1e-3, max_tokens=9)
+  assert plan.degraded and plan.reason == "budget" and plan.tokens_that_fit == 0
+  assert plan.path == IDENTITY_SKIP  # the fastest floor-meeting path
+  assert syn.planner.counters.snapshot()["degraded_budget"] == before + 1
+
+
+def test_misspelt_hints_are_corrected_unknown_refused_none_defaults(syn):
+  plan = syn.plan(PROMPT, ["Genral-Purpose"], max_latency_ms=math.inf)
+  assert plan.hints == ("general_purpose",) and plan.corrected_hints == (("Genral-Purpose", "general_purpose"),)
+  with pytest.raises(UnknownHintError, match="Valid hints: general_purpose"):
+    syn.plan(PROMPT, ["poetry_in_klingon"], max_latency_ms=math.inf)
+  plan = syn.plan(PROMPT, None, max_latency_ms=math.inf)
+  assert plan.hints == (DEFAULT_HINT,) and any("no hints given" in n for n in plan.notes)
+
+
+def test_pinning_another_sequence_is_refused_and_the_same_pin_gives_the_same_plan(syn, reg):
+  with pytest.raises(SequenceMismatchError, match=f"pin {reg.sequence}"):
+    syn.plan(PROMPT, ["fast_draft"], max_latency_ms=1e6, pin_sequence=reg.sequence + 1)
+  a = syn.plan(PROMPT, ["fast_draft"], max_latency_ms=1e6, pin_sequence=reg.sequence)
+  b = syn.plan(PROMPT, ["fast_draft"], max_latency_ms=1e6, pin_sequence=reg.sequence)
+  assert (a.path_hash, a.reason) == (b.path_hash, b.reason)
+
+
+def _tamper(root, name: str, version: str) -> None:
+  vdir = root / "thoughtlets" / name.replace("[", "_").replace(":", "_").replace(")", "") / version
+  victim = max((p for p in (vdir / "checkpoint").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+  data = bytearray(victim.read_bytes())
+  data[len(data) // 2] ^= 0xFF
+  victim.write_bytes(bytes(data))
+
+
+def test_a_tampered_thoughtlet_no_floor_meeting_path_avoids_is_a_no_path_error(tmp_path):
+  root = registry_copy(tmp_path / "reg")
+  with Registry.open(root) as reg:
+    version = reg.current["blocks[3:5)"]
+    _tamper(root, "blocks[3:5)", version)  # both lossless paths (full, skip) need it; no exit meets the floor
+    syn = Synthesizer.open(reg)
+    with pytest.raises(NoPathError, match=f"blocks\\[3:5\\)@{version} failed verification"):
+      syn.synthesize(PROMPT, ["general_purpose"], max_latency_ms=math.inf, max_tokens=4)
+    assert reg.stats().integrity_failures == 1 and syn.planner.counters.snapshot()["no_path"] == 1
+
+
+def _loose_fast_draft():
+  """The shipped dictionary with fast_draft's floors opened, so the exits are eligible too."""
+  import dataclasses
+
+  from thoughtjax.synthesis.dictionary import Floors, load_dictionary
+
+  d = load_dictionary()
+  return dataclasses.replace(d, hints=tuple(dataclasses.replace(h, floors=Floors(0.0, 1e9)) if h.name == "fast_draft"
+                                            else h for h in d.hints))
+
+
+def test_a_tampered_thoughtlet_degrades_to_the_best_path_avoiding_it_counted(tmp_path):
+  root = registry_copy(tmp_path / "reg")
+  with Registry.open(root) as reg:
+    version = reg.current["blocks[5:6)"]
+    _tamper(root, "blocks[5:6)", version)
+    syn = Synthesizer.open(reg, _loose_fast_draft())
+    r = syn.synthesize(PROMPT, ["fast_draft"], max_latency_ms=math.inf, max_tokens=4, ignore_eos=True)
+    assert r.plan.degraded and r.plan.reason.startswith(f"unavailable: blocks[5:6)@{version} failed verification")
+    assert all(not ref.startswith("blocks[5:6)") for ref in r.plan.refs)  # never another version in its place
+    assert any(rej.why == "unavailable" and rej.path == FULL for rej in r.plan.rejected)
+    # The best remaining path on quality: the deepest exit that avoids the failed block.
+    assert r.plan.path == "embed, blocks[0:5), head"
+    r.finish()
+    assert r.trace.degraded and r.trace.tokens_out == 4
+    snap = syn.planner.counters.snapshot()
+    assert snap["degraded_unavailable"] == 1 and snap["unavailable"] == {f"blocks[5:6)@{version}": 1}
+    assert reg.stats().integrity_failures == 1
+
+
+def test_cancel_stops_and_is_not_learned_from(syn):
+  before = syn.latency.updates
+  r = syn.synthesize(PROMPT, ["fast_draft"], max_latency_ms=math.inf, max_tokens=40, ignore_eos=True)
+  next(r)
+  r.cancel()
+  r.finish()
+  assert r.trace.finish_reason == "cancelled" and r.trace.tokens_out < 40
+  assert syn.latency.updates == before
+
+
+@pytest.mark.slow
+def test_plans_and_runs_on_the_default_model(tmp_path, monkeypatch):
+  """The default registry (built and calibrated on first use) plans and runs a general_purpose request."""
+  from thoughtjax.synthesis.default_registry import open_default
+
+  syn = open_default()
+  r = syn.synthesize("What is the capital of France?", ["general_purpose"], max_latency_ms=60_000, max_tokens=12,
+                     chat=True)
+  r.finish()
+  assert r.trace.tokens_out >= 1 and r.text.strip()
+  assert r.plan.refs and r.trace.actual_ms["total"] > 0
