@@ -220,3 +220,6 @@ def add_parser(subparsers) -> None:
   g.add_argument("--dry-run", action="store_true")
   add_trust_args(g, keys_help="trusted public key (repeatable); gc verifies the index before it removes anything")
   g.set_defaults(fn=cmd_gc)
+
+  from thoughtjax.cli.synthesis import add_registry_parsers  # registry calibrate, registry warm
+  add_registry_parsers(sub)

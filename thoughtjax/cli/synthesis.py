@@ -1,0 +1,345 @@
+"""``thoughtjax plan``, ``synthesize``, ``paths`` and ``registry calibrate`` / ``registry warm``.
+
+Contracts (checked by tools that read the output):
+  plan --json        one object with at least path, path_hash, hints, corrected_hints,
+                     predicted_ms {total, synthesis, restore, compile, prefill, decode}, quality, degraded, reason
+  synthesize         the answer streamed to stdout, the trace (predicted vs actual per stage) to stderr
+  synthesize --json  one object: the plan's fields plus token_ids, text, actual_ms {total, restore, compile,
+                     prefill, decode}
+  paths DIR --hint H the hint's calibrated front; --plot FILE.png plots quality against predicted latency
+A misspelt hint is corrected and the correction printed to stderr; an unknown one exits 2 with the list.
+Without --registry, the default registry in the cache dir is used (built and calibrated on first use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import sys
+import time
+
+from thoughtjax.cli.args import CommandLineError, add_kernels_arg, add_trust_args, existing_path, open_registry
+
+
+@contextlib.contextmanager
+def _progress_bars():
+  """A ``progress(stage, done, total, item)`` callback drawing one rich bar per stage on stderr."""
+  from rich.console import Console
+  from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+  tasks: dict[str, int] = {}
+  with Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[item]}"), TimeElapsedColumn(), console=Console(stderr=True),
+                transient=False) as bar:
+
+    def progress(stage: str, done: int, total: int, item: str) -> None:
+      if stage == "done":
+        return
+      if stage not in tasks:
+        tasks[stage] = bar.add_task(stage, total=max(total, 1), item="")
+      bar.update(tasks[stage], completed=done, total=max(total, 1), item=str(item)[:60])
+
+    yield progress
+
+
+def _registry(args):
+  """The registry of ``--registry DIR`` (trust flags applied), else the default one (built on first use)."""
+  if getattr(args, "registry", None):
+    return open_registry(args.registry, args, "--registry")
+  if args.public_key or args.require_signatures:
+    raise CommandLineError("--public-key and --require-signatures check a registry you name: add --registry DIR")
+  from thoughtjax.synthesis.default_registry import default_registry_dir, ensure_default
+
+  root = default_registry_dir()
+  print(f"using the default registry {root}", file=sys.stderr)
+  with _progress_bars() as progress:
+    return ensure_default(progress)
+
+
+def _synthesizer(args, reg):
+  from thoughtjax.synthesis.synthesize import Synthesizer
+
+  return Synthesizer.open(reg, kernels=getattr(args, "kernels", None))
+
+
+def _print_corrections(plan) -> None:
+  for given, hint in plan.corrected_hints:
+    print(f"hint {given!r} corrected to {hint!r}", file=sys.stderr)
+  for note in plan.notes:
+    if note.startswith("no hints given"):
+      print(note, file=sys.stderr)
+
+
+def _budget(args) -> float:
+  b = args.max_latency_ms
+  if not b > 0:
+    raise CommandLineError(f"--max-latency-ms: expected a budget > 0 ms (inf for none), got {b}")
+  return b
+
+
+def _plan_text(plan, explain: bool) -> str:
+  p = plan.predicted
+  lines = [f"path        {plan.path}", f"path_hash   {plan.path_hash} ({plan.kind}, registry sequence {plan.sequence})",
+           f"hints       {', '.join(plan.hints)}",
+           f"predicted   {p.total:.1f} ms = synthesis {p.synthesis:.2f} + restore {p.restore:.1f} + compile "
+           f"{p.compile:.1f} + prefill {p.prefill:.1f} + decode {p.decode:.1f} (budget {plan.max_latency_ms:g} ms)"]
+  for hint, q in plan.quality.items():
+    lines.append(f"quality     {hint}: top-1 agreement {q.top1_agreement:.3f}, mean KL {q.mean_kl:.4f}, "
+                 f"ΔNLL {q.delta_nll:+.4f} (held-out, {q.tokens} tokens)")
+  lines.append(f"degraded    {str(plan.degraded).lower()}" + (f" ({plan.reason})" if plan.degraded else ""))
+  lines.append(f"reason      {plan.reason}")
+  if plan.tokens_that_fit is not None:
+    lines.append(f"fits        {plan.tokens_that_fit} of {plan.max_tokens} tokens within the budget")
+  if explain:
+    for note in plan.notes:
+      lines.append(f"note        {note}")
+    for r in plan.rejected:
+      lines.append(f"rejected    {r.path} [{r.why}] {r.detail}")
+  return "\n".join(lines)
+
+
+def cmd_plan(args) -> int:
+  reg = _registry(args)
+  syn = _synthesizer(args, reg)
+  plan = syn.plan(args.prompt, args.hint, max_latency_ms=_budget(args), max_tokens=args.max_tokens, chat=args.chat)
+  _print_corrections(plan)
+  if args.json:
+    print(json.dumps(plan.to_json()))
+  else:
+    print(_plan_text(plan, args.explain))
+  return 0
+
+
+def cmd_synthesize(args) -> int:
+  reg = _registry(args)
+  syn = _synthesizer(args, reg)
+  result = syn.synthesize(args.prompt, args.hint, max_latency_ms=_budget(args), max_tokens=args.max_tokens,
+                          chat=args.chat, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          seed=args.seed, stop_strings=tuple(args.stop or ()))
+  _print_corrections(result.plan)
+  if args.explain and not args.json:
+    print(_plan_text(result.plan, True), file=sys.stderr)
+  # Leaving early (an interrupt, a closed stdout) abandons the generation: no more device work.
+  with result:
+    for d in result:
+      if not args.json:
+        sys.stdout.write(d.text)
+        sys.stdout.flush()
+  if args.json:
+    print(json.dumps(result.to_json()))
+  else:
+    sys.stdout.write("\n")
+    print(result.trace.table(), file=sys.stderr)
+  return 0
+
+
+# ------------------------------------------------------------------------------ paths
+def front_rows(cal, hint: str, floors, prompt_tokens: int = 32, max_tokens: int = 64) -> list[dict]:
+  """Every candidate calibrated on ``hint``: held-out quality, predicted warm latency (restored and
+  compiled) for a ``prompt_tokens`` prompt and ``max_tokens`` tokens, floor met, on the Pareto front."""
+  from thoughtjax.synthesis.latency import LatencyModel, Residency
+
+  model = LatencyModel(cal.latency)
+  floor = floors[hint]
+  rows = []
+  for c in cal.candidates:
+    q = cal.hint_quality(c.path_hash, hint)
+    if q is None:
+      continue
+    p = model.predict(c, prompt_tokens, max_tokens, Residency(set(c.refs), {model.program_key(
+        c.program, prompt_tokens, max_tokens)}))
+    rows.append({"path": c.path, "path_hash": c.path_hash, "kind": c.kind.value, "predicted_ms": p.total,
+                 "top1_agreement": q.heldout.top1_agreement, "mean_kl": q.heldout.mean_kl,
+                 "calibration_top1_agreement": q.calibration.top1_agreement,
+                 "meets_floor": floor.miss(q.calibration) is None})
+  for r in rows:  # on the front: no other path is at least as good on both and better on one
+    r["front"] = not any(o is not r and o["top1_agreement"] >= r["top1_agreement"] and
+                         o["predicted_ms"] <= r["predicted_ms"] and
+                         (o["top1_agreement"] > r["top1_agreement"] or o["predicted_ms"] < r["predicted_ms"])
+                         for o in rows)
+  return sorted(rows, key=lambda r: (r["predicted_ms"], r["path_hash"]))
+
+
+def cmd_paths(args) -> int:
+  from thoughtjax.registry.calibration_store import read_calibration
+  from thoughtjax.synthesis.hints import normalize_hints
+  from thoughtjax.synthesis.planner import floors_of
+  from thoughtjax.synthesis.dictionary import load_dictionary
+
+  reg = open_registry(args.dir, args)
+  cal = read_calibration(reg)
+  dictionary = load_dictionary()
+  res = normalize_hints([args.hint], dictionary)
+  for c in res.corrections:
+    print(f"hint {c.given!r} corrected to {c.corrected!r}", file=sys.stderr)
+  hint = res.hints[0]
+  if hint not in cal.hints:
+    raise CommandLineError(f"hint {hint!r} is not calibrated in {reg.root} (calibrated: {', '.join(cal.hints)}); "
+                           f"calibrate it: thoughtjax registry calibrate {reg.root} --hint {hint}")
+  rows = front_rows(cal, hint, floors_of(dictionary), args.prompt_tokens, args.max_tokens)
+  shown = rows if args.all else [r for r in rows if r["front"]]
+  if args.json:
+    print(json.dumps({"hint": hint, "registry_sequence": cal.sequence, "fingerprint": cal.fingerprint,
+                      "paths": shown}))
+  else:
+    print(f"{hint}: {len(shown)} of {len(rows)} calibrated paths ({'all' if args.all else 'Pareto front'}); "
+          f"predicted warm ms for {args.prompt_tokens} prompt tokens and {args.max_tokens} new tokens")
+    print(f"{'predicted ms':>12}  {'top-1 (held-out)':>16}  {'mean KL':>8}  {'floor':>5}  path")
+    for r in shown:
+      print(f"{r['predicted_ms']:>12.1f}  {r['top1_agreement']:>16.3f}  {r['mean_kl']:>8.4f}  "
+            f"{'met' if r['meets_floor'] else 'no':>5}  {r['path']}")
+  if args.plot:
+    _plot(rows, hint, floors_of(dictionary)[hint], args.plot)
+    print(f"plot written to {args.plot}", file=sys.stderr)
+  return 0
+
+
+def _plot(rows, hint: str, floor, out: str) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  other = [r for r in rows if not r["front"]]
+  front = sorted((r for r in rows if r["front"]), key=lambda r: r["predicted_ms"])
+  ax.scatter([r["predicted_ms"] for r in other], [r["top1_agreement"] for r in other], c="0.6", label="candidates")
+  ax.plot([r["predicted_ms"] for r in front], [r["top1_agreement"] for r in front], "o-", c="C0", label="front")
+  for r in front:
+    ax.annotate(r["path"].replace("embed, ", "").replace(", head", ""), (r["predicted_ms"], r["top1_agreement"]),
+                fontsize=7, xytext=(3, 3), textcoords="offset points")
+  ax.axhline(floor.top1_agreement, ls="--", c="C3", label=f"floor {floor.top1_agreement:g}")
+  ax.set_xlabel("predicted latency, warm (ms)")
+  ax.set_ylabel("top-1 agreement with the full path (held-out)")
+  ax.set_title(f"{hint}: quality against predicted latency")
+  ax.legend(loc="lower right")
+  fig.tight_layout()
+  fig.savefig(out, dpi=120)
+  plt.close(fig)
+
+
+# ------------------------------------------------------------------------------ registry calibrate / warm
+def cmd_calibrate(args) -> int:
+  from thoughtjax.registry.calibration_store import read_calibration, write_calibration
+  from thoughtjax.synthesis import calibrate as cal_lib
+
+  reg = open_registry(args.dir, args)
+  sign_key = existing_path(args.sign_key, "--sign-key") if args.sign_key else None
+  if (reg.signed or reg.signing_keys) and sign_key is None:  # refuse before minutes of measurement
+    raise CommandLineError(f"{reg.root} is signed (keys {reg.signing_keys}); its calibration must be signed too: "
+                           f"pass --sign-key with the private key of one of its signing keys")
+  report = cal_lib.CalibrateReport()
+  t0 = time.perf_counter()
+  with _progress_bars() as progress:
+    if args.latency_only:
+      cal = cal_lib.recalibrate_latency(reg, read_calibration(reg), progress=progress, report=report,
+                                        kernels=args.kernels)
+    else:
+      settings = cal_lib.CalibrateSettings()
+      changes = {}
+      if args.hint:
+        from thoughtjax.synthesis.dictionary import load_dictionary
+        from thoughtjax.synthesis.hints import normalize_hints
+
+        changes["hints"] = normalize_hints(args.hint, load_dictionary()).hints
+      if args.max_windows is not None:
+        changes["max_windows"] = None if args.max_windows <= 0 else args.max_windows
+      if args.window is not None:
+        changes["window"] = args.window
+      import dataclasses
+
+      cal = cal_lib.calibrate(reg, settings=dataclasses.replace(settings, **changes), progress=progress,
+                              report=report, kernels=args.kernels)
+  path = write_calibration(reg, cal, sign_key=sign_key)
+  wall = time.perf_counter() - t0
+  stages = ", ".join(f"{k} {v:.1f} s" for k, v in report.seconds.items())
+  print(f"calibration of {reg.root} at sequence {cal.sequence} written to {path} "
+        f"({'signed' if sign_key else 'unsigned'}); {len(cal.candidates)} candidates, hints "
+        f"{', '.join(cal.hints)}; fingerprint {cal.fingerprint}")
+  print(f"wall time {wall:.1f} s ({stages})")
+  for p, why in report.refused:
+    print(f"refused {p}: {why}", file=sys.stderr)
+  return 0
+
+
+def cmd_warm(args) -> int:
+  reg = open_registry(args.dir, args)
+  syn = _synthesizer(args, reg)
+  t0 = time.perf_counter()
+  warmed = syn.warm(args.hint or None, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens)
+  print(f"warmed {len(warmed)} path(s) in {time.perf_counter() - t0:.1f} s (thoughtlets restored in this process; "
+        f"programs compiled into the persistent compilation cache):")
+  for p in warmed:
+    print(f"  {p}")
+  return 0
+
+
+# ------------------------------------------------------------------------------ parsers
+def _request_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--registry", default=None, metavar="DIR",
+                 help="registry with a stored calibration (default: the default registry in the cache dir, "
+                 "built and calibrated on first use)")
+  p.add_argument("--hint", action="append", default=None,
+                 help="hint from registry/synthesis_dict.yaml, repeatable, in priority order (at most 3; none: "
+                 "general_purpose)")
+  p.add_argument("--max-latency-ms", type=float, required=True, help="latency budget of the whole request")
+  p.add_argument("--prompt", required=True)
+  p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+  p.add_argument("--max-tokens", type=int, default=64)
+  p.add_argument("--explain", action="store_true", help="also print the notes and the rejected alternatives")
+  p.add_argument("--json", action="store_true", help="print one JSON object")
+  add_trust_args(p, keys_help="with --registry: trusted Ed25519 public key (repeatable)")
+
+
+def add_parsers(sub) -> None:
+  p = sub.add_parser("plan", help="the path GetOptimalPath chooses for hints, a prompt and a latency budget")
+  _request_args(p)
+  p.set_defaults(fn=cmd_plan)
+
+  p = sub.add_parser("synthesize", help="plan, then run the chosen path: the answer streamed, the trace on stderr")
+  _request_args(p)
+  add_kernels_arg(p)
+  p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+  p.add_argument("--top-k", type=int, default=0)
+  p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--stop", action="append", help="stop string (repeatable)")
+  p.set_defaults(fn=cmd_synthesize)
+
+  p = sub.add_parser("paths", help="a hint's calibrated paths: quality against predicted latency")
+  p.add_argument("dir", help="registry with a stored calibration")
+  p.add_argument("--hint", required=True)
+  p.add_argument("--plot", default=None, metavar="FILE.png", help="plot quality against predicted latency")
+  p.add_argument("--all", action="store_true", help="every calibrated path, not only the Pareto front")
+  p.add_argument("--prompt-tokens", type=int, default=32)
+  p.add_argument("--max-tokens", type=int, default=64)
+  p.add_argument("--json", action="store_true")
+  add_trust_args(p)
+  p.set_defaults(fn=cmd_paths)
+
+
+def add_registry_parsers(sub) -> None:
+  """``registry calibrate`` and ``registry warm`` (added to the ``registry`` group)."""
+  c = sub.add_parser("calibrate", help="measure candidate paths per hint and this machine's latency; store signed")
+  c.add_argument("dir")
+  c.add_argument("--sign-key", default=None, help="Ed25519 private key (required when the registry is signed)")
+  c.add_argument("--latency-only", action="store_true",
+                 help="keep the stored candidates and quality, re-measure latency on this machine")
+  c.add_argument("--hint", action="append", default=None, help="calibrate these hints only (repeatable)")
+  c.add_argument("--window", type=int, default=None, help="tokens per quality window (default 128)")
+  c.add_argument("--max-windows", type=int, default=None,
+                 help="windows per split per hint (default 6; 0: every window of the corpus)")
+  add_kernels_arg(c)
+  add_trust_args(c)
+  c.set_defaults(fn=cmd_calibrate)
+
+  w = sub.add_parser("warm", help="restore and compile the chosen paths of hints ahead of time")
+  w.add_argument("dir")
+  w.add_argument("--hint", action="append", default=None, help="hints to warm (default: every calibrated hint)")
+  w.add_argument("--prompt-tokens", type=int, nargs="+", default=[16], help="prompt lengths (shape buckets)")
+  w.add_argument("--max-tokens", type=int, nargs="+", default=[64], help="decode lengths (shape buckets)")
+  add_kernels_arg(w)
+  add_trust_args(w)
+  w.set_defaults(fn=cmd_warm)

@@ -1,0 +1,98 @@
+"""The default registry: the default model cut along ``registry/semantic_mapping.yaml``, under the cache dir,
+built and calibrated on first use.
+
+``<cache dir>/registry/default`` (``THOUGHTJAX_CACHE``, else ``~/.cache/thoughtjax``). First use:
+
+1. **build** (:func:`thoughtjax.registry.build`, unsigned): fetch the default model if needed, cut, profile,
+   publish;
+2. **calibrate**: quality comes from the shipped table ``registry/default_calibration.json`` when its
+   candidates pin to exactly this registry's current versions (versions are content hashes, so a build
+   of the same model and mapping gives the same ones); latency is always measured here
+   (:func:`~thoughtjax.synthesis.calibrate.recalibrate_latency`, about a minute). Without a matching table
+   the full calibration runs (minutes). The result is stored in the registry.
+
+Later uses open it and check the stored calibration; a calibration measured on another machine
+(fingerprint) has its latency re-measured. Progress goes to ``progress(stage, done, total, item)``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+Progress = Callable[[str, int, int, str], None]
+
+
+def default_registry_dir() -> Path:
+  from thoughtjax.fetch import cache_dir
+
+  return cache_dir() / "registry" / "default"
+
+
+def shipped_table_path() -> Path:
+  here = Path("registry/default_calibration.json")
+  return here if here.exists() else Path(__file__).resolve().parents[2] / "registry" / "default_calibration.json"
+
+
+def _mapping_path() -> Path:
+  here = Path("registry/semantic_mapping.yaml")
+  return here if here.exists() else Path(__file__).resolve().parents[2] / "registry" / "semantic_mapping.yaml"
+
+
+def shipped_calibration(registry):
+  """The shipped quality table as a calibration of ``registry``, or None when it does not pin to the
+  registry's current versions (another model, mapping or build)."""
+  from thoughtjax.synthesis.calibration import Calibration, CalibrationError
+
+  path = shipped_table_path()
+  if not path.is_file():
+    return None
+  try:
+    doc = json.loads(path.read_bytes())
+    doc["sequence"] = registry.sequence  # the table is tied to versions, not to one build's sequence
+    cal = Calibration.from_json(doc)
+  except (json.JSONDecodeError, KeyError, TypeError, CalibrationError):
+    return None
+  current = registry.current
+  if dict(cal.current) != {n: current.get(n) for n in cal.current}:
+    return None
+  return cal
+
+
+def ensure_default(progress: Progress | None = None, *, root: Path | None = None):
+  """Build and calibrate the default registry if needed; returns it opened (:class:`Registry`)."""
+  from thoughtjax.fetch import DEFAULT_MODEL
+  from thoughtjax.registry import Registry, build, is_registry
+  from thoughtjax.registry.calibration_store import MissingCalibrationError, read_calibration, write_calibration
+  from thoughtjax.synthesis import calibrate as cal_lib
+
+  report = progress or (lambda stage, done, total, item: None)
+  root = Path(root) if root is not None else default_registry_dir()
+  if not is_registry(root):
+    root.parent.mkdir(parents=True, exist_ok=True)
+    build(root, _mapping_path(), DEFAULT_MODEL,
+          progress=lambda stage, name, done, total: report(f"build {stage}", done, total, name))
+  reg = Registry.open(root)
+  try:
+    stored = read_calibration(reg)
+  except MissingCalibrationError:
+    stored = None
+  fingerprint = cal_lib.machine_fingerprint()
+  if stored is not None and stored.fingerprint == fingerprint:
+    return reg
+  base = stored or shipped_calibration(reg)
+  if base is not None:
+    cal = cal_lib.recalibrate_latency(reg, base, progress=report)
+  else:
+    cal = cal_lib.calibrate(reg, progress=report)
+  write_calibration(reg, cal)
+  return reg
+
+
+def open_default(progress: Progress | None = None, **kwargs):
+  """A :class:`~thoughtjax.synthesis.synthesize.Synthesizer` over the default registry (built and
+  calibrated on first use)."""
+  from thoughtjax.synthesis.synthesize import Synthesizer
+
+  return Synthesizer.open(ensure_default(progress), **kwargs)
