@@ -65,107 +65,112 @@ def _publish(root: Path, thoughtlets: Sequence[Thoughtlet], *, sign_key, on_step
     shutil.rmtree(staging_root, ignore_errors=True)  # only a dead writer leaves anything here
     staging = staging_root / uuid.uuid4().hex
     staging.mkdir(parents=True)
-    old, old_record = _read_index(root) if (root / "index.json").exists() else (None, None)
-    if old is None and (model is None or codec is None):
-      raise RegistryError(f"{root} is not a registry yet; build it first")
-    signed_base = False
-    if old is not None:
-      signed_base = _verify_base(root, old, old_record, trust, key, count)
-      if old["model"]["config"] != (model or old["model"])["config"]:
-        raise RegistryError(f"{root} holds thoughtlets of another model ({old['model']['config']}); "
-                            f"build into an empty directory")
-    if signed_base and key is None:
-      path = str(root / "index.json")
-      count(DOWNGRADE, "index", path, "publish without a key into a signed registry")
-      count(WRITER, "index", path, "publish without a key into a signed registry")
-      raise SignatureDowngradeError(
-          f"{path}: the registry is signed (keys {sorted(old.get('signing_keys') or [])}) but this publish has "
-          f"no signing key; it would turn a signed registry unsigned. Pass sign_key= (CLI: --sign-key) with "
-          f"the private key of one of its signing keys")
-    tok_hash = codec_digest(codec) if codec is not None else old["codec"]["digest"]
-    codec_entry = None
-    if codec is not None:
-      digest, files = _stage_codec(staging, codec)
-      codec_entry = {"dir": f"codec/{digest}", "digest": digest, "files": files}
-      _fsync_tree(staging / "codec" / digest)
+    try:
+      old, old_record = _read_index(root) if (root / "index.json").exists() else (None, None)
+      if old is None and (model is None or codec is None):
+        raise RegistryError(f"{root} is not a registry yet; build it first")
+      signed_base = False
+      if old is not None:
+        signed_base = _verify_base(root, old, old_record, trust, key, count)
+        if old["model"]["config"] != (model or old["model"])["config"]:
+          raise RegistryError(f"{root} holds thoughtlets of another model ({old['model']['config']}); "
+                              f"build into an empty directory")
+      if signed_base and key is None:
+        path = str(root / "index.json")
+        count(DOWNGRADE, "index", path, "publish without a key into a signed registry")
+        count(WRITER, "index", path, "publish without a key into a signed registry")
+        raise SignatureDowngradeError(
+            f"{path}: the registry is signed (keys {sorted(old.get('signing_keys') or [])}) but this publish has "
+            f"no signing key; it would turn a signed registry unsigned. Pass sign_key= (CLI: --sign-key) with "
+            f"the private key of one of its signing keys")
+      tok_hash = codec_digest(codec) if codec is not None else old["codec"]["digest"]
+      codec_entry = None
+      if codec is not None:
+        digest, files = _stage_codec(staging, codec)
+        codec_entry = {"dir": f"codec/{digest}", "digest": digest, "files": files}
+        _fsync_tree(staging / "codec" / digest)
 
-    published = set() if old is None else {(n, v) for n, vs in old["history"].items() for v in vs}
-    staged: list[tuple[Thoughtlet, str, Path]] = []
-    versions: dict[str, str] = {}
-    digests: dict[str, str] = {}
-    for t in thoughtlets:
-      vhash = t.versioned_hash()
-      version = vhash[:VERSION_LEN]
-      versions[t.name] = version
-      final = root / "thoughtlets" / dir_name(t.name) / version
-      if final.exists():  # content-addressed: this exact version is already here
-        digests[f"{t.name}@{version}"] = _check_existing(final, t.name, version, vhash, key,
-                                                         (t.name, version) in published, count)
-        staged.append((t, version, final))
-        continue
-      vdir = staging / "thoughtlets" / dir_name(t.name) / version
-      vdir.mkdir(parents=True)
-      step("stage:start", t.name)
-      _save_checkpoint(vdir / "checkpoint", t.params)
-      step("stage:checkpoint", t.name)
-      files = {str(p.relative_to(vdir)): {"sha256": _sha256_file(p), "bytes": p.stat().st_size}
-               for p in _files_under(vdir / "checkpoint")}
-      parent = None if old is None or t.name not in old["current"] else old["current"][t.name]["version"]
-      manifest = _manifest_json(t, version, vhash, files, parent, key_id, tok_hash)
-      data = json.dumps(manifest, indent=1, sort_keys=True).encode()
-      _write_file(vdir / "manifest.json", data)
-      digests[f"{t.name}@{version}"] = _sha256_bytes(data)
+      published = set() if old is None else {(n, v) for n, vs in old["history"].items() for v in vs}
+      staged: list[tuple[Thoughtlet, str, Path]] = []
+      versions: dict[str, str] = {}
+      digests: dict[str, str] = {}
+      for t in thoughtlets:
+        vhash = t.versioned_hash()
+        version = vhash[:VERSION_LEN]
+        versions[t.name] = version
+        final = root / "thoughtlets" / dir_name(t.name) / version
+        if final.exists():  # content-addressed: this exact version is already here
+          digests[f"{t.name}@{version}"] = _check_existing(final, t.name, version, vhash, key,
+                                                           (t.name, version) in published, count)
+          staged.append((t, version, final))
+          continue
+        vdir = staging / "thoughtlets" / dir_name(t.name) / version
+        vdir.mkdir(parents=True)
+        step("stage:start", t.name)
+        _save_checkpoint(vdir / "checkpoint", t.params)
+        step("stage:checkpoint", t.name)
+        files = {str(p.relative_to(vdir)): {"sha256": _sha256_file(p), "bytes": p.stat().st_size}
+                 for p in _files_under(vdir / "checkpoint")}
+        parent = None if old is None or t.name not in old["current"] else old["current"][t.name]["version"]
+        manifest = _manifest_json(t, version, vhash, files, parent, key_id, tok_hash)
+        data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        _write_file(vdir / "manifest.json", data)
+        digests[f"{t.name}@{version}"] = _sha256_bytes(data)
+        if key is not None:
+          _write_file(vdir / "manifest.sig", canonical_json(signing.sign(key, canonical_json(manifest)).to_json()))
+        # Every checkpoint file and directory reaches the disk before the rename that makes it reachable.
+        _fsync_tree(vdir)
+        step("stage:manifest", t.name)
+        staged.append((t, version, vdir))
+
+      # Verify what is about to become visible: digests, signature, weights as restored.
+      keys = {} if key is None else {key_id: key.public_key()}
+      for t, version, vdir in staged:
+        if vdir.is_relative_to(staging):
+          _verify_version_dir(vdir, t.name, version, keys)
+        step("verify", t.name)
+
+      # Commit: new version directories first (unreferenced, so invisible), then the index.
+      if codec_entry is not None and not (root / codec_entry["dir"]).exists():
+        _mkdir_durable(root / "codec")
+        os.rename(staging / codec_entry["dir"], root / codec_entry["dir"])
+        _fsync(root / "codec")
       if key is not None:
-        _write_file(vdir / "manifest.sig", canonical_json(signing.sign(key, canonical_json(manifest)).to_json()))
-      # Every checkpoint file and directory reaches the disk before the rename that makes it reachable.
-      _fsync_tree(vdir)
-      step("stage:manifest", t.name)
-      staged.append((t, version, vdir))
+        _mkdir_durable(root / "keys")
+        pub = root / "keys" / f"{key_id}.pub"
+        if not pub.exists():  # readers list this directory: the file appears whole or not at all
+          _write_file(staging / f"{key_id}.pub", signing.public_pem(key.public_key()))
+          os.replace(staging / f"{key_id}.pub", pub)
+          _fsync(root / "keys")
+      for t, version, vdir in staged:
+        final = root / "thoughtlets" / dir_name(t.name) / version
+        if vdir != final:
+          _mkdir_durable(final.parent)
+          try:
+            os.rename(vdir, final)
+          except OSError:
+            if not final.exists():
+              raise
+          _fsync(final.parent)
+        step("commit:version", t.name)
 
-    # Verify what is about to become visible: digests, signature, weights as restored.
-    keys = {} if key is None else {key_id: key.public_key()}
-    for t, version, vdir in staged:
-      if vdir.is_relative_to(staging):
-        _verify_version_dir(vdir, t.name, version, keys)
-      step("verify", t.name)
-
-    # Commit: new version directories first (unreferenced, so invisible), then the index.
-    if codec_entry is not None and not (root / codec_entry["dir"]).exists():
-      _mkdir_durable(root / "codec")
-      os.rename(staging / codec_entry["dir"], root / codec_entry["dir"])
-      _fsync(root / "codec")
-    if key is not None:
-      _mkdir_durable(root / "keys")
-      pub = root / "keys" / f"{key_id}.pub"
-      if not pub.exists():  # readers list this directory: the file appears whole or not at all
-        _write_file(staging / f"{key_id}.pub", signing.public_pem(key.public_key()))
-        os.replace(staging / f"{key_id}.pub", pub)
-        _fsync(root / "keys")
-    for t, version, vdir in staged:
-      final = root / "thoughtlets" / dir_name(t.name) / version
-      if vdir != final:
-        _mkdir_durable(final.parent)
-        try:
-          os.rename(vdir, final)
-        except OSError:
-          if not final.exists():
-            raise
-        _fsync(final.parent)
-      step("commit:version", t.name)
-
-    body = _next_index(old, staged, model, codec_entry, order, mapping_text, key_id, digests)
-    doc = {"index": body, "signature": None if key is None else signing.sign(key, canonical_json(body)).to_json()}
-    tmp = staging / "index.json"
-    _write_file(tmp, json.dumps(doc, indent=1, sort_keys=True).encode())
-    step("commit:index-written", None)
-    os.replace(tmp, root / "index.json")
-    _fsync(root)
-    step("commit:index", None)
-    shutil.rmtree(staging_root, ignore_errors=True)
-    try:  # the writer has seen its own sequence; a reader records it on open anyway
-      RollbackState(trust.state_path()).record(state_key(body["registry_id"], root), body["sequence"], key is not None)
-    except RegistryError:
-      pass  # the publish is complete; an unwritable state file is reported by the next open
+      body = _next_index(old, staged, model, codec_entry, order, mapping_text, key_id, digests)
+      doc = {"index": body, "signature": None if key is None else signing.sign(key, canonical_json(body)).to_json()}
+      tmp = staging / "index.json"
+      _write_file(tmp, json.dumps(doc, indent=1, sort_keys=True).encode())
+      step("commit:index-written", None)
+      os.replace(tmp, root / "index.json")
+      _fsync(root)
+      step("commit:index", None)
+      shutil.rmtree(staging_root, ignore_errors=True)
+      try:  # the writer has seen its own sequence; a reader records it on open anyway
+        RollbackState(trust.state_path()).record(state_key(body["registry_id"], root), body["sequence"],
+                                                 key is not None)
+      except RegistryError:
+        pass  # the publish is complete; an unwritable state file is reported by the next open
+    except BaseException:
+      shutil.rmtree(staging_root, ignore_errors=True)  # a refused or failed publish leaves nothing behind
+      raise
   return versions
 
 
