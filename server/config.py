@@ -1,0 +1,186 @@
+"""Server settings: one frozen dataclass per group, read from YAML (``server/config.yaml`` documents each key).
+
+Unknown keys and wrong types are a :class:`ConfigError` naming the file, the key, the expected and the
+received value, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from thoughtjax.errors import UserError
+
+DEFAULT_CONFIG = Path(__file__).with_name("config.yaml")
+
+
+class ConfigError(UserError, ValueError):
+  """The server configuration cannot be used as given; the message names the key and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TlsConfig:
+  cert: Path | None = None
+  key: Path | None = None
+  client_ca: Path | None = None
+
+  @property
+  def enabled(self) -> bool:
+    return self.cert is not None
+
+  @property
+  def mutual(self) -> bool:
+    return self.client_ca is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepaliveConfig:
+  time_ms: int = 60_000
+  timeout_ms: int = 20_000
+  permit_without_calls: bool = True
+  min_client_ping_interval_ms: int = 100
+  max_ping_strikes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmConfig:
+  hints: tuple[str, ...] = ()
+  prompt_tokens: tuple[int, ...] = (16,)
+  max_tokens: tuple[int, ...] = (64,)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+  bind: str = "127.0.0.1"
+  port: int = 50051
+  tls: TlsConfig = TlsConfig()
+  keepalive: KeepaliveConfig = KeepaliveConfig()
+  max_message_bytes: int = 4 * 1024 * 1024
+  max_concurrent: int = 4
+  max_queue: int = 16
+  max_tokens_limit: int = 2048
+  grace_s: float = 30.0
+  warm: WarmConfig = WarmConfig()
+
+  def __post_init__(self):
+    for name in ("max_message_bytes", "max_concurrent", "max_tokens_limit"):
+      _positive_int(getattr(self, name), name)
+    if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
+      raise ConfigError(f"max_queue: expected an integer >= 0, got {self.max_queue!r}")
+    if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
+      raise ConfigError(f"port: expected an integer in [0, 65535] (0: any free port), got {self.port!r}")
+    if not isinstance(self.grace_s, (int, float)) or not math.isfinite(self.grace_s) or self.grace_s < 0:
+      raise ConfigError(f"grace_s: expected a finite number of seconds >= 0, got {self.grace_s!r}")
+    if (self.tls.cert is None) != (self.tls.key is None):
+      raise ConfigError(f"tls: cert and key go together, got cert={self.tls.cert} key={self.tls.key}; set both "
+                        f"(TLS) or neither (plaintext)")
+    if self.tls.client_ca is not None and self.tls.cert is None:
+      raise ConfigError("tls.client_ca (mTLS) needs tls.cert and tls.key too: clients verify the server as well")
+
+  @property
+  def address(self) -> str:
+    host = f"[{self.bind}]" if ":" in self.bind and not self.bind.startswith("[") else self.bind
+    return f"{host}:{self.port}"
+
+  def grpc_options(self) -> list[tuple[str, Any]]:
+    """Channel arguments of the server: message limits and keepalive that tolerates pinging clients."""
+    k = self.keepalive
+    return [
+        ("grpc.max_receive_message_length", self.max_message_bytes),
+        ("grpc.max_send_message_length", self.max_message_bytes),
+        ("grpc.keepalive_time_ms", k.time_ms),
+        ("grpc.keepalive_timeout_ms", k.timeout_ms),
+        ("grpc.keepalive_permit_without_calls", int(k.permit_without_calls)),
+        # Without these two a client pinging more often than every 5 minutes gets GOAWAY too_many_pings.
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", k.min_client_ping_interval_ms),
+        ("grpc.http2.min_ping_interval_without_data_ms", k.min_client_ping_interval_ms),
+        ("grpc.http2.max_ping_strikes", k.max_ping_strikes),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+  def replace(self, **changes) -> "ServerConfig":
+    return dataclasses.replace(self, **changes)
+
+
+def _positive_int(v, name: str) -> None:
+  if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+    raise ConfigError(f"{name}: expected an integer >= 1, got {v!r}")
+
+
+def _section(cls, data: Any, where: str, convert: Mapping[str, Any] | None = None):
+  if data is None:
+    return cls()
+  if not isinstance(data, Mapping):
+    raise ConfigError(f"{where}: expected a mapping of {[f.name for f in dataclasses.fields(cls)]}, got {data!r}")
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  unknown = sorted(set(data) - set(fields))
+  if unknown:
+    raise ConfigError(f"{where}: unknown keys {unknown}; known keys: {sorted(fields)}")
+  out = {}
+  for key, value in data.items():
+    conv = (convert or {}).get(key)
+    out[key] = conv(value, f"{where}.{key}") if conv else value
+  return cls(**out)
+
+
+def _path(base: Path):
+  def conv(v, where):
+    if v is None:
+      return None
+    if not isinstance(v, (str, os.PathLike)):
+      raise ConfigError(f"{where}: expected a file path or null, got {v!r}")
+    p = Path(v).expanduser()
+    return p if p.is_absolute() else base / p
+  return conv
+
+
+def _ints(v, where):
+  if not isinstance(v, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v):
+    raise ConfigError(f"{where}: expected a list of positive integers, got {v!r}")
+  return tuple(v)
+
+
+def _strs(v, where):
+  if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) and x for x in v):
+    raise ConfigError(f"{where}: expected a list of hint names, got {v!r}")
+  return tuple(v)
+
+
+def _int(v, where):
+  if isinstance(v, bool) or not isinstance(v, int):
+    raise ConfigError(f"{where}: expected an integer, got {v!r}")
+  return v
+
+
+def from_mapping(data: Mapping | None, where: str = "server config", base: Path | None = None) -> ServerConfig:
+  """A :class:`ServerConfig` from a parsed YAML mapping; relative TLS paths are taken from ``base``."""
+  base = base or Path.cwd()
+  data = dict(data or {})
+  tls = _section(TlsConfig, data.pop("tls", None), f"{where}: tls", {k: _path(base) for k in ("cert", "key",
+                                                                                              "client_ca")})
+  keep = _section(KeepaliveConfig, data.pop("keepalive", None), f"{where}: keepalive",
+                  {"time_ms": _int, "timeout_ms": _int, "min_client_ping_interval_ms": _int,
+                   "max_ping_strikes": _int})
+  warm = _section(WarmConfig, data.pop("warm", None), f"{where}: warm",
+                  {"hints": _strs, "prompt_tokens": _ints, "max_tokens": _ints})
+  top = _section(ServerConfig, data, where)
+  return dataclasses.replace(top, tls=tls, keepalive=keep, warm=warm)
+
+
+def load_config(path: str | os.PathLike | None = None) -> ServerConfig:
+  """The settings in ``path`` (default: the shipped ``server/config.yaml``)."""
+  import yaml
+
+  path = Path(path) if path is not None else DEFAULT_CONFIG
+  try:
+    data = yaml.safe_load(path.read_text())
+  except FileNotFoundError:
+    raise ConfigError(f"server config {path}: no such file; pass an existing --config or omit it") from None
+  except yaml.YAMLError as e:
+    raise ConfigError(f"server config {path}: not valid YAML ({e}); fix the file") from None
+  if data is not None and not isinstance(data, Mapping):
+    raise ConfigError(f"server config {path}: expected a mapping of settings, got {type(data).__name__}")
+  return from_mapping(data, f"server config {path}", path.parent)

@@ -1,0 +1,29 @@
+"""Server credentials: TLS from a certificate and key, mTLS when a client CA is configured (client
+certificates then required). Unreadable files are a :class:`~server.config.ConfigError` naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+
+from server.config import ConfigError, TlsConfig
+
+
+def _read(path: Path, key: str) -> bytes:
+  try:
+    data = path.read_bytes()
+  except OSError as e:
+    raise ConfigError(f"tls.{key} {path}: cannot read it ({e.strerror}); point tls.{key} at a PEM file") from None
+  if b"-----BEGIN" not in data:
+    raise ConfigError(f"tls.{key} {path}: expected PEM (-----BEGIN ...), got {len(data)} bytes of something else")
+  return data
+
+
+def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials | None:
+  """The credentials of ``tls`` (None: plaintext)."""
+  if not tls.enabled:
+    return None
+  pair = (_read(tls.key, "key"), _read(tls.cert, "cert"))
+  ca = _read(tls.client_ca, "client_ca") if tls.mutual else None
+  return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=tls.mutual)
