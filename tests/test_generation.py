@@ -223,6 +223,10 @@ def test_cancel_stops_before_the_next_chunk(engine):
   assert rest[-1].finished and rest[-1].finish_reason == "cancelled"
   assert len(first.token_ids) == 1 and [t for d in rest for t in d.token_ids] == []
   assert g.trace.tokens_out == [1]
+  early = m.stream([4, 5, 6], max_tokens=64, ignore_eos=True)
+  early.cancel()  # before the first delta: not even the prefill runs
+  assert [(d.token_ids, d.finish_reason) for d in early] == [([], "cancelled")]
+  assert early.trace.device_start is None and early.trace.tokens_out == [0]
   done = m.generate([4, 5, 6], max_tokens=4, ignore_eos=True)  # the model is unaffected
   assert done.finish_reason == "length" and len(done.token_ids) == 4
 

@@ -217,7 +217,9 @@ class Generation:
 
   ``trace`` holds its timings and sizes (filled in as it runs); ``cancel()`` (from any thread)
   ends it at the next chunk with finish_reason ``cancelled`` for unfinished rows; ``close()``
-  (also run when the Generation is garbage-collected) abandons it: no further device work.
+  (from the consuming thread; also run when the Generation is garbage-collected) abandons it:
+  no further device work. One consumer iterates a Generation; the Model it came from serves
+  any number of Generations at once.
   ``completions()`` runs it to the end and returns one :class:`Completion` per prompt.
   """
 
@@ -270,6 +272,10 @@ def _run_chunks(req: _Request, rows: _Rows, trace: Trace, cancelled: threading.E
   """Prefill, then one decode chunk per round, each only after the previous deltas were taken."""
   prog = req.program
   try:
+    if cancelled.is_set():  # cancelled before it started: no device work at all
+      trace.cancelled = True
+      yield from rows.cancel()
+      return
     trace.device_start = time.perf_counter()
     with COMPILE_CLOCK.measure() as compile_s:
       state = prog.advance(req.parts, req.prompt, req.pad, req.samp, prog.init_state())
@@ -329,7 +335,7 @@ def _run_callback(req: _Request, rows: _Rows, trace: Trace, cancelled: threading
   try:
     counts = [0] * n
     while not (ended := (item := q.get()) is None):
-      step, tokens, done = item
+      _, tokens, done = item
       for r in range(n):
         new = [int(tokens[r])] if tokens[r] >= 0 else []
         counts[r] += len(new)
