@@ -177,7 +177,7 @@ def test_features_see_only_the_first_max_tokens_and_ignore_padding(model):
 def test_residual_after_early_layers_as_features(model):
   cfg = model.config
   router, report = train_router(model, TRAIN, HELDOUT, steps=STEPS, labels=LABELS,
-                                features=FeatureSettings(pooling="mean_max", layers=2),
+                                features=FeatureSettings(pooling="mean_max", layers=2, max_tokens=32),
                                 training=TrainSettings(hidden=16))
   params, meta = router.to_params()
   assert params["dense_0.kernel"].shape == (4 * cfg.d_model, 16) and params["dense_1.kernel"].shape == (16, 3)
