@@ -1,0 +1,62 @@
+"""The checked-in stubs are what grpc_tools generates from the proto; the config refuses typos."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from server.config import ConfigError, from_mapping, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+PROTO = "server/proto/thoughtjax/v1/synthesis.proto"
+GENERATED = ("synthesis_pb2.py", "synthesis_pb2.pyi", "synthesis_pb2_grpc.py")
+
+
+def test_regenerating_the_stubs_changes_nothing(tmp_path):
+  (tmp_path / PROTO).parent.mkdir(parents=True)
+  shutil.copy(ROOT / PROTO, tmp_path / PROTO)
+  subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I", ".", "--python_out=.", "--pyi_out=.",
+                  "--grpc_python_out=.", PROTO], cwd=tmp_path, check=True)
+  for name in GENERATED:
+    fresh = (tmp_path / PROTO).with_name(name).read_text()
+    assert fresh == (ROOT / PROTO).with_name(name).read_text(), f"{name} is stale: regenerate (see {PROTO})"
+
+
+def test_the_service_has_the_five_methods_and_streams_synthesize():
+  from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
+
+  svc = pb.DESCRIPTOR.services_by_name["Synthesizer"]
+  assert svc.full_name == "thoughtjax.v1.Synthesizer"
+  assert {m.name for m in svc.methods} == {"GetOptimalPath", "Synthesize", "ListThoughtlets", "RegistryStats",
+                                           "ReloadRegistry"}
+  assert svc.methods_by_name["Synthesize"].server_streaming
+
+
+def test_the_shipped_config_is_loopback_and_tolerates_pinging_clients():
+  c = load_config()
+  assert c.bind == "127.0.0.1" and not c.tls.enabled
+  opts = dict(c.grpc_options())
+  assert opts["grpc.keepalive_permit_without_calls"] == 1 and opts["grpc.http2.max_ping_strikes"] == 0
+
+
+@pytest.mark.parametrize("data, match", [
+    ({"prot": 1}, r"unknown keys \['prot'\]"),
+    ({"tls": {"cert": "a.pem"}}, "cert and key go together"),
+    ({"tls": {"client_ca": "ca.pem"}}, "needs tls.cert"),
+    ({"max_concurrent": 0}, "max_concurrent: expected an integer >= 1"),
+    ({"port": 70000}, "port: expected an integer"),
+    ({"keepalive": {"time_ms": "soon"}}, "keepalive.time_ms: expected an integer"),
+    ({"warm": {"hints": "general_purpose"}}, "warm.hints: expected a list"),
+])
+def test_a_bad_config_is_a_named_error(data, match):
+  with pytest.raises(ConfigError, match=match):
+    from_mapping(data)
+
+
+def test_a_missing_config_file_names_the_fix(tmp_path):
+  with pytest.raises(ConfigError, match="no such file"):
+    load_config(tmp_path / "nope.yaml")
