@@ -93,3 +93,11 @@ def test_a_dead_reader_does_not_block_gc(three_versions):
   report = collect_garbage(root, keep=1)
   assert sorted(report.removed) == sorted([_vdir(root, v0), _vdir(root, v1)]) and report.skipped == []
   assert not list((root / ".readers").glob(f"{proc.pid}-*"))  # the stale lease is cleaned up
+
+
+def test_opening_a_directory_that_is_no_registry_leaves_it_as_it_was(tmp_path):
+  from thoughtjax.registry import RegistryError
+
+  with pytest.raises(RegistryError, match="is not a thoughtlet registry"):
+    Registry.open(tmp_path)
+  assert list(tmp_path.iterdir()) == []

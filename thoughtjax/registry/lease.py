@@ -46,6 +46,8 @@ class ReaderLease:
     collect garbage there either)."""
     d = Path(root) / LEASE_DIR
     lock = d / f"{os.getpid()}-{uuid.uuid4().hex[:12]}.lock"
+    if not (Path(root) / "index.json").is_file():
+      return None  # not a registry (the open fails next): leave the directory as it was
     try:
       d.mkdir(exist_ok=True)
       fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
