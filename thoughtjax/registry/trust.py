@@ -8,8 +8,9 @@ treated. The rules (TUF's that matter here):
   ``keys/*.pub``, or this user saw it signed), an unsigned index or manifest is a
   :class:`SignatureDowngradeError` unless the caller opts out with ``allow_unsigned=True``.
 * **Whose keys.** With ``public_keys`` every signature must verify against one of them, and
-  everything must be signed. Without, the keys stored in ``DIR/keys`` that the index names are
-  used: that proves the files are intact and consistent, not who wrote them.
+  everything must be signed (a manifest published unsigned before the registry was first signed is
+  covered by the digest the signed index records for it). Without, the keys stored in ``DIR/keys``
+  that the index names are used: that proves the files are intact and consistent, not who wrote them.
 * **No rollback.** Every index carries a signed sequence number that each publish increments.
   A reader or writer refuses an index whose sequence is lower than the highest it has seen for
   the same registry (:class:`RollbackError`). The highest sequences live in a small per-user JSON
