@@ -33,13 +33,15 @@ from typing import Any
 
 import yaml
 
+from thoughtjax.errors import UserError
+
 KINDS = ("embed", "blocks", "head", "template")
 _TOP_KEYS = {"format", "model", "num_layers", "thoughtlets"}
 _ENTRY_KEYS = {"kind", "name", "layers", "tags", "description", "constraints", "system"}
 _CONSTRAINT_KEYS = {"max_context"}
 
 
-class MappingError(ValueError):
+class MappingError(UserError, ValueError):
   """A semantic mapping is invalid; names the file, line and entry."""
 
   def __init__(self, message: str, *, source: str, line: int | None, entry: int | None = None,

@@ -75,6 +75,27 @@ def test_a_bug_keeps_its_traceback_in_a_real_process():
   assert "error: ZeroDivisionError" not in r.stderr
 
 
+def _user_facing_classes():
+  from thoughtjax.compose import PathTypeError
+  from thoughtjax.config import UnsupportedModelError
+  from thoughtjax.fetch import FetchError
+  from thoughtjax.kernels.dispatch import KernelChoiceError
+  from thoughtjax.mapping import MappingError
+  from thoughtjax.paths import PathSyntaxError
+  from thoughtjax.registry import IntegrityError, ResourceProfileMismatch, UnknownThoughtletError
+  from thoughtjax.signing import SignatureError
+
+  return [RegistryError, IntegrityError, UnknownThoughtletError, ResourceProfileMismatch, SignatureError,
+          PathSyntaxError, PathTypeError, MappingError, FetchError, UnsupportedModelError, KernelChoiceError,
+          args_lib.CommandLineError]
+
+
+@pytest.mark.parametrize("cls", _user_facing_classes(), ids=lambda c: c.__name__)
+def test_every_user_facing_error_is_a_user_error(cls):
+  """The policy is ``except UserError``: a user-facing class outside it would print a traceback."""
+  assert issubclass(cls, UserError)
+
+
 def test_usage_errors_keep_exit_2(capsys):
   with pytest.raises(SystemExit) as info:
     cli.main(["generate"])  # --prompt is required

@@ -19,7 +19,7 @@ from thoughtjax.cli import bench, model_commands, registry, synthesis
 from thoughtjax.cli.registry import load_from_registry
 from thoughtjax.errors import UserError
 
-__all__ = ["build_parser", "command_name", "is_user_error", "load_from_registry", "main"]
+__all__ = ["build_parser", "command_name", "load_from_registry", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,9 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = args.fn
   try:
     return run(args)
-  except Exception as e:
-    if not is_user_error(e):
-      raise
+  except UserError as e:
     print(f"thoughtjax {command_name(args)}: error: {type(e).__name__}: {e}", file=sys.stderr)
     return 2
 
@@ -59,14 +57,3 @@ def command_name(args: argparse.Namespace) -> str:
   """``generate``, ``registry verify``, ``bench decode``: the command as the user typed it."""
   sub = getattr(args, "registry_command", None) or getattr(args, "what", None)
   return f"{args.command} {sub}" if sub else args.command
-
-
-def is_user_error(e: BaseException) -> bool:
-  return isinstance(e, UserError) or isinstance(e, _not_yet_user_errors())
-
-
-def _not_yet_user_errors() -> tuple[type[Exception], ...]:
-  """Temporary: user-facing errors whose classes do not derive from UserError yet. Remove each as it does."""
-  from thoughtjax.mapping import MappingError
-
-  return tuple(c for c in (MappingError,) if not issubclass(c, UserError))
