@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 import thoughtjax
+from tests.tiny import CHAT_TEMPLATE, tiny_model, tiny_tokenizer
 from thoughtjax.errors import UserError
 from thoughtjax.loading import LoadedModel
 from thoughtjax.synthesis.router import FeatureSettings, Router, RouterError, TrainSettings, train_router
 from thoughtjax.tokenizer import TextCodec
-from tests.tiny import CHAT_TEMPLATE, tiny_model, tiny_tokenizer
 
 # The tiny tokenizer is byte-level (one token per character), so each label's words are drawn from
 # its own letters; the filler words every label shares use letters of their own.
@@ -135,6 +135,8 @@ def test_from_params_refuses_other_weights_and_mismatched_params(trained):
     Router.from_params(bad, meta, router.model)
   with pytest.raises(RouterError, match="must be float32"):
     Router.from_params({k: v.astype(np.float64) for k, v in params.items()}, meta, router.model)
+  with pytest.raises(RouterError, match="gives 128 features"):  # the meta claims other features than the params hold
+    Router.from_params(params, {**meta, "features": {**meta["features"], "pooling": "mean_max"}}, router.model)
   with pytest.raises(RouterError, match="format"):
     Router.from_params(params, {**meta, "format": "other/0"}, router.model)
 

@@ -39,10 +39,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import statistics
 import time
-from typing import Any, Callable, Literal, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -153,8 +155,8 @@ class RouterReport:
   def table(self) -> str:
     """The confusion matrix and per-hint precision/recall as text."""
     w = max(len(h) for h in self.labels)
-    lines = [f"held-out accuracy {self.accuracy:.3f} over {self.n_heldout} prompts; "
-             f"predict {self.predict_ms:.3f} ms median (p90 {self.predict_ms_p90:.3f})",
+    lines = [(f"held-out accuracy {self.accuracy:.3f} over {self.n_heldout} prompts; "
+              f"predict {self.predict_ms:.3f} ms median (p90 {self.predict_ms_p90:.3f})"),
              " " * w + "  " + " ".join(f"{i:>4d}" for i in range(len(self.labels))) + "  precision recall"]
     for i, h in enumerate(self.labels):
       row = " ".join(f"{int(c):>4d}" for c in self.confusion[i])
@@ -316,7 +318,7 @@ class Router:
     return {k: v.copy() for k, v in self._params.items()}, self.meta
 
   @classmethod
-  def from_params(cls, params: Mapping[str, np.ndarray], meta: Mapping[str, Any], model) -> "Router":
+  def from_params(cls, params: Mapping[str, np.ndarray], meta: Mapping[str, Any], model) -> Router:
     """The router ``to_params`` gave, bound to ``model``; refuses a model other than the one it was
     trained on (codec digest, weights fingerprint) and parameters that do not match the meta."""
     if not isinstance(meta, Mapping) or meta.get("format") != FORMAT:
@@ -333,6 +335,12 @@ class Router:
     got = {k: tuple(np.shape(v)) for k, v in params.items()}
     if got != shapes:
       raise RouterError(f"router params do not match the meta: expected {shapes}, got {got}")
+    width, n = features.width(model.config.d_model), sum(1 for k in shapes if k.endswith(".kernel"))
+    if shapes.get("standardize.mean") != (width,) or shapes.get(f"dense_{n - 1}.bias") != (len(labels),):
+      raise RouterError(f"router params do not fit the meta: {meta['features']} on d_model={model.config.d_model} "
+                        f"gives {width} features and {len(labels)} hints need {len(labels)} outputs, got "
+                        f"standardize.mean {shapes.get('standardize.mean')} and dense_{n - 1}.bias "
+                        f"{shapes.get(f'dense_{n - 1}.bias')}")
     bad = [k for k, v in params.items() if np.asarray(v).dtype != np.float32]
     if bad:
       raise RouterError(f"router params must be float32; {bad} are not")
@@ -384,7 +392,7 @@ def _feature_matrix(model, features: FeatureSettings, prompts: Sequence[str], sp
 def _init(key, sizes: Sequence[int]) -> dict[str, jax.Array]:
   """Glorot-normal kernels, zero biases, for dense layers sizes[0] -> sizes[1] -> ..."""
   params = {}
-  for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+  for i, (a, b) in enumerate(itertools.pairwise(sizes)):
     params[f"dense_{i}.kernel"] = jax.random.normal(jax.random.fold_in(key, i), (a, b), jnp.float32) * (
         2.0 / (a + b)) ** 0.5
     params[f"dense_{i}.bias"] = jnp.zeros((b,), jnp.float32)
