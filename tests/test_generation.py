@@ -32,7 +32,7 @@ def test_batch_of_different_lengths_equals_single_runs(engine):
   prompts = [[7, 8, 9], list(range(40, 61)), [100], [5, 6, 7, 8, 9, 10, 11]]
   params = SamplingParams(max_tokens=10)
   batch = engine.generate_batch(prompts, params)
-  for p, c in zip(prompts, batch):
+  for p, c in zip(prompts, batch, strict=True):
     assert c.token_ids == engine.generate(p, max_tokens=10).token_ids
 
 
@@ -165,7 +165,7 @@ def test_chat_prompts_take_the_template_path_and_match_token_ids():
     tokens = m.generate_batch([m.prompt_ids(p, chat=True) for p in prompts],
                               SamplingParams(max_tokens=6, ignore_eos=True))
     assert tokens[0].trace.program.template is None
-    for a, b in zip(chat, tokens):
+    for a, b in zip(chat, tokens, strict=True):
       assert a.prompt_ids == b.prompt_ids and a.token_ids == b.token_ids
 
 

@@ -233,7 +233,8 @@ def compose(path: str | Sequence[Ref | str], source, *, mesh=None, dtype=None, k
                         link=0, expected="one embed", received=", ".join(f"{n}@{v}" for n, v in embed_units))
 
   if isinstance(source, Registry):
-    restored = dict(zip(dict.fromkeys(units), source.restore_many(list(dict.fromkeys(units)), dtype=dtype, mesh=mesh)))
+    wanted = list(dict.fromkeys(units))
+    restored = dict(zip(wanted, source.restore_many(wanted, dtype=dtype, mesh=mesh), strict=True))
     codec, module_src, source_hash = source.codec, f"registry:{source.root}", str(source.generation)
   else:
     if mesh is not None or dtype is not None:
@@ -247,6 +248,11 @@ def compose(path: str | Sequence[Ref | str], source, *, mesh=None, dtype=None, k
   head_state = as_state(abstract.head, restored[head_units[0]])
   blocks, layers, slot_of = {}, [], {}
   for link in links:
+    if link.kind is Kind.BRIDGE:  # runs between blocks; negative slots keep it apart from the model's layers
+      slot = -1 - sum(1 for s in blocks if s < 0)
+      blocks[slot] = dict(restored[link.units[0]])
+      layers.append(slot)
+      continue
     if link.kind is not Kind.BLOCKS:
       continue
     for unit in link.units:

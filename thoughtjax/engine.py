@@ -258,7 +258,7 @@ class Generation:
     for _ in self:
       pass
     return [Completion(i, t, x, r, self.trace)
-            for i, t, x, r in zip(self.trace.prompt_ids, self._tokens, self._texts, self._reasons)]
+            for i, t, x, r in zip(self.trace.prompt_ids, self._tokens, self._texts, self._reasons, strict=True)]
 
   def result(self) -> Completion:
     """The one completion of a single-prompt call."""
@@ -512,7 +512,7 @@ class Model:
     user = [self._user_ids(p) for p in prompts]
     if template is not self.template:
       # Tokenizing the parts apart must give what tokenizing the whole prompt gives.
-      for p, u in zip(prompts, user):
+      for p, u in zip(prompts, user, strict=True):
         if template.wrap(u) != self.prompt_ids(p, True, system):
           return None, None
     return template, user

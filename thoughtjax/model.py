@@ -237,12 +237,17 @@ def run_path(embed: Embed, blocks: Sequence[Block], head: Head, tokens: Array, p
   x = embed(tokens) if embeddings is None else embeddings
   new_caches = []
   if blocks:
-    cfg = blocks[0].attn.cfg
-    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-    for block, (ck, cv) in zip(blocks, caches):
+    cfg = path_config(blocks)
+    cos, sin = (None, None) if cfg is None else rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    for block, (ck, cv) in zip(blocks, caches, strict=True):
       x, ck, cv = block(x, cos, sin, ck, cv, write_at, mask)
       new_caches.append((ck, cv))
   return head(x, embed.table[...]), new_caches
+
+
+def path_config(blocks: Sequence) -> ModelConfig | None:
+  """The model config of a path's first decoder block (a bridge in the sequence has none)."""
+  return next((b.attn.cfg for b in blocks if isinstance(b, Block)), None)
 
 
 class PathParts(NamedTuple):
@@ -271,9 +276,13 @@ class GraphDefs(NamedTuple):
 
 
 def merge_path(defs: GraphDefs, parts: PathParts, layers: Sequence[int]) -> tuple[Embed, list[Block], Head]:
-  """Modules of a path from graph definitions and states (inside traced code)."""
+  """Modules of a path from graph definitions and states (inside traced code).
+
+  A negative slot holds a bridge thoughtlet's params (:mod:`thoughtjax.thoughtlet.bridge`)."""
+  from thoughtjax.thoughtlet.bridge import BridgeLayer
+
   embed = nnx.merge(defs.embed, parts.embed)
-  by_layer = {i: nnx.merge(defs.block, s) for i, s in parts.blocks.items()}
+  by_layer = {i: BridgeLayer(s) if i < 0 else nnx.merge(defs.block, s) for i, s in parts.blocks.items()}
   return embed, [by_layer[i] for i in layers], nnx.merge(defs.head, parts.head)
 
 
@@ -284,7 +293,7 @@ def init_random(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float
   paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
   keys = jax.random.split(jax.random.key(seed), len(paths_leaves))
   new = []
-  for key, (path, leaf) in zip(keys, paths_leaves):
+  for key, (path, leaf) in zip(keys, paths_leaves, strict=True):
     noise = scale * jax.random.normal(key, leaf.shape, dtype)
     is_norm = any("norm" in str(getattr(p, "key", p)) for p in path)
     new.append(1.0 + noise if is_norm else noise)

@@ -113,7 +113,7 @@ def test_repeated_span_shares_buffers(deep):
   for i in range(10, 20):
     a = jax.tree.leaves(m.parts.blocks[i])
     b = jax.tree.leaves(full.parts.blocks[i])
-    assert all(x is y for x, y in zip(a, b))  # the resident set hands out the same arrays
+    assert all(x is y for x, y in zip(a, b, strict=True))  # the resident set hands out the same arrays
   # The compiled program takes the 30 distinct blocks as arguments, not 40.
   tokens = jnp.zeros((1, 16), jnp.int32)
   args = program_lib.score_logits.lower(m._defs, m.layers, m.parts, tokens).compile().memory_analysis()
