@@ -172,6 +172,7 @@ def test_features_see_only_the_first_max_tokens_and_ignore_padding(model):
   # A batch is padded to its longest prompt; each row's probabilities are those it has alone.
   prompts = ["cab", "sort trout port", HELDOUT[4][0]]
   batch = router.probabilities(prompts)
+  assert router.probabilities([]).shape == (0, 3)
   for p, row in zip(prompts, batch, strict=True):
     np.testing.assert_allclose(row, list(router.predict(p)[1].values()), rtol=1e-5, atol=1e-6)
 

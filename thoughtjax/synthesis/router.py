@@ -1,7 +1,7 @@
 """The hint router: with no hints in a request, a small classifier picks one from the prompt.
 
 >>> import thoughtjax
->>> from thoughtjax.synthesis.router import train_router
+>>> from thoughtjax.synthesis.router import Router, train_router
 >>> from thoughtjax.synthesis.router_data import load_router_prompts
 >>> model = thoughtjax.load()
 >>> router, report = train_router(model, load_router_prompts("train"), load_router_prompts("heldout"))
@@ -303,6 +303,8 @@ class Router:
 
   def probabilities(self, prompts: Sequence[str]) -> np.ndarray:
     """[N, C] f32 hint probabilities of each prompt (padded together to one length bucket)."""
+    if not prompts:
+      return np.zeros((0, len(self.labels)), np.float32)
     rows = [_token_ids(self.model.codec, p, self.features.max_tokens, f" {i}") for i, p in enumerate(prompts)]
     ids, lengths = _padded(rows)
     return np.asarray(self._probs(self._device_params, self._table, self._blocks, ids, lengths))
