@@ -409,6 +409,10 @@ class Model:
   def parts(self) -> PathParts:
     return self._parts
 
+  def __repr__(self) -> str:
+    return (f"Model({self.loaded.source!r}, path={self.path!r}, kernels={self.kernels!r}, chunk={self.chunk}"
+            f"{'' if self.template is None else f', template system={self.template.system!r}'})")
+
   # ---- the path ----------------------------------------------------------------------
   @property
   def path(self) -> str:

@@ -77,7 +77,8 @@ def parse_path(text: str) -> list[Ref]:
 
 
 def layers_of_path(text: str, num_layers: int) -> tuple[int, ...]:
-  """The layer sequence of an ``embed, blocks[..), ..., head`` path over one model."""
+  """The layer sequence of an ``embed, blocks[..), ..., head`` path over one model (syntax and layer
+  ranges only; ``model.with_path(text)`` resolves and type-checks any path, templates included)."""
   refs = parse_path(text)
   if refs[0].name != "embed":
     raise PathSyntaxError(f"a path starts with embed (tokens -> residual); got {refs[0]}")
