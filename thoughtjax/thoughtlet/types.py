@@ -29,6 +29,7 @@ class Kind(enum.Enum):
   BLOCKS = "blocks"  # residual -> residual: decoder layers a..b-1 (half-open)
   HEAD = "head"  # residual[B,T,D] -> logits[B,T,V] f32 (final norm + LM head)
   TEMPLATE = "template"  # message[B,U] i32 -> residual[B,T,D] (a chat template's fixed rows)
+  ROUTER = "router"  # tokens[B,T] i32 -> hint_probs[B,C] f32: picks a hint; never a link of a path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +99,8 @@ def _links(kind: Kind, cfg: ModelConfig, tokenizer_hash: str) -> tuple[TensorTyp
       Kind.BLOCKS: (resid, resid),
       Kind.HEAD: (resid, TensorType("logits", ("B", "T", cfg.vocab_size), "f32", tokenizer_hash)),
       Kind.TEMPLATE: (TensorType("message", ("B", "U"), "i32", tokenizer_hash), resid),
+      Kind.ROUTER: (TensorType("tokens", ("B", "T"), "i32", tokenizer_hash),
+                    TensorType("hint_probs", ("B", "C"), "f32", tokenizer_hash)),
   }[kind]
 
 
@@ -112,7 +115,7 @@ def _constraints(kind: Kind, cfg: ModelConfig, tokenizer_hash: str, layers, cont
   if kind is Kind.HEAD:  # a tied head reads the embed thoughtlet's table
     return {"max_context": context, "tied": cfg.tie_embeddings, **vocab,
             **({"requires": ["embed"]} if cfg.tie_embeddings else {})}
-  return {"max_context": context, "requires": ["embed"], **vocab}  # template
+  return {"max_context": context, "requires": ["embed"], **vocab}  # template, router
 
 
 def signature_for(kind: Kind, cfg: ModelConfig, tokenizer_hash: str, *,
