@@ -29,6 +29,7 @@ class Kind(enum.Enum):
   BLOCKS = "blocks"  # residual -> residual: decoder layers a..b-1 (half-open)
   HEAD = "head"  # residual[B,T,D] -> logits[B,T,V] f32 (final norm + LM head)
   TEMPLATE = "template"  # message[B,U] i32 -> residual[B,T,D] (a chat template's fixed rows)
+  BRIDGE = "bridge"  # residual -> residual: a small trained adapter that heals a cut path
   ROUTER = "router"  # tokens[B,T] i32 -> hint_probs[B,C] f32: picks a hint; never a link of a path
 
 
@@ -99,6 +100,7 @@ def _links(kind: Kind, cfg: ModelConfig, tokenizer_hash: str) -> tuple[TensorTyp
       Kind.BLOCKS: (resid, resid),
       Kind.HEAD: (resid, TensorType("logits", ("B", "T", cfg.vocab_size), "f32", tokenizer_hash)),
       Kind.TEMPLATE: (TensorType("message", ("B", "U"), "i32", tokenizer_hash), resid),
+      Kind.BRIDGE: (resid, resid),
       Kind.ROUTER: (TensorType("tokens", ("B", "T"), "i32", tokenizer_hash),
                     TensorType("hint_probs", ("B", "C"), "f32", tokenizer_hash)),
   }[kind]
@@ -115,6 +117,8 @@ def _constraints(kind: Kind, cfg: ModelConfig, tokenizer_hash: str, layers, cont
   if kind is Kind.HEAD:  # a tied head reads the embed thoughtlet's table
     return {"max_context": context, "tied": cfg.tie_embeddings, **vocab,
             **({"requires": ["embed"]} if cfg.tie_embeddings else {})}
+  if kind is Kind.BRIDGE:  # position-wise: no rope, no cache; what it heals is in its tags/constraints
+    return {"max_context": context}
   return {"max_context": context, "requires": ["embed"], **vocab}  # template, router
 
 
