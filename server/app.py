@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -506,6 +507,12 @@ class ServerApp:
       self.service.ready = True
       await self._set_health(_SERVING)
 
+  async def wait_ready(self) -> bool:
+    """Until warming ended; True when the server is SERVING."""
+    if self._warm_task is not None:
+      await asyncio.shield(self._warm_task)
+    return self.service.ready
+
   async def begin_drain(self) -> None:
     """Health NOT_SERVING, new calls UNAVAILABLE; calls in flight continue."""
     self.service.draining = True
@@ -593,12 +600,23 @@ class BackgroundServer:
 
   def call(self, fn: Callable[[], Any], timeout: float | None = None):
     """Run the coroutine ``fn()`` on the server's loop; its result."""
-    return asyncio.run_coroutine_threadsafe(fn(), self.loop).result(timeout or self.timeout)
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    async def runner():
+      # The result is handed over inside the coroutine: a call that stops the server (and so ends the
+      # loop) still delivers it.
+      try:
+        done.set_result(await fn())
+      except BaseException as e:
+        done.set_exception(e)
+
+    self.loop.call_soon_threadsafe(lambda: self.loop.create_task(runner()))
+    return done.result(timeout or self.timeout)
 
   def __exit__(self, *exc) -> None:
-    if self.app is not None and self.loop is not None and not self.loop.is_closed():
+    if self.app is not None and not self.app._stopped.is_set():
       try:
         self.call(lambda: self.app.stop(0))
-      except RuntimeError:  # the loop already ended (drained)
+      except RuntimeError:  # the loop ended meanwhile (drained)
         pass
     self._thread.join(self.timeout)
