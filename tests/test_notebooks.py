@@ -33,7 +33,8 @@ class Case:
 
 CASES = [
     Case("01_paths.ipynb", needs_default_model=True, min_figures=1,
-         texts=("thoughtlets, sequence", "type-checked", "top-1 agreement=", "tok/s", "restores=")),
+         texts=("thoughtlets, sequence", "'embed, head, blocks[0:2)':\n  link 2", "top-1 agreement=", "tok/s",
+                "restores=")),
     Case("02_kernels_vs_xla.ipynb", needs_default_model=False, min_figures=3,
          texts=("identical: True", "pallas (interpret)", "GB/s")),
 ]
@@ -65,7 +66,7 @@ def _outputs(nb, kind: str) -> list:
 
 @pytest.mark.parametrize("case", [
     pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.needs_default_model else []) for c in CASES])
-def test_notebook_runs_top_to_bottom(case: Case, kernel_name: str):
+def test_notebook_runs_top_to_bottom(case: Case, kernel_name: str, tmp_path):
   import nbclient
   import nbformat
 
@@ -74,13 +75,16 @@ def test_notebook_runs_top_to_bottom(case: Case, kernel_name: str):
   nb.cells.append(nbformat.v4.new_code_cell("import sys; print('INTERPRETER', sys.executable)"))
   client = nbclient.NotebookClient(nb, kernel_name=kernel_name, timeout=CELL_TIMEOUT_S,
                                    resources={"metadata": {"path": str(NOTEBOOKS)}})
-  client.execute()  # a cell that raises fails the test with its traceback (CellExecutionError)
+  try:
+    client.execute()  # a cell that raises fails the test with its traceback (CellExecutionError)
+  finally:
+    nbformat.write(nb, tmp_path / case.name)  # the executed notebook, to read when a check fails
 
   text = "".join(o.get("text", "") for o in _outputs(nb, "stream"))
   text += "".join(o.get("data", {}).get("text/plain", "") for o in _outputs(nb, "execute_result|display_data"))
   assert f"INTERPRETER {sys.executable}" in text
   for expected in case.texts:
-    assert expected in text, f"{case.name}: no output contains {expected!r}"
+    assert expected in text, f"{case.name}: no output contains {expected!r} (executed: {tmp_path / case.name})"
   figures = [o for o in _outputs(nb, "display_data|execute_result") if "image/png" in o.get("data", {})]
   assert len(figures) >= case.min_figures, f"{case.name}: {len(figures)} figures, expected >= {case.min_figures}"
   assert not [o for o in _outputs(nb, "stream") if o.name == "stderr" and "Traceback" in o.text]
