@@ -38,6 +38,9 @@ def test_build_verify_list_show(cli_registry, capsys):
   out = json.loads(capsys.readouterr().out)
   assert out["index_signed"] and len(out["thoughtlets"]) == 5
   assert all(t["versioned_hash"] == "ok" for t in out["thoughtlets"])
+  assert out["sequence"] == Registry.open(reg_dir).sequence >= 1
+  assert cli.main(["registry", "verify", str(reg_dir), "--public-key", str(pub)]) == 0
+  assert f"index sequence {out['sequence']} (signed)" in capsys.readouterr().out
   assert cli.main(["registry", "list", str(reg_dir)]) == 0
   listed = capsys.readouterr().out
   assert "blocks[1:3)" in listed and "logits" in listed

@@ -101,3 +101,18 @@ def test_opening_a_directory_that_is_no_registry_leaves_it_as_it_was(tmp_path):
   with pytest.raises(RegistryError, match="is not a thoughtlet registry"):
     Registry.open(tmp_path)
   assert list(tmp_path.iterdir()) == []
+
+
+def test_gc_command_says_what_it_removed_and_what_a_reader_kept(three_versions, capsys):
+  from thoughtjax import cli
+
+  root, (v0, v1, v2) = three_versions
+  with Registry.open(root) as reg:
+    reg.resolve(NAME, v0)
+    capsys.readouterr()
+    assert cli.main(["registry", "gc", str(root), "--keep", "1"]) == 0
+  out = capsys.readouterr().out
+  assert f"removed {_vdir(root, v1)}" in out
+  assert f"kept {_vdir(root, v0)}: " in out
+  assert "1 version directory removed, 1 kept because a reader holds them" in out
+  assert _vdir(root, v0).is_dir() and not _vdir(root, v1).exists() and _vdir(root, v2).is_dir()

@@ -97,13 +97,15 @@ def cmd_verify(args) -> int:
     return 3
   trust = "trusted keys given" if args.public_key else "keys stored in the registry (integrity, not authenticity)"
   if args.json:
-    print(json.dumps({"root": report.root, "generation": report.generation, "index_signed": report.index_signed,
-                      "thoughtlets": report.thoughtlets, "trust": trust}))
+    print(json.dumps({"root": report.root, "generation": report.generation, "sequence": report.sequence,
+                      "registry_id": report.registry_id, "signing_keys": report.signing_keys,
+                      "index_signed": report.index_signed, "thoughtlets": report.thoughtlets, "trust": trust}))
     return 0
   for t in report.thoughtlets:
     print(f"ok  {t['ref']:<40} files={t['files']} signed_by={t['signed_by'] or 'unsigned'}")
   print(f"{len(report.thoughtlets)} version(s) verified (digests, signatures, versioned hashes); "
-        f"index {'signed' if report.index_signed else 'unsigned'}; signatures checked against {trust}"
+        f"index sequence {report.sequence} ({'signed' if report.index_signed else 'unsigned'}); "
+        f"signatures checked against {trust}"
         + ("; resource profiles match this machine" if args.hardware else ""))
   return 0
 
@@ -145,11 +147,15 @@ def cmd_show(args) -> int:
 def cmd_gc(args) -> int:
   from thoughtjax.registry import collect_garbage
 
-  removed = collect_garbage(existing_path(args.dir, "registry directory", kind="dir"), keep=args.keep,
-                            dry_run=args.dry_run, trust=trust_policy(args))
-  for p in removed:
+  report = collect_garbage(existing_path(args.dir, "registry directory", kind="dir"), keep=args.keep,
+                           dry_run=args.dry_run, trust=trust_policy(args))
+  for p in report.removed:
     print(("would remove " if args.dry_run else "removed ") + str(p))
-  print(f"{len(removed)} version director{'y' if len(removed) == 1 else 'ies'}")
+  for p, reason in report.skipped:
+    print(f"kept {p}: {reason}")
+  n = len(report.removed)
+  print(f"{n} version director{'y' if n == 1 else 'ies'} {'to remove' if args.dry_run else 'removed'}, "
+        f"{len(report.skipped)} kept because a reader holds them")
   return 0
 
 
