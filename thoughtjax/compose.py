@@ -70,6 +70,13 @@ def check_chain(links: Sequence[Link]) -> tuple[TensorType, TensorType]:
   output; returns the path's input and output types."""
   if not links:
     raise PathSyntaxError('empty path; expected e.g. "embed, blocks[0:12), head"')
+  for i, link in enumerate(links):
+    if link.kind is Kind.ROUTER:  # composes by its types (it takes tokens), so refuse it by kind
+      raise PathTypeError(
+          f"link {i} ({link.label}) is a router thoughtlet: it picks a hint from the prompt and is not a link of "
+          f"a path. Remove it from the path; synthesis runs it on its own when a request has no hints",
+          link=i, expected="a thoughtlet of kind embed, template, blocks, bridge or head",
+          received=link.signature.input)
   first = links[0].signature.input
   if first.role not in ("tokens", "message"):
     raise PathTypeError(

@@ -229,3 +229,6 @@ def add_parser(subparsers) -> None:
 
   from thoughtjax.cli.synthesis import add_registry_parsers  # registry calibrate, registry warm
   add_registry_parsers(sub)
+
+  from thoughtjax.cli.router import add_router_parser  # registry train-router
+  add_router_parser(sub)

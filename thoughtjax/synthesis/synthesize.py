@@ -21,8 +21,8 @@ the last token. ``compute_seconds`` is restore + compile + prefill + decode, in 
 
 Degradation: a thoughtlet of the plan that fails verification or restore is reported to the planner as
 unavailable and the request is planned again (the best path avoiding it, ``degraded=True``, counted);
-another version is never used in its place. With no hints, the request uses ``general_purpose`` and the
-plan's notes say so (the router is not stored in registries yet).
+another version is never used in its place. With no hints, the registry's stored router picks the hint
+(:func:`~thoughtjax.synthesis.router_store.route_hint`; without one, ``general_purpose``); the notes say which.
 """
 
 from __future__ import annotations
@@ -240,10 +240,11 @@ class Synthesizer:
 
   def _plan(self, prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, unavailable):
     from thoughtjax.synthesis.hints import normalize_hints
+    from thoughtjax.synthesis.router_store import route_hint
 
     t0 = time.perf_counter()
-    routed = not hints
-    res = normalize_hints([DEFAULT_HINT] if routed else list(hints), self.dictionary)
+    routed = None if hints else route_hint(self.registry, prompt, DEFAULT_HINT)  # (hint, note)
+    res = normalize_hints([routed[0]] if routed else list(hints), self.dictionary)
     ids = self.prompt_ids(prompt, chat)
     if max_latency_ms is None:
       max_latency_ms = math.inf
@@ -251,8 +252,7 @@ class Synthesizer:
                       tuple((c.given, c.corrected) for c in res.corrections))
     plan = self.planner.plan(req, self.latency, self.residency(), pin_sequence=pin_sequence, unavailable=unavailable)
     if routed:
-      plan = dataclasses.replace(plan, notes=plan.notes + (
-          f"no hints given: used {DEFAULT_HINT} (the hint router is not stored in this registry)",))
+      plan = dataclasses.replace(plan, notes=plan.notes + (routed[1],))
     return plan, ids, (time.perf_counter() - t0) * 1e3
 
   def synthesize(self, prompt: str | Sequence[int], hints: Sequence[str] | None = None, *,
