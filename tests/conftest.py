@@ -20,9 +20,9 @@ if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
 # Tests share the user cache (the default model is fetched once) unless CI points elsewhere.
 os.environ.setdefault("THOUGHTJAX_CACHE", os.path.expanduser("~/.cache/thoughtjax"))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import numpy as np
+import pytest
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 

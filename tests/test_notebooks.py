@@ -20,6 +20,7 @@ import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 BUDGET_VAR = "THOUGHTJAX_NOTEBOOK_BUDGET"
+_DEVICES_FLAG = "--xla_force_host_platform_device_count"  # set by tests/conftest.py
 CELL_TIMEOUT_S = 900
 
 
@@ -57,6 +58,9 @@ def kernel_name(tmp_path, monkeypatch) -> str:
                                                                    os.environ.get("JUPYTER_PATH")])))
   monkeypatch.setenv(BUDGET_VAR, os.environ.get(BUDGET_VAR, "small"))
   monkeypatch.delenv("MPLBACKEND", raising=False)  # figures come back through IPython's inline backend
+  # The kernel runs as a reader's would: one host device, not the test session's fake eight.
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICES_FLAG)]
+  monkeypatch.setenv("XLA_FLAGS", " ".join(flags))
   return spec.name
 
 
