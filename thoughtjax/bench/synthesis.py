@@ -1,0 +1,270 @@
+"""``thoughtjax bench synthesis``: what synthesis costs, how well it predicts, what it buys, and the router.
+
+Measured in one run, on one calibrated registry (default: the default registry in the cache dir):
+
+1. **overhead**: ``Synthesizer.plan`` (hint normalization + GetOptimalPath) warm, in process, on
+   pre-tokenized prompts: p50 and p99 over many calls;
+2. **prediction**: warm requests mixing hints, prompt lengths and max_tokens (each request runs once to
+   restore and compile, then again measured; EOS ignored so every request decodes its max_tokens):
+   median and p90 of |predicted - actual| / actual on the total, and of the plans that said they fit,
+   the share that finished within their budget;
+3. **per hint**: the path chosen under a generous and a tight budget (half the generous plan's
+   prediction) against the full path: held-out quality (top-1 agreement, mean KL) and greedy decode tok/s;
+4. **router**: held-out accuracy, per-hint precision/recall and time per prompt of the router stored in
+   the registry (or, if none is stored, of one trained here and not stored);
+5. ``--calibrate``: wall time of ``registry calibrate`` on the registry (measured, not stored).
+
+Prints tables; ``--json FILE`` writes every number. ``--quick`` shrinks every section (few requests, short
+prompts and decodes, a short router training) so a test can run it on a tiny registry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from thoughtjax.bench import common
+
+FILLER = ("The history of the city spans many centuries, from its founding as a small settlement on the river "
+          "to the busy port it became. ")
+
+
+def _percentile(xs, q: float) -> float:
+  return float(np.percentile(xs, q)) if len(xs) else float("nan")
+
+
+def _prompt_ids(codec, tokens: int) -> list[int]:
+  """``tokens`` token ids of ordinary text (the filler repeated as needed)."""
+  base = codec.encode(FILLER)
+  return (base * (tokens // len(base) + 1))[:tokens]
+
+
+# ------------------------------------------------------------------------------ 1. overhead
+def bench_overhead(syn, ids: list[int], hints: list[str], calls: int) -> dict:
+  """Warm plan() wall time in ms (the first calls warm the planner's per-hint caches)."""
+  for _ in range(5):
+    syn.plan(ids, hints, max_latency_ms=math.inf, max_tokens=32)
+  times = []
+  for i in range(calls):
+    budget = math.inf if i % 2 else 1e6
+    t = time.perf_counter()
+    syn.plan(ids, hints, max_latency_ms=budget, max_tokens=32)
+    times.append((time.perf_counter() - t) * 1e3)
+  return {"calls": calls, "hints": hints, "prompt_tokens": len(ids), "p50_ms": _percentile(times, 50),
+          "p99_ms": _percentile(times, 99), "mean_ms": float(np.mean(times))}
+
+
+# ------------------------------------------------------------------------------ 2. prediction
+def bench_prediction(syn, codec, requests: int, prompt_range: tuple[int, int], tokens_range: tuple[int, int],
+                     seed: int) -> dict:
+  """Each request: plan with no budget for its prediction p, budget p * U(0.7, 2.5), run once (warm-up), run
+  again and compare the second run's prediction with what it measured."""
+  rng = np.random.default_rng(seed)
+  hints_all = list(syn.calibration.hints)
+  rows = []
+  for i in range(requests):
+    k = int(rng.integers(1, min(3, len(hints_all)) + 1))
+    hints = [str(h) for h in rng.choice(hints_all, k, replace=False)]
+    T = int(rng.integers(prompt_range[0], prompt_range[1] + 1))
+    n = int(rng.integers(tokens_range[0], tokens_range[1] + 1))
+    ids = _prompt_ids(codec, T)
+    p = syn.plan(ids, hints, max_latency_ms=math.inf, max_tokens=n).predicted.total
+    budget = float(p * rng.uniform(0.7, 2.5))
+    syn.synthesize(ids, hints, max_latency_ms=budget, max_tokens=n, ignore_eos=True).finish()
+    r = syn.synthesize(ids, hints, max_latency_ms=budget, max_tokens=n, ignore_eos=True).finish()
+    predicted, actual = r.plan.predicted.total, r.trace.actual_ms["total"]
+    rows.append({"hints": hints, "prompt_tokens": T, "max_tokens": n, "budget_ms": budget, "path": r.plan.path,
+                 "degraded": r.plan.degraded, "predicted_ms": predicted, "actual_ms": actual,
+                 "rel_error": abs(predicted - actual) / actual, "within_budget": actual <= budget,
+                 "tokens_out": r.trace.tokens_out})
+  errors = [row["rel_error"] for row in rows]
+  fits = [row for row in rows if not row["degraded"]]
+  return {"requests": len(rows), "median_rel_error": common.median(errors),
+          "p90_rel_error": _percentile(errors, 90), "fits": len(fits),
+          "fits_within_budget": (sum(r["within_budget"] for r in fits) / len(fits)) if fits else float("nan"),
+          "rows": rows}
+
+
+# ------------------------------------------------------------------------------ 3. per hint
+def _tok_s(syn, candidate, ids: list[int], tokens: int) -> float:
+  """Greedy decode tok/s of one candidate path (second run: compiled)."""
+  from thoughtjax.sampling import SamplingParams
+
+  model = syn._model(candidate)
+  params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+  for _ in range(2):
+    g = model.stream_batch([ids], params)
+    for _ in g:
+      pass
+  out = g.trace.tokens_out[0] if g.trace.tokens_out else 0
+  return out / g.trace.decode_s if g.trace.decode_s else float("nan")
+
+
+def bench_per_hint(syn, codec, prompt_tokens: int, tokens: int) -> list[dict]:
+  cal = syn.calibration
+  ids = _prompt_ids(codec, prompt_tokens)
+  full = cal.full
+  speed: dict[str, float] = {}
+
+  def speed_of(c) -> float:
+    if c.path_hash not in speed:
+      speed[c.path_hash] = _tok_s(syn, c, ids, tokens)
+    return speed[c.path_hash]
+
+  rows = []
+  for hint in cal.hints:
+    generous = syn.plan(ids, [hint], max_latency_ms=math.inf, max_tokens=tokens)
+    tight_ms = generous.predicted.total / 2
+    tight = syn.plan(ids, [hint], max_latency_ms=tight_ms, max_tokens=tokens)
+    for label, plan, budget in (("full", None, None), ("generous", generous, None), ("tight", tight, tight_ms)):
+      c = full if plan is None else next(x for x in cal.candidates if x.path_hash == plan.path_hash)
+      q = cal.hint_quality(c.path_hash, hint)
+      rows.append({"hint": hint, "budget": label, "budget_ms": budget, "path": c.path,
+                   "degraded": False if plan is None else plan.degraded,
+                   "top1_heldout": None if q is None else q.heldout.top1_agreement,
+                   "kl_heldout": None if q is None else q.heldout.mean_kl,
+                   "predicted_ms": None if plan is None else plan.predicted.total, "tok_s": speed_of(c)})
+  return rows
+
+
+# ------------------------------------------------------------------------------ 4. router
+def bench_router(reg, quick: bool) -> dict:
+  """The stored router's held-out numbers, or those of one trained here (not stored) if none is."""
+  from thoughtjax.synthesis.router import RouterError, _metrics, _predict_times
+  from thoughtjax.synthesis.router_data import load_router_prompts
+  from thoughtjax.synthesis.router_store import ROUTER_NAME, load_router, train_registry_router
+
+  heldout = load_router_prompts("heldout")
+  if ROUTER_NAME in reg.names:
+    router, source = load_router(reg), f"stored {ROUTER_NAME}@{reg.resolve(ROUTER_NAME)[:8]}"
+  else:
+    train = load_router_prompts("train")
+    if quick:  # a few prompts of each hint: the numbers show the section works, not the router's quality
+      train = [r for i, r in enumerate(train) if i % 8 == 0]
+    router, _, _ = train_registry_router(reg, train, heldout, steps=60 if quick else 300, publish=False)
+    source = "trained here (none stored)"
+  rows = [r for r in heldout if r.hint in router.labels]
+  if not rows:
+    raise RouterError(f"no held-out prompt is labeled with one of the router's hints {list(router.labels)}")
+  probs = router.probabilities([r.prompt for r in rows])
+  index = {h: i for i, h in enumerate(router.labels)}
+  confusion = np.zeros((len(router.labels),) * 2, np.int64)
+  np.add.at(confusion, ([index[r.hint] for r in rows], np.argmax(probs, axis=-1)), 1)
+  accuracy, precision, recall = _metrics(confusion)
+  times = _predict_times(router, [r.prompt for r in (rows[:40] if quick else rows)])
+  return {"source": source, "labels": list(router.labels), "n_heldout": len(rows), "accuracy": accuracy,
+          "precision": precision.tolist(), "recall": recall.tolist(), "confusion": confusion.tolist(),
+          "predict_ms_p50": common.median(times), "predict_ms_p90": _percentile(times, 90)}
+
+
+# ------------------------------------------------------------------------------ 5. calibrate
+def bench_calibrate(reg, quick: bool) -> dict:
+  from thoughtjax.synthesis.calibrate import CalibrateSettings, LatencySettings, calibrate
+  from thoughtjax.synthesis.candidates import CandidateSettings
+
+  settings = CalibrateSettings()
+  if quick:
+    settings = CalibrateSettings(candidates=CandidateSettings(exits=[2], single_skips=1, greedy_removals=0,
+                                                              repeats=[]),
+                                 window=32, max_windows=1, hints=tuple(sorted(_calibrated(reg)))[:1],
+                                 latency=LatencySettings(prompt_tokens=(4, 12), max_tokens=(4, 9), reps=1,
+                                                         plan_reps=5))
+  t = time.perf_counter()
+  cal = calibrate(reg, settings=settings)
+  return {"wall_s": time.perf_counter() - t, "candidates": len(cal.candidates), "hints": list(cal.hints),
+          "quick_settings": quick}
+
+
+def _calibrated(reg) -> tuple[str, ...]:
+  from thoughtjax.registry.calibration_store import read_calibration
+
+  return read_calibration(reg).hints
+
+
+# ------------------------------------------------------------------------------ main
+def _open(args):
+  from thoughtjax.registry import Registry
+
+  if args.registry:
+    return Registry.open(args.registry)
+  from thoughtjax.synthesis.default_registry import ensure_default
+
+  return ensure_default(lambda stage, done, total, item: print(f"{stage} {done}/{total} {item}", flush=True))
+
+
+def _f(x: Any, spec: str) -> str:
+  return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="thoughtjax bench synthesis", description=__doc__.splitlines()[0])
+  p.add_argument("--registry", default=None, help="calibrated registry (default: the default registry)")
+  p.add_argument("--quick", action="store_true", help="small sizes everywhere (CI)")
+  p.add_argument("--requests", type=int, default=None, help="prediction requests (default 60; quick 6)")
+  p.add_argument("--plan-calls", type=int, default=None, help="plan() calls timed (default 2000; quick 200)")
+  p.add_argument("--calibrate", action="store_true", help="also time `registry calibrate` (not stored)")
+  p.add_argument("--skip", action="append", default=[], choices=("overhead", "prediction", "hints", "router"))
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--json", default=None, type=common.json_path, help="write the results here")
+  args = p.parse_args(argv)
+
+  from thoughtjax.synthesis.synthesize import Synthesizer
+  from thoughtjax.thoughtlet import fingerprint
+
+  quick = args.quick
+  reg = _open(args)
+  syn = Synthesizer.open(reg)
+  codec = reg.codec
+  hints = list(syn.calibration.hints)
+  result: dict = {"registry": str(reg.root), "sequence": reg.sequence, "quick": quick, "fingerprint": fingerprint(),
+                  "hints": hints}
+
+  if "overhead" not in args.skip:
+    calls = args.plan_calls or (200 if quick else 2000)
+    result["overhead"] = o = bench_overhead(syn, _prompt_ids(codec, 64), hints[:3], calls)
+    common.print_table("GetOptimalPath overhead, warm, in process (plan(): hints + GetOptimalPath)",
+                       ["calls", "hints", "p50 ms", "p99 ms", "mean ms"],
+                       [[o["calls"], ", ".join(o["hints"]), _f(o["p50_ms"], ".4f"), _f(o["p99_ms"], ".4f"),
+                         _f(o["mean_ms"], ".4f")]], right=("calls", "p50 ms", "p99 ms", "mean ms"))
+  if "prediction" not in args.skip:
+    n = args.requests or (6 if quick else 60)
+    prompts, tokens = ((10, 40), (8, 12)) if quick else ((10, 400), (8, 128))
+    result["prediction"] = r = bench_prediction(syn, codec, n, prompts, tokens, args.seed)
+    common.print_table(f"prediction over {r['requests']} warm requests (prompts {prompts[0]}-{prompts[1]} tokens, "
+                       f"max_tokens {tokens[0]}-{tokens[1]})",
+                       ["median |p-a|/a", "p90 |p-a|/a", "plans that fit", "of those within budget"],
+                       [[_f(r["median_rel_error"], ".1%"), _f(r["p90_rel_error"], ".1%"), r["fits"],
+                         _f(r["fits_within_budget"], ".1%")]])
+  if "hints" not in args.skip:
+    rows = bench_per_hint(syn, codec, 16 if quick else 64, 8 if quick else 64)
+    result["per_hint"] = rows
+    common.print_table("per hint: chosen path under a generous and a tight budget vs the full path",
+                       ["hint", "budget", "path", "degraded", "top-1 held-out", "KL held-out", "predicted ms",
+                        "tok/s"],
+                       [[r["hint"], r["budget"] + ("" if r["budget_ms"] is None else f" {r['budget_ms']:.0f} ms"),
+                         r["path"], "yes" if r["degraded"] else "", _f(r["top1_heldout"], ".3f"),
+                         _f(r["kl_heldout"], ".3f"), _f(r["predicted_ms"], ".1f"), _f(r["tok_s"], ".1f")]
+                        for r in rows], right=("top-1 held-out", "KL held-out", "predicted ms", "tok/s"))
+  if "router" not in args.skip:
+    result["router"] = r = bench_router(reg, quick)
+    common.print_table(f"router ({r['source']}), held-out", ["prompts", "accuracy", "predict ms p50", "p90"],
+                       [[r["n_heldout"], _f(r["accuracy"], ".3f"), _f(r["predict_ms_p50"], ".3f"),
+                         _f(r["predict_ms_p90"], ".3f")]])
+    common.print_table("router per hint", ["hint", "precision", "recall", "confusion row"],
+                       [[h, _f(r["precision"][i], ".3f"), _f(r["recall"][i], ".3f"), " ".join(map(str, r["confusion"][i]))]
+                        for i, h in enumerate(r["labels"])])
+  if args.calibrate:
+    result["calibrate"] = c = bench_calibrate(reg, quick)
+    common.print_table("registry calibrate (measured, not stored)", ["wall s", "candidates", "hints"],
+                       [[_f(c["wall_s"], ".1f"), c["candidates"], ", ".join(c["hints"])]])
+  if args.json:
+    common.write_json(args.json, result, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
