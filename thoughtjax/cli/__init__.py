@@ -15,7 +15,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from thoughtjax.cli import bench, model_commands, registry, synthesis
+from thoughtjax.cli import bench, model_commands, registry, serve, synthesis
 from thoughtjax.cli.registry import load_from_registry
 from thoughtjax.errors import UserError
 
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
   bench.add_parser(sub)
   registry.add_parser(sub)
   synthesis.add_parsers(sub)
+  serve.add_parsers(sub)
   return parser
 
 
