@@ -1,0 +1,49 @@
+"""``thoughtjax serve`` as a process over the tiny registry: ``thoughtjax client`` streams from it, and SIGTERM
+drains it: a stream in flight finishes, then the process exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from thoughtjax.cli import main
+from thoughtjax.client import Client
+
+
+@pytest.fixture
+def serve_process(tiny_registry):
+  proc = subprocess.Popen([sys.executable, "-c", "from thoughtjax.cli import main; raise SystemExit(main())", "serve",
+                           "--registry", str(tiny_registry.root), "--port", "0"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+  try:
+    line = proc.stdout.readline()  # blocks until the port is bound (or the process died)
+    assert line.startswith("serving on 127.0.0.1:"), (line, proc.stderr.read() if proc.poll() is not None else "")
+    yield proc, line.split()[-1]
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+    proc.wait(60)
+
+
+def test_client_streams_from_serve_and_sigterm_drains(serve_process, capsys):
+  proc, target = serve_process
+  assert main(["client", "--target", target, "--prompt", "The quick brown fox", "--max-tokens", "5", "--json",
+               "--timeout", "120"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["plan"]["path"] and out["final"]["usage"]["tokensOut"] >= 1
+  assert main(["client", "--target", target, "--prompt", "x", "--hint", "poetry_in_klingon", "--timeout", "60"]) == 2
+  assert "INVALID_ARGUMENT" in capsys.readouterr().err
+
+  with Client(target, timeout=120) as c:
+    assert c.health() == "SERVING"
+    stream = c.synthesize("The quick brown fox", max_tokens=40, logit_bias={0: 50.0})
+    assert next(stream).WhichOneof("kind") == "plan"
+    proc.send_signal(signal.SIGTERM)
+    rest = list(stream)
+  assert rest[-1].final.finish_reason == "length" and rest[-1].final.usage.tokens_out == 40
+  assert proc.wait(120) == 0
