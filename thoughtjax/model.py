@@ -247,7 +247,8 @@ def run_path(embed: Embed, blocks: Sequence[Block], head: Head, tokens: Array, p
 
 def path_config(blocks: Sequence) -> ModelConfig | None:
   """The model config of a path's first decoder block (a bridge in the sequence has none)."""
-  return next((b.attn.cfg for b in blocks if isinstance(b, Block)), None)
+  # Duck-typed: a block may stand behind a wrapper (thoughtlet.isolate's recorders forward .attn).
+  return next((b.attn.cfg for b in blocks if getattr(b, "attn", None) is not None), None)
 
 
 class PathParts(NamedTuple):
