@@ -3,8 +3,10 @@ built and calibrated on first use.
 
 ``<cache dir>/registry/default`` (``THOUGHTJAX_CACHE``, else ``~/.cache/thoughtjax``). First use:
 
-1. **build** (:func:`thoughtjax.registry.build`, unsigned): fetch the default model if needed, cut, profile,
-   publish;
+1. **build** (:func:`thoughtjax.registry.build`, unsigned, without resource profiles, which synthesis does
+   not read and which would double the first use; versions do not depend on them, so
+   ``thoughtjax registry build --out DIR`` later adds them without changing a version): fetch the default
+   model if needed, cut, publish;
 2. **calibrate**: quality comes from the shipped table ``registry/default_calibration.json`` when its
    candidates pin to exactly this registry's current versions (versions are content hashes, so a build
    of the same model and mapping gives the same ones); latency is always measured here
@@ -71,7 +73,7 @@ def ensure_default(progress: Progress | None = None, *, root: Path | None = None
   root = Path(root) if root is not None else default_registry_dir()
   if not is_registry(root):
     root.parent.mkdir(parents=True, exist_ok=True)
-    build(root, _mapping_path(), DEFAULT_MODEL,
+    build(root, _mapping_path(), DEFAULT_MODEL, settings=None,
           progress=lambda stage, name, done, total: report(f"build {stage}", done, total, name))
   reg = Registry.open(root)
   try:
