@@ -48,7 +48,8 @@ def _messages(m, draw):
 
 CORRUPTIONS = [
     _set("prompt", text), _messages, _set("max_latency_ms", st.floats(allow_nan=True, allow_infinity=True)),
-    _set("max_tokens", st.integers(0, 2**32 - 1)), _set("temperature", floats), _set("top_k", st.integers(0, 2**32 - 1)),
+    _set("max_tokens", st.integers(0, 2**32 - 1)), _set("temperature", floats),
+    _set("top_k", st.integers(0, 2**32 - 1)),
     _set("top_p", floats), _set("seed", st.integers(0, 2**64 - 1)), _set("registry_sequence", st.integers(0, 3)),
     _set("request_id", text),
     _set("path", st.one_of(text, st.sampled_from(["embed, blocks[0:2), head", "embed, blocks[0:9), head",

@@ -7,7 +7,6 @@ prints the plan and the trace to stderr (``--json``: one JSON object on stdout i
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
