@@ -43,7 +43,8 @@ import numpy as np
 from jax.experimental import io_callback
 
 # GraphDefs, PathParts and merge_path live with the model; re-exported here for old imports.
-from thoughtjax.model import Block, Embed, GraphDefs, Head, PathParts, kv_cache_shape, merge_path, run_path
+from thoughtjax.model import (Block, Embed, GraphDefs, Head, PathParts, kv_cache_shape, merge_path, path_config,
+                              run_path)
 from thoughtjax.kernels.template_embed import template_embed
 from thoughtjax.sampling import SamplingArrays, SamplingMode, sample
 
@@ -108,8 +109,8 @@ def _full_sequence_logits(defs: GraphDefs, layers: tuple[int, ...], parts: PathP
   mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool))[None], (B, T, T))
   caches = []
   if blocks:
-    cfg = blocks[0].attn.cfg
-    shape = kv_cache_shape(cfg, B, T)
+    cfg = path_config(blocks)
+    shape = (B, 1, 1, 1) if cfg is None else kv_cache_shape(cfg, B, T)  # a bridge-only path reads no cache
     caches = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in blocks]
   return run_path(embed, blocks, head, tokens, positions, caches, jnp.zeros((), jnp.int32), mask)[0]
 
@@ -144,7 +145,8 @@ class Program:
     k = self.key
     shape = kv_cache_shape(self.cfg, k.batch, k.cache_len)
     dtype = jnp.float32
-    caches = tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in k.layers)
+    # A bridge (negative slot) reads no keys: it gets a one-element placeholder, not a cache.
+    caches = tuple((jnp.zeros(shape if i >= 0 else (k.batch, 1, 1, 1), dtype),) * 2 for i in k.layers)
     return DecodeState(caches, jnp.zeros(k.batch, jnp.int32), jnp.zeros((), jnp.int32),
                        jnp.zeros(k.batch, bool), jnp.full((k.batch, k.max_new), -1, jnp.int32),
                        jnp.zeros(k.batch, jnp.int32))

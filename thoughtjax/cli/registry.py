@@ -1,4 +1,4 @@
-"""``thoughtjax registry ...``: build, verify, keygen, validate, list, show, gc.
+"""``thoughtjax registry ...``: build, verify, keygen, validate, list, show, gc, heal.
 
 ``thoughtjax generate`` and ``thoughtjax score`` take ``--registry DIR`` too: the
 ``--path`` is then composed from that registry (versions, templates and type checks
@@ -226,6 +226,9 @@ def add_parser(subparsers) -> None:
   g.add_argument("--dry-run", action="store_true")
   add_trust_args(g, keys_help="trusted public key (repeatable); gc verifies the index before it removes anything")
   g.set_defaults(fn=cmd_gc)
+
+  from thoughtjax.cli.heal import add_heal_parser  # registry heal
+  add_heal_parser(sub)
 
   from thoughtjax.cli.synthesis import add_registry_parsers  # registry calibrate, registry warm
   add_registry_parsers(sub)

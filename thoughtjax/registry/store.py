@@ -405,11 +405,13 @@ class Registry:
     """
     thoughtlets = list(thoughtlets)
     for t in thoughtlets:
-      self._known(t.name)
-      cur = self.manifest(t.name)
       if t.config != self.config:
         raise RegistryError(f"{t.name}: the new version was cut from another model config; this registry "
                             f"holds {self.config}")
+      if t.kind is Kind.BRIDGE and t.name not in self._index["current"]:
+        continue  # a bridge is trained, not cut by the mapping: its first version brings a new name
+      self._known(t.name)
+      cur = self.manifest(t.name)
       for side in ("input", "output"):
         want, got = getattr(cur.signature, side), getattr(t.signature, side)
         if want != got:

@@ -48,7 +48,8 @@ def apply(params: Mapping, x: jax.Array) -> jax.Array:
   """The bridge over residual x [B, T, D] -> [B, T, D] (x.dtype)."""
   x32 = x.astype(jnp.float32)
   h = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + BRIDGE_EPS)
-  h = h * params["norm"]["weight"].astype(jnp.float32)
+  w = params["norm"]["weight"].astype(jnp.float32)
+  h = h * w.reshape((1,) * (h.ndim - 1) + w.shape)  # explicit broadcast over [...]
   z = jax.nn.silu(jnp.einsum("btd,dr->btr", h, params["down"].astype(jnp.float32)))
   return (x32 + jnp.einsum("btr,rd->btd", z, params["up"].astype(jnp.float32))).astype(x.dtype)
 

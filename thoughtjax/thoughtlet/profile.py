@@ -126,6 +126,12 @@ def _template_step(t: Thoughtlet, abstract, defs: GraphDefs, s: ProfileSettings,
   return step, (dict(t.params), table, ids, lengths), s.batch * total
 
 
+def _bridge_step(t: Thoughtlet, abstract, defs: GraphDefs, s: ProfileSettings, table, x) -> Step:
+  from thoughtjax.thoughtlet.bridge import apply
+
+  return apply, (dict(t.params), x), s.batch
+
+
 def _router_step(t: Thoughtlet, abstract, defs: GraphDefs, s: ProfileSettings, table, x) -> Step:
   from thoughtjax.synthesis.router_store import profile_step  # the classifier alone: its features are embed rows
 
@@ -133,7 +139,7 @@ def _router_step(t: Thoughtlet, abstract, defs: GraphDefs, s: ProfileSettings, t
 
 
 _STEPS = {Kind.EMBED: _embed_step, Kind.HEAD: _head_step, Kind.BLOCKS: _blocks_step, Kind.TEMPLATE: _template_step,
-          Kind.ROUTER: _router_step}
+          Kind.BRIDGE: _bridge_step, Kind.ROUTER: _router_step}
 
 
 def _step_setup(t: Thoughtlet, settings: ProfileSettings, table) -> Step:
