@@ -26,7 +26,8 @@ def loaded(tiny):
 
 
 # A router is no part of the model's forward pass (nothing to capture); its round trip is in test_router_store.
-@pytest.mark.parametrize("kind", [k for k in Kind if k is not Kind.ROUTER], ids=lambda k: k.value)
+# A bridge is no part of the whole model either: it replays inside a composed bridged path (test_bridge).
+@pytest.mark.parametrize("kind", [k for k in Kind if k not in (Kind.ROUTER, Kind.BRIDGE)], ids=lambda k: k.value)
 def test_every_published_kind_replays_alone(kind, tiny, built, loaded):
   from thoughtjax.registry import Registry
 
