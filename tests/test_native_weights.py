@@ -207,3 +207,31 @@ def test_decode_loop_does_not_hoist_a_float32_weight(rng):
   big = re.compile(r"= f32\[(1536,576|576,1536|1536,18,32)\]")
   assert not [ln for c in unfused for ln in c.splitlines() if big.search(ln)]
   assert any(" while(" in c for c in unfused)
+
+
+def test_cli_weights_flag(tmp_path, cache_dir):
+  """``generate`` and ``score`` take ``--weights``; native and f32 print the same tokens and scores."""
+  import json
+  import subprocess
+  import sys
+
+  cfg = CONFIGS["llama_gqa"]
+  path = write_gguf(tmp_path / "t.gguf", cfg, init_random(cfg, 1, scale=0.08), "Q4_1")
+
+  def cli(*args):
+    r = subprocess.run([sys.executable, "-m", "thoughtjax.cli", *args, "--model", str(path), "--json"],
+                       capture_output=True, text=True, env={**os.environ, "THOUGHTJAX_CACHE": str(cache_dir)},
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+  gen = {w: cli("generate", "--prompt", "hello", "--max-tokens", "6", "--weights", w) for w in ("native", "f32")}
+  assert gen["native"]["token_ids"] == gen["f32"]["token_ids"] and len(gen["f32"]["token_ids"]) > 0
+  score = {w: cli("score", "--token-ids", "5,6,7,8", "--top-k", "3", "--weights", w) for w in ("native", "f32")}
+  assert score["native"]["top_ids"] == score["f32"]["top_ids"]
+  np.testing.assert_allclose(score["native"]["top_logits"], score["f32"]["top_logits"], atol=1e-5)
+  assert abs(score["native"]["nll"] - score["f32"]["nll"]) <= 1e-5
+  assert len(list((cache_dir / "weights").glob("*-native-v*"))) == 1
+  bad = subprocess.run([sys.executable, "-m", "thoughtjax.cli", "score", "--token-ids", "5,6", "--weights", "int4"],
+                       capture_output=True, text=True, timeout=600)
+  assert bad.returncode != 0 and "--weights" in bad.stderr and "native" in bad.stderr

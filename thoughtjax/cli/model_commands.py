@@ -17,6 +17,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--registry", default=None, metavar="DIR",
                  help="compose --path from this thoughtlet registry instead of loading --model "
                  "(default path: embed, every block thoughtlet in layer order, head)")
+  p.add_argument("--weights", choices=("native", "f32"), default=None,
+                 help="native: the GGUF's quantized blocks, read packed and computed in float32 (same logits); "
+                 "f32: dequantized float32 weights (the default)")
   add_kernels_arg(p)
   add_trust_args(p, keys_help="with --registry: trusted Ed25519 public key (repeatable)")
 
@@ -28,13 +31,15 @@ def _load(args):
   if args.registry:
     if args.model is not None:
       raise CommandLineError("--model and --registry both given: the registry holds the weights; drop one")
+    if args.weights is not None:
+      raise CommandLineError(f"--weights {args.weights} applies to --model; a registry holds its own weights: drop it")
     from thoughtjax.cli.registry import load_from_registry
 
     return load_from_registry(args)
   if args.public_key or args.require_signatures:
     raise CommandLineError("--public-key and --require-signatures check a registry: add --registry DIR or "
                            "drop them")
-  model = thoughtjax.load(model_source(args.model), kernels=args.kernels)
+  model = thoughtjax.load(model_source(args.model), kernels=args.kernels, weights=args.weights or "f32")
   if args.path:
     from thoughtjax.paths import layers_of_path
 
