@@ -61,6 +61,22 @@ def test_round_trip_reopened_registry_predicts_identically(stored):
     assert cal.sequence == reg.sequence and ROUTER_NAME not in cal.current
 
 
+def test_a_retrained_router_becomes_current_and_the_calibration_follows(stored, tmp_path):
+  import shutil
+
+  root = tmp_path / "registry"
+  shutil.copytree(stored[0], root)
+  with Registry.open(root) as reg:
+    first = reg.resolve(ROUTER_NAME)
+    read_calibration(reg)  # carried once already (the fixture's publish)
+    _, _, version = train_registry_router(reg, TRAIN, HELDOUT, sign_key=tiny_setup().key, steps=STEPS // 2,
+                                          labels=HINTS, seed=1)
+    assert version != first and reg.versions(ROUTER_NAME) == [first, version]
+    cal = read_calibration(reg)
+    assert cal.sequence == reg.sequence and ROUTER_NAME not in cal.current
+    assert load_router(reg).meta["training"]["seed"] == 1
+
+
 def test_tampered_router_checkpoint_is_refused_named_and_counted(stored, tmp_path):
   root = tmp_path / "registry"
   import shutil

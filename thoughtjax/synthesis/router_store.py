@@ -150,9 +150,12 @@ def publish_router(registry, router: Router, *, sign_key=None, name: str = ROUTE
                       trust=registry.trust, on_failure=registry._count)
   registry.refresh()
   if calibration is not None:
+    # No candidate path uses a router, so a calibration pinned to the previous router version stays valid.
     current = registry.current
-    if all(current.get(n) == v for n, v in calibration.current.items()):
-      write_calibration(registry, dataclasses.replace(calibration, sequence=registry.sequence), sign_key=sign_key)
+    if all(current.get(n) == v for n, v in calibration.current.items() if n != name):
+      pinned = {n: current[name] if n == name else v for n, v in calibration.current.items()}
+      write_calibration(registry, dataclasses.replace(calibration, sequence=registry.sequence, current=pinned),
+                        sign_key=sign_key)
   return versions[name]
 
 
