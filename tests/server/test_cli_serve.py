@@ -28,6 +28,8 @@ def serve_process(tiny_registry):
     if proc.poll() is None:
       proc.kill()
     proc.wait(60)
+    proc.stdout.close()
+    proc.stderr.close()
 
 
 def test_client_streams_from_serve_and_sigterm_drains(serve_process, capsys):
