@@ -56,6 +56,10 @@ def test_round_trip_reopened_registry_predicts_identically(stored):
     # Verified like any thoughtlet: digests, signature, versioned hash from the restored weights.
     checked = {t["ref"]: t for t in reg.verify().thoughtlets}
     assert checked[f"{ROUTER_NAME}@{version}"]["versioned_hash"] == "ok"
+    # Its profile is re-measured like any thoughtlet's (the classifier alone): FLOPs and bytes agree.
+    from thoughtjax.registry import Tolerance
+
+    assert reg.verify_hardware(Tolerance(latency=None, peak_memory=None), names=[ROUTER_NAME]) == []
     # The calibration pinned to unchanged versions moved to the new sequence, signed: synthesis still opens.
     cal = read_calibration(reg)
     assert cal.sequence == reg.sequence and ROUTER_NAME not in cal.current
