@@ -6,7 +6,8 @@ small interface (:class:`server.scheduling.Scheduler`; :class:`~server.schedulin
 generation per request today, the continuous-batching slot engine replaces it later without touching this
 module). Planning, restore, compile and generation are the library's.
 
-Validation happens on the event loop before any model work, so malformed requests cost microseconds.
+Validation (parsing, tokenization, checks) happens on a worker thread before any model work, so a malformed
+request costs well under a millisecond and never reaches the scheduler.
 Requests carry the raw bytes to the handlers (the servicer parses them), so a message that is not a valid
 protobuf (including a string field that is not UTF-8) is INVALID_ARGUMENT, not INTERNAL.
 
@@ -276,7 +277,8 @@ class SynthesizerService:
   async def _request(self, raw: bytes, context) -> Request:
     m = self._parse(raw, pb.SynthesizeRequest)
     self._check_serving()
-    return self.validate(m, context.time_remaining())
+    # Tokenizing a prompt up to max_message_bytes long must not hold the event loop.
+    return await asyncio.get_running_loop().run_in_executor(None, self.validate, m, context.time_remaining())
 
   async def GetOptimalPath(self, raw: bytes, context) -> pb.Plan:
     try:
