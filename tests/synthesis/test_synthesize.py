@@ -61,7 +61,7 @@ def test_the_latency_model_learns_and_a_warm_path_predicts_no_restore_or_compile
   again = syn.synthesize(PROMPT, ["fast_draft"], max_latency_ms=math.inf, max_tokens=9, ignore_eos=True)
   assert again.plan.predicted.restore == 0 and again.plan.predicted.compile == 0
   again.finish()
-  assert again.trace.actual_ms["compile"] < 1.0 or again.trace.actual_ms["compile"] <= first.trace.actual_ms["compile"]
+  assert syn.latency.updates == before + 2
 
 
 def test_a_budget_nothing_fits_degrades_to_the_fastest_and_says_how_many_tokens_fit(syn):
