@@ -8,7 +8,6 @@ published ref; ``--json`` prints one object: the report's fields plus ``ref``, `
 from __future__ import annotations
 
 import json
-import sys
 
 from thoughtjax.cli.args import add_trust_args, existing_path, open_registry
 
@@ -34,8 +33,7 @@ def cmd_train_router(args) -> int:
   print(report.table())
   print(f"time per prompt {report.predict_ms:.3f} ms median, p90 {report.predict_ms_p90:.3f} ms; "
         f"trained on {report.n_train} prompts in {report.train_s:.1f} s")
-  print(f"published {ref} (registry sequence {reg.sequence})" if ref else "not published (--no-publish)",
-        file=sys.stderr if not ref else sys.stdout)
+  print(f"published {ref} (registry sequence {reg.sequence})" if ref else "not published (--no-publish)")
   return 0
 
 

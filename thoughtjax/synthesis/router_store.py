@@ -198,7 +198,7 @@ def train_registry_router(registry, train=None, heldout=None, *, sign_key=None, 
 
 
 # ------------------------------------------------------------------------------ routing a request
-_ROUTERS: "weakref.WeakKeyDictionary[Any, tuple[int, Router | None, str | None]]" = weakref.WeakKeyDictionary()
+_ROUTERS: weakref.WeakKeyDictionary[Any, tuple[int, Router | None, str | None]] = weakref.WeakKeyDictionary()
 _ROUTERS_LOCK = threading.Lock()
 
 
