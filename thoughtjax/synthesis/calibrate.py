@@ -301,14 +301,22 @@ def measure_latency(registry, candidates: Sequence[Candidate], settings: Latency
   T = np.array([r["prompt_tokens"] for r in rows], float)
   n = np.array([r["tokens_out"] for r in rows], float)
   ctx = n * T + n * (n - 1) / 2
-  one_path = len(set(L.tolist())) < 2
-  if one_path:  # no second depth: every cost is per layer (the fixed part spread over the layers)
-    p = _nnls(np.stack([L, L * T], 1), np.array([r["prefill_ms"] for r in rows]))
-    d = _nnls(np.stack([n * L, ctx * L], 1), np.array([r["decode_ms"] for r in rows]))
-    (P0, Q0, Pl, Ql), (A0, B0, Al, Bl) = (0.0, 0.0, p[0], p[1]), (0.0, 0.0, d[0], d[1])
+  prefill_ms = np.array([r["prefill_ms"] for r in rows])
+  decode_ms = np.array([r["decode_ms"] for r in rows])
+
+  def per_layer_only():  # every cost per layer (the fixed part spread over the layers)
+    p, d = _nnls(np.stack([L, L * T], 1), prefill_ms), _nnls(np.stack([n * L, ctx * L], 1), decode_ms)
+    return (0.0, 0.0, p[0], p[1]), (0.0, 0.0, d[0], d[1])
+
+  if len(set(L.tolist())) < 2:  # one depth measured: fixed and per-layer costs cannot be told apart
+    (P0, Q0, Pl, Ql), (A0, B0, Al, Bl) = per_layer_only()
   else:
-    P0, Q0, Pl, Ql = _nnls(np.stack([np.ones_like(L), T, L, L * T], 1), np.array([r["prefill_ms"] for r in rows]))
-    A0, B0, Al, Bl = _nnls(np.stack([n, ctx, n * L, ctx * L], 1), np.array([r["decode_ms"] for r in rows]))
+    P0, Q0, Pl, Ql = _nnls(np.stack([np.ones_like(L), T, L, L * T], 1), prefill_ms)
+    A0, B0, Al, Bl = _nnls(np.stack([n, ctx, n * L, ctx * L], 1), decode_ms)
+    # On a noisy machine the depth difference can drown: a fit with no per-layer cost at all would
+    # predict every path equally fast. Then spread the cost over the layers; traces correct the rest.
+    if Pl + Ql == 0 or Al + Bl == 0:
+      (P0, Q0, Pl, Ql), (A0, B0, Al, Bl) = per_layer_only()
   prefill = {EMBED_KEY: LinearCost(0.0), HEAD_KEY: LinearCost(float(P0), float(Q0))}
   decode = {EMBED_KEY: LinearCost(0.0), HEAD_KEY: LinearCost(float(A0), float(B0))}
   for k in sorted({u.layers for u in units.values() if u.layers}):
