@@ -1,7 +1,8 @@
 """The model against an independent float32 implementation (Hugging Face transformers).
 
 Tiny seeded configurations (GQA, q/k/v bias, untied head) run fast; the real default
-model is compared with transformers' own load of the same GGUF file.
+model is compared with transformers' own load of the same GGUF file, with float32 weights and
+with native weights (the GGUF's Q4_1 / Q8_0 blocks read packed, computed in float32).
 """
 
 from __future__ import annotations
@@ -65,9 +66,16 @@ PROMPTS = [
 ]
 
 
+@pytest.fixture(scope="session", params=["f32", "native"])
+def default_model_as(request, default_model):
+  """The default model with each weight format (one load per format for the session)."""
+  return default_model if request.param == "f32" else thoughtjax.load(weights=request.param)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("label,text", PROMPTS, ids=[p[0] for p in PROMPTS])
-def test_default_model_matches_transformers(default_model, hf_default_model, label, text):
+def test_default_model_matches_transformers(default_model_as, hf_default_model, label, text):
+  default_model = default_model_as
   hf, hf_tok = hf_default_model
   if text is None:
     ids = default_model.prompt_ids("What is the capital of France?", chat=True)
