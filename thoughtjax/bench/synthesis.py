@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from typing import Any
 
@@ -86,6 +87,8 @@ def bench_prediction(syn, codec, requests: int, prompt_range: tuple[int, int], t
                  "degraded": r.plan.degraded, "predicted_ms": predicted, "actual_ms": actual,
                  "rel_error": abs(predicted - actual) / actual, "within_budget": actual <= budget,
                  "tokens_out": r.trace.tokens_out})
+    print(f"prediction request {i + 1}/{requests}: {T} prompt tokens, {n} max tokens, predicted "
+          f"{predicted:.0f} ms, actual {actual:.0f} ms", file=sys.stderr, flush=True)
   errors = [row["rel_error"] for row in rows]
   fits = [row for row in rows if not row["degraded"]]
   return {"requests": len(rows), "median_rel_error": common.median(errors),
