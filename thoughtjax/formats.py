@@ -159,7 +159,7 @@ def dequantize_jnp(w: BlockQuant) -> jax.Array:
 
 # Rows of x up to which the dot is fused with the dequantization (XLA:CPU's elemental dot, which reads
 # W once per row); above it W is dequantized into a float32 buffer and multiplied as one GEMM. At 8 rows
-# (batch-8 decode) both forms measured alike and ~2.6x slower than float32 weights; prefill wants the GEMM.
+# (batch-8 decode) both forms measured alike and 1.8-2.6x slower than float32 weights; prefill wants the GEMM.
 FUSED_ROWS_MAX = 1
 
 
