@@ -40,7 +40,8 @@ import math
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -131,14 +132,18 @@ class SynthesizerService:
   def handler(self) -> grpc.GenericRpcHandler:
     """Method handlers taking raw request bytes (parsed here, so malformed bytes are INVALID_ARGUMENT)."""
     unary = lambda fn, out: grpc.unary_unary_rpc_method_handler(fn, response_serializer=out.SerializeToString)
-    return grpc.method_handlers_generic_handler(SERVICE, {
+    return grpc.method_handlers_generic_handler(
+      SERVICE,
+      {
         "GetOptimalPath": unary(self.GetOptimalPath, pb.Plan),
         "Synthesize": grpc.unary_stream_rpc_method_handler(
-            self.Synthesize, response_serializer=pb.SynthesizeResponse.SerializeToString),
+          self.Synthesize, response_serializer=pb.SynthesizeResponse.SerializeToString
+        ),
         "ListThoughtlets": unary(self.ListThoughtlets, pb.ListThoughtletsResponse),
         "RegistryStats": unary(self.RegistryStats, pb.RegistryStatsResponse),
         "ReloadRegistry": unary(self.ReloadRegistry, pb.ReloadRegistryResponse),
-    })
+      },
+    )
 
   async def _abort(self, context, e: BaseException):
     code = status_of(e)
@@ -155,19 +160,25 @@ class SynthesizerService:
     try:
       msg.ParseFromString(raw)
     except DecodeError as e:
-      raise _Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                     f"the request is not a valid {cls.DESCRIPTOR.full_name} ({e}): malformed protobuf, or a "
-                     f"string field that is not valid UTF-8; send UTF-8 text in a message built from "
-                     f"server/proto/thoughtjax/v1/synthesis.proto") from None
+      raise _Refused(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"the request is not a valid {cls.DESCRIPTOR.full_name} ({e}): malformed protobuf, or a "
+        f"string field that is not valid UTF-8; send UTF-8 text in a message built from "
+        f"server/proto/thoughtjax/v1/synthesis.proto",
+      ) from None
     return msg
 
   def _check_serving(self) -> None:
     if self.draining:
-      raise _Refused(grpc.StatusCode.UNAVAILABLE, "the server is draining (shutting down); send the request to "
-                     "another replica or retry after it restarts")
+      raise _Refused(
+        grpc.StatusCode.UNAVAILABLE,
+        "the server is draining (shutting down); send the request to another replica or retry after it restarts",
+      )
     if not self.ready:
-      raise _Refused(grpc.StatusCode.UNAVAILABLE, "the server is warming up (health NOT_SERVING); retry when "
-                     "grpc.health.v1 reports SERVING")
+      raise _Refused(
+        grpc.StatusCode.UNAVAILABLE,
+        "the server is warming up (health NOT_SERVING); retry when grpc.health.v1 reports SERVING",
+      )
 
   def validate(self, m: pb.SynthesizeRequest, deadline_s: float | None) -> Request:
     """A :class:`Request`, or :class:`_Refused` naming the field (no model work; tokenization only)."""
@@ -178,12 +189,16 @@ class SynthesizerService:
     bad = lambda msg: _Refused(grpc.StatusCode.INVALID_ARGUMENT, msg)
     rid = m.request_id or uuid.uuid4().hex
     if len(rid) > MAX_REQUEST_ID or not rid.isprintable() or not rid.isascii():
-      raise bad(f"request_id: expected at most {MAX_REQUEST_ID} printable ASCII characters, got {len(rid)} "
-                f"characters {rid[:40]!r}; send a shorter id or none (one is generated)")
+      raise bad(
+        f"request_id: expected at most {MAX_REQUEST_ID} printable ASCII characters, got {len(rid)} "
+        f"characters {rid[:40]!r}; send a shorter id or none (one is generated)"
+      )
     codec = self.registry.codec
     if bool(m.prompt) == bool(m.messages):
-      raise bad("give exactly one of prompt (plain text) and messages (chat), got "
-                + ("both" if m.prompt else "neither (an empty prompt)"))
+      raise bad(
+        "give exactly one of prompt (plain text) and messages (chat), got "
+        + ("both" if m.prompt else "neither (an empty prompt)")
+      )
     if m.prompt:
       text = m.prompt
     else:
@@ -206,14 +221,17 @@ class SynthesizerService:
     if not 1 <= n <= self.config.max_tokens_limit:
       raise bad(f"max_tokens: expected 1..{self.config.max_tokens_limit} (the server's max_tokens_limit), got {n}")
     if len(ids) + n > self.max_context:
-      raise _Refused(grpc.StatusCode.OUT_OF_RANGE,
-                     f"prompt ({len(ids)} tokens) + max_tokens ({n}) = {len(ids) + n} exceeds the model's context "
-                     f"of {self.max_context} tokens; shorten the prompt or lower max_tokens")
+      raise _Refused(
+        grpc.StatusCode.OUT_OF_RANGE,
+        f"prompt ({len(ids)} tokens) + max_tokens ({n}) = {len(ids) + n} exceeds the model's context "
+        f"of {self.max_context} tokens; shorten the prompt or lower max_tokens",
+      )
     if m.HasField("max_latency_ms"):
       budget = m.max_latency_ms
       if math.isnan(budget) or budget <= 0:
-        raise bad(f"max_latency_ms: expected a number of milliseconds > 0, got {budget}; leave it unset for the "
-                  f"call's deadline")
+        raise bad(
+          f"max_latency_ms: expected a number of milliseconds > 0, got {budget}; leave it unset for the call's deadline"
+        )
     else:
       budget = math.inf if deadline_s is None else max(deadline_s * 1e3, 1e-3)
     fix = "send a finite value"
@@ -221,14 +239,22 @@ class SynthesizerService:
     top_p = _finite(m.top_p, "top_p", fix) if m.HasField("top_p") else 1.0
     for tok in list(m.stop_token_ids) + list(m.logit_bias):
       if not 0 <= tok < self.vocab:
-        raise bad(f"token id {tok} (stop_token_ids or logit_bias) is outside the vocabulary [0, {self.vocab}); "
-                  f"send ids the registry's tokenizer produces")
+        raise bad(
+          f"token id {tok} (stop_token_ids or logit_bias) is outside the vocabulary [0, {self.vocab}); "
+          f"send ids the registry's tokenizer produces"
+        )
     bias = {int(k): _finite(v, f"logit_bias[{k}]", fix) for k, v in m.logit_bias.items()}
     if any(not s for s in m.stop_strings):
       raise bad("stop_strings: an empty stop string would stop at once; drop it")
-    sampling = dict(temperature=temperature, top_k=int(m.top_k), top_p=top_p, seed=int(m.seed),
-                    logit_bias=bias or None, stop_token_ids=tuple(m.stop_token_ids),
-                    stop_strings=tuple(m.stop_strings))
+    sampling = dict(
+      temperature=temperature,
+      top_k=int(m.top_k),
+      top_p=top_p,
+      seed=int(m.seed),
+      logit_bias=bias or None,
+      stop_token_ids=tuple(m.stop_token_ids),
+      stop_strings=tuple(m.stop_strings),
+    )
     try:
       SamplingParams(max_tokens=n, **sampling)
     except UserError as e:
@@ -242,15 +268,22 @@ class SynthesizerService:
     pin = int(m.registry_sequence) if m.HasField("registry_sequence") else None
     served = self.syn.calibration.sequence
     if pin is not None and pin != served:
-      raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
-                     f"registry_sequence: the request pins {pin}, this server plans at sequence {served}; pin "
-                     f"{served}, or send it to a server of sequence {pin}")
+      raise _Refused(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"registry_sequence: the request pins {pin}, this server plans at sequence {served}; pin "
+        f"{served}, or send it to a server of sequence {pin}",
+      )
     return Request(rid, tuple(ids), tuple(m.hints), float(budget), n, sampling, path, pin)
 
   # ---- the library calls (on worker threads) ----------------------------------------------
   def _plan(self, r: Request):
-    return self.syn.plan(list(r.prompt_ids), list(r.hints) or None, max_latency_ms=r.max_latency_ms,
-                         max_tokens=r.max_tokens, pin_sequence=r.pin_sequence)
+    return self.syn.plan(
+      list(r.prompt_ids),
+      list(r.hints) or None,
+      max_latency_ms=r.max_latency_ms,
+      max_tokens=r.max_tokens,
+      pin_sequence=r.pin_sequence,
+    )
 
   def _path_model(self, path: str):
     from thoughtjax.compose import compose
@@ -270,8 +303,14 @@ class SynthesizerService:
   def _start(self, r: Request):
     if r.path is not None:
       return _PathRun(self._path_model(r.path), r, self.registry.sequence)
-    return self.syn.synthesize(list(r.prompt_ids), list(r.hints) or None, max_latency_ms=r.max_latency_ms,
-                               max_tokens=r.max_tokens, pin_sequence=r.pin_sequence, **r.sampling)
+    return self.syn.synthesize(
+      list(r.prompt_ids),
+      list(r.hints) or None,
+      max_latency_ms=r.max_latency_ms,
+      max_tokens=r.max_tokens,
+      pin_sequence=r.pin_sequence,
+      **r.sampling,
+    )
 
   # ---- methods ------------------------------------------------------------------------
   async def _request(self, raw: bytes, context) -> Request:
@@ -310,8 +349,7 @@ class SynthesizerService:
           continue
         last = item
         if item.token_ids or item.text:
-          yield pb.SynthesizeResponse(request_id=r.request_id,
-                                      delta=pb.Delta(token_ids=item.token_ids, text=item.text))
+          yield pb.SynthesizeResponse(request_id=r.request_id, delta=pb.Delta(token_ids=item.token_ids, text=item.text))
     except Exception as e:
       await self._abort(context, e)
     finally:
@@ -325,9 +363,16 @@ class SynthesizerService:
       out = pb.ListThoughtletsResponse(registry_sequence=self.registry.sequence)
       for name in self.registry.names:
         mf = self.registry.manifest(name)
-        t = pb.Thoughtlet(name=mf.name, version=mf.version, kind=mf.kind.value, versioned_hash=mf.versioned_hash,
-                          param_bytes=mf.param_bytes, description=mf.signature.description,
-                          tags=list(mf.signature.tags), signed=mf.signed_by is not None)
+        t = pb.Thoughtlet(
+          name=mf.name,
+          version=mf.version,
+          kind=mf.kind.value,
+          versioned_hash=mf.versioned_hash,
+          param_bytes=mf.param_bytes,
+          description=mf.signature.description,
+          tags=list(mf.signature.tags),
+          signed=mf.signed_by is not None,
+        )
         if mf.layers is not None:
           t.layer_start, t.layer_end = mf.layers
         out.thoughtlets.append(t)
@@ -344,11 +389,15 @@ class SynthesizerService:
     snap = self.scheduler.snapshot()
     self.statuses["OK"] += 1
     return pb.RegistryStatsResponse(
-        registry_sequence=self.registry.sequence, signed=self.registry.signed,
-        stats_json=json.dumps(self.registry.stats().to_json(), default=str),
-        planner_json=json.dumps({**self.syn.planner.counters.snapshot(), "scheduler": snap,
-                                 "statuses": dict(self.statuses)}, default=str),
-        in_flight=snap["running"], waiting=snap["waiting"])
+      registry_sequence=self.registry.sequence,
+      signed=self.registry.signed,
+      stats_json=json.dumps(self.registry.stats().to_json(), default=str),
+      planner_json=json.dumps(
+        {**self.syn.planner.counters.snapshot(), "scheduler": snap, "statuses": dict(self.statuses)}, default=str
+      ),
+      in_flight=snap["running"],
+      waiting=snap["waiting"],
+    )
 
   async def ReloadRegistry(self, raw: bytes, context) -> pb.ReloadRegistryResponse:
     from thoughtjax.registry import Registry
@@ -363,10 +412,12 @@ class SynthesizerService:
       seq = await asyncio.get_running_loop().run_in_executor(None, published)
       serving = self.syn.calibration.sequence
       if seq != serving:
-        raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
-                       f"registry {self.registry.root} is published at sequence {seq}, this server serves {serving}; "
-                       f"this version switches sequences by restart: calibrate the new sequence (thoughtjax registry "
-                       f"calibrate) and restart thoughtjax serve (replicas one at a time)")
+        raise _Refused(
+          grpc.StatusCode.FAILED_PRECONDITION,
+          f"registry {self.registry.root} is published at sequence {seq}, this server serves {serving}; "
+          f"this version switches sequences by restart: calibrate the new sequence (thoughtjax registry "
+          f"calibrate) and restart thoughtjax serve (replicas one at a time)",
+        )
     except Exception as e:
       await self._abort(context, e)
     self.statuses["OK"] += 1
@@ -401,22 +452,39 @@ class _PathRun:
 
 def _plan_message(plan, request_id: str) -> pb.Plan:
   j = plan.to_json()
-  out = pb.Plan(path=plan.path, refs=list(plan.refs), path_hash=plan.path_hash, kind=plan.kind,
-                hints=list(plan.hints), predicted_ms={k: float(v) for k, v in j["predicted_ms"].items()},
-                degraded=plan.degraded, reason=plan.reason, notes=list(plan.notes), registry_sequence=plan.sequence,
-                max_tokens=plan.max_tokens, quality_json=json.dumps(j["quality"]), request_id=request_id,
-                corrected_hints=[pb.HintCorrection(given=a, corrected=b) for a, b in plan.corrected_hints],
-                rejected=[pb.Rejection(path=x.path, path_hash=x.path_hash, why=x.why, detail=x.detail)
-                          for x in plan.rejected])
+  out = pb.Plan(
+    path=plan.path,
+    refs=list(plan.refs),
+    path_hash=plan.path_hash,
+    kind=plan.kind,
+    hints=list(plan.hints),
+    predicted_ms={k: float(v) for k, v in j["predicted_ms"].items()},
+    degraded=plan.degraded,
+    reason=plan.reason,
+    notes=list(plan.notes),
+    registry_sequence=plan.sequence,
+    max_tokens=plan.max_tokens,
+    quality_json=json.dumps(j["quality"]),
+    request_id=request_id,
+    corrected_hints=[pb.HintCorrection(given=a, corrected=b) for a, b in plan.corrected_hints],
+    rejected=[pb.Rejection(path=x.path, path_hash=x.path_hash, why=x.why, detail=x.detail) for x in plan.rejected],
+  )
   if plan.tokens_that_fit is not None:
     out.tokens_that_fit = plan.tokens_that_fit
   return out
 
 
 def _explicit_plan(model, r: Request, sequence: int) -> pb.Plan:
-  return pb.Plan(path=model.path, refs=model.refs, path_hash=model.path_hash, kind="explicit",
-                 reason="explicit path from the request (not planned)", registry_sequence=sequence,
-                 max_tokens=r.max_tokens, request_id=r.request_id)
+  return pb.Plan(
+    path=model.path,
+    refs=model.refs,
+    path_hash=model.path_hash,
+    kind="explicit",
+    reason="explicit path from the request (not planned)",
+    registry_sequence=sequence,
+    max_tokens=r.max_tokens,
+    request_id=r.request_id,
+  )
 
 
 def _run_plan(run, r: Request, sequence: int) -> pb.Plan:
@@ -427,22 +495,49 @@ def _final(run, last, sequence: int) -> pb.Final:
   reason = (last.finish_reason if last is not None and last.finished else None) or "length"
   gt = run.generation.trace
   if isinstance(run, _PathRun):
-    actual = {"compile": gt.compile_s * 1e3, "prefill": (gt.prefill_s or 0.0) * 1e3,
-              "decode": (gt.decode_s or 0.0) * 1e3, "total": ((gt.end or time.perf_counter()) - run.t0) * 1e3}
+    actual = {
+      "compile": gt.compile_s * 1e3,
+      "prefill": (gt.prefill_s or 0.0) * 1e3,
+      "decode": (gt.decode_s or 0.0) * 1e3,
+      "total": ((gt.end or time.perf_counter()) - run.t0) * 1e3,
+    }
     tokens_in, tokens_out = len(run.request.prompt_ids), sum(gt.tokens_out)
-    trace = pb.Trace(path=run.model.path, path_hash=run.model.path_hash, refs=run.model.refs, actual_ms=actual,
-                     registry_sequence=sequence, reason="explicit path", decode_chunks=gt.decode_chunks)
+    trace = pb.Trace(
+      path=run.model.path,
+      path_hash=run.model.path_hash,
+      refs=run.model.refs,
+      actual_ms=actual,
+      registry_sequence=sequence,
+      reason="explicit path",
+      decode_chunks=gt.decode_chunks,
+    )
     compute = sum(actual.get(s, 0.0) for s in ("compile", "prefill", "decode")) / 1e3
-    return pb.Final(finish_reason=reason, text=run.text, trace=trace,
-                    usage=pb.Usage(tokens_in=tokens_in, tokens_out=tokens_out, compute_seconds=compute))
+    return pb.Final(
+      finish_reason=reason,
+      text=run.text,
+      trace=trace,
+      usage=pb.Usage(tokens_in=tokens_in, tokens_out=tokens_out, compute_seconds=compute),
+    )
   t = run.trace
-  trace = pb.Trace(path=t.path, path_hash=t.path_hash, refs=list(t.refs), hints=list(t.hints), degraded=t.degraded,
-                   reason=t.reason, predicted_ms={k: float(v) for k, v in t.predicted_ms.items()},
-                   actual_ms={k: float(v) for k, v in t.actual_ms.items()}, registry_sequence=run.plan.sequence,
-                   corrected_hints=[pb.HintCorrection(given=a, corrected=b) for a, b in run.plan.corrected_hints],
-                   decode_chunks=gt.decode_chunks)
-  return pb.Final(finish_reason=t.finish_reason or reason, text=run.text, trace=trace,
-                  usage=pb.Usage(tokens_in=t.tokens_in, tokens_out=t.tokens_out, compute_seconds=t.compute_seconds))
+  trace = pb.Trace(
+    path=t.path,
+    path_hash=t.path_hash,
+    refs=list(t.refs),
+    hints=list(t.hints),
+    degraded=t.degraded,
+    reason=t.reason,
+    predicted_ms={k: float(v) for k, v in t.predicted_ms.items()},
+    actual_ms={k: float(v) for k, v in t.actual_ms.items()},
+    registry_sequence=run.plan.sequence,
+    corrected_hints=[pb.HintCorrection(given=a, corrected=b) for a, b in run.plan.corrected_hints],
+    decode_chunks=gt.decode_chunks,
+  )
+  return pb.Final(
+    finish_reason=t.finish_reason or reason,
+    text=run.text,
+    trace=trace,
+    usage=pb.Usage(tokens_in=t.tokens_in, tokens_out=t.tokens_out, compute_seconds=t.compute_seconds),
+  )
 
 
 # ------------------------------------------------------------------------------ assembly
@@ -453,8 +548,14 @@ class ServerApp:
   ``warm``: called on a worker thread after the port is bound and before SERVING (default: warm the
   configured hints' plans). ``start()`` returns the bound port; ``drain()`` is what SIGTERM runs."""
 
-  def __init__(self, synthesizer, config: ServerConfig | None = None, *, warm: Callable[[], Any] | None = None,
-               scheduler: Scheduler | None = None):
+  def __init__(
+    self,
+    synthesizer,
+    config: ServerConfig | None = None,
+    *,
+    warm: Callable[[], Any] | None = None,
+    scheduler: Scheduler | None = None,
+  ):
     self.config = config or ServerConfig()
     self.service = SynthesizerService(synthesizer, self.config, scheduler)
     self.health = health.aio.HealthServicer()
@@ -487,15 +588,22 @@ class ServerApp:
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
     creds = server_credentials(cfg.tls)
     try:
-      port = (self.server.add_secure_port(cfg.address, creds) if creds is not None
-              else self.server.add_insecure_port(cfg.address))
+      port = (
+        self.server.add_secure_port(cfg.address, creds)
+        if creds is not None
+        else self.server.add_insecure_port(cfg.address)
+      )
     except RuntimeError as e:
       raise ConfigError(f"cannot bind {cfg.address} ({e}); pick a free --port or another bind address") from None
     self.port = port
     await self.server.start()
     self._warm_task = asyncio.get_running_loop().create_task(self._warm())
-    log.info("thoughtjax server on %s:%d (%s)", cfg.bind, port, "mTLS" if cfg.tls.mutual else
-             "TLS" if cfg.tls.enabled else "plaintext")
+    log.info(
+      "thoughtjax server on %s:%d (%s)",
+      cfg.bind,
+      port,
+      "mTLS" if cfg.tls.mutual else "TLS" if cfg.tls.enabled else "plaintext",
+    )
     return port
 
   async def _warm(self) -> None:
@@ -560,8 +668,15 @@ class BackgroundServer:
   """A server on its own event loop thread (tests, notebooks): ``with BackgroundServer(syn, cfg) as s:``
   then ``s.port``; ``s.call(coroutine_function)`` runs on the server's loop."""
 
-  def __init__(self, synthesizer, config: ServerConfig | None = None, *, warm: Callable[[], Any] | None = None,
-               scheduler: Scheduler | None = None, timeout: float = 60.0):
+  def __init__(
+    self,
+    synthesizer,
+    config: ServerConfig | None = None,
+    *,
+    warm: Callable[[], Any] | None = None,
+    scheduler: Scheduler | None = None,
+    timeout: float = 60.0,
+  ):
     self._args = (synthesizer, config or ServerConfig(port=0))
     self._kwargs = dict(warm=warm, scheduler=scheduler)
     self.timeout = timeout
@@ -569,7 +684,7 @@ class BackgroundServer:
     self.app: ServerApp | None = None
     self.port: int | None = None
 
-  def __enter__(self) -> "BackgroundServer":
+  def __enter__(self) -> BackgroundServer:
     started = threading.Event()
     failure: list[BaseException] = []
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from thoughtjax.errors import UserError
 
@@ -75,8 +76,10 @@ class ServerConfig:
     if not isinstance(self.grace_s, (int, float)) or not math.isfinite(self.grace_s) or self.grace_s < 0:
       raise ConfigError(f"grace_s: expected a finite number of seconds >= 0, got {self.grace_s!r}")
     if (self.tls.cert is None) != (self.tls.key is None):
-      raise ConfigError(f"tls: cert and key go together, got cert={self.tls.cert} key={self.tls.key}; set both "
-                        f"(TLS) or neither (plaintext)")
+      raise ConfigError(
+        f"tls: cert and key go together, got cert={self.tls.cert} key={self.tls.key}; set both "
+        f"(TLS) or neither (plaintext)"
+      )
     if self.tls.client_ca is not None and self.tls.cert is None:
       raise ConfigError("tls.client_ca (mTLS) needs tls.cert and tls.key too: clients verify the server as well")
 
@@ -89,19 +92,19 @@ class ServerConfig:
     """Channel arguments of the server: message limits and keepalive that tolerates pinging clients."""
     k = self.keepalive
     return [
-        ("grpc.max_receive_message_length", self.max_message_bytes),
-        ("grpc.max_send_message_length", self.max_message_bytes),
-        ("grpc.keepalive_time_ms", k.time_ms),
-        ("grpc.keepalive_timeout_ms", k.timeout_ms),
-        ("grpc.keepalive_permit_without_calls", int(k.permit_without_calls)),
-        # Without these two a client pinging more often than every 5 minutes gets GOAWAY too_many_pings.
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", k.min_client_ping_interval_ms),
-        ("grpc.http2.min_ping_interval_without_data_ms", k.min_client_ping_interval_ms),
-        ("grpc.http2.max_ping_strikes", k.max_ping_strikes),
-        ("grpc.http2.max_pings_without_data", 0),
+      ("grpc.max_receive_message_length", self.max_message_bytes),
+      ("grpc.max_send_message_length", self.max_message_bytes),
+      ("grpc.keepalive_time_ms", k.time_ms),
+      ("grpc.keepalive_timeout_ms", k.timeout_ms),
+      ("grpc.keepalive_permit_without_calls", int(k.permit_without_calls)),
+      # Without these two a client pinging more often than every 5 minutes gets GOAWAY too_many_pings.
+      ("grpc.http2.min_recv_ping_interval_without_data_ms", k.min_client_ping_interval_ms),
+      ("grpc.http2.min_ping_interval_without_data_ms", k.min_client_ping_interval_ms),
+      ("grpc.http2.max_ping_strikes", k.max_ping_strikes),
+      ("grpc.http2.max_pings_without_data", 0),
     ]
 
-  def replace(self, **changes) -> "ServerConfig":
+  def replace(self, **changes) -> ServerConfig:
     return dataclasses.replace(self, **changes)
 
 
@@ -134,6 +137,7 @@ def _path(base: Path):
       raise ConfigError(f"{where}: expected a file path or null, got {v!r}")
     p = Path(v).expanduser()
     return p if p.is_absolute() else base / p
+
   return conv
 
 
@@ -159,13 +163,18 @@ def from_mapping(data: Mapping | None, where: str = "server config", base: Path 
   """A :class:`ServerConfig` from a parsed YAML mapping; relative TLS paths are taken from ``base``."""
   base = base or Path.cwd()
   data = dict(data or {})
-  tls = _section(TlsConfig, data.pop("tls", None), f"{where}: tls", {k: _path(base) for k in ("cert", "key",
-                                                                                              "client_ca")})
-  keep = _section(KeepaliveConfig, data.pop("keepalive", None), f"{where}: keepalive",
-                  {"time_ms": _int, "timeout_ms": _int, "min_client_ping_interval_ms": _int,
-                   "max_ping_strikes": _int})
-  warm = _section(WarmConfig, data.pop("warm", None), f"{where}: warm",
-                  {"hints": _strs, "prompt_tokens": _ints, "max_tokens": _ints})
+  tls = _section(
+    TlsConfig, data.pop("tls", None), f"{where}: tls", {k: _path(base) for k in ("cert", "key", "client_ca")}
+  )
+  keep = _section(
+    KeepaliveConfig,
+    data.pop("keepalive", None),
+    f"{where}: keepalive",
+    {"time_ms": _int, "timeout_ms": _int, "min_client_ping_interval_ms": _int, "max_ping_strikes": _int},
+  )
+  warm = _section(
+    WarmConfig, data.pop("warm", None), f"{where}: warm", {"hints": _strs, "prompt_tokens": _ints, "max_tokens": _ints}
+  )
   top = _section(ServerConfig, data, where)
   return dataclasses.replace(top, tls=tls, keepalive=keep, warm=warm)
 

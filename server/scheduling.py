@@ -21,7 +21,8 @@ import concurrent.futures
 import dataclasses
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, Protocol
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 from thoughtjax.errors import UserError
 
@@ -61,8 +62,7 @@ class Run(Protocol):
 
 
 class Scheduler(Protocol):
-  def stream(self, start: Callable[[], Run], *, request_id: str,
-             deadline: float | None = None) -> AsyncIterator[Any]:
+  def stream(self, start: Callable[[], Run], *, request_id: str, deadline: float | None = None) -> AsyncIterator[Any]:
     """Admit (or raise :class:`QueueFull` at once), wait for a turn (``deadline``: ``time.monotonic()``
     seconds, :class:`DeadlineExpired` past it), run ``start`` and yield the run, then each delta."""
 
@@ -87,8 +87,9 @@ class SimpleScheduler:
   def __init__(self, max_concurrent: int, max_queue: int, *, keep_records: int = 256):
     self.max_concurrent, self.max_queue = max_concurrent, max_queue
     # One worker per running request's chunk, one per request being drained, one spare.
-    self._executor = concurrent.futures.ThreadPoolExecutor(2 * max_concurrent + 1,
-                                                           thread_name_prefix="thoughtjax-request")
+    self._executor = concurrent.futures.ThreadPoolExecutor(
+      2 * max_concurrent + 1, thread_name_prefix="thoughtjax-request"
+    )
     self._turns: asyncio.Semaphore | None = None
     self._changed: asyncio.Condition | None = None
     self.waiting = self.running = self.draining = 0
@@ -101,9 +102,17 @@ class SimpleScheduler:
       self._changed = asyncio.Condition()
 
   def snapshot(self) -> dict:
-    return {"waiting": self.waiting, "running": self.running, "draining": self.draining, "shed": self.shed,
-            "completed": self.completed, "cancelled": self.cancelled, "failed": self.failed,
-            "max_concurrent": self.max_concurrent, "max_queue": self.max_queue}
+    return {
+      "waiting": self.waiting,
+      "running": self.running,
+      "draining": self.draining,
+      "shed": self.shed,
+      "completed": self.completed,
+      "cancelled": self.cancelled,
+      "failed": self.failed,
+      "max_concurrent": self.max_concurrent,
+      "max_queue": self.max_queue,
+    }
 
   @property
   def idle(self) -> bool:
@@ -130,14 +139,17 @@ class SimpleScheduler:
 
     asyncio.get_running_loop().create_task(notify())
 
-  async def stream(self, start: Callable[[], Run], *, request_id: str,
-                   deadline: float | None = None) -> AsyncIterator[Any]:
+  async def stream(
+    self, start: Callable[[], Run], *, request_id: str, deadline: float | None = None
+  ) -> AsyncIterator[Any]:
     self._bind()
     if self.waiting + self.running >= self.max_concurrent + self.max_queue:
       self.shed += 1
-      raise QueueFull(f"request {request_id}: {self.running} requests running (max_concurrent "
-                      f"{self.max_concurrent}) and {self.waiting} waiting (max_queue {self.max_queue}); "
-                      f"retry with backoff, or raise max_queue/max_concurrent in the server config")
+      raise QueueFull(
+        f"request {request_id}: {self.running} requests running (max_concurrent "
+        f"{self.max_concurrent}) and {self.waiting} waiting (max_queue {self.max_queue}); "
+        f"retry with backoff, or raise max_queue/max_concurrent in the server config"
+      )
     loop = asyncio.get_running_loop()
     record = RequestRecord(request_id)
     self.waiting += 1
@@ -146,8 +158,10 @@ class SimpleScheduler:
       timeout = None if deadline is None else max(0.0, deadline - t0)
       await asyncio.wait_for(self._turns.acquire(), timeout)
     except TimeoutError:
-      raise DeadlineExpired(f"request {request_id}: the deadline passed after {time.monotonic() - t0:.3f} s "
-                            f"waiting for a turn ({self.running} running); give a longer deadline or retry") from None
+      raise DeadlineExpired(
+        f"request {request_id}: the deadline passed after {time.monotonic() - t0:.3f} s "
+        f"waiting for a turn ({self.running} running); give a longer deadline or retry"
+      ) from None
     finally:
       self.waiting -= 1
       self._notify()
@@ -162,8 +176,9 @@ class SimpleScheduler:
       yield run[0]
       while True:
         if deadline is not None and time.monotonic() >= deadline:
-          raise DeadlineExpired(f"request {request_id}: the deadline passed while generating; give a longer "
-                                f"deadline or fewer max_tokens")
+          raise DeadlineExpired(
+            f"request {request_id}: the deadline passed while generating; give a longer deadline or fewer max_tokens"
+          )
         inflight.append(self._executor.submit(_next, run[0]))
         d = await asyncio.wrap_future(inflight[-1])
         if d is _END:

@@ -20,9 +20,9 @@ if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
 # Tests share the user cache (the default model is fetched once) unless CI points elsewhere.
 os.environ.setdefault("THOUGHTJAX_CACHE", os.path.expanduser("~/.cache/thoughtjax"))
 
-import jax
-import numpy as np
-import pytest
+import jax  # noqa: E402  (after XLA_FLAGS: the device count is read at import)
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -62,7 +62,6 @@ def hf_default_model():
 
   gguf = fetch()
   torch.manual_seed(0)
-  model = transformers.AutoModelForCausalLM.from_pretrained(
-      str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+  model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
   tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
   return model.eval(), tok

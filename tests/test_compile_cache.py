@@ -32,8 +32,12 @@ print("HITS", len(hits))
 
 def test_second_process_hits_the_persistent_compile_cache(tiny_dir, tmp_path):
   env = {**os.environ, "THOUGHTJAX_CACHE": str(tmp_path)}
-  runs = [subprocess.run([sys.executable, "-c", _CACHE_PROBE, str(tiny_dir)], capture_output=True, text=True,
-                         env=env, timeout=600) for _ in range(2)]
+  runs = [
+    subprocess.run(
+      [sys.executable, "-c", _CACHE_PROBE, str(tiny_dir)], capture_output=True, text=True, env=env, timeout=600
+    )
+    for _ in range(2)
+  ]
   for r in runs:
     assert r.returncode == 0, r.stderr
   first, second = (int(r.stdout.split("HITS")[1]) for r in runs)

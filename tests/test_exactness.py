@@ -12,9 +12,8 @@ import pytest
 import torch
 
 import thoughtjax
-from thoughtjax.loading import LoadedModel
 from tests.tiny import TINY_CONFIGS, hf_model, tiny_model, tiny_tokenizer
-
+from thoughtjax.loading import LoadedModel
 from thoughtjax.tokenizer import TextCodec
 
 LOGIT_TOL = 1e-3
@@ -33,9 +32,15 @@ def _hf_logits(hf, ids) -> np.ndarray:
 
 def _hf_greedy(hf, ids, n) -> list[int]:
   with torch.no_grad():
-    out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                      max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-  return out[0, len(ids):].tolist()
+    out = hf.generate(
+      torch.tensor([ids]),
+      attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+      max_new_tokens=n,
+      do_sample=False,
+      eos_token_id=None,
+      pad_token_id=0,
+    )
+  return out[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
@@ -59,10 +64,10 @@ def test_tiny_greedy_continuation_matches_transformers(name):
 
 
 PROMPTS = [
-    ("plain", "The capital of France is"),
-    ("code", "def fibonacci(n):\n    "),
-    ("non_ascii", "Größe, 日本語 und café ✓ — "),
-    ("chat", None),
+  ("plain", "The capital of France is"),
+  ("code", "def fibonacci(n):\n    "),
+  ("non_ascii", "Größe, 日本語 und café ✓ — "),
+  ("chat", None),
 ]
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 import thoughtjax
+from tests.tiny import greedy_reference, tiny_engine, tiny_model
 from thoughtjax import program as program_lib
 from thoughtjax.sampling import SamplingParams
-from tests.tiny import greedy_reference, tiny_engine, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +73,10 @@ def test_stop_string_cuts_text(engine):
   kw = dict(max_tokens=16, ignore_eos=True, temperature=5.0, seed=11, logit_bias=letters)
   full = engine.generate([4, 5, 6], **kw)
   text = full.text
-  at = next(i for i in range(1, len(text) - 1) if text[i:i + 2] not in text[:i + 1] and "\ufffd" not in text[:i + 2])
-  needle = text[at:at + 2]
+  at = next(
+    i for i in range(1, len(text) - 1) if text[i : i + 2] not in text[: i + 1] and "\ufffd" not in text[: i + 2]
+  )
+  needle = text[at : at + 2]
   out = engine.generate([4, 5, 6], stop_strings=(needle,), **kw)
   assert out.finish_reason == "stop_string"
   assert out.text == full.text[: full.text.index(needle)]
@@ -162,8 +164,9 @@ def test_chat_prompts_take_the_template_path_and_match_token_ids():
     m = thoughtjax.Model(loaded, kernels=kernels)
     chat = m.generate_batch(prompts, SamplingParams(max_tokens=6, ignore_eos=True), chat=True)
     assert chat[0].trace.program.template == m.chat_template().widths  # fused template embedding used
-    tokens = m.generate_batch([m.prompt_ids(p, chat=True) for p in prompts],
-                              SamplingParams(max_tokens=6, ignore_eos=True))
+    tokens = m.generate_batch(
+      [m.prompt_ids(p, chat=True) for p in prompts], SamplingParams(max_tokens=6, ignore_eos=True)
+    )
     assert tokens[0].trace.program.template is None
     for a, b in zip(chat, tokens, strict=True):
       assert a.prompt_ids == b.prompt_ids and a.token_ids == b.token_ids
@@ -180,8 +183,8 @@ def _request(i: int) -> dict:
 
 
 def test_eight_threads_sharing_one_model_match_each_request_alone(engine):
-  from concurrent.futures import ThreadPoolExecutor
   import threading
+  from concurrent.futures import ThreadPoolExecutor
 
   alone = [engine.generate(p, **_request(i)) for i, p in enumerate(PROMPTS)]
   start = threading.Barrier(len(PROMPTS))

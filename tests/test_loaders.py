@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 import thoughtjax
+from tests.tiny import tiny_model, write_gguf, write_safetensors_dir
 from thoughtjax.config import UnsupportedModelError
 from thoughtjax.errors import UserError
 from thoughtjax.loading import load_tensors
 from thoughtjax.sources.errors import TruncatedModelError
 from thoughtjax.sources.gguf_file import permute_rows, unpermute_rows
 from thoughtjax.weights import model_params
-from tests.tiny import tiny_model, write_gguf, write_safetensors_dir
 
 
 def _leaves(model):
@@ -39,8 +39,9 @@ def test_safetensors_dir_roundtrip(tmp_path, name):
   assert loaded.codec.render_chat([{"role": "user", "content": "hi"}]).endswith("<|im_start|>assistant\n")
 
 
-@pytest.mark.parametrize("qtype,tol", [("F32", 0.0), ("F16", 1e-3), ("BF16", 1e-2), ("Q8_0", 0.02),
-                                       ("Q4_1", 0.1), ("Q4_0", 0.15)])
+@pytest.mark.parametrize(
+  "qtype,tol", [("F32", 0.0), ("F16", 1e-3), ("BF16", 1e-2), ("Q8_0", 0.02), ("Q4_1", 0.1), ("Q4_0", 0.15)]
+)
 def test_gguf_types_dequantize_to_the_same_model(tmp_path, monkeypatch, qtype, tol):
   monkeypatch.setenv("THOUGHTJAX_CACHE", str(tmp_path / "cache"))
   cfg, model = tiny_model("llama_gqa")
@@ -124,9 +125,15 @@ def test_gguf_rope_scaling_type_is_refused_by_name(tmp_path, monkeypatch, kind):
 
   monkeypatch.setenv("THOUGHTJAX_CACHE", str(tmp_path / "cache"))
   cfg, model = tiny_model("llama_gqa")
-  path = _write_gguf_with(tmp_path / "scaled.gguf", cfg, model, kv=[
+  path = _write_gguf_with(
+    tmp_path / "scaled.gguf",
+    cfg,
+    model,
+    kv=[
       ("llama.rope.scaling.type", kind, gguf.GGUFValueType.STRING),
-      ("llama.rope.scaling.factor", 8.0, gguf.GGUFValueType.FLOAT32)])
+      ("llama.rope.scaling.factor", 8.0, gguf.GGUFValueType.FLOAT32),
+    ],
+  )
   with pytest.raises(UnsupportedModelError) as err:
     thoughtjax.load(str(path), compile_cache=False)
   message = str(err.value)
@@ -142,8 +149,11 @@ def test_gguf_llama3_rope_freqs_tensor_is_refused_by_name(tmp_path, monkeypatch)
   cfg, model = tiny_model("llama_gqa")
   factors = np.linspace(1.0, 8.0, cfg.head_dim // 2, dtype=np.float32)
   path = _write_gguf_with(tmp_path / "llama3.gguf", cfg, model, tensors=[("rope_freqs.weight", factors)])
-  with pytest.raises(UnsupportedModelError, match=r"rope_freqs\.weight .*'llama3' scaling.*supported RoPE scaling "
-                                                  r"types: none"):
+  with pytest.raises(
+    UnsupportedModelError,
+    match=r"rope_freqs\.weight .*'llama3' scaling.*supported RoPE scaling "
+    r"types: none",
+  ):
     load_tensors(path)
 
 
@@ -152,9 +162,15 @@ def test_gguf_plain_rope_scaling_keys_still_load(tmp_path, monkeypatch):
 
   monkeypatch.setenv("THOUGHTJAX_CACHE", str(tmp_path / "cache"))
   cfg, model = tiny_model("llama_gqa")
-  path = _write_gguf_with(tmp_path / "plain.gguf", cfg, model, kv=[
+  path = _write_gguf_with(
+    tmp_path / "plain.gguf",
+    cfg,
+    model,
+    kv=[
       ("llama.rope.scaling.type", "none", gguf.GGUFValueType.STRING),
-      ("llama.rope.dimension_count", cfg.head_dim, gguf.GGUFValueType.UINT32)])
+      ("llama.rope.dimension_count", cfg.head_dim, gguf.GGUFValueType.UINT32),
+    ],
+  )
   assert load_tensors(path)[0].rope_theta == cfg.rope_theta
 
 
@@ -163,20 +179,38 @@ def test_gguf_partial_rope_is_refused_by_name(tmp_path, monkeypatch):
 
   monkeypatch.setenv("THOUGHTJAX_CACHE", str(tmp_path / "cache"))
   cfg, model = tiny_model("llama_gqa")
-  path = _write_gguf_with(tmp_path / "partial.gguf", cfg, model, kv=[
-      ("llama.rope.dimension_count", cfg.head_dim // 2, gguf.GGUFValueType.UINT32)])
-  with pytest.raises(UnsupportedModelError, match=rf"llama\.rope\.dimension_count = {cfg.head_dim // 2} but the "
-                                                  rf"head dimension is {cfg.head_dim}"):
+  path = _write_gguf_with(
+    tmp_path / "partial.gguf",
+    cfg,
+    model,
+    kv=[("llama.rope.dimension_count", cfg.head_dim // 2, gguf.GGUFValueType.UINT32)],
+  )
+  with pytest.raises(
+    UnsupportedModelError,
+    match=rf"llama\.rope\.dimension_count = {cfg.head_dim // 2} but the "
+    rf"head dimension is {cfg.head_dim}",
+  ):
     load_tensors(path)
 
 
-@pytest.mark.parametrize("key,scaling", [
-    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192}),
+@pytest.mark.parametrize(
+  "key,scaling",
+  [
+    (
+      "rope_scaling",
+      {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+      },
+    ),
     ("rope_scaling", {"type": "linear", "factor": 2.0}),
     ("rope_scaling", {"type": "yarn", "factor": 4.0}),
     ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
-])
+  ],
+)
 def test_safetensors_rope_scaling_is_refused_by_name(tmp_path, key, scaling):
   cfg, model = tiny_model("llama_gqa")
   d = write_safetensors_dir(tmp_path / "m", cfg, model)
@@ -196,8 +230,9 @@ def test_safetensors_default_rope_parameters_load(tmp_path):
   d = write_safetensors_dir(tmp_path / "m", cfg, model)
   raw = json.loads((d / "config.json").read_text())
   raw.pop("rope_theta")
-  (d / "config.json").write_text(json.dumps(raw | {"rope_scaling": None,
-                                                   "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}))
+  (d / "config.json").write_text(
+    json.dumps(raw | {"rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+  )
   assert thoughtjax.load(str(d), compile_cache=False).config == cfg
 
 
@@ -224,8 +259,15 @@ def test_loader_errors_are_user_errors():
   from thoughtjax.sources.errors import ModelNotFoundError, WeightCacheError
   from thoughtjax.weights import MissingTensorError, TensorShapeError
 
-  for cls in (UnsupportedModelError, FetchError, MissingTensorError, TensorShapeError, ModelNotFoundError,
-              TruncatedModelError, WeightCacheError):
+  for cls in (
+    UnsupportedModelError,
+    FetchError,
+    MissingTensorError,
+    TensorShapeError,
+    ModelNotFoundError,
+    TruncatedModelError,
+    WeightCacheError,
+  ):
     assert issubclass(cls, UserError), cls
   assert str(MissingTensorError("tensor 'x' is missing")) == "tensor 'x' is missing"  # no KeyError quotes
 
@@ -261,9 +303,9 @@ def test_bad_eos_token_id_is_named(tmp_path):
 
 
 def test_codec_eos_ids_keep_single_id_callers_working():
+  from tests.tiny import tiny_tokenizer
   from thoughtjax.sampling import SamplingParams, stop_ids_for
   from thoughtjax.tokenizer import TextCodec
-  from tests.tiny import tiny_tokenizer
 
   single = TextCodec(tiny_tokenizer(), None, 1, 2)
   assert single.eos_id == 2 and single.eos_ids == (2,)
@@ -283,7 +325,8 @@ def test_gguf_end_of_turn_ids_join_eos_ids(tmp_path, monkeypatch):
 
   monkeypatch.setenv("THOUGHTJAX_CACHE", str(tmp_path / "cache"))
   cfg, model = tiny_model("llama_gqa")
-  path = _write_gguf_with(tmp_path / "eot.gguf", cfg, model, kv=[
-      ("tokenizer.ggml.eot_token_id", 7, gguf.GGUFValueType.UINT32)])
+  path = _write_gguf_with(
+    tmp_path / "eot.gguf", cfg, model, kv=[("tokenizer.ggml.eot_token_id", 7, gguf.GGUFValueType.UINT32)]
+  )
   assert load_tensors(path)[2].eos_ids == (2, 7)
   assert load_tensors(path)[2].eos_ids == (2, 7)  # the second load comes from the weight cache

@@ -19,17 +19,31 @@ import numpy as np
 import pytest
 
 import thoughtjax
+from tests.tiny import TINY_CONFIGS, VOCAB, write_gguf
 from thoughtjax import formats, loading
 from thoughtjax.config import Architecture, ModelConfig
 from thoughtjax.errors import UserError
 from thoughtjax.model import init_random
 from thoughtjax.sources.errors import WeightCacheError
-from tests.tiny import TINY_CONFIGS, VOCAB, write_gguf
 
 KINDS = ("Q8_0", "Q4_0", "Q4_1")
 # Every matrix dimension a multiple of the 32-value block (llama_gqa, qwen2_bias qualify as they are).
-UNTIED = ModelConfig(Architecture.MISTRAL, VOCAB, 64, 2, 4, 2, 16, 96, rope_theta=1e5, rms_eps=1e-5,
-                     tie_embeddings=False, max_context=256, bos_id=1, eos_id=2)
+UNTIED = ModelConfig(
+  Architecture.MISTRAL,
+  VOCAB,
+  64,
+  2,
+  4,
+  2,
+  16,
+  96,
+  rope_theta=1e5,
+  rms_eps=1e-5,
+  tie_embeddings=False,
+  max_context=256,
+  bos_id=1,
+  eos_id=2,
+)
 CONFIGS = {"llama_gqa": TINY_CONFIGS["llama_gqa"], "qwen2_bias": TINY_CONFIGS["qwen2_bias"], "untied": UNTIED}
 IDS = [5, 77, 130, 9, 201, 64, 33]
 
@@ -86,8 +100,8 @@ def test_unsupported_block_type_and_bad_sizes_are_refused(rng):
 
 
 def _entry_lines(hlo: str) -> list[str]:
-  entry = hlo[hlo.index("ENTRY"):]
-  return entry[:entry.index("\n}")].splitlines()
+  entry = hlo[hlo.index("ENTRY") :]
+  return entry[: entry.index("\n}")].splitlines()
 
 
 @pytest.mark.parametrize("kind,rows,cols", [("Q4_1", 1536, 576), ("Q8_0", 4096, 576)], ids=["mlp_q4_1", "head_q8_0"])
@@ -99,9 +113,12 @@ def test_decode_matmul_reads_the_packed_bytes(rng, kind, rows, cols):
   narrow = "u8" if kind == "Q4_1" else "s8"
   assert not [ln for ln in entry if f"f32[{rows},{cols}]" in ln or f"f32[{cols},{rows}]" in ln], "\n".join(entry)
   fusions = [ln for ln in entry if " fusion(" in ln]
-  dot_fusions = [name for name in re.findall(r"calls=(%[\w.]+)", "\n".join(fusions))
-                 if re.search(re.escape(name) + r" .*?\n}", hlo, re.S)
-                 and " dot(" in re.search(re.escape(name) + r" .*?\n}", hlo, re.S).group(0)]
+  dot_fusions = [
+    name
+    for name in re.findall(r"calls=(%[\w.]+)", "\n".join(fusions))
+    if re.search(re.escape(name) + r" .*?\n}", hlo, re.S)
+    and " dot(" in re.search(re.escape(name) + r" .*?\n}", hlo, re.S).group(0)
+  ]
   assert dot_fusions, "the dot was not fused with the dequantization:\n" + "\n".join(entry)
   body = re.search(re.escape(dot_fusions[0]) + r" .*?\n}", hlo, re.S).group(0)
   assert f"{narrow}[{rows},{cols}]" in body and "convert(" in body
@@ -118,8 +135,9 @@ def _pair(tmp_path, name: str, kind: str):
   cfg = CONFIGS[name]
   model = init_random(cfg, 1, scale=0.08)
   path = write_gguf(tmp_path / f"{name}-{kind}.gguf", cfg, model, kind)
-  return thoughtjax.load(path, weights="f32", compile_cache=False), thoughtjax.load(path, weights="native",
-                                                                                  compile_cache=False)
+  return thoughtjax.load(path, weights="f32", compile_cache=False), thoughtjax.load(
+    path, weights="native", compile_cache=False
+  )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -162,7 +180,9 @@ def test_native_cache_entry_is_packed_mapped_and_checked(tmp_path, cache_dir):
   # The f32 entry of the same GGUF lives beside it; loading one never deletes the other.
   loading.load_params(path, weights="f32")
   assert entry.is_dir() and len(list((cache_dir / "weights").glob("*-v*"))) == 2
-  assert loading.verify_weight_cache(cache_dir / "weights") == {str(p): "ok" for p in (cache_dir / "weights").glob("*-v*")}
+  assert loading.verify_weight_cache(cache_dir / "weights") == {
+    str(p): "ok" for p in (cache_dir / "weights").glob("*-v*")
+  }
 
 
 def _packed_leaves(params):
@@ -219,9 +239,13 @@ def test_cli_weights_flag(tmp_path, cache_dir):
   path = write_gguf(tmp_path / "t.gguf", cfg, init_random(cfg, 1, scale=0.08), "Q4_1")
 
   def cli(*args):
-    r = subprocess.run([sys.executable, "-m", "thoughtjax.cli", *args, "--model", str(path), "--json"],
-                       capture_output=True, text=True, env={**os.environ, "THOUGHTJAX_CACHE": str(cache_dir)},
-                       timeout=600)
+    r = subprocess.run(
+      [sys.executable, "-m", "thoughtjax.cli", *args, "--model", str(path), "--json"],
+      capture_output=True,
+      text=True,
+      env={**os.environ, "THOUGHTJAX_CACHE": str(cache_dir)},
+      timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -232,6 +256,10 @@ def test_cli_weights_flag(tmp_path, cache_dir):
   np.testing.assert_allclose(score["native"]["top_logits"], score["f32"]["top_logits"], atol=1e-5)
   assert abs(score["native"]["nll"] - score["f32"]["nll"]) <= 1e-5
   assert len(list((cache_dir / "weights").glob("*-native-v*"))) == 1
-  bad = subprocess.run([sys.executable, "-m", "thoughtjax.cli", "score", "--token-ids", "5,6", "--weights", "int4"],
-                       capture_output=True, text=True, timeout=600)
+  bad = subprocess.run(
+    [sys.executable, "-m", "thoughtjax.cli", "score", "--token-ids", "5,6", "--weights", "int4"],
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert bad.returncode != 0 and "--weights" in bad.stderr and "native" in bad.stderr

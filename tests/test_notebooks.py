@@ -33,17 +33,25 @@ class Case:
 
 
 CASES = [
-    Case("01_paths.ipynb", needs_default_model=True, min_figures=1,
-         texts=("thoughtlets, sequence", "'embed, head, blocks[0:2)':\n  link 2", "top-1 agreement=", "tok/s",
-                "restores=")),
-    Case("02_kernels_vs_xla.ipynb", needs_default_model=False, min_figures=3,
-         texts=("identical: True", "pallas (interpret)", "GB/s")),
+  Case(
+    "01_paths.ipynb",
+    needs_default_model=True,
+    min_figures=1,
+    texts=("thoughtlets, sequence", "'embed, head, blocks[0:2)':\n  link 2", "top-1 agreement=", "tok/s", "restores="),
+  ),
+  Case(
+    "02_kernels_vs_xla.ipynb",
+    needs_default_model=False,
+    min_figures=3,
+    texts=("identical: True", "pallas (interpret)", "GB/s"),
+  ),
 ]
 
 
 def test_every_notebook_is_executed():
   assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == sorted(c.name for c in CASES), (
-      "a notebook under notebooks/ has no entry in CASES (or an entry names a missing notebook)")
+    "a notebook under notebooks/ has no entry in CASES (or an entry names a missing notebook)"
+  )
 
 
 @pytest.fixture
@@ -51,11 +59,18 @@ def kernel_name(tmp_path, monkeypatch) -> str:
   """A Jupyter kernel spec that runs this very interpreter, found first on JUPYTER_PATH."""
   spec = tmp_path / "jupyter" / "kernels" / "thoughtjax-tests"
   spec.mkdir(parents=True)
-  (spec / "kernel.json").write_text(json.dumps({
-      "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-      "display_name": "thoughtjax tests", "language": "python"}))
-  monkeypatch.setenv("JUPYTER_PATH", os.pathsep.join(filter(None, [str(spec.parent.parent),
-                                                                   os.environ.get("JUPYTER_PATH")])))
+  (spec / "kernel.json").write_text(
+    json.dumps(
+      {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "thoughtjax tests",
+        "language": "python",
+      }
+    )
+  )
+  monkeypatch.setenv(
+    "JUPYTER_PATH", os.pathsep.join(filter(None, [str(spec.parent.parent), os.environ.get("JUPYTER_PATH")]))
+  )
   monkeypatch.setenv(BUDGET_VAR, os.environ.get(BUDGET_VAR, "small"))
   monkeypatch.delenv("MPLBACKEND", raising=False)  # figures come back through IPython's inline backend
   # The kernel runs as a reader's would: one host device, not the test session's fake eight.
@@ -68,8 +83,9 @@ def _outputs(nb, kind: str) -> list:
   return [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type in kind.split("|")]
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.needs_default_model else []) for c in CASES])
+@pytest.mark.parametrize(
+  "case", [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.needs_default_model else []) for c in CASES]
+)
 def test_notebook_runs_top_to_bottom(case: Case, kernel_name: str, tmp_path):
   import nbclient
   import nbformat
@@ -77,8 +93,9 @@ def test_notebook_runs_top_to_bottom(case: Case, kernel_name: str, tmp_path):
   nb = nbformat.read(NOTEBOOKS / case.name, as_version=4)
   # A last cell tells which interpreter ran the notebook.
   nb.cells.append(nbformat.v4.new_code_cell("import sys; print('INTERPRETER', sys.executable)"))
-  client = nbclient.NotebookClient(nb, kernel_name=kernel_name, timeout=CELL_TIMEOUT_S,
-                                   resources={"metadata": {"path": str(NOTEBOOKS)}})
+  client = nbclient.NotebookClient(
+    nb, kernel_name=kernel_name, timeout=CELL_TIMEOUT_S, resources={"metadata": {"path": str(NOTEBOOKS)}}
+  )
   try:
     client.execute()  # a cell that raises fails the test with its traceback (CellExecutionError)
   finally:

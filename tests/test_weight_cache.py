@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 import thoughtjax
+from tests.tiny import tiny_model, write_gguf
 from thoughtjax import fetch as fetch_lib
 from thoughtjax import loading
 from thoughtjax.errors import UserError
 from thoughtjax.sources.errors import WeightCacheError
 from thoughtjax.weights import model_params
-from tests.tiny import tiny_model, write_gguf
 
 
 @pytest.fixture
@@ -196,8 +196,9 @@ def known(tmp_path, monkeypatch):
   cfg, model = tiny_model("llama_gqa")
   src = write_gguf(tmp_path / "tiny.gguf", cfg, model, "Q8_0")
   data = src.read_bytes()
-  entry = fetch_lib.KnownModel("tiny-known", "tiny-known==0.0", "tiny_known/tiny.gguf",
-                               fetch_lib.sha256_file(src), len(data), "tiny")
+  entry = fetch_lib.KnownModel(
+    "tiny-known", "tiny-known==0.0", "tiny_known/tiny.gguf", fetch_lib.sha256_file(src), len(data), "tiny"
+  )
   monkeypatch.setitem(fetch_lib.KNOWN_MODELS, entry.name, entry)
   downloads = []
 

@@ -16,16 +16,59 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB = 256 + len(SPECIALS)  # byte-level alphabet + specials
 
 TINY_CONFIGS = {
-    "llama_gqa": ModelConfig(Architecture.LLAMA, VOCAB, 64, 3, 4, 2, 16, 96, rope_theta=10000.0,
-                             rms_eps=1e-5, max_context=256, bos_id=1, eos_id=2),
-    "qwen2_bias": ModelConfig(Architecture.QWEN2, VOCAB, 64, 2, 4, 1, 16, 128, rope_theta=1e6,
-                              rms_eps=1e-6, qkv_bias=True, max_context=256, bos_id=1, eos_id=2),
-    "mistral_untied": ModelConfig(Architecture.MISTRAL, VOCAB, 48, 2, 6, 3, 8, 80, rope_theta=1e5,
-                                  rms_eps=1e-5, tie_embeddings=False, max_context=256, bos_id=1, eos_id=2),
+  "llama_gqa": ModelConfig(
+    Architecture.LLAMA,
+    VOCAB,
+    64,
+    3,
+    4,
+    2,
+    16,
+    96,
+    rope_theta=10000.0,
+    rms_eps=1e-5,
+    max_context=256,
+    bos_id=1,
+    eos_id=2,
+  ),
+  "qwen2_bias": ModelConfig(
+    Architecture.QWEN2,
+    VOCAB,
+    64,
+    2,
+    4,
+    1,
+    16,
+    128,
+    rope_theta=1e6,
+    rms_eps=1e-6,
+    qkv_bias=True,
+    max_context=256,
+    bos_id=1,
+    eos_id=2,
+  ),
+  "mistral_untied": ModelConfig(
+    Architecture.MISTRAL,
+    VOCAB,
+    48,
+    2,
+    6,
+    3,
+    8,
+    80,
+    rope_theta=1e5,
+    rms_eps=1e-5,
+    tie_embeddings=False,
+    max_context=256,
+    bos_id=1,
+    eos_id=2,
+  ),
 }
 
-CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
-                 "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHAT_TEMPLATE = (
+  "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
+  "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
 def tiny_tokenizer():
@@ -68,8 +111,9 @@ def write_safetensors_dir(directory: Path, cfg: ModelConfig, model) -> Path:
   tensors = to_hf_tensors(cfg, model_params(model))
   save_file(tensors, str(directory / "model.safetensors"))
   arch_class = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
-  (directory / "config.json").write_text(json.dumps(hf_config_dict(cfg) | {
-      "architectures": [arch_class[cfg.architecture.value]]}))
+  (directory / "config.json").write_text(
+    json.dumps(hf_config_dict(cfg) | {"architectures": [arch_class[cfg.architecture.value]]})
+  )
   tiny_tokenizer().save(str(directory / "tokenizer.json"))
   (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
   return directory
@@ -77,12 +121,21 @@ def write_safetensors_dir(directory: Path, cfg: ModelConfig, model) -> Path:
 
 def hf_config_dict(cfg: ModelConfig) -> dict:
   d = {
-      "model_type": cfg.architecture.value, "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-      "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-      "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-      "intermediate_size": cfg.ffn_dim, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_eps,
-      "tie_word_embeddings": cfg.tie_embeddings, "max_position_embeddings": cfg.max_context,
-      "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id, "hidden_act": "silu",
+    "model_type": cfg.architecture.value,
+    "vocab_size": cfg.vocab_size,
+    "hidden_size": cfg.d_model,
+    "num_hidden_layers": cfg.num_layers,
+    "num_attention_heads": cfg.num_heads,
+    "num_key_value_heads": cfg.num_kv_heads,
+    "head_dim": cfg.head_dim,
+    "intermediate_size": cfg.ffn_dim,
+    "rope_theta": cfg.rope_theta,
+    "rms_norm_eps": cfg.rms_eps,
+    "tie_word_embeddings": cfg.tie_embeddings,
+    "max_position_embeddings": cfg.max_context,
+    "bos_token_id": cfg.bos_id,
+    "eos_token_id": cfg.eos_id,
+    "hidden_act": "silu",
   }
   if cfg.architecture is Architecture.LLAMA:
     d["attention_bias"] = cfg.qkv_bias
@@ -96,9 +149,11 @@ def hf_model(cfg: ModelConfig, model):
   import torch
   import transformers
 
-  classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-             "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-             "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}
+  classes = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+  }
   conf_cls, model_cls = classes[cfg.architecture.value]
   conf = conf_cls(**hf_config_dict(cfg), attn_implementation="eager", dtype=torch.float32)
   torch.manual_seed(0)

@@ -13,8 +13,8 @@ TLS: ``ca`` (PEM bytes or path) verifies the server; ``cert``/``key`` add a clie
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import grpc
 
@@ -35,22 +35,48 @@ def _pem(v: bytes | str | os.PathLike | None) -> bytes | None:
   return Path(v).expanduser().read_bytes()
 
 
-def request(prompt: str | None = None, hints: Sequence[str] = (), *, messages: Sequence[dict] | None = None,
-            max_latency_ms: float | None = None, max_tokens: int | None = None, temperature: float | None = None,
-            top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-            logit_bias: dict | None = None, stop_strings: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-            path: str | None = None, registry_sequence: int | None = None, request_id: str = ""):
+def request(
+  prompt: str | None = None,
+  hints: Sequence[str] = (),
+  *,
+  messages: Sequence[dict] | None = None,
+  max_latency_ms: float | None = None,
+  max_tokens: int | None = None,
+  temperature: float | None = None,
+  top_k: int | None = None,
+  top_p: float | None = None,
+  seed: int | None = None,
+  logit_bias: dict | None = None,
+  stop_strings: Sequence[str] = (),
+  stop_token_ids: Sequence[int] = (),
+  path: str | None = None,
+  registry_sequence: int | None = None,
+  request_id: str = "",
+):
   """A ``thoughtjax.v1.SynthesizeRequest`` (unset optional fields take the server's defaults)."""
   from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
 
-  m = pb.SynthesizeRequest(prompt=prompt or "", hints=list(hints), stop_strings=list(stop_strings),
-                           stop_token_ids=list(stop_token_ids), path=path or "", request_id=request_id)
+  m = pb.SynthesizeRequest(
+    prompt=prompt or "",
+    hints=list(hints),
+    stop_strings=list(stop_strings),
+    stop_token_ids=list(stop_token_ids),
+    path=path or "",
+    request_id=request_id,
+  )
   for msg in messages or ():
     m.messages.add(role=msg["role"], content=msg["content"])
   for k, v in (logit_bias or {}).items():
     m.logit_bias[int(k)] = float(v)
-  for name, v in (("max_latency_ms", max_latency_ms), ("max_tokens", max_tokens), ("temperature", temperature),
-                  ("top_k", top_k), ("top_p", top_p), ("seed", seed), ("registry_sequence", registry_sequence)):
+  for name, v in (
+    ("max_latency_ms", max_latency_ms),
+    ("max_tokens", max_tokens),
+    ("temperature", temperature),
+    ("top_k", top_k),
+    ("top_p", top_p),
+    ("seed", seed),
+    ("registry_sequence", registry_sequence),
+  ):
     if v is not None:
       setattr(m, name, v)
   return m
@@ -59,8 +85,16 @@ def request(prompt: str | None = None, hints: Sequence[str] = (), *, messages: S
 class Client:
   """One channel to a server; methods take :func:`request`'s arguments. ``timeout``: seconds per call."""
 
-  def __init__(self, target: str, *, ca=None, cert=None, key=None, timeout: float | None = None,
-               options: Sequence[tuple[str, object]] = ()):
+  def __init__(
+    self,
+    target: str,
+    *,
+    ca=None,
+    cert=None,
+    key=None,
+    timeout: float | None = None,
+    options: Sequence[tuple[str, object]] = (),
+  ):
     from server.proto.thoughtjax.v1 import synthesis_pb2_grpc as rpc
 
     self.target, self.timeout = target, timeout
@@ -133,8 +167,9 @@ class Client:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     try:
-      r = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                          timeout=self.timeout)
+      r = health_pb2_grpc.HealthStub(self.channel).Check(
+        health_pb2.HealthCheckRequest(service=service), timeout=self.timeout
+      )
     except grpc.RpcError as e:
       raise ClientError(e.code(), e.details(), "Health.Check") from None
     return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
@@ -142,7 +177,7 @@ class Client:
   def close(self) -> None:
     self.channel.close()
 
-  def __enter__(self) -> "Client":
+  def __enter__(self) -> Client:
     return self
 
   def __exit__(self, *exc) -> None:

@@ -27,7 +27,7 @@ are sliced) for quick experiments in a notebook.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from thoughtjax import program as program_lib
 from thoughtjax.engine import Model
@@ -73,31 +73,42 @@ def check_chain(links: Sequence[Link]) -> tuple[TensorType, TensorType]:
   for i, link in enumerate(links):
     if link.kind is Kind.ROUTER:  # composes by its types (it takes tokens), so refuse it by kind
       raise PathTypeError(
-          f"link {i} ({link.label}) is a router thoughtlet: it picks a hint from the prompt and is not a link of "
-          f"a path. Remove it from the path; synthesis runs it on its own when a request has no hints",
-          link=i, expected="a thoughtlet of kind embed, template, blocks, bridge or head",
-          received=link.signature.input)
+        f"link {i} ({link.label}) is a router thoughtlet: it picks a hint from the prompt and is not a link of "
+        f"a path. Remove it from the path; synthesis runs it on its own when a request has no hints",
+        link=i,
+        expected="a thoughtlet of kind embed, template, blocks, bridge or head",
+        received=link.signature.input,
+      )
   first = links[0].signature.input
   if first.role not in ("tokens", "message"):
     raise PathTypeError(
-        f"link 0 ({links[0].label}) expects {first}, but a path starts from the prompt: tokens[B,T] i32 "
-        f"(or a user message, for a leading template). Start the path with embed or a template",
-        link=0, expected=first, received="tokens[B,T] i32")
+      f"link 0 ({links[0].label}) expects {first}, but a path starts from the prompt: tokens[B,T] i32 "
+      f"(or a user message, for a leading template). Start the path with embed or a template",
+      link=0,
+      expected=first,
+      received="tokens[B,T] i32",
+    )
   prev, prev_label = first, "the prompt"
   for i, link in enumerate(links):
     want = link.signature.input
     why = want.mismatch(prev) if i else None
     if why:
       raise PathTypeError(
-          f"link {i} ({link.label}) expects {want} but receives {prev} from link {i - 1} ({prev_label}): "
-          f"{why}. Put a thoughtlet producing {want.role} before {link.label}, or remove it",
-          link=i, expected=want, received=prev)
+        f"link {i} ({link.label}) expects {want} but receives {prev} from link {i - 1} ({prev_label}): "
+        f"{why}. Put a thoughtlet producing {want.role} before {link.label}, or remove it",
+        link=i,
+        expected=want,
+        received=prev,
+      )
     prev, prev_label = link.signature.output, link.label
   if prev.role != "logits":
     raise PathTypeError(
-        f"the path must end in logits[B,T,V] f32 for generation and scoring, but its last link "
-        f"{len(links) - 1} ({prev_label}) outputs {prev}. End the path with head",
-        link=len(links), expected="logits[B,T,V] f32", received=prev)
+      f"the path must end in logits[B,T,V] f32 for generation and scoring, but its last link "
+      f"{len(links) - 1} ({prev_label}) outputs {prev}. End the path with head",
+      link=len(links),
+      expected="logits[B,T,V] f32",
+      received=prev,
+    )
   return first, prev
 
 
@@ -126,8 +137,7 @@ def _resolve_registry(refs: Sequence[Ref], reg) -> list[Link]:
       continue
     span = ref.span
     if span is None:
-      raise UnknownThoughtletError(f"{ref}: the registry has no thoughtlet {ref.name!r}; it has "
-                                   f"{', '.join(reg.names)}")
+      raise UnknownThoughtletError(f"{ref}: the registry has no thoughtlet {ref.name!r}; it has {', '.join(reg.names)}")
     a, b = span
     chain, at = [], a
     while at < b:
@@ -135,20 +145,31 @@ def _resolve_registry(refs: Sequence[Ref], reg) -> list[Link]:
       if nxt is None:
         cut = next(((lo, hi) for lo, hi in span_names if lo < at < hi or (lo == at and hi > b)), None)
         bounds = sorted({x for s in span_names for x in s})
-        detail = (f"layer {at if cut[0] < at else b} falls inside thoughtlet {span_names[cut]}" if cut is not None
-                  else f"no thoughtlet starts at layer {at}")
+        detail = (
+          f"layer {at if cut[0] < at else b} falls inside thoughtlet {span_names[cut]}"
+          if cut is not None
+          else f"no thoughtlet starts at layer {at}"
+        )
         raise UnknownThoughtletError(
-            f"{ref}: {detail}; a block range must start and end on thoughtlet boundaries "
-            f"({', '.join(map(str, bounds))}) of this registry")
+          f"{ref}: {detail}; a block range must start and end on thoughtlet boundaries "
+          f"({', '.join(map(str, bounds))}) of this registry"
+        )
       chain.append(reg.manifest(span_names[nxt]))
       at = nxt[1]
     if ref.version is not None:
       raise PathSyntaxError(
-          f"{ref}: a version pins one thoughtlet, but {ref.name} spans {len(chain)}: "
-          f"{', '.join(m.name for m in chain)}; write each with its own @version")
-    sig = dataclasses.replace(chain[0].signature, output=chain[-1].signature.output,
-                              constraints={**chain[0].signature.constraints, "layers": [a, b],
-                                           "max_context": min(m.signature.constraints["max_context"] for m in chain)})
+        f"{ref}: a version pins one thoughtlet, but {ref.name} spans {len(chain)}: "
+        f"{', '.join(m.name for m in chain)}; write each with its own @version"
+      )
+    sig = dataclasses.replace(
+      chain[0].signature,
+      output=chain[-1].signature.output,
+      constraints={
+        **chain[0].signature.constraints,
+        "layers": [a, b],
+        "max_context": min(m.signature.constraints["max_context"] for m in chain),
+      },
+    )
     links.append(Link(ref, Kind.BLOCKS, sig, tuple((m.name, m.version) for m in chain), tuple(range(a, b))))
   return links
 
@@ -161,18 +182,22 @@ def _resolve_model(refs: Sequence[Ref], model: Model) -> list[Link]:
   links = []
   for ref in refs:
     if ref.version is not None:
-      raise PathSyntaxError(f"{ref}: versions exist only in a registry; this path is composed from a "
-                            f"loaded model. Drop @{ref.version} or compose from a Registry")
+      raise PathSyntaxError(
+        f"{ref}: versions exist only in a registry; this path is composed from a "
+        f"loaded model. Drop @{ref.version} or compose from a Registry"
+      )
     if ref.span is not None:
       layers = ref.layers(cfg.num_layers)
-      links.append(Link(ref, Kind.BLOCKS, signature_for(Kind.BLOCKS, cfg, tok, layers=ref.span),
-                        ((ref.name, None),), layers))
+      links.append(
+        Link(ref, Kind.BLOCKS, signature_for(Kind.BLOCKS, cfg, tok, layers=ref.span), ((ref.name, None),), layers)
+      )
     elif ref.name in ("embed", "head", "template"):
       kind = Kind(ref.name)
       links.append(Link(ref, kind, signature_for(kind, cfg, tok), ((ref.name, None),)))
     else:
-      raise PathSyntaxError(f"{ref}: a loaded model has only embed, head, template and blocks[a:b); "
-                            f"named thoughtlets live in a registry")
+      raise PathSyntaxError(
+        f"{ref}: a loaded model has only embed, head, template and blocks[a:b); named thoughtlets live in a registry"
+      )
   return links
 
 
@@ -195,8 +220,16 @@ def resolve(path: str | Sequence[Ref | str], source) -> list[Link]:
   raise TypeError(f"compose: source must be a Registry or a loaded Model, got {type(source).__name__}")
 
 
-def compose(path: str | Sequence[Ref | str], source, *, mesh=None, dtype=None, kernels: str | None = None,
-            chunk: int = program_lib.DEFAULT_CHUNK, compile_cache: bool = True) -> Model:
+def compose(
+  path: str | Sequence[Ref | str],
+  source,
+  *,
+  mesh=None,
+  dtype=None,
+  kernels: str | None = None,
+  chunk: int = program_lib.DEFAULT_CHUNK,
+  compile_cache: bool = True,
+) -> Model:
   """Resolve, type-check and assemble a path into a model running as one XLA program.
 
   ``source`` is a :class:`thoughtjax.registry.Registry` (weights restored lazily: only the
@@ -217,8 +250,12 @@ def compose(path: str | Sequence[Ref | str], source, *, mesh=None, dtype=None, k
   check_chain(links)
   for i, link in enumerate(links):
     if link.kind is Kind.TEMPLATE and i != 0:
-      raise PathTypeError(f"link {i} ({link.label}): a template takes the user message and must come "
-                          f"first", link=i, expected="message[B,U] i32", received=links[i - 1].signature.output)
+      raise PathTypeError(
+        f"link {i} ({link.label}): a template takes the user message and must come first",
+        link=i,
+        expected="message[B,U] i32",
+        received=links[i - 1].signature.output,
+      )
 
   cfg = source.config
   context = min(link.signature.constraints.get("max_context", cfg.max_context) for link in links)
@@ -236,8 +273,12 @@ def compose(path: str | Sequence[Ref | str], source, *, mesh=None, dtype=None, k
     embed_units = [("embed", None)]
     units.append(embed_units[0])
   if len(set(embed_units)) > 1:
-    raise PathTypeError("a path can use one embed version (the decode loop embeds new tokens with it)",
-                        link=0, expected="one embed", received=", ".join(f"{n}@{v}" for n, v in embed_units))
+    raise PathTypeError(
+      "a path can use one embed version (the decode loop embeds new tokens with it)",
+      link=0,
+      expected="one embed",
+      received=", ".join(f"{n}@{v}" for n, v in embed_units),
+    )
 
   if isinstance(source, Registry):
     wanted = list(dict.fromkeys(units))
@@ -280,8 +321,18 @@ def compose(path: str | Sequence[Ref | str], source, *, mesh=None, dtype=None, k
   if links[0].kind is Kind.TEMPLATE:
     template = Template.from_params(restored[links[0].units[0]], links[0].signature.constraints.get("system"))
   loaded = LoadedModel(run_cfg, abstract, codec, module_src, source_hash)
-  return Model(loaded, tuple(layers), kernels, chunk, PathParts(embed_state, blocks, head_state), links=links,
-               source=source, template=template, mesh=mesh, dtype=dtype)
+  return Model(
+    loaded,
+    tuple(layers),
+    kernels,
+    chunk,
+    PathParts(embed_state, blocks, head_state),
+    links=links,
+    source=source,
+    template=template,
+    mesh=mesh,
+    dtype=dtype,
+  )
 
 
 def _model_units(model: Model, units) -> dict:
@@ -291,6 +342,9 @@ def _model_units(model: Model, units) -> dict:
   out = {}
   for name, version in dict.fromkeys(units):
     span = Ref(name).span
-    out[(name, version)] = (cut(model.module, Kind.BLOCKS, layers=span) if span is not None
-                            else cut(model.module, Kind(name), codec=model.codec))
+    out[(name, version)] = (
+      cut(model.module, Kind.BLOCKS, layers=span)
+      if span is not None
+      else cut(model.module, Kind(name), codec=model.codec)
+    )
   return out

@@ -24,18 +24,21 @@ class Architecture(enum.Enum):
   QWEN2 = "qwen2"
 
   @classmethod
-  def parse(cls, name: str) -> "Architecture":
+  def parse(cls, name: str) -> Architecture:
     key = name.lower()
     aliases = {
-        "llama": cls.LLAMA, "llamaforcausallm": cls.LLAMA,
-        "mistral": cls.MISTRAL, "mistralforcausallm": cls.MISTRAL,
-        "qwen2": cls.QWEN2, "qwen2forcausallm": cls.QWEN2,
+      "llama": cls.LLAMA,
+      "llamaforcausallm": cls.LLAMA,
+      "mistral": cls.MISTRAL,
+      "mistralforcausallm": cls.MISTRAL,
+      "qwen2": cls.QWEN2,
+      "qwen2forcausallm": cls.QWEN2,
     }
     if key not in aliases:
       raise UnsupportedModelError(
-          f"architecture {name!r} is not supported; expected one of "
-          f"llama, mistral, qwen2 (Llama-family decoders). Convert the model to one of "
-          f"those or add the architecture to thoughtjax.config.Architecture."
+        f"architecture {name!r} is not supported; expected one of "
+        f"llama, mistral, qwen2 (Llama-family decoders). Convert the model to one of "
+        f"those or add the architecture to thoughtjax.config.Architecture."
       )
     return aliases[key]
 
@@ -67,8 +70,8 @@ class ModelConfig:
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
-          f"num_heads={self.num_heads} must be a multiple of num_kv_heads="
-          f"{self.num_kv_heads} for grouped-query attention."
+        f"num_heads={self.num_heads} must be a multiple of num_kv_heads="
+        f"{self.num_kv_heads} for grouped-query attention."
       )
 
   @property
@@ -77,8 +80,7 @@ class ModelConfig:
 
   @property
   def param_count(self) -> int:
-    D, F, E, H, K, V = (self.d_model, self.ffn_dim, self.head_dim, self.num_heads,
-                        self.num_kv_heads, self.vocab_size)
+    D, F, E, H, K, V = (self.d_model, self.ffn_dim, self.head_dim, self.num_heads, self.num_kv_heads, self.vocab_size)
     attn = D * H * E + 2 * D * K * E + H * E * D
     if self.qkv_bias:
       attn += H * E + 2 * K * E
@@ -92,7 +94,7 @@ class ModelConfig:
     return d
 
   @classmethod
-  def from_json(cls, d: dict) -> "ModelConfig":
+  def from_json(cls, d: dict) -> ModelConfig:
     d = dict(d)
     d["architecture"] = Architecture(d["architecture"])
     return cls(**d)

@@ -22,7 +22,8 @@ import os
 import queue
 import threading
 import time
-from typing import Iterator, NamedTuple, Sequence
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,7 @@ from thoughtjax.paths import format_path, hash_refs, parse_path
 from thoughtjax.program import COMPILE_CLOCK, Program, ProgramKey, TemplatePrompt, bucket
 from thoughtjax.sampling import SamplingArrays, SamplingParams, program_mode, sampling_arrays, stop_ids_for
 from thoughtjax.template import Template
+
 
 class RequestError(UserError, ValueError):
   """A generation or scoring request this model cannot serve as given; the message says the fix."""
@@ -98,10 +100,20 @@ class Trace:
 
   def as_dict(self) -> dict:
     """The timings as a flat dict (``start``, ``first_token``, ``end``, ...; benchmarks, JSON)."""
-    return {"start": self.start, "first_token": self.first_token, "end": self.end, "program": self.program,
-            "prompt_ids": self.prompt_ids, "generated": list(self.tokens_out), "queue_s": self.queue_s,
-            "compile_s": self.compile_s, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
-            "decode_chunks": self.decode_chunks, "cancelled": self.cancelled}
+    return {
+      "start": self.start,
+      "first_token": self.first_token,
+      "end": self.end,
+      "program": self.program,
+      "prompt_ids": self.prompt_ids,
+      "generated": list(self.tokens_out),
+      "queue_s": self.queue_s,
+      "compile_s": self.compile_s,
+      "prefill_s": self.prefill_s,
+      "decode_s": self.decode_s,
+      "decode_chunks": self.decode_chunks,
+      "cancelled": self.cancelled,
+    }
 
 
 @dataclasses.dataclass
@@ -156,7 +168,7 @@ class _RowText:
             hold = max(hold, n)
             break
     visible = text[: len(text) - hold]
-    delta = visible[len(self.emitted):] if visible.startswith(self.emitted) else visible
+    delta = visible[len(self.emitted) :] if visible.startswith(self.emitted) else visible
     self.emitted = visible if visible.startswith(self.emitted) else self.emitted + delta
     return delta, self.stopped
 
@@ -181,8 +193,11 @@ class _Rows:
     text, hit = self.text[r].push(new, done_on_device)
     if hit or done_on_device:
       self.finished[r] = True
-      reason = "stop_string" if hit else ("length" if count >= self.params[r].max_tokens and not (
-          new and new[-1] in self.stops[r]) else "stop")
+      reason = (
+        "stop_string"
+        if hit
+        else ("length" if count >= self.params[r].max_tokens and not (new and new[-1] in self.stops[r]) else "stop")
+      )
       return Delta(r, new, text, True, reason)
     return Delta(r, new, text) if (new or text) else None
 
@@ -231,7 +246,7 @@ class Generation:
     self._texts = [""] * n
     self._reasons = ["length"] * n
 
-  def __iter__(self) -> "Generation":
+  def __iter__(self) -> Generation:
     return self
 
   def __next__(self) -> Delta:
@@ -248,7 +263,7 @@ class Generation:
   def close(self) -> None:
     self._run.close()
 
-  def __enter__(self) -> "Generation":
+  def __enter__(self) -> Generation:
     return self
 
   def __exit__(self, *exc) -> None:
@@ -257,14 +272,18 @@ class Generation:
   def completions(self) -> list[Completion]:
     for _ in self:
       pass
-    return [Completion(i, t, x, r, self.trace)
-            for i, t, x, r in zip(self.trace.prompt_ids, self._tokens, self._texts, self._reasons, strict=True)]
+    return [
+      Completion(i, t, x, r, self.trace)
+      for i, t, x, r in zip(self.trace.prompt_ids, self._tokens, self._texts, self._reasons, strict=True)
+    ]
 
   def result(self) -> Completion:
     """The one completion of a single-prompt call."""
     if len(self._tokens) != 1:
-      raise RequestError(f"result() gives the one completion of a single prompt, but this generation has "
-                         f"{len(self._tokens)} prompts; use completions() for a batch")
+      raise RequestError(
+        f"result() gives the one completion of a single prompt, but this generation has "
+        f"{len(self._tokens)} prompts; use completions() for a batch"
+      )
     return self.completions()[0]
 
 
@@ -374,10 +393,20 @@ class Model:
   from and, when the path starts with one, its ``template``.
   """
 
-  def __init__(self, loaded: LoadedModel, layers: Sequence[int] | None = None, kernels: str | None = None,
-               chunk: int = program_lib.DEFAULT_CHUNK, parts: PathParts | None = None, *,
-               links: Sequence | None = None, source=None, template: Template | None = None,
-               mesh=None, dtype=None):
+  def __init__(
+    self,
+    loaded: LoadedModel,
+    layers: Sequence[int] | None = None,
+    kernels: str | None = None,
+    chunk: int = program_lib.DEFAULT_CHUNK,
+    parts: PathParts | None = None,
+    *,
+    links: Sequence | None = None,
+    source=None,
+    template: Template | None = None,
+    mesh=None,
+    dtype=None,
+  ):
     if chunk < 1:
       raise RequestError(f"chunk must be >= 1 decode step per device call, got {chunk}")
     self.loaded = loaded
@@ -394,14 +423,18 @@ class Model:
     if parts is None:
       bad = [i for i in self.layers if not 0 <= i < self.config.num_layers]
       if bad:
-        raise RequestError(f"path uses layers {bad}, but the model has layers 0..{self.config.num_layers - 1}; "
-                           f"give layer indices in that range")
+        raise RequestError(
+          f"path uses layers {bad}, but the model has layers 0..{self.config.num_layers - 1}; "
+          f"give layer indices in that range"
+        )
       parts = PathParts.from_model(self.module, self.layers)
     self._parts = parts
     missing = set(self.layers) - set(self._parts.blocks)
     if missing:
-      raise RequestError(f"path uses layers {sorted(missing)} that the given parts do not hold (they hold "
-                         f"{sorted(self._parts.blocks)}); pass parts with those blocks or a path over the held ones")
+      raise RequestError(
+        f"path uses layers {sorted(missing)} that the given parts do not hold (they hold "
+        f"{sorted(self._parts.blocks)}); pass parts with those blocks or a path over the held ones"
+      )
     self._templates: dict[str | None, Template] = {}
     self._templates_lock = threading.Lock()
 
@@ -410,8 +443,10 @@ class Model:
     return self._parts
 
   def __repr__(self) -> str:
-    return (f"Model({self.loaded.source!r}, path={self.path!r}, kernels={self.kernels!r}, chunk={self.chunk}"
-            f"{'' if self.template is None else f', template system={self.template.system!r}'})")
+    return (
+      f"Model({self.loaded.source!r}, path={self.path!r}, kernels={self.kernels!r}, chunk={self.chunk}"
+      f"{'' if self.template is None else f', template system={self.template.system!r}'})"
+    )
 
   # ---- the path ----------------------------------------------------------------------
   @property
@@ -441,17 +476,26 @@ class Model:
         total += leaf.nbytes
     return total + (0 if self.template is None else self.template.nbytes)
 
-  def _replace(self, **changes) -> "Model":
-    fields = dict(loaded=self.loaded, layers=self.layers, kernels=self.kernels, chunk=self.chunk,
-                  parts=self._parts, links=self.links, source=self.source, template=self.template,
-                  mesh=self.mesh, dtype=self.dtype)
+  def _replace(self, **changes) -> Model:
+    fields = dict(
+      loaded=self.loaded,
+      layers=self.layers,
+      kernels=self.kernels,
+      chunk=self.chunk,
+      parts=self._parts,
+      links=self.links,
+      source=self.source,
+      template=self.template,
+      mesh=self.mesh,
+      dtype=self.dtype,
+    )
     return Model(**(fields | changes))
 
-  def with_chunk(self, chunk: int) -> "Model":
+  def with_chunk(self, chunk: int) -> Model:
     """The same model and path streaming in decode chunks of ``chunk`` steps."""
     return self._replace(chunk=chunk)
 
-  def with_path(self, layers_or_path: str | Sequence[int], parts: PathParts | None = None) -> "Model":
+  def with_path(self, layers_or_path: str | Sequence[int], parts: PathParts | None = None) -> Model:
     """The same weights (shared, not copied) running another path; a template stays.
 
     A path string is composed and type-checked over the same source (for a loaded model: its
@@ -460,24 +504,34 @@ class Model:
     if isinstance(layers_or_path, str):
       from thoughtjax.compose import compose
 
-      return compose(layers_or_path, self if self.source is None else self.source, mesh=self.mesh,
-                     dtype=self.dtype, kernels=self.kernels, chunk=self.chunk, compile_cache=False)
+      return compose(
+        layers_or_path,
+        self if self.source is None else self.source,
+        mesh=self.mesh,
+        dtype=self.dtype,
+        kernels=self.kernels,
+        chunk=self.chunk,
+        compile_cache=False,
+      )
     layers = tuple(int(i) for i in layers_or_path)
     if parts is None:
       missing = sorted(set(layers) - set(self._parts.blocks))
       if not missing:
-        parts = PathParts(self._parts.embed, {i: self._parts.blocks[i] for i in sorted(set(layers))},
-                          self._parts.head)
+        parts = PathParts(self._parts.embed, {i: self._parts.blocks[i] for i in sorted(set(layers))}, self._parts.head)
       elif self.source is not None:  # a composed model holds only its path's blocks
-        raise RequestError(f"layers {missing} are not held by this composed model; compose a path "
-                           f"string that includes them, e.g. model.with_path('embed, blocks[0:30), head')")
+        raise RequestError(
+          f"layers {missing} are not held by this composed model; compose a path "
+          f"string that includes them, e.g. model.with_path('embed, blocks[0:30), head')"
+        )
     return self._replace(layers=layers, parts=parts, links=None)
 
   # ---- prompts ------------------------------------------------------------------
   def _check_system(self, system: str | None) -> None:
     if system is not None and system != self.template.system:
-      raise RequestError(f"this path's template was cut with system={self.template.system!r}, got "
-                         f"system={system!r}; a different system message needs its own template thoughtlet")
+      raise RequestError(
+        f"this path's template was cut with system={self.template.system!r}, got "
+        f"system={system!r}; a different system message needs its own template thoughtlet"
+      )
 
   def prompt_ids(self, prompt: str | Sequence[int], chat: bool = False, system: str | None = None) -> list[int]:
     """Token ids of one prompt: ids as given; text through the path's template if it has one,
@@ -488,8 +542,7 @@ class Model:
       self._check_system(system)
       return self.template.wrap(self._user_ids(prompt))
     if chat:
-      messages = ([{"role": "system", "content": system}] if system else []) + [
-          {"role": "user", "content": prompt}]
+      messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
       prompt = self.codec.render_chat(messages)
     ids = self.codec.encode(prompt)
     if not ids:
@@ -529,9 +582,14 @@ class Model:
       return self._templates[system]
 
   # ---- generation -------------------------------------------------------------------
-  def stream_batch(self, prompts: Sequence[str | Sequence[int]],
-                   params: Sequence[SamplingParams] | SamplingParams | None = None, chat: bool = False,
-                   system: str | None = None, stream_mode: str = "chunks") -> Generation:
+  def stream_batch(
+    self,
+    prompts: Sequence[str | Sequence[int]],
+    params: Sequence[SamplingParams] | SamplingParams | None = None,
+    chat: bool = False,
+    system: str | None = None,
+    stream_mode: str = "chunks",
+  ) -> Generation:
     """Generate for several prompts at once; the returned :class:`Generation` yields deltas as
     tokens are produced (``stream_mode``: ``"chunks"``, or ``"callback"`` for comparison).
 
@@ -556,20 +614,31 @@ class Model:
     if isinstance(params, SamplingParams):
       params = [params] * len(ids)
     if len(params) != len(ids):
-      raise RequestError(f"got {len(ids)} prompts but {len(params)} sampling settings; give one per prompt "
-                         f"or a single SamplingParams for all")
+      raise RequestError(
+        f"got {len(ids)} prompts but {len(params)} sampling settings; give one per prompt "
+        f"or a single SamplingParams for all"
+      )
     longest = max(len(i) for i in ids)
     max_new = max(p.max_tokens for p in params)
     limit = self.config.max_context
     if longest + max_new > limit:
-      raise RequestError(f"prompt ({longest} tokens) + max_tokens ({max_new}) exceeds the model's context of {limit}; "
-                         f"shorten the prompt or lower max_tokens")
+      raise RequestError(
+        f"prompt ({longest} tokens) + max_tokens ({max_new}) exceeds the model's context of {limit}; "
+        f"shorten the prompt or lower max_tokens"
+      )
     stops = [stop_ids_for(p, self.codec.eos_ids) for p in params]
     key = ProgramKey(
-        layers=self.layers, batch=bucket(len(ids), 1), prompt_len=bucket(longest),
-        max_new=bucket(max_new), stop_width=bucket(max(len(s) for s in stops), 4),
-        mode=program_mode(params), has_bias=any(p.logit_bias for p in params),
-        chunk=self.chunk, kernels=self.kernels, template=None if template is None else template.widths)
+      layers=self.layers,
+      batch=bucket(len(ids), 1),
+      prompt_len=bucket(longest),
+      max_new=bucket(max_new),
+      stop_width=bucket(max(len(s) for s in stops), 4),
+      mode=program_mode(params),
+      has_bias=any(p.logit_bias for p in params),
+      chunk=self.chunk,
+      kernels=self.kernels,
+      template=None if template is None else template.widths,
+    )
     prog = program_lib.PROGRAMS.get(key, self._defs, self.config)
     B, T = key.batch, key.prompt_len
     pad = np.full(B, T - 1, np.int32)
@@ -578,18 +647,17 @@ class Model:
     if template is None:
       tokens = np.zeros((B, T), np.int32)
       for r, row in enumerate(ids):
-        tokens[r, T - len(row):] = row
+        tokens[r, T - len(row) :] = row
       prompt = jnp.asarray(tokens)
     else:
       P1, P2 = key.template
       user_ids = np.zeros((B, T - P1 - P2), np.int32)
       lengths = np.ones(B, np.int32)  # batch-bucket rows beyond the prompts: one token, inert
-      pad[len(user):] = T - (P1 + 1 + P2)
+      pad[len(user) :] = T - (P1 + 1 + P2)
       for r, u in enumerate(user):
         user_ids[r, : len(u)] = u
         lengths[r] = len(u)
-      prompt = TemplatePrompt(template.prefix_rows, template.suffix_rows, jnp.asarray(user_ids),
-                              jnp.asarray(lengths))
+      prompt = TemplatePrompt(template.prefix_rows, template.suffix_rows, jnp.asarray(user_ids), jnp.asarray(lengths))
     samp = sampling_arrays(params, B, self.config.vocab_size, key.stop_width, self.codec.eos_ids, key.has_bias)
     req = _Request(prog, self._parts, prompt, jnp.asarray(pad), samp)
     trace = Trace(key, ids, start, tokens_out=[0] * len(ids))
@@ -597,8 +665,15 @@ class Model:
     runner = _run_chunks if stream_mode == "chunks" else _run_callback
     return Generation(runner(req, _Rows(self.codec, params, stops), trace, cancelled), trace, cancelled)
 
-  def stream(self, prompt: str | Sequence[int], *, chat: bool = False, system: str | None = None,
-             stream_mode: str = "chunks", **sampling) -> Generation:
+  def stream(
+    self,
+    prompt: str | Sequence[int],
+    *,
+    chat: bool = False,
+    system: str | None = None,
+    stream_mode: str = "chunks",
+    **sampling,
+  ) -> Generation:
     """Deltas of one prompt's continuation as they are produced."""
     return self.stream_batch([prompt], SamplingParams(**sampling), chat, system, stream_mode)
 
@@ -608,8 +683,15 @@ class Model:
       raise TypeError("generate_batch takes a list of prompts; use generate() for one")
     return self.stream_batch(prompts, params, chat, system, stream_mode).completions()
 
-  def generate(self, prompt: str | Sequence[int], *, chat: bool = False, system: str | None = None,
-               stream_mode: str = "chunks", **sampling) -> Completion:
+  def generate(
+    self,
+    prompt: str | Sequence[int],
+    *,
+    chat: bool = False,
+    system: str | None = None,
+    stream_mode: str = "chunks",
+    **sampling,
+  ) -> Completion:
     """The whole continuation of one prompt."""
     return self.stream(prompt, chat=chat, system=system, stream_mode=stream_mode, **sampling).result()
 
@@ -637,8 +719,14 @@ class Model:
     return Score(ids, top.tolist(), np.take_along_axis(logits, top, -1).tolist(), lp, nll, float(np.exp(nll)))
 
 
-def load(name_or_path: str | os.PathLike | None = None, *, path: str | Sequence[int] | None = None,
-         kernels: str | None = None, compile_cache: bool = True, weights: str = "f32") -> Model:
+def load(
+  name_or_path: str | os.PathLike | None = None,
+  *,
+  path: str | Sequence[int] | None = None,
+  kernels: str | None = None,
+  compile_cache: bool = True,
+  weights: str = "f32",
+) -> Model:
   """Load a model by known name (default: SmolLM2-135M-Instruct) or by path.
 
   ``path``: the layer path to run, as layer indices or a path string

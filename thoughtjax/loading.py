@@ -87,8 +87,8 @@ def resolve_source(name_or_path: str | os.PathLike) -> Path:
   path = Path(text).expanduser()
   if not path.exists():
     raise ModelNotFoundError(
-        f"model {text!r} is neither a known name ({', '.join(fetch_lib.KNOWN_MODELS)}) nor an existing "
-        f".gguf file or safetensors directory"
+      f"model {text!r} is neither a known name ({', '.join(fetch_lib.KNOWN_MODELS)}) nor an existing "
+      f".gguf file or safetensors directory"
     )
   return path
 
@@ -109,8 +109,9 @@ def load_params(source: Path, weights: str = "f32") -> tuple[ModelConfig, dict, 
     return cfg, params_from_hf(cfg, read_safetensors(source)), codec, _dir_hash(source)
   if source.suffix != ".gguf":
     raise UnsupportedModelError(
-        f"{source}: expected a .gguf file or a directory with config.json and *.safetensors, got a "
-        f"{source.suffix or 'suffix-less'} file")
+      f"{source}: expected a .gguf file or a directory with config.json and *.safetensors, got a "
+      f"{source.suffix or 'suffix-less'} file"
+    )
   return _load_gguf_cached(source, weights)
 
 
@@ -120,8 +121,9 @@ def load_tensors(source: Path) -> tuple[ModelConfig, dict[str, np.ndarray], Text
   return cfg, to_hf_tensors(cfg, params), codec, digest
 
 
-def load(name_or_path: str | os.PathLike = fetch_lib.DEFAULT_MODEL, dtype=jnp.float32,
-         weights: str = "f32") -> LoadedModel:
+def load(
+  name_or_path: str | os.PathLike = fetch_lib.DEFAULT_MODEL, dtype=jnp.float32, weights: str = "f32"
+) -> LoadedModel:
   """Load a model by known name or path into a Flax NNX :class:`Transformer`.
 
   ``weights``: ``"f32"`` (dequantized float32) or ``"native"`` (a GGUF's quantized blocks, read packed
@@ -169,8 +171,10 @@ def _unflatten(flat: dict[str, np.ndarray], packed: dict | None = None) -> dict:
   flat = dict(flat)
   for key, kind in (packed or {}).items():
     if not isinstance(kind, str) or kind not in formats.KINDS or f"{key}@q" not in flat or f"{key}@scale" not in flat:
-      raise WeightCacheError(f"weight cache: packed weight {key!r} ({kind!r}) lacks its q/scale tensors or has an "
-                             f"unknown block type; delete the entry and load again to rebuild it")
+      raise WeightCacheError(
+        f"weight cache: packed weight {key!r} ({kind!r}) lacks its q/scale tensors or has an "
+        f"unknown block type; delete the entry and load again to rebuild it"
+      )
     flat[key] = formats.BlockQuant(flat.pop(f"{key}@q"), flat.pop(f"{key}@scale"), flat.pop(f"{key}@min", None), kind)
   out: dict = {}
   for key, v in flat.items():
@@ -207,7 +211,9 @@ def _map_safetensors(path: Path, dtypes: tuple[str, ...] = ("F32",)) -> dict[str
     if name == "__metadata__":
       continue
     if info["dtype"] not in dtypes:
-      raise _cache_error(path, f"tensor {name} is {info['dtype']}; this weight cache entry holds {', '.join(dtypes)} only")
+      raise _cache_error(
+        path, f"tensor {name} is {info['dtype']}; this weight cache entry holds {', '.join(dtypes)} only"
+      )
     a, b = info["data_offsets"]
     out[name] = data[a:b].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
   return out
@@ -217,8 +223,9 @@ def _cache_error(path: Path, problem: str) -> WeightCacheError:
   CACHE_STATS["refused"] += 1
   entry = path.parent
   return WeightCacheError(
-      f"weight cache file {path} failed its check: {problem}. The cache is derived from the GGUF and "
-      f"is not used like this; delete the entry (rm -r '{entry}') and load again to rebuild it.")
+    f"weight cache file {path} failed its check: {problem}. The cache is derived from the GGUF and "
+    f"is not used like this; delete the entry (rm -r '{entry}') and load again to rebuild it."
+  )
 
 
 def _sampled_sha256(path: Path, size: int) -> str:
@@ -235,8 +242,12 @@ def _sampled_sha256(path: Path, size: int) -> str:
 
 def _file_record(path: Path) -> dict:
   st = path.stat()
-  return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": fetch_lib.sha256_file(path),
-          "sampled_sha256": _sampled_sha256(path, st.st_size)}
+  return {
+    "size": st.st_size,
+    "mtime_ns": st.st_mtime_ns,
+    "sha256": fetch_lib.sha256_file(path),
+    "sampled_sha256": _sampled_sha256(path, st.st_size),
+  }
 
 
 def _meta_digest(meta: dict) -> str:
@@ -278,8 +289,11 @@ def _check_entry(entry: Path, meta: dict, full: bool) -> None:
       raise _cache_error(path, f"expected {rec['size']} bytes, got {st.st_size} ({what})")
     if name == "weights.safetensors" and not full and st.st_mtime_ns == rec["mtime_ns"]:
       if _sampled_sha256(path, st.st_size) != rec["sampled_sha256"]:
-        raise _cache_error(path, "the sha256 of its header and sampled blocks differs from the one recorded "
-                                 "when it was written (edited or corrupt)")
+        raise _cache_error(
+          path,
+          "the sha256 of its header and sampled blocks differs from the one recorded "
+          "when it was written (edited or corrupt)",
+        )
       CACHE_STATS["sampled"] += 1
       continue
     digest = fetch_lib.sha256_file(path)
@@ -319,16 +333,26 @@ def _read_index(index_path: Path) -> dict:
     problem = str(e)
   # Only a lookup table of source hashes: starting it afresh costs one sha256 of the GGUF.
   CACHE_STATS["index_reset"] += 1
-  print(f"thoughtjax: warning: weight cache index {index_path} is unreadable ({problem}); starting a new one "
-        f"(GGUF files are hashed again)", file=sys.stderr, flush=True)
+  print(
+    f"thoughtjax: warning: weight cache index {index_path} is unreadable ({problem}); starting a new one "
+    f"(GGUF files are hashed again)",
+    file=sys.stderr,
+    flush=True,
+  )
   return {}
 
 
 def _codec_from_entry(entry: Path, meta: dict) -> TextCodec:
   from tokenizers import Tokenizer
 
-  return TextCodec(Tokenizer.from_file(str(entry / "tokenizer.json")), meta["chat_template"],
-                   meta["bos_id"], meta["eos_id"], meta["add_bos"], eos_ids=meta.get("eos_ids", ()))
+  return TextCodec(
+    Tokenizer.from_file(str(entry / "tokenizer.json")),
+    meta["chat_template"],
+    meta["bos_id"],
+    meta["eos_id"],
+    meta["add_bos"],
+    eos_ids=meta.get("eos_ids", ()),
+  )
 
 
 def _entry_name(digest: str, weights: str) -> str:
@@ -359,8 +383,11 @@ def _load_gguf_cached(path: Path, weights: str = "f32"):
   if (entry / "meta.json").exists():
     meta = _read_meta(entry)
     size = path.stat().st_size
-    if (meta.get("sha256") == digest and meta.get("source_size") == size
-        and (not indexed or meta.get("source_sampled_sha256") == _sampled_sha256(path, size))):
+    if (
+      meta.get("sha256") == digest
+      and meta.get("source_size") == size
+      and (not indexed or meta.get("source_sampled_sha256") == _sampled_sha256(path, size))
+    ):
       _check_entry(entry, meta, full=os.environ.get("THOUGHTJAX_VERIFY_CACHE") == "full")
       cfg = ModelConfig.from_json(meta["config"])
       params = _params_from_entry(entry, meta)
@@ -376,8 +403,12 @@ def _load_gguf_cached(path: Path, weights: str = "f32"):
       _check_entry(entry, meta, full=True)
       index[_stat_key(path)] = digest
       _write_index(root, index_path, index)
-      return (ModelConfig.from_json(meta["config"]), _params_from_entry(entry, meta), _codec_from_entry(entry, meta),
-              digest)
+      return (
+        ModelConfig.from_json(meta["config"]),
+        _params_from_entry(entry, meta),
+        _codec_from_entry(entry, meta),
+        digest,
+      )
 
   from thoughtjax.sources.gguf_file import load_gguf
 
@@ -390,12 +421,22 @@ def _load_gguf_cached(path: Path, weights: str = "f32"):
     packed: dict[str, str] = {}
     save_file(_flatten(params, packed=packed), str(staging / "weights.safetensors"))
     codec.tokenizer.save(str(staging / "tokenizer.json"))
-    meta = {"config": ckpt.config.to_json(), "chat_template": codec.chat_template,
-            "bos_id": codec.bos_id, "eos_id": codec.eos_id, "eos_ids": list(codec.eos_ids), "add_bos": codec.add_bos,
-            "source": str(path), "sha256": digest, "source_size": path.stat().st_size,
-            "source_sampled_sha256": _sampled_sha256(path, path.stat().st_size), "types": ckpt.source_types,
-            "weights": weights, "packed": packed,
-            "files": {n: _file_record(staging / n) for n in ("weights.safetensors", "tokenizer.json")}}
+    meta = {
+      "config": ckpt.config.to_json(),
+      "chat_template": codec.chat_template,
+      "bos_id": codec.bos_id,
+      "eos_id": codec.eos_id,
+      "eos_ids": list(codec.eos_ids),
+      "add_bos": codec.add_bos,
+      "source": str(path),
+      "sha256": digest,
+      "source_size": path.stat().st_size,
+      "source_sampled_sha256": _sampled_sha256(path, path.stat().st_size),
+      "types": ckpt.source_types,
+      "weights": weights,
+      "packed": packed,
+      "files": {n: _file_record(staging / n) for n in ("weights.safetensors", "tokenizer.json")},
+    }
     _write_meta(staging, meta)
     try:
       os.rename(staging, entry)

@@ -44,8 +44,7 @@ _CONSTRAINT_KEYS = {"max_context"}
 class MappingError(UserError, ValueError):
   """A semantic mapping is invalid; names the file, line and entry."""
 
-  def __init__(self, message: str, *, source: str, line: int | None, entry: int | None = None,
-               name: str | None = None):
+  def __init__(self, message: str, *, source: str, line: int | None, entry: int | None = None, name: str | None = None):
     where = f"{source}:{line}" if line is not None else source
     who = "" if entry is None else f"entry {entry}" + (f" ({name})" if name else "") + ": "
     super().__init__(f"{where}: {who}{message}")
@@ -94,8 +93,7 @@ def _field_nodes(node: yaml.MappingNode) -> dict[str, tuple[yaml.Node, yaml.Node
   return {k.value: (k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode)}
 
 
-def load_mapping(source: str | os.PathLike, num_layers: int | None = None, *,
-                 text: str | None = None) -> Mapping:
+def load_mapping(source: str | os.PathLike, num_layers: int | None = None, *, text: str | None = None) -> Mapping:
   """Parse and validate a mapping file (or ``text``, with ``source`` as its display name)."""
   name = str(source)
   if text is None:
@@ -106,33 +104,42 @@ def load_mapping(source: str | os.PathLike, num_layers: int | None = None, *,
     data = loader.construct_document(root) if root is not None else None
   except yaml.YAMLError as e:
     mark = getattr(e, "problem_mark", None)
-    raise MappingError(f"not valid YAML: {getattr(e, 'problem', e)}", source=name,
-                       line=None if mark is None else mark.line + 1) from None
+    raise MappingError(
+      f"not valid YAML: {getattr(e, 'problem', e)}", source=name, line=None if mark is None else mark.line + 1
+    ) from None
   finally:
     loader.dispose()
   if not isinstance(data, dict) or not isinstance(root, yaml.MappingNode):
-    raise MappingError("expected a mapping with a 'thoughtlets' list at the top level", source=name,
-                       line=1)
+    raise MappingError("expected a mapping with a 'thoughtlets' list at the top level", source=name, line=1)
   top = _field_nodes(root)
   unknown = sorted(set(data) - _TOP_KEYS)
   if unknown:
-    raise MappingError(f"unknown top-level key {unknown[0]!r}; allowed: {sorted(_TOP_KEYS)}",
-                       source=name, line=_line(top[unknown[0]][0]))
+    raise MappingError(
+      f"unknown top-level key {unknown[0]!r}; allowed: {sorted(_TOP_KEYS)}", source=name, line=_line(top[unknown[0]][0])
+    )
   if data.get("format", 1) != 1:
-    raise MappingError(f"format {data['format']!r} is not supported; expected 1", source=name,
-                       line=_line(top["format"][1]))
+    raise MappingError(
+      f"format {data['format']!r} is not supported; expected 1", source=name, line=_line(top["format"][1])
+    )
   declared = data.get("num_layers")
   if declared is not None and (not isinstance(declared, int) or declared <= 0):
-    raise MappingError(f"num_layers must be a positive integer, got {declared!r}", source=name,
-                       line=_line(top["num_layers"][1]))
+    raise MappingError(
+      f"num_layers must be a positive integer, got {declared!r}", source=name, line=_line(top["num_layers"][1])
+    )
   if num_layers is not None and declared is not None and declared != num_layers:
-    raise MappingError(f"num_layers: the mapping declares {declared} layers but the model has "
-                       f"{num_layers}; use a mapping written for this model", source=name,
-                       line=_line(top["num_layers"][1]))
+    raise MappingError(
+      f"num_layers: the mapping declares {declared} layers but the model has "
+      f"{num_layers}; use a mapping written for this model",
+      source=name,
+      line=_line(top["num_layers"][1]),
+    )
   items = data.get("thoughtlets")
   if "thoughtlets" not in top or not isinstance(items, list) or not items:
-    raise MappingError("'thoughtlets' must be a non-empty list of entries", source=name,
-                       line=_line(top["thoughtlets"][1]) if "thoughtlets" in top else 1)
+    raise MappingError(
+      "'thoughtlets' must be a non-empty list of entries",
+      source=name,
+      line=_line(top["thoughtlets"][1]) if "thoughtlets" in top else 1,
+    )
   seq = top["thoughtlets"][1]
   entries = [_entry(i, raw, node, name) for i, (raw, node) in enumerate(zip(items, seq.value))]
 
@@ -140,15 +147,24 @@ def load_mapping(source: str | os.PathLike, num_layers: int | None = None, *,
   for e in entries:
     if e.name in seen:
       first = seen[e.name]
-      raise MappingError(f"name {e.name!r} is already used by entry {first.index} (line {first.line}); "
-                         f"names must be unique", source=name, line=e.line, entry=e.index, name=e.name)
+      raise MappingError(
+        f"name {e.name!r} is already used by entry {first.index} (line {first.line}); names must be unique",
+        source=name,
+        line=e.line,
+        entry=e.index,
+        name=e.name,
+      )
     seen[e.name] = e
   for kind in ("embed", "head"):
     found = [e for e in entries if e.kind == kind]
     if len(found) != 1:
       line = found[1].line if len(found) > 1 else _line(seq)
-      raise MappingError(f"need exactly one {kind!r} entry, found {len(found)}", source=name, line=line,
-                         entry=found[1].index if len(found) > 1 else None)
+      raise MappingError(
+        f"need exactly one {kind!r} entry, found {len(found)}",
+        source=name,
+        line=line,
+        entry=found[1].index if len(found) > 1 else None,
+      )
   mapping = Mapping(tuple(entries), declared, data.get("model"), name, text)
   layers = num_layers if num_layers is not None else declared
   _check_spans(mapping, layers)
@@ -158,8 +174,7 @@ def load_mapping(source: str | os.PathLike, num_layers: int | None = None, *,
 def _entry(i: int, raw: Any, node: yaml.Node, source: str) -> MappingEntry:
   line = _line(node)
   if not isinstance(raw, dict) or not isinstance(node, yaml.MappingNode):
-    raise MappingError(f"expected a mapping with at least 'kind', got {raw!r}", source=source,
-                       line=line, entry=i)
+    raise MappingError(f"expected a mapping with at least 'kind', got {raw!r}", source=source, line=line, entry=i)
   fields = _field_nodes(node)
   given_name = raw.get("name")
 
@@ -170,17 +185,31 @@ def _entry(i: int, raw: Any, node: yaml.Node, source: str) -> MappingEntry:
   unknown = sorted(set(raw) - _ENTRY_KEYS)
   if unknown:
     at = _line(fields[unknown[0]][0])
-    raise MappingError(f"unknown key {unknown[0]!r}; allowed: {sorted(_ENTRY_KEYS)}", source=source,
-                       line=at, entry=i, name=given_name or _guess_name(raw))
+    raise MappingError(
+      f"unknown key {unknown[0]!r}; allowed: {sorted(_ENTRY_KEYS)}",
+      source=source,
+      line=at,
+      entry=i,
+      name=given_name or _guess_name(raw),
+    )
   kind = raw.get("kind")
   if kind not in KINDS:
-    fail(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}"
-         + (" (bridges are trained adapters, published with Registry.publish, not cut from a model)"
-            if kind == "bridge" else ""), "kind")
+    fail(
+      f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}"
+      + (
+        " (bridges are trained adapters, published with Registry.publish, not cut from a model)"
+        if kind == "bridge"
+        else ""
+      ),
+      "kind",
+    )
   layers = raw.get("layers")
   if kind == "blocks":
-    if (not isinstance(layers, list) or len(layers) != 2
-        or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)):
+    if (
+      not isinstance(layers, list)
+      or len(layers) != 2
+      or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
+    ):
       fail(f"blocks need 'layers: [a, b]' (two integers, half-open [a, b)), got {layers!r}", "layers")
     a, b = layers
     if a < 0 or b <= a:
@@ -206,18 +235,20 @@ def _entry(i: int, raw: Any, node: yaml.Node, source: str) -> MappingEntry:
   system = raw.get("system")
   if system is not None and (kind != "template" or not isinstance(system, str)):
     fail("'system' is a string and only template entries take it", "system")
-  name = given_name if given_name is not None else (
-      f"blocks[{layers[0]}:{layers[1]})" if kind == "blocks" else kind)
+  name = given_name if given_name is not None else (f"blocks[{layers[0]}:{layers[1]})" if kind == "blocks" else kind)
   if not isinstance(name, str) or not name:
     fail(f"name must be a non-empty string, got {name!r}", "name")
   if kind == "blocks" and name != f"blocks[{layers[0]}:{layers[1]})":
-    fail(f"a blocks entry is named by its span; expected 'blocks[{layers[0]}:{layers[1]})' "
-         f"or no name, got {name!r}", "name")
+    fail(
+      f"a blocks entry is named by its span; expected 'blocks[{layers[0]}:{layers[1]})' or no name, got {name!r}",
+      "name",
+    )
   if kind != "blocks" and name.startswith("blocks["):
     fail(f"name {name!r} is reserved for blocks entries", "name")
   layers_line = _line(fields["layers"][1]) if "layers" in fields else line
-  return MappingEntry(i, name, kind, layers, tuple(tags), desc, tuple(sorted(constraints.items())),
-                      system, line, layers_line)
+  return MappingEntry(
+    i, name, kind, layers, tuple(tags), desc, tuple(sorted(constraints.items())), system, line, layers_line
+  )
 
 
 def _guess_name(raw: dict) -> str | None:
@@ -232,28 +263,46 @@ def _check_spans(mapping: Mapping, num_layers: int | None) -> None:
   for prev, cur in zip(spans, spans[1:]):
     if cur.layers[0] < prev.layers[1]:
       raise MappingError(
-          f"layers [{cur.layers[0]}, {cur.layers[1]}) overlap entry {prev.index} ({prev.name}, line "
-          f"{prev.line}) on layers [{cur.layers[0]}, {min(prev.layers[1], cur.layers[1])}); spans "
-          f"must be disjoint", source=src, line=cur.layers_line, entry=cur.index, name=cur.name)
+        f"layers [{cur.layers[0]}, {cur.layers[1]}) overlap entry {prev.index} ({prev.name}, line "
+        f"{prev.line}) on layers [{cur.layers[0]}, {min(prev.layers[1], cur.layers[1])}); spans "
+        f"must be disjoint",
+        source=src,
+        line=cur.layers_line,
+        entry=cur.index,
+        name=cur.name,
+      )
   if num_layers is None:
     return
   for e in spans:
     if e.layers[1] > num_layers:
-      raise MappingError(f"layers [{e.layers[0]}, {e.layers[1]}) end past the model's last layer; "
-                         f"the model has {num_layers} layers, so spans must end at <= {num_layers}",
-                         source=src, line=e.layers_line, entry=e.index, name=e.name)
+      raise MappingError(
+        f"layers [{e.layers[0]}, {e.layers[1]}) end past the model's last layer; "
+        f"the model has {num_layers} layers, so spans must end at <= {num_layers}",
+        source=src,
+        line=e.layers_line,
+        entry=e.index,
+        name=e.name,
+      )
   covered = 0
   for i, e in enumerate(spans):
     if e.layers[0] > covered:
       before = spans[i - 1] if i else None
-      ctx = (f" between entry {before.index} ({before.name}, line {before.line}) and" if before
-             else " before")
-      raise MappingError(f"gap: layers [{covered}, {e.layers[0]}) are in no entry;{ctx} this one. "
-                         f"Spans must tile [0, {num_layers}) so every path can reach every layer",
-                         source=src, line=e.layers_line, entry=e.index, name=e.name)
+      ctx = f" between entry {before.index} ({before.name}, line {before.line}) and" if before else " before"
+      raise MappingError(
+        f"gap: layers [{covered}, {e.layers[0]}) are in no entry;{ctx} this one. "
+        f"Spans must tile [0, {num_layers}) so every path can reach every layer",
+        source=src,
+        line=e.layers_line,
+        entry=e.index,
+        name=e.name,
+      )
     covered = e.layers[1]
   if covered < num_layers:
     last = spans[-1] if spans else None
-    raise MappingError(f"gap: layers [{covered}, {num_layers}) are in no entry; spans must tile "
-                       f"[0, {num_layers})", source=src, line=last.layers_line if last else None,
-                       entry=last.index if last else None, name=last.name if last else None)
+    raise MappingError(
+      f"gap: layers [{covered}, {num_layers}) are in no entry; spans must tile [0, {num_layers})",
+      source=src,
+      line=last.layers_line if last else None,
+      entry=last.index if last else None,
+      name=last.name if last else None,
+    )

@@ -14,7 +14,8 @@ Model code never calls ``jax.jit``; :mod:`thoughtjax.program` owns that boundary
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -100,8 +101,9 @@ class Attention(nnx.Module):
       self.k_bias = _zeros((K, E), dtype)
       self.v_bias = _zeros((K, E), dtype)
 
-  def __call__(self, x: Array, cos: Array, sin: Array, cache_k: Array, cache_v: Array,
-               write_at: Array, mask: Array) -> tuple[Array, Array, Array]:
+  def __call__(
+    self, x: Array, cos: Array, sin: Array, cache_k: Array, cache_v: Array, write_at: Array, mask: Array
+  ) -> tuple[Array, Array, Array]:
     """One attention step over new tokens.
 
     x [B, T, D]; cos, sin [B, T, E/2]; cache_k, cache_v [B, K, S, E] (see kv_cache_shape);
@@ -129,7 +131,7 @@ class Attention(nnx.Module):
 
     G = cfg.group_size  # query heads k*G .. k*G+G-1 share kv head k
     qg = q.reshape(B, T, K, G, E).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, E)
-    scores = _batched(qg, cache_k, 3).astype(jnp.float32) * (E ** -0.5)  # bkqe,bkse->bkqs
+    scores = _batched(qg, cache_k, 3).astype(jnp.float32) * (E**-0.5)  # bkqe,bkse->bkqs
     allowed = jnp.broadcast_to(mask[:, None, :, None, :], (B, 1, T, G, mask.shape[-1]))
     scores = jnp.where(allowed.reshape(B, 1, T * G, -1), scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)
@@ -213,17 +215,31 @@ class Transformer(nnx.Module):
   def full_path(self) -> tuple[int, ...]:
     return tuple(range(self.cfg.num_layers))
 
-  def forward(self, tokens: Array, positions: Array, caches: Sequence[tuple[Array, Array]],
-              write_at: Array, mask: Array, layers: Sequence[int] | None = None):
+  def forward(
+    self,
+    tokens: Array,
+    positions: Array,
+    caches: Sequence[tuple[Array, Array]],
+    write_at: Array,
+    mask: Array,
+    layers: Sequence[int] | None = None,
+  ):
     """Run a layer path (default: every layer once); see :func:`run_path`."""
     layers = self.full_path() if layers is None else tuple(layers)
-    return run_path(self.embed, [self.blocks[i] for i in layers], self.head, tokens, positions,
-                    caches, write_at, mask)
+    return run_path(self.embed, [self.blocks[i] for i in layers], self.head, tokens, positions, caches, write_at, mask)
 
 
-def run_path(embed: Embed, blocks: Sequence[Block], head: Head, tokens: Array, positions: Array,
-             caches: Sequence[tuple[Array, Array]], write_at: Array, mask: Array,
-             embeddings: Array | None = None):
+def run_path(
+  embed: Embed,
+  blocks: Sequence[Block],
+  head: Head,
+  tokens: Array,
+  positions: Array,
+  caches: Sequence[tuple[Array, Array]],
+  write_at: Array,
+  mask: Array,
+  embeddings: Array | None = None,
+):
   """Embed, then each block in order (a block may appear more than once), then the head.
 
   tokens [B, T] i32 (ignored when ``embeddings`` [B, T, D] is given); positions [B, T]
@@ -259,9 +275,10 @@ class PathParts(NamedTuple):
   head: nnx.State
 
   @classmethod
-  def from_model(cls, model: Transformer, layers: Sequence[int]) -> "PathParts":
-    return cls(nnx.state(model.embed), {i: nnx.state(model.blocks[i]) for i in sorted(set(layers))},
-               nnx.state(model.head))
+  def from_model(cls, model: Transformer, layers: Sequence[int]) -> PathParts:
+    return cls(
+      nnx.state(model.embed), {i: nnx.state(model.blocks[i]) for i in sorted(set(layers))}, nnx.state(model.head)
+    )
 
 
 class GraphDefs(NamedTuple):
@@ -272,7 +289,7 @@ class GraphDefs(NamedTuple):
   head: nnx.GraphDef
 
   @classmethod
-  def from_model(cls, model: Transformer) -> "GraphDefs":
+  def from_model(cls, model: Transformer) -> GraphDefs:
     return cls(nnx.graphdef(model.embed), nnx.graphdef(model.blocks[0]), nnx.graphdef(model.head))
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from thoughtjax.errors import UserError
 
@@ -70,8 +70,9 @@ def parse_path(text: str) -> list[Ref]:
       name = f"blocks[{a}:{b})"
     elif not _IDENT.match(name):
       raise PathSyntaxError(
-          f"item {i} {item!r} is not a thoughtlet ref; expected embed, head, template, "
-          f"blocks[a:b) or a registered name, optionally with @version")
+        f"item {i} {item!r} is not a thoughtlet ref; expected embed, head, template, "
+        f"blocks[a:b) or a registered name, optionally with @version"
+      )
     refs.append(Ref(name, version))
   return refs
 
@@ -89,8 +90,9 @@ def layers_of_path(text: str, num_layers: int) -> tuple[int, ...]:
     span = ref.span
     if span is None:
       raise PathSyntaxError(
-          f"{ref} is not a block range; composing other thoughtlets (bridges, templates) "
-          f"goes through the registry's compose()")
+        f"{ref} is not a block range; composing other thoughtlets (bridges, templates) "
+        f"goes through the registry's compose()"
+      )
     layers.extend(ref.layers(num_layers))
   return tuple(layers)
 

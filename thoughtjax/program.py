@@ -28,6 +28,7 @@ Layout: prompts are left-padded, so every row's next token goes to the same cach
 slot; row b's RoPE positions are ``slot - pad[b]`` and slots before ``pad[b]`` are
 masked out.
 """
+
 from __future__ import annotations
 
 import collections
@@ -35,17 +36,18 @@ import contextlib
 import dataclasses
 import os
 import threading
-from typing import Callable, Iterator, NamedTuple
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-# GraphDefs, PathParts and merge_path live with the model; re-exported here for old imports.
-from thoughtjax.model import (Block, Embed, GraphDefs, Head, PathParts, kv_cache_shape, merge_path, path_config,
-                              run_path)
 from thoughtjax.kernels.template_embed import template_embed
+
+# GraphDefs, PathParts and merge_path live with the model; re-exported here for old imports.
+from thoughtjax.model import Block, Embed, GraphDefs, Head, PathParts, kv_cache_shape, merge_path, path_config, run_path
 from thoughtjax.sampling import SamplingArrays, SamplingMode, sample
 
 DEFAULT_CHUNK = 8
@@ -147,18 +149,25 @@ class Program:
     dtype = jnp.float32
     # A bridge (negative slot) reads no keys: it gets a one-element placeholder, not a cache.
     caches = tuple((jnp.zeros(shape if i >= 0 else (k.batch, 1, 1, 1), dtype),) * 2 for i in k.layers)
-    return DecodeState(caches, jnp.zeros(k.batch, jnp.int32), jnp.zeros((), jnp.int32),
-                       jnp.zeros(k.batch, bool), jnp.full((k.batch, k.max_new), -1, jnp.int32),
-                       jnp.zeros(k.batch, jnp.int32))
+    return DecodeState(
+      caches,
+      jnp.zeros(k.batch, jnp.int32),
+      jnp.zeros((), jnp.int32),
+      jnp.zeros(k.batch, bool),
+      jnp.full((k.batch, k.max_new), -1, jnp.int32),
+      jnp.zeros(k.batch, jnp.int32),
+    )
 
   def _record(self, state: DecodeState, token, stop, samp: SamplingArrays) -> DecodeState:
     live = ~state.done
     out = jax.lax.dynamic_update_slice(
-        state.out, jnp.where(live, token, -1)[:, None], (jnp.zeros((), jnp.int32), state.step))
+      state.out, jnp.where(live, token, -1)[:, None], (jnp.zeros((), jnp.int32), state.step)
+    )
     count = state.count + live.astype(jnp.int32)
     done = state.done | (live & stop) | (count >= samp.max_new)
-    return state._replace(token=jnp.where(live, token, state.token), step=state.step + 1,
-                          done=done, out=out, count=count)
+    return state._replace(
+      token=jnp.where(live, token, state.token), step=state.step + 1, done=done, out=out, count=count
+    )
 
   def _prefill(self, parts, prompt, pad, samp, state):
     k = self.key
@@ -168,15 +177,24 @@ class Program:
     positions = jnp.maximum(t[None, :] - pad[:, None], 0)
     s = jnp.arange(S)
     mask = ((s[None, None, :] >= pad[:, None, None]) & (s[None, None, :] <= t[None, :, None])) | (
-        s[None, None, :] == t[None, :, None])  # padded queries see themselves: no NaN rows
+      s[None, None, :] == t[None, :, None]
+    )  # padded queries see themselves: no NaN rows
     embeddings = None
     if isinstance(prompt, TemplatePrompt):
-      embeddings = template_embed(prompt.prefix_rows, prompt.suffix_rows, embed.table[...],
-                                  prompt.user_ids, prompt.user_lengths, total_len=T, left_pad=True,
-                                  implementation=k.kernels)
+      embeddings = template_embed(
+        prompt.prefix_rows,
+        prompt.suffix_rows,
+        embed.table[...],
+        prompt.user_ids,
+        prompt.user_lengths,
+        total_len=T,
+        left_pad=True,
+        implementation=k.kernels,
+      )
       prompt = None
-    logits, caches = run_path(embed, blocks, head, prompt, positions, state.caches,
-                              jnp.zeros((), jnp.int32), mask, embeddings)
+    logits, caches = run_path(
+      embed, blocks, head, prompt, positions, state.caches, jnp.zeros((), jnp.int32), mask, embeddings
+    )
     token, stop = sample(logits[:, -1], samp, state.step, k.mode, k.kernels)
     return self._record(state._replace(caches=tuple(caches)), token, stop, samp)
 
@@ -187,8 +205,7 @@ class Program:
     positions = (slot - pad)[:, None]
     s = jnp.arange(k.cache_len)
     mask = ((s[None, :] >= pad[:, None]) & (s[None, :] <= slot))[:, None, :]
-    logits, caches = run_path(embed, blocks, head, state.token[:, None], positions, state.caches,
-                              slot, mask)
+    logits, caches = run_path(embed, blocks, head, state.token[:, None], positions, state.caches, slot, mask)
     token, stop = sample(logits[:, -1], samp, state.step, k.mode, k.kernels)
     return self._record(state._replace(caches=tuple(caches)), token, stop, samp)
 
@@ -207,15 +224,15 @@ class Program:
     return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))[1]
 
   def _advance_impl(self, parts, prompt, pad, samp, state):
-    return jax.lax.cond(state.step == 0, self._prefill, self._decode_chunk,
-                        parts, prompt, pad, samp, state)
+    return jax.lax.cond(state.step == 0, self._prefill, self._decode_chunk, parts, prompt, pad, samp, state)
 
   # ---- host API --------------------------------------------------------------------
   def init_state(self) -> DecodeState:
     return self._init()
 
-  def advance(self, parts: PathParts, prompt: jax.Array, pad: jax.Array, samp: SamplingArrays,
-              state: DecodeState) -> DecodeState:
+  def advance(
+    self, parts: PathParts, prompt: jax.Array, pad: jax.Array, samp: SamplingArrays, state: DecodeState
+  ) -> DecodeState:
     """Prefill (first call) or up to ``chunk`` decode steps; ``state`` is donated."""
     return self._advance(parts, prompt, pad, samp, state)
 
@@ -237,9 +254,14 @@ class Program:
 
     def emit(st):
       return io_callback(
-          _CALLBACKS.dispatch, jax.ShapeDtypeStruct((), jnp.bool_), slot, st.step,
-          jax.lax.dynamic_index_in_dim(st.out, st.step - 1, axis=1, keepdims=False), st.done,
-          ordered=True)
+        _CALLBACKS.dispatch,
+        jax.ShapeDtypeStruct((), jnp.bool_),
+        slot,
+        st.step,
+        jax.lax.dynamic_index_in_dim(st.out, st.step - 1, axis=1, keepdims=False),
+        st.done,
+        ordered=True,
+      )
 
     state = self._prefill(parts, prompt, pad, samp, self._init_impl())
     cancel = emit(state)
@@ -305,8 +327,9 @@ class ProgramCache:
     if capacity is None:
       capacity = int(os.environ.get("THOUGHTJAX_PROGRAM_CACHE", "32"))
     if capacity < 1:
-      raise ValueError(f"program cache capacity must be >= 1, got {capacity} "
-                       f"(set THOUGHTJAX_PROGRAM_CACHE to a positive number)")
+      raise ValueError(
+        f"program cache capacity must be >= 1, got {capacity} (set THOUGHTJAX_PROGRAM_CACHE to a positive number)"
+      )
     self.capacity = capacity
     self._programs: collections.OrderedDict[tuple, Program] = collections.OrderedDict()
     self._lock = threading.Lock()
@@ -345,8 +368,11 @@ class _CompileClock:
   overlap their parent, so the union of the spans is measured, not their sum.
   """
 
-  EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
-            "/jax/core/compile/backend_compile_duration")
+  EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+  )
 
   def __init__(self):
     self._local = threading.local()

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Mapping, NamedTuple, Sequence
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -87,8 +88,9 @@ class SamplingArrays(NamedTuple):
   logit_bias: jax.Array | None  # [B, V] f32
 
 
-def sampling_arrays(params: Sequence[SamplingParams], batch: int, vocab: int, stop_width: int,
-                    eos_id: int | None, with_bias: bool) -> SamplingArrays:
+def sampling_arrays(
+  params: Sequence[SamplingParams], batch: int, vocab: int, stop_width: int, eos_id: int | None, with_bias: bool
+) -> SamplingArrays:
   """Stack per-request settings into arrays for ``batch`` rows (extra rows: 1 greedy token)."""
   temp = np.zeros(batch, np.float32)
   top_k = np.zeros(batch, np.int32)
@@ -105,8 +107,9 @@ def sampling_arrays(params: Sequence[SamplingParams], batch: int, vocab: int, st
       if not 0 <= int(tok) < vocab:
         raise SamplingError(f"logit_bias names token {tok}, outside the vocabulary [0, {vocab})")
       bias[i, int(tok)] += b
-  return SamplingArrays(*(jnp.asarray(a) for a in (temp, top_k, top_p, seed, max_new, stops)),
-                        None if bias is None else jnp.asarray(bias))
+  return SamplingArrays(
+    *(jnp.asarray(a) for a in (temp, top_k, top_p, seed, max_new, stops)), None if bias is None else jnp.asarray(bias)
+  )
 
 
 def stop_ids_for(p: SamplingParams, eos_id: int | Sequence[int] | None) -> list[int]:
@@ -141,11 +144,20 @@ def top_p_mask(logits: jax.Array, s: SamplingArrays) -> jax.Array:
   return jnp.where(x >= threshold[:, None], logits, -jnp.inf).astype(logits.dtype)
 
 
-def sample(logits: jax.Array, s: SamplingArrays, step: jax.Array, mode: SamplingMode,
-           implementation: str | None = None) -> tuple[jax.Array, jax.Array]:
+def sample(
+  logits: jax.Array, s: SamplingArrays, step: jax.Array, mode: SamplingMode, implementation: str | None = None
+) -> tuple[jax.Array, jax.Array]:
   """Token [B] i32 and stop flag [B] bool for logits [B, V]."""
   if mode is SamplingMode.SAMPLE_TOP_P:
     logits = top_p_mask(logits, s)
   temperature = jnp.zeros_like(s.temperature) if mode is SamplingMode.GREEDY else s.temperature
-  return sample_stop(logits, temperature=temperature, top_k=s.top_k, seed=s.seed, step=step,
-                     stop_ids=s.stop_ids, logit_bias=s.logit_bias, implementation=implementation)
+  return sample_stop(
+    logits,
+    temperature=temperature,
+    top_k=s.top_k,
+    seed=s.seed,
+    step=step,
+    stop_ids=s.stop_ids,
+    logit_bias=s.logit_bias,
+    implementation=implementation,
+  )

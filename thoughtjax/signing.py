@@ -33,8 +33,7 @@ def key_id(public_key: Ed25519PublicKey) -> str:
 
 
 def public_pem(public_key: Ed25519PublicKey) -> bytes:
-  return public_key.public_bytes(serialization.Encoding.PEM,
-                                 serialization.PublicFormat.SubjectPublicKeyInfo)
+  return public_key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
 def keygen(path: str | os.PathLike, overwrite: bool = False) -> tuple[Path, Path]:
@@ -45,12 +44,12 @@ def keygen(path: str | os.PathLike, overwrite: bool = False) -> tuple[Path, Path
     base = base.with_suffix("")
   priv_path, pub_path = base.with_name(base.name + ".key"), base.with_name(base.name + ".pub")
   if not overwrite and (priv_path.exists() or pub_path.exists()):
-    raise FileExistsError(f"{priv_path} or {pub_path} already exists; pass overwrite=True "
-                          f"(CLI: --force) to replace the key pair")
+    raise FileExistsError(
+      f"{priv_path} or {pub_path} already exists; pass overwrite=True (CLI: --force) to replace the key pair"
+    )
   base.parent.mkdir(parents=True, exist_ok=True)
   key = Ed25519PrivateKey.generate()
-  pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                          serialization.NoEncryption())
+  pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
   fd = os.open(priv_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
   with os.fdopen(fd, "wb") as f:
     f.write(pem)
@@ -63,8 +62,9 @@ def load_private_key(path: str | os.PathLike) -> Ed25519PrivateKey:
   try:
     key = serialization.load_pem_private_key(data, password=None)
   except (ValueError, TypeError) as e:
-    raise SignatureError(f"{path}: not an unencrypted PEM private key ({e}); create one with "
-                         f"`thoughtjax registry keygen`") from None
+    raise SignatureError(
+      f"{path}: not an unencrypted PEM private key ({e}); create one with `thoughtjax registry keygen`"
+    ) from None
   if not isinstance(key, Ed25519PrivateKey):
     raise SignatureError(f"{path}: expected an Ed25519 private key, got {type(key).__name__}")
   return key
@@ -89,11 +89,10 @@ class SignatureRecord:
   algorithm: str = ALGORITHM
 
   def to_json(self) -> dict:
-    return {"algorithm": self.algorithm, "key_id": self.key_id,
-            "signature": base64.b64encode(self.signature).decode()}
+    return {"algorithm": self.algorithm, "key_id": self.key_id, "signature": base64.b64encode(self.signature).decode()}
 
   @classmethod
-  def from_json(cls, d: dict) -> "SignatureRecord":
+  def from_json(cls, d: dict) -> SignatureRecord:
     try:
       return cls(d["key_id"], base64.b64decode(d["signature"], validate=True), d["algorithm"])
     except (KeyError, TypeError, ValueError) as e:
@@ -104,17 +103,20 @@ def sign(private_key: Ed25519PrivateKey, message: bytes) -> SignatureRecord:
   return SignatureRecord(key_id(private_key.public_key()), private_key.sign(message))
 
 
-def verify(public_keys: dict[str, Ed25519PublicKey], message: bytes, record: SignatureRecord,
-           what: str) -> None:
+def verify(public_keys: dict[str, Ed25519PublicKey], message: bytes, record: SignatureRecord, what: str) -> None:
   """Raise :class:`SignatureError` naming ``what`` unless ``record`` verifies."""
   if record.algorithm != ALGORITHM:
     raise SignatureError(f"{what}: signature algorithm {record.algorithm!r}, expected {ALGORITHM!r}")
   key = public_keys.get(record.key_id)
   if key is None:
-    raise SignatureError(f"{what}: signed by key {record.key_id}, which is not among the trusted "
-                         f"keys {sorted(public_keys) or '(none)'}; pass its public key")
+    raise SignatureError(
+      f"{what}: signed by key {record.key_id}, which is not among the trusted "
+      f"keys {sorted(public_keys) or '(none)'}; pass its public key"
+    )
   try:
     key.verify(record.signature, message)
   except InvalidSignature:
-    raise SignatureError(f"{what}: the Ed25519 signature by key {record.key_id} does not verify; "
-                         f"the signed content was changed after signing") from None
+    raise SignatureError(
+      f"{what}: the Ed25519 signature by key {record.key_id} does not verify; "
+      f"the signed content was changed after signing"
+    ) from None

@@ -10,7 +10,7 @@ program embeds it with the fused template kernel (prefix and suffix rows precomp
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,23 +28,28 @@ class Template:
   suffix_rows: jax.Array  # [P2, D]
 
   @classmethod
-  def build(cls, codec, table: jax.Array, system: str | None = None) -> "Template":
+  def build(cls, codec, table: jax.Array, system: str | None = None) -> Template:
     """Cut the template of ``codec``'s chat template; rows gathered from ``table`` [V, D]."""
     prefix, suffix = codec.chat_template_parts(system)
     return cls(system, tuple(prefix), tuple(suffix), _rows(table, prefix), _rows(table, suffix))
 
   @classmethod
-  def from_params(cls, params: Mapping, system: str | None = None) -> "Template":
+  def from_params(cls, params: Mapping, system: str | None = None) -> Template:
     """From a template thoughtlet's params (``prefix_ids``, ``suffix_ids``, ``*_rows``)."""
     ids = lambda x: tuple(int(t) for t in np.asarray(x).reshape(-1))
-    return cls(system, ids(params["prefix_ids"]), ids(params["suffix_ids"]), params["prefix_rows"],
-               params["suffix_rows"])
+    return cls(
+      system, ids(params["prefix_ids"]), ids(params["suffix_ids"]), params["prefix_rows"], params["suffix_rows"]
+    )
 
   def params(self) -> dict:
     """The template thoughtlet's params: ids as i32 vectors, rows as given."""
     ids = lambda x: jnp.asarray(np.asarray(x, np.int32).reshape(-1))
-    return {"prefix_ids": ids(self.prefix_ids), "suffix_ids": ids(self.suffix_ids),
-            "prefix_rows": self.prefix_rows, "suffix_rows": self.suffix_rows}
+    return {
+      "prefix_ids": ids(self.prefix_ids),
+      "suffix_ids": ids(self.suffix_ids),
+      "prefix_rows": self.prefix_rows,
+      "suffix_rows": self.suffix_rows,
+    }
 
   @property
   def widths(self) -> tuple[int, int]:  # (P1, P2), part of a program's key

@@ -8,8 +8,8 @@ tokenizer with the ``tokenizers`` library. A safetensors directory brings its ow
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import jinja2
 import jinja2.sandbox
@@ -31,22 +31,26 @@ def _pre_tokenizer(pre: str | None):
       return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     return byte_level
   if pre in ("llama3", "llama-bpe", "smaug-bpe"):
-    pattern = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-    return pre_tokenizers.Sequence([
+    pattern = (
+      r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+      r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
+    return pre_tokenizers.Sequence(
+      [
         pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+      ]
+    )
   raise UnsupportedModelError(
-      f"GGUF pre-tokenizer {pre!r} is not supported; supported: smollm, starcoder, gpt2, "
-      f"llama-bpe, qwen2. Use a safetensors directory with its tokenizer.json instead."
+    f"GGUF pre-tokenizer {pre!r} is not supported; supported: smollm, starcoder, gpt2, "
+    f"llama-bpe, qwen2. Use a safetensors directory with its tokenizer.json instead."
   )
 
 
 def tokenizer_from_gguf(data: TokenizerData) -> Tokenizer:
   if data.model != "gpt2":
     raise UnsupportedModelError(
-        f"GGUF tokenizer model {data.model!r} is not supported; only byte-level BPE ('gpt2') is."
+      f"GGUF tokenizer model {data.model!r} is not supported; only byte-level BPE ('gpt2') is."
     )
   vocab = {tok: i for i, tok in enumerate(data.tokens)}
   merges = [tuple(m.split(" ", 1)) for m in data.merges]
@@ -54,8 +58,9 @@ def tokenizer_from_gguf(data: TokenizerData) -> Tokenizer:
   tok.pre_tokenizer = _pre_tokenizer(data.pre)
   tok.decoder = decoders.ByteLevel()
   special = [
-      AddedToken(t, special=True, normalized=False)
-      for t, kind in zip(data.tokens, data.token_types) if kind in (_CONTROL, _USER_DEFINED)
+    AddedToken(t, special=True, normalized=False)
+    for t, kind in zip(data.tokens, data.token_types)
+    if kind in (_CONTROL, _USER_DEFINED)
   ]
   tok.add_special_tokens(special)
   return tok
@@ -64,8 +69,15 @@ def tokenizer_from_gguf(data: TokenizerData) -> Tokenizer:
 class TextCodec:
   """Encode/decode text and render chat prompts for one model."""
 
-  def __init__(self, tokenizer: Tokenizer, chat_template: str | None, bos_id: int | None,
-               eos_id: int | None, add_bos: bool = False, eos_ids: Sequence[int] = ()):
+  def __init__(
+    self,
+    tokenizer: Tokenizer,
+    chat_template: str | None,
+    bos_id: int | None,
+    eos_id: int | None,
+    add_bos: bool = False,
+    eos_ids: Sequence[int] = (),
+  ):
     """``eos_ids``: every end-of-sequence id (generation stops on each); ``eos_id`` comes first and
     stays the one the chat template renders as ``eos_token``. Either may be given alone."""
     self.tokenizer = tokenizer
@@ -78,13 +90,15 @@ class TextCodec:
     self._template = env.from_string(chat_template) if chat_template else None
 
   @classmethod
-  def from_gguf(cls, data: TokenizerData) -> "TextCodec":
-    return cls(tokenizer_from_gguf(data), data.chat_template, data.bos_id, data.eos_id, data.add_bos,
-               eos_ids=data.eos_ids)
+  def from_gguf(cls, data: TokenizerData) -> TextCodec:
+    return cls(
+      tokenizer_from_gguf(data), data.chat_template, data.bos_id, data.eos_id, data.add_bos, eos_ids=data.eos_ids
+    )
 
   @classmethod
-  def from_hf_dir(cls, directory: Path, bos_id: int | None, eos_id: int | None,
-                  eos_ids: Sequence[int] = ()) -> "TextCodec":
+  def from_hf_dir(
+    cls, directory: Path, bos_id: int | None, eos_id: int | None, eos_ids: Sequence[int] = ()
+  ) -> TextCodec:
     tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
     template = None
     cfg_path = directory / "tokenizer_config.json"
@@ -108,19 +122,22 @@ class TextCodec:
   def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
     if self._template is None:
       raise UnsupportedModelError("this model has no chat template; pass a plain prompt instead of --chat")
-    return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                 bos_token=self._token_text(self.bos_id),
-                                 eos_token=self._token_text(self.eos_id))
+    return self._template.render(
+      messages=list(messages),
+      add_generation_prompt=add_generation_prompt,
+      bos_token=self._token_text(self.bos_id),
+      eos_token=self._token_text(self.eos_id),
+    )
 
   def chat_template_parts(self, system: str | None = None) -> tuple[list[int], list[int]]:
     """Token ids of the chat template's fixed text before and after one user message."""
     sentinel = "\u241fTHOUGHTJAX_USER_MESSAGE\u241f"
-    messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": sentinel}]
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": sentinel}]
     text = self.render_chat(messages)
     if text.count(sentinel) != 1:
-      raise ValueError("the chat template does not place the user message verbatim exactly once; "
-                       "its fixed parts cannot be cut from it")
+      raise ValueError(
+        "the chat template does not place the user message verbatim exactly once; its fixed parts cannot be cut from it"
+      )
     before, after = text.split(sentinel)
     prefix = self.encode(before) if before else ([self.bos_id] if self.add_bos and self.bos_id is not None else [])
     suffix = self.tokenizer.encode(after, add_special_tokens=False).ids if after else []

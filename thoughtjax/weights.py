@@ -8,7 +8,7 @@ NNX parameter layout.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -54,24 +54,24 @@ def _layer_params(cfg: ModelConfig, get, i: int) -> dict:
   D, H, K, E = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   pre = f"model.layers.{i}."
   attn = {
-      "q": _in_out(get(pre + "self_attn.q_proj.weight"), D, H, E),
-      "k": _in_out(get(pre + "self_attn.k_proj.weight"), D, K, E),
-      "v": _in_out(get(pre + "self_attn.v_proj.weight"), D, K, E),
-      "o": _in_out(get(pre + "self_attn.o_proj.weight"), H, E, D),
+    "q": _in_out(get(pre + "self_attn.q_proj.weight"), D, H, E),
+    "k": _in_out(get(pre + "self_attn.k_proj.weight"), D, K, E),
+    "v": _in_out(get(pre + "self_attn.v_proj.weight"), D, K, E),
+    "o": _in_out(get(pre + "self_attn.o_proj.weight"), H, E, D),
   }
   if cfg.qkv_bias:
     attn["q_bias"] = get(pre + "self_attn.q_proj.bias").reshape(H, E)
     attn["k_bias"] = get(pre + "self_attn.k_proj.bias").reshape(K, E)
     attn["v_bias"] = get(pre + "self_attn.v_proj.bias").reshape(K, E)
   return {
-      "attn_norm": {"weight": get(pre + "input_layernorm.weight")},
-      "attn": attn,
-      "mlp_norm": {"weight": get(pre + "post_attention_layernorm.weight")},
-      "mlp": {
-          "gate": _in_out(get(pre + "mlp.gate_proj.weight"), D, cfg.ffn_dim),
-          "up": _in_out(get(pre + "mlp.up_proj.weight"), D, cfg.ffn_dim),
-          "down": _in_out(get(pre + "mlp.down_proj.weight"), cfg.ffn_dim, D),
-      },
+    "attn_norm": {"weight": get(pre + "input_layernorm.weight")},
+    "attn": attn,
+    "mlp_norm": {"weight": get(pre + "post_attention_layernorm.weight")},
+    "mlp": {
+      "gate": _in_out(get(pre + "mlp.gate_proj.weight"), D, cfg.ffn_dim),
+      "up": _in_out(get(pre + "mlp.up_proj.weight"), D, cfg.ffn_dim),
+      "down": _in_out(get(pre + "mlp.down_proj.weight"), cfg.ffn_dim, D),
+    },
   }
 
 
@@ -81,17 +81,17 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> dict:
   def get(name: str) -> np.ndarray:
     if name not in tensors:
       raise MissingTensorError(
-          f"tensor {name!r} is missing from the checkpoint; the config "
-          f"({cfg.architecture.value}, {cfg.num_layers} layers, qkv_bias={cfg.qkv_bias}, "
-          f"tie_embeddings={cfg.tie_embeddings}) requires it"
+        f"tensor {name!r} is missing from the checkpoint; the config "
+        f"({cfg.architecture.value}, {cfg.num_layers} layers, qkv_bias={cfg.qkv_bias}, "
+        f"tie_embeddings={cfg.tie_embeddings}) requires it"
       )
     w = tensors[name]
     return w if formats.is_packed(w) else np.asarray(w)
 
   params = {
-      "embed": {"table": get("model.embed_tokens.weight")},
-      "blocks": {i: _layer_params(cfg, get, i) for i in range(cfg.num_layers)},
-      "head": {"norm": {"weight": get("model.norm.weight")}},
+    "embed": {"table": get("model.embed_tokens.weight")},
+    "blocks": {i: _layer_params(cfg, get, i) for i in range(cfg.num_layers)},
+    "head": {"norm": {"weight": get("model.norm.weight")}},
   }
   if not cfg.tie_embeddings:
     params["head"]["unembed"] = get("lm_head.weight")
@@ -117,8 +117,9 @@ def build_model(cfg: ModelConfig, params: dict, dtype=jnp.float32) -> Transforme
     want = native_shape(str(path[-1]), tuple(var.shape)) if packed else tuple(var.shape)
     if tuple(arr.shape) != want:
       raise TensorShapeError(
-          f"parameter {'/'.join(map(str, path))}: expected shape {want} from the config, got "
-          f"{tuple(arr.shape)} from the checkpoint; the checkpoint and its config do not belong together")
+        f"parameter {'/'.join(map(str, path))}: expected shape {want} from the config, got "
+        f"{tuple(arr.shape)} from the checkpoint; the checkpoint and its config do not belong together"
+      )
     var.set_value(formats.to_device(arr) if packed else jnp.asarray(arr, dtype=dtype))
   nnx.update(model, nnx.from_flat_state(flat))
   return model
@@ -147,8 +148,10 @@ def to_hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
   def mat(x, rows, cols):  # the [out, in] tensor of a weight held as [in, out] or as native [O, I] blocks
     return formats.dequantize(x) if formats.is_packed(x) else f(x).reshape(rows, cols).T.copy()
 
-  out = {"model.embed_tokens.weight": _dense(params["embed"]["table"]),
-         "model.norm.weight": f(params["head"]["norm"]["weight"])}
+  out = {
+    "model.embed_tokens.weight": _dense(params["embed"]["table"]),
+    "model.norm.weight": f(params["head"]["norm"]["weight"]),
+  }
   if not cfg.tie_embeddings:
     out["lm_head.weight"] = _dense(params["head"]["unembed"])
   for i in range(cfg.num_layers):

@@ -55,12 +55,17 @@ def test_an_unwritable_json_path_is_refused_before_the_run(bench, tmp_path, caps
     cli.main(["bench", bench, "--json", str(tmp_path / "missing" / "out.json")])
   assert info.value.code == 2
   assert f"argument --json: {tmp_path / 'missing' / 'out.json'}: expected a file in an existing directory" in (
-      capsys.readouterr().err)
+    capsys.readouterr().err
+  )
 
 
 def test_table_and_json(tmp_path, capsys):
-  common.print_table("figures", ["name", "value"], [("decode tok/s", common.fmt(12.345, ".1f")),
-                                                    ("llama.cpp", common.fmt(None, ".1f"))], right=("value",))
+  common.print_table(
+    "figures",
+    ["name", "value"],
+    [("decode tok/s", common.fmt(12.345, ".1f")), ("llama.cpp", common.fmt(None, ".1f"))],
+    right=("value",),
+  )
   out = capsys.readouterr().out
   assert "figures" in out and "12.3" in out and "llama.cpp" in out and " - " in out
   path = tmp_path / "r.json"

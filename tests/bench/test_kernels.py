@@ -35,8 +35,11 @@ def test_quick_run_writes_a_consistent_report(tmp_path, capsys):
   for r in rows:
     case = cases[(r["op"], r["shape"])]
     assert r["bytes"] == case.bytes
-    floor = case.args[0].nbytes if r["op"] == "sample_stop" else (
-        case.args[3].shape[0] * bench.TOTAL_LEN * case.args[2].shape[1] * case.args[2].dtype.itemsize)
+    floor = (
+      case.args[0].nbytes
+      if r["op"] == "sample_stop"
+      else (case.args[3].shape[0] * bench.TOTAL_LEN * case.args[2].shape[1] * case.args[2].dtype.itemsize)
+    )
     assert r["bytes"] > floor
   # Bandwidth is those bytes over the median time, as a fraction of the peak the report names.
   for r in timed:
@@ -63,22 +66,33 @@ def test_cuda_source_compiles_for_hopper(tmp_path):
   """What CuPy compiles (the files, includes inlined) builds and holds every kernel the bench launches."""
   source = tmp_path / "kernels.cu"
   source.write_text(bench.CUDA_SOURCE)
-  subprocess.run(["nvcc", "-ptx", "-arch=sm_90", "--std=c++14", "-o", str(tmp_path / "k.ptx"),
-                  str(source)], check=True, capture_output=True, timeout=300)
+  subprocess.run(
+    ["nvcc", "-ptx", "-arch=sm_90", "--std=c++14", "-o", str(tmp_path / "k.ptx"), str(source)],
+    check=True,
+    capture_output=True,
+    timeout=300,
+  )
   ptx = (tmp_path / "k.ptx").read_text()
   for kernel in ("sample_stop_f32", "template_embed_4byte", "template_embed_2byte"):
     assert f".entry {kernel}(" in ptx
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("name, kernels", [("sample_stop.cu", ["sample_stop_f32"]),
-                                           ("template_embed.cu", ["template_embed_4byte", "template_embed_2byte"])])
+@pytest.mark.parametrize(
+  "name, kernels",
+  [("sample_stop.cu", ["sample_stop_f32"]), ("template_embed.cu", ["template_embed_4byte", "template_embed_2byte"])],
+)
 def test_each_cu_file_compiles_on_its_own(tmp_path, name, kernels):
   ptx = tmp_path / "k.ptx"
-  subprocess.run(["nvcc", "-ptx", "-arch=sm_90", "--std=c++14", "-o", str(ptx), str(bench.CUDA_DIR / name)],
-                 check=True, capture_output=True, timeout=300)
-  assert sorted(kernels) == sorted(line.split()[2].split("(")[0] for line in ptx.read_text().splitlines()
-                                   if line.startswith(".visible .entry"))
+  subprocess.run(
+    ["nvcc", "-ptx", "-arch=sm_90", "--std=c++14", "-o", str(ptx), str(bench.CUDA_DIR / name)],
+    check=True,
+    capture_output=True,
+    timeout=300,
+  )
+  assert sorted(kernels) == sorted(
+    line.split()[2].split("(")[0] for line in ptx.read_text().splitlines() if line.startswith(".visible .entry")
+  )
 
 
 def test_the_cuda_sources_are_the_files_with_includes_inlined():
@@ -117,18 +131,21 @@ def test_cuda_source_hashes_like_the_jax_kernel(tmp_path):
   """The CUDA C comparator draws the same noise: its device helpers, built for the host."""
   helpers = bench.cuda_source("hash.cuh")
   (tmp_path / "h.cpp").write_text(HOST_SHIM + helpers + HOST_MAIN)
-  subprocess.run(["g++", "-O1", "-ffp-contract=off", "-o", str(tmp_path / "h"),
-                  str(tmp_path / "h.cpp")], check=True, capture_output=True, timeout=120)
-  lines = subprocess.run([str(tmp_path / "h")], check=True, capture_output=True,
-                         text=True).stdout.splitlines()
+  subprocess.run(
+    ["g++", "-O1", "-ffp-contract=off", "-o", str(tmp_path / "h"), str(tmp_path / "h.cpp")],
+    check=True,
+    capture_output=True,
+    timeout=120,
+  )
+  lines = subprocess.run([str(tmp_path / "h")], check=True, capture_output=True, text=True).stdout.splitlines()
   noise = np.array([line.split() for line in lines[:-6]])  # [n, 6]: seed step row v key g
   keys = [int(line) for line in lines[-6:]]
   seed, step, row, v, key = (noise[:, i].astype(np.uint64).astype(np.uint32) for i in range(5))
-  np.testing.assert_array_equal(_row_key(jnp.asarray(seed), jnp.asarray(step), jnp.asarray(row)),
-                                key)
+  np.testing.assert_array_equal(_row_key(jnp.asarray(seed), jnp.asarray(step), jnp.asarray(row)), key)
   # Different libm logs: the noise agrees to float32 rounding, the hash bits exactly.
-  np.testing.assert_allclose(_gumbel(jnp.asarray(key), jnp.asarray(v.astype(np.int32))),
-                             noise[:, 5].astype(np.float32), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    _gumbel(jnp.asarray(key), jnp.asarray(v.astype(np.int32))), noise[:, 5].astype(np.float32), rtol=1e-5, atol=1e-5
+  )
   ys = jnp.asarray([-0.0, 0.0, 1.5, -1.5, -np.inf, np.inf], jnp.float32)
   np.testing.assert_array_equal(_order_key(ys), keys)
 

@@ -6,11 +6,11 @@ as the one-program path; never how fast.
 
 import pytest
 
+from tests.registry.helpers import DEEP_SPANS, mapping_text, tiny_codec, tiny_config
 from thoughtjax.bench import registry as bench
 from thoughtjax.compose import compose
 from thoughtjax.model import init_random
 from thoughtjax.registry import Registry, build
-from tests.registry.helpers import DEEP_SPANS, mapping_text, tiny_codec, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +26,9 @@ def test_chained_jits_decode_what_the_one_program_decodes(deep_registry):
   """The comparator the decode rows time: one jit per thoughtlet, chained from Python (a repeated span too)."""
   from thoughtjax.sampling import SamplingParams
 
-  model = compose("embed, blocks[0:2), blocks[2:4), blocks[0:2), head", Registry.open(deep_registry),
-                  compile_cache=False)
+  model = compose(
+    "embed, blocks[0:2), blocks[2:4), blocks[0:2), head", Registry.open(deep_registry), compile_cache=False
+  )
   ids = model.codec.encode("hello there")
   tokens, times = bench._chained(model, ids, 4)
   assert tokens == model.generate_batch([ids], [SamplingParams(max_tokens=4, ignore_eos=True)])[0].token_ids

@@ -12,8 +12,20 @@ from thoughtjax.cli import main
 
 def test_bench_synthesis_quick_writes_every_section(tmp_path, capsys):
   out = tmp_path / "synthesis.json"
-  code = main(["bench", "synthesis", "--registry", str(tiny_setup().registry), "--quick", "--requests", "4",
-               "--calibrate", "--json", str(out)])
+  code = main(
+    [
+      "bench",
+      "synthesis",
+      "--registry",
+      str(tiny_setup().registry),
+      "--quick",
+      "--requests",
+      "4",
+      "--calibrate",
+      "--json",
+      str(out),
+    ]
+  )
   printed, _ = capsys.readouterr()
   assert code == 0
   d = json.loads(out.read_text())

@@ -14,13 +14,13 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
+from tests.registry.helpers import REPO
 from thoughtjax import cli
 from thoughtjax.cli import args as args_lib
 from thoughtjax.cli import model_commands
 from thoughtjax.cli import registry as registry_commands
 from thoughtjax.errors import UserError
 from thoughtjax.registry import RegistryError, TrustPolicy
-from tests.registry.helpers import REPO
 
 MESSAGE = "model 'x': expected a known name, got 'x'; pass smollm2-135m-instruct"
 
@@ -45,8 +45,9 @@ def test_a_subclass_from_a_registry_subcommand_names_the_subcommand(monkeypatch,
   assert capsys.readouterr().err == "thoughtjax registry list: error: RegistryError: index.json: sequence 3 < 5 seen\n"
 
 
-@pytest.mark.parametrize("bug", [ZeroDivisionError("division by zero"), KeyError("top_ids"),
-                                 FileNotFoundError("/tmp/some/internal/file")])
+@pytest.mark.parametrize(
+  "bug", [ZeroDivisionError("division by zero"), KeyError("top_ids"), FileNotFoundError("/tmp/some/internal/file")]
+)
 def test_anything_else_is_a_bug_and_propagates(monkeypatch, bug):
   monkeypatch.setattr(model_commands, "cmd_fetch", _raise(bug))
   with pytest.raises(type(bug)):
@@ -66,10 +67,18 @@ def test_a_jax_value_error_is_a_bug_not_a_user_error(monkeypatch):
 
 
 def test_a_bug_keeps_its_traceback_in_a_real_process():
-  code = ("from thoughtjax import cli\nfrom thoughtjax.cli import model_commands\n"
-          "model_commands.cmd_fetch = lambda args: 1 / 0\ncli.main(['fetch'])\n")
-  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300,
-                     env={**os.environ, "PYTHONPATH": str(REPO)})
+  code = (
+    "from thoughtjax import cli\nfrom thoughtjax.cli import model_commands\n"
+    "model_commands.cmd_fetch = lambda args: 1 / 0\ncli.main(['fetch'])\n"
+  )
+  r = subprocess.run(
+    [sys.executable, "-c", code],
+    capture_output=True,
+    text=True,
+    cwd=REPO,
+    timeout=300,
+    env={**os.environ, "PYTHONPATH": str(REPO)},
+  )
   assert r.returncode == 1
   assert "Traceback (most recent call last)" in r.stderr and "ZeroDivisionError: division by zero" in r.stderr
   assert "error: ZeroDivisionError" not in r.stderr
@@ -85,9 +94,20 @@ def _user_facing_classes():
   from thoughtjax.registry import IntegrityError, ResourceProfileMismatch, UnknownThoughtletError
   from thoughtjax.signing import SignatureError
 
-  return [RegistryError, IntegrityError, UnknownThoughtletError, ResourceProfileMismatch, SignatureError,
-          PathSyntaxError, PathTypeError, MappingError, FetchError, UnsupportedModelError, KernelChoiceError,
-          args_lib.CommandLineError]
+  return [
+    RegistryError,
+    IntegrityError,
+    UnknownThoughtletError,
+    ResourceProfileMismatch,
+    SignatureError,
+    PathSyntaxError,
+    PathTypeError,
+    MappingError,
+    FetchError,
+    UnsupportedModelError,
+    KernelChoiceError,
+    args_lib.CommandLineError,
+  ]
 
 
 @pytest.mark.parametrize("cls", _user_facing_classes(), ids=lambda c: c.__name__)
@@ -111,14 +131,17 @@ def test_a_missing_model_path_is_named_where_it_is_taken(tmp_path, capsys):
   assert err.count("\n") == 1
 
 
-@pytest.mark.parametrize("argv, flag", [
+@pytest.mark.parametrize(
+  "argv, flag",
+  [
     (["registry", "verify", "{missing}"], "registry directory {missing}: expected a directory, found nothing"),
     (["registry", "validate", "{missing}"], "mapping {missing}: expected a file, found nothing"),
     (["registry", "build", "--out", "{tmp}/reg", "--mapping", "{missing}"], "--mapping {missing}: expected a file"),
     (["registry", "build", "--out", "{tmp}/reg", "--sign-key", "{missing}"], "--sign-key {missing}: expected a file"),
     (["registry", "gc", "{missing}"], "registry directory {missing}: expected a directory"),
     (["generate", "--registry", "{missing}", "--prompt", "x"], "--registry {missing}: expected a directory"),
-])
+  ],
+)
 def test_missing_user_paths_are_command_line_errors(tmp_path, capsys, argv, flag):
   missing = tmp_path / "missing"
   fill = lambda s: s.format(missing=missing, tmp=tmp_path)  # noqa: E731
@@ -131,8 +154,10 @@ def test_a_build_into_a_file_is_refused_before_any_work(tmp_path, capsys):
   target = tmp_path / "notes.txt"
   target.write_text("not a registry")
   assert cli.main(["registry", "build", "--out", str(target), "--model", str(tmp_path)]) == 2
-  assert capsys.readouterr().err == (f"thoughtjax registry build: error: CommandLineError: --out {target}: expected a "
-                                     "directory (new or existing), found a file; pick another path\n")
+  assert capsys.readouterr().err == (
+    f"thoughtjax registry build: error: CommandLineError: --out {target}: expected a "
+    "directory (new or existing), found a file; pick another path\n"
+  )
   assert target.read_text() == "not a registry"
 
 
@@ -190,11 +215,18 @@ def test_trust_flags_become_one_trust_policy(tmp_path):
   for k in keys:
     k.write_text("key")
   parser = cli.build_parser()
-  for argv in (["generate", "--registry", "r", "--prompt", "x"], ["score", "--registry", "r"],
-               ["registry", "verify", "r"], ["registry", "list", "r"], ["registry", "show", "r", "head"],
-               ["registry", "build", "--out", "r"], ["registry", "gc", "r"]):
-    args = parser.parse_args([*argv, "--public-key", str(keys[0]), "--public-key", str(keys[1]),
-                              "--require-signatures"])
+  for argv in (
+    ["generate", "--registry", "r", "--prompt", "x"],
+    ["score", "--registry", "r"],
+    ["registry", "verify", "r"],
+    ["registry", "list", "r"],
+    ["registry", "show", "r", "head"],
+    ["registry", "build", "--out", "r"],
+    ["registry", "gc", "r"],
+  ):
+    args = parser.parse_args(
+      [*argv, "--public-key", str(keys[0]), "--public-key", str(keys[1]), "--require-signatures"]
+    )
     assert args_lib.trust_policy(args) == TrustPolicy(public_keys=tuple(keys), require_signatures=True)
     args = parser.parse_args(argv)
     assert args_lib.trust_policy(args) == TrustPolicy(public_keys=(), require_signatures=False)
@@ -238,8 +270,10 @@ def test_build_and_gc_verify_the_index_under_the_policy(tmp_path, monkeypatch):
 
   monkeypatch.setattr(registry_lib, "build", fake)
   monkeypatch.setattr(registry_lib, "collect_garbage", fake)
-  for argv in (["registry", "build", "--out", str(tmp_path / "reg"), "--model", str(tmp_path)],
-               ["registry", "gc", str(tmp_path)]):
+  for argv in (
+    ["registry", "build", "--out", str(tmp_path / "reg"), "--model", str(tmp_path)],
+    ["registry", "gc", str(tmp_path)],
+  ):
     with pytest.raises(Stop):
       cli.main([*argv, "--public-key", str(key), "--require-signatures"])
   assert seen == [policy, policy]

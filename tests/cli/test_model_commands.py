@@ -20,13 +20,27 @@ def tiny_dir(tmp_path_factory):
 
 
 def _cli(*args, env=None):
-  return subprocess.run([sys.executable, "-m", "thoughtjax.cli", *args], capture_output=True, text=True,
-                        env={**os.environ, **(env or {})}, timeout=600)
+  return subprocess.run(
+    [sys.executable, "-m", "thoughtjax.cli", *args],
+    capture_output=True,
+    text=True,
+    env={**os.environ, **(env or {})},
+    timeout=600,
+  )
 
 
 def test_generate_json_contract(tiny_dir, tmp_path):
-  r = _cli("generate", "--model", str(tiny_dir), "--prompt", "hello", "--max-tokens", "5", "--json",
-           env={"THOUGHTJAX_CACHE": str(tmp_path)})
+  r = _cli(
+    "generate",
+    "--model",
+    str(tiny_dir),
+    "--prompt",
+    "hello",
+    "--max-tokens",
+    "5",
+    "--json",
+    env={"THOUGHTJAX_CACHE": str(tmp_path)},
+  )
   assert r.returncode == 0, r.stderr
   out = json.loads(r.stdout)
   # The command prints what the library computes for the same model and prompt (greedy by default).
@@ -39,8 +53,17 @@ def test_generate_json_contract(tiny_dir, tmp_path):
 
 
 def test_score_json_contract(tiny_dir, tmp_path):
-  r = _cli("score", "--model", str(tiny_dir), "--token-ids", "5,6,7,8", "--top-k", "3", "--json",
-           env={"THOUGHTJAX_CACHE": str(tmp_path)})
+  r = _cli(
+    "score",
+    "--model",
+    str(tiny_dir),
+    "--token-ids",
+    "5,6,7,8",
+    "--top-k",
+    "3",
+    "--json",
+    env={"THOUGHTJAX_CACHE": str(tmp_path)},
+  )
   assert r.returncode == 0, r.stderr
   out = json.loads(r.stdout)
   assert len(out["top_ids"]) == 4 and all(len(t) == 3 for t in out["top_ids"])
@@ -52,12 +75,12 @@ def test_score_json_contract(tiny_dir, tmp_path):
 
 
 def test_bad_model_path_is_a_clear_cli_error(tmp_path):
-  r = _cli("generate", "--model", str(tmp_path / "nope.gguf"), "--prompt", "x",
-           env={"THOUGHTJAX_CACHE": str(tmp_path)})
+  r = _cli("generate", "--model", str(tmp_path / "nope.gguf"), "--prompt", "x", env={"THOUGHTJAX_CACHE": str(tmp_path)})
   assert r.returncode == 2 and "Traceback" not in r.stderr
   assert r.stderr.strip().splitlines() == [
-      f"thoughtjax generate: error: CommandLineError: --model '{tmp_path / 'nope.gguf'}' is neither a known name "
-      f"(smollm2-135m-instruct) nor an existing .gguf file or safetensors directory; pass a known name or fix the path"]
+    f"thoughtjax generate: error: CommandLineError: --model '{tmp_path / 'nope.gguf'}' is neither a known name "
+    f"(smollm2-135m-instruct) nor an existing .gguf file or safetensors directory; pass a known name or fix the path"
+  ]
 
 
 @pytest.mark.slow

@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
+from tests.registry.helpers import REPO, mapping_text
+from tests.tiny import tiny_model, write_safetensors_dir
 from thoughtjax import cli
 from thoughtjax.compose import compose
 from thoughtjax.registry import Registry, dir_name
-from tests.registry.helpers import REPO, mapping_text
-from tests.tiny import tiny_model, write_safetensors_dir
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +25,27 @@ def cli_registry(tmp_path_factory):
   src = write_safetensors_dir(root / "model", cfg, model)
   (root / "mapping.yaml").write_text(mapping_text([(0, 1), (1, 3)], 3))
   assert cli.main(["registry", "keygen", str(root / "keys" / "ci")]) == 0
-  assert cli.main(["registry", "build", "--model", str(src), "--mapping", str(root / "mapping.yaml"),
-                   "--out", str(root / "reg"), "--sign-key", str(root / "keys" / "ci.key"),
-                   "--context", "32", "--reps", "2"]) == 0
+  assert (
+    cli.main(
+      [
+        "registry",
+        "build",
+        "--model",
+        str(src),
+        "--mapping",
+        str(root / "mapping.yaml"),
+        "--out",
+        str(root / "reg"),
+        "--sign-key",
+        str(root / "keys" / "ci.key"),
+        "--context",
+        "32",
+        "--reps",
+        "2",
+      ]
+    )
+    == 0
+  )
   return root
 
 
@@ -78,15 +96,17 @@ def test_generate_and_score_resolve_paths_through_a_registry(cli_registry, tmp_p
   reg_dir = cli_registry / "reg"
   path = "embed, blocks[0:1), blocks[0:1), head"
   code = (
-      "import json, sys\n"
-      "from thoughtjax import cli\n"
-      "reg, path = sys.argv[1], sys.argv[2]\n"
-      "cli.main(['generate', '--registry', reg, '--path', path, '--prompt', 'hello', '--max-tokens', '4', '--json'])\n"
-      "cli.main(['score', '--registry', reg, '--path', path, '--token-ids', '5,6,7,8', '--json'])\n"
-      "sys.exit(cli.main(['generate', '--registry', reg, '--path', 'embed, head, head', '--prompt', 'x']))\n")
+    "import json, sys\n"
+    "from thoughtjax import cli\n"
+    "reg, path = sys.argv[1], sys.argv[2]\n"
+    "cli.main(['generate', '--registry', reg, '--path', path, '--prompt', 'hello', '--max-tokens', '4', '--json'])\n"
+    "cli.main(['score', '--registry', reg, '--path', path, '--token-ids', '5,6,7,8', '--json'])\n"
+    "sys.exit(cli.main(['generate', '--registry', reg, '--path', 'embed, head, head', '--prompt', 'x']))\n"
+  )
   env = {**os.environ, "THOUGHTJAX_CACHE": str(tmp_path), "PYTHONPATH": str(REPO)}
-  r = subprocess.run([sys.executable, "-c", code, str(reg_dir), path], capture_output=True, text=True, cwd=REPO,
-                     env=env, timeout=600)
+  r = subprocess.run(
+    [sys.executable, "-c", code, str(reg_dir), path], capture_output=True, text=True, cwd=REPO, env=env, timeout=600
+  )
   assert r.returncode == 2, r.stderr
   gen, score = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
   m = compose(path, Registry.open(reg_dir))
@@ -95,9 +115,28 @@ def test_generate_and_score_resolve_paths_through_a_registry(cli_registry, tmp_p
   assert "PathTypeError: link 2 (head) expects residual" in r.stderr and "Traceback" not in r.stderr
   # As a module (`python -m thoughtjax.cli`), with a path only a registry can run (a template).
   tpath = "template, blocks[0:3), head"
-  r = subprocess.run([sys.executable, "-m", "thoughtjax.cli", "generate", "--registry", str(reg_dir), "--path", tpath,
-                      "--prompt", "hello", "--max-tokens", "3", "--json"], capture_output=True, text=True, cwd=REPO,
-                     env=env, timeout=600)
+  r = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "thoughtjax.cli",
+      "generate",
+      "--registry",
+      str(reg_dir),
+      "--path",
+      tpath,
+      "--prompt",
+      "hello",
+      "--max-tokens",
+      "3",
+      "--json",
+    ],
+    capture_output=True,
+    text=True,
+    cwd=REPO,
+    env=env,
+    timeout=600,
+  )
   assert r.returncode == 0, r.stderr
   out = json.loads(r.stdout)
   m = compose(tpath, Registry.open(reg_dir))
@@ -109,12 +148,31 @@ def test_relative_registry_paths_work(cli_registry, tmp_path, monkeypatch, capsy
   monkeypatch.chdir(tmp_path)
   src = cli_registry / "model"
   (tmp_path / "mapping.yaml").write_text(mapping_text([(0, 1), (1, 3)], 3))
-  assert cli.main(["registry", "build", "--model", str(src), "--mapping", "mapping.yaml",
-                   "--out", "rel/reg", "--no-profile"]) == 0
+  assert (
+    cli.main(
+      ["registry", "build", "--model", str(src), "--mapping", "mapping.yaml", "--out", "rel/reg", "--no-profile"]
+    )
+    == 0
+  )
   assert cli.main(["registry", "verify", "rel/reg"]) == 0
   capsys.readouterr()
-  assert cli.main(["generate", "--registry", "rel/reg", "--path", "embed, blocks[0:1), head",
-                   "--prompt", "hi", "--max-tokens", "3", "--json"]) == 0
+  assert (
+    cli.main(
+      [
+        "generate",
+        "--registry",
+        "rel/reg",
+        "--path",
+        "embed, blocks[0:1), head",
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "3",
+        "--json",
+      ]
+    )
+    == 0
+  )
   assert len(json.loads(capsys.readouterr().out)["token_ids"]) >= 1
 
 
@@ -125,11 +183,23 @@ def test_trust_flags_reach_the_registry_end_to_end(cli_registry, tmp_path, capsy
   capsys.readouterr()
   assert cli.main(["registry", "verify", str(reg_dir), "--public-key", str(good), "--require-signatures"]) == 0
   capsys.readouterr()
-  build = ["registry", "build", "--model", str(cli_registry / "model"), "--mapping", str(cli_registry / "mapping.yaml"),
-           "--no-profile", "--out"]
-  for argv in (["registry", "verify", str(reg_dir)], ["registry", "list", str(reg_dir)],
-               ["registry", "gc", str(reg_dir), "--dry-run"], [*build, str(reg_dir)],
-               ["generate", "--registry", str(reg_dir), "--prompt", "x", "--max-tokens", "1"]):
+  build = [
+    "registry",
+    "build",
+    "--model",
+    str(cli_registry / "model"),
+    "--mapping",
+    str(cli_registry / "mapping.yaml"),
+    "--no-profile",
+    "--out",
+  ]
+  for argv in (
+    ["registry", "verify", str(reg_dir)],
+    ["registry", "list", str(reg_dir)],
+    ["registry", "gc", str(reg_dir), "--dry-run"],
+    [*build, str(reg_dir)],
+    ["generate", "--registry", str(reg_dir), "--prompt", "x", "--max-tokens", "1"],
+  ):
     assert cli.main([*argv, "--public-key", str(tmp_path / "other.pub")]) == 2
     err = capsys.readouterr().err
     command = " ".join(argv[:2]) if argv[0] == "registry" else "generate"
@@ -138,5 +208,6 @@ def test_trust_flags_reach_the_registry_end_to_end(cli_registry, tmp_path, capsy
       lines = [line for line in lines if line.startswith("thoughtjax ")]
     # One line naming the file and the check that refused it.
     assert len(lines) == 1 and "Traceback" not in err, err
-    assert re.fullmatch(rf"thoughtjax {command}: error: \w+Error: .*{re.escape(str(reg_dir))}/index\.json.*trusted.*",
-                        lines[0]), err
+    assert re.fullmatch(
+      rf"thoughtjax {command}: error: \w+Error: .*{re.escape(str(reg_dir))}/index\.json.*trusted.*", lines[0]
+    ), err

@@ -23,30 +23,52 @@ FORBIDDEN = {"gather", "scatter", "reduce_or", "reduce_and", "sort", "argsort"}
 
 def _sample_stop_case(dtype, num_stop, with_bias, num_rows=B):
   def f(logits, temperature, top_k, seed, step, stop_ids, bias):
-    return sample_stop(logits, temperature=temperature, top_k=top_k, seed=seed, step=step,
-                       stop_ids=stop_ids, logit_bias=bias if with_bias else None,
-                       implementation="pallas", interpret=False)
+    return sample_stop(
+      logits,
+      temperature=temperature,
+      top_k=top_k,
+      seed=seed,
+      step=step,
+      stop_ids=stop_ids,
+      logit_bias=bias if with_bias else None,
+      implementation="pallas",
+      interpret=False,
+    )
+
   sds = jax.ShapeDtypeStruct
-  return f, (sds((num_rows, V), dtype), sds((num_rows,), jnp.float32),
-             sds((num_rows,), jnp.int32), sds((num_rows,), jnp.uint32), sds((), jnp.int32),
-             sds((num_rows, num_stop), jnp.int32), sds((num_rows, V), jnp.float32))
+  return f, (
+    sds((num_rows, V), dtype),
+    sds((num_rows,), jnp.float32),
+    sds((num_rows,), jnp.int32),
+    sds((num_rows,), jnp.uint32),
+    sds((), jnp.int32),
+    sds((num_rows, num_stop), jnp.int32),
+    sds((num_rows, V), jnp.float32),
+  )
 
 
 def _template_embed_case(dim, dtype, prefix_len, left_pad):
   def f(prefix, suffix, table, ids, lengths):
-    return template_embed(prefix, suffix, table, ids, lengths, total_len=T, left_pad=left_pad,
-                          implementation="pallas", interpret=False)
+    return template_embed(
+      prefix, suffix, table, ids, lengths, total_len=T, left_pad=left_pad, implementation="pallas", interpret=False
+    )
+
   sds = jax.ShapeDtypeStruct
-  return f, (sds((prefix_len, dim), dtype), sds((5, dim), dtype), sds((V, dim), dtype),
-             sds((B, U), jnp.int32), sds((B,), jnp.int32))
+  return f, (
+    sds((prefix_len, dim), dtype),
+    sds((5, dim), dtype),
+    sds((V, dim), dtype),
+    sds((B, U), jnp.int32),
+    sds((B,), jnp.int32),
+  )
 
 
 CASES = {
-    "sample_stop-f32-bias-stop8": _sample_stop_case(jnp.float32, 8, True),
-    "sample_stop-bf16-nostop-B1": _sample_stop_case(jnp.bfloat16, 0, False, num_rows=1),
-    "sample_stop-f32-stop256": _sample_stop_case(jnp.float32, 256, False),
-    "template_embed-576-f32": _template_embed_case(576, jnp.float32, 16, False),
-    "template_embed-4096-bf16-leftpad-noprefix": _template_embed_case(4096, jnp.bfloat16, 0, True),
+  "sample_stop-f32-bias-stop8": _sample_stop_case(jnp.float32, 8, True),
+  "sample_stop-bf16-nostop-B1": _sample_stop_case(jnp.bfloat16, 0, False, num_rows=1),
+  "sample_stop-f32-stop256": _sample_stop_case(jnp.float32, 256, False),
+  "template_embed-576-f32": _template_embed_case(576, jnp.float32, 16, False),
+  "template_embed-4096-bf16-leftpad-noprefix": _template_embed_case(4096, jnp.bfloat16, 0, True),
 }
 
 
@@ -56,9 +78,11 @@ def lower_for_cuda(f, args):
   except RuntimeError as e:
     if "Triton compilation handler" not in str(e):
       raise
-    pytest.fail(f"{e}: this jaxlib ({jax.__version__}) compiles Triton while lowering; install "
-                "the jax CUDA plugin (jax-cuda12-plugin) so it registers the handler, or pin "
-                "jaxlib 0.10.2 where cross-lowering needs nothing extra")
+    pytest.fail(
+      f"{e}: this jaxlib ({jax.__version__}) compiles Triton while lowering; install "
+      "the jax CUDA plugin (jax-cuda12-plugin) so it registers the handler, or pin "
+      "jaxlib 0.10.2 where cross-lowering needs nothing extra"
+    )
 
 
 def _custom_calls(module):
@@ -103,8 +127,9 @@ def _all_eqns(jaxpr):
 def test_lowers_for_cuda_through_triton(name):
   f, args = CASES[name]
   lowered = lower_for_cuda(f, args)
-  targets = [str(op.attributes["call_target_name"]).strip('"') for op in
-             _custom_calls(lowered.compiler_ir("stablehlo"))]
+  targets = [
+    str(op.attributes["call_target_name"]).strip('"') for op in _custom_calls(lowered.compiler_ir("stablehlo"))
+  ]
   assert targets and all(t in TRITON_TARGETS for t in targets), targets
 
 
@@ -117,8 +142,7 @@ def test_kernel_body_respects_triton_limits(name):
     for var in eqn.outvars:
       shape = getattr(var.aval, "shape", ())
       if isinstance(var.aval, jax.core.ShapedArray):
-        assert all(d & (d - 1) == 0 for d in shape), (
-            f"non-power-of-two value {shape} from {eqn.primitive.name}")
+        assert all(d & (d - 1) == 0 for d in shape), f"non-power-of-two value {shape} from {eqn.primitive.name}"
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -127,6 +151,7 @@ def test_triton_module_verifies(name):
   try:
     from jax._src.lib.mlir import ir
     from jax._src.pallas.triton import lowering as triton_lowering
+
     new_context = triton_lowering._new_ir_context
   except (ImportError, AttributeError) as e:
     pytest.skip(f"jaxlib internals moved: {e}")

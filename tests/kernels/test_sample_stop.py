@@ -19,26 +19,39 @@ from thoughtjax.kernels.sample_stop import sample_stop, sample_stop_reference
 scipy_stats = pytest.importorskip("scipy.stats")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(implementation: str, block_v: int | None):
   def run(logits, temperature, top_k, seed, step, stop_ids, logit_bias):
-    return sample_stop(logits, temperature=temperature, top_k=top_k, seed=seed,
-                       step=step, stop_ids=stop_ids, logit_bias=logit_bias,
-                       implementation=implementation, block_v=block_v)
+    return sample_stop(
+      logits,
+      temperature=temperature,
+      top_k=top_k,
+      seed=seed,
+      step=step,
+      stop_ids=stop_ids,
+      logit_bias=logit_bias,
+      implementation=implementation,
+      block_v=block_v,
+    )
+
   return jax.jit(run)
 
 
-def run(implementation, logits, *, temperature, top_k=0, seed=0, step=0,
-        stop_ids=None, logit_bias=None, block_v=64):
+def run(implementation, logits, *, temperature, top_k=0, seed=0, step=0, stop_ids=None, logit_bias=None, block_v=64):
   """Calls sample_stop under jit with per-row arguments broadcast to [B]."""
   num_rows = logits.shape[0]
   per_row = lambda x, dtype: jnp.broadcast_to(jnp.asarray(x, dtype), (num_rows,))
   if stop_ids is None:
     stop_ids = jnp.full((num_rows, 0), -1, jnp.int32)
   tokens, stop = _compiled(implementation, block_v if implementation == "pallas" else None)(
-      logits, per_row(temperature, jnp.float32), per_row(top_k, jnp.int32),
-      per_row(seed, jnp.uint32), jnp.int32(step), jnp.asarray(stop_ids, jnp.int32),
-      logit_bias)
+    logits,
+    per_row(temperature, jnp.float32),
+    per_row(top_k, jnp.int32),
+    per_row(seed, jnp.uint32),
+    jnp.int32(step),
+    jnp.asarray(stop_ids, jnp.int32),
+    logit_bias,
+  )
   return np.asarray(tokens), np.asarray(stop)
 
 
@@ -57,9 +70,8 @@ def random_logits(rng, num_rows, vocab, dtype=jnp.float32, scale=3.0):
 
 # ------------------------------------------------------------------------------ greedy
 @pytest.mark.parametrize(
-    "num_rows, vocab, dtype",
-    [(1, 100, jnp.float32), (3, 300, jnp.bfloat16), (64, 257, jnp.float32),
-     (5, 64, jnp.bfloat16)],
+  "num_rows, vocab, dtype",
+  [(1, 100, jnp.float32), (3, 300, jnp.bfloat16), (64, 257, jnp.float32), (5, 64, jnp.bfloat16)],
 )
 def test_greedy_is_exact_argmax(rng, num_rows, vocab, dtype):
   logits = random_logits(rng, num_rows, vocab, dtype)
@@ -108,8 +120,12 @@ def test_bf16_rounding_ties_match_argmax():
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.integers(-3, 3), min_size=2 * 97, max_size=2 * 97),
-       st.integers(0, 2**32 - 1), st.integers(0, 100), st.integers(0, 97))
+@given(
+  st.lists(st.integers(-3, 3), min_size=2 * 97, max_size=2 * 97),
+  st.integers(0, 2**32 - 1),
+  st.integers(0, 100),
+  st.integers(0, 97),
+)
 def test_many_ties_kernel_equals_reference(values, seed, step, top_k):
   """Small integer logits create ties everywhere, including at the k-th value."""
   logits = jnp.asarray(np.reshape(values, (2, 97)), jnp.float32)
@@ -141,8 +157,7 @@ def test_top_k_keeps_only_the_k_largest(rng):
 def test_top_k_keeps_all_ties_at_the_kth_value():
   logits = np.full((64, 10), -5.0, np.float32)
   logits[:, [1, 4, 6, 8]] = [3.0, 2.0, 2.0, 2.0]  # k=2: the 2nd value is tied 3 times
-  tokens, _ = run_both(jnp.asarray(logits), temperature=1.0, top_k=2,
-                       seed=np.arange(64), step=1, block_v=8)
+  tokens, _ = run_both(jnp.asarray(logits), temperature=1.0, top_k=2, seed=np.arange(64), step=1, block_v=8)
   assert set(tokens.tolist()) == {1, 4, 6, 8}
 
 
@@ -159,8 +174,9 @@ def test_everything_masked_gives_token_zero(rng):
   logits = random_logits(rng, 3, 130)
   bias = jnp.full((3, 130), -jnp.inf)
   stop_ids = jnp.asarray([[0], [-1], [5]], jnp.int32)
-  tokens, stop = run_both(logits, temperature=[0.0, 1.0, 1.0], top_k=[0, 0, 4],
-                          seed=1, logit_bias=bias, stop_ids=stop_ids)
+  tokens, stop = run_both(
+    logits, temperature=[0.0, 1.0, 1.0], top_k=[0, 0, 4], seed=1, logit_bias=bias, stop_ids=stop_ids
+  )
   np.testing.assert_array_equal(tokens, [0, 0, 0])
   np.testing.assert_array_equal(stop, [True, False, False])
 
@@ -169,8 +185,7 @@ def test_top_k_among_infinities():
   logits = np.full((4, 70), -np.inf, np.float32)
   logits[:, [3, 66]] = [1.0, 2.0]  # fewer finite values than k
   logits[3, 40] = np.inf
-  tokens, _ = run_both(jnp.asarray(logits), temperature=1.0, top_k=[5, 1, 2, 3],
-                       seed=np.arange(4), step=0)
+  tokens, _ = run_both(jnp.asarray(logits), temperature=1.0, top_k=[5, 1, 2, 3], seed=np.arange(4), step=0)
   assert tokens[1] == 66 and tokens[3] == 40
   assert set(tokens[[0, 2]].tolist()) <= {3, 66}
 
@@ -206,8 +221,16 @@ def test_sampling_bit_identical_to_reference(rng, dtype):
   stop_ids = np.full((num_rows, 4), -1, np.int32)
   stop_ids[:, 0] = rng.integers(0, vocab, num_rows)
   for step in range(3):
-    run_both(logits, temperature=temperature, top_k=top_k, seed=rng.integers(0, 2**32, num_rows),
-             step=step, stop_ids=stop_ids, logit_bias=bias, block_v=128)
+    run_both(
+      logits,
+      temperature=temperature,
+      top_k=top_k,
+      seed=rng.integers(0, 2**32, num_rows),
+      step=step,
+      stop_ids=stop_ids,
+      logit_bias=bias,
+      block_v=128,
+    )
 
 
 def test_real_vocabulary_default_block(rng):
@@ -216,8 +239,9 @@ def test_real_vocabulary_default_block(rng):
   logits = random_logits(rng, num_rows, vocab)
   temperature = np.array([0, 1, 0.7, 1.3, 0, 1, 0.8, 0.5], np.float32)
   top_k = np.array([0, 0, 50, 1, 3, 0, 40, 0], np.int32)
-  tokens, _ = run_both(logits, temperature=temperature, top_k=top_k,
-                       seed=np.arange(num_rows) * 7919, step=11, block_v=None)
+  tokens, _ = run_both(
+    logits, temperature=temperature, top_k=top_k, seed=np.arange(num_rows) * 7919, step=11, block_v=None
+  )
   greedy = np.asarray(jnp.argmax(logits, axis=-1))
   np.testing.assert_array_equal(tokens[[0, 3, 4]], greedy[[0, 3, 4]])
 
@@ -238,9 +262,13 @@ def test_same_seed_step_row_same_token_across_batch_sizes(rng):
 
 def test_eager_call_matches_jit(rng):
   logits = random_logits(rng, 3, 90)
-  kwargs = dict(temperature=jnp.ones(3), top_k=jnp.asarray([0, 5, 0], jnp.int32),
-                seed=jnp.arange(3, dtype=jnp.uint32), step=2,
-                stop_ids=jnp.zeros((3, 1), jnp.int32))
+  kwargs = dict(
+    temperature=jnp.ones(3),
+    top_k=jnp.asarray([0, 5, 0], jnp.int32),
+    seed=jnp.arange(3, dtype=jnp.uint32),
+    step=2,
+    stop_ids=jnp.zeros((3, 1), jnp.int32),
+  )
   eager = sample_stop(logits, implementation="pallas", **kwargs)
   reference = sample_stop_reference(logits, **kwargs)
   np.testing.assert_array_equal(eager[0], reference[0])
@@ -258,10 +286,18 @@ def test_traceable_inside_while_loop_with_traced_step(rng):
   def loop(implementation):
     def body(carry):
       step, tokens = carry
-      token, _ = sample_stop(logits + step, temperature=jnp.ones(num_rows), top_k=jnp.zeros(
-          num_rows, jnp.int32), seed=seed, step=step, stop_ids=stop_ids,
-          implementation=implementation, block_v=32 if implementation == "pallas" else None)
+      token, _ = sample_stop(
+        logits + step,
+        temperature=jnp.ones(num_rows),
+        top_k=jnp.zeros(num_rows, jnp.int32),
+        seed=seed,
+        step=step,
+        stop_ids=stop_ids,
+        implementation=implementation,
+        block_v=32 if implementation == "pallas" else None,
+      )
       return step + 1, tokens.at[:, step].set(token)
+
     init = (jnp.int32(0), jnp.zeros((num_rows, num_steps), jnp.int32))
     return jax.jit(lambda: jax.lax.while_loop(lambda c: c[0] < num_steps, body, init)[1])()
 
@@ -294,9 +330,15 @@ def _draws(implementation, row_logits, *, temperature, top_k, num_rows, num_step
   seeds = jnp.arange(num_rows, dtype=jnp.uint32) + jnp.uint32(seed0)
 
   def one_step(step):
-    return sample_stop(logits, temperature=jnp.full(num_rows, temperature), top_k=jnp.full(
-        num_rows, top_k, jnp.int32), seed=seeds, step=step, stop_ids=jnp.zeros(
-            (num_rows, 0), jnp.int32), implementation=implementation)[0]
+    return sample_stop(
+      logits,
+      temperature=jnp.full(num_rows, temperature),
+      top_k=jnp.full(num_rows, top_k, jnp.int32),
+      seed=seeds,
+      step=step,
+      stop_ids=jnp.zeros((num_rows, 0), jnp.int32),
+      implementation=implementation,
+    )[0]
 
   return np.asarray(jax.jit(lambda: jax.lax.map(one_step, jnp.arange(num_steps)))())
 
@@ -306,41 +348,43 @@ STAT_LOGITS = np.array([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, 1.5], np.float32)
 
 @pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.7, 5), (2.0, 3)])
 def test_reference_sampling_follows_softmax(temperature, top_k):
-  tokens = _draws("xla", STAT_LOGITS, temperature=temperature, top_k=top_k,
-                  num_rows=256, num_steps=64, seed0=12345)
+  tokens = _draws("xla", STAT_LOGITS, temperature=temperature, top_k=top_k, num_rows=256, num_steps=64, seed0=12345)
   assert _chi_square_p_value(tokens, _expected_probs(STAT_LOGITS, temperature, top_k)) > 1e-3
 
 
 @pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.7, 5)])
 def test_kernel_sampling_follows_softmax(temperature, top_k):
-  tokens = _draws("pallas", STAT_LOGITS, temperature=temperature, top_k=top_k,
-                  num_rows=64, num_steps=32, seed0=777)
+  tokens = _draws("pallas", STAT_LOGITS, temperature=temperature, top_k=top_k, num_rows=64, num_steps=32, seed0=777)
   assert _chi_square_p_value(tokens, _expected_probs(STAT_LOGITS, temperature, top_k)) > 1e-3
-  again = _draws("pallas", STAT_LOGITS, temperature=temperature, top_k=top_k,
-                 num_rows=64, num_steps=32, seed0=777)
+  again = _draws("pallas", STAT_LOGITS, temperature=temperature, top_k=top_k, num_rows=64, num_steps=32, seed0=777)
   np.testing.assert_array_equal(tokens, again)
 
 
 # ---------------------------------------------------------------------------- errors
 def _valid_args(num_rows=2, vocab=10):
-  return dict(logits=jnp.zeros((num_rows, vocab)), temperature=jnp.ones(num_rows),
-              top_k=jnp.zeros(num_rows, jnp.int32), seed=jnp.zeros(num_rows, jnp.uint32),
-              step=0, stop_ids=jnp.zeros((num_rows, 1), jnp.int32))
+  return dict(
+    logits=jnp.zeros((num_rows, vocab)),
+    temperature=jnp.ones(num_rows),
+    top_k=jnp.zeros(num_rows, jnp.int32),
+    seed=jnp.zeros(num_rows, jnp.uint32),
+    step=0,
+    stop_ids=jnp.zeros((num_rows, 1), jnp.int32),
+  )
 
 
 @pytest.mark.parametrize(
-    "change, message",
-    [
-        (dict(logits=jnp.zeros(10)), "logits must be \\[B, V\\]"),
-        (dict(logits=jnp.zeros((2, 10), jnp.int32)), "logits must be float32 or bfloat16"),
-        (dict(temperature=jnp.ones(3)), "temperature must be \\[B\\]=\\[2\\]"),
-        (dict(top_k=jnp.ones(2)), "top_k must be an integer array"),
-        (dict(step=jnp.zeros(2, jnp.int32)), "step must be a scalar integer"),
-        (dict(stop_ids=jnp.zeros((3, 1), jnp.int32)), "stop_ids must be \\[B, M\\]"),
-        (dict(logit_bias=jnp.zeros((2, 11))), "logit_bias must match logits"),
-        (dict(implementation="cuda"), "implementation must be one of"),
-        (dict(implementation="pallas", block_v=48), "block_v must be a power of two"),
-    ],
+  "change, message",
+  [
+    (dict(logits=jnp.zeros(10)), "logits must be \\[B, V\\]"),
+    (dict(logits=jnp.zeros((2, 10), jnp.int32)), "logits must be float32 or bfloat16"),
+    (dict(temperature=jnp.ones(3)), "temperature must be \\[B\\]=\\[2\\]"),
+    (dict(top_k=jnp.ones(2)), "top_k must be an integer array"),
+    (dict(step=jnp.zeros(2, jnp.int32)), "step must be a scalar integer"),
+    (dict(stop_ids=jnp.zeros((3, 1), jnp.int32)), "stop_ids must be \\[B, M\\]"),
+    (dict(logit_bias=jnp.zeros((2, 11))), "logit_bias must match logits"),
+    (dict(implementation="cuda"), "implementation must be one of"),
+    (dict(implementation="pallas", block_v=48), "block_v must be a power of two"),
+  ],
 )
 def test_errors_name_the_argument(change, message):
   args = {**_valid_args(), **change}

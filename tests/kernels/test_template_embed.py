@@ -18,26 +18,27 @@ def expected_layout(prefix, suffix, table, ids, lengths, total_len, left_pad):
     user = table[np.clip(ids[b, :length], 0, table.shape[0] - 1)]
     content = np.concatenate([prefix, user, suffix])
     start = total_len - len(content) if left_pad else 0
-    out[b, start:start + len(content)] = content
+    out[b, start : start + len(content)] = content
   return out
 
 
-def make_inputs(rng, *, num_rows=4, prefix_len=3, suffix_len=2, max_user=7, vocab=50,
-                dim=40, dtype=jnp.float32):
+def make_inputs(rng, *, num_rows=4, prefix_len=3, suffix_len=2, max_user=7, vocab=50, dim=40, dtype=jnp.float32):
   normal = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
-  return (normal(prefix_len, dim), normal(suffix_len, dim), normal(vocab, dim),
-          jnp.asarray(rng.integers(0, vocab, (num_rows, max_user)), jnp.int32))
+  return (
+    normal(prefix_len, dim),
+    normal(suffix_len, dim),
+    normal(vocab, dim),
+    jnp.asarray(rng.integers(0, vocab, (num_rows, max_user)), jnp.int32),
+  )
 
 
 def run_both(prefix, suffix, table, ids, lengths, *, total_len, left_pad=False, **blocks):
-  kernel = jax.jit(lambda *a: template_embed(
-      *a, total_len=total_len, left_pad=left_pad, implementation="pallas", **blocks))(
-          prefix, suffix, table, ids, lengths)
-  reference = template_embed_reference(prefix, suffix, table, ids, lengths,
-                                       total_len=total_len, left_pad=left_pad)
+  kernel = jax.jit(
+    lambda *a: template_embed(*a, total_len=total_len, left_pad=left_pad, implementation="pallas", **blocks)
+  )(prefix, suffix, table, ids, lengths)
+  reference = template_embed_reference(prefix, suffix, table, ids, lengths, total_len=total_len, left_pad=left_pad)
   assert kernel.dtype == reference.dtype and kernel.shape == reference.shape
-  np.testing.assert_array_equal(np.asarray(kernel, np.float32),
-                                np.asarray(reference, np.float32))
+  np.testing.assert_array_equal(np.asarray(kernel, np.float32), np.asarray(reference, np.float32))
   want = expected_layout(prefix, suffix, table, ids, lengths, total_len, left_pad)
   np.testing.assert_array_equal(np.asarray(kernel, np.float32), want)
   return kernel
@@ -49,8 +50,7 @@ def test_layout_with_lengths_zero_to_full(rng, left_pad, dtype):
   prefix, suffix, table, ids = make_inputs(rng, dtype=dtype)
   lengths = jnp.asarray([0, 3, 7, 1], jnp.int32)  # 0 and U = 7 included
   # T = 17 is not a multiple of block_t, D = 40 not of block_d.
-  out = run_both(prefix, suffix, table, ids, lengths, total_len=17, left_pad=left_pad,
-                 block_t=4, block_d=16)
+  out = run_both(prefix, suffix, table, ids, lengths, total_len=17, left_pad=left_pad, block_t=4, block_d=16)
   assert out.dtype == dtype
 
 
@@ -59,15 +59,12 @@ def test_exact_fit_and_default_blocks(rng):
   run_both(prefix, suffix, table, ids, jnp.asarray([7, 7, 0], jnp.int32), total_len=12)
 
 
-@pytest.mark.parametrize("prefix_len, suffix_len, max_user",
-                         [(0, 2, 5), (3, 0, 5), (0, 0, 5), (2, 3, 0)])
+@pytest.mark.parametrize("prefix_len, suffix_len, max_user", [(0, 2, 5), (3, 0, 5), (0, 0, 5), (2, 3, 0)])
 def test_empty_parts(rng, prefix_len, suffix_len, max_user):
-  prefix, suffix, table, ids = make_inputs(rng, prefix_len=prefix_len, suffix_len=suffix_len,
-                                           max_user=max_user)
+  prefix, suffix, table, ids = make_inputs(rng, prefix_len=prefix_len, suffix_len=suffix_len, max_user=max_user)
   lengths = jnp.asarray([0, max_user, max_user // 2, 1], jnp.int32)
   for left_pad in (False, True):
-    run_both(prefix, suffix, table, ids, lengths, total_len=12, left_pad=left_pad,
-             block_t=8, block_d=32)
+    run_both(prefix, suffix, table, ids, lengths, total_len=12, left_pad=left_pad, block_t=8, block_d=32)
 
 
 def test_out_of_range_ids_and_lengths_are_clamped(rng):
@@ -81,8 +78,11 @@ def test_out_of_range_ids_and_lengths_are_clamped(rng):
 
 def test_lengths_traced_under_jit(rng):
   prefix, suffix, table, ids = make_inputs(rng)
-  f = jax.jit(lambda lengths: template_embed(prefix, suffix, table, ids, lengths, total_len=16,
-                                             implementation="pallas", block_t=8, block_d=64))
+  f = jax.jit(
+    lambda lengths: template_embed(
+      prefix, suffix, table, ids, lengths, total_len=16, implementation="pallas", block_t=8, block_d=64
+    )
+  )
   for lengths in ([1, 2, 3, 4], [7, 0, 7, 0]):
     lengths = jnp.asarray(lengths, jnp.int32)
     want = expected_layout(prefix, suffix, table, ids, lengths, 16, False)
@@ -91,35 +91,43 @@ def test_lengths_traced_under_jit(rng):
 
 def test_mixed_dtypes_promote(rng):
   prefix, suffix, table, ids = make_inputs(rng)
-  out = run_both(prefix.astype(jnp.bfloat16), suffix, table.astype(jnp.bfloat16), ids,
-                 jnp.asarray([1, 2, 3, 4], jnp.int32), total_len=12, block_t=8, block_d=64)
+  out = run_both(
+    prefix.astype(jnp.bfloat16),
+    suffix,
+    table.astype(jnp.bfloat16),
+    ids,
+    jnp.asarray([1, 2, 3, 4], jnp.int32),
+    total_len=12,
+    block_t=8,
+    block_d=64,
+  )
   assert out.dtype == jnp.float32
 
 
 def test_model_sized_rows(rng):
   """D = 576 (SmolLM2) with the default blocks, a real chat-template shape."""
-  prefix, suffix, table, ids = make_inputs(rng, num_rows=2, prefix_len=11, suffix_len=5,
-                                           max_user=40, vocab=1000, dim=576)
-  run_both(prefix, suffix, table, ids, jnp.asarray([40, 13], jnp.int32), total_len=64,
-           left_pad=True)
+  prefix, suffix, table, ids = make_inputs(
+    rng, num_rows=2, prefix_len=11, suffix_len=5, max_user=40, vocab=1000, dim=576
+  )
+  run_both(prefix, suffix, table, ids, jnp.asarray([40, 13], jnp.int32), total_len=64, left_pad=True)
 
 
 @pytest.mark.parametrize(
-    "change, message",
-    [
-        (dict(total_len=11), "total_len must be a static int >= P1 \\+ U \\+ P2"),
-        (dict(prefix=np.zeros((3, 41))), "prefix_rows must be \\[P, D\\] with D=40"),
-        (dict(table=np.zeros(40)), "table must be \\[V, D\\]"),
-        (dict(ids=np.zeros((4, 7), np.float32)), "user_ids must be \\[B, U\\] integers"),
-        (dict(lengths=np.zeros(3, np.int32)), "user_lengths must be \\[B\\]=\\[4\\]"),
-        (dict(implementation="pallas", block_d=24), "block_d must be a power of two"),
-    ],
+  "change, message",
+  [
+    (dict(total_len=11), "total_len must be a static int >= P1 \\+ U \\+ P2"),
+    (dict(prefix=np.zeros((3, 41))), "prefix_rows must be \\[P, D\\] with D=40"),
+    (dict(table=np.zeros(40)), "table must be \\[V, D\\]"),
+    (dict(ids=np.zeros((4, 7), np.float32)), "user_ids must be \\[B, U\\] integers"),
+    (dict(lengths=np.zeros(3, np.int32)), "user_lengths must be \\[B\\]=\\[4\\]"),
+    (dict(implementation="pallas", block_d=24), "block_d must be a power of two"),
+  ],
 )
 def test_errors_name_the_argument(rng, change, message):
   prefix, suffix, table, ids = make_inputs(rng)
-  args = dict(prefix=prefix, suffix=suffix, table=table, ids=ids,
-              lengths=jnp.zeros(4, jnp.int32), total_len=12)
+  args = dict(prefix=prefix, suffix=suffix, table=table, ids=ids, lengths=jnp.zeros(4, jnp.int32), total_len=12)
   args.update(change)
   with pytest.raises(ValueError, match=message):
-    template_embed(args.pop("prefix"), args.pop("suffix"), args.pop("table"), args.pop("ids"),
-                   args.pop("lengths"), **args)
+    template_embed(
+      args.pop("prefix"), args.pop("suffix"), args.pop("table"), args.pop("ids"), args.pop("lengths"), **args
+    )

@@ -8,17 +8,31 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.tiny import CHAT_TEMPLATE, tiny_tokenizer
 from thoughtjax.config import Architecture, ModelConfig
 from thoughtjax.thoughtlet import ProfileSettings
-from tests.tiny import CHAT_TEMPLATE, tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 # Cheap profiles: shapes and XLA analyses are real, timing is a handful of runs.
 FAST = ProfileSettings(batch=1, context=32, reps=3, warmup=1)
 TINY_SPANS = [(0, 2), (2, 3), (3, 5), (5, 6)]
 # 30 layers like the default model, boundaries at 10, 12 and 20 like its mapping.
-DEEP_SPANS = [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10), (10, 12), (12, 15), (15, 18), (18, 20), (20, 22),
-              (22, 24), (24, 26), (26, 28), (28, 30)]
+DEEP_SPANS = [
+  (0, 2),
+  (2, 4),
+  (4, 6),
+  (6, 8),
+  (8, 10),
+  (10, 12),
+  (12, 15),
+  (15, 18),
+  (18, 20),
+  (20, 22),
+  (22, 24),
+  (24, 26),
+  (26, 28),
+  (28, 30),
+]
 
 
 def tiny_codec():
@@ -28,15 +42,34 @@ def tiny_codec():
 
 
 def tiny_config(num_layers: int = 6, **kw) -> ModelConfig:
-  base = dict(architecture=Architecture.LLAMA, vocab_size=264, d_model=32, num_layers=num_layers, num_heads=4,
-              num_kv_heads=2, head_dim=8, ffn_dim=64, rope_theta=10000.0, max_context=256, bos_id=1, eos_id=2)
+  base = dict(
+    architecture=Architecture.LLAMA,
+    vocab_size=264,
+    d_model=32,
+    num_layers=num_layers,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    ffn_dim=64,
+    rope_theta=10000.0,
+    max_context=256,
+    bos_id=1,
+    eos_id=2,
+  )
   base.update(kw)
   return ModelConfig(**base)
 
 
 def mapping_text(spans, num_layers, template=True) -> str:
-  lines = ["format: 1", "model: tiny", f"num_layers: {num_layers}", "thoughtlets:",
-           "  - kind: embed", "    tags: [input]", "    description: tokens -> residual"]
+  lines = [
+    "format: 1",
+    "model: tiny",
+    f"num_layers: {num_layers}",
+    "thoughtlets:",
+    "  - kind: embed",
+    "    tags: [input]",
+    "    description: tokens -> residual",
+  ]
   if template:
     lines += ["  - kind: template", "    tags: [chat]", "    description: chat template rows"]
   for a, b in spans:
@@ -48,8 +81,9 @@ def mapping_text(spans, num_layers, template=True) -> str:
 def run_python(code: str, *, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
   """Run ``code`` in a fresh interpreter (a new JAX process) from the repository root."""
   full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-  return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env,
-                        timeout=timeout, cwd=REPO)
+  return subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=timeout, cwd=REPO
+  )
 
 
 def read_index(root: Path) -> tuple[dict, dict | None]:

@@ -10,22 +10,22 @@ import threading
 import jax
 import numpy as np
 
+from tests.registry.helpers import REPO
 from thoughtjax.compose import compose, full_path
 from thoughtjax.registry import Registry, TrustPolicy
-from tests.registry.helpers import REPO
 
 IDS = [7, 70, 71, 72, 32, 73]
 UPDATED = ("blocks[0:2)", "head")
 
 # The writer: derive new versions of two thoughtlets and publish them in one update,
 # SIGKILLing itself when the publish reaches the given step for the given time.
-WRITER = """
+WRITER = f"""
 import os, signal, sys
 import jax
 from thoughtjax.registry import Registry
 root, point, nth, key = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 reg = Registry.open(root)
-updates = [reg.thoughtlet(n) for n in {updated!r}]
+updates = [reg.thoughtlet(n) for n in {UPDATED!r}]
 updates = [t.with_params(jax.tree.map(lambda x: x * 1.25, dict(t.params))) for t in updates]
 seen = []
 def hook(event, name):
@@ -35,11 +35,18 @@ def hook(event, name):
     os.kill(os.getpid(), signal.SIGKILL)
 reg.publish(updates, sign_key=key, on_step=hook, settings=None)
 print("finished", flush=True)
-""".format(updated=UPDATED)
+"""
 
 # (step, occurrence): every stage of an update, from staging to after the index switch.
-KILL_POINTS = [("stage:start", 2), ("stage:checkpoint", 1), ("stage:manifest", 2), ("verify", 1),
-               ("commit:version", 1), ("commit:index-written", 1), ("commit:index", 1)]
+KILL_POINTS = [
+  ("stage:start", 2),
+  ("stage:checkpoint", 1),
+  ("stage:manifest", 2),
+  ("verify", 1),
+  ("commit:version", 1),
+  ("commit:index-written", 1),
+  ("commit:index", 1),
+]
 
 
 def _updates(reg, base=None):
@@ -63,10 +70,15 @@ def test_kill_during_update_keeps_previous_version(built, keypair, tmp_path):
     root = tmp_path / f"{point.replace(':', '_')}-{nth}"
     shutil.copytree(built, root)
     roots[point] = root
-    procs[point] = subprocess.Popen([sys.executable, "-c", WRITER, str(root), point, str(nth), str(keypair[0])],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                                    env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
-  for point, nth in KILL_POINTS:
+    procs[point] = subprocess.Popen(
+      [sys.executable, "-c", WRITER, str(root), point, str(nth), str(keypair[0])],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+      cwd=REPO,
+      env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+    )
+  for point, _nth in KILL_POINTS:
     out, err = procs[point].communicate(timeout=300)
     assert procs[point].returncode == -9 and f"killed at {point}" in out, (point, out, err)
     root = roots[point]

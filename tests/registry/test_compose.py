@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.tiny import greedy_reference
 from thoughtjax import program as program_lib
 from thoughtjax.compose import PathTypeError, compose, full_path
 from thoughtjax.engine import Model
 from thoughtjax.loading import LoadedModel
 from thoughtjax.paths import PathSyntaxError
 from thoughtjax.registry import Registry
-from tests.tiny import greedy_reference
 
 IDS = [7, 70, 71, 72, 32, 73, 74, 75, 76, 77, 78, 79, 80]
 
@@ -51,13 +51,16 @@ def test_path_identity_is_a_hash_of_resolved_refs(built):
   assert a.path_hash != compose("embed, blocks[0:6), head", reg).path_hash
 
 
-@pytest.mark.parametrize("path, link, expected, received", [
+@pytest.mark.parametrize(
+  "path, link, expected, received",
+  [
     ("embed, head, blocks[0:2)", 2, "residual[B,T,32]", "logits[B,T,264]"),
     ("blocks[0:2), head", 0, "residual[B,T,32]", "tokens[B,T] i32"),
     ("embed, blocks[0:2), template, head", 2, "message[B,U] i32", "residual[B,T,32]"),
     ("embed, embed, head", 1, "tokens[B,T] i32", "residual[B,T,32]"),
     ("embed, blocks[0:2)", 2, "logits[B,T,V] f32", "residual[B,T,32]"),
-])
+  ],
+)
 def test_type_errors_name_the_first_broken_link(built, path, link, expected, received):
   reg = Registry.open(built)
   with pytest.raises(PathTypeError) as info:
@@ -86,8 +89,10 @@ def test_early_exit_keeps_at_most_45_percent_resident(deep):
   full = sum(x.nbytes for x in jax.tree.leaves(nnx_params(model)))
   assert m.layers == tuple(range(12))
   # Exactly the path's thoughtlets are resident: embed, 12 layers, head.
-  manifests = [reg.manifest(n) for n in ("embed", "head", *[f"blocks[{a}:{b})" for a, b in
-                                                            [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10), (10, 12)]])]
+  manifests = [
+    reg.manifest(n)
+    for n in ("embed", "head", *[f"blocks[{a}:{b})" for a, b in [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10), (10, 12)]])
+  ]
   assert reg.stats().resident_bytes == m.resident_bytes == sum(x.param_bytes for x in manifests)
   assert m.resident_bytes <= 0.45 * full
   ref = _monolithic(cfg, model, codec, tuple(range(12)))
@@ -150,12 +155,14 @@ def test_two_versions_of_one_layer_in_one_path(registry_copy, tiny, keypair):
   reg = Registry.open(registry_copy)
   old = reg.current["blocks[0:2)"]
   base = reg.thoughtlet("blocks[0:2)")
-  new = reg.publish([base.with_params(jax.tree.map(lambda x: x * 1.5, dict(base.params)))], sign_key=keypair[0],
-                    settings=None)
+  new = reg.publish(
+    [base.with_params(jax.tree.map(lambda x: x * 1.5, dict(base.params)))], sign_key=keypair[0], settings=None
+  )
   m = compose(f"embed, blocks[0:2)@{old}, blocks[0:2)@{new['blocks[0:2)']}, blocks[2:6), head", reg)
   assert len(m.parts.blocks) == 8 and m.layers[:4] == (0, 1, 6, 7)  # distinct slots, distinct weights
-  assert not np.allclose(m.logits(IDS), compose(f"embed, blocks[0:2)@{old}, blocks[0:2)@{old}, blocks[2:6), head",
-                                                       reg).logits(IDS))
+  assert not np.allclose(
+    m.logits(IDS), compose(f"embed, blocks[0:2)@{old}, blocks[0:2)@{old}, blocks[2:6), head", reg).logits(IDS)
+  )
 
 
 def test_composed_template_survives_with_chunk_and_with_path(tiny, built):
@@ -166,8 +173,12 @@ def test_composed_template_survives_with_chunk_and_with_path(tiny, built):
   wrapped = codec.encode(codec.render_chat([{"role": "user", "content": message}]))
   ref = _monolithic(cfg, model, codec)
   want = greedy_reference(ref, wrapped, 4)
-  variants = {"composed": m, "with_chunk": m.with_chunk(3), "with_path(layers)": m.with_path((0, 1, 2, 3, 4, 5)),
-              "with_path(str)": m.with_path("template, blocks[0:6), head")}
+  variants = {
+    "composed": m,
+    "with_chunk": m.with_chunk(3),
+    "with_path(layers)": m.with_path((0, 1, 2, 3, 4, 5)),
+    "with_path(str)": m.with_path("template, blocks[0:6), head"),
+  }
   for label, v in variants.items():
     assert v.template is not None, label
     assert v.prompt_ids(message) == wrapped, label

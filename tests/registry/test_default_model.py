@@ -18,9 +18,9 @@ import jax
 import numpy as np
 import pytest
 
+from tests.registry.helpers import REPO, run_python
 from thoughtjax.compose import compose, full_path
 from thoughtjax.registry import Registry, build
-from tests.registry.helpers import REPO, run_python
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import jax
 import pytest
 
-from thoughtjax.registry import Registry, build, dir_name
 from tests.registry.helpers import TINY_SPANS, mapping_text
+from thoughtjax.registry import Registry, build, dir_name
 
 UPDATED = ("blocks[0:2)", "head")
 

@@ -11,23 +11,23 @@ import sys
 import jax
 import pytest
 
-from thoughtjax.registry import Registry, collect_garbage, dir_name
 from tests.registry.helpers import REPO
+from thoughtjax.registry import Registry, collect_garbage, dir_name
 
 NAME = "blocks[5:6)"
 
 # A reader in another process: opens the registry, resolves an old version (as a pinned path would),
 # says so, then keeps the registry open until its stdin closes (no sleeping on either side).
-READER = """
+READER = f"""
 import sys
 from thoughtjax.registry import Registry
 reg = Registry.open(sys.argv[1])
-reg.resolve({name!r}, sys.argv[2])
+reg.resolve({NAME!r}, sys.argv[2])
 print("holding", flush=True)
 sys.stdin.read()
 reg.close()
 print("closed", flush=True)
-""".format(name=NAME)
+"""
 
 
 @pytest.fixture
@@ -45,9 +45,15 @@ def three_versions(registry_copy, keypair):
 
 
 def _reader(root, version) -> subprocess.Popen:
-  return subprocess.Popen([sys.executable, "-c", READER, str(root), version], stdin=subprocess.PIPE,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+  return subprocess.Popen(
+    [sys.executable, "-c", READER, str(root), version],
+    stdin=subprocess.PIPE,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    cwd=REPO,
+    env={**os.environ, "PYTHONPATH": str(REPO)},
+  )
 
 
 def _vdir(root, v):

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from thoughtjax.mapping import MappingError, load_mapping
 from tests.registry.helpers import REPO, mapping_text
+from thoughtjax.mapping import MappingError, load_mapping
 
 GOOD = mapping_text([(0, 2), (2, 4)], 4)
 
@@ -32,26 +32,56 @@ def _line_of(text: str, needle: str, occurrence: int = 1) -> int:
 
 # (case, yaml edit, layers of the model, pieces the message must contain, line locator)
 CASES = {
-    "overlap": (GOOD.replace("layers: [2, 4]", "layers: [1, 4]"), 4,
-                ["entry 3 (blocks[1:4))", "overlap entry 2 (blocks[0:2)", "layers [1, 2)"], "layers: [1, 4]"),
-    "gap": (GOOD.replace("layers: [2, 4]", "layers: [3, 4]"), 4,
-            ["entry 3 (blocks[3:4))", "gap: layers [2, 3)"], "layers: [3, 4]"),
-    "gap_at_end": (GOOD.replace("layers: [2, 4]", "layers: [2, 3]"), 4,
-                   ["gap: layers [3, 4)"], "layers: [2, 3]"),
-    "out_of_range": (GOOD.replace("layers: [2, 4]", "layers: [2, 9]").replace("num_layers: 4\n", ""), 4,
-                     ["entry 3 (blocks[2:9))", "the model has 4 layers"], "layers: [2, 9]"),
-    "unknown_kind": (GOOD.replace("  - kind: head", "  - kind: bridge"), 4,
-                     ["entry 4 (bridge)", "unknown kind 'bridge'", "embed, blocks, head, template"],
-                     "kind: bridge"),
-    "reversed": (GOOD.replace("layers: [2, 4]", "layers: [4, 2]"), 4,
-                 ["entry 3 (blocks[4:2))", "need 0 <= a < b"], "layers: [4, 2]"),
-    "layers_on_head": (GOOD.replace("  - kind: head", "  - kind: head\n    layers: [0, 1]"), 4,
-                       ["entry 4 (head)", "only blocks entries have 'layers'"], "layers: [0, 1]"),
-    "unknown_key": (GOOD.replace("    description: tokens -> residual", "    descripton: typo"), 4,
-                    ["entry 0 (embed)", "unknown key 'descripton'"], "descripton"),
-    "duplicate": (GOOD.replace("  - kind: head", "  - kind: embed\n  - kind: head"), 4,
-                  ["entry 4 (embed)", "already used by entry 0"], ("kind: embed", 2)),
-    "wrong_layer_count": (GOOD, 6, ["declares 4 layers but the model has 6"], "num_layers: 4"),
+  "overlap": (
+    GOOD.replace("layers: [2, 4]", "layers: [1, 4]"),
+    4,
+    ["entry 3 (blocks[1:4))", "overlap entry 2 (blocks[0:2)", "layers [1, 2)"],
+    "layers: [1, 4]",
+  ),
+  "gap": (
+    GOOD.replace("layers: [2, 4]", "layers: [3, 4]"),
+    4,
+    ["entry 3 (blocks[3:4))", "gap: layers [2, 3)"],
+    "layers: [3, 4]",
+  ),
+  "gap_at_end": (GOOD.replace("layers: [2, 4]", "layers: [2, 3]"), 4, ["gap: layers [3, 4)"], "layers: [2, 3]"),
+  "out_of_range": (
+    GOOD.replace("layers: [2, 4]", "layers: [2, 9]").replace("num_layers: 4\n", ""),
+    4,
+    ["entry 3 (blocks[2:9))", "the model has 4 layers"],
+    "layers: [2, 9]",
+  ),
+  "unknown_kind": (
+    GOOD.replace("  - kind: head", "  - kind: bridge"),
+    4,
+    ["entry 4 (bridge)", "unknown kind 'bridge'", "embed, blocks, head, template"],
+    "kind: bridge",
+  ),
+  "reversed": (
+    GOOD.replace("layers: [2, 4]", "layers: [4, 2]"),
+    4,
+    ["entry 3 (blocks[4:2))", "need 0 <= a < b"],
+    "layers: [4, 2]",
+  ),
+  "layers_on_head": (
+    GOOD.replace("  - kind: head", "  - kind: head\n    layers: [0, 1]"),
+    4,
+    ["entry 4 (head)", "only blocks entries have 'layers'"],
+    "layers: [0, 1]",
+  ),
+  "unknown_key": (
+    GOOD.replace("    description: tokens -> residual", "    descripton: typo"),
+    4,
+    ["entry 0 (embed)", "unknown key 'descripton'"],
+    "descripton",
+  ),
+  "duplicate": (
+    GOOD.replace("  - kind: head", "  - kind: embed\n  - kind: head"),
+    4,
+    ["entry 4 (embed)", "already used by entry 0"],
+    ("kind: embed", 2),
+  ),
+  "wrong_layer_count": (GOOD, 6, ["declares 4 layers but the model has 6"], "num_layers: 4"),
 }
 
 

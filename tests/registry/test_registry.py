@@ -8,11 +8,20 @@ import jax
 import numpy as np
 import pytest
 
+from tests.registry.helpers import rewrite_manifest
 from thoughtjax import signing
 from thoughtjax.compose import compose
-from thoughtjax.registry import (IntegrityError, MemoryBudgetError, Registry, ResourceProfileMismatch, Tolerance,
-                                 TrustPolicy, UnknownThoughtletError, collect_garbage, dir_name)
-from tests.registry.helpers import rewrite_manifest
+from thoughtjax.registry import (
+  IntegrityError,
+  MemoryBudgetError,
+  Registry,
+  ResourceProfileMismatch,
+  Tolerance,
+  TrustPolicy,
+  UnknownThoughtletError,
+  collect_garbage,
+  dir_name,
+)
 
 
 def test_build_layout(built, keypair):
@@ -41,14 +50,16 @@ def test_verify_checks_every_hash_and_signature(built, keypair):
 
 def test_untrusted_key_is_refused(built, tmp_path):
   _, other_pub = signing.keygen(tmp_path / "other")
-  with pytest.raises(signing.SignatureError,
-                     match=r"index.json \(index signature\): signed by key .* not among the trusted keys"):
+  with pytest.raises(
+    signing.SignatureError, match=r"index.json \(index signature\): signed by key .* not among the trusted keys"
+  ):
     Registry.open(built, TrustPolicy(public_keys=(other_pub,)))
 
 
 def _data_file(vdir):
-  files = sorted((p for p in (vdir / "checkpoint").rglob("*") if p.is_file() and "/d/" in str(p)),
-                 key=lambda p: p.stat().st_size)
+  files = sorted(
+    (p for p in (vdir / "checkpoint").rglob("*") if p.is_file() and "/d/" in str(p)), key=lambda p: p.stat().st_size
+  )
   return files[-1]
 
 
@@ -124,7 +135,9 @@ def test_unknown_refs_are_named(built):
   reg = Registry.open(built)
   with pytest.raises(UnknownThoughtletError, match="no thoughtlet 'bridge'"):
     compose("embed, bridge, head", reg)
-  with pytest.raises(UnknownThoughtletError, match="layer 4 falls inside thoughtlet blocks\\[3:5\\); .* boundaries \\(0, 2, 3, 5, 6\\)"):
+  with pytest.raises(
+    UnknownThoughtletError, match="layer 4 falls inside thoughtlet blocks\\[3:5\\); .* boundaries \\(0, 2, 3, 5, 6\\)"
+  ):
     compose("embed, blocks[0:4), head", reg)
   with pytest.raises(UnknownThoughtletError, match="embed@ffff: no published version"):
     compose("embed@ffff, blocks[0:2), head", reg)
@@ -172,9 +185,9 @@ def test_gc_keeps_current_and_recent(registry_copy, keypair):
 
 
 def test_codec_keeps_every_eos_id_and_is_checked(tiny, tmp_path):
+  from tests.registry.helpers import TINY_SPANS, mapping_text, tiny_codec
   from thoughtjax.registry import build, codec_digest
   from thoughtjax.tokenizer import TextCodec
-  from tests.registry.helpers import TINY_SPANS, mapping_text, tiny_codec
 
   _, model, _ = tiny
   base = tiny_codec()
@@ -187,5 +200,5 @@ def test_codec_keeps_every_eos_id_and_is_checked(tiny, tmp_path):
   meta.write_text(meta.read_text().replace("[2,3]", "[2]"))  # stop on fewer tokens
   fresh = Registry.open(tmp_path / "reg")
   with pytest.raises(IntegrityError, match=f"{meta}: sha256 does not match"):
-    fresh.codec
+    _ = fresh.codec
   assert fresh.stats().integrity_failures == 1

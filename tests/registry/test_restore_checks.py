@@ -10,8 +10,9 @@ from thoughtjax.registry import store as store_mod
 
 
 def _data_file(vdir):
-  files = sorted((p for p in (vdir / "checkpoint").rglob("*") if p.is_file() and "/d/" in str(p)),
-                 key=lambda p: p.stat().st_size)
+  files = sorted(
+    (p for p in (vdir / "checkpoint").rglob("*") if p.is_file() and "/d/" in str(p)), key=lambda p: p.stat().st_size
+  )
   return files[-1]
 
 
@@ -50,9 +51,11 @@ def test_an_orbax_failure_that_is_not_tampering_says_what_it_is(built, monkeypat
 
   monkeypatch.setattr(store_mod, "_restore_checkpoint", failing_restore)
   reg = Registry.open(built)
-  with pytest.raises(RestoreError, match=rf"restoring head@\w+ from .*checkpoint failed with {type(error).__name__}"
-                                         r".*every file matched its signed sha256 digest, so this is not tampering"
-                     ) as info:
+  with pytest.raises(
+    RestoreError,
+    match=rf"restoring head@\w+ from .*checkpoint failed with {type(error).__name__}"
+    r".*every file matched its signed sha256 digest, so this is not tampering",
+  ) as info:
     reg.restore("head")
   assert not isinstance(info.value, IntegrityError) and info.value.__cause__ is error
   s = reg.stats()

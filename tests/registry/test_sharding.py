@@ -46,11 +46,13 @@ print("RESULT " + json.dumps(out))
 
 
 def test_mesh_restore_and_equivalence(built):
-  proc = run_python(MESH_CHECK.format(root=str(built)),
-                    env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"})
+  proc = run_python(
+    MESH_CHECK.format(root=str(built)),
+    env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"},
+  )
   assert proc.returncode == 0, proc.stderr[-4000:]
   line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-  r = json.loads(line[len("RESULT "):])
+  r = json.loads(line[len("RESULT ") :])
   # Tensor parallel over "model" (heads / FFN width / vocabulary), replicated over "data".
   assert r["q_spec"] == "P(None, 'model', None)"
   assert r["down_spec"] == "P('model', None)"

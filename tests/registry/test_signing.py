@@ -8,8 +8,10 @@ from thoughtjax import signing
 from thoughtjax.errors import UserError
 
 
-@pytest.mark.parametrize("given,stem", [("keys/team.v2", "team.v2"), ("keys/team", "team"),
-                                        ("keys/team.key", "team"), ("keys/team.v2.pub", "team.v2")])
+@pytest.mark.parametrize(
+  "given,stem",
+  [("keys/team.v2", "team.v2"), ("keys/team", "team"), ("keys/team.key", "team"), ("keys/team.v2.pub", "team.v2")],
+)
 def test_keygen_writes_name_dot_key_and_name_dot_pub(tmp_path, given, stem):
   priv, pub = signing.keygen(tmp_path / given)
   assert (priv, pub) == (tmp_path / "keys" / f"{stem}.key", tmp_path / "keys" / f"{stem}.pub")

@@ -13,13 +13,23 @@ import shutil
 import jax
 import pytest
 
+from tests.registry.helpers import read_index, write_index
 from thoughtjax import signing
 from thoughtjax.errors import UserError
-from thoughtjax.registry import (IntegrityError, Registry, RegistryError, ReusedVersionError, RollbackError,
-                                 SignatureDowngradeError, SignatureError, TrustPolicy, UntrustedIndexError,
-                                 collect_garbage, dir_name)
+from thoughtjax.registry import (
+  IntegrityError,
+  Registry,
+  RegistryError,
+  ReusedVersionError,
+  RollbackError,
+  SignatureDowngradeError,
+  SignatureError,
+  TrustPolicy,
+  UntrustedIndexError,
+  collect_garbage,
+  dir_name,
+)
 from thoughtjax.registry.trust import STATE_FORMAT, RollbackState
-from tests.registry.helpers import read_index, write_index
 
 NAME = "blocks[5:6)"
 
@@ -34,8 +44,16 @@ def _index_bytes(root):
 
 
 def test_errors_are_user_errors():
-  for cls in (RegistryError, SignatureError, SignatureDowngradeError, RollbackError, UntrustedIndexError,
-              IntegrityError, ReusedVersionError, signing.SignatureError):
+  for cls in (
+    RegistryError,
+    SignatureError,
+    SignatureDowngradeError,
+    RollbackError,
+    UntrustedIndexError,
+    IntegrityError,
+    ReusedVersionError,
+    signing.SignatureError,
+  ):
     assert issubclass(cls, UserError), cls
   assert issubclass(SignatureError, signing.SignatureError) and issubclass(RegistryError, RuntimeError)
   with pytest.raises(UserError, match="allow_unsigned=True contradicts"):
@@ -52,8 +70,11 @@ def test_writer_refuses_an_edited_index(registry_copy, keypair):
   (registry_copy / "index.json").write_text(json.dumps({"index": body, "signature": sig}))
   edited = _index_bytes(registry_copy)
 
-  with pytest.raises(UntrustedIndexError, match=r"refusing to publish on top of .*index.json: .*index signature"
-                                                r".*does not verify") as info:
+  with pytest.raises(
+    UntrustedIndexError,
+    match=r"refusing to publish on top of .*index.json: .*index signature"
+    r".*does not verify",
+  ) as info:
     reg.publish([_bumped(reg, 2, "head")], sign_key=keypair[0], settings=None)
   assert isinstance(info.value.__cause__, SignatureError)
   s = reg.stats()
@@ -145,8 +166,11 @@ def test_stripped_index_signature_is_refused(registry_copy, tmp_path):
   Registry.open(registry_copy, TrustPolicy(state_file=state)).close()  # this user saw it signed
   body, _ = read_index(registry_copy)
   write_index(registry_copy, body, None)
-  with pytest.raises(SignatureDowngradeError, match=r"index.json: the index is not signed, but the registry is "
-                                                    r"signed \(the index lists signing keys"):
+  with pytest.raises(
+    SignatureDowngradeError,
+    match=r"index.json: the index is not signed, but the registry is "
+    r"signed \(the index lists signing keys",
+  ):
     Registry.open(registry_copy, TrustPolicy(state_file=state))
   # Removing every trace (the key list, the keys directory) does not help: this user saw it signed.
   body["signing_keys"] = []
@@ -206,8 +230,11 @@ def test_planted_version_directory_signed_by_another_key_is_refused(registry_cop
   shutil.copytree(fork / "thoughtlets" / dir_name(NAME) / version, planted)
   reg = Registry.open(registry_copy)
   before = _index_bytes(registry_copy)
-  with pytest.raises(ReusedVersionError, match=rf"{planted}: a version directory that no published index names"
-                                               r".*not this publish's.*registry gc"):
+  with pytest.raises(
+    ReusedVersionError,
+    match=rf"{planted}: a version directory that no published index names"
+    r".*not this publish's.*registry gc",
+  ):
     reg.publish([update], sign_key=keypair[0], settings=None)
   assert reg.stats().writer_refusals == 1 and _index_bytes(registry_copy) == before
   # gc removes the unreferenced directory; the publish then stages its own, signed by its key.
@@ -235,8 +262,9 @@ def test_trust_takes_key_objects_and_names_an_unusable_state_file(built, keypair
   key = signing.load_public_key(keypair[1])
   assert Registry.open(built, TrustPolicy(public_keys=(key,), state_file=tmp_path / "s.json")).signed
   (tmp_path / "file").write_text("")
-  with pytest.raises(RegistryError,
-                     match=r"trust state .*file/s.json: cannot be read or written .*THOUGHTJAX_TRUST_STATE"):
+  with pytest.raises(
+    RegistryError, match=r"trust state .*file/s.json: cannot be read or written .*THOUGHTJAX_TRUST_STATE"
+  ):
     Registry.open(built, TrustPolicy(state_file=tmp_path / "file" / "s.json"))
 
 
@@ -263,8 +291,9 @@ def test_signing_an_unsigned_registry_binds_its_older_manifests(deep, keypair, t
     trusted.manifest("embed")
 
 
-def test_an_index_re_signed_by_a_foreign_key_is_refused_given_public_keys(registry_copy, keypair, tmp_path, tiny,
-                                                                          tiny_mapping):
+def test_an_index_re_signed_by_a_foreign_key_is_refused_given_public_keys(
+  registry_copy, keypair, tmp_path, tiny, tiny_mapping
+):
   """Someone who can write the directory re-signs an edited index with their own key and records it."""
   mallory, mallory_pub = signing.keygen(tmp_path / "mallory")
   mallory_id = signing.key_id(signing.load_public_key(mallory_pub))

@@ -17,9 +17,22 @@ from thoughtjax.client import Client
 
 @pytest.fixture
 def serve_process(tiny_registry):
-  proc = subprocess.Popen([sys.executable, "-c", "from thoughtjax.cli import main; raise SystemExit(main())", "serve",
-                           "--registry", str(tiny_registry.root), "--port", "0"],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+  proc = subprocess.Popen(
+    [
+      sys.executable,
+      "-c",
+      "from thoughtjax.cli import main; raise SystemExit(main())",
+      "serve",
+      "--registry",
+      str(tiny_registry.root),
+      "--port",
+      "0",
+    ],
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    env=dict(os.environ),
+  )
   try:
     line = proc.stdout.readline()  # blocks until the port is bound (or the process died)
     assert line.startswith("serving on 127.0.0.1:"), (line, proc.stderr.read() if proc.poll() is not None else "")
@@ -34,8 +47,23 @@ def serve_process(tiny_registry):
 
 def test_client_streams_from_serve_and_sigterm_drains(serve_process, capsys):
   proc, target = serve_process
-  assert main(["client", "--target", target, "--prompt", "The quick brown fox", "--max-tokens", "5", "--json",
-               "--timeout", "120"]) == 0
+  assert (
+    main(
+      [
+        "client",
+        "--target",
+        target,
+        "--prompt",
+        "The quick brown fox",
+        "--max-tokens",
+        "5",
+        "--json",
+        "--timeout",
+        "120",
+      ]
+    )
+    == 0
+  )
   out = json.loads(capsys.readouterr().out)
   assert out["plan"]["path"] and out["final"]["usage"]["tokensOut"] >= 1
   assert main(["client", "--target", target, "--prompt", "x", "--hint", "poetry_in_klingon", "--timeout", "60"]) == 2

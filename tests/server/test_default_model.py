@@ -15,8 +15,13 @@ def test_serves_a_chat_request_on_the_default_model():
   with BackgroundServer(open_default(), config(), timeout=600) as srv:
     wait_ready(srv)
     with Client(f"127.0.0.1:{srv.port}", timeout=600) as c:
-      text = "".join(c.stream(messages=[{"role": "user", "content": "What is the capital of France?"}],
-                              hints=["general_purpose"], max_tokens=12))
+      text = "".join(
+        c.stream(
+          messages=[{"role": "user", "content": "What is the capital of France?"}],
+          hints=["general_purpose"],
+          max_tokens=12,
+        )
+      )
       final = c.last_final
   assert text.strip() and final.text == text and final.usage.tokens_out >= 1
   assert final.trace.refs and final.trace.actual_ms["total"] > 0

@@ -18,8 +18,18 @@ C = grpc.StatusCode
 BATCH, EXAMPLES = 25, 404
 PLAN_OK = {C.OK, C.INVALID_ARGUMENT, C.OUT_OF_RANGE, C.FAILED_PRECONDITION}
 REFUSED = PLAN_OK - {C.OK}
-HINTS = ["general_purpose", "fast_draft", "Fast-Draft", "genral_purpose", "", " ", "code_generation", "klingon",
-         "legal_analysis", "x" * 300]
+HINTS = [
+  "general_purpose",
+  "fast_draft",
+  "Fast-Draft",
+  "genral_purpose",
+  "",
+  " ",
+  "code_generation",
+  "klingon",
+  "legal_analysis",
+  "x" * 300,
+]
 floats = st.floats(allow_nan=True, allow_infinity=True, width=32)
 text = st.text(max_size=40)
 
@@ -27,9 +37,12 @@ text = st.text(max_size=40)
 @st.composite
 def requests(draw) -> pb.SynthesizeRequest:
   """A valid request (prompt or chat, hints, budget, sampling), then zero to three random corruptions."""
-  m = pb.SynthesizeRequest(prompt=draw(st.sampled_from(["The quick brown fox", "a", "Once upon a time"])),
-                           hints=draw(st.lists(st.sampled_from(HINTS[:3]), max_size=2)),
-                           max_tokens=draw(st.integers(1, 64)), max_latency_ms=draw(st.floats(1e-3, 1e7)))
+  m = pb.SynthesizeRequest(
+    prompt=draw(st.sampled_from(["The quick brown fox", "a", "Once upon a time"])),
+    hints=draw(st.lists(st.sampled_from(HINTS[:3]), max_size=2)),
+    max_tokens=draw(st.integers(1, 64)),
+    max_latency_ms=draw(st.floats(1e-3, 1e7)),
+  )
   for _ in range(draw(st.integers(0, 3))):
     corrupt = draw(st.sampled_from(CORRUPTIONS))
     corrupt(m, draw)
@@ -47,17 +60,29 @@ def _messages(m, draw):
 
 
 CORRUPTIONS = [
-    _set("prompt", text), _messages, _set("max_latency_ms", st.floats(allow_nan=True, allow_infinity=True)),
-    _set("max_tokens", st.integers(0, 2**32 - 1)), _set("temperature", floats),
-    _set("top_k", st.integers(0, 2**32 - 1)),
-    _set("top_p", floats), _set("seed", st.integers(0, 2**64 - 1)), _set("registry_sequence", st.integers(0, 3)),
-    _set("request_id", text),
-    _set("path", st.one_of(text, st.sampled_from(["embed, blocks[0:2), head", "embed, blocks[0:9), head",
-                                                  "head, embed", "embed, blocks[2:1), head"]))),
-    lambda m, draw: m.hints.extend(draw(st.lists(st.one_of(st.sampled_from(HINTS), text), max_size=4))),
-    lambda m, draw: m.logit_bias.update(draw(st.dictionaries(st.integers(-2**31, 2**31 - 1), floats, max_size=3))),
-    lambda m, draw: m.stop_strings.extend(draw(st.lists(text, max_size=2))),
-    lambda m, draw: m.stop_token_ids.extend(draw(st.lists(st.integers(-2**31, 2**31 - 1), max_size=2))),
+  _set("prompt", text),
+  _messages,
+  _set("max_latency_ms", st.floats(allow_nan=True, allow_infinity=True)),
+  _set("max_tokens", st.integers(0, 2**32 - 1)),
+  _set("temperature", floats),
+  _set("top_k", st.integers(0, 2**32 - 1)),
+  _set("top_p", floats),
+  _set("seed", st.integers(0, 2**64 - 1)),
+  _set("registry_sequence", st.integers(0, 3)),
+  _set("request_id", text),
+  _set(
+    "path",
+    st.one_of(
+      text,
+      st.sampled_from(
+        ["embed, blocks[0:2), head", "embed, blocks[0:9), head", "head, embed", "embed, blocks[2:1), head"]
+      ),
+    ),
+  ),
+  lambda m, draw: m.hints.extend(draw(st.lists(st.one_of(st.sampled_from(HINTS), text), max_size=4))),
+  lambda m, draw: m.logit_bias.update(draw(st.dictionaries(st.integers(-(2**31), 2**31 - 1), floats, max_size=3))),
+  lambda m, draw: m.stop_strings.extend(draw(st.lists(text, max_size=2))),
+  lambda m, draw: m.stop_token_ids.extend(draw(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=2))),
 ]
 
 
@@ -75,10 +100,16 @@ def test_ten_thousand_random_and_malformed_requests_each_get_a_status(served):
   stub = rpc.SynthesizerStub(ch)
   raw = ch.unary_unary("/thoughtjax.v1.Synthesizer/GetOptimalPath")
 
-  @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
-            suppress_health_check=list(HealthCheck))
-  @given(st.lists(st.tuples(st.sampled_from(["plan", "synthesize", "bytes"]), requests(), st.binary(max_size=64)),
-                  min_size=BATCH, max_size=BATCH))
+  @settings(
+    max_examples=EXAMPLES, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+  )
+  @given(
+    st.lists(
+      st.tuples(st.sampled_from(["plan", "synthesize", "bytes"]), requests(), st.binary(max_size=64)),
+      min_size=BATCH,
+      max_size=BATCH,
+    )
+  )
   def batch(items):
     calls = []
     for kind, m, junk in items:

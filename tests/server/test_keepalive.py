@@ -14,8 +14,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
 from server.proto.thoughtjax.v1 import synthesis_pb2_grpc as rpc
 
-PINGING = [("grpc.keepalive_time_ms", 100), ("grpc.keepalive_timeout_ms", 5000),
-           ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+PINGING = [
+  ("grpc.keepalive_time_ms", 100),
+  ("grpc.keepalive_timeout_ms", 5000),
+  ("grpc.keepalive_permit_without_calls", 1),
+  ("grpc.http2.max_pings_without_data", 0),
+]
 # A default server strikes an idle ping more often than every 5 minutes and sends GOAWAY after 2 strikes;
 # at one ping a second that is about 3 s. The time below lets 4 or more pings happen (not a wait for an event).
 PING_WINDOW_S = 4.5
@@ -42,7 +46,7 @@ def test_a_pinging_client_keeps_its_connection(served):
     rpc.SynthesizerStub(ch).GetOptimalPath(pb.SynthesizeRequest(prompt="The quick brown fox"), timeout=60)
 
   states = _states_while_pinging(served.port, plan)
-  assert states[states.index("READY"):] == ["READY"], states  # never left READY: no GOAWAY
+  assert states[states.index("READY") :] == ["READY"], states  # never left READY: no GOAWAY
 
 
 def test_control_a_default_grpc_server_drops_the_same_client():
@@ -68,4 +72,4 @@ def test_control_a_default_grpc_server_drops_the_same_client():
     loop.call_soon_threadsafe(stop[0].set)
     t.join(30)
     loop.close()
-  assert states[states.index("READY"):].count("READY") >= 2, states  # dropped (GOAWAY), then reconnected
+  assert states[states.index("READY") :].count("READY") >= 2, states  # dropped (GOAWAY), then reconnected

@@ -19,8 +19,21 @@ GENERATED = ("synthesis_pb2.py", "synthesis_pb2.pyi", "synthesis_pb2_grpc.py")
 def test_regenerating_the_stubs_changes_nothing(tmp_path):
   (tmp_path / PROTO).parent.mkdir(parents=True)
   shutil.copy(ROOT / PROTO, tmp_path / PROTO)
-  subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I", ".", "--python_out=.", "--pyi_out=.",
-                  "--grpc_python_out=.", PROTO], cwd=tmp_path, check=True)
+  subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "grpc_tools.protoc",
+      "-I",
+      ".",
+      "--python_out=.",
+      "--pyi_out=.",
+      "--grpc_python_out=.",
+      PROTO,
+    ],
+    cwd=tmp_path,
+    check=True,
+  )
   for name in GENERATED:
     fresh = (tmp_path / PROTO).with_name(name).read_text()
     assert fresh == (ROOT / PROTO).with_name(name).read_text(), f"{name} is stale: regenerate (see {PROTO})"
@@ -31,8 +44,13 @@ def test_the_service_has_the_five_methods_and_streams_synthesize():
 
   svc = pb.DESCRIPTOR.services_by_name["Synthesizer"]
   assert svc.full_name == "thoughtjax.v1.Synthesizer"
-  assert {m.name for m in svc.methods} == {"GetOptimalPath", "Synthesize", "ListThoughtlets", "RegistryStats",
-                                           "ReloadRegistry"}
+  assert {m.name for m in svc.methods} == {
+    "GetOptimalPath",
+    "Synthesize",
+    "ListThoughtlets",
+    "RegistryStats",
+    "ReloadRegistry",
+  }
   assert svc.methods_by_name["Synthesize"].server_streaming
 
 
@@ -43,7 +61,9 @@ def test_the_shipped_config_is_loopback_and_tolerates_pinging_clients():
   assert opts["grpc.keepalive_permit_without_calls"] == 1 and opts["grpc.http2.max_ping_strikes"] == 0
 
 
-@pytest.mark.parametrize("data, match", [
+@pytest.mark.parametrize(
+  "data, match",
+  [
     ({"prot": 1}, r"unknown keys \['prot'\]"),
     ({"tls": {"cert": "a.pem"}}, "cert and key go together"),
     ({"tls": {"client_ca": "ca.pem"}}, "needs tls.cert"),
@@ -51,7 +71,8 @@ def test_the_shipped_config_is_loopback_and_tolerates_pinging_clients():
     ({"port": 70000}, "port: expected an integer"),
     ({"keepalive": {"time_ms": "soon"}}, "keepalive.time_ms: expected an integer"),
     ({"warm": {"hints": "general_purpose"}}, "warm.hints: expected a list"),
-])
+  ],
+)
 def test_a_bad_config_is_a_named_error(data, match):
   with pytest.raises(ConfigError, match=match):
     from_mapping(data)

@@ -47,8 +47,9 @@ def test_a_stream_gives_the_plan_deltas_and_a_final_trace(served, synthesizer):
   assert plan.path == IDENTITY_SKIP and not plan.degraded
   ids = [t for r in responses[1:-1] for t in r.delta.token_ids]
   # The same request through the library gives the same greedy tokens.
-  alone = synthesizer.synthesize(synthesizer.prompt_ids(PROMPT), ["general_purpose"], max_latency_ms=math.inf,
-                                 max_tokens=9).finish()
+  alone = synthesizer.synthesize(
+    synthesizer.prompt_ids(PROMPT), ["general_purpose"], max_latency_ms=math.inf, max_tokens=9
+  ).finish()
   assert ids == alone.token_ids and final.text == "".join(r.delta.text for r in responses[1:-1]) == alone.text
   assert final.finish_reason in ("length", "stop") and final.usage.tokens_out == len(ids)
   assert final.trace.path_hash == plan.path_hash and {"prefill", "decode", "total"} <= set(final.trace.actual_ms)
@@ -71,12 +72,17 @@ def test_plan_list_stats_reload_and_an_explicit_path(served, tiny_registry):
     assert c.health() == "SERVING"
 
 
-@pytest.mark.parametrize("fields, code, match", [
+@pytest.mark.parametrize(
+  "fields, code, match",
+  [
     ({"prompt": ""}, C.INVALID_ARGUMENT, "exactly one of prompt"),
     ({"prompt": "x", "messages": [pb.ChatMessage(role="user", content="y")]}, C.INVALID_ARGUMENT, "both"),
     ({"prompt": "x", "hints": ["poetry_in_klingon"]}, C.INVALID_ARGUMENT, "Valid hints: general_purpose"),
-    ({"prompt": "x", "hints": ["general_purpose", "fast_draft", "code_generation", "legal_analysis"]},
-     C.INVALID_ARGUMENT, "hints"),
+    (
+      {"prompt": "x", "hints": ["general_purpose", "fast_draft", "code_generation", "legal_analysis"]},
+      C.INVALID_ARGUMENT,
+      "hints",
+    ),
     ({"prompt": "x", "temperature": -1.0}, C.INVALID_ARGUMENT, "temperature must be >= 0"),
     ({"prompt": "x", "temperature": float("nan")}, C.INVALID_ARGUMENT, "temperature: expected a finite"),
     ({"prompt": "x", "top_p": 0.0}, C.INVALID_ARGUMENT, "top_p"),
@@ -89,7 +95,8 @@ def test_plan_list_stats_reload_and_an_explicit_path(served, tiny_registry):
     ({"prompt": "x", "request_id": "\x00" * 3}, C.INVALID_ARGUMENT, "request_id"),
     ({"prompt": "x " * 3000, "max_tokens": 2000}, C.OUT_OF_RANGE, "exceeds the model's context"),
     ({"prompt": "x", "registry_sequence": 999}, C.FAILED_PRECONDITION, "pins 999"),
-])
+  ],
+)
 def test_each_bad_request_gets_its_status_and_a_fix(served, fields, code, match):
   ch, stub = stub_of(served)
   with ch:
@@ -148,8 +155,9 @@ async def _until(cond):
 def test_cancelling_a_stream_stops_the_generation_within_one_chunk_and_frees_its_turn(served):
   ch, stub = stub_of(served)
   with ch:
-    call = stub.Synthesize(pb.SynthesizeRequest(prompt=PROMPT, max_tokens=200, request_id="cancel-me",
-                                                logit_bias={0: 50.0}), timeout=120)  # token 0: no early stop
+    call = stub.Synthesize(
+      pb.SynthesizeRequest(prompt=PROMPT, max_tokens=200, request_id="cancel-me", logit_bias={0: 50.0}), timeout=120
+    )  # token 0: no early stop
     it = iter(call)
     assert next(it).WhichOneof("kind") == "plan"
     assert next(it).WhichOneof("kind") == "delta"
@@ -166,8 +174,10 @@ def test_cancelling_a_stream_stops_the_generation_within_one_chunk_and_frees_its
 def test_an_expired_deadline_is_deadline_exceeded_and_frees_the_turn(served):
   ch, stub = stub_of(served)
   with ch:
-    call = stub.Synthesize(pb.SynthesizeRequest(prompt=PROMPT, max_tokens=120, request_id="late",
-                                                logit_bias={0: 50.0}, max_latency_ms=1e9), timeout=0.5)
+    call = stub.Synthesize(
+      pb.SynthesizeRequest(prompt=PROMPT, max_tokens=120, request_id="late", logit_bias={0: 50.0}, max_latency_ms=1e9),
+      timeout=0.5,
+    )
     with pytest.raises(grpc.RpcError) as e:
       for _ in call:
         pass
@@ -196,8 +206,7 @@ def test_health_not_serving_while_warming_serving_when_ready_not_serving_while_d
       assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
       assert check() == health_pb2.HealthCheckResponse.SERVING
       # A stream in flight when the drain starts finishes; new calls are UNAVAILABLE.
-      inflight = stub.Synthesize(pb.SynthesizeRequest(prompt=PROMPT, max_tokens=40, logit_bias={0: 50.0}),
-                                 timeout=120)
+      inflight = stub.Synthesize(pb.SynthesizeRequest(prompt=PROMPT, max_tokens=40, logit_bias={0: 50.0}), timeout=120)
       it = iter(inflight)
       assert next(it).WhichOneof("kind") == "plan"
       srv.call(srv.app.begin_drain)
@@ -216,8 +225,7 @@ def test_reflection_lists_the_services(served):
 
   with grpc.insecure_channel(f"127.0.0.1:{served.port}") as ch:
     stub = reflection_pb2_grpc.ServerReflectionStub(ch)
-    out = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                         timeout=30))
+    out = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=30))
   names = {s.name for s in out[0].list_services_response.service}
   assert {"thoughtjax.v1.Synthesizer", "grpc.health.v1.Health"} <= names
 

@@ -24,14 +24,21 @@ def _name(cn: str) -> x509.Name:
 
 
 def _cert(subject: str, key, issuer_name: x509.Name, issuer_key, *, ca: bool = False, server: bool = False):
-  now = datetime.datetime.now(datetime.timezone.utc)
-  b = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer_name).public_key(key.public_key())
-       .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-       .not_valid_after(now + datetime.timedelta(days=1))
-       .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+  now = datetime.datetime.now(datetime.UTC)
+  b = (
+    x509.CertificateBuilder()
+    .subject_name(_name(subject))
+    .issuer_name(issuer_name)
+    .public_key(key.public_key())
+    .serial_number(x509.random_serial_number())
+    .not_valid_before(now - datetime.timedelta(minutes=5))
+    .not_valid_after(now + datetime.timedelta(days=1))
+    .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+  )
   if server:
-    b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                     x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+    b = b.add_extension(
+      x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
+    )
   return b.sign(issuer_key, hashes.SHA256())
 
 
@@ -87,8 +94,10 @@ def test_mtls_requires_a_client_certificate_signed_by_the_client_ca(synthesizer,
   with BackgroundServer(synthesizer, config(tls=tls)) as srv:
     wait_ready(srv)
     assert _health(srv.port, ca=pki / "ca.pem", cert=pki / "client.pem", key=pki / "client.key") == "SERVING"
-    for creds in ({"ca": pki / "ca.pem"}, {"ca": pki / "ca.pem", "cert": pki / "stranger.pem",
-                                          "key": pki / "stranger.key"}):
+    for creds in (
+      {"ca": pki / "ca.pem"},
+      {"ca": pki / "ca.pem", "cert": pki / "stranger.pem", "key": pki / "stranger.key"},
+    ):
       with pytest.raises(ClientError) as e:
         _health(srv.port, **creds)
       assert e.value.code == grpc.StatusCode.UNAVAILABLE
@@ -98,8 +107,10 @@ def test_unreadable_or_non_pem_tls_files_are_named(synthesizer, pki, tmp_path):
   from server.config import ConfigError
 
   (tmp_path / "junk.pem").write_text("not a certificate")
-  for tls, match in ((TlsConfig(cert=tmp_path / "missing.pem", key=pki / "server.key"), "tls.cert .*cannot read"),
-                     (TlsConfig(cert=tmp_path / "junk.pem", key=pki / "server.key"), "tls.cert .*expected PEM")):
+  for tls, match in (
+    (TlsConfig(cert=tmp_path / "missing.pem", key=pki / "server.key"), "tls.cert .*cannot read"),
+    (TlsConfig(cert=tmp_path / "junk.pem", key=pki / "server.key"), "tls.cert .*expected PEM"),
+  ):
     with pytest.raises(ConfigError, match=match):
       with BackgroundServer(synthesizer, config(tls=tls)):
         pass

@@ -12,14 +12,23 @@ import math
 
 import pytest
 
+from tests.synthesis.tiny_synthesis import FULL, HINTS, IDENTITY_SKIP, registry_copy, tiny_setup
 from thoughtjax.registry import IntegrityError, Registry, SignatureDowngradeError, SignatureError
-from thoughtjax.registry.calibration_store import (MissingCalibrationError, calibration_path, read_calibration,
-                                                   write_calibration)
-from thoughtjax.synthesis.calibrate import (CalibrateError, LatencySettings, load, machine_fingerprint,
-                                            recalibrate_latency)
+from thoughtjax.registry.calibration_store import (
+  MissingCalibrationError,
+  calibration_path,
+  read_calibration,
+  write_calibration,
+)
+from thoughtjax.synthesis.calibrate import (
+  CalibrateError,
+  LatencySettings,
+  load,
+  machine_fingerprint,
+  recalibrate_latency,
+)
 from thoughtjax.synthesis.calibration import CandidateKind
 from thoughtjax.synthesis.latency import LatencyModel
-from tests.synthesis.tiny_synthesis import FULL, HINTS, IDENTITY_SKIP, registry_copy, tiny_setup
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +48,9 @@ def test_candidates_are_pinned_to_current_versions_and_include_the_lossless_skip
     assert cal.sequence == reg.sequence and dict(cal.current) == current
   paths = {c.path: c for c in cal.candidates}
   assert cal.full.path == FULL and cal.full.kind is CandidateKind.FULL
-  assert {"embed, blocks[0:2), head", "embed, blocks[0:3), head", "embed, blocks[0:5), head", IDENTITY_SKIP} <= set(paths)
+  assert {"embed, blocks[0:2), head", "embed, blocks[0:3), head", "embed, blocks[0:5), head", IDENTITY_SKIP} <= set(
+    paths
+  )
   for c in cal.candidates:
     assert all(current[u.name] == u.version for u in c.units)
   skip = paths[IDENTITY_SKIP]
@@ -148,11 +159,13 @@ def test_missing_calibration_names_the_fix(setup):
 def test_latency_only_keeps_candidates_and_quality(setup, cal, tmp_path):
   root = registry_copy(tmp_path / "reg")
   with Registry.open(root) as reg:
-    again = recalibrate_latency(reg, cal, LatencySettings(prompt_tokens=(4, 12), max_tokens=(4, 9), reps=1,
-                                                          plan_reps=5))
+    again = recalibrate_latency(
+      reg, cal, LatencySettings(prompt_tokens=(4, 12), max_tokens=(4, 9), reps=1, plan_reps=5)
+    )
     assert [c.path_hash for c in again.candidates] == [c.path_hash for c in cal.candidates]
-    assert {h: {k: q.to_json() for k, q in v.items()} for h, v in again.quality.items()} == \
-        {h: {k: q.to_json() for k, q in v.items()} for h, v in cal.quality.items()}
+    assert {h: {k: q.to_json() for k, q in v.items()} for h, v in again.quality.items()} == {
+      h: {k: q.to_json() for k, q in v.items()} for h, v in cal.quality.items()
+    }
     assert again.fingerprint == machine_fingerprint()
     write_calibration(reg, again, sign_key=setup.key)
     assert read_calibration(reg).digest() == again.digest()
@@ -180,8 +193,12 @@ def test_the_shipped_default_table_pins_to_the_default_registry_and_reproduces()
     hint, s = "general_purpose", CalibrateSettings()
     d = load_dictionary()[hint]
     model = full_model(reg)
-    corpora = {hint: (_token_docs(model.codec, d.documents("calibration"), s.window, s.max_windows),
-                      _token_docs(model.codec, d.documents("heldout"), s.window, s.max_windows))}
+    corpora = {
+      hint: (
+        _token_docs(model.codec, d.documents("calibration"), s.window, s.max_windows),
+        _token_docs(model.codec, d.documents("heldout"), s.window, s.max_windows),
+      )
+    }
     some = [c for c in shipped.candidates if c.kind is not CandidateKind.FULL][:2]
     again = measure_candidates(model, some, corpora, window=s.window)
     for c in some:

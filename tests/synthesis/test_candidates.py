@@ -15,22 +15,32 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.synthesis.test_quality import make_model
 from thoughtjax import program
 from thoughtjax.compose import compose
 from thoughtjax.model import GraphDefs
 from thoughtjax.paths import layers_of_path
 from thoughtjax.synthesis.calibration import Calibration, CandidateKind, PathQuality
-from thoughtjax.synthesis.candidates import (CandidateError, CandidateSettings, default_exits, default_repeats,
-                                             block_influence, greedy_removal, pin, propose, unit_spans)
+from thoughtjax.synthesis.candidates import (
+  CandidateError,
+  CandidateSettings,
+  block_influence,
+  default_exits,
+  default_repeats,
+  greedy_removal,
+  pin,
+  propose,
+  unit_spans,
+)
 from thoughtjax.synthesis.latency import LatencyParams, LinearCost
 from thoughtjax.synthesis.quality import measure, measure_candidates, windows
 from thoughtjax.thoughtlet import capture
-from tests.synthesis.test_quality import make_model
 
 IDENTITY = 2
 WINDOW = 48
-SETTINGS = CandidateSettings(exits=[3, 5], single_skips=2, greedy_removals=3, greedy_windows=4, repeats=[(2, 4)],
-                             window=WINDOW)
+SETTINGS = CandidateSettings(
+  exits=[3, 5], single_skips=2, greedy_removals=3, greedy_windows=4, repeats=[(2, 4)], window=WINDOW
+)
 
 
 @pytest.fixture(scope="module")
@@ -112,23 +122,44 @@ def test_proposals_kinds_order_and_dedup(proposals):
   assert sum(k is CandidateKind.SKIP for k in kinds) >= 3  # 2 single skips + greedy prefixes not already there
   for p in proposals:
     assert layers_of_path(p.path, 6) == p.layers
-  assert [p.path for p in proposals[:3]] == ["embed, blocks[0:6), head", "embed, blocks[0:3), head",
-                                             "embed, blocks[0:5), head"]
+  assert [p.path for p in proposals[:3]] == [
+    "embed, blocks[0:6), head",
+    "embed, blocks[0:3), head",
+    "embed, blocks[0:5), head",
+  ]
 
 
 def test_the_full_path_is_always_proposed(ident, docs):
   only = propose(ident, docs, CandidateSettings(exits=[], single_skips=0, greedy_removals=0, repeats=[]))
   assert [(p.kind, p.layers) for p in only] == [(CandidateKind.FULL, tuple(range(6)))]
-  manual_full = propose(ident, docs, CandidateSettings(exits=[], single_skips=0, greedy_removals=0, repeats=[]),
-                        manual=["embed, blocks[0:4), blocks[4:6), head"])
+  manual_full = propose(
+    ident,
+    docs,
+    CandidateSettings(exits=[], single_skips=0, greedy_removals=0, repeats=[]),
+    manual=["embed, blocks[0:4), blocks[4:6), head"],
+  )
   assert len(manual_full) == 1 and manual_full[0].kind is CandidateKind.FULL
 
 
 def test_defaults_follow_the_depth_and_unit_boundaries():
   assert default_exits(unit_spans(30), 30) == list(range(15, 30, 2))  # 15, 17, ..., 29
   assert default_repeats(unit_spans(30), 30) == [(10, 20)]
-  shipped = [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10), (10, 12), (12, 15), (15, 18), (18, 20), (20, 22), (22, 24),
-             (24, 26), (26, 28), (28, 30)]
+  shipped = [
+    (0, 2),
+    (2, 4),
+    (4, 6),
+    (6, 8),
+    (8, 10),
+    (10, 12),
+    (12, 15),
+    (15, 18),
+    (18, 20),
+    (20, 22),
+    (22, 24),
+    (24, 26),
+    (26, 28),
+    (28, 30),
+  ]
   assert default_exits(unit_spans(30, shipped), 30) == [15, 18, 20, 22, 24, 26, 28]
   assert default_repeats(unit_spans(30, shipped), 30) == [(10, 20)]
 
@@ -136,8 +167,11 @@ def test_defaults_follow_the_depth_and_unit_boundaries():
 def test_default_settings_on_the_tiny_model(ident, docs):
   got = propose(ident, docs, CandidateSettings(single_skips=0, greedy_removals=0))
   assert [(p.kind.value, p.path) for p in got] == [
-      ("full", "embed, blocks[0:6), head"), ("exit", "embed, blocks[0:3), head"), ("exit", "embed, blocks[0:5), head"),
-      ("repeat", "embed, blocks[0:4), blocks[2:6), head")]
+    ("full", "embed, blocks[0:6), head"),
+    ("exit", "embed, blocks[0:3), head"),
+    ("exit", "embed, blocks[0:5), head"),
+    ("repeat", "embed, blocks[0:4), blocks[2:6), head"),
+  ]
 
 
 def test_hashes_are_those_compose_reports(ident, proposals):
@@ -176,8 +210,12 @@ def test_measured_candidates_build_a_calibration(ident, docs, proposals, built):
     assert sum(u.layers for u in c.units) == len(p.layers)
   quality = measure_candidates(ident, pinned, {"general_purpose": (docs[:2], docs[2:])}, window=WINDOW)
   keys = {u.cost_key for c in pinned for u in c.units}
-  params = LatencyParams(prefill={k: LinearCost(1.0, 0.01) for k in keys}, decode={k: LinearCost(0.5) for k in keys},
-                         restore=LinearCost(1.0), compile={16: LinearCost(10.0)})
+  params = LatencyParams(
+    prefill={k: LinearCost(1.0, 0.01) for k in keys},
+    decode={k: LinearCost(0.5) for k in keys},
+    restore=LinearCost(1.0),
+    compile={16: LinearCost(10.0)},
+  )
   cal = Calibration(reg.generation, "cpu:test", pinned, quality, params, reg.current)
   again = Calibration.from_json(cal.to_json())
   assert again.hint_quality(cal.full.path_hash, "general_purpose").calibration.top1_agreement == 1.0
@@ -196,8 +234,9 @@ def test_a_tampered_thoughtlet_is_an_error_never_a_quiet_refusal(ident, docs, bu
   raw = json.loads(path.read_text())
   raw["layers"] = [2, 4]  # claims to run one more layer than it was published with
   path.write_text(json.dumps(raw))
-  aligned = propose(ident, docs, CandidateSettings(exits=[2, 3], single_skips=0, greedy_removals=0, repeats=[]),
-                    spans=reg.block_spans())
+  aligned = propose(
+    ident, docs, CandidateSettings(exits=[2, 3], single_skips=0, greedy_removals=0, repeats=[]), spans=reg.block_spans()
+  )
   with pytest.raises(IntegrityError) as info:
     pin(aligned, reg)
   assert (info.value.thoughtlet, info.value.version) == ("blocks[2:3)", version)
@@ -231,7 +270,11 @@ def test_refusals_name_the_setting_and_the_fix(ident, docs):
 
 def test_proposing_reports_progress_per_measurement(ident, docs):
   seen = []
-  propose(ident, docs, CandidateSettings(exits=[], single_skips=1, greedy_removals=2, greedy_windows=2, repeats=[],
-                                         window=WINDOW), progress=lambda *a: seen.append(a))
+  propose(
+    ident,
+    docs,
+    CandidateSettings(exits=[], single_skips=1, greedy_removals=2, greedy_windows=2, repeats=[], window=WINDOW),
+    progress=lambda *a: seen.append(a),
+  )
   n = len(windows(None, docs, WINDOW))
   assert seen == [(i, n, "influence") for i in range(1, n + 1)] + [(1, 2, "greedy removal"), (2, 2, "greedy removal")]

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from thoughtjax.cli import main
 from tests.synthesis.tiny_synthesis import IDENTITY_SKIP, registry_copy, tiny_setup
+from thoughtjax.cli import main
 
 STAGES = {"total", "synthesis", "restore", "compile", "prefill", "decode"}
 
@@ -24,45 +24,114 @@ def run(capsys, *argv):
 
 
 def test_plan_json_contract_and_a_corrected_hint(capsys, reg):
-  code, out, err = run(capsys, "plan", "--registry", reg, "--hint", "genral_purpose", "--hint", "fast_draft",
-                       "--max-latency-ms", "100000", "--prompt", "Once upon a time", "--max-tokens", "8", "--json")
+  code, out, err = run(
+    capsys,
+    "plan",
+    "--registry",
+    reg,
+    "--hint",
+    "genral_purpose",
+    "--hint",
+    "fast_draft",
+    "--max-latency-ms",
+    "100000",
+    "--prompt",
+    "Once upon a time",
+    "--max-tokens",
+    "8",
+    "--json",
+  )
   assert code == 0
   d = json.loads(out)
   assert {"path", "path_hash", "hints", "corrected_hints", "predicted_ms", "quality", "degraded", "reason"} <= set(d)
   assert set(d["predicted_ms"]) == STAGES and d["path"] == IDENTITY_SKIP and d["degraded"] is False
-  assert d["hints"] == ["general_purpose", "fast_draft"] and d["corrected_hints"] == {"genral_purpose": "general_purpose"}
+  assert d["hints"] == ["general_purpose", "fast_draft"] and d["corrected_hints"] == {
+    "genral_purpose": "general_purpose"
+  }
   assert set(d["quality"]) == {"general_purpose", "fast_draft"}
   assert "'genral_purpose' corrected to 'general_purpose'" in err
 
 
 def test_plan_text_explains_and_a_tight_budget_is_degraded(capsys, reg):
-  code, out, _ = run(capsys, "plan", "--registry", reg, "--hint", "general_purpose", "--max-latency-ms", "0.001",
-                     "--prompt", "hi", "--explain")
+  code, out, _ = run(
+    capsys,
+    "plan",
+    "--registry",
+    reg,
+    "--hint",
+    "general_purpose",
+    "--max-latency-ms",
+    "0.001",
+    "--prompt",
+    "hi",
+    "--explain",
+  )
   assert code == 0
   assert "degraded    true (budget)" in out and "rejected" in out and "of 64 tokens within the budget" in out
 
 
 def test_an_unknown_hint_exits_2_with_the_list(capsys, reg):
-  code, out, err = run(capsys, "plan", "--registry", reg, "--hint", "klingon_poetry", "--max-latency-ms", "100",
-                       "--prompt", "hi")
+  code, out, err = run(
+    capsys, "plan", "--registry", reg, "--hint", "klingon_poetry", "--max-latency-ms", "100", "--prompt", "hi"
+  )
   assert code == 2 and out == ""
   assert err.count("\n") == 1 and "UnknownHintError" in err and "general_purpose, fast_draft" in err
 
 
 def test_synthesize_json_contract(capsys, reg):
-  code, out, err = run(capsys, "synthesize", "--registry", reg, "--hint", "fast_draft", "--max-latency-ms", "1e6",
-                       "--prompt", "Once upon a time", "--max-tokens", "6", "--json")
+  code, out, err = run(
+    capsys,
+    "synthesize",
+    "--registry",
+    reg,
+    "--hint",
+    "fast_draft",
+    "--max-latency-ms",
+    "1e6",
+    "--prompt",
+    "Once upon a time",
+    "--max-tokens",
+    "6",
+    "--json",
+  )
   assert code == 0
   d = json.loads(out)
-  assert {"path", "path_hash", "hints", "corrected_hints", "predicted_ms", "quality", "degraded", "reason",
-          "token_ids", "text", "actual_ms"} <= set(d)
+  assert {
+    "path",
+    "path_hash",
+    "hints",
+    "corrected_hints",
+    "predicted_ms",
+    "quality",
+    "degraded",
+    "reason",
+    "token_ids",
+    "text",
+    "actual_ms",
+  } <= set(d)
   assert STAGES - {"synthesis"} <= set(d["actual_ms"]) and set(d["predicted_ms"]) == STAGES
   assert 1 <= len(d["token_ids"]) <= 6 and isinstance(d["text"], str)
 
 
 def test_synthesize_streams_the_answer_and_prints_the_trace_to_stderr(capsys, reg):
-  code, out, err = run(capsys, "synthesize", "--registry", reg, "--hint", "fast_draft", "--max-latency-ms", "1e6",
-                       "--prompt", "Once upon a time", "--max-tokens", "6", "--temperature", "0.8", "--seed", "3")
+  code, out, err = run(
+    capsys,
+    "synthesize",
+    "--registry",
+    reg,
+    "--hint",
+    "fast_draft",
+    "--max-latency-ms",
+    "1e6",
+    "--prompt",
+    "Once upon a time",
+    "--max-tokens",
+    "6",
+    "--temperature",
+    "0.8",
+    "--seed",
+    "3",
+  )
   assert code == 0 and out.endswith("\n")
   assert "predicted ms" in err and "actual ms" in err and "decode" in err and "tokens in" in err
   assert "predicted ms" not in out
@@ -87,6 +156,7 @@ def test_registry_calibrate_latency_only_and_warm(capsys, tmp_path):
   assert code == 2 and "--sign-key" in err
   code, out, err = run(capsys, "registry", "calibrate", root, "--latency-only", "--sign-key", tiny_setup().key)
   assert code == 0 and "signed" in out and "wall time" in out
-  code, out, _ = run(capsys, "registry", "warm", root, "--hint", "fast_draft", "--prompt-tokens", "8",
-                     "--max-tokens", "8")
+  code, out, _ = run(
+    capsys, "registry", "warm", root, "--hint", "fast_draft", "--prompt-tokens", "8", "--max-tokens", "8"
+  )
   assert code == 0 and IDENTITY_SKIP in out

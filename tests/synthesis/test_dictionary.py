@@ -10,13 +10,24 @@ from pathlib import Path
 import pytest
 
 from thoughtjax.errors import UserError
-from thoughtjax.synthesis.dictionary import (DOC_SEPARATOR, DictionaryError, default_dictionary_path,
-                                             load_dictionary, split_documents)
+from thoughtjax.synthesis.dictionary import (
+  DOC_SEPARATOR,
+  DictionaryError,
+  default_dictionary_path,
+  load_dictionary,
+  split_documents,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "registry" / "synthesis_dict.yaml"
-REQUIRED = ("general_purpose", "fast_draft", "code_generation", "structured_output", "legal_analysis",
-            "comparative_reasoning")
+REQUIRED = (
+  "general_purpose",
+  "fast_draft",
+  "code_generation",
+  "structured_output",
+  "legal_analysis",
+  "comparative_reasoning",
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +45,11 @@ def test_shipped_dictionary_has_the_required_hints(shipped):
 
 
 def test_floors_order_fast_draft_loose_general_between_legal_strict(shipped):
-  fast, general, legal = shipped["fast_draft"].floors, shipped["general_purpose"].floors, shipped["legal_analysis"].floors
+  fast, general, legal = (
+    shipped["fast_draft"].floors,
+    shipped["general_purpose"].floors,
+    shipped["legal_analysis"].floors,
+  )
   assert fast.top1_agreement < general.top1_agreement < legal.top1_agreement
   assert fast.mean_kl > general.mean_kl > legal.mean_kl
   for h in shipped:
@@ -70,7 +85,9 @@ def test_default_path_is_the_checkouts_from_any_directory(tmp_path, monkeypatch)
 
 
 def test_split_documents():
-  text = f"first\nline\n{DOC_SEPARATOR}\n\n{DOC_SEPARATOR}\n  {DOC_SEPARATOR}  \nsecond\n\n  indented\n{DOC_SEPARATOR}\n"
+  text = (
+    f"first\nline\n{DOC_SEPARATOR}\n\n{DOC_SEPARATOR}\n  {DOC_SEPARATOR}  \nsecond\n\n  indented\n{DOC_SEPARATOR}\n"
+  )
   assert split_documents(text) == ["first\nline", "second\n\n  indented"]
   assert split_documents("") == []
   assert split_documents("just one") == ["just one"]
@@ -88,7 +105,9 @@ def _good(root: Path) -> str:
   h = {}
   for hint in ("alpha", "beta_two"):
     for split in ("calibration", "heldout"):
-      h[hint, split] = _write_corpus(root, f"evals/{hint}/{split}.txt", [f"{hint} {split} document {i}." for i in range(3)])
+      h[hint, split] = _write_corpus(
+        root, f"evals/{hint}/{split}.txt", [f"{hint} {split} document {i}." for i in range(3)]
+      )
   return f"""format: 1
 hints:
   - name: alpha
@@ -134,49 +153,105 @@ def _hash_case(text: str, root: Path) -> str:
 
 # case: (edit of the good text (and folder), pieces the message must contain, line locator)
 CASES = {
-    "unknown_top_key": (lambda t, r: t.replace("format: 1", "format: 1\nhint: []"),
-                        ["unknown top-level key 'hint'"], "hint: []"),
-    "unknown_hint_key": (lambda t, r: t.replace("    description: the first hint", "    descripton: typo"),
-                         ["hint 0 (alpha)", "unknown key 'descripton'"], "descripton"),
-    "missing_field": (lambda t, r: t.replace("    description: the second hint\n", ""),
-                      ["hint 1 (beta_two)", "missing field 'description'"], "name: beta_two"),
-    "unknown_floor": (lambda t, r: t.replace("mean_kl: 0.5", "mean_kl: 0.5\n      top5_agreement: 0.9"),
-                      ["hint 1 (beta_two)", "unknown key 'floors.top5_agreement'"], "top5_agreement"),
-    "missing_floor": (lambda t, r: t.replace("      mean_kl: 0.5\n", ""),
-                      ["hint 1 (beta_two)", "'floors' is missing 'mean_kl'"], ("    floors:", 2)),
-    "agreement_above_one": (lambda t, r: t.replace("top1_agreement: 0.75", "top1_agreement: 75"),
-                            ["hint 1 (beta_two)", "floors.top1_agreement", "in [0, 1]; got 75"],
-                            "top1_agreement: 75"),
-    "negative_kl": (lambda t, r: t.replace("mean_kl: 0.5", "mean_kl: -0.5"),
-                    ["floors.mean_kl", "must be >= 0; got -0.5"], "mean_kl: -0.5"),
-    "nan_delta_nll": (lambda t, r: t.replace("delta_nll: 0.05", "delta_nll: .nan"),
-                      ["hint 0 (alpha)", "floors.delta_nll must be a finite number"], "delta_nll"),
-    "string_floor": (lambda t, r: t.replace("mean_kl: 0.1", "mean_kl: low"),
-                     ["floors.mean_kl must be a finite number, got 'low'"], "mean_kl: low"),
-    "duplicate": (lambda t, r: t.replace("name: beta_two", "name: alpha"),
-                  ["hint 1 (alpha)", "already used by hint 0 (line 3)"], ("name: alpha", 2)),
-    "not_normalized": (lambda t, r: t.replace("name: beta_two", "name: Beta-Two"),
-                       ["hint 1 (Beta-Two)", "normalized form", "'code_generation'"], "name: Beta-Two"),
-    "hash_mismatch": (_hash_case, ["hint 0 (alpha)", "evals/alpha/heldout.txt has sha3-256",
-                                   "set corpus.heldout.sha3_256 to"], "path: evals/alpha/heldout.txt"),
-    "missing_hash": (lambda t, r: t.replace("heldout.txt, sha3_256: ", "heldout.txt, sha3: ", 1),
-                     ["unknown key 'corpus.heldout.sha3'"], "sha3: "),
-    "missing_file": (lambda t, r: t.replace("evals/beta_two/calibration.txt", "evals/beta_two/calib.txt"),
-                     ["hint 1 (beta_two)", "calib.txt does not exist"], "calib.txt"),
-    "escaping_path": (lambda t, r: t.replace("evals/beta_two/heldout.txt", "../outside.txt"),
-                      ["corpus.heldout.path '../outside.txt' leaves the dictionary's folder"], "../outside.txt"),
-    "same_split_file": (lambda t, r: t.replace("evals/alpha/heldout.txt", "evals/alpha/calibration.txt").replace(
-        t.split("evals/alpha/heldout.txt, sha3_256: ")[1][:64], t.split("evals/alpha/calibration.txt, sha3_256: ")[1][:64]),
-                        ["hint 0 (alpha)", "hold the same text"], "    corpus:"),
-    "public_domain_unnamed": (lambda t, r: t.replace(', work: "Pride and Prejudice, Jane Austen (1813)"', ""),
-                              ["hint 1 (beta_two)", "must name the work"], "kind: public_domain"),
-    "unknown_source_kind": (lambda t, r: t.replace("kind: written_for_project", "kind: scraped"),
-                            ["hint 0 (alpha)", "source.kind must be one of written_for_project, public_domain"],
-                            "kind: scraped"),
-    "two_line_description": (lambda t, r: t.replace("description: the first hint", "description: |\n      one\n      two"),
-                             ["description must be one non-empty line"], "description: |"),
-    "empty_hints": (lambda t, r: "format: 1\nhints: []\n", ["'hints' must be a non-empty list"], "hints: []"),
-    "bad_format": (lambda t, r: t.replace("format: 1", "format: 2"), ["format 2 is not supported"], "format: 2"),
+  "unknown_top_key": (
+    lambda t, r: t.replace("format: 1", "format: 1\nhint: []"),
+    ["unknown top-level key 'hint'"],
+    "hint: []",
+  ),
+  "unknown_hint_key": (
+    lambda t, r: t.replace("    description: the first hint", "    descripton: typo"),
+    ["hint 0 (alpha)", "unknown key 'descripton'"],
+    "descripton",
+  ),
+  "missing_field": (
+    lambda t, r: t.replace("    description: the second hint\n", ""),
+    ["hint 1 (beta_two)", "missing field 'description'"],
+    "name: beta_two",
+  ),
+  "unknown_floor": (
+    lambda t, r: t.replace("mean_kl: 0.5", "mean_kl: 0.5\n      top5_agreement: 0.9"),
+    ["hint 1 (beta_two)", "unknown key 'floors.top5_agreement'"],
+    "top5_agreement",
+  ),
+  "missing_floor": (
+    lambda t, r: t.replace("      mean_kl: 0.5\n", ""),
+    ["hint 1 (beta_two)", "'floors' is missing 'mean_kl'"],
+    ("    floors:", 2),
+  ),
+  "agreement_above_one": (
+    lambda t, r: t.replace("top1_agreement: 0.75", "top1_agreement: 75"),
+    ["hint 1 (beta_two)", "floors.top1_agreement", "in [0, 1]; got 75"],
+    "top1_agreement: 75",
+  ),
+  "negative_kl": (
+    lambda t, r: t.replace("mean_kl: 0.5", "mean_kl: -0.5"),
+    ["floors.mean_kl", "must be >= 0; got -0.5"],
+    "mean_kl: -0.5",
+  ),
+  "nan_delta_nll": (
+    lambda t, r: t.replace("delta_nll: 0.05", "delta_nll: .nan"),
+    ["hint 0 (alpha)", "floors.delta_nll must be a finite number"],
+    "delta_nll",
+  ),
+  "string_floor": (
+    lambda t, r: t.replace("mean_kl: 0.1", "mean_kl: low"),
+    ["floors.mean_kl must be a finite number, got 'low'"],
+    "mean_kl: low",
+  ),
+  "duplicate": (
+    lambda t, r: t.replace("name: beta_two", "name: alpha"),
+    ["hint 1 (alpha)", "already used by hint 0 (line 3)"],
+    ("name: alpha", 2),
+  ),
+  "not_normalized": (
+    lambda t, r: t.replace("name: beta_two", "name: Beta-Two"),
+    ["hint 1 (Beta-Two)", "normalized form", "'code_generation'"],
+    "name: Beta-Two",
+  ),
+  "hash_mismatch": (
+    _hash_case,
+    ["hint 0 (alpha)", "evals/alpha/heldout.txt has sha3-256", "set corpus.heldout.sha3_256 to"],
+    "path: evals/alpha/heldout.txt",
+  ),
+  "missing_hash": (
+    lambda t, r: t.replace("heldout.txt, sha3_256: ", "heldout.txt, sha3: ", 1),
+    ["unknown key 'corpus.heldout.sha3'"],
+    "sha3: ",
+  ),
+  "missing_file": (
+    lambda t, r: t.replace("evals/beta_two/calibration.txt", "evals/beta_two/calib.txt"),
+    ["hint 1 (beta_two)", "calib.txt does not exist"],
+    "calib.txt",
+  ),
+  "escaping_path": (
+    lambda t, r: t.replace("evals/beta_two/heldout.txt", "../outside.txt"),
+    ["corpus.heldout.path '../outside.txt' leaves the dictionary's folder"],
+    "../outside.txt",
+  ),
+  "same_split_file": (
+    lambda t, r: t.replace("evals/alpha/heldout.txt", "evals/alpha/calibration.txt").replace(
+      t.split("evals/alpha/heldout.txt, sha3_256: ")[1][:64], t.split("evals/alpha/calibration.txt, sha3_256: ")[1][:64]
+    ),
+    ["hint 0 (alpha)", "hold the same text"],
+    "    corpus:",
+  ),
+  "public_domain_unnamed": (
+    lambda t, r: t.replace(', work: "Pride and Prejudice, Jane Austen (1813)"', ""),
+    ["hint 1 (beta_two)", "must name the work"],
+    "kind: public_domain",
+  ),
+  "unknown_source_kind": (
+    lambda t, r: t.replace("kind: written_for_project", "kind: scraped"),
+    ["hint 0 (alpha)", "source.kind must be one of written_for_project, public_domain"],
+    "kind: scraped",
+  ),
+  "two_line_description": (
+    lambda t, r: t.replace("description: the first hint", "description: |\n      one\n      two"),
+    ["description must be one non-empty line"],
+    "description: |",
+  ),
+  "empty_hints": (lambda t, r: "format: 1\nhints: []\n", ["'hints' must be a non-empty list"], "hints: []"),
+  "bad_format": (lambda t, r: t.replace("format: 1", "format: 2"), ["format 2 is not supported"], "format: 2"),
 }
 
 

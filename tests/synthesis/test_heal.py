@@ -8,12 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from thoughtjax.synthesis.heal import HealError, HealSettings, heal
 from tests.tiny import tiny_engine
+from thoughtjax.synthesis.heal import HealError, HealSettings, heal
 
 CUT = "embed, blocks[0:2), head"  # the 3-layer tiny model without its last layer
-SMALL = HealSettings(rank=8, steps=40, learning_rate=1e-2, batch=4, window=32, seed=0, generated=8,
-                     generated_tokens=48)
+SMALL = HealSettings(rank=8, steps=40, learning_rate=1e-2, batch=4, window=32, seed=0, generated=8, generated_tokens=48)
 DOCS = ["The quick brown fox jumps over the lazy dog. " * 3, "Pack my box with five dozen liquor jugs. " * 3]
 
 
@@ -35,7 +34,9 @@ def test_training_reduces_heldout_kl(healed):
   assert report.after.top1_agreement >= report.before.top1_agreement
   assert report.name == "bridge.2-3" and report.heals == (2, 3)
   assert report.bridged_path == "embed, blocks[0:2), bridge.2-3, head"
-  assert report.param_bytes == sum(np.asarray(x).nbytes for x in (params["down"], params["up"], params["norm"]["weight"]))
+  assert report.param_bytes == sum(
+    np.asarray(x).nbytes for x in (params["down"], params["up"], params["norm"]["weight"])
+  )
   assert len(report.losses) == SMALL.steps and np.isfinite(report.losses).all()
   json.dumps(report.to_json())  # stored with the bridge: must serialize
 
@@ -52,8 +53,13 @@ def test_same_seed_same_bridge_other_seed_other_bridge(model, healed):
 
 def test_progress_is_reported_every_step(model):
   seen = []
-  heal(model, CUT, HealSettings(**{**SMALL.__dict__, "steps": 3}), documents=DOCS,
-       progress=lambda step, steps, loss: seen.append((step, steps, loss)))
+  heal(
+    model,
+    CUT,
+    HealSettings(**{**SMALL.__dict__, "steps": 3}),
+    documents=DOCS,
+    progress=lambda step, steps, loss: seen.append((step, steps, loss)),
+  )
   assert [s[:2] for s in seen] == [(1, 3), (2, 3), (3, 3)] and all(np.isfinite(s[2]) for s in seen)
 
 
@@ -67,19 +73,44 @@ def test_bad_requests_are_named(model):
 
 
 def test_cli_registry_heal_publishes_a_composable_bridge(tmp_path, monkeypatch, capsys):
+  from tests.registry.helpers import TINY_SPANS, mapping_text, tiny_codec, tiny_config
   from thoughtjax import cli
   from thoughtjax.compose import compose
   from thoughtjax.model import init_random
   from thoughtjax.registry import Registry, build
-  from tests.registry.helpers import TINY_SPANS, mapping_text, tiny_codec, tiny_config
 
   monkeypatch.setenv("THOUGHTJAX_TRUST_STATE", str(tmp_path / "trust-state.json"))
   (tmp_path / "m.yaml").write_text(mapping_text(TINY_SPANS, 6))
-  build(tmp_path / "reg", tmp_path / "m.yaml", init_random(tiny_config(), seed=7, scale=0.08), codec=tiny_codec(),
-        settings=None, source="tiny-seed7")
-  rc = cli.main(["registry", "heal", str(tmp_path / "reg"), "--path", "embed, blocks[0:2), blocks[3:6), head",
-                 "--steps", "4", "--rank", "4", "--window", "16", "--generated", "4", "--no-corpora",
-                 "--reps", "1", "--context", "16"])
+  build(
+    tmp_path / "reg",
+    tmp_path / "m.yaml",
+    init_random(tiny_config(), seed=7, scale=0.08),
+    codec=tiny_codec(),
+    settings=None,
+    source="tiny-seed7",
+  )
+  rc = cli.main(
+    [
+      "registry",
+      "heal",
+      str(tmp_path / "reg"),
+      "--path",
+      "embed, blocks[0:2), blocks[3:6), head",
+      "--steps",
+      "4",
+      "--rank",
+      "4",
+      "--window",
+      "16",
+      "--generated",
+      "4",
+      "--no-corpora",
+      "--reps",
+      "1",
+      "--context",
+      "16",
+    ]
+  )
   out = capsys.readouterr().out
   assert rc == 0
   assert "before" in out and "after" in out and "agreement" in out and "KL" in out and "ΔNLL" in out

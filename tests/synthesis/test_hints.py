@@ -13,9 +13,19 @@ from hypothesis import strategies as st
 
 from thoughtjax.errors import UserError
 from thoughtjax.synthesis.dictionary import load_dictionary
-from thoughtjax.synthesis.hints import (MAX_HINTS, Correction, EmptyHintError, HintError, TooManyHintsError,
-                                        UnknownHintError, correction_bound, edit_distance, near_entries,
-                                        normalize, normalize_hints)
+from thoughtjax.synthesis.hints import (
+  MAX_HINTS,
+  Correction,
+  EmptyHintError,
+  HintError,
+  TooManyHintsError,
+  UnknownHintError,
+  correction_bound,
+  edit_distance,
+  near_entries,
+  normalize,
+  normalize_hints,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 DICT = load_dictionary(REPO / "registry" / "synthesis_dict.yaml")
@@ -42,11 +52,22 @@ def _reference_distance(a: str, b: str) -> int:
 
 # --- the distance -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("a, b, want", [
-    ("", "", 0), ("abc", "", 3), ("", "ab", 2), ("kitten", "sitting", 3), ("flaw", "lawn", 2),
-    ("ab", "ba", 1), ("abcd", "acbd", 1), ("ca", "abc", 3),  # OSA, not unrestricted Damerau (2)
-    ("legal_analysis", "legal_anlaysis", 1), ("fast_draft", "fsat_drfat", 2),
-])
+
+@pytest.mark.parametrize(
+  "a, b, want",
+  [
+    ("", "", 0),
+    ("abc", "", 3),
+    ("", "ab", 2),
+    ("kitten", "sitting", 3),
+    ("flaw", "lawn", 2),
+    ("ab", "ba", 1),
+    ("abcd", "acbd", 1),
+    ("ca", "abc", 3),  # OSA, not unrestricted Damerau (2)
+    ("legal_analysis", "legal_anlaysis", 1),
+    ("fast_draft", "fsat_drfat", 2),
+  ],
+)
 def test_edit_distance_known_values(a, b, want):
   assert edit_distance(a, b) == want == edit_distance(b, a)
 
@@ -63,6 +84,7 @@ def test_correction_bound_is_two_and_at_most_a_third():
 
 
 # --- properties over random strings -------------------------------------------------------------
+
 
 def _decorate(name: str, data) -> str:
   """The same hint as a person might type it: any case, spaces or hyphens for '_', padding."""
@@ -106,12 +128,12 @@ def _typo(name: str, data) -> str:
   i = data.draw(st.integers(0, len(name) - (2 if edit == "transpose" else 1)))
   c = data.draw(st.sampled_from(ALPHABET))
   if edit == "substitute":
-    return name[:i] + c + name[i + 1:]
+    return name[:i] + c + name[i + 1 :]
   if edit == "delete":
-    return name[:i] + name[i + 1:]
+    return name[:i] + name[i + 1 :]
   if edit == "insert":
     return name[:i] + c + name[i:]
-  return name[:i] + name[i + 1] + name[i] + name[i + 2:]
+  return name[:i] + name[i + 1] + name[i] + name[i + 2 :]
 
 
 @PROPS
@@ -186,8 +208,13 @@ def test_result_never_exceeds_three(chosen):
 @given(st.data())
 def test_random_dictionary_typos(data):
   """The same rule on random dictionaries, where entries may be close to each other."""
-  names = tuple(data.draw(st.lists(st.text(ALPHABET[:4], min_size=3, max_size=8).map(normalize).filter(bool),
-                                   min_size=1, max_size=6, unique=True)))
+  names = tuple(
+    data.draw(
+      st.lists(
+        st.text(ALPHABET[:4], min_size=3, max_size=8).map(normalize).filter(bool), min_size=1, max_size=6, unique=True
+      )
+    )
+  )
   name = data.draw(st.sampled_from(names))
   typo = normalize(_typo(name, data))
   assume(typo and typo not in names)
@@ -200,6 +227,7 @@ def test_random_dictionary_typos(data):
 
 
 # --- each error, with its message ---------------------------------------------------------------
+
 
 def test_correction_is_reported_and_duplicates_collapse_after_it():
   res = normalize_hints(["Legal Analysis", "legal_anlaysis", " code-generation", "fast_drfat"], DICT)
@@ -236,8 +264,10 @@ def test_more_than_three_hints():
   with pytest.raises(TooManyHintsError) as info:
     normalize_hints(raw, DICT)
   msg = str(info.value)
-  assert msg == ("more than 3 distinct hints given (general_purpose, fast_draft, code_generation, legal_analysis, "
-                 "...); at most 3 are allowed, in priority order: keep the 3 that matter most")
+  assert msg == (
+    "more than 3 distinct hints given (general_purpose, fast_draft, code_generation, legal_analysis, "
+    "...); at most 3 are allowed, in priority order: keep the 3 that matter most"
+  )
   # Duplicates (also after correction) do not count.
   assert len(normalize_hints(raw[:3] + ["FAST DRAFT", "genral_purpose"], DICT).hints) == 3
 
@@ -250,7 +280,9 @@ def test_empty_hint_is_rejected(blank):
 
 
 def test_a_single_string_or_a_non_string_is_refused():
-  with pytest.raises(HintError, match=r"got the single string 'code_generation'; pass a list such as \['code_generation'\]"):
+  with pytest.raises(
+    HintError, match=r"got the single string 'code_generation'; pass a list such as \['code_generation'\]"
+  ):
     normalize_hints("code_generation", DICT)
   with pytest.raises(HintError, match="hint 0 must be a string, got int 3"):
     normalize_hints([3], DICT)

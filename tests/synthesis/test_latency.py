@@ -9,18 +9,31 @@ import numpy as np
 import pytest
 
 from thoughtjax.synthesis.calibration import Candidate, Unit
-from thoughtjax.synthesis.latency import (COLD, FACTOR_BOUNDS, LatencyModel, LatencyModelError, LatencyParams,
-                                          LatencyTrace, LinearCost, Measurements, Residency, fit_linear)
+from thoughtjax.synthesis.latency import (
+  COLD,
+  FACTOR_BOUNDS,
+  LatencyModel,
+  LatencyModelError,
+  LatencyParams,
+  LatencyTrace,
+  LinearCost,
+  Measurements,
+  Residency,
+  fit_linear,
+)
 
 MB = 1 << 20
 
 
 def params(**over) -> LatencyParams:
   base = dict(
-      prefill={"embed": LinearCost(0.1, 0.001), "block": LinearCost(1.0, 0.02), "head": LinearCost(0.5, 0.004)},
-      decode={"embed": LinearCost(0.05, 0.0), "block": LinearCost(0.4, 0.001), "head": LinearCost(0.3, 0.0)},
-      restore=LinearCost(2.0, 1e-5), compile={16: LinearCost(100.0, 10.0), 256: LinearCost(300.0, 20.0)},
-      step_ms=0.2, synthesis_ms=0.05)
+    prefill={"embed": LinearCost(0.1, 0.001), "block": LinearCost(1.0, 0.02), "head": LinearCost(0.5, 0.004)},
+    decode={"embed": LinearCost(0.05, 0.0), "block": LinearCost(0.4, 0.001), "head": LinearCost(0.3, 0.0)},
+    restore=LinearCost(2.0, 1e-5),
+    compile={16: LinearCost(100.0, 10.0), 256: LinearCost(300.0, 20.0)},
+    step_ms=0.2,
+    synthesis_ms=0.05,
+  )
   base.update(over)
   return LatencyParams(**base)
 
@@ -61,11 +74,14 @@ def test_params_fit_recovers_every_stage():
   def line(a, b, xs):
     return [(x, a + b * x + rng.normal(0, 1e-4)) for x in xs for _ in range(3)]
 
-  m = Measurements(prefill={"block": line(1.0, 0.02, [16, 64, 256, 1024])},
-                   decode={"block": line(0.4, 0.001, [32, 128, 512, 2048])},
-                   restore=line(2.0, 1e-5, [1e5, 1e6, 4e6]),
-                   compile={16: line(100.0, 10.0, [2, 10, 30])},
-                   step=[0.2, 0.2], synthesis=[0.05])
+  m = Measurements(
+    prefill={"block": line(1.0, 0.02, [16, 64, 256, 1024])},
+    decode={"block": line(0.4, 0.001, [32, 128, 512, 2048])},
+    restore=line(2.0, 1e-5, [1e5, 1e6, 4e6]),
+    compile={16: line(100.0, 10.0, [2, 10, 30])},
+    step=[0.2, 0.2],
+    synthesis=[0.05],
+  )
   p = LatencyParams.fit(m)
   assert p.prefill["block"].a == pytest.approx(1.0, abs=1e-3) and p.prefill["block"].b == pytest.approx(0.02, rel=1e-3)
   assert p.decode["block"].b == pytest.approx(0.001, rel=1e-2)
@@ -191,13 +207,16 @@ def test_params_json_round_trip_keeps_learned_corrections():
   assert LatencyModel(back).predict(c, 20, 8).prefill == pytest.approx(m.predict(c, 20, 8).prefill)
 
 
-@pytest.mark.parametrize("mutate, match", [
+@pytest.mark.parametrize(
+  "mutate, match",
+  [
     (lambda d: d.pop("restore"), r"expected keys"),
     (lambda d: d["prefill"].update(block={"a": -1.0, "b": 0.0}), r"prefill\[block\]\.a: expected a finite number >= 0"),
     (lambda d: d.update(compile={"x": {"a": 1.0, "b": 0.0}}), r"compile: keys are prompt buckets"),
     (lambda d: d.update(compile={}), r"no compile fit"),
     (lambda d: d.update(corrections={"global": {"decode": 9.0}}), r"correction factor in \[0.25, 4.0\]"),
-])
+  ],
+)
 def test_malformed_params_are_refused(mutate, match):
   d = params().to_json()
   mutate(d)

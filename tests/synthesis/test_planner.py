@@ -11,16 +11,36 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from thoughtjax.synthesis.calibration import (FORMAT_VERSION, Calibration, CalibrationError, Candidate, HintQuality,
-                                              PathQuality, Unit)
+from thoughtjax.synthesis.calibration import (
+  FORMAT_VERSION,
+  Calibration,
+  CalibrationError,
+  Candidate,
+  HintQuality,
+  PathQuality,
+  Unit,
+)
 from thoughtjax.synthesis.latency import COLD, LatencyModel, LatencyParams, LinearCost, Residency
-from thoughtjax.synthesis.planner import (Floor, NoPathError, Plan, Planner, PlanError, PlanRequest,
-                                          SequenceMismatchError, floors_of, get_optimal_path, planner_for)
+from thoughtjax.synthesis.planner import (
+  Floor,
+  NoPathError,
+  Plan,
+  PlanError,
+  Planner,
+  PlanRequest,
+  SequenceMismatchError,
+  floors_of,
+  get_optimal_path,
+  planner_for,
+)
 
 MB = 1 << 20
 SEQUENCE = 7
-FLOORS = {"general_purpose": Floor(0.6, 1.0), "legal_analysis": Floor(0.9, 0.3, delta_nll=0.2),
-          "fast_draft": Floor(0.2, 10.0)}
+FLOORS = {
+  "general_purpose": Floor(0.6, 1.0),
+  "legal_analysis": Floor(0.9, 0.3, delta_nll=0.2),
+  "fast_draft": Floor(0.2, 10.0),
+}
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -42,21 +62,33 @@ def make(kind, blocks, **kw):
 
 
 CANDIDATES = {
-    "full": make("full", [block(a, b) for a, b in SPANS]),
-    "exit8": make("exit", [block(a, b) for a, b in SPANS[:4]]),
-    "exit4": make("exit", [block(a, b) for a, b in SPANS[:2]]),
-    "skip": make("skip", [block(a, b) for a, b in SPANS[:2] + SPANS[3:]]),
-    "int8": make("variant", [Unit("blocks[0:12).int8", "v1", 12 * MB, 12, "block8")]),
+  "full": make("full", [block(a, b) for a, b in SPANS]),
+  "exit8": make("exit", [block(a, b) for a, b in SPANS[:4]]),
+  "exit4": make("exit", [block(a, b) for a, b in SPANS[:2]]),
+  "skip": make("skip", [block(a, b) for a, b in SPANS[:2] + SPANS[3:]]),
+  "int8": make("variant", [Unit("blocks[0:12).int8", "v1", 12 * MB, 12, "block8")]),
 }
 
 
 def latency_params() -> LatencyParams:
   return LatencyParams(
-      prefill={"embed": LinearCost(0.1, 0.001), "block": LinearCost(1.0, 0.01), "block8": LinearCost(3.0, 0.03),
-               "head": LinearCost(0.5, 0.004)},
-      decode={"embed": LinearCost(0.05), "block": LinearCost(0.5, 0.001), "block8": LinearCost(1.5, 0.003),
-              "head": LinearCost(0.3)},
-      restore=LinearCost(2.0, 1e-5), compile={16: LinearCost(100.0, 10.0)}, step_ms=0.2, synthesis_ms=0.05)
+    prefill={
+      "embed": LinearCost(0.1, 0.001),
+      "block": LinearCost(1.0, 0.01),
+      "block8": LinearCost(3.0, 0.03),
+      "head": LinearCost(0.5, 0.004),
+    },
+    decode={
+      "embed": LinearCost(0.05),
+      "block": LinearCost(0.5, 0.001),
+      "block8": LinearCost(1.5, 0.003),
+      "head": LinearCost(0.3),
+    },
+    restore=LinearCost(2.0, 1e-5),
+    compile={16: LinearCost(100.0, 10.0)},
+    step_ms=0.2,
+    synthesis_ms=0.05,
+  )
 
 
 def q(top1, kl, dnll=0.1, tokens=500):
@@ -70,20 +102,24 @@ def hq(cal, held=None):
 
 
 DEFAULT_QUALITY = {
-    "exit8": {"general_purpose": hq((0.8, 0.5)), "legal_analysis": hq((0.7, 0.9)), "fast_draft": hq((0.8, 0.5))},
-    "exit4": {"general_purpose": hq((0.5, 2.0)), "legal_analysis": hq((0.3, 3.0)), "fast_draft": hq((0.5, 2.0))},
-    "skip": {"general_purpose": hq((0.9, 0.2)), "legal_analysis": hq((0.95, 0.1)), "fast_draft": hq((0.9, 0.2))},
-    "int8": {"general_purpose": hq((0.97, 0.05)), "legal_analysis": hq((0.96, 0.08)),
-             "fast_draft": hq((0.97, 0.05))},
+  "exit8": {"general_purpose": hq((0.8, 0.5)), "legal_analysis": hq((0.7, 0.9)), "fast_draft": hq((0.8, 0.5))},
+  "exit4": {"general_purpose": hq((0.5, 2.0)), "legal_analysis": hq((0.3, 3.0)), "fast_draft": hq((0.5, 2.0))},
+  "skip": {"general_purpose": hq((0.9, 0.2)), "legal_analysis": hq((0.95, 0.1)), "fast_draft": hq((0.9, 0.2))},
+  "int8": {"general_purpose": hq((0.97, 0.05)), "legal_analysis": hq((0.96, 0.08)), "fast_draft": hq((0.97, 0.05))},
 }
 
 
 def calibration(quality=None, candidates=None, *, sequence=SEQUENCE, current=None) -> Calibration:
   cands = dict(CANDIDATES if candidates is None else candidates)
   quality = DEFAULT_QUALITY if quality is None else quality
-  return Calibration(sequence, "cpu:test", tuple(cands.values()),
-                     {cands[n].path_hash: per for n, per in quality.items() if n in cands},
-                     latency_params(), current or {})
+  return Calibration(
+    sequence,
+    "cpu:test",
+    tuple(cands.values()),
+    {cands[n].path_hash: per for n, per in quality.items() if n in cands},
+    latency_params(),
+    current or {},
+  )
 
 
 def totals(cal, T, n, residency=COLD):
@@ -144,7 +180,8 @@ def test_impossible_budget_gives_the_fastest_floor_meeting_path_and_the_tokens_t
   want = max([k for k in range(65) if fixed + pred.raw_decode(k) <= budget], default=0)
   assert p.tokens_that_fit == want and 0 <= want < 64
   assert {r.path_hash for r in p.rejected if r.why == "budget"} == {CANDIDATES[e].path_hash for e in eligible} - {
-      p.path_hash}
+    p.path_hash
+  }
   assert planner.counters.snapshot()["degraded_budget"] == 1
 
 
@@ -172,8 +209,10 @@ def test_a_path_below_one_hints_floor_is_rejected_naming_the_hint_and_values():
 
 
 def test_kl_and_delta_nll_floors_and_uncalibrated_hints():
-  quality = {"skip": {"legal_analysis": HintQuality(q(0.95, 0.5), q(0.95, 0.5))},
-             "int8": {"legal_analysis": HintQuality(q(0.95, 0.1, dnll=0.4), q(0.95, 0.1))}}
+  quality = {
+    "skip": {"legal_analysis": HintQuality(q(0.95, 0.5), q(0.95, 0.5))},
+    "int8": {"legal_analysis": HintQuality(q(0.95, 0.1, dnll=0.4), q(0.95, 0.1))},
+  }
   p = plan(calibration(quality), ["legal_analysis"], 1e9)
   by = {r.path_hash: r.detail for r in p.rejected}
   assert by[CANDIDATES["skip"].path_hash] == "hint legal_analysis: mean_kl 0.5 > floor 0.3 (calibration split)"
@@ -214,8 +253,10 @@ def test_the_synthesis_dictionary_floors_plug_in():
 
 
 def test_hint_priority_is_lexicographic():
-  quality = {"skip": {"general_purpose": hq((0.95, 0.3)), "fast_draft": hq((0.7, 0.9))},
-             "exit8": {"general_purpose": hq((0.9, 0.3)), "fast_draft": hq((0.99, 0.1))}}
+  quality = {
+    "skip": {"general_purpose": hq((0.95, 0.3)), "fast_draft": hq((0.7, 0.9))},
+    "exit8": {"general_purpose": hq((0.9, 0.3)), "fast_draft": hq((0.99, 0.1))},
+  }
   cal = calibration(quality, {k: CANDIDATES[k] for k in ("full", "skip", "exit8")})
   t = totals(cal, 40, 16)
   budget = (max(t["skip"], t["exit8"]) + t["full"]) / 2
@@ -238,8 +279,7 @@ def test_ties_go_to_lower_latency_then_path_hash_whatever_the_order():
   plans = []
   for order in ([x, y], [y, x]):
     cands = {"full": CANDIDATES["full"], **{c.path_hash: c for c in order}}
-    cal = Calibration(SEQUENCE, "cpu:test", tuple(cands.values()), {c.path_hash: same for c in order},
-                      latency_params())
+    cal = Calibration(SEQUENCE, "cpu:test", tuple(cands.values()), {c.path_hash: same for c in order}, latency_params())
     t = LatencyModel(cal.latency).predict(x, 40, 16).total
     assert t == LatencyModel(cal.latency).predict(y, 40, 16).total
     plans.append(Planner(cal, FLOORS).plan(PlanRequest(("general_purpose",), 40, 16, t + 1)))
@@ -250,12 +290,18 @@ def test_a_lossless_faster_candidate_wins_the_tie_with_the_full_path():
   # A speculative plan: a bridged early exit drafts, the full path verifies; lossless. Its decode is not
   # the sum of its units: calibration stores its measured speed as a per-path factor.
   bridge = Unit("bridge[8]", "v1", 1 * MB, 0, "bridge")
-  spec = Candidate.build("speculative(draft: embed, blocks[0:8), bridge[8], head; verify: full)", "speculative",
-                         [EMBED, *(block(a, b) for a, b in SPANS), bridge, HEAD])
+  spec = Candidate.build(
+    "speculative(draft: embed, blocks[0:8), bridge[8], head; verify: full)",
+    "speculative",
+    [EMBED, *(block(a, b) for a, b in SPANS), bridge, HEAD],
+  )
   lat = latency_params()
-  lat = dataclasses.replace(lat, prefill={**lat.prefill, "bridge": LinearCost(0.1)},
-                            decode={**lat.decode, "bridge": LinearCost(0.1)},
-                            corrections={"paths": {spec.path_hash: {"decode": 0.5}}})
+  lat = dataclasses.replace(
+    lat,
+    prefill={**lat.prefill, "bridge": LinearCost(0.1)},
+    decode={**lat.decode, "bridge": LinearCost(0.1)},
+    corrections={"paths": {spec.path_hash: {"decode": 0.5}}},
+  )
   cands = {**CANDIDATES, "spec": spec}
   lossless = {h: HintQuality(q(1.0, 0.0, 0.0), q(1.0, 0.0, 0.0)) for h in FLOORS}
   cal = Calibration(SEQUENCE, "cpu:test", tuple(cands.values()), {spec.path_hash: lossless}, lat)
@@ -273,8 +319,11 @@ def test_same_pin_same_plan_and_another_sequence_is_refused():
   assert a == b and a.to_json() == b.to_json() and a.sequence == SEQUENCE
   assert a.corrected_hints == (("genral_purpose", "general_purpose"),)
   assert planner_for(cal, floors).counters.snapshot()["plans"] == 2
-  with pytest.raises(SequenceMismatchError, match=rf"pins registry sequence 8, but the calibration was made "
-                                                  rf"against sequence {SEQUENCE}; pin {SEQUENCE}, or calibrate"):
+  with pytest.raises(
+    SequenceMismatchError,
+    match=rf"pins registry sequence 8, but the calibration was made "
+    rf"against sequence {SEQUENCE}; pin {SEQUENCE}, or calibrate",
+  ):
     get_optimal_path(r, cal, floors, None, COLD, pin_sequence=8)
 
 
@@ -291,8 +340,13 @@ def test_a_failed_thoughtlet_gives_the_best_path_avoiding_it_counted():
   assert bad not in p.refs and not any(ref.startswith("blocks[8:10)@") for ref in p.refs)
   un = {r.path_hash: r.detail for r in p.rejected if r.why == "unavailable"}
   assert set(un) == {CANDIDATES["full"].path_hash, CANDIDATES["skip"].path_hash}
-  assert planner.counters.snapshot() == {"plans": 2, "degraded_budget": 0, "degraded_unavailable": 1,
-                                         "no_path": 0, "unavailable": {bad: 1}}
+  assert planner.counters.snapshot() == {
+    "plans": 2,
+    "degraded_budget": 0,
+    "degraded_unavailable": 1,
+    "no_path": 0,
+    "unavailable": {bad: 1},
+  }
 
 
 def test_a_failure_that_leaves_nothing_within_budget_is_budget_with_the_failure_noted():
@@ -307,11 +361,14 @@ def test_a_failure_that_leaves_nothing_within_budget_is_budget_with_the_failure_
   assert (c["degraded_budget"], c["degraded_unavailable"], c["unavailable"]) == (1, 1, {"blocks[0:12).int8@v1": 1})
 
 
-@pytest.mark.parametrize("unavailable", [
+@pytest.mark.parametrize(
+  "unavailable",
+  [
     {"blocks[0:12).int8@v1"},  # a set of refs
     {"blocks[0:12).int8": "restore: checkpoint file missing"},  # a bare name: every version of it
     lambda ref: "restore: I/O error" if ref == "blocks[0:12).int8@v1" else None,  # a callback
-])
+  ],
+)
 def test_every_form_of_failure_report_is_honoured(unavailable):
   cal = calibration()
   t = totals(cal, 40, 16)
@@ -332,8 +389,11 @@ def test_a_failure_that_does_not_change_the_choice_is_not_a_degradation():
 def test_nothing_left_is_a_named_error():
   cal = calibration()
   planner = Planner(cal, {"legal_analysis": Floor(0.999, 0.001)})  # only the full path meets it
-  with pytest.raises(NoPathError, match=r"embed@v1 failed verification: bad signature.*Fix: repair or republish "
-                                        r"embed@v1"):
+  with pytest.raises(
+    NoPathError,
+    match=r"embed@v1 failed verification: bad signature.*Fix: repair or republish "
+    r"embed@v1",
+  ):
     planner.plan(PlanRequest(("legal_analysis",), 40, 16, 1e9), unavailable={"embed@v1": "verification: bad signature"})
   assert planner.counters.snapshot()["no_path"] == 1
 
@@ -341,8 +401,11 @@ def test_nothing_left_is_a_named_error():
 def test_an_older_version_is_never_a_candidate():
   old = make("exit", [block(0, 2, version="v0"), *(block(a, b) for a, b in SPANS[1:4])])
   cands = {"full": CANDIDATES["full"], "old": old}
-  with pytest.raises(CalibrationError, match=r"needs blocks\[0:2\)@v0, but the current version of blocks\[0:2\) "
-                                             r"at registry sequence 7 is 'v1'.*Recalibrate"):
+  with pytest.raises(
+    CalibrationError,
+    match=r"needs blocks\[0:2\)@v0, but the current version of blocks\[0:2\) "
+    r"at registry sequence 7 is 'v1'.*Recalibrate",
+  ):
     calibration({}, cands, current={"blocks[0:2)": "v1"})
 
 
@@ -358,8 +421,10 @@ def test_a_failed_thoughtlet_is_never_replaced_by_another_version():
   p = plan(cal, ["general_purpose"], budget, unavailable={"blocks[0:2)@v1": "verification: bad signature"})
   assert name_of(p) == "int8" and p.degraded and not any(r.startswith("blocks[0:2)@") for r in p.refs)
   detail = next(r.detail for r in p.rejected if r.path_hash == old.path_hash)
-  assert detail == ("uses blocks[0:2)@v0 where the current blocks[0:2)@v1 failed verification: bad signature; "
-                    "another version is never used in its place")
+  assert detail == (
+    "uses blocks[0:2)@v0 where the current blocks[0:2)@v1 failed verification: bad signature; "
+    "another version is never used in its place"
+  )
 
 
 # ----------------------------------------------------------------------------- residency
@@ -377,14 +442,17 @@ def test_a_resident_compiled_path_predicts_no_restore_or_compile():
 
 
 # ------------------------------------------------------------------------------ requests
-@pytest.mark.parametrize("kw, match", [
+@pytest.mark.parametrize(
+  "kw, match",
+  [
     (dict(hints=("a", "b", "c", "d")), r"1 to 3 hints in priority order, got 4"),
     (dict(hints=()), r"got 0"),
     (dict(hints=("general_purpose", "general_purpose")), r"distinct"),
     (dict(prompt_tokens=0), r"prompt_tokens: expected an integer >= 1, got 0"),
     (dict(max_tokens=2.5), r"max_tokens: expected an integer >= 1, got 2.5"),
     (dict(max_latency_ms=0), r"max_latency_ms: expected a number > 0"),
-])
+  ],
+)
 def test_bad_requests_are_refused(kw, match):
   base = dict(hints=("general_purpose",), prompt_tokens=10, max_tokens=8, max_latency_ms=100.0)
   with pytest.raises(PlanError, match=match):
@@ -392,8 +460,11 @@ def test_bad_requests_are_refused(kw, match):
 
 
 def test_an_unknown_hint_is_refused_with_the_known_list():
-  with pytest.raises(PlanError, match=r"\['poetry'\] have no floor.*known hints: \['fast_draft', "
-                                      r"'general_purpose', 'legal_analysis'\]"):
+  with pytest.raises(
+    PlanError,
+    match=r"\['poetry'\] have no floor.*known hints: \['fast_draft', "
+    r"'general_purpose', 'legal_analysis'\]",
+  ):
     plan(calibration(), ["general_purpose", "poetry"], 1e9)
 
 
@@ -423,14 +494,20 @@ def _doc(**edit):
   return d
 
 
-@pytest.mark.parametrize("doc, match", [
+@pytest.mark.parametrize(
+  "doc, match",
+  [
     (b"{not json", r"not valid JSON"),
-    (_doc(version=FORMAT_VERSION + 1), rf"expected format 'thoughtjax.calibration' version {FORMAT_VERSION}, got "
-                                       rf"format 'thoughtjax.calibration' version {FORMAT_VERSION + 1}"),
+    (
+      _doc(version=FORMAT_VERSION + 1),
+      rf"expected format 'thoughtjax.calibration' version {FORMAT_VERSION}, got "
+      rf"format 'thoughtjax.calibration' version {FORMAT_VERSION + 1}",
+    ),
     (_doc(format="other"), r"got format 'other'"),
     (_doc(extra=1), r"unknown \['extra'\]"),
     (_doc(sequence=-1), r"calibration.sequence: expected an integer >= 0, got -1"),
-])
+  ],
+)
 def test_malformed_or_wrong_version_documents_are_refused(doc, match):
   with pytest.raises(CalibrationError, match=match):
     Calibration.from_json(doc if isinstance(doc, bytes) else json.dumps(doc))
@@ -439,14 +516,18 @@ def test_malformed_or_wrong_version_documents_are_refused(doc, match):
 def test_field_errors_name_the_field():
   d = _doc()
   d["candidates"][1]["kind"] = "teleport"
-  with pytest.raises(CalibrationError,
-                     match=r"candidates\[1\].*kind: expected one of \[.*'speculative'.*got 'teleport'"):
+  with pytest.raises(
+    CalibrationError, match=r"candidates\[1\].*kind: expected one of \[.*'speculative'.*got 'teleport'"
+  ):
     Calibration.from_json(d)
   d = _doc()
   h = next(iter(d["quality"]))
   d["quality"][h]["general_purpose"]["heldout"]["top1_agreement"] = 1.5
-  with pytest.raises(CalibrationError, match=rf"quality\[{h}\]\[general_purpose\]\.heldout\.top1_agreement: "
-                                             r"expected a finite number in \[0.0, 1.0\], got 1.5"):
+  with pytest.raises(
+    CalibrationError,
+    match=rf"quality\[{h}\]\[general_purpose\]\.heldout\.top1_agreement: "
+    r"expected a finite number in \[0.0, 1.0\], got 1.5",
+  ):
     Calibration.from_json(d)
 
 
@@ -462,8 +543,9 @@ def test_structural_rules():
     calibration({}, {"exit8": CANDIDATES["exit8"]})
   with pytest.raises(CalibrationError, match=r"unknown path hashes \['deadbeef'\]"):
     Calibration(1, "cpu", (CANDIDATES["full"],), {"deadbeef": {}}, latency_params())
-  lat = dataclasses.replace(latency_params(), decode={"embed": LinearCost(1.0), "block": LinearCost(1.0),
-                                                      "head": LinearCost(1.0)})
+  lat = dataclasses.replace(
+    latency_params(), decode={"embed": LinearCost(1.0), "block": LinearCost(1.0), "head": LinearCost(1.0)}
+  )
   with pytest.raises(CalibrationError, match=r"blocks\[0:12\)\.int8@v1.*'block8'.*--latency-only"):
     Calibration(1, "cpu", tuple(CANDIDATES.values()), {}, lat)
 
@@ -473,10 +555,15 @@ quality_st = st.tuples(st.floats(0, 1), st.floats(0, 3))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(quals=st.lists(st.tuples(quality_st, quality_st), min_size=4, max_size=4),
-       floors=st.tuples(quality_st, quality_st), budget=st.floats(1, 3000), T=st.integers(1, 400),
-       n=st.integers(1, 128), warm=st.booleans(), failed=st.sets(st.sampled_from(["embed@v1", "blocks[2:4)@v1",
-                                                                                 "blocks[0:12).int8@v1"]), max_size=1))
+@given(
+  quals=st.lists(st.tuples(quality_st, quality_st), min_size=4, max_size=4),
+  floors=st.tuples(quality_st, quality_st),
+  budget=st.floats(1, 3000),
+  T=st.integers(1, 400),
+  n=st.integers(1, 128),
+  warm=st.booleans(),
+  failed=st.sets(st.sampled_from(["embed@v1", "blocks[2:4)@v1", "blocks[0:12).int8@v1"]), max_size=1),
+)
 def test_property_plans_meet_floors_and_budgets(quals, floors, budget, T, n, warm, failed):
   names = ["exit8", "exit4", "skip", "int8"]
   hints = ("general_purpose", "fast_draft")
@@ -487,9 +574,11 @@ def test_property_plans_meet_floors_and_budgets(quals, floors, budget, T, n, war
   model = LatencyModel(cal.latency)
 
   def ok(c):
-    meets = all(fl[h].miss(cal.hint_quality(c.path_hash, h).calibration) is None
-                for h in hints if cal.hint_quality(c.path_hash, h) is not None) and all(
-                    cal.hint_quality(c.path_hash, h) is not None for h in hints)
+    meets = all(
+      fl[h].miss(cal.hint_quality(c.path_hash, h).calibration) is None
+      for h in hints
+      if cal.hint_quality(c.path_hash, h) is not None
+    ) and all(cal.hint_quality(c.path_hash, h) is not None for h in hints)
     return meets and not set(c.refs) & failed
 
   eligible = [c for c in cal.candidates if ok(c)]

@@ -15,21 +15,29 @@ import pytest
 from flax import nnx
 
 import thoughtjax
+from tests.registry.helpers import tiny_codec, tiny_config
 from thoughtjax.loading import LoadedModel
 from thoughtjax.model import init_random
 from thoughtjax.synthesis.calibration import HintQuality, PathQuality
 from thoughtjax.synthesis.quality import QualityError, Runner, measure, measure_candidates, windows
-from tests.registry.helpers import tiny_codec, tiny_config
 
-DOCS = ["The quick brown fox jumps over the lazy dog, twice.", "Contracts bind the parties that sign them.",
-        "def add(a, b):\n    return a + b\n"]
+DOCS = [
+  "The quick brown fox jumps over the lazy dog, twice.",
+  "Contracts bind the parties that sign them.",
+  "def add(a, b):\n    return a + b\n",
+]
 WINDOW = 24  # short windows: documents span several, and a last short piece is measured too
 FULL = "embed, blocks[0:6), head"
-PATHS = ["embed, blocks[0:3), head", "embed, blocks[0:5), head", "embed, blocks[0:2), blocks[3:6), head",
-         "embed, blocks[0:4), blocks[2:6), head", "embed, blocks[1:6), head"]
+PATHS = [
+  "embed, blocks[0:3), head",
+  "embed, blocks[0:5), head",
+  "embed, blocks[0:2), blocks[3:6), head",
+  "embed, blocks[0:4), blocks[2:6), head",
+  "embed, blocks[1:6), head",
+]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _seeded(seed: int):
   cfg = tiny_config()
   return cfg, init_random(cfg, seed=seed, scale=0.08)
@@ -72,7 +80,11 @@ def reference(model, path: str, docs, window: int) -> tuple[float, float, float,
 
 def test_windows_cut_documents_and_count_predicted_tokens(model):
   assert [w.tolist() for w in windows(None, [list(range(10)), [5, 6, 7], [9]], 4)] == [
-      [0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [5, 6, 7]]  # a 1-token piece predicts nothing: dropped
+    [0, 1, 2, 3],
+    [4, 5, 6, 7],
+    [8, 9],
+    [5, 6, 7],
+  ]  # a 1-token piece predicts nothing: dropped
   assert [w.tolist() for w in windows(None, [[5, 6, 7]], 2)] == [[5, 6]]
   wins = windows(model.codec, DOCS, WINDOW)
   assert np.concatenate(wins).tolist() == [t for d in DOCS for t in model.codec.encode(d)]  # no 1-token tails here
@@ -121,8 +133,9 @@ def test_kl_is_never_negative_per_position(model):
 
 def test_skipping_an_identity_block_is_lossless():
   model = make_model(identity=3)
-  skip, other = measure(model, ["embed, blocks[0:3), blocks[4:6), head", "embed, blocks[0:2), blocks[3:6), head"],
-                        DOCS, window=WINDOW)
+  skip, other = measure(
+    model, ["embed, blocks[0:3), blocks[4:6), head", "embed, blocks[0:2), blocks[3:6), head"], DOCS, window=WINDOW
+  )
   assert skip.top1_agreement == 1.0 and skip.mean_kl < 1e-7 and abs(skip.delta_nll) < 1e-7
   assert other.mean_kl > 1e-4 and other.top1_agreement < 1.0
 
@@ -130,8 +143,9 @@ def test_skipping_an_identity_block_is_lossless():
 def test_measure_candidates_shares_the_full_path_per_corpus_split(model):
   from thoughtjax.synthesis.candidates import CandidateSettings, propose
 
-  proposals = propose(model, DOCS, CandidateSettings(exits=[3], single_skips=0, greedy_removals=0, repeats=[(2, 4)],
-                                                     window=WINDOW))
+  proposals = propose(
+    model, DOCS, CandidateSettings(exits=[3], single_skips=0, greedy_removals=0, repeats=[(2, 4)], window=WINDOW)
+  )
   corpora = {"code_generation": (DOCS[2:], DOCS[:1]), "legal_analysis": (DOCS[1:2], DOCS[:2])}
   seen = []
   got = measure_candidates(model, proposals, corpora, window=WINDOW, progress=lambda *a: seen.append(a))
@@ -171,10 +185,20 @@ def test_refusals_name_the_problem(model):
 
 @pytest.mark.slow
 def test_default_model_exits_agree_less_the_earlier_they_exit(default_model):
-  docs = ["The capital of France is Paris, a city on the Seine known for its museums and cafes.",
-          "To make bread, mix flour, water, salt and yeast, knead the dough and let it rise."]
-  full, e24, e20, e12 = measure(default_model, ["embed, blocks[0:30), head", "embed, blocks[0:24), head",
-                                                "embed, blocks[0:20), head", "embed, blocks[0:12), head"], docs)
+  docs = [
+    "The capital of France is Paris, a city on the Seine known for its museums and cafes.",
+    "To make bread, mix flour, water, salt and yeast, knead the dough and let it rise.",
+  ]
+  full, e24, e20, e12 = measure(
+    default_model,
+    [
+      "embed, blocks[0:30), head",
+      "embed, blocks[0:24), head",
+      "embed, blocks[0:20), head",
+      "embed, blocks[0:12), head",
+    ],
+    docs,
+  )
   assert (full.top1_agreement, full.mean_kl, full.delta_nll) == (1.0, 0.0, 0.0)
   assert e12.top1_agreement <= e20.top1_agreement <= e24.top1_agreement < 1.0
   assert e24.mean_kl < e12.mean_kl and e24.delta_nll < e12.delta_nll

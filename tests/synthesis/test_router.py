@@ -18,9 +18,9 @@ from thoughtjax.tokenizer import TextCodec
 # The tiny tokenizer is byte-level (one token per character), so each label's words are drawn from
 # its own letters; the filler words every label shares use letters of their own.
 WORDS = {
-    "alpha": ["cab", "bead", "faced", "badge", "egg", "cafe", "deaf", "gabbed"],
-    "beta": ["hill", "milk", "limn", "kiln", "jinn", "hymn", "link", "mink"],
-    "gamma": ["sort", "pours", "trout", "spurt", "port", "roost", "tours", "rust"],
+  "alpha": ["cab", "bead", "faced", "badge", "egg", "cafe", "deaf", "gabbed"],
+  "beta": ["hill", "milk", "limn", "kiln", "jinn", "hymn", "link", "mink"],
+  "gamma": ["sort", "pours", "trout", "spurt", "port", "roost", "tours", "rust"],
 }
 FILLER = ["wxyz", "zwv", "vex", "xyz"]
 LABELS = tuple(WORDS)
@@ -56,8 +56,15 @@ def model():
 @pytest.fixture(scope="module")
 def trained(model):
   calls = []
-  router, report = train_router(model, TRAIN, HELDOUT, seed=0, steps=STEPS, labels=LABELS,
-                                progress=lambda done, total, what: calls.append((done, total, what)))
+  router, report = train_router(
+    model,
+    TRAIN,
+    HELDOUT,
+    seed=0,
+    steps=STEPS,
+    labels=LABELS,
+    progress=lambda done, total, what: calls.append((done, total, what)),
+  )
   return router, report, calls
 
 
@@ -107,12 +114,19 @@ def test_params_and_meta_round_trip_to_identical_predictions(model, trained):
   params, meta = router.to_params()
   cfg = model.config
   assert {k: v.shape for k, v in params.items()} == {
-      "standardize.mean": (cfg.d_model,), "standardize.scale": (cfg.d_model,),
-      "dense_0.kernel": (cfg.d_model, 3), "dense_0.bias": (3,)}
+    "standardize.mean": (cfg.d_model,),
+    "standardize.scale": (cfg.d_model,),
+    "dense_0.kernel": (cfg.d_model, 3),
+    "dense_0.bias": (3,),
+  }
   assert all(v.dtype == np.float32 for v in params.values())
   meta = json.loads(json.dumps(meta))  # plain JSON, as a registry manifest would hold it
-  assert meta["labels"] == list(LABELS) and meta["features"] == {"max_tokens": 256, "pooling": "mean",
-                                                                  "hash_buckets": 0, "layers": 0}
+  assert meta["labels"] == list(LABELS) and meta["features"] == {
+    "max_tokens": 256,
+    "pooling": "mean",
+    "hash_buckets": 0,
+    "layers": 0,
+  }
   assert meta["training"]["seed"] == 0 and meta["training"]["steps"] == STEPS
   assert meta["heldout"]["accuracy"] == report.accuracy and meta["heldout"]["confusion"] == report.confusion.tolist()
   stored = {k: np.array(v) for k, v in params.items()}
@@ -179,9 +193,15 @@ def test_features_see_only_the_first_max_tokens_and_ignore_padding(model):
 
 def test_residual_after_early_layers_as_features(model):
   cfg = model.config
-  router, report = train_router(model, TRAIN, HELDOUT, steps=STEPS, labels=LABELS,
-                                features=FeatureSettings(pooling="mean_max", layers=2, max_tokens=32),
-                                training=TrainSettings(hidden=16))
+  router, report = train_router(
+    model,
+    TRAIN,
+    HELDOUT,
+    steps=STEPS,
+    labels=LABELS,
+    features=FeatureSettings(pooling="mean_max", layers=2, max_tokens=32),
+    training=TrainSettings(hidden=16),
+  )
   params, meta = router.to_params()
   assert params["dense_0.kernel"].shape == (4 * cfg.d_model, 16) and params["dense_1.kernel"].shape == (16, 3)
   assert report.accuracy >= 0.9

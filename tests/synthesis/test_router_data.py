@@ -12,8 +12,12 @@ from pathlib import Path
 import pytest
 
 from thoughtjax.synthesis.dictionary import load_dictionary
-from thoughtjax.synthesis.router_data import (ROUTER_SPLITS, RouterDataError, default_router_prompts_dir,
-                                              load_router_prompts)
+from thoughtjax.synthesis.router_data import (
+  ROUTER_SPLITS,
+  RouterDataError,
+  default_router_prompts_dir,
+  load_router_prompts,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 DICT = load_dictionary(REPO / "registry" / "synthesis_dict.yaml")
@@ -75,15 +79,22 @@ def _dir_with(tmp_path: Path, lines: list[str]) -> Path:
 GOOD = json.dumps({"prompt": "Compare tea and coffee.", "hint": "comparative_reasoning"})
 
 
-@pytest.mark.parametrize("bad, pieces", [
+@pytest.mark.parametrize(
+  "bad, pieces",
+  [
     ("{not json", ["train.jsonl:2: not a JSON object"]),
-    (json.dumps({"prompt": "Write a poem.", "hint": "poetry"}),
-     ["train.jsonl:2: hint 'poetry' is not in the synthesis dictionary", "valid hints: general_purpose"]),
-    (json.dumps({"prompt": "x", "hint": "fast_draft", "split": "train"}),
-     ["train.jsonl:2: expected exactly the keys ['hint', 'prompt'], got ['hint', 'prompt', 'split']"]),
+    (
+      json.dumps({"prompt": "Write a poem.", "hint": "poetry"}),
+      ["train.jsonl:2: hint 'poetry' is not in the synthesis dictionary", "valid hints: general_purpose"],
+    ),
+    (
+      json.dumps({"prompt": "x", "hint": "fast_draft", "split": "train"}),
+      ["train.jsonl:2: expected exactly the keys ['hint', 'prompt'], got ['hint', 'prompt', 'split']"],
+    ),
     (json.dumps({"prompt": "  ", "hint": "fast_draft"}), ["train.jsonl:2: prompt must be a non-empty string"]),
     (json.dumps(["Write code", "code_generation"]), ["train.jsonl:2: expected exactly the keys", "got list"]),
-])
+  ],
+)
 def test_bad_line_names_file_and_line(tmp_path, bad, pieces):
   d = _dir_with(tmp_path, [GOOD, bad])
   with pytest.raises(RouterDataError) as info:

@@ -15,8 +15,15 @@ from thoughtjax.compose import PathTypeError, compose
 from thoughtjax.registry import IntegrityError, Registry
 from thoughtjax.registry.calibration_store import read_calibration
 from thoughtjax.synthesis.router import train_router
-from thoughtjax.synthesis.router_store import (ROUTER_NAME, RouterMismatchError, clear_cache, load_router,
-                                               publish_router, route_hint, train_registry_router)
+from thoughtjax.synthesis.router_store import (
+  ROUTER_NAME,
+  RouterMismatchError,
+  clear_cache,
+  load_router,
+  publish_router,
+  route_hint,
+  train_registry_router,
+)
 from thoughtjax.thoughtlet import Kind
 
 # The synthetic labeled set of test_router, its three word lists relabeled with two dictionary hints
@@ -33,8 +40,9 @@ def stored(tmp_path_factory):
   root = registry_copy(tmp_path_factory.mktemp("router-store") / "registry")
   with Registry.open(root) as reg:
     before = reg.sequence
-    router, report, version = train_registry_router(reg, TRAIN, HELDOUT, sign_key=tiny_setup().key, steps=STEPS,
-                                                    labels=HINTS)
+    router, report, version = train_registry_router(
+      reg, TRAIN, HELDOUT, sign_key=tiny_setup().key, steps=STEPS, labels=HINTS
+    )
     assert reg.sequence == before + 1
   return root, router, report, version
 
@@ -73,8 +81,9 @@ def test_a_retrained_router_becomes_current_and_the_calibration_follows(stored, 
   with Registry.open(root) as reg:
     first = reg.resolve(ROUTER_NAME)
     read_calibration(reg)  # carried once already (the fixture's publish)
-    _, _, version = train_registry_router(reg, TRAIN, HELDOUT, sign_key=tiny_setup().key, steps=STEPS // 2,
-                                          labels=HINTS, seed=1)
+    _, _, version = train_registry_router(
+      reg, TRAIN, HELDOUT, sign_key=tiny_setup().key, steps=STEPS // 2, labels=HINTS, seed=1
+    )
     assert version != first and reg.versions(ROUTER_NAME) == [first, version]
     cal = read_calibration(reg)
     assert cal.sequence == reg.sequence and ROUTER_NAME not in cal.current
@@ -88,8 +97,11 @@ def test_tampered_router_checkpoint_is_refused_named_and_counted(stored, tmp_pat
   shutil.copytree(stored[0], root)
   with Registry.open(root) as reg:
     version = reg.resolve(ROUTER_NAME)
-    files = sorted(p for p in (reg.version_dir(ROUTER_NAME, version) / "checkpoint").rglob("*")
-                   if p.is_file() and p.stat().st_size > 0)
+    files = sorted(
+      p
+      for p in (reg.version_dir(ROUTER_NAME, version) / "checkpoint").rglob("*")
+      if p.is_file() and p.stat().st_size > 0
+    )
     target = max(files, key=lambda p: p.stat().st_size)  # the array data
     data = bytearray(target.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -151,8 +163,24 @@ def test_cli_train_router_prints_the_report_and_publishes(tmp_path, capsys):
   prompts.mkdir()
   for split, rows in (("train", TRAIN), ("heldout", HELDOUT)):
     (prompts / f"{split}.jsonl").write_text("".join(json.dumps({"prompt": p, "hint": h}) + "\n" for p, h in rows))
-  code = main(["registry", "train-router", str(root), "--sign-key", str(tiny_setup().key), "--prompts",
-               str(prompts), "--steps", str(STEPS), "--hint", HINTS[0], "--hint", HINTS[1], "--json"])
+  code = main(
+    [
+      "registry",
+      "train-router",
+      str(root),
+      "--sign-key",
+      str(tiny_setup().key),
+      "--prompts",
+      str(prompts),
+      "--steps",
+      str(STEPS),
+      "--hint",
+      HINTS[0],
+      "--hint",
+      HINTS[1],
+      "--json",
+    ]
+  )
   out, err = capsys.readouterr()
   assert code == 0
   d = json.loads(out)
@@ -165,7 +193,20 @@ def test_cli_train_router_prints_the_report_and_publishes(tmp_path, capsys):
   code = main(["registry", "show", str(root), ROUTER_NAME])
   out, _ = capsys.readouterr()
   assert code == 0 and json.loads(out)["kind"] == "router"
-  code = main(["registry", "train-router", str(Path(root)), "--prompts", str(prompts), "--steps", "5", "--hint",
-               HINTS[0], "--hint", HINTS[1]])
+  code = main(
+    [
+      "registry",
+      "train-router",
+      str(Path(root)),
+      "--prompts",
+      str(prompts),
+      "--steps",
+      "5",
+      "--hint",
+      HINTS[0],
+      "--hint",
+      HINTS[1],
+    ]
+  )
   _, err = capsys.readouterr()
   assert code != 0 and "SignatureDowngradeError" in err  # a signed registry stays signed

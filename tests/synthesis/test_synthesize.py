@@ -11,13 +11,13 @@ import math
 
 import pytest
 
+from tests.synthesis.tiny_synthesis import FULL, IDENTITY_SKIP, registry_copy, tiny_setup
 from thoughtjax.compose import compose
 from thoughtjax.registry import Registry
 from thoughtjax.synthesis.hints import UnknownHintError
 from thoughtjax.synthesis.latency import STAGES
 from thoughtjax.synthesis.planner import NoPathError, SequenceMismatchError
 from thoughtjax.synthesis.synthesize import DEFAULT_HINT, Synthesizer
-from tests.synthesis.tiny_synthesis import FULL, IDENTITY_SKIP, registry_copy, tiny_setup
 
 PROMPT = "The quick brown fox"
 
@@ -48,8 +48,19 @@ def test_the_plan_is_the_lossless_skip_and_runs_as_that_path(syn, reg):
   assert t.actual_ms["total"] >= t.actual_ms["prefill"] + t.actual_ms["decode"]
   assert t.compute_seconds > 0
   j = r.to_json()
-  assert {"path", "path_hash", "hints", "corrected_hints", "predicted_ms", "quality", "degraded", "reason",
-          "token_ids", "text", "actual_ms"} <= set(j)
+  assert {
+    "path",
+    "path_hash",
+    "hints",
+    "corrected_hints",
+    "predicted_ms",
+    "quality",
+    "degraded",
+    "reason",
+    "token_ids",
+    "text",
+    "actual_ms",
+  } <= set(j)
 
 
 def test_the_latency_model_learns_and_a_warm_path_predicts_no_restore_or_compile(syn):
@@ -115,8 +126,9 @@ def _loose_fast_draft():
   from thoughtjax.synthesis.dictionary import Floors, load_dictionary
 
   d = load_dictionary()
-  return dataclasses.replace(d, hints=tuple(dataclasses.replace(h, floors=Floors(0.0, 1e9)) if h.name == "fast_draft"
-                                            else h for h in d.hints))
+  return dataclasses.replace(
+    d, hints=tuple(dataclasses.replace(h, floors=Floors(0.0, 1e9)) if h.name == "fast_draft" else h for h in d.hints)
+  )
 
 
 def test_a_tampered_thoughtlet_degrades_to_the_best_path_avoiding_it_counted(tmp_path):
@@ -154,8 +166,9 @@ def test_plans_and_runs_on_the_default_model(tmp_path, monkeypatch):
   from thoughtjax.synthesis.default_registry import open_default
 
   syn = open_default()
-  r = syn.synthesize("What is the capital of France?", ["general_purpose"], max_latency_ms=60_000, max_tokens=12,
-                     chat=True)
+  r = syn.synthesize(
+    "What is the capital of France?", ["general_purpose"], max_latency_ms=60_000, max_tokens=12, chat=True
+  )
   r.finish()
   assert r.trace.tokens_out >= 1 and r.text.strip()
   assert r.plan.refs and r.trace.actual_ms["total"] > 0

@@ -24,10 +24,13 @@ HINTS = ("general_purpose", "fast_draft")
 IDENTITY_SKIP = "embed, blocks[0:2), blocks[3:6), head"
 FULL = "embed, blocks[0:6), head"
 SETTINGS = CalibrateSettings(
-    candidates=CandidateSettings(exits=[2, 3, 5], single_skips=1, greedy_removals=0, repeats=[]),
-    window=32, max_windows=2, hints=HINTS,
-    # Both prompt lengths and both decode lengths in one shape bucket: one program per timed path.
-    latency=LatencySettings(prompt_tokens=(4, 12), max_tokens=(4, 9), reps=1, plan_reps=10))
+  candidates=CandidateSettings(exits=[2, 3, 5], single_skips=1, greedy_removals=0, repeats=[]),
+  window=32,
+  max_windows=2,
+  hints=HINTS,
+  # Both prompt lengths and both decode lengths in one shape bucket: one program per timed path.
+  latency=LatencySettings(prompt_tokens=(4, 12), max_tokens=(4, 9), reps=1, plan_reps=10),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +42,7 @@ class TinySetup:
   report: CalibrateReport
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_setup() -> TinySetup:
   from tests.registry.helpers import TINY_SPANS, mapping_text
   from tests.synthesis.test_quality import make_model
@@ -54,8 +57,15 @@ def tiny_setup() -> TinySetup:
   key, pub = keygen(root / "keys" / "registry")
   (root / "mapping.yaml").write_text(mapping_text(TINY_SPANS, 6))
   model = make_model(identity=2)
-  build(root / "registry", root / "mapping.yaml", model.module, codec=model.codec, sign_key=key, settings=None,
-        source="tiny-identity2")
+  build(
+    root / "registry",
+    root / "mapping.yaml",
+    model.module,
+    codec=model.codec,
+    sign_key=key,
+    settings=None,
+    source="tiny-identity2",
+  )
   report = CalibrateReport()
   with Registry.open(root / "registry") as reg:
     store(reg, calibrate(reg, settings=SETTINGS, report=report), sign_key=key)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from thoughtjax.model import init_random
 from tests.registry.helpers import TINY_SPANS, mapping_text, tiny_codec, tiny_config
+from thoughtjax.model import init_random
 
 
 @pytest.fixture(scope="session")

@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.registry.helpers import FAST
 from thoughtjax import program as program_lib
 from thoughtjax.compose import PathTypeError, compose
 from thoughtjax.registry import Registry, SignatureDowngradeError
 from thoughtjax.thoughtlet import Kind, ThoughtletError
 from thoughtjax.thoughtlet import bridge as bridge_lib
-from tests.registry.helpers import FAST
 
 PROMPT = [5, 17, 99, 3, 42, 8, 120, 64, 7]
 
@@ -67,7 +67,9 @@ def test_a_trained_bridge_changes_the_path_and_runs_as_one_program(reg_copy):
   first = bridged.generate(PROMPT, max_tokens=4).token_ids[0]
   assert first == int(np.argmax(bridged.logits(PROMPT)[-1]))
   # A skip bridge sits between two block ranges.
-  _publish(reg_copy, _trained_like(reg_copy.config, seed=5), span=(3, 5), cut_path="embed, blocks[0:3), blocks[5:6), head")
+  _publish(
+    reg_copy, _trained_like(reg_copy.config, seed=5), span=(3, 5), cut_path="embed, blocks[0:3), blocks[5:6), head"
+  )
   skip = compose("embed, blocks[0:3), bridge.3-5, blocks[5:6), head", reg_copy, compile_cache=False)
   assert skip.layers == (0, 1, 2, -1, 5) and len(skip.generate(PROMPT, max_tokens=3).token_ids) == 3
 
@@ -81,7 +83,9 @@ def test_bridge_links_are_type_checked(reg_copy):
     compose("embed, blocks[0:3), head, bridge.3-6", reg_copy, compile_cache=False)
   assert e.value.link == 3 and "logits" in str(e.value) and "residual" in str(e.value)
   # Straight after embed is type-correct (residual -> residual) and runs.
-  assert len(compose("embed, bridge.3-6, head", reg_copy, compile_cache=False).generate(PROMPT, max_tokens=2).token_ids) == 2
+  assert (
+    len(compose("embed, bridge.3-6, head", reg_copy, compile_cache=False).generate(PROMPT, max_tokens=2).token_ids) == 2
+  )
 
 
 def test_replay_bridge_inside_the_composed_path(reg_copy, monkeypatch):
@@ -111,20 +115,33 @@ def test_replay_bridge_inside_the_composed_path(reg_copy, monkeypatch):
 
 
 def test_published_bridge_is_versioned_hashed_signed_and_profiled(tmp_path, monkeypatch):
+  from tests.registry.helpers import TINY_SPANS, mapping_text, tiny_codec, tiny_config
   from thoughtjax.model import init_random
   from thoughtjax.registry import build
   from thoughtjax.signing import keygen
-  from tests.registry.helpers import TINY_SPANS, mapping_text, tiny_codec, tiny_config
 
   monkeypatch.setenv("THOUGHTJAX_TRUST_STATE", str(tmp_path / "trust-state.json"))  # not the user's
   key, _ = keygen(tmp_path / "keys" / "registry")
   reg_dir = tmp_path / "signed"
   (tmp_path / "m.yaml").write_text(mapping_text(TINY_SPANS, 6))
   cfg = tiny_config()
-  reg = build(reg_dir, tmp_path / "m.yaml", init_random(cfg, seed=7, scale=0.08), codec=tiny_codec(),
-              sign_key=key, settings=None, source="tiny-seed7")
-  t = bridge_lib.bridge_thoughtlet(reg.config, reg.tokenizer_hash, _trained_like(cfg), cut_path="embed, blocks[0:3), head",
-                                   span=(3, 6), report={"after": {"mean_kl": 0.1}})
+  reg = build(
+    reg_dir,
+    tmp_path / "m.yaml",
+    init_random(cfg, seed=7, scale=0.08),
+    codec=tiny_codec(),
+    sign_key=key,
+    settings=None,
+    source="tiny-seed7",
+  )
+  t = bridge_lib.bridge_thoughtlet(
+    reg.config,
+    reg.tokenizer_hash,
+    _trained_like(cfg),
+    cut_path="embed, blocks[0:3), head",
+    span=(3, 6),
+    report={"after": {"mean_kl": 0.1}},
+  )
   # The registry's trust rules hold for bridges: a signed registry refuses an unsigned publish, counted.
   with pytest.raises(SignatureDowngradeError):
     reg.publish([t], settings=None)
@@ -147,10 +164,14 @@ def test_published_bridge_is_versioned_hashed_signed_and_profiled(tmp_path, monk
 def test_cut_point_and_bridged_path():
   assert bridge_lib.cut_point("embed, blocks[0:10), head", 30) == (10, (10, 30))
   assert bridge_lib.cut_point("embed, blocks[0:8), blocks[10:30), head", 30) == (8, (8, 10))
-  assert bridge_lib.bridged_path("embed, blocks[0:10), head", "bridge.10-30", 30) == \
-      "embed, blocks[0:10), bridge.10-30, head"
-  assert bridge_lib.bridged_path("embed, blocks[0:8), blocks[10:30), head", "bridge.8-10", 30) == \
-      "embed, blocks[0:8), bridge.8-10, blocks[10:30), head"
+  assert (
+    bridge_lib.bridged_path("embed, blocks[0:10), head", "bridge.10-30", 30)
+    == "embed, blocks[0:10), bridge.10-30, head"
+  )
+  assert (
+    bridge_lib.bridged_path("embed, blocks[0:8), blocks[10:30), head", "bridge.8-10", 30)
+    == "embed, blocks[0:8), bridge.8-10, blocks[10:30), head"
+  )
   with pytest.raises(ThoughtletError, match="no cut to heal"):
     bridge_lib.cut_point("embed, blocks[0:30), head", 30)
   with pytest.raises(ThoughtletError, match="repeats layers"):

@@ -9,8 +9,14 @@ import thoughtjax.thoughtlet as thoughtlet
 
 PACKAGE = Path(thoughtlet.__file__).parent
 # What a thoughtlet may build on: the model's parts and config, path names, the error base, the kernels.
-ALLOWED = {"thoughtjax.config", "thoughtjax.errors", "thoughtjax.model", "thoughtjax.paths", "thoughtjax.template",
-           "thoughtjax.kernels.template_embed"}
+ALLOWED = {
+  "thoughtjax.config",
+  "thoughtjax.errors",
+  "thoughtjax.model",
+  "thoughtjax.paths",
+  "thoughtjax.template",
+  "thoughtjax.kernels.template_embed",
+}
 
 
 def _imports(path: Path) -> set[str]:
@@ -35,8 +41,12 @@ def _names_imported_from_the_package(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
   except (SyntaxError, UnicodeDecodeError):
     return set()
-  return {a.name for node in ast.walk(tree)
-          if isinstance(node, ast.ImportFrom) and node.module == "thoughtjax.thoughtlet" for a in node.names}
+  return {
+    a.name
+    for node in ast.walk(tree)
+    if isinstance(node, ast.ImportFrom) and node.module == "thoughtjax.thoughtlet"
+    for a in node.names
+  }
 
 
 def test_every_name_the_repository_imports_is_exported():

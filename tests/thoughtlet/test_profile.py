@@ -6,9 +6,17 @@ import jax
 import numpy as np
 import pytest
 
-from thoughtjax.thoughtlet import (Kind, ResourceProfile, Thoughtlet, ThoughtletError, cut, fingerprint,
-                                   measure_profile, signature_for)
 from tests.registry.helpers import FAST
+from thoughtjax.thoughtlet import (
+  Kind,
+  ResourceProfile,
+  Thoughtlet,
+  ThoughtletError,
+  cut,
+  fingerprint,
+  measure_profile,
+  signature_for,
+)
 
 
 def _unit(tiny, name):

@@ -84,16 +84,17 @@ def test_replay_catches_a_changed_weight(tiny, loaded):
   cfg, model, codec = tiny
   params = cut(model, "blocks[1:3)")
   bent = {**params, "2": {**params["2"], "mlp": {**params["2"]["mlp"], "down": params["2"]["mlp"]["down"] * 1.01}}}
-  t = Thoughtlet("blocks[1:3)", Kind.BLOCKS, signature_for(Kind.BLOCKS, cfg, codec_digest(codec), layers=(1, 3)),
-                 bent, cfg, (1, 3))
+  t = Thoughtlet(
+    "blocks[1:3)", Kind.BLOCKS, signature_for(Kind.BLOCKS, cfg, codec_digest(codec), layers=(1, 3)), bent, cfg, (1, 3)
+  )
   report = replay(loaded, t, "hello there")
   assert report.max_abs_diff > 1e-4 and not report.ok()
   assert "replay blocks[1:3)" in str(report)
 
 
 def test_replay_refuses_what_it_cannot_replay(tiny, loaded):
-  from thoughtjax.thoughtlet import Thoughtlet, cut, signature_for
   from tests.registry.helpers import tiny_config
+  from thoughtjax.thoughtlet import Thoughtlet, cut, signature_for
 
   cfg, model, _ = tiny
   wide = tiny_config(d_model=48)
@@ -116,6 +117,7 @@ def test_replay_refuses_what_it_cannot_replay(tiny, loaded):
 @pytest.mark.parametrize("unit", ["embed", "blocks[3:5)", "head", "template"])
 def test_replay_inside_the_default_model(default_model, unit):
   report = replay(default_model, unit, "The capital of France is", chat=unit != "template")
-  assert report.captured.shape[-1] == (default_model.config.vocab_size if unit == "head" else
-                                       default_model.config.d_model)
+  assert report.captured.shape[-1] == (
+    default_model.config.vocab_size if unit == "head" else default_model.config.d_model
+  )
   assert report.ok(atol=1e-4), str(report)

@@ -17,8 +17,15 @@ def test_template_parts_wrap_one_message(tiny):
   assert prefix + message + suffix == rendered
 
 
-@pytest.mark.parametrize("name,kind,layers", [("embed", Kind.EMBED, None), ("head", Kind.HEAD, None),
-                                              ("template", Kind.TEMPLATE, None), ("blocks[2:5)", Kind.BLOCKS, (2, 5))])
+@pytest.mark.parametrize(
+  "name,kind,layers",
+  [
+    ("embed", Kind.EMBED, None),
+    ("head", Kind.HEAD, None),
+    ("template", Kind.TEMPLATE, None),
+    ("blocks[2:5)", Kind.BLOCKS, (2, 5)),
+  ],
+)
 def test_cut_by_name_equals_cut_by_kind(tiny, name, kind, layers):
   _, model, codec = tiny
   assert unit_of(name) == (kind, layers)
@@ -48,8 +55,10 @@ def test_cut_takes_the_models_arrays_and_they_run_as_its_parts(tiny):
   assert part.mlp.up[...] is model.blocks[1].mlp.up[...]
 
 
-@pytest.mark.parametrize("name,match", [("blocks[3:3)", "need blocks"), ("bridge", "not a thoughtlet of a model"),
-                                        ("blocks[4:9)", r"layers 0\.\.5")])
+@pytest.mark.parametrize(
+  "name,match",
+  [("blocks[3:3)", "need blocks"), ("bridge", "not a thoughtlet of a model"), ("blocks[4:9)", r"layers 0\.\.5")],
+)
 def test_cut_refuses_what_the_model_does_not_hold(tiny, name, match):
   _, model, _ = tiny
   with pytest.raises(ThoughtletError, match=match):

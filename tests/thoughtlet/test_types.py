@@ -6,8 +6,7 @@ import pytest
 
 from thoughtjax.errors import UserError
 from thoughtjax.registry import codec_digest
-from thoughtjax.thoughtlet import (Kind, SemanticSignature, TensorType, Thoughtlet, ThoughtletError, cut,
-                                   signature_for)
+from thoughtjax.thoughtlet import Kind, SemanticSignature, TensorType, Thoughtlet, ThoughtletError, cut, signature_for
 
 
 def test_signatures_type_the_links(tiny):
@@ -47,8 +46,14 @@ def test_a_blocks_signature_needs_its_layers(tiny):
 
 def test_new_weights_must_keep_the_parameter_tree(tiny):
   cfg, model, _ = tiny
-  t = Thoughtlet("blocks[0:2)", Kind.BLOCKS, signature_for(Kind.BLOCKS, cfg, "tok", layers=(0, 2)),
-                 cut(model, "blocks[0:2)"), cfg, (0, 2))
+  t = Thoughtlet(
+    "blocks[0:2)",
+    Kind.BLOCKS,
+    signature_for(Kind.BLOCKS, cfg, "tok", layers=(0, 2)),
+    cut(model, "blocks[0:2)"),
+    cfg,
+    (0, 2),
+  )
   with pytest.raises(ThoughtletError, match="must keep the parameter tree") as err:
     t.with_params({"0": t.params["0"]})
   assert isinstance(err.value, UserError) and "'1/attn" in str(err.value)  # names what is missing

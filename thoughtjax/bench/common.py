@@ -14,8 +14,9 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal
 
 import numpy as np
 
@@ -113,8 +114,15 @@ def copy_bandwidth_gbps(num_bytes: int, repeats: int = 5, *, on: Literal["host",
 
 
 # ------------------------------------------------------------------------------- output
-def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *, width: int | None = None,
-                right: Sequence[str] = (), no_wrap: bool = False) -> None:
+def print_table(
+  title: str,
+  columns: Sequence[str],
+  rows: Sequence[Sequence[Any]],
+  *,
+  width: int | None = None,
+  right: Sequence[str] = (),
+  no_wrap: bool = False,
+) -> None:
   """A rich table on stdout; ``right`` names the right-justified (numeric) columns."""
   from rich.console import Console
   from rich.table import Table
@@ -138,8 +146,9 @@ def json_path(text: str) -> str:
 
   path = Path(text).expanduser()
   if path.is_dir() or not path.parent.is_dir():
-    raise argparse.ArgumentTypeError(f"{text}: expected a file in an existing directory; create "
-                                     f"{path.parent} first or pick another path")
+    raise argparse.ArgumentTypeError(
+      f"{text}: expected a file in an existing directory; create {path.parent} first or pick another path"
+    )
   return text
 
 

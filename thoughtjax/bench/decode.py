@@ -19,8 +19,10 @@ import time
 from thoughtjax.bench import common
 
 CHAT_PROMPT = "What is the capital of France?"
-LONG_TEXT = ("The history of the city spans many centuries, from its founding as a small settlement on "
-             "the river to its growth into a center of trade, learning and art. ") * 8
+LONG_TEXT = (
+  "The history of the city spans many centuries, from its founding as a small settlement on "
+  "the river to its growth into a center of trade, learning and art. "
+) * 8
 
 
 def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
@@ -48,8 +50,9 @@ def _process_first_token(model_arg: str, cache_dir: str | None, prompt: str) -> 
   env = dict(os.environ)
   if cache_dir:
     env["THOUGHTJAX_COMPILE_CACHE"] = cache_dir
-  cmd = [sys.executable, "-m", "thoughtjax.cli", "generate", "--chat", "--prompt", prompt,
-         "--max-tokens", "8"] + (["--model", model_arg] if model_arg else [])
+  cmd = [sys.executable, "-m", "thoughtjax.cli", "generate", "--chat", "--prompt", prompt, "--max-tokens", "8"] + (
+    ["--model", model_arg] if model_arg else []
+  )
   return common.first_byte(cmd, env).seconds
 
 
@@ -64,8 +67,13 @@ def bench_thoughtjax(args) -> dict:
   weight_bytes = sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(model.parts))
   chat_ids = model.prompt_ids(CHAT_PROMPT, chat=True)
   long_ids = model.codec.encode(LONG_TEXT)[:250]
-  res = {"model": args.model or "smollm2-135m-instruct", "load_s": load_s, "weight_bytes": weight_bytes,
-         "chat_prompt_tokens": len(chat_ids), "prefill_prompt_tokens": len(long_ids)}
+  res = {
+    "model": args.model or "smollm2-135m-instruct",
+    "load_s": load_s,
+    "weight_bytes": weight_bytes,
+    "chat_prompt_tokens": len(chat_ids),
+    "prefill_prompt_tokens": len(long_ids),
+  }
 
   _, ttft_long = _decode_rate(model, [long_ids], 2, args.repeats)
   res["prefill_tok_s"] = len(long_ids) / ttft_long
@@ -91,7 +99,8 @@ def bench_thoughtjax(args) -> dict:
       res["process_first_token_cold_s"] = _process_first_token(args.model, cold, CHAT_PROMPT)
     _process_first_token(args.model, None, CHAT_PROMPT)  # make sure the user cache is warm
     res["process_first_token_warm_s"] = statistics.median(
-        _process_first_token(args.model, None, CHAT_PROMPT) for _ in range(3))
+      _process_first_token(args.model, None, CHAT_PROMPT) for _ in range(3)
+    )
     res["process_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
   return res
 
@@ -119,8 +128,13 @@ def stream_startup(args) -> dict:
     for mode in ("callback", "chunks"):
       runs = []
       for _ in range(2):
-        r = subprocess.run([sys.executable, "-c", _STREAM_PROBE, mode, args.model or ""], env=env,
-                           capture_output=True, text=True, check=True)
+        r = subprocess.run(
+          [sys.executable, "-c", _STREAM_PROBE, mode, args.model or ""],
+          env=env,
+          capture_output=True,
+          text=True,
+          check=True,
+        )
         seconds, hits = r.stdout.split()[-2:]
         runs.append({"first_token_s": float(seconds), "cache_hits": int(hits)})
       out[mode] = runs
@@ -139,8 +153,13 @@ def bench_llama_cpp(args) -> dict | None:
   llm = llama_cpp.Llama(model_path=path, n_ctx=1024, n_threads=os.cpu_count(), verbose=False, n_batch=512)
   ready = time.perf_counter() - t
   chat = llm.tokenize(
-      ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-       f"<|im_start|>user\n{CHAT_PROMPT}<|im_end|>\n<|im_start|>assistant\n").encode(), add_bos=False, special=True)
+    (
+      "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+      f"<|im_start|>user\n{CHAT_PROMPT}<|im_end|>\n<|im_start|>assistant\n"
+    ).encode(),
+    add_bos=False,
+    special=True,
+  )
   long_ids = llm.tokenize(LONG_TEXT.encode(), add_bos=False)[:250]
 
   def run(ids, n):
@@ -165,10 +184,14 @@ def bench_llama_cpp(args) -> dict | None:
 
   prefill_s = statistics.median(prefill(long_ids) for _ in range(args.repeats + 1))
   chat_runs = [run(chat, args.tokens) for _ in range(args.repeats + 1)][1:]
-  res = {"ready_s": ready, "prefill_tok_s": len(long_ids) / prefill_s,
-         "ttft_chat_s": statistics.median(r[0] for r in chat_runs),
-         "decode_b1_tok_s": statistics.median(r[1] for r in chat_runs),
-         "chat_prompt_tokens": len(chat), "version": getattr(llama_cpp, "__version__", "?")}
+  res = {
+    "ready_s": ready,
+    "prefill_tok_s": len(long_ids) / prefill_s,
+    "ttft_chat_s": statistics.median(r[0] for r in chat_runs),
+    "decode_b1_tok_s": statistics.median(r[1] for r in chat_runs),
+    "chat_prompt_tokens": len(chat),
+    "version": getattr(llama_cpp, "__version__", "?"),
+  }
   if not args.skip_process:
     res["process_first_token_s"] = statistics.median(_llama_process_first_token(path) for _ in range(3))
   return res
@@ -187,8 +210,10 @@ for tok in llm.generate(prompt, temp=0.0):
 
 def _llama_process_first_token(path: str) -> float:
   """Seconds from spawning a llama-cpp-python process to its first byte of answer text."""
-  chat = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-          f"<|im_start|>user\n{CHAT_PROMPT}<|im_end|>\n<|im_start|>assistant\n")
+  chat = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    f"<|im_start|>user\n{CHAT_PROMPT}<|im_end|>\n<|im_start|>assistant\n"
+  )
   return common.first_byte([sys.executable, "-c", _LLAMA_PROBE, path, chat]).seconds
 
 
@@ -198,25 +223,41 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--tokens", type=int, default=64, help="decode tokens per run")
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--json", default=None, type=common.json_path, help="write results to this JSON file")
-  p.add_argument("--chunks", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 16],
-                 help="other decode chunk sizes to compare with the default (comma-separated)")
+  p.add_argument(
+    "--chunks",
+    type=lambda t: [int(x) for x in t.split(",")],
+    default=[1, 4, 16],
+    help="other decode chunk sizes to compare with the default (comma-separated)",
+  )
   p.add_argument("--skip-process", action="store_true", help="skip the new-process start-up runs")
-  p.add_argument("--stream-startup", action="store_true",
-                 help="only compare start-up of chunked vs callback streaming in fresh processes")
+  p.add_argument(
+    "--stream-startup",
+    action="store_true",
+    help="only compare start-up of chunked vs callback streaming in fresh processes",
+  )
   args = p.parse_args(argv)
 
   if args.stream_startup:
     res = stream_startup(args)
     for mode, runs in res.items():
-      print(f"{mode:9s} " + "  ".join(f"process {i + 1}: {r['first_token_s']:.2f} s to first token "
-                                      f"({r['cache_hits']} cache hits)" for i, r in enumerate(runs)))
+      print(
+        f"{mode:9s} "
+        + "  ".join(
+          f"process {i + 1}: {r['first_token_s']:.2f} s to first token ({r['cache_hits']} cache hits)"
+          for i, r in enumerate(runs)
+        )
+      )
     if args.json:
       common.write_json(args.json, res)
     return 0
 
   bw = copy_bandwidth()
-  res = {"copy_bandwidth_gb_s": bw, "thoughtjax": bench_thoughtjax(args), "llama_cpp": bench_llama_cpp(args),
-         "cpu_count": os.cpu_count()}
+  res = {
+    "copy_bandwidth_gb_s": bw,
+    "thoughtjax": bench_thoughtjax(args),
+    "llama_cpp": bench_llama_cpp(args),
+    "cpu_count": os.cpu_count(),
+  }
   tj = res["thoughtjax"]
   tj["bandwidth_fraction"] = tj["weight_bandwidth_gb_s"] / bw
   if args.json:
@@ -229,29 +270,46 @@ def _print_table(res: dict) -> None:
   tj, lc = res["thoughtjax"], res["llama_cpp"] or {}
   fmt = common.fmt
   rows = [
-      ("prefill tok/s (250-token prompt)", tj.get("prefill_tok_s"), lc.get("prefill_tok_s"), ".1f"),
-      (f"time to first token, chat ({tj['chat_prompt_tokens']} tok), s", tj.get("ttft_chat_s"),
-       lc.get("ttft_chat_s"), ".3f"),
-      (f"decode tok/s, batch 1 (chunked stream, {tj['chunk']} steps)", tj.get("decode_b1_tok_s_chunks"),
-       lc.get("decode_b1_tok_s"), ".1f"),
-      ("decode tok/s, batch 1 (callback stream)", tj.get("decode_b1_tok_s_callback"), None, ".1f"),
-      *((f"decode tok/s, batch 1, chunks of {c}", rate, None, ".1f")
-        for c, rate in sorted(tj["decode_b1_tok_s_by_chunk"].items(), key=lambda kv: int(kv[0]))),
-      ("decode tok/s, batch 8 aggregate", tj.get("decode_b8_tok_s"), None, ".1f"),
-      ("batch 8 / batch 1", tj.get("b8_over_b1"), None, ".2f"),
-      ("weight bytes read per token, MB", tj["weight_bytes"] / 1e6, None, ".0f"),
-      ("achieved weight bandwidth, GB/s", tj.get("weight_bandwidth_gb_s"), None, ".2f"),
-      ("machine copy bandwidth, GB/s", res["copy_bandwidth_gb_s"], None, ".2f"),
-      ("fraction of copy bandwidth", tj.get("bandwidth_fraction"), None, ".2f"),
-      ("process start -> first token, cold, s", tj.get("process_first_token_cold_s"),
-       lc.get("process_first_token_s"), ".2f"),
-      ("model ready after load call, s", tj.get("load_s"), lc.get("ready_s"), ".2f"),
-      ("process start -> first token, warm cache, s", tj.get("process_first_token_warm_s"), None, ".2f"),
-      ("peak RSS (bench process), MB", tj.get("peak_rss_mb"), None, ".0f"),
+    ("prefill tok/s (250-token prompt)", tj.get("prefill_tok_s"), lc.get("prefill_tok_s"), ".1f"),
+    (
+      f"time to first token, chat ({tj['chat_prompt_tokens']} tok), s",
+      tj.get("ttft_chat_s"),
+      lc.get("ttft_chat_s"),
+      ".3f",
+    ),
+    (
+      f"decode tok/s, batch 1 (chunked stream, {tj['chunk']} steps)",
+      tj.get("decode_b1_tok_s_chunks"),
+      lc.get("decode_b1_tok_s"),
+      ".1f",
+    ),
+    ("decode tok/s, batch 1 (callback stream)", tj.get("decode_b1_tok_s_callback"), None, ".1f"),
+    *(
+      (f"decode tok/s, batch 1, chunks of {c}", rate, None, ".1f")
+      for c, rate in sorted(tj["decode_b1_tok_s_by_chunk"].items(), key=lambda kv: int(kv[0]))
+    ),
+    ("decode tok/s, batch 8 aggregate", tj.get("decode_b8_tok_s"), None, ".1f"),
+    ("batch 8 / batch 1", tj.get("b8_over_b1"), None, ".2f"),
+    ("weight bytes read per token, MB", tj["weight_bytes"] / 1e6, None, ".0f"),
+    ("achieved weight bandwidth, GB/s", tj.get("weight_bandwidth_gb_s"), None, ".2f"),
+    ("machine copy bandwidth, GB/s", res["copy_bandwidth_gb_s"], None, ".2f"),
+    ("fraction of copy bandwidth", tj.get("bandwidth_fraction"), None, ".2f"),
+    (
+      "process start -> first token, cold, s",
+      tj.get("process_first_token_cold_s"),
+      lc.get("process_first_token_s"),
+      ".2f",
+    ),
+    ("model ready after load call, s", tj.get("load_s"), lc.get("ready_s"), ".2f"),
+    ("process start -> first token, warm cache, s", tj.get("process_first_token_warm_s"), None, ".2f"),
+    ("peak RSS (bench process), MB", tj.get("peak_rss_mb"), None, ".0f"),
   ]
-  common.print_table("thoughtjax bench decode", ["figure", "thoughtjax", "llama.cpp"],
-                     [(name, fmt(a, spec), fmt(b, spec)) for name, a, b, spec in rows],
-                     right=("thoughtjax", "llama.cpp"))
+  common.print_table(
+    "thoughtjax bench decode",
+    ["figure", "thoughtjax", "llama.cpp"],
+    [(name, fmt(a, spec), fmt(b, spec)) for name, a, b, spec in rows],
+    right=("thoughtjax", "llama.cpp"),
+  )
 
 
 if __name__ == "__main__":

@@ -31,8 +31,9 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -52,10 +53,19 @@ NUM_STOP, TOP_K = 4, 50
 # Datasheet HBM bandwidth, GB/s, matched as substrings of jax's device_kind in
 # this order (GH200 before H200, H100 variants before H100).
 PEAK_GBPS = (
-    ("GH200", 4000.0), ("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0),
-    ("H100", 3350.0), ("A100-SXM4-80GB", 2039.0), ("A100 80GB PCIe", 1935.0),
-    ("A100", 1555.0), ("L40S", 864.0), ("L4", 300.0), ("A10", 600.0),
-    ("V100", 900.0), ("RTX 4090", 1008.0),
+  ("GH200", 4000.0),
+  ("H200", 4800.0),
+  ("H100 NVL", 3900.0),
+  ("H100 PCIe", 2000.0),
+  ("H100", 3350.0),
+  ("A100-SXM4-80GB", 2039.0),
+  ("A100 80GB PCIe", 1935.0),
+  ("A100", 1555.0),
+  ("L40S", 864.0),
+  ("L4", 300.0),
+  ("A10", 600.0),
+  ("V100", 900.0),
+  ("RTX 4090", 1008.0),
 )
 
 
@@ -108,7 +118,7 @@ def table_peak_gbps(device_kind: str) -> float | None:
 def sample_stop_case(num_rows: int, vocab: int, *, top_k: int, with_bias: bool) -> Case:
   keys = jax.random.split(jax.random.key(num_rows * 7 + top_k), 3)
   logits = jax.random.normal(keys[0], (num_rows, vocab), jnp.float32) * 3
-  bias = (jax.random.normal(keys[1], (num_rows, vocab), jnp.float32) if with_bias else None)
+  bias = jax.random.normal(keys[1], (num_rows, vocab), jnp.float32) if with_bias else None
   temperature = jnp.full((num_rows,), 0.8, jnp.float32)
   top_k_arr = jnp.full((num_rows,), top_k, jnp.int32)
   seed = jnp.arange(num_rows, dtype=jnp.uint32) * jnp.uint32(2654435761)
@@ -117,18 +127,31 @@ def sample_stop_case(num_rows: int, vocab: int, *, top_k: int, with_bias: bool) 
 
   def make(implementation):
     def run(logits, temperature, top_k, seed, step, stop_ids, bias):
-      return sample_stop(logits, temperature=temperature, top_k=top_k, seed=seed, step=step,
-                         stop_ids=stop_ids, logit_bias=bias, implementation=implementation)
+      return sample_stop(
+        logits,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+        step=step,
+        stop_ids=stop_ids,
+        logit_bias=bias,
+        implementation=implementation,
+      )
+
     return jax.jit(run)
 
-  num_bytes = (logits.nbytes + (bias.nbytes if with_bias else 0) + stop_ids.nbytes
-               + 4 * 4 * num_rows + 8 * num_rows)
-  label = f"B={num_rows} V={vocab} " + (f"top_k={top_k}" if top_k else "no top-k") + (
-      " +bias" if with_bias else "")
+  num_bytes = logits.nbytes + (bias.nbytes if with_bias else 0) + stop_ids.nbytes + 4 * 4 * num_rows + 8 * num_rows
+  label = f"B={num_rows} V={vocab} " + (f"top_k={top_k}" if top_k else "no top-k") + (" +bias" if with_bias else "")
   compare = lambda a, b: bool(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]))
-  return Case("sample_stop", label, num_bytes, args,
-              {"xla": make("xla"), "pallas": make("pallas")}, compare,
-              cuda=functools.partial(_cuda_sample_stop, args))
+  return Case(
+    "sample_stop",
+    label,
+    num_bytes,
+    args,
+    {"xla": make("xla"), "pallas": make("pallas")},
+    compare,
+    cuda=functools.partial(_cuda_sample_stop, args),
+  )
 
 
 def template_embed_case(num_rows: int, vocab: int, dim: int) -> Case:
@@ -142,17 +165,22 @@ def template_embed_case(num_rows: int, vocab: int, dim: int) -> Case:
   args = (prefix, suffix, table, ids, lengths)
 
   def make(implementation):
-    return jax.jit(functools.partial(template_embed, total_len=TOTAL_LEN, left_pad=True,
-                                     implementation=implementation))
+    return jax.jit(functools.partial(template_embed, total_len=TOTAL_LEN, left_pad=True, implementation=implementation))
 
   itemsize = jnp.dtype(dtype).itemsize
   rows_read = int(np.sum(np.asarray(lengths))) + num_rows * (PREFIX_LEN + SUFFIX_LEN)
   num_bytes = (rows_read * dim + num_rows * TOTAL_LEN * dim) * itemsize + ids.nbytes
   label = f"B={num_rows} T={TOTAL_LEN} D={dim} {jnp.dtype(dtype).name}"
   compare = lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b)))
-  return Case("template_embed", label, num_bytes, args,
-              {"xla": make("xla"), "pallas": make("pallas")}, compare,
-              cuda=functools.partial(_cuda_template_embed, args))
+  return Case(
+    "template_embed",
+    label,
+    num_bytes,
+    args,
+    {"xla": make("xla"), "pallas": make("pallas")},
+    compare,
+    cuda=functools.partial(_cuda_template_embed, args),
+  )
 
 
 def build_cases(quick: bool) -> list[Case]:
@@ -206,19 +234,43 @@ def _cuda_sample_stop(args):
   if p.logits.dtype != jnp.float32:
     raise NotImplementedError("the CUDA C sample_stop takes float32 logits")
   bias = p.logit_bias
-  dev = {name: cupy.from_dlpack(jax.block_until_ready(a)) for name, a in dict(
-      logits=p.logits, bias=bias if bias is not None else p.logits, inv_t=p.inv_temperature,
-      greedy=p.greedy, top_k=p.top_k, seed=p.seed, stop_ids=p.stop_ids).items()}
+  dev = {
+    name: cupy.from_dlpack(jax.block_until_ready(a))
+    for name, a in dict(
+      logits=p.logits,
+      bias=bias if bias is not None else p.logits,
+      inv_t=p.inv_temperature,
+      greedy=p.greedy,
+      top_k=p.top_k,
+      seed=p.seed,
+      stop_ids=p.stop_ids,
+    ).items()
+  }
   step, num_stop = int(p.step[0]), p.stop_ids.shape[1]
   kernel = _cuda_module().get_function("sample_stop_f32")
   tokens = cupy.empty((num_rows,), cupy.int32)
   stop = cupy.empty((num_rows,), cupy.int32)
 
   def run():
-    kernel((num_rows,), (256,), (
-        dev["logits"], dev["bias"], np.int32(bias is not None), dev["inv_t"], dev["greedy"],
-        dev["top_k"], dev["seed"], np.int32(step), dev["stop_ids"], np.int32(num_stop),
-        np.int32(vocab), tokens, stop))
+    kernel(
+      (num_rows,),
+      (256,),
+      (
+        dev["logits"],
+        dev["bias"],
+        np.int32(bias is not None),
+        dev["inv_t"],
+        dev["greedy"],
+        dev["top_k"],
+        dev["seed"],
+        np.int32(step),
+        dev["stop_ids"],
+        np.int32(num_stop),
+        np.int32(vocab),
+        tokens,
+        stop,
+      ),
+    )
     return tokens, stop
 
   def fetch(out):
@@ -235,8 +287,9 @@ def _cuda_template_embed(args):
   num_rows, max_user = ids.shape
   vocab, dim = table.shape
   itemsize = jnp.dtype(table.dtype).itemsize
-  as_raw = lambda a: cupy.from_dlpack(jax.block_until_ready(
-      jax.lax.bitcast_convert_type(a, {4: jnp.float32, 2: jnp.uint16}[itemsize])))
+  as_raw = lambda a: cupy.from_dlpack(
+    jax.block_until_ready(jax.lax.bitcast_convert_type(a, {4: jnp.float32, 2: jnp.uint16}[itemsize]))
+  )
   dev = [as_raw(prefix), as_raw(suffix), as_raw(table)]
   ids_dev, lengths_dev = cupy.from_dlpack(ids), cupy.from_dlpack(lengths)
   out = cupy.empty((num_rows, TOTAL_LEN, dim), {4: cupy.float32, 2: cupy.uint16}[itemsize])
@@ -244,10 +297,26 @@ def _cuda_template_embed(args):
   total = out.size
 
   def run():
-    kernel(((total + 255) // 256,), (256,), (
-        dev[0], np.int32(prefix.shape[0]), dev[1], np.int32(suffix.shape[0]), dev[2],
-        np.int32(vocab), ids_dev, np.int32(max_user), lengths_dev, np.int32(TOTAL_LEN),
-        np.int32(dim), np.int32(1), out, np.int64(total)))  # 1: left padding, as the case
+    kernel(
+      ((total + 255) // 256,),
+      (256,),
+      (
+        dev[0],
+        np.int32(prefix.shape[0]),
+        dev[1],
+        np.int32(suffix.shape[0]),
+        dev[2],
+        np.int32(vocab),
+        ids_dev,
+        np.int32(max_user),
+        lengths_dev,
+        np.int32(TOTAL_LEN),
+        np.int32(dim),
+        np.int32(1),
+        out,
+        np.int64(total),
+      ),
+    )  # 1: left padding, as the case
     return out
 
   def fetch(out):
@@ -286,28 +355,51 @@ def cuda_unavailable_reason(on_gpu: bool) -> str | None:
 
 
 # ----------------------------------------------------------------------------- running
-def run_case(case: Case, *, on_gpu: bool, repeats: int, interpret_pallas: bool,
-             cuda_reason: str | None, peak_gbps: float) -> list[Result]:
+def run_case(
+  case: Case, *, on_gpu: bool, repeats: int, interpret_pallas: bool, cuda_reason: str | None, peak_gbps: float
+) -> list[Result]:
   results = []
 
   def record(implementation, median, minimum, agrees, note=""):
     gbps = case.bytes / median / 1e9
-    results.append(Result(case.op, case.shape, implementation, median * 1e3, minimum * 1e3,
-                          case.bytes, gbps, gbps / peak_gbps, agrees, note))
+    results.append(
+      Result(
+        case.op,
+        case.shape,
+        implementation,
+        median * 1e3,
+        minimum * 1e3,
+        case.bytes,
+        gbps,
+        gbps / peak_gbps,
+        agrees,
+        note,
+      )
+    )
 
   median, minimum, reference = time_calls(case.implementations["xla"], case.args, repeats)
   reference = jax.device_get(reference)
   record("xla", median, minimum, True, "reference")
 
   if on_gpu or interpret_pallas:
-    median, minimum, out = time_calls(case.implementations["pallas"], case.args,
-                                      repeats if on_gpu else 1)
-    record("pallas" if on_gpu else "pallas (interpret)", median, minimum,
-           case.compare(jax.device_get(out), reference),
-           "" if on_gpu else "interpreted on CPU: an XLA loop over the grid, not a kernel")
+    median, minimum, out = time_calls(case.implementations["pallas"], case.args, repeats if on_gpu else 1)
+    record(
+      "pallas" if on_gpu else "pallas (interpret)",
+      median,
+      minimum,
+      case.compare(jax.device_get(out), reference),
+      "" if on_gpu else "interpreted on CPU: an XLA loop over the grid, not a kernel",
+    )
   else:
-    results.append(Result(case.op, case.shape, "pallas", bytes=case.bytes,
-                          note="not timed: Pallas runs interpreted on CPU (B=1 shapes only)"))
+    results.append(
+      Result(
+        case.op,
+        case.shape,
+        "pallas",
+        bytes=case.bytes,
+        note="not timed: Pallas runs interpreted on CPU (B=1 shapes only)",
+      )
+    )
 
   if cuda_reason is None:
     try:
@@ -315,38 +407,59 @@ def run_case(case: Case, *, on_gpu: bool, repeats: int, interpret_pallas: bool,
       median, minimum, out = _time_cuda(run, repeats)
       record("cuda", median, minimum, case.compare(fetch(out), reference), "CuPy RawKernel")
     except Exception as e:  # report, do not abort the other cases
-      results.append(Result(case.op, case.shape, "cuda", bytes=case.bytes,
-                            note=f"failed: {type(e).__name__}: {e}"[:300]))
+      results.append(
+        Result(case.op, case.shape, "cuda", bytes=case.bytes, note=f"failed: {type(e).__name__}: {e}"[:300])
+      )
   else:
-    results.append(Result(case.op, case.shape, "cuda", bytes=case.bytes,
-                          note=f"skipped: {cuda_reason}"))
+    results.append(Result(case.op, case.shape, "cuda", bytes=case.bytes, note=f"skipped: {cuda_reason}"))
   return results
 
 
 def print_table(report: dict, results: list[Result]) -> None:
   peak = report["peak_gbps"]
-  title = (f"thoughtjax bench kernels: {report['device']} ({report['backend']}), peak "
-           f"{peak['used']:.0f} GB/s ({peak['source']})")
+  title = (
+    f"thoughtjax bench kernels: {report['device']} ({report['backend']}), peak "
+    f"{peak['used']:.0f} GB/s ({peak['source']})"
+  )
   fmt = common.fmt
-  rows = [(r.op, r.shape, r.implementation, fmt(r.median_ms, ".3f"), fmt(r.min_ms, ".3f"), f"{r.bytes / 1e6:.2f}",
-           fmt(r.gbps, ".1f"), fmt(None if r.fraction_of_peak is None else 100 * r.fraction_of_peak, ".1f"),
-           {None: "-", True: "yes", False: "NO"}[r.agrees_with_reference], r.note) for r in results]
-  common.print_table(title, ("op", "shape", "impl", "median ms", "min ms", "MB", "GB/s", "% peak", "agrees", "note"),
-                     rows, width=200, right=("median ms", "min ms", "MB", "GB/s", "% peak"))
+  rows = [
+    (
+      r.op,
+      r.shape,
+      r.implementation,
+      fmt(r.median_ms, ".3f"),
+      fmt(r.min_ms, ".3f"),
+      f"{r.bytes / 1e6:.2f}",
+      fmt(r.gbps, ".1f"),
+      fmt(None if r.fraction_of_peak is None else 100 * r.fraction_of_peak, ".1f"),
+      {None: "-", True: "yes", False: "NO"}[r.agrees_with_reference],
+      r.note,
+    )
+    for r in results
+  ]
+  common.print_table(
+    title,
+    ("op", "shape", "impl", "median ms", "min ms", "MB", "GB/s", "% peak", "agrees", "note"),
+    rows,
+    width=200,
+    right=("median ms", "min ms", "MB", "GB/s", "% peak"),
+  )
   for note in report["notes"]:
     print(f"- {note}")
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="thoughtjax bench kernels", description=__doc__.split(
-      "\n\n")[0])
+  parser = argparse.ArgumentParser(prog="thoughtjax bench kernels", description=__doc__.split("\n\n")[0])
   parser.add_argument("--json", metavar="PATH", type=common.json_path, help="also write the report as JSON here")
-  parser.add_argument("--repeats", type=int, default=None,
-                      help="timed rounds per implementation (default 20 on GPU, 5 on CPU)")
-  parser.add_argument("--quick", action="store_true",
-                      help="tiny shapes (V=4096, D=64, B in 1, 8): a smoke run, not a benchmark")
-  parser.add_argument("--no-interpret", action="store_true",
-                      help="on CPU, do not time the interpreted Pallas kernel on B=1")
+  parser.add_argument(
+    "--repeats", type=int, default=None, help="timed rounds per implementation (default 20 on GPU, 5 on CPU)"
+  )
+  parser.add_argument(
+    "--quick", action="store_true", help="tiny shapes (V=4096, D=64, B in 1, 8): a smoke run, not a benchmark"
+  )
+  parser.add_argument(
+    "--no-interpret", action="store_true", help="on CPU, do not time the interpreted Pallas kernel on B=1"
+  )
   args = parser.parse_args(argv)
 
   device = jax.devices()[0]
@@ -356,34 +469,53 @@ def main(argv: list[str] | None = None) -> int:
     parser.error(f"--repeats must be >= 1, got {repeats}")
   measured = copy_bandwidth_gbps(32 * 2**20 if args.quick else 256 * 2**20, repeats)
   from_table = table_peak_gbps(device.device_kind) if on_gpu else None
-  peak = dict(table=from_table, measured_copy=measured, used=from_table or measured,
-              source="datasheet table" if from_table else "measured in-place x+1")
+  peak = dict(
+    table=from_table,
+    measured_copy=measured,
+    used=from_table or measured,
+    source="datasheet table" if from_table else "measured in-place x+1",
+  )
   cuda_reason = cuda_unavailable_reason(on_gpu)
 
   results: list[Result] = []
   for case in build_cases(args.quick):
     interpret_pallas = not on_gpu and not args.no_interpret and case.shape.startswith("B=1 ")
-    results += run_case(case, on_gpu=on_gpu, repeats=repeats, interpret_pallas=interpret_pallas,
-                        cuda_reason=cuda_reason, peak_gbps=peak["used"])
+    results += run_case(
+      case,
+      on_gpu=on_gpu,
+      repeats=repeats,
+      interpret_pallas=interpret_pallas,
+      cuda_reason=cuda_reason,
+      peak_gbps=peak["used"],
+    )
 
   notes = [
-      "times: hot-cache throughput (back-to-back calls, one sync), median over rounds",
-      "bytes: unique bytes the op must move; sample_stop with top-k re-reads each row "
-      "~32 times (binary search for the k-th value) from cache, not counted",
-      "sample_stop cases: temperature 0.8, 4 stop ids; template_embed: left padding, "
-      f"prefix {PREFIX_LEN} rows, suffix {SUFFIX_LEN}, user lengths in [{MAX_USER // 2}, "
-      f"{MAX_USER}]",
+    "times: hot-cache throughput (back-to-back calls, one sync), median over rounds",
+    "bytes: unique bytes the op must move; sample_stop with top-k re-reads each row "
+    "~32 times (binary search for the k-th value) from cache, not counted",
+    "sample_stop cases: temperature 0.8, 4 stop ids; template_embed: left padding, "
+    f"prefix {PREFIX_LEN} rows, suffix {SUFFIX_LEN}, user lengths in [{MAX_USER // 2}, "
+    f"{MAX_USER}]",
   ]
   if not on_gpu:
-    notes.append("CPU: Pallas runs interpreted (not a kernel); its B=1 timings show the "
-                 "interpreter's cost, not GPU speed. GPU figures need a GPU run.")
+    notes.append(
+      "CPU: Pallas runs interpreted (not a kernel); its B=1 timings show the "
+      "interpreter's cost, not GPU speed. GPU figures need a GPU run."
+    )
   if cuda_reason:
     notes.append(f"CUDA C kernels skipped: {cuda_reason}")
   report = dict(
-      command="thoughtjax bench kernels " + " ".join(argv if argv is not None else sys.argv[1:]),
-      backend=jax.default_backend(), device=device.device_kind, platform=platform.platform(),
-      jax_version=jax.__version__, repeats=repeats, quick=args.quick, peak_gbps=peak,
-      notes=notes, results=[dataclasses.asdict(r) for r in results])
+    command="thoughtjax bench kernels " + " ".join(argv if argv is not None else sys.argv[1:]),
+    backend=jax.default_backend(),
+    device=device.device_kind,
+    platform=platform.platform(),
+    jax_version=jax.__version__,
+    repeats=repeats,
+    quick=args.quick,
+    peak_gbps=peak,
+    notes=notes,
+    results=[dataclasses.asdict(r) for r in results],
+  )
   print_table(report, results)
   if args.json:
     common.write_json(args.json, report)

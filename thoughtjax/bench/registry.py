@@ -27,10 +27,10 @@ from thoughtjax.bench import common
 
 EARLY = "embed, blocks[0:12), head"
 PATHS = {
-    "early exit 12/30": EARLY,
-    "skip 8..9": "embed, blocks[0:8), blocks[10:30), head",
-    "repeat 10..19": "embed, blocks[0:20), blocks[10:30), head",
-    "full 30": None,  # filled from the registry
+  "early exit 12/30": EARLY,
+  "skip 8..9": "embed, blocks[0:8), blocks[10:30), head",
+  "repeat 10..19": "embed, blocks[0:20), blocks[10:30), head",
+  "full 30": None,  # filled from the registry
 }
 PROMPT = "The history of the city spans many centuries, from its founding as a small settlement"
 
@@ -52,8 +52,15 @@ def bench_restores(root: Path, repeats: int) -> tuple[list[dict], list[dict]]:
         reg.restore(name)
         (checked if verify else raw).append(time.perf_counter() - t)
     nbytes = base.manifest(name).param_bytes
-    per_thoughtlet.append({"thoughtlet": name, "bytes": nbytes, "restore_s": common.median(checked),
-                           "orbax_only_s": common.median(raw), "gb_per_s": nbytes / common.median(checked) / 1e9})
+    per_thoughtlet.append(
+      {
+        "thoughtlet": name,
+        "bytes": nbytes,
+        "restore_s": common.median(checked),
+        "orbax_only_s": common.median(raw),
+        "gb_per_s": nbytes / common.median(checked) / 1e9,
+      }
+    )
   per_path = []
   paths = dict(PATHS, **{"full 30": full_path(base)})
   for label, path in paths.items():
@@ -64,8 +71,15 @@ def bench_restores(root: Path, repeats: int) -> tuple[list[dict], list[dict]]:
       m = compose(path, reg, compile_cache=False)
       times.append(time.perf_counter() - t)
       resident = m.resident_bytes
-    per_path.append({"path": label, "refs": path, "compose_s": common.median(times), "resident_bytes": resident,
-                     "thoughtlets": len(m.refs)})
+    per_path.append(
+      {
+        "path": label,
+        "refs": path,
+        "compose_s": common.median(times),
+        "resident_bytes": resident,
+        "thoughtlets": len(m.refs),
+      }
+    )
   return per_thoughtlet, per_path
 
 
@@ -75,9 +89,9 @@ def bench_cold_start(root: Path, model: str | None, repeats: int, cache: str) ->
   base = [sys.executable, "-m", "thoughtjax.cli", "generate", "--prompt", PROMPT, "--max-tokens", "8"]
   model_args = ["--model", model] if model else []
   cases = [
-      ("registry, lazy restore", EARLY, base + ["--registry", str(root), "--path", EARLY]),
-      ("whole model loaded", EARLY, base + model_args + ["--path", EARLY]),
-      ("whole model loaded", "full 30", base + model_args),
+    ("registry, lazy restore", EARLY, base + ["--registry", str(root), "--path", EARLY]),
+    ("whole model loaded", EARLY, base + model_args + ["--path", EARLY]),
+    ("whole model loaded", "full 30", base + model_args),
   ]
   for _, _, cmd in cases:
     common.first_byte(cmd, env)  # warms the persistent compilation cache for this program
@@ -88,8 +102,17 @@ def bench_cold_start(root: Path, model: str | None, repeats: int, cache: str) ->
       run = common.first_byte(cmd, env)
       times[i].append(run.seconds)
       rss[i].append(run.peak_rss_mib)
-  return [{"how": label, "path": path, "first_token_s": common.median(ts), "min_s": min(ts), "runs": ts,
-           "peak_rss_mib": common.median(ms)} for (label, path, _), ts, ms in zip(cases, times, rss)]
+  return [
+    {
+      "how": label,
+      "path": path,
+      "first_token_s": common.median(ts),
+      "min_s": min(ts),
+      "runs": ts,
+      "peak_rss_mib": common.median(ms),
+    }
+    for (label, path, _), ts, ms in zip(cases, times, rss)
+  ]
 
 
 # ------------------------------------------------------------------------------ decode
@@ -110,14 +133,15 @@ def _chained(model, prompt_ids: list[int], max_new: int):
         groups.append(unit_layers)
 
   embed = jax.jit(lambda st, tok: run_embed(defs, st, tok))
-  head = jax.jit(lambda st, table, x: jnp.argmax(run_head(defs, st, x[:, -1:], table)[:, -1],
-                                                 axis=-1).astype(jnp.int32))
+  head = jax.jit(
+    lambda st, table, x: jnp.argmax(run_head(defs, st, x[:, -1:], table)[:, -1], axis=-1).astype(jnp.int32)
+  )
 
   def blocks_step(states, x, caches, slot, n_new: int):
     t = jnp.arange(n_new)
     positions = (slot + t)[None, :]
     s = jnp.arange(S)
-    mask = (s[None, None, :] <= (slot + t)[None, :, None])
+    mask = s[None, None, :] <= (slot + t)[None, :, None]
     return run_blocks(defs, cfg, states, x, positions, caches, slot, mask)
 
   block_fns = [jax.jit(blocks_step, static_argnums=(4,)) for _ in groups]
@@ -153,7 +177,7 @@ def _unit_layers(link, model):
     from thoughtjax.paths import Ref
 
     a, b = Ref(name).span
-    out.append(layers[at:at + (b - a)])
+    out.append(layers[at : at + (b - a)])
     at += b - a
   return out
 
@@ -180,9 +204,17 @@ def bench_decode(root: Path, tokens: int, repeats: int) -> list[dict]:
       if r:
         one.append(rate_one)
         chained.append(rate_chained)
-    rows.append({"path": label, "thoughtlets": len(model.refs), "one_program_tok_s": common.median(one),
-                 "chained_tok_s": common.median(chained), "ratio": common.median(one) / common.median(chained),
-                 "same_tokens": same, "tokens": tokens})
+    rows.append(
+      {
+        "path": label,
+        "thoughtlets": len(model.refs),
+        "one_program_tok_s": common.median(one),
+        "chained_tok_s": common.median(chained),
+        "ratio": common.median(one) / common.median(chained),
+        "same_tokens": same,
+        "tokens": tokens,
+      }
+    )
   return rows
 
 
@@ -227,28 +259,57 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="tj-bench-xla-") as cache:
       rows = bench_cold_start(root, args.model, args.repeats, cache)
     result["cold_start"] = rows
-    _table("cold start: new process to first generated byte (warm compile cache; median)",
-           ["how", "path", "first token s", "min s", "peak RSS MiB"],
-           [[r["how"], r["path"], f"{r['first_token_s']:.2f}", f"{r['min_s']:.2f}", f"{r['peak_rss_mib']:.0f}"]
-            for r in rows])
+    _table(
+      "cold start: new process to first generated byte (warm compile cache; median)",
+      ["how", "path", "first token s", "min s", "peak RSS MiB"],
+      [
+        [r["how"], r["path"], f"{r['first_token_s']:.2f}", f"{r['min_s']:.2f}", f"{r['peak_rss_mib']:.0f}"]
+        for r in rows
+      ],
+    )
   if "restore" not in args.skip:
     per_t, per_p = bench_restores(root, args.repeats)
     result["restore_per_thoughtlet"], result["restore_per_path"] = per_t, per_p
-    _table("restore per thoughtlet (median; warm page cache)",
-           ["thoughtlet", "MiB", "checked+restored ms", "Orbax only ms", "GB/s"],
-           [[r["thoughtlet"], f"{r['bytes'] / 2**20:.1f}", f"{r['restore_s'] * 1e3:.1f}",
-             f"{r['orbax_only_s'] * 1e3:.1f}", f"{r['gb_per_s']:.2f}"] for r in per_t])
-    _table("compose per path (resolve + type-check + restore + assemble; median)",
-           ["path", "thoughtlets", "resident MiB", "compose ms"],
-           [[r["path"], r["thoughtlets"], f"{r['resident_bytes'] / 2**20:.1f}", f"{r['compose_s'] * 1e3:.1f}"]
-            for r in per_p])
+    _table(
+      "restore per thoughtlet (median; warm page cache)",
+      ["thoughtlet", "MiB", "checked+restored ms", "Orbax only ms", "GB/s"],
+      [
+        [
+          r["thoughtlet"],
+          f"{r['bytes'] / 2**20:.1f}",
+          f"{r['restore_s'] * 1e3:.1f}",
+          f"{r['orbax_only_s'] * 1e3:.1f}",
+          f"{r['gb_per_s']:.2f}",
+        ]
+        for r in per_t
+      ],
+    )
+    _table(
+      "compose per path (resolve + type-check + restore + assemble; median)",
+      ["path", "thoughtlets", "resident MiB", "compose ms"],
+      [
+        [r["path"], r["thoughtlets"], f"{r['resident_bytes'] / 2**20:.1f}", f"{r['compose_s'] * 1e3:.1f}"]
+        for r in per_p
+      ],
+    )
   if "decode" not in args.skip:
     rows = bench_decode(root, args.tokens, args.repeats)
     result["decode"] = rows
-    _table(f"greedy decode, batch 1, {args.tokens} tokens (median tok/s)",
-           ["path", "thoughtlets", "one program", "chained jits", "ratio", "same tokens"],
-           [[r["path"], r["thoughtlets"], f"{r['one_program_tok_s']:.1f}", f"{r['chained_tok_s']:.1f}",
-             f"{r['ratio']:.2f}x", "yes" if r["same_tokens"] else "NO"] for r in rows])
+    _table(
+      f"greedy decode, batch 1, {args.tokens} tokens (median tok/s)",
+      ["path", "thoughtlets", "one program", "chained jits", "ratio", "same tokens"],
+      [
+        [
+          r["path"],
+          r["thoughtlets"],
+          f"{r['one_program_tok_s']:.1f}",
+          f"{r['chained_tok_s']:.1f}",
+          f"{r['ratio']:.2f}x",
+          "yes" if r["same_tokens"] else "NO",
+        ]
+        for r in rows
+      ],
+    )
   if args.json:
     common.write_json(args.json, result, indent=1)
   return 0

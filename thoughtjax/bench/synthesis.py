@@ -32,8 +32,10 @@ import numpy as np
 
 from thoughtjax.bench import common
 
-FILLER = ("The history of the city spans many centuries, from its founding as a small settlement on the river "
-          "to the busy port it became. ")
+FILLER = (
+  "The history of the city spans many centuries, from its founding as a small settlement on the river "
+  "to the busy port it became. "
+)
 
 
 def _percentile(xs, q: float) -> float:
@@ -57,13 +59,20 @@ def bench_overhead(syn, ids: list[int], hints: list[str], calls: int) -> dict:
     t = time.perf_counter()
     syn.plan(ids, hints, max_latency_ms=budget, max_tokens=32)
     times.append((time.perf_counter() - t) * 1e3)
-  return {"calls": calls, "hints": hints, "prompt_tokens": len(ids), "p50_ms": _percentile(times, 50),
-          "p99_ms": _percentile(times, 99), "mean_ms": float(np.mean(times))}
+  return {
+    "calls": calls,
+    "hints": hints,
+    "prompt_tokens": len(ids),
+    "p50_ms": _percentile(times, 50),
+    "p99_ms": _percentile(times, 99),
+    "mean_ms": float(np.mean(times)),
+  }
 
 
 # ------------------------------------------------------------------------------ 2. prediction
-def bench_prediction(syn, codec, requests: int, prompt_range: tuple[int, int], tokens_range: tuple[int, int],
-                     seed: int) -> dict:
+def bench_prediction(
+  syn, codec, requests: int, prompt_range: tuple[int, int], tokens_range: tuple[int, int], seed: int
+) -> dict:
   """Warm requests under budgets around their own prediction (module docstring): the measured run's
   prediction against what it measured."""
   rng = np.random.default_rng(seed)
@@ -83,18 +92,37 @@ def bench_prediction(syn, codec, requests: int, prompt_range: tuple[int, int], t
       syn.synthesize(ids, hints, max_latency_ms=budget, max_tokens=n, ignore_eos=True).finish()
     r = syn.synthesize(ids, hints, max_latency_ms=budget, max_tokens=n, ignore_eos=True).finish()
     predicted, actual = r.plan.predicted.total, r.trace.actual_ms["total"]
-    rows.append({"hints": hints, "prompt_tokens": T, "max_tokens": n, "budget_ms": budget, "path": r.plan.path,
-                 "degraded": r.plan.degraded, "predicted_ms": predicted, "actual_ms": actual,
-                 "rel_error": abs(predicted - actual) / actual, "within_budget": actual <= budget,
-                 "tokens_out": r.trace.tokens_out})
-    print(f"prediction request {i + 1}/{requests}: {T} prompt tokens, {n} max tokens, predicted "
-          f"{predicted:.0f} ms, actual {actual:.0f} ms", file=sys.stderr, flush=True)
+    rows.append(
+      {
+        "hints": hints,
+        "prompt_tokens": T,
+        "max_tokens": n,
+        "budget_ms": budget,
+        "path": r.plan.path,
+        "degraded": r.plan.degraded,
+        "predicted_ms": predicted,
+        "actual_ms": actual,
+        "rel_error": abs(predicted - actual) / actual,
+        "within_budget": actual <= budget,
+        "tokens_out": r.trace.tokens_out,
+      }
+    )
+    print(
+      f"prediction request {i + 1}/{requests}: {T} prompt tokens, {n} max tokens, predicted "
+      f"{predicted:.0f} ms, actual {actual:.0f} ms",
+      file=sys.stderr,
+      flush=True,
+    )
   errors = [row["rel_error"] for row in rows]
   fits = [row for row in rows if not row["degraded"]]
-  return {"requests": len(rows), "median_rel_error": common.median(errors),
-          "p90_rel_error": _percentile(errors, 90), "fits": len(fits),
-          "fits_within_budget": (sum(r["within_budget"] for r in fits) / len(fits)) if fits else float("nan"),
-          "rows": rows}
+  return {
+    "requests": len(rows),
+    "median_rel_error": common.median(errors),
+    "p90_rel_error": _percentile(errors, 90),
+    "fits": len(fits),
+    "fits_within_budget": (sum(r["within_budget"] for r in fits) / len(fits)) if fits else float("nan"),
+    "rows": rows,
+  }
 
 
 # ------------------------------------------------------------------------------ 3. per hint
@@ -131,11 +159,19 @@ def bench_per_hint(syn, codec, prompt_tokens: int, tokens: int) -> list[dict]:
     for label, plan, budget in (("full", None, None), ("generous", generous, None), ("tight", tight, tight_ms)):
       c = full if plan is None else next(x for x in cal.candidates if x.path_hash == plan.path_hash)
       q = cal.hint_quality(c.path_hash, hint)
-      rows.append({"hint": hint, "budget": label, "budget_ms": budget, "path": c.path,
-                   "degraded": False if plan is None else plan.degraded,
-                   "top1_heldout": None if q is None else q.heldout.top1_agreement,
-                   "kl_heldout": None if q is None else q.heldout.mean_kl,
-                   "predicted_ms": None if plan is None else plan.predicted.total, "tok_s": speed_of(c)})
+      rows.append(
+        {
+          "hint": hint,
+          "budget": label,
+          "budget_ms": budget,
+          "path": c.path,
+          "degraded": False if plan is None else plan.degraded,
+          "top1_heldout": None if q is None else q.heldout.top1_agreement,
+          "kl_heldout": None if q is None else q.heldout.mean_kl,
+          "predicted_ms": None if plan is None else plan.predicted.total,
+          "tok_s": speed_of(c),
+        }
+      )
   return rows
 
 
@@ -164,9 +200,17 @@ def bench_router(reg, quick: bool) -> dict:
   np.add.at(confusion, ([index[r.hint] for r in rows], np.argmax(probs, axis=-1)), 1)
   accuracy, precision, recall = _metrics(confusion)
   times = _predict_times(router, [r.prompt for r in (rows[:40] if quick else rows)])
-  return {"source": source, "labels": list(router.labels), "n_heldout": len(rows), "accuracy": accuracy,
-          "precision": precision.tolist(), "recall": recall.tolist(), "confusion": confusion.tolist(),
-          "predict_ms_p50": common.median(times), "predict_ms_p90": _percentile(times, 90)}
+  return {
+    "source": source,
+    "labels": list(router.labels),
+    "n_heldout": len(rows),
+    "accuracy": accuracy,
+    "precision": precision.tolist(),
+    "recall": recall.tolist(),
+    "confusion": confusion.tolist(),
+    "predict_ms_p50": common.median(times),
+    "predict_ms_p90": _percentile(times, 90),
+  }
 
 
 # ------------------------------------------------------------------------------ 5. calibrate
@@ -176,15 +220,21 @@ def bench_calibrate(reg, quick: bool) -> dict:
 
   settings = CalibrateSettings()
   if quick:
-    settings = CalibrateSettings(candidates=CandidateSettings(exits=[2], single_skips=1, greedy_removals=0,
-                                                              repeats=[]),
-                                 window=32, max_windows=1, hints=tuple(sorted(_calibrated(reg)))[:1],
-                                 latency=LatencySettings(prompt_tokens=(4, 12), max_tokens=(4, 9), reps=1,
-                                                         plan_reps=5))
+    settings = CalibrateSettings(
+      candidates=CandidateSettings(exits=[2], single_skips=1, greedy_removals=0, repeats=[]),
+      window=32,
+      max_windows=1,
+      hints=tuple(sorted(_calibrated(reg)))[:1],
+      latency=LatencySettings(prompt_tokens=(4, 12), max_tokens=(4, 9), reps=1, plan_reps=5),
+    )
   t = time.perf_counter()
   cal = calibrate(reg, settings=settings)
-  return {"wall_s": time.perf_counter() - t, "candidates": len(cal.candidates), "hints": list(cal.hints),
-          "quick_settings": quick}
+  return {
+    "wall_s": time.perf_counter() - t,
+    "candidates": len(cal.candidates),
+    "hints": list(cal.hints),
+    "quick_settings": quick,
+  }
 
 
 def _calibrated(reg) -> tuple[str, ...]:
@@ -228,47 +278,78 @@ def main(argv=None) -> int:
   syn = Synthesizer.open(reg)
   codec = reg.codec
   hints = list(syn.calibration.hints)
-  result: dict = {"registry": str(reg.root), "sequence": reg.sequence, "quick": quick, "fingerprint": fingerprint(),
-                  "hints": hints}
+  result: dict = {
+    "registry": str(reg.root),
+    "sequence": reg.sequence,
+    "quick": quick,
+    "fingerprint": fingerprint(),
+    "hints": hints,
+  }
 
   if "overhead" not in args.skip:
     calls = args.plan_calls or (200 if quick else 2000)
     result["overhead"] = o = bench_overhead(syn, _prompt_ids(codec, 64), hints[:3], calls)
-    common.print_table("GetOptimalPath overhead, warm, in process (plan(): hints + GetOptimalPath)",
-                       ["calls", "hints", "p50 ms", "p99 ms", "mean ms"],
-                       [[o["calls"], ", ".join(o["hints"]), _f(o["p50_ms"], ".4f"), _f(o["p99_ms"], ".4f"),
-                         _f(o["mean_ms"], ".4f")]], right=("calls", "p50 ms", "p99 ms", "mean ms"))
+    common.print_table(
+      "GetOptimalPath overhead, warm, in process (plan(): hints + GetOptimalPath)",
+      ["calls", "hints", "p50 ms", "p99 ms", "mean ms"],
+      [[o["calls"], ", ".join(o["hints"]), _f(o["p50_ms"], ".4f"), _f(o["p99_ms"], ".4f"), _f(o["mean_ms"], ".4f")]],
+      right=("calls", "p50 ms", "p99 ms", "mean ms"),
+    )
   if "prediction" not in args.skip:
     n = args.requests or (6 if quick else 60)
     prompts, tokens = ((10, 40), (8, 12)) if quick else ((10, 400), (8, 128))
     result["prediction"] = r = bench_prediction(syn, codec, n, prompts, tokens, args.seed)
-    common.print_table(f"prediction over {r['requests']} warm requests (prompts {prompts[0]}-{prompts[1]} tokens, "
-                       f"max_tokens {tokens[0]}-{tokens[1]})",
-                       ["median |p-a|/a", "p90 |p-a|/a", "plans that fit", "of those within budget"],
-                       [[_f(r["median_rel_error"], ".1%"), _f(r["p90_rel_error"], ".1%"), r["fits"],
-                         _f(r["fits_within_budget"], ".1%")]])
+    common.print_table(
+      f"prediction over {r['requests']} warm requests (prompts {prompts[0]}-{prompts[1]} tokens, "
+      f"max_tokens {tokens[0]}-{tokens[1]})",
+      ["median |p-a|/a", "p90 |p-a|/a", "plans that fit", "of those within budget"],
+      [
+        [_f(r["median_rel_error"], ".1%"), _f(r["p90_rel_error"], ".1%"), r["fits"], _f(r["fits_within_budget"], ".1%")]
+      ],
+    )
   if "hints" not in args.skip:
     rows = bench_per_hint(syn, codec, 16 if quick else 64, 8 if quick else 64)
     result["per_hint"] = rows
-    common.print_table("per hint: chosen path under a generous and a tight budget vs the full path",
-                       ["hint", "budget", "path", "degraded", "top-1 held-out", "KL held-out", "predicted ms",
-                        "tok/s"],
-                       [[r["hint"], r["budget"] + ("" if r["budget_ms"] is None else f" {r['budget_ms']:.0f} ms"),
-                         r["path"], "yes" if r["degraded"] else "", _f(r["top1_heldout"], ".3f"),
-                         _f(r["kl_heldout"], ".3f"), _f(r["predicted_ms"], ".1f"), _f(r["tok_s"], ".1f")]
-                        for r in rows], right=("top-1 held-out", "KL held-out", "predicted ms", "tok/s"))
+    common.print_table(
+      "per hint: chosen path under a generous and a tight budget vs the full path",
+      ["hint", "budget", "path", "degraded", "top-1 held-out", "KL held-out", "predicted ms", "tok/s"],
+      [
+        [
+          r["hint"],
+          r["budget"] + ("" if r["budget_ms"] is None else f" {r['budget_ms']:.0f} ms"),
+          r["path"],
+          "yes" if r["degraded"] else "",
+          _f(r["top1_heldout"], ".3f"),
+          _f(r["kl_heldout"], ".3f"),
+          _f(r["predicted_ms"], ".1f"),
+          _f(r["tok_s"], ".1f"),
+        ]
+        for r in rows
+      ],
+      right=("top-1 held-out", "KL held-out", "predicted ms", "tok/s"),
+    )
   if "router" not in args.skip:
     result["router"] = r = bench_router(reg, quick)
-    common.print_table(f"router ({r['source']}), held-out", ["prompts", "accuracy", "predict ms p50", "p90"],
-                       [[r["n_heldout"], _f(r["accuracy"], ".3f"), _f(r["predict_ms_p50"], ".3f"),
-                         _f(r["predict_ms_p90"], ".3f")]])
-    common.print_table("router per hint", ["hint", "precision", "recall", "confusion row"],
-                       [[h, _f(r["precision"][i], ".3f"), _f(r["recall"][i], ".3f"), " ".join(map(str, r["confusion"][i]))]
-                        for i, h in enumerate(r["labels"])])
+    common.print_table(
+      f"router ({r['source']}), held-out",
+      ["prompts", "accuracy", "predict ms p50", "p90"],
+      [[r["n_heldout"], _f(r["accuracy"], ".3f"), _f(r["predict_ms_p50"], ".3f"), _f(r["predict_ms_p90"], ".3f")]],
+    )
+    common.print_table(
+      "router per hint",
+      ["hint", "precision", "recall", "confusion row"],
+      [
+        [h, _f(r["precision"][i], ".3f"), _f(r["recall"][i], ".3f"), " ".join(map(str, r["confusion"][i]))]
+        for i, h in enumerate(r["labels"])
+      ],
+    )
   if args.calibrate:
     result["calibrate"] = c = bench_calibrate(reg, quick)
-    common.print_table("registry calibrate (measured, not stored)", ["wall s", "candidates", "hints"],
-                       [[_f(c["wall_s"], ".1f"), c["candidates"], ", ".join(c["hints"])]])
+    common.print_table(
+      "registry calibrate (measured, not stored)",
+      ["wall s", "candidates", "hints"],
+      [[_f(c["wall_s"], ".1f"), c["candidates"], ", ".join(c["hints"])]],
+    )
   if args.json:
     common.write_json(args.json, result, indent=1)
   return 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from thoughtjax.cli import bench, model_commands, registry, serve, synthesis
 from thoughtjax.cli.registry import load_from_registry

@@ -41,21 +41,31 @@ def model_source(text: str | None, flag: str = "--model") -> str | None:
 
   if text is None or text in KNOWN_MODELS or Path(text).expanduser().exists():
     return text
-  raise CommandLineError(f"{flag} {text!r} is neither a known name ({', '.join(KNOWN_MODELS)}) nor an existing "
-                         f".gguf file or safetensors directory; pass a known name or fix the path")
+  raise CommandLineError(
+    f"{flag} {text!r} is neither a known name ({', '.join(KNOWN_MODELS)}) nor an existing "
+    f".gguf file or safetensors directory; pass a known name or fix the path"
+  )
 
 
 def add_kernels_arg(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--kernels", choices=tuple(dispatch.IMPLEMENTATIONS), default=None,
-                 help="implementation of both kernel ops, sampling and template embedding (default: xla on every "
-                 "backend until the GPU check earns pallas; see thoughtjax/kernels/dispatch.py)")
+  p.add_argument(
+    "--kernels",
+    choices=tuple(dispatch.IMPLEMENTATIONS),
+    default=None,
+    help="implementation of both kernel ops, sampling and template embedding (default: xla on every "
+    "backend until the GPU check earns pallas; see thoughtjax/kernels/dispatch.py)",
+  )
 
 
 def add_trust_args(p: argparse.ArgumentParser, *, keys_help: str | None = None) -> None:
-  p.add_argument("--public-key", action="append", default=None, metavar="FILE",
-                 help=keys_help or "trusted Ed25519 public key (repeatable); signatures must verify against one")
-  p.add_argument("--require-signatures", action="store_true",
-                 help="refuse unsigned manifests and indexes")
+  p.add_argument(
+    "--public-key",
+    action="append",
+    default=None,
+    metavar="FILE",
+    help=keys_help or "trusted Ed25519 public key (repeatable); signatures must verify against one",
+  )
+  p.add_argument("--require-signatures", action="store_true", help="refuse unsigned manifests and indexes")
 
 
 def trust_policy(args):

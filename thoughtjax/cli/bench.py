@@ -24,7 +24,8 @@ def cmd_bench(args, rest: list[str]) -> int:
 
 
 def add_parser(subparsers) -> None:
-  p = subparsers.add_parser("bench",
-                            help="benchmarks: decode, kernels, registry, synthesis (args after the name go to it)")
+  p = subparsers.add_parser(
+    "bench", help="benchmarks: decode, kernels, registry, synthesis (args after the name go to it)"
+  )
   p.add_argument("what", choices=("decode", "kernels", "registry", "synthesis"))
   p.set_defaults(fn=cmd_bench, passthrough=True)

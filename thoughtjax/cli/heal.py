@@ -38,33 +38,52 @@ def cmd_heal(args) -> int:
   reg = open_registry(args.dir, args)
   sign_key = existing_path(args.sign_key, "--sign-key") if args.sign_key else None
   if reg.signed and sign_key is None:
-    raise CommandLineError(f"{reg.root} is signed; publishing a bridge into it needs --sign-key (a key of "
-                           f"this registry), or it would be refused as a signature downgrade")
+    raise CommandLineError(
+      f"{reg.root} is signed; publishing a bridge into it needs --sign-key (a key of "
+      f"this registry), or it would be refused as a signature downgrade"
+    )
   try:
-    settings = HealSettings(rank=args.rank, steps=args.steps, learning_rate=args.lr, batch=args.batch,
-                            window=args.window, seed=args.seed, generated=args.generated)
+    settings = HealSettings(
+      rank=args.rank,
+      steps=args.steps,
+      learning_rate=args.lr,
+      batch=args.batch,
+      window=args.window,
+      seed=args.seed,
+      generated=args.generated,
+    )
   except HealError as e:
     raise CommandLineError(str(e)) from None
   documents, heldout = _corpora(args)
   console = Console(stderr=True)
-  with Progress(TextColumn("heal"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
-                TimeElapsedColumn(), console=console) as bar:
+  with Progress(
+    TextColumn("heal"),
+    BarColumn(),
+    MofNCompleteColumn(),
+    TextColumn("loss {task.fields[loss]}"),
+    TimeElapsedColumn(),
+    console=console,
+  ) as bar:
     task = bar.add_task("heal", total=settings.steps, loss="-")
 
     def progress(step, steps, loss):
       bar.update(task, completed=step, loss=f"{loss:.4f}")
 
-    console.print(f"healing {args.path}: rank {settings.rank}, {settings.steps} steps, seed {settings.seed}; "
-                  f"generating training text")
-    params, report = heal(reg, args.path, settings, documents=documents, heldout_documents=heldout,
-                          progress=progress)
-  version = publish_bridge(reg, params, report, sign_key=sign_key,
-                           settings=ProfileSettings(batch=1, context=args.context, reps=args.reps))
+    console.print(
+      f"healing {args.path}: rank {settings.rank}, {settings.steps} steps, seed {settings.seed}; "
+      f"generating training text"
+    )
+    params, report = heal(reg, args.path, settings, documents=documents, heldout_documents=heldout, progress=progress)
+  version = publish_bridge(
+    reg, params, report, sign_key=sign_key, settings=ProfileSettings(batch=1, context=args.context, reps=args.reps)
+  )
   if args.json:
     print(json.dumps({**report.to_json(), "version": version}))
     return 0
-  print(f"bridge   {report.name}@{version}  rank {report.rank}  {report.param_bytes / 2**20:.2f} MiB  "
-        f"trained {report.train_seconds:.1f} s on {report.train_windows} windows of {report.window} tokens")
+  print(
+    f"bridge   {report.name}@{version}  rank {report.rank}  {report.param_bytes / 2**20:.2f} MiB  "
+    f"trained {report.train_seconds:.1f} s on {report.train_windows} windows of {report.window} tokens"
+  )
   print(f"before   {report.before}")
   print(f"after    {report.after}")
   print(f"path     {report.bridged_path}")
@@ -84,7 +103,9 @@ def add_heal_parser(sub) -> None:
   h.add_argument("--window", type=int, default=64, help="tokens per window")
   h.add_argument("--generated", type=int, default=32, help="continuations the model generates to train on")
   h.add_argument("--seed", type=int, default=0)
-  h.add_argument("--dictionary", default=None, help="synthesis_dict.yaml whose corpora to use (default: this checkout's)")
+  h.add_argument(
+    "--dictionary", default=None, help="synthesis_dict.yaml whose corpora to use (default: this checkout's)"
+  )
   h.add_argument("--no-corpora", action="store_true", help="train and hold out only self-generated text")
   h.add_argument("--sign-key", default=None, help="Ed25519 private key (PEM) of the registry")
   h.add_argument("--context", type=int, default=256, help="profile: context length")

@@ -10,16 +10,28 @@ from thoughtjax.cli.args import CommandLineError, add_kernels_arg, add_trust_arg
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--model", default=None, help="known model name or path to a .gguf / safetensors dir "
-                 "(default: smollm2-135m-instruct)")
-  p.add_argument("--path", default=None, help='thoughtlet path, e.g. "embed, blocks[0:12), head" '
-                 "(default: the full model)")
-  p.add_argument("--registry", default=None, metavar="DIR",
-                 help="compose --path from this thoughtlet registry instead of loading --model "
-                 "(default path: embed, every block thoughtlet in layer order, head)")
-  p.add_argument("--weights", choices=("native", "f32"), default=None,
-                 help="native: the GGUF's quantized blocks, read packed and computed in float32 (same logits); "
-                 "f32: dequantized float32 weights (the default)")
+  p.add_argument(
+    "--model",
+    default=None,
+    help="known model name or path to a .gguf / safetensors dir (default: smollm2-135m-instruct)",
+  )
+  p.add_argument(
+    "--path", default=None, help='thoughtlet path, e.g. "embed, blocks[0:12), head" (default: the full model)'
+  )
+  p.add_argument(
+    "--registry",
+    default=None,
+    metavar="DIR",
+    help="compose --path from this thoughtlet registry instead of loading --model "
+    "(default path: embed, every block thoughtlet in layer order, head)",
+  )
+  p.add_argument(
+    "--weights",
+    choices=("native", "f32"),
+    default=None,
+    help="native: the GGUF's quantized blocks, read packed and computed in float32 (same logits); "
+    "f32: dequantized float32 weights (the default)",
+  )
   add_kernels_arg(p)
   add_trust_args(p, keys_help="with --registry: trusted Ed25519 public key (repeatable)")
 
@@ -37,8 +49,7 @@ def _load(args):
 
     return load_from_registry(args)
   if args.public_key or args.require_signatures:
-    raise CommandLineError("--public-key and --require-signatures check a registry: add --registry DIR or "
-                           "drop them")
+    raise CommandLineError("--public-key and --require-signatures check a registry: add --registry DIR or drop them")
   model = thoughtjax.load(model_source(args.model), kernels=args.kernels, weights=args.weights or "f32")
   if args.path:
     from thoughtjax.paths import layers_of_path
@@ -59,8 +70,14 @@ def cmd_generate(args) -> int:
   from thoughtjax.sampling import SamplingParams
 
   model = _load(args)
-  params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop or ()))
+  params = SamplingParams(
+    max_tokens=args.max_tokens,
+    temperature=args.temperature,
+    top_k=args.top_k,
+    top_p=args.top_p,
+    seed=args.seed,
+    stop_strings=tuple(args.stop or ()),
+  )
   ids: list[int] = []
   text, reason = "", None
   # Leaving the block early (an interrupt, a closed stdout) abandons the generation: no more device work.
@@ -75,10 +92,18 @@ def cmd_generate(args) -> int:
         sys.stdout.flush()
   if args.json:
     t = stream.trace
-    print(json.dumps({
-        "prompt_ids": t.prompt_ids[0], "token_ids": ids, "text": text, "finish_reason": reason,
-        "time_to_first_token_s": (t.first_token or 0) - t.start, "total_s": (t.end or 0) - t.start,
-    }))
+    print(
+      json.dumps(
+        {
+          "prompt_ids": t.prompt_ids[0],
+          "token_ids": ids,
+          "text": text,
+          "finish_reason": reason,
+          "time_to_first_token_s": (t.first_token or 0) - t.start,
+          "total_s": (t.end or 0) - t.start,
+        }
+      )
+    )
   else:
     sys.stdout.write("\n")
   return 0
@@ -94,15 +119,26 @@ def cmd_score(args) -> int:
     try:
       ids = [int(t) for t in args.token_ids.split(",") if t.strip()]
     except ValueError:
-      raise CommandLineError(f"--token-ids must be comma-separated integers, e.g. 1,2,3; got {args.token_ids!r}") \
-          from None
+      raise CommandLineError(
+        f"--token-ids must be comma-separated integers, e.g. 1,2,3; got {args.token_ids!r}"
+      ) from None
   bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
   if bad:
     raise CommandLineError(f"--token-ids {bad[:5]} are outside this model's vocabulary [0, {model.config.vocab_size})")
   s = model.score(ids, top_k=args.top_k)
   if args.json:
-    print(json.dumps({"token_ids": s.token_ids, "top_ids": s.top_ids, "top_logits": s.top_logits,
-                      "token_logprobs": s.token_logprobs, "nll": s.nll, "perplexity": s.perplexity}))
+    print(
+      json.dumps(
+        {
+          "token_ids": s.token_ids,
+          "top_ids": s.top_ids,
+          "top_logits": s.top_logits,
+          "token_logprobs": s.token_logprobs,
+          "nll": s.nll,
+          "perplexity": s.perplexity,
+        }
+      )
+    )
     return 0
   for t, (tid, tops, vals) in enumerate(zip(s.token_ids, s.top_ids, s.top_logits)):
     nxt = s.token_logprobs[t] if t < len(s.token_logprobs) else None

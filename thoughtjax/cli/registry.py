@@ -11,8 +11,15 @@ import json
 import sys
 from pathlib import Path
 
-from thoughtjax.cli.args import (CommandLineError, add_trust_args, existing_path, model_source, open_registry,
-                                 output_dir, trust_policy)
+from thoughtjax.cli.args import (
+  CommandLineError,
+  add_trust_args,
+  existing_path,
+  model_source,
+  open_registry,
+  output_dir,
+  trust_policy,
+)
 
 
 def _profile_settings(args):
@@ -37,9 +44,15 @@ def cmd_build(args) -> int:
   trust = trust_policy(args)  # of the existing index a build publishes onto
   console = Console(stderr=True)
   stages = {}
-  with Progress(TextColumn("{task.description:<8}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[item]}"), TimeElapsedColumn(), console=console,
-                transient=False) as bar:
+  with Progress(
+    TextColumn("{task.description:<8}"),
+    BarColumn(),
+    MofNCompleteColumn(),
+    TextColumn("{task.fields[item]}"),
+    TimeElapsedColumn(),
+    console=console,
+    transient=False,
+  ) as bar:
 
     def progress(stage, name, done, total):
       if stage == "done":
@@ -48,10 +61,19 @@ def cmd_build(args) -> int:
         stages[stage] = bar.add_task(stage, total=total, item="")
       bar.update(stages[stage], completed=done if stage != "profile" else done + 1, item=name)
 
-    reg = build(out, mapping, model_source(args.model) or DEFAULT_MODEL, sign_key=sign_key,
-                settings=_profile_settings(args), progress=progress, trust=trust)
-  console.print(f"registry {reg.root}: generation {reg.generation}, {len(reg.names)} thoughtlets"
-                + ("" if args.sign_key else " (unsigned: pass --sign-key to sign)"))
+    reg = build(
+      out,
+      mapping,
+      model_source(args.model) or DEFAULT_MODEL,
+      sign_key=sign_key,
+      settings=_profile_settings(args),
+      progress=progress,
+      trust=trust,
+    )
+  console.print(
+    f"registry {reg.root}: generation {reg.generation}, {len(reg.names)} thoughtlets"
+    + ("" if args.sign_key else " (unsigned: pass --sign-key to sign)")
+  )
   _print_table(reg)
   return 0
 
@@ -66,16 +88,25 @@ def _print_table(reg) -> None:
   from rich.table import Table
 
   table = Table(title=f"{reg.root} (generation {reg.generation})")
-  for i, col in enumerate(("thoughtlet", "version", "in -> out", "MiB", "MFLOP/tok", "peak MiB",
-                            "ms/tok mean±std (p99)", "key")):
+  for i, col in enumerate(
+    ("thoughtlet", "version", "in -> out", "MiB", "MFLOP/tok", "peak MiB", "ms/tok mean±std (p99)", "key")
+  ):
     table.add_column(col, overflow="fold", no_wrap=i < 2)
   for m in reg.manifests():
     p = m.profile
-    lat = "-" if p is None else (f"{p.latency_mean_s * 1e3:.3f}±{p.latency_std_s * 1e3:.3f} "
-                                 f"({p.latency_p99_s * 1e3:.3f})")
-    table.add_row(m.name, m.version[:8], f"{m.signature.input.role} -> {m.signature.output.role}",
-                  f"{m.param_bytes / 2**20:.2f}", "-" if p is None else f"{p.flops_per_token / 1e6:.3f}",
-                  "-" if p is None else f"{p.peak_memory_bytes / 2**20:.2f}", lat, (m.signed_by or "unsigned")[:8])
+    lat = (
+      "-" if p is None else (f"{p.latency_mean_s * 1e3:.3f}±{p.latency_std_s * 1e3:.3f} ({p.latency_p99_s * 1e3:.3f})")
+    )
+    table.add_row(
+      m.name,
+      m.version[:8],
+      f"{m.signature.input.role} -> {m.signature.output.role}",
+      f"{m.param_bytes / 2**20:.2f}",
+      "-" if p is None else f"{p.flops_per_token / 1e6:.3f}",
+      "-" if p is None else f"{p.peak_memory_bytes / 2**20:.2f}",
+      lat,
+      (m.signed_by or "unsigned")[:8],
+    )
   Console().print(table)
 
 
@@ -87,9 +118,12 @@ def cmd_verify(args) -> int:
   from thoughtjax.registry import ResourceProfileMismatch, Tolerance
 
   reg = _open(args)
-  tol = Tolerance(flops=args.flops_tolerance, peak_memory=args.memory_tolerance,
-                  latency=None if args.latency_tolerance < 0 else args.latency_tolerance,
-                  latency_floor_s=args.latency_floor_ms / 1e3)
+  tol = Tolerance(
+    flops=args.flops_tolerance,
+    peak_memory=args.memory_tolerance,
+    latency=None if args.latency_tolerance < 0 else args.latency_tolerance,
+    latency_floor_s=args.latency_floor_ms / 1e3,
+  )
   try:
     report = reg.verify(hardware=args.hardware, all_versions=args.all_versions, tolerance=tol)
   except ResourceProfileMismatch as e:
@@ -97,16 +131,28 @@ def cmd_verify(args) -> int:
     return 3
   trust = "trusted keys given" if args.public_key else "keys stored in the registry (integrity, not authenticity)"
   if args.json:
-    print(json.dumps({"root": report.root, "generation": report.generation, "sequence": report.sequence,
-                      "registry_id": report.registry_id, "signing_keys": report.signing_keys,
-                      "index_signed": report.index_signed, "thoughtlets": report.thoughtlets, "trust": trust}))
+    print(
+      json.dumps(
+        {
+          "root": report.root,
+          "generation": report.generation,
+          "sequence": report.sequence,
+          "registry_id": report.registry_id,
+          "signing_keys": report.signing_keys,
+          "index_signed": report.index_signed,
+          "thoughtlets": report.thoughtlets,
+          "trust": trust,
+        }
+      )
+    )
     return 0
   for t in report.thoughtlets:
     print(f"ok  {t['ref']:<40} files={t['files']} signed_by={t['signed_by'] or 'unsigned'}")
-  print(f"{len(report.thoughtlets)} version(s) verified (digests, signatures, versioned hashes); "
-        f"index sequence {report.sequence} ({'signed' if report.index_signed else 'unsigned'}); "
-        f"signatures checked against {trust}"
-        + ("; resource profiles match this machine" if args.hardware else ""))
+  print(
+    f"{len(report.thoughtlets)} version(s) verified (digests, signatures, versioned hashes); "
+    f"index sequence {report.sequence} ({'signed' if report.index_signed else 'unsigned'}); "
+    f"signatures checked against {trust}" + ("; resource profiles match this machine" if args.hardware else "")
+  )
   return 0
 
 
@@ -147,15 +193,21 @@ def cmd_show(args) -> int:
 def cmd_gc(args) -> int:
   from thoughtjax.registry import collect_garbage
 
-  report = collect_garbage(existing_path(args.dir, "registry directory", kind="dir"), keep=args.keep,
-                           dry_run=args.dry_run, trust=trust_policy(args))
+  report = collect_garbage(
+    existing_path(args.dir, "registry directory", kind="dir"),
+    keep=args.keep,
+    dry_run=args.dry_run,
+    trust=trust_policy(args),
+  )
   for p in report.removed:
     print(("would remove " if args.dry_run else "removed ") + str(p))
   for p, reason in report.skipped:
     print(f"kept {p}: {reason}")
   n = len(report.removed)
-  print(f"{n} version director{'y' if n == 1 else 'ies'} {'to remove' if args.dry_run else 'removed'}, "
-        f"{len(report.skipped)} kept because a reader holds them")
+  print(
+    f"{n} version director{'y' if n == 1 else 'ies'} {'to remove' if args.dry_run else 'removed'}, "
+    f"{len(report.skipped)} kept because a reader holds them"
+  )
   return 0
 
 
@@ -173,8 +225,9 @@ def add_parser(subparsers) -> None:
 
   b = sub.add_parser("build", help="cut a model into thoughtlets along a mapping and publish them")
   b.add_argument("--model", default=None, help="known model name or path (default: smollm2-135m-instruct)")
-  b.add_argument("--mapping", default=None,
-                 help="semantic_mapping.yaml (default: registry/semantic_mapping.yaml of this checkout)")
+  b.add_argument(
+    "--mapping", default=None, help="semantic_mapping.yaml (default: registry/semantic_mapping.yaml of this checkout)"
+  )
   b.add_argument("--out", required=True, help="registry directory (created, or updated atomically)")
   b.add_argument("--sign-key", default=None, help="Ed25519 private key (PEM) from `registry keygen`")
   b.add_argument("--batch", type=int, default=1, help="profile: rows per decode step")
@@ -187,13 +240,24 @@ def add_parser(subparsers) -> None:
   v = sub.add_parser("verify", help="check digests, signatures, versioned hashes (and profiles)")
   v.add_argument("dir")
   v.add_argument("--hardware", action="store_true", help="re-measure resource profiles here")
-  add_trust_args(v, keys_help="trusted public key (repeatable); default: the keys stored in the registry, "
-                 "which prove integrity, not authenticity")
+  add_trust_args(
+    v,
+    keys_help="trusted public key (repeatable); default: the keys stored in the registry, "
+    "which prove integrity, not authenticity",
+  )
   v.add_argument("--all-versions", action="store_true", help="every published version, not only current")
-  v.add_argument("--latency-tolerance", type=float, default=1.0,
-                 help="measured/declared latency must lie in [1/(1+x), 1+x]; negative skips latency")
-  v.add_argument("--latency-floor-ms", type=float, default=0.1,
-                 help="latency differences smaller than this never count as a mismatch")
+  v.add_argument(
+    "--latency-tolerance",
+    type=float,
+    default=1.0,
+    help="measured/declared latency must lie in [1/(1+x), 1+x]; negative skips latency",
+  )
+  v.add_argument(
+    "--latency-floor-ms",
+    type=float,
+    default=0.1,
+    help="latency differences smaller than this never count as a mismatch",
+  )
   v.add_argument("--flops-tolerance", type=float, default=0.02)
   v.add_argument("--memory-tolerance", type=float, default=0.25)
   v.add_argument("--json", action="store_true")
@@ -228,10 +292,13 @@ def add_parser(subparsers) -> None:
   g.set_defaults(fn=cmd_gc)
 
   from thoughtjax.cli.heal import add_heal_parser  # registry heal
+
   add_heal_parser(sub)
 
   from thoughtjax.cli.synthesis import add_registry_parsers  # registry calibrate, registry warm
+
   add_registry_parsers(sub)
 
   from thoughtjax.cli.router import add_router_parser  # registry train-router
+
   add_router_parser(sub)

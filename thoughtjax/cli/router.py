@@ -23,16 +23,26 @@ def cmd_train_router(args) -> int:
   train, heldout = load_router_prompts("train", prompts), load_router_prompts("heldout", prompts)
   with _progress_bars() as progress:
     _, report, version = train_registry_router(
-        reg, train, heldout, sign_key=sign_key, name=args.name, seed=args.seed, steps=args.steps,
-        labels=args.hint, progress=lambda done, total, what: progress(what, done, total, ""),
-        publish=not args.no_publish)
+      reg,
+      train,
+      heldout,
+      sign_key=sign_key,
+      name=args.name,
+      seed=args.seed,
+      steps=args.steps,
+      labels=args.hint,
+      progress=lambda done, total, what: progress(what, done, total, ""),
+      publish=not args.no_publish,
+    )
   ref = None if version is None else f"{args.name}@{version}"
   if args.json:
     print(json.dumps(report.as_dict() | {"ref": ref, "version": version, "registry_sequence": reg.sequence}))
     return 0
   print(report.table())
-  print(f"time per prompt {report.predict_ms:.3f} ms median, p90 {report.predict_ms_p90:.3f} ms; "
-        f"trained on {report.n_train} prompts in {report.train_s:.1f} s")
+  print(
+    f"time per prompt {report.predict_ms:.3f} ms median, p90 {report.predict_ms_p90:.3f} ms; "
+    f"trained on {report.n_train} prompts in {report.train_s:.1f} s"
+  )
   print(f"published {ref} (registry sequence {reg.sequence})" if ref else "not published (--no-publish)")
   return 0
 
@@ -42,10 +52,15 @@ def add_router_parser(sub) -> None:
   r = sub.add_parser("train-router", help="train the hint router on the registry's embed; store it signed")
   r.add_argument("dir")
   r.add_argument("--sign-key", default=None, help="Ed25519 private key (required when the registry is signed)")
-  r.add_argument("--prompts", default=None,
-                 help="directory with train.jsonl and heldout.jsonl (default: registry/router_prompts)")
-  r.add_argument("--hint", action="append", default=None,
-                 help="hints the router chooses among (repeatable; default: every dictionary hint)")
+  r.add_argument(
+    "--prompts", default=None, help="directory with train.jsonl and heldout.jsonl (default: registry/router_prompts)"
+  )
+  r.add_argument(
+    "--hint",
+    action="append",
+    default=None,
+    help="hints the router chooses among (repeatable; default: every dictionary hint)",
+  )
   r.add_argument("--steps", type=int, default=300, help="optimizer steps (full batch)")
   r.add_argument("--seed", type=int, default=0)
   r.add_argument("--name", default="router", help="thoughtlet name of the router")

@@ -15,8 +15,12 @@ from thoughtjax.cli.args import CommandLineError, add_kernels_arg, add_trust_arg
 
 def add_parsers(sub) -> None:
   p = sub.add_parser("serve", help="serve synthesis over gRPC (thoughtjax.v1.Synthesizer, health, reflection)")
-  p.add_argument("--registry", default=None, metavar="DIR",
-                 help="a calibrated registry (default: the default model's registry, built on first use)")
+  p.add_argument(
+    "--registry",
+    default=None,
+    metavar="DIR",
+    help="a calibrated registry (default: the default model's registry, built on first use)",
+  )
   p.add_argument("--config", default=None, metavar="FILE", help="server settings (default: server/config.yaml)")
   p.add_argument("--port", type=int, default=None, help="override the config's port (0: any free port)")
   p.add_argument("--bind", default=None, help="override the config's bind address (default 127.0.0.1)")
@@ -83,11 +87,22 @@ def cmd_client(args) -> int:
     raise CommandLineError("--prompt is required (the text to send); give --prompt TEXT")
   if (args.cert is None) != (args.key is None):
     raise CommandLineError("--cert and --key go together (mTLS); give both or neither")
-  paths = {k: existing_path(v, f"--{k.replace('_', '-')}") for k, v in
-           (("tls_ca", args.tls_ca), ("cert", args.cert), ("key", args.key)) if v is not None}
-  fields = dict(max_tokens=args.max_tokens, max_latency_ms=args.max_latency_ms, temperature=args.temperature,
-                top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop or ()),
-                path=args.path, timeout=args.timeout)
+  paths = {
+    k: existing_path(v, f"--{k.replace('_', '-')}")
+    for k, v in (("tls_ca", args.tls_ca), ("cert", args.cert), ("key", args.key))
+    if v is not None
+  }
+  fields = dict(
+    max_tokens=args.max_tokens,
+    max_latency_ms=args.max_latency_ms,
+    temperature=args.temperature,
+    top_k=args.top_k,
+    top_p=args.top_p,
+    seed=args.seed,
+    stop_strings=tuple(args.stop or ()),
+    path=args.path,
+    timeout=args.timeout,
+  )
   if args.chat:
     fields["messages"] = [{"role": "user", "content": args.prompt}]
     prompt = None
@@ -115,6 +130,9 @@ def cmd_client(args) -> int:
     for s in ("synthesis", "restore", "compile", "prefill", "decode", "total"):
       a = t.actual_ms.get(s)
       print(f"{s:<10}{t.predicted_ms.get(s, 0.0):>14.2f}{'-' if a is None else f'{a:.2f}':>12}", file=sys.stderr)
-    print(f"finish {final.finish_reason}; tokens in {final.usage.tokens_in}, out {final.usage.tokens_out}; "
-          f"compute {final.usage.compute_seconds:.3f} s", file=sys.stderr)
+    print(
+      f"finish {final.finish_reason}; tokens in {final.usage.tokens_in}, out {final.usage.tokens_out}; "
+      f"compute {final.usage.compute_seconds:.3f} s",
+      file=sys.stderr,
+    )
   return 0

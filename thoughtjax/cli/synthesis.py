@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import sys
 import time
 
@@ -30,9 +29,15 @@ def _progress_bars():
   from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
   tasks: dict[str, int] = {}
-  with Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[item]}"), TimeElapsedColumn(), console=Console(stderr=True),
-                transient=False) as bar:
+  with Progress(
+    TextColumn("{task.description:<16}"),
+    BarColumn(),
+    MofNCompleteColumn(),
+    TextColumn("{task.fields[item]}"),
+    TimeElapsedColumn(),
+    console=Console(stderr=True),
+    transient=False,
+  ) as bar:
 
     def progress(stage: str, done: int, total: int, item: str) -> None:
       if stage == "done":
@@ -81,13 +86,18 @@ def _budget(args) -> float:
 
 def _plan_text(plan, explain: bool) -> str:
   p = plan.predicted
-  lines = [f"path        {plan.path}", f"path_hash   {plan.path_hash} ({plan.kind}, registry sequence {plan.sequence})",
-           f"hints       {', '.join(plan.hints)}",
-           f"predicted   {p.total:.1f} ms = synthesis {p.synthesis:.2f} + restore {p.restore:.1f} + compile "
-           f"{p.compile:.1f} + prefill {p.prefill:.1f} + decode {p.decode:.1f} (budget {plan.max_latency_ms:g} ms)"]
+  lines = [
+    f"path        {plan.path}",
+    f"path_hash   {plan.path_hash} ({plan.kind}, registry sequence {plan.sequence})",
+    f"hints       {', '.join(plan.hints)}",
+    f"predicted   {p.total:.1f} ms = synthesis {p.synthesis:.2f} + restore {p.restore:.1f} + compile "
+    f"{p.compile:.1f} + prefill {p.prefill:.1f} + decode {p.decode:.1f} (budget {plan.max_latency_ms:g} ms)",
+  ]
   for hint, q in plan.quality.items():
-    lines.append(f"quality     {hint}: top-1 agreement {q.top1_agreement:.3f}, mean KL {q.mean_kl:.4f}, "
-                 f"ΔNLL {q.delta_nll:+.4f} (held-out, {q.tokens} tokens)")
+    lines.append(
+      f"quality     {hint}: top-1 agreement {q.top1_agreement:.3f}, mean KL {q.mean_kl:.4f}, "
+      f"ΔNLL {q.delta_nll:+.4f} (held-out, {q.tokens} tokens)"
+    )
   lines.append(f"degraded    {str(plan.degraded).lower()}" + (f" ({plan.reason})" if plan.degraded else ""))
   lines.append(f"reason      {plan.reason}")
   if plan.tokens_that_fit is not None:
@@ -115,9 +125,18 @@ def cmd_plan(args) -> int:
 def cmd_synthesize(args) -> int:
   reg = _registry(args)
   syn = _synthesizer(args, reg)
-  result = syn.synthesize(args.prompt, args.hint, max_latency_ms=_budget(args), max_tokens=args.max_tokens,
-                          chat=args.chat, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          seed=args.seed, stop_strings=tuple(args.stop or ()))
+  result = syn.synthesize(
+    args.prompt,
+    args.hint,
+    max_latency_ms=_budget(args),
+    max_tokens=args.max_tokens,
+    chat=args.chat,
+    temperature=args.temperature,
+    top_k=args.top_k,
+    top_p=args.top_p,
+    seed=args.seed,
+    stop_strings=tuple(args.stop or ()),
+  )
   _print_corrections(result.plan)
   if args.explain and not args.json:
     print(_plan_text(result.plan, True), file=sys.stderr)
@@ -148,25 +167,37 @@ def front_rows(cal, hint: str, floors, prompt_tokens: int = 32, max_tokens: int 
     q = cal.hint_quality(c.path_hash, hint)
     if q is None:
       continue
-    p = model.predict(c, prompt_tokens, max_tokens, Residency(set(c.refs), {model.program_key(
-        c.program, prompt_tokens, max_tokens)}))
-    rows.append({"path": c.path, "path_hash": c.path_hash, "kind": c.kind.value, "predicted_ms": p.total,
-                 "top1_agreement": q.heldout.top1_agreement, "mean_kl": q.heldout.mean_kl,
-                 "calibration_top1_agreement": q.calibration.top1_agreement,
-                 "meets_floor": floor.miss(q.calibration) is None})
+    p = model.predict(
+      c, prompt_tokens, max_tokens, Residency(set(c.refs), {model.program_key(c.program, prompt_tokens, max_tokens)})
+    )
+    rows.append(
+      {
+        "path": c.path,
+        "path_hash": c.path_hash,
+        "kind": c.kind.value,
+        "predicted_ms": p.total,
+        "top1_agreement": q.heldout.top1_agreement,
+        "mean_kl": q.heldout.mean_kl,
+        "calibration_top1_agreement": q.calibration.top1_agreement,
+        "meets_floor": floor.miss(q.calibration) is None,
+      }
+    )
   for r in rows:  # on the front: no other path is at least as good on both and better on one
-    r["front"] = not any(o is not r and o["top1_agreement"] >= r["top1_agreement"] and
-                         o["predicted_ms"] <= r["predicted_ms"] and
-                         (o["top1_agreement"] > r["top1_agreement"] or o["predicted_ms"] < r["predicted_ms"])
-                         for o in rows)
+    r["front"] = not any(
+      o is not r
+      and o["top1_agreement"] >= r["top1_agreement"]
+      and o["predicted_ms"] <= r["predicted_ms"]
+      and (o["top1_agreement"] > r["top1_agreement"] or o["predicted_ms"] < r["predicted_ms"])
+      for o in rows
+    )
   return sorted(rows, key=lambda r: (r["predicted_ms"], r["path_hash"]))
 
 
 def cmd_paths(args) -> int:
   from thoughtjax.registry.calibration_store import read_calibration
+  from thoughtjax.synthesis.dictionary import load_dictionary
   from thoughtjax.synthesis.hints import normalize_hints
   from thoughtjax.synthesis.planner import floors_of
-  from thoughtjax.synthesis.dictionary import load_dictionary
 
   reg = open_registry(args.dir, args)
   cal = read_calibration(reg)
@@ -176,20 +207,25 @@ def cmd_paths(args) -> int:
     print(f"hint {c.given!r} corrected to {c.corrected!r}", file=sys.stderr)
   hint = res.hints[0]
   if hint not in cal.hints:
-    raise CommandLineError(f"hint {hint!r} is not calibrated in {reg.root} (calibrated: {', '.join(cal.hints)}); "
-                           f"calibrate it: thoughtjax registry calibrate {reg.root} --hint {hint}")
+    raise CommandLineError(
+      f"hint {hint!r} is not calibrated in {reg.root} (calibrated: {', '.join(cal.hints)}); "
+      f"calibrate it: thoughtjax registry calibrate {reg.root} --hint {hint}"
+    )
   rows = front_rows(cal, hint, floors_of(dictionary), args.prompt_tokens, args.max_tokens)
   shown = rows if args.all else [r for r in rows if r["front"]]
   if args.json:
-    print(json.dumps({"hint": hint, "registry_sequence": cal.sequence, "fingerprint": cal.fingerprint,
-                      "paths": shown}))
+    print(json.dumps({"hint": hint, "registry_sequence": cal.sequence, "fingerprint": cal.fingerprint, "paths": shown}))
   else:
-    print(f"{hint}: {len(shown)} of {len(rows)} calibrated paths ({'all' if args.all else 'Pareto front'}); "
-          f"predicted warm ms for {args.prompt_tokens} prompt tokens and {args.max_tokens} new tokens")
+    print(
+      f"{hint}: {len(shown)} of {len(rows)} calibrated paths ({'all' if args.all else 'Pareto front'}); "
+      f"predicted warm ms for {args.prompt_tokens} prompt tokens and {args.max_tokens} new tokens"
+    )
     print(f"{'predicted ms':>12}  {'top-1 (held-out)':>16}  {'mean KL':>8}  {'floor':>5}  path")
     for r in shown:
-      print(f"{r['predicted_ms']:>12.1f}  {r['top1_agreement']:>16.3f}  {r['mean_kl']:>8.4f}  "
-            f"{'met' if r['meets_floor'] else 'no':>5}  {r['path']}")
+      print(
+        f"{r['predicted_ms']:>12.1f}  {r['top1_agreement']:>16.3f}  {r['mean_kl']:>8.4f}  "
+        f"{'met' if r['meets_floor'] else 'no':>5}  {r['path']}"
+      )
   if args.plot:
     _plot(rows, hint, floors_of(dictionary)[hint], args.plot)
     print(f"plot written to {args.plot}", file=sys.stderr)
@@ -208,8 +244,13 @@ def _plot(rows, hint: str, floor, out: str) -> None:
   ax.scatter([r["predicted_ms"] for r in other], [r["top1_agreement"] for r in other], c="0.6", label="candidates")
   ax.plot([r["predicted_ms"] for r in front], [r["top1_agreement"] for r in front], "o-", c="C0", label="front")
   for r in front:
-    ax.annotate(r["path"].replace("embed, ", "").replace(", head", ""), (r["predicted_ms"], r["top1_agreement"]),
-                fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.annotate(
+      r["path"].replace("embed, ", "").replace(", head", ""),
+      (r["predicted_ms"], r["top1_agreement"]),
+      fontsize=7,
+      xytext=(3, 3),
+      textcoords="offset points",
+    )
   ax.axhline(floor.top1_agreement, ls="--", c="C3", label=f"floor {floor.top1_agreement:g}")
   ax.set_xlabel("predicted latency, warm (ms)")
   ax.set_ylabel("top-1 agreement with the full path (held-out)")
@@ -228,14 +269,17 @@ def cmd_calibrate(args) -> int:
   reg = open_registry(args.dir, args)
   sign_key = existing_path(args.sign_key, "--sign-key") if args.sign_key else None
   if (reg.signed or reg.signing_keys) and sign_key is None:  # refuse before minutes of measurement
-    raise CommandLineError(f"{reg.root} is signed (keys {reg.signing_keys}); its calibration must be signed too: "
-                           f"pass --sign-key with the private key of one of its signing keys")
+    raise CommandLineError(
+      f"{reg.root} is signed (keys {reg.signing_keys}); its calibration must be signed too: "
+      f"pass --sign-key with the private key of one of its signing keys"
+    )
   report = cal_lib.CalibrateReport()
   t0 = time.perf_counter()
   with _progress_bars() as progress:
     if args.latency_only:
-      cal = cal_lib.recalibrate_latency(reg, read_calibration(reg), progress=progress, report=report,
-                                        kernels=args.kernels)
+      cal = cal_lib.recalibrate_latency(
+        reg, read_calibration(reg), progress=progress, report=report, kernels=args.kernels
+      )
     else:
       settings = cal_lib.CalibrateSettings()
       changes = {}
@@ -250,14 +294,17 @@ def cmd_calibrate(args) -> int:
         changes["window"] = args.window
       import dataclasses
 
-      cal = cal_lib.calibrate(reg, settings=dataclasses.replace(settings, **changes), progress=progress,
-                              report=report, kernels=args.kernels)
+      cal = cal_lib.calibrate(
+        reg, settings=dataclasses.replace(settings, **changes), progress=progress, report=report, kernels=args.kernels
+      )
   path = write_calibration(reg, cal, sign_key=sign_key)
   wall = time.perf_counter() - t0
   stages = ", ".join(f"{k} {v:.1f} s" for k, v in report.seconds.items())
-  print(f"calibration of {reg.root} at sequence {cal.sequence} written to {path} "
-        f"({'signed' if sign_key else 'unsigned'}); {len(cal.candidates)} candidates, hints "
-        f"{', '.join(cal.hints)}; fingerprint {cal.fingerprint}")
+  print(
+    f"calibration of {reg.root} at sequence {cal.sequence} written to {path} "
+    f"({'signed' if sign_key else 'unsigned'}); {len(cal.candidates)} candidates, hints "
+    f"{', '.join(cal.hints)}; fingerprint {cal.fingerprint}"
+  )
   print(f"wall time {wall:.1f} s ({stages})")
   for p, why in report.refused:
     print(f"refused {p}: {why}", file=sys.stderr)
@@ -269,8 +316,10 @@ def cmd_warm(args) -> int:
   syn = _synthesizer(args, reg)
   t0 = time.perf_counter()
   warmed = syn.warm(args.hint or None, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens)
-  print(f"warmed {len(warmed)} path(s) in {time.perf_counter() - t0:.1f} s (thoughtlets restored in this process; "
-        f"programs compiled into the persistent compilation cache):")
+  print(
+    f"warmed {len(warmed)} path(s) in {time.perf_counter() - t0:.1f} s (thoughtlets restored in this process; "
+    f"programs compiled into the persistent compilation cache):"
+  )
   for p in warmed:
     print(f"  {p}")
   return 0
@@ -278,12 +327,19 @@ def cmd_warm(args) -> int:
 
 # ------------------------------------------------------------------------------ parsers
 def _request_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--registry", default=None, metavar="DIR",
-                 help="registry with a stored calibration (default: the default registry in the cache dir, "
-                 "built and calibrated on first use)")
-  p.add_argument("--hint", action="append", default=None,
-                 help="hint from registry/synthesis_dict.yaml, repeatable, in priority order (at most 3; none: "
-                 "general_purpose)")
+  p.add_argument(
+    "--registry",
+    default=None,
+    metavar="DIR",
+    help="registry with a stored calibration (default: the default registry in the cache dir, "
+    "built and calibrated on first use)",
+  )
+  p.add_argument(
+    "--hint",
+    action="append",
+    default=None,
+    help="hint from registry/synthesis_dict.yaml, repeatable, in priority order (at most 3; none: general_purpose)",
+  )
   p.add_argument("--max-latency-ms", type=float, required=True, help="latency budget of the whole request")
   p.add_argument("--prompt", required=True)
   p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -325,12 +381,19 @@ def add_registry_parsers(sub) -> None:
   c = sub.add_parser("calibrate", help="measure candidate paths per hint and this machine's latency; store signed")
   c.add_argument("dir")
   c.add_argument("--sign-key", default=None, help="Ed25519 private key (required when the registry is signed)")
-  c.add_argument("--latency-only", action="store_true",
-                 help="keep the stored candidates and quality, re-measure latency on this machine")
+  c.add_argument(
+    "--latency-only",
+    action="store_true",
+    help="keep the stored candidates and quality, re-measure latency on this machine",
+  )
   c.add_argument("--hint", action="append", default=None, help="calibrate these hints only (repeatable)")
   c.add_argument("--window", type=int, default=None, help="tokens per quality window (default 128)")
-  c.add_argument("--max-windows", type=int, default=None,
-                 help="windows per split per hint (default 6; 0: every window of the corpus)")
+  c.add_argument(
+    "--max-windows",
+    type=int,
+    default=None,
+    help="windows per split per hint (default 6; 0: every window of the corpus)",
+  )
   add_kernels_arg(c)
   add_trust_args(c)
   c.set_defaults(fn=cmd_calibrate)

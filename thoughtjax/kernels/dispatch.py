@@ -24,8 +24,8 @@ Implementation = Literal["xla", "pallas"]
 
 # One line per implementation: what it is. The table is the list of valid choices.
 IMPLEMENTATIONS: dict[Implementation, str] = {
-    "xla": "pure-jnp reference ops, fused by XLA (the default)",
-    "pallas": "hand-written Pallas kernels (Triton on GPU, interpret mode elsewhere)",
+  "xla": "pure-jnp reference ops, fused by XLA (the default)",
+  "pallas": "hand-written Pallas kernels (Triton on GPU, interpret mode elsewhere)",
 }
 
 # False until scripts/gpu_check.sh has passed natively on a GPU and BENCHMARKS.md records it.
@@ -46,8 +46,9 @@ def resolve(kernels: str | None, backend: str | None = None, *, name: str = "ker
   if kernels is not None:
     if kernels not in IMPLEMENTATIONS:
       raise KernelChoiceError(
-          f"{name} must be one of {', '.join(map(repr, IMPLEMENTATIONS))} or None (the default), got "
-          f"{kernels!r}; pick 'xla' for the reference ops or 'pallas' for the Pallas kernels")
+        f"{name} must be one of {', '.join(map(repr, IMPLEMENTATIONS))} or None (the default), got "
+        f"{kernels!r}; pick 'xla' for the reference ops or 'pallas' for the Pallas kernels"
+      )
     return kernels  # type: ignore[return-value]
   return default(backend)
 

@@ -126,19 +126,18 @@ class _Prepared(NamedTuple):
   stop_ids: jax.Array  # [B, M] i32
 
 
-def prepare_inputs(logits, temperature, top_k, seed, step, stop_ids,
-                   logit_bias) -> _Prepared:
+def prepare_inputs(logits, temperature, top_k, seed, step, stop_ids, logit_bias) -> _Prepared:
   """Validates the arguments and puts them in the canonical form every
   implementation (reference, Pallas, the benchmark's CUDA C) consumes."""
   logits = jnp.asarray(logits)
   if logits.ndim != 2:
     raise ValueError(
-        f"sample_stop: logits must be [B, V], got shape {logits.shape}; "
-        "reshape to one row of logits per sequence.")
+      f"sample_stop: logits must be [B, V], got shape {logits.shape}; reshape to one row of logits per sequence."
+    )
   if not jnp.issubdtype(logits.dtype, jnp.floating):
     raise TypeError(
-        f"sample_stop: logits must be float32 or bfloat16, got {logits.dtype}; "
-        "cast them with .astype(jnp.float32).")
+      f"sample_stop: logits must be float32 or bfloat16, got {logits.dtype}; cast them with .astype(jnp.float32)."
+    )
   num_rows, vocab = logits.shape
 
   def per_row(name, value, dtype):
@@ -147,12 +146,11 @@ def prepare_inputs(logits, temperature, top_k, seed, step, stop_ids,
       value = jnp.broadcast_to(value, (num_rows,))
     if value.shape != (num_rows,):
       raise ValueError(
-          f"sample_stop: {name} must be [B]=[{num_rows}] (or a scalar), got "
-          f"shape {value.shape}; pass one value per logits row.")
-    if jnp.issubdtype(dtype, jnp.integer) and not jnp.issubdtype(
-        value.dtype, jnp.integer):
-      raise TypeError(
-          f"sample_stop: {name} must be an integer array, got {value.dtype}.")
+        f"sample_stop: {name} must be [B]=[{num_rows}] (or a scalar), got "
+        f"shape {value.shape}; pass one value per logits row."
+      )
+    if jnp.issubdtype(dtype, jnp.integer) and not jnp.issubdtype(value.dtype, jnp.integer):
+      raise TypeError(f"sample_stop: {name} must be an integer array, got {value.dtype}.")
     if jnp.issubdtype(dtype, jnp.unsignedinteger) and value.dtype.itemsize == 4:
       return lax.bitcast_convert_type(value, dtype) if value.dtype != dtype else value
     return value.astype(dtype)
@@ -163,54 +161,60 @@ def prepare_inputs(logits, temperature, top_k, seed, step, stop_ids,
   step = jnp.asarray(step)
   if step.ndim != 0 or not jnp.issubdtype(step.dtype, jnp.integer):
     raise ValueError(
-        f"sample_stop: step must be a scalar integer, got shape {step.shape} "
-        f"dtype {step.dtype}; pass the decode step as a 0-d int32.")
+      f"sample_stop: step must be a scalar integer, got shape {step.shape} "
+      f"dtype {step.dtype}; pass the decode step as a 0-d int32."
+    )
   stop_ids = jnp.asarray(stop_ids)
   if stop_ids.ndim != 2 or stop_ids.shape[0] != num_rows:
     raise ValueError(
-        f"sample_stop: stop_ids must be [B, M]=[{num_rows}, M], got shape "
-        f"{stop_ids.shape}; pad each row's stop set with -1 (M may be 0).")
+      f"sample_stop: stop_ids must be [B, M]=[{num_rows}, M], got shape "
+      f"{stop_ids.shape}; pad each row's stop set with -1 (M may be 0)."
+    )
   if not jnp.issubdtype(stop_ids.dtype, jnp.integer):
-    raise TypeError(
-        f"sample_stop: stop_ids must be integers, got {stop_ids.dtype}.")
+    raise TypeError(f"sample_stop: stop_ids must be integers, got {stop_ids.dtype}.")
   if logit_bias is not None:
     logit_bias = jnp.asarray(logit_bias)
     if logit_bias.shape != logits.shape:
       raise ValueError(
-          f"sample_stop: logit_bias must match logits [B, V]={logits.shape}, got "
-          f"shape {logit_bias.shape}; pass None for no bias.")
+        f"sample_stop: logit_bias must match logits [B, V]={logits.shape}, got "
+        f"shape {logit_bias.shape}; pass None for no bias."
+      )
     logit_bias = logit_bias.astype(jnp.float32)
 
   greedy = temperature <= 0
   # 1/T is computed here, outside the kernel, so every implementation scales by
   # the very same float (Triton's in-kernel division is approximate).
-  inv_temperature = jnp.where(greedy, np.float32(1),
-                              1 / jnp.where(greedy, np.float32(1), temperature))
+  inv_temperature = jnp.where(greedy, np.float32(1), 1 / jnp.where(greedy, np.float32(1), temperature))
   # Canonical top-k: 0 = off. Greedy rows never need it.
   top_k = jnp.where((top_k > 0) & (top_k < vocab) & ~greedy, top_k, 0)
   return _Prepared(
-      logits=logits, logit_bias=logit_bias, inv_temperature=inv_temperature,
-      greedy=greedy.astype(jnp.int32), top_k=top_k, seed=seed,
-      step=step.astype(jnp.int32).reshape(1), stop_ids=stop_ids.astype(jnp.int32))
+    logits=logits,
+    logit_bias=logit_bias,
+    inv_temperature=inv_temperature,
+    greedy=greedy.astype(jnp.int32),
+    top_k=top_k,
+    seed=seed,
+    step=step.astype(jnp.int32).reshape(1),
+    stop_ids=stop_ids.astype(jnp.int32),
+  )
 
 
 # ------------------------------------------------------------------------- reference
 def sample_stop_reference(
-    logits: jax.Array,  # [B, V] f32 | bf16
-    *,
-    temperature: jax.Array,  # [B] f32
-    top_k: jax.Array,  # [B] i32
-    seed: jax.Array,  # [B] u32
-    step: jax.Array | int,  # [] i32
-    stop_ids: jax.Array,  # [B, M] i32, padded with -1
-    logit_bias: jax.Array | None = None,  # [B, V] f32
+  logits: jax.Array,  # [B, V] f32 | bf16
+  *,
+  temperature: jax.Array,  # [B] f32
+  top_k: jax.Array,  # [B] i32
+  seed: jax.Array,  # [B] u32
+  step: jax.Array | int,  # [] i32
+  stop_ids: jax.Array,  # [B, M] i32, padded with -1
+  logit_bias: jax.Array | None = None,  # [B, V] f32
 ) -> tuple[jax.Array, jax.Array]:
   """Pure-jnp reference of ``sample_stop`` (see the module docstring).
 
   Returns ``(tokens [B] int32, stop [B] bool)``.
   """
-  args = prepare_inputs(logits, temperature, top_k, seed, step, stop_ids,
-                        logit_bias)
+  args = prepare_inputs(logits, temperature, top_k, seed, step, stop_ids, logit_bias)
   num_rows, vocab = logits.shape
   s = args.logits.astype(jnp.float32)
   if args.logit_bias is not None:
@@ -225,8 +229,7 @@ def sample_stop_reference(
     return jnp.take_along_axis(ascending, (vocab - k)[:, None], axis=-1)[:, 0]
 
   # The sort is the expensive part of the reference; skip it when no row asks.
-  threshold = lax.cond(jnp.any(use_top_k), kth_largest,
-                       lambda y: jnp.full((num_rows,), -jnp.inf, jnp.float32), y)
+  threshold = lax.cond(jnp.any(use_top_k), kth_largest, lambda y: jnp.full((num_rows,), -jnp.inf, jnp.float32), y)
   keep = ~use_top_k[:, None] | (y >= threshold[:, None])
   y = jnp.where(keep, y, -jnp.inf)
 
@@ -246,8 +249,7 @@ def sample_stop_reference(
 
 
 # ---------------------------------------------------------------------------- kernel
-def _sample_stop_kernel(*refs, vocab: int, block_v: int, num_stop: int,
-                        block_m: int, has_bias: bool):
+def _sample_stop_kernel(*refs, vocab: int, block_v: int, num_stop: int, block_m: int, has_bias: bool):
   """One program per row: [top-k threshold search], argmax pass, stop lookup."""
   refs = list(refs)
   logits_ref = refs.pop(0)  # [B, V]
@@ -266,8 +268,7 @@ def _sample_stop_kernel(*refs, vocab: int, block_v: int, num_stop: int,
     """y for vocab block i (float32 [block_v]) and its in-vocabulary mask."""
     cols = i * block_v + jnp.arange(block_v, dtype=jnp.int32)
     in_vocab = cols < vocab
-    s = pltriton.load(logits_ref.at[row, cols], mask=in_vocab,
-                      other=0).astype(jnp.float32)
+    s = pltriton.load(logits_ref.at[row, cols], mask=in_vocab, other=0).astype(jnp.float32)
     if bias_ref is not None:
       s = s + pltriton.load(bias_ref.at[row, cols], mask=in_vocab, other=0.0)
     return cols, in_vocab, s * inv_t
@@ -277,19 +278,21 @@ def _sample_stop_kernel(*refs, vocab: int, block_v: int, num_stop: int,
       _, in_vocab, y = load_y(i)
       hit = in_vocab & (_order_key(y) >= threshold)
       return count + jnp.sum(hit.astype(jnp.int32))
+
     return lax.fori_loop(0, num_blocks, body, np.int32(0))
 
   def top_k_threshold():
     """Key of the top_k-th largest y: binary search on the order keys."""
+
     def key_range(i, carry):
       lo, hi = carry
       _, in_vocab, y = load_y(i)
       key = _order_key(y)
       lo = jnp.minimum(lo, jnp.min(jnp.where(in_vocab, key, np.int32(2**31 - 1))))
-      hi = jnp.maximum(hi, jnp.max(jnp.where(in_vocab, key, np.int32(-2**31))))
+      hi = jnp.maximum(hi, jnp.max(jnp.where(in_vocab, key, np.int32(-(2**31)))))
       return lo, hi
-    lo, hi = lax.fori_loop(0, num_blocks, key_range,
-                           (np.int32(2**31 - 1), np.int32(-2**31)))
+
+    lo, hi = lax.fori_loop(0, num_blocks, key_range, (np.int32(2**31 - 1), np.int32(-(2**31))))
     # Invariant: count(key >= lo) >= k > count(key >= hi). hi = max + 1 cannot
     # overflow for non-NaN keys; the midpoint is computed without overflow.
     hi = hi + 1
@@ -312,13 +315,11 @@ def _sample_stop_kernel(*refs, vocab: int, block_v: int, num_stop: int,
 
   # Without top-k every key passes. The branch must return a computed value:
   # Triton's cond lowering cannot yield a literal.
-  threshold = lax.cond(top_k > 0, lambda k: top_k_threshold(),
-                       lambda k: jnp.minimum(k, np.int32(-2**31)), top_k)
+  threshold = lax.cond(top_k > 0, lambda k: top_k_threshold(), lambda k: jnp.minimum(k, np.int32(-(2**31))), top_k)
 
   def argmax_pass(add_noise: bool):
     if add_noise:
-      row_key = _row_key(seed_ref[row], step_ref[0].astype(jnp.uint32),
-                         row.astype(jnp.uint32))
+      row_key = _row_key(seed_ref[row], step_ref[0].astype(jnp.uint32), row.astype(jnp.uint32))
 
     def body(i, carry):
       best, best_index = carry
@@ -331,39 +332,41 @@ def _sample_stop_kernel(*refs, vocab: int, block_v: int, num_stop: int,
       block_index = i * block_v + jnp.argmax(score).astype(jnp.int32)
       # Strictly greater: an earlier block wins ties, so the lowest index wins.
       better = block_best > best
-      return (jnp.where(better, block_best, best),
-              jnp.where(better, block_index, best_index))
+      return (jnp.where(better, block_best, best), jnp.where(better, block_index, best_index))
 
-    _, index = lax.fori_loop(0, num_blocks, body,
-                             (np.float32(-np.inf), np.int32(0)))
+    _, index = lax.fori_loop(0, num_blocks, body, (np.float32(-np.inf), np.int32(0)))
     return index
 
-  token = lax.cond(greedy_ref[row] != 0, lambda: argmax_pass(False),
-                   lambda: argmax_pass(True))
+  token = lax.cond(greedy_ref[row] != 0, lambda: argmax_pass(False), lambda: argmax_pass(True))
   token_ref[row] = token
 
   hit = np.int32(0)
   if stop_ids_ref is not None:
+
     def stop_body(j, hit):
       cols = j * block_m + jnp.arange(block_m, dtype=jnp.int32)
-      ids = pltriton.load(stop_ids_ref.at[row, cols], mask=cols < num_stop,
-                          other=-1)
+      ids = pltriton.load(stop_ids_ref.at[row, cols], mask=cols < num_stop, other=-1)
       # A max over 0/1, not jnp.any: Triton has no lowering for reduce_or.
       return jnp.maximum(hit, jnp.max((ids == token).astype(jnp.int32)))
+
     hit = lax.fori_loop(0, pl.cdiv(num_stop, block_m), stop_body, hit)
   stop_ref[row] = hit
 
 
-def _sample_stop_pallas(args: _Prepared, *, interpret: bool,
-                        block_v: int | None) -> tuple[jax.Array, jax.Array]:
+def _sample_stop_pallas(args: _Prepared, *, interpret: bool, block_v: int | None) -> tuple[jax.Array, jax.Array]:
   num_rows, vocab = args.logits.shape
   num_stop = args.stop_ids.shape[1]
   if block_v is None:
     block_v = min(pl.next_power_of_2(vocab), _MAX_BLOCK_V)
   block_m = min(pl.next_power_of_2(max(num_stop, 1)), _MAX_BLOCK_M)
   kernel = functools.partial(
-      _sample_stop_kernel, vocab=vocab, block_v=block_v, num_stop=num_stop,
-      block_m=block_m, has_bias=args.logit_bias is not None)
+    _sample_stop_kernel,
+    vocab=vocab,
+    block_v=block_v,
+    num_stop=num_stop,
+    block_m=block_m,
+    has_bias=args.logit_bias is not None,
+  )
   inputs = [args.logits]
   if args.logit_bias is not None:
     inputs.append(args.logit_bias)
@@ -371,32 +374,31 @@ def _sample_stop_pallas(args: _Prepared, *, interpret: bool,
   if num_stop:
     inputs.append(args.stop_ids)
   tokens, stop = pl.pallas_call(
-      kernel,
-      out_shape=(jax.ShapeDtypeStruct((num_rows,), jnp.int32),
-                 jax.ShapeDtypeStruct((num_rows,), jnp.int32)),
-      grid=(num_rows,),
-      # Explicit Triton params: without them current JAX lowers Pallas to
-      # Mosaic GPU on NVIDIA.
-      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-      interpret=interpret,
-      name="sample_stop",
+    kernel,
+    out_shape=(jax.ShapeDtypeStruct((num_rows,), jnp.int32), jax.ShapeDtypeStruct((num_rows,), jnp.int32)),
+    grid=(num_rows,),
+    # Explicit Triton params: without them current JAX lowers Pallas to
+    # Mosaic GPU on NVIDIA.
+    compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+    interpret=interpret,
+    name="sample_stop",
   )(*inputs)
   return tokens, stop != 0
 
 
 # -------------------------------------------------------------------------- dispatch
 def sample_stop(
-    logits: jax.Array,  # [B, V] f32 | bf16
-    *,
-    temperature: jax.Array,  # [B] f32
-    top_k: jax.Array,  # [B] i32
-    seed: jax.Array,  # [B] u32
-    step: jax.Array | int,  # [] i32
-    stop_ids: jax.Array,  # [B, M] i32, padded with -1
-    logit_bias: jax.Array | None = None,  # [B, V] f32
-    implementation: Implementation | None = None,
-    interpret: bool | None = None,
-    block_v: int | None = None,
+  logits: jax.Array,  # [B, V] f32 | bf16
+  *,
+  temperature: jax.Array,  # [B] f32
+  top_k: jax.Array,  # [B] i32
+  seed: jax.Array,  # [B] u32
+  step: jax.Array | int,  # [] i32
+  stop_ids: jax.Array,  # [B, M] i32, padded with -1
+  logit_bias: jax.Array | None = None,  # [B, V] f32
+  implementation: Implementation | None = None,
+  interpret: bool | None = None,
+  block_v: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Samples one token per row and flags rows whose token is a stop token.
 
@@ -422,19 +424,18 @@ def sample_stop(
   implementation, interpret = resolve_dispatch(implementation, interpret)
   if implementation == "xla":
     return sample_stop_reference(
-        logits, temperature=temperature, top_k=top_k, seed=seed, step=step,
-        stop_ids=stop_ids, logit_bias=logit_bias)
+      logits, temperature=temperature, top_k=top_k, seed=seed, step=step, stop_ids=stop_ids, logit_bias=logit_bias
+    )
   if block_v is not None and (block_v < 1 or block_v & (block_v - 1)):
     raise ValueError(
-        f"sample_stop: block_v must be a power of two (Triton block shapes are), "
-        f"got {block_v}; pass e.g. {pl.next_power_of_2(max(block_v, 1))} or None.")
-  args = prepare_inputs(logits, temperature, top_k, seed, step, stop_ids,
-                        logit_bias)
+      f"sample_stop: block_v must be a power of two (Triton block shapes are), "
+      f"got {block_v}; pass e.g. {pl.next_power_of_2(max(block_v, 1))} or None."
+    )
+  args = prepare_inputs(logits, temperature, top_k, seed, step, stop_ids, logit_bias)
   return _sample_stop_pallas(args, interpret=interpret, block_v=block_v)
 
 
-def resolve_dispatch(implementation: str | None,
-                     interpret: bool | None) -> tuple[str, bool]:
+def resolve_dispatch(implementation: str | None, interpret: bool | None) -> tuple[str, bool]:
   """Resolves ``implementation``/``interpret`` defaults for the current backend (the rule: kernels/dispatch.py)."""
   from thoughtjax.kernels import dispatch
 

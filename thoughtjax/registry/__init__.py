@@ -9,10 +9,20 @@ One concept per module: :mod:`.errors`, :mod:`.layout` (on-disk layout, file I/O
 
 from thoughtjax.registry.build import build, cut_thoughtlets
 from thoughtjax.registry.codec import codec_digest
-from thoughtjax.registry.errors import (IntegrityError, MemoryBudgetError, Mismatch, RegistryError,
-                                        ResourceProfileMismatch, RestoreError, ReusedVersionError, RollbackError,
-                                        SignatureDowngradeError, SignatureError, UnknownThoughtletError,
-                                        UntrustedIndexError)
+from thoughtjax.registry.errors import (
+  IntegrityError,
+  MemoryBudgetError,
+  Mismatch,
+  RegistryError,
+  ResourceProfileMismatch,
+  RestoreError,
+  ReusedVersionError,
+  RollbackError,
+  SignatureDowngradeError,
+  SignatureError,
+  UnknownThoughtletError,
+  UntrustedIndexError,
+)
 from thoughtjax.registry.gc import GcReport, collect_garbage
 from thoughtjax.registry.layout import FORMAT, MANIFEST_FORMAT, VERSION_LEN, dir_name, is_registry
 from thoughtjax.registry.manifest import Manifest
@@ -24,9 +34,35 @@ from thoughtjax.registry.trust import TrustPolicy
 from thoughtjax.registry.verify import Tolerance, VerifyReport
 
 __all__ = [
-    "FORMAT", "MANIFEST_FORMAT", "VERSION_LEN", "GcReport", "IntegrityError", "Manifest", "MemoryBudgetError",
-    "Mismatch", "Registry", "RegistryError", "RegistryStats", "ResidentSet", "ResourceProfileMismatch",
-    "RestoreError", "ReusedVersionError", "RollbackError", "SignatureDowngradeError", "SignatureError", "StepHook",
-    "Tolerance", "TrustPolicy", "UnknownThoughtletError", "UntrustedIndexError", "VerifyReport", "build",
-    "codec_digest", "collect_garbage", "cut_thoughtlets", "dir_name", "is_registry", "param_partition",
+  "FORMAT",
+  "MANIFEST_FORMAT",
+  "VERSION_LEN",
+  "GcReport",
+  "IntegrityError",
+  "Manifest",
+  "MemoryBudgetError",
+  "Mismatch",
+  "Registry",
+  "RegistryError",
+  "RegistryStats",
+  "ResidentSet",
+  "ResourceProfileMismatch",
+  "RestoreError",
+  "ReusedVersionError",
+  "RollbackError",
+  "SignatureDowngradeError",
+  "SignatureError",
+  "StepHook",
+  "Tolerance",
+  "TrustPolicy",
+  "UnknownThoughtletError",
+  "UntrustedIndexError",
+  "VerifyReport",
+  "build",
+  "codec_digest",
+  "collect_garbage",
+  "cut_thoughtlets",
+  "dir_name",
+  "is_registry",
+  "param_partition",
 ]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from thoughtjax.mapping import Mapping as SemanticMapping
 from thoughtjax.mapping import load_mapping
@@ -24,21 +24,43 @@ def cut_thoughtlets(model, codec, mapping: SemanticMapping) -> list[Thoughtlet]:
   out = []
   for e in mapping.entries:
     kind = Kind(e.kind)
-    sig = signature_for(kind, cfg, tok, layers=e.layers, max_context=e.constraint_dict.get("max_context"),
-                        tags=e.tags, description=e.description)
+    sig = signature_for(
+      kind,
+      cfg,
+      tok,
+      layers=e.layers,
+      max_context=e.constraint_dict.get("max_context"),
+      tags=e.tags,
+      description=e.description,
+    )
     params = cut(model, kind, layers=e.layers, codec=codec, system=e.system)
     if kind is Kind.TEMPLATE:
-      sig = dataclasses.replace(sig, constraints={**sig.constraints, "system": e.system,
-                                                  "prefix_len": int(params["prefix_ids"].shape[0]),
-                                                  "suffix_len": int(params["suffix_ids"].shape[0])})
+      sig = dataclasses.replace(
+        sig,
+        constraints={
+          **sig.constraints,
+          "system": e.system,
+          "prefix_len": int(params["prefix_ids"].shape[0]),
+          "suffix_len": int(params["suffix_ids"].shape[0]),
+        },
+      )
     out.append(Thoughtlet(e.name, kind, sig, params, cfg, e.layers))
   return out
 
 
-def build(out: str | os.PathLike, mapping: str | os.PathLike | SemanticMapping, model, *, codec=None,
-          sign_key=None, settings: ProfileSettings | None = ProfileSettings(),
-          progress: Callable[[str, str, int, int], None] | None = None, source: str | None = None,
-          source_hash: str | None = None, trust: TrustPolicy | None = None) -> Registry:
+def build(
+  out: str | os.PathLike,
+  mapping: str | os.PathLike | SemanticMapping,
+  model,
+  *,
+  codec=None,
+  sign_key=None,
+  settings: ProfileSettings | None = ProfileSettings(),
+  progress: Callable[[str, str, int, int], None] | None = None,
+  source: str | None = None,
+  source_hash: str | None = None,
+  trust: TrustPolicy | None = None,
+) -> Registry:
   """Cut ``model`` along ``mapping``, profile every thoughtlet and publish them to ``out``.
 
   ``model`` is a known model name or path (loaded with :func:`thoughtjax.loading.load`), a
@@ -80,12 +102,26 @@ def build(out: str | os.PathLike, mapping: str | os.PathLike | SemanticMapping, 
   def on_step(event, name):
     if event in counter:
       counter[event] += 1
-      report({"stage:checkpoint": "write", "verify": "verify", "commit:version": "commit"}[event],
-             name, counter[event], n)
+      report(
+        {"stage:checkpoint": "write", "verify": "verify", "commit:version": "commit"}[event], name, counter[event], n
+      )
 
-  model_info = {"config": cfg.to_json(), "family": cfg.family_hash, "source": source or "in-memory model",
-                "source_hash": source_hash}
-  _publish(Path(out), units, sign_key=sign_key, on_step=on_step, model=model_info, codec=codec,
-           order=[t.name for t in units], mapping_text=mapping.text, trust=trust)
+  model_info = {
+    "config": cfg.to_json(),
+    "family": cfg.family_hash,
+    "source": source or "in-memory model",
+    "source_hash": source_hash,
+  }
+  _publish(
+    Path(out),
+    units,
+    sign_key=sign_key,
+    on_step=on_step,
+    model=model_info,
+    codec=codec,
+    order=[t.name for t in units],
+    mapping_text=mapping.text,
+    trust=trust,
+  )
   report("done", "", n, n)
   return Registry(out, trust)

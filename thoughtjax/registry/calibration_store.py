@@ -55,19 +55,26 @@ def write_calibration(registry, calibration, *, sign_key=None) -> Path:
   if not isinstance(calibration, Calibration):
     raise TypeError(f"write_calibration takes a Calibration, got {type(calibration).__name__}")
   if calibration.sequence != registry.sequence:
-    raise RegistryError(f"calibration made at registry sequence {calibration.sequence}, but {registry.root} is at "
-                        f"sequence {registry.sequence}; calibrate again (thoughtjax registry calibrate DIR)")
+    raise RegistryError(
+      f"calibration made at registry sequence {calibration.sequence}, but {registry.root} is at "
+      f"sequence {registry.sequence}; calibrate again (thoughtjax registry calibrate DIR)"
+    )
   key = signing.load_private_key(sign_key) if isinstance(sign_key, (str, os.PathLike)) else sign_key
   root = Path(registry.root)
   if key is None and (registry.signed or registry.signing_keys):
     registry._count(DOWNGRADE, "calibration", str(root / DIRNAME), "calibration without a key into a signed registry")
     raise SignatureDowngradeError(
-        f"{root}: the registry is signed (keys {registry.signing_keys}) but no signing key was given for its "
-        f"calibration; an unsigned calibration would be refused by every reader. Pass sign_key= (CLI: "
-        f"--sign-key) with the private key of one of its signing keys")
+      f"{root}: the registry is signed (keys {registry.signing_keys}) but no signing key was given for its "
+      f"calibration; an unsigned calibration would be refused by every reader. Pass sign_key= (CLI: "
+      f"--sign-key) with the private key of one of its signing keys"
+    )
   body = calibration.to_json()
-  doc = {"registry_id": registry.registry_id, "sequence": calibration.sequence,
-         "sha3_256": hashlib.sha3_256(body).hexdigest(), "calibration": json.loads(body)}
+  doc = {
+    "registry_id": registry.registry_id,
+    "sequence": calibration.sequence,
+    "sha3_256": hashlib.sha3_256(body).hexdigest(),
+    "calibration": json.loads(body),
+  }
   data = canonical_json(doc)
   path = calibration_path(root, calibration.sequence)
   with _writer_lock(root):
@@ -108,9 +115,10 @@ def read_calibration(registry, sequence: int | None = None):
   except FileNotFoundError:
     have = stored_sequences(root)
     raise MissingCalibrationError(
-        f"{root} has no calibration for registry sequence {seq}"
-        + (f" (it has calibrations for sequences {have}: the registry changed since)" if have else "")
-        + f"; calibrate it: thoughtjax registry calibrate {root}") from None
+      f"{root} has no calibration for registry sequence {seq}"
+      + (f" (it has calibrations for sequences {have}: the registry changed since)" if have else "")
+      + f"; calibrate it: thoughtjax registry calibrate {root}"
+    ) from None
   sig_path = path.with_suffix(".sig")
   signed_registry = registry.signed or bool(registry.signing_keys)
   if sig_path.exists():
@@ -119,15 +127,17 @@ def read_calibration(registry, sequence: int | None = None):
       signing.verify(registry._verifier.keys(), data, record, what)
     except (json.JSONDecodeError, UnicodeDecodeError, signing.SignatureError) as e:
       count(SIGNATURE, "calibration", str(sig_path), str(e))
-      raise SignatureError(f"{e}. The calibration was changed after it was signed; recalibrate "
-                           f"(thoughtjax registry calibrate {root} --sign-key KEY) or restore it from a backup") \
-          from None
+      raise SignatureError(
+        f"{e}. The calibration was changed after it was signed; recalibrate "
+        f"(thoughtjax registry calibrate {root} --sign-key KEY) or restore it from a backup"
+      ) from None
   elif signed_registry and not registry.trust.allow_unsigned or registry.trust.signatures_required:
     count(DOWNGRADE, "calibration", str(sig_path), "signature missing")
     raise SignatureDowngradeError(
-        f"{what}: {sig_path} is missing but the registry is signed (or signatures are required); the signature "
-        f"was removed. Recalibrate with --sign-key, or open with TrustPolicy(allow_unsigned=True) to read it "
-        f"unsigned")
+      f"{what}: {sig_path} is missing but the registry is signed (or signatures are required); the signature "
+      f"was removed. Recalibrate with --sign-key, or open with TrustPolicy(allow_unsigned=True) to read it "
+      f"unsigned"
+    )
   try:
     doc = json.loads(data)
     body = canonical_json(doc["calibration"])
@@ -138,8 +148,10 @@ def read_calibration(registry, sequence: int | None = None):
   if got != want:
     raise integrity(f"sha3-256 of the calibration is {got[:16]}..., the document records {str(want)[:16]}...")
   if doc.get("sequence") != seq or doc.get("registry_id") != registry.registry_id:
-    raise integrity(f"the document is for registry {doc.get('registry_id')} sequence {doc.get('sequence')}, not "
-                    f"{registry.registry_id} sequence {seq}; it was copied from elsewhere")
+    raise integrity(
+      f"the document is for registry {doc.get('registry_id')} sequence {doc.get('sequence')}, not "
+      f"{registry.registry_id} sequence {seq}; it was copied from elsewhere"
+    )
   try:
     calibration = Calibration.from_json(body)
   except CalibrationError as e:

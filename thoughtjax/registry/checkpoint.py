@@ -7,8 +7,8 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +26,9 @@ def _restore_checkpoint(ckptr, path: Path, target):
   """Restore straight into ``target``'s dtypes and shardings (``jax.ShapeDtypeStruct`` leaves)."""
   import orbax.checkpoint as ocp
 
-  return ckptr.restore(path, args=ocp.args.PyTreeRestore(
-      item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
+  return ckptr.restore(
+    path, args=ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+  )
 
 
 def _save_checkpoint(path: Path, params: Mapping) -> None:
@@ -48,8 +49,9 @@ def _scratch_dir(nbytes: int) -> str | None:
   return None
 
 
-def verified_copy(vdir: Path, files: Mapping[str, Mapping], fail: Callable[[str, str], Exception],
-                  workers: int = 8) -> Path:
+def verified_copy(
+  vdir: Path, files: Mapping[str, Mapping], fail: Callable[[str, str], Exception], workers: int = 8
+) -> Path:
   """Copy the ``files`` (relative path -> {sha256}) of ``vdir`` into a private temporary directory,
   hashing exactly the bytes written there, and return that directory.
 

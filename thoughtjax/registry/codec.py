@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from thoughtjax.registry.layout import _files_under, _sha256_bytes, _sha256_file, _write_file
 from thoughtjax.thoughtlet import canonical_json
@@ -20,8 +20,13 @@ def _eos_ids(codec) -> tuple[int, ...]:
 def codec_digest(codec) -> str:
   """Hash of everything that fixes token ids and stops: vocabulary, merges, specials, chat template.
   Extra EOS ids enter only when there are several, so single-EOS digests stay what they were."""
-  doc = {"tokenizer": codec.tokenizer.to_str(), "chat_template": codec.chat_template,
-         "bos_id": codec.bos_id, "eos_id": codec.eos_id, "add_bos": codec.add_bos}
+  doc = {
+    "tokenizer": codec.tokenizer.to_str(),
+    "chat_template": codec.chat_template,
+    "bos_id": codec.bos_id,
+    "eos_id": codec.eos_id,
+    "add_bos": codec.add_bos,
+  }
   if len(_eos_ids(codec)) > 1:
     doc["eos_ids"] = list(_eos_ids(codec))
   return hashlib.sha3_256(canonical_json(doc)).hexdigest()[:16]
@@ -32,9 +37,18 @@ def _stage_codec(staging: Path, codec) -> tuple[str, dict]:
   cdir = staging / "codec" / digest
   cdir.mkdir(parents=True)
   _write_file(cdir / "tokenizer.json", codec.tokenizer.to_str().encode())
-  _write_file(cdir / "codec.json", canonical_json({
-      "chat_template": codec.chat_template, "bos_id": codec.bos_id, "eos_id": codec.eos_id,
-      "eos_ids": list(_eos_ids(codec)), "add_bos": codec.add_bos}))
+  _write_file(
+    cdir / "codec.json",
+    canonical_json(
+      {
+        "chat_template": codec.chat_template,
+        "bos_id": codec.bos_id,
+        "eos_id": codec.eos_id,
+        "eos_ids": list(_eos_ids(codec)),
+        "add_bos": codec.add_bos,
+      }
+    ),
+  )
   return digest, {p.name: _sha256_file(p) for p in _files_under(cdir)}
 
 
@@ -59,5 +73,11 @@ def load_codec(cdir: Path, files: dict, fail: Callable[[str, str], Exception]):
   kwargs = {}
   if meta.get("eos_ids") and "eos_ids" in inspect.signature(TextCodec).parameters:
     kwargs["eos_ids"] = tuple(meta["eos_ids"])
-  return TextCodec(Tokenizer.from_str(data["tokenizer.json"].decode()), meta["chat_template"], meta["bos_id"],
-                   meta["eos_id"], meta["add_bos"], **kwargs)
+  return TextCodec(
+    Tokenizer.from_str(data["tokenizer.json"].decode()),
+    meta["chat_template"],
+    meta["bos_id"],
+    meta["eos_id"],
+    meta["add_bos"],
+    **kwargs,
+  )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from thoughtjax import signing
 from thoughtjax.errors import UserError
@@ -42,9 +42,11 @@ class IntegrityError(RegistryError):
 
   def __init__(self, thoughtlet: str, version: str | None, file: str, reason: str):
     who = thoughtlet if version is None else f"{thoughtlet}@{version}"
-    super().__init__(f"integrity check failed for {who}: file {file}: {reason}. The file was changed "
-                     f"after it was published; nothing was loaded from it and no other version is "
-                     f"used in its place. Republish the thoughtlet or restore the file from a backup.")
+    super().__init__(
+      f"integrity check failed for {who}: file {file}: {reason}. The file was changed "
+      f"after it was published; nothing was loaded from it and no other version is "
+      f"used in its place. Republish the thoughtlet or restore the file from a backup."
+    )
     self.thoughtlet, self.version, self.file, self.reason = thoughtlet, version, file, reason
 
 
@@ -65,8 +67,10 @@ class Mismatch:
   tolerance: str
 
   def __str__(self) -> str:
-    return (f"{self.thoughtlet}: {self.field} declared {self.declared:.6g}, measured "
-            f"{self.measured:.6g} (tolerance {self.tolerance})")
+    return (
+      f"{self.thoughtlet}: {self.field} declared {self.declared:.6g}, measured "
+      f"{self.measured:.6g} (tolerance {self.tolerance})"
+    )
 
 
 class ResourceProfileMismatch(RegistryError):
@@ -74,6 +78,8 @@ class ResourceProfileMismatch(RegistryError):
 
   def __init__(self, mismatches: Sequence[Mismatch], fingerprint_note: str = ""):
     lines = "\n  ".join(str(m) for m in mismatches)
-    super().__init__(f"{len(mismatches)} resource profile value(s) disagree with the manifest:\n  {lines}"
-                     + (f"\n{fingerprint_note}" if fingerprint_note else ""))
+    super().__init__(
+      f"{len(mismatches)} resource profile value(s) disagree with the manifest:\n  {lines}"
+      + (f"\n{fingerprint_note}" if fingerprint_note else "")
+    )
     self.mismatches = list(mismatches)

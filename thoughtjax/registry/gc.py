@@ -29,8 +29,9 @@ class GcReport:
     return len(self.removed)
 
 
-def collect_garbage(root: str | os.PathLike, *, keep: int = 2, dry_run: bool = False,
-                    trust: TrustPolicy | None = None) -> GcReport:
+def collect_garbage(
+  root: str | os.PathLike, *, keep: int = 2, dry_run: bool = False, trust: TrustPolicy | None = None
+) -> GcReport:
   """Remove version directories that are not among the last ``keep`` published versions of
   their thoughtlet (the current one always stays), and directories of versions that never
   became current (left by a writer that died before switching the index).

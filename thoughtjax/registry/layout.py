@@ -21,8 +21,9 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from thoughtjax.registry.errors import IntegrityError, RegistryError
 
@@ -99,7 +100,7 @@ def dir_name(name: str) -> str:
 
 
 def _now() -> str:
-  return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+  return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 def _nest(flat: Mapping[str, Any]) -> dict:
@@ -118,8 +119,9 @@ def _read_index(root: Path) -> tuple[dict, dict | None]:
   try:
     doc = json.loads(path.read_bytes())
   except FileNotFoundError:
-    raise RegistryError(f"{root} is not a thoughtlet registry (no index.json); create one with "
-                        f"`thoughtjax registry build`") from None
+    raise RegistryError(
+      f"{root} is not a thoughtlet registry (no index.json); create one with `thoughtjax registry build`"
+    ) from None
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise IntegrityError("index", None, str(path), f"not valid JSON ({e})") from None
   body = doc.get("index") if isinstance(doc, dict) else None

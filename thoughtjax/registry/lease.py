@@ -41,7 +41,7 @@ class ReaderLease:
     self._finalizer = weakref.finalize(self, _release, fd, (self.data, lock))
 
   @classmethod
-  def acquire(cls, root: Path) -> "ReaderLease | None":
+  def acquire(cls, root: Path) -> ReaderLease | None:
     """A new lease, or None where the reader may not write the registry (a read-only copy: nobody can
     collect garbage there either)."""
     d = Path(root) / LEASE_DIR

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -40,31 +41,58 @@ class Manifest:
     return sum(int(np.prod(s["shape"])) * np.dtype(s["dtype"]).itemsize for s in self.params.values())
 
   def identity(self) -> dict:
-    return {"name": self.name, "kind": self.kind.value,
-            "layers": None if self.layers is None else list(self.layers),
-            "semantic_signature": self.signature.to_json(), "model_config": self.config.to_json()}
+    return {
+      "name": self.name,
+      "kind": self.kind.value,
+      "layers": None if self.layers is None else list(self.layers),
+      "semantic_signature": self.signature.to_json(),
+      "model_config": self.config.to_json(),
+    }
 
   @classmethod
-  def from_json(cls, d: Mapping) -> "Manifest":
+  def from_json(cls, d: Mapping) -> Manifest:
     if d.get("format") != MANIFEST_FORMAT:
       raise RegistryError(f"manifest format {d.get('format')!r} is not {MANIFEST_FORMAT!r}")
     prof = d.get("resource_profile")
-    return cls(d["name"], Kind(d["kind"]), d["version"], d["versioned_hash"],
-               None if d.get("layers") is None else tuple(d["layers"]),
-               SemanticSignature.from_json(d["semantic_signature"]),
-               None if prof is None else ResourceProfile.from_json(prof),
-               ModelConfig.from_json(d["model"]["config"]), d["params"], d["files"], d.get("parent"),
-               d.get("signed_by"), d)
+    return cls(
+      d["name"],
+      Kind(d["kind"]),
+      d["version"],
+      d["versioned_hash"],
+      None if d.get("layers") is None else tuple(d["layers"]),
+      SemanticSignature.from_json(d["semantic_signature"]),
+      None if prof is None else ResourceProfile.from_json(prof),
+      ModelConfig.from_json(d["model"]["config"]),
+      d["params"],
+      d["files"],
+      d.get("parent"),
+      d.get("signed_by"),
+      d,
+    )
 
 
-def _manifest_json(t: Thoughtlet, version: str, vhash: str, files: Mapping, parent: str | None,
-                   signed_by: str | None, tokenizer_hash: str) -> dict:
+def _manifest_json(
+  t: Thoughtlet,
+  version: str,
+  vhash: str,
+  files: Mapping,
+  parent: str | None,
+  signed_by: str | None,
+  tokenizer_hash: str,
+) -> dict:
   return {
-      "format": MANIFEST_FORMAT, "name": t.name, "kind": t.kind.value, "version": version,
-      "versioned_hash": vhash, "layers": None if t.layers is None else list(t.layers),
-      "semantic_signature": t.signature.to_json(),
-      "resource_profile": None if t.profile is None else t.profile.to_json(),
-      "model": {"config": t.config.to_json(), "family": t.config.family_hash, "tokenizer_hash": tokenizer_hash},
-      "params": param_spec(t.params), "files": dict(files), "parent": parent, "signed_by": signed_by,
-      "created": _now(),
+    "format": MANIFEST_FORMAT,
+    "name": t.name,
+    "kind": t.kind.value,
+    "version": version,
+    "versioned_hash": vhash,
+    "layers": None if t.layers is None else list(t.layers),
+    "semantic_signature": t.signature.to_json(),
+    "resource_profile": None if t.profile is None else t.profile.to_json(),
+    "model": {"config": t.config.to_json(), "family": t.config.family_hash, "tokenizer_hash": tokenizer_hash},
+    "params": param_spec(t.params),
+    "files": dict(files),
+    "parent": parent,
+    "signed_by": signed_by,
+    "created": _now(),
   }

@@ -27,8 +27,8 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -36,22 +36,59 @@ import numpy as np
 from thoughtjax import signing
 from thoughtjax.registry.checkpoint import _checkpointer, _restore_checkpoint, _save_checkpoint
 from thoughtjax.registry.codec import _stage_codec, codec_digest
-from thoughtjax.registry.errors import (IntegrityError, RegistryError, ReusedVersionError, RollbackError,
-                                        SignatureDowngradeError, UntrustedIndexError)
-from thoughtjax.registry.layout import (FORMAT, VERSION_LEN, _files_under, _fsync, _fsync_tree, _mkdir_durable,
-                                        _nest, _now, _read_index, _sha256_bytes, _sha256_file, _write_file,
-                                        _writer_lock, dir_name)
+from thoughtjax.registry.errors import (
+  IntegrityError,
+  RegistryError,
+  ReusedVersionError,
+  RollbackError,
+  SignatureDowngradeError,
+  UntrustedIndexError,
+)
+from thoughtjax.registry.layout import (
+  FORMAT,
+  VERSION_LEN,
+  _files_under,
+  _fsync,
+  _fsync_tree,
+  _mkdir_durable,
+  _nest,
+  _now,
+  _read_index,
+  _sha256_bytes,
+  _sha256_file,
+  _write_file,
+  _writer_lock,
+  dir_name,
+)
 from thoughtjax.registry.manifest import Manifest, _manifest_json
-from thoughtjax.registry.trust import (DOWNGRADE, INTEGRITY, WRITER, RollbackState, TrustPolicy, Verifier,
-                                       sequence_of, state_key)
+from thoughtjax.registry.trust import (
+  DOWNGRADE,
+  INTEGRITY,
+  WRITER,
+  RollbackState,
+  TrustPolicy,
+  Verifier,
+  sequence_of,
+  state_key,
+)
 from thoughtjax.thoughtlet import Thoughtlet, canonical_json, versioned_hash
 
 StepHook = Callable[[str, "str | None"], None]
 
 
-def _publish(root: Path, thoughtlets: Sequence[Thoughtlet], *, sign_key, on_step: StepHook | None,
-             model: dict | None, codec, order: Sequence[str] | None = None, mapping_text: str | None = None,
-             trust: TrustPolicy | None = None, on_failure=None) -> dict[str, str]:
+def _publish(
+  root: Path,
+  thoughtlets: Sequence[Thoughtlet],
+  *,
+  sign_key,
+  on_step: StepHook | None,
+  model: dict | None,
+  codec,
+  order: Sequence[str] | None = None,
+  mapping_text: str | None = None,
+  trust: TrustPolicy | None = None,
+  on_failure=None,
+) -> dict[str, str]:
   """Verify the base, stage, verify, fsync, rename into place, then switch the index (module docstring).
   ``on_failure(kind, thoughtlet, file, reason)`` is told of every refusal before it is raised."""
   step = on_step or (lambda event, name: None)
@@ -73,16 +110,18 @@ def _publish(root: Path, thoughtlets: Sequence[Thoughtlet], *, sign_key, on_step
       if old is not None:
         signed_base = _verify_base(root, old, old_record, trust, key, count)
         if old["model"]["config"] != (model or old["model"])["config"]:
-          raise RegistryError(f"{root} holds thoughtlets of another model ({old['model']['config']}); "
-                              f"build into an empty directory")
+          raise RegistryError(
+            f"{root} holds thoughtlets of another model ({old['model']['config']}); build into an empty directory"
+          )
       if signed_base and key is None:
         path = str(root / "index.json")
         count(DOWNGRADE, "index", path, "publish without a key into a signed registry")
         count(WRITER, "index", path, "publish without a key into a signed registry")
         raise SignatureDowngradeError(
-            f"{path}: the registry is signed (keys {sorted(old.get('signing_keys') or [])}) but this publish has "
-            f"no signing key; it would turn a signed registry unsigned. Pass sign_key= (CLI: --sign-key) with "
-            f"the private key of one of its signing keys")
+          f"{path}: the registry is signed (keys {sorted(old.get('signing_keys') or [])}) but this publish has "
+          f"no signing key; it would turn a signed registry unsigned. Pass sign_key= (CLI: --sign-key) with "
+          f"the private key of one of its signing keys"
+        )
       tok_hash = codec_digest(codec) if codec is not None else old["codec"]["digest"]
       codec_entry = None
       if codec is not None:
@@ -100,8 +139,9 @@ def _publish(root: Path, thoughtlets: Sequence[Thoughtlet], *, sign_key, on_step
         versions[t.name] = version
         final = root / "thoughtlets" / dir_name(t.name) / version
         if final.exists():  # content-addressed: this exact version is already here
-          digests[f"{t.name}@{version}"] = _check_existing(final, t.name, version, vhash, key,
-                                                           (t.name, version) in published, count)
+          digests[f"{t.name}@{version}"] = _check_existing(
+            final, t.name, version, vhash, key, (t.name, version) in published, count
+          )
           staged.append((t, version, final))
           continue
         vdir = staging / "thoughtlets" / dir_name(t.name) / version
@@ -109,8 +149,10 @@ def _publish(root: Path, thoughtlets: Sequence[Thoughtlet], *, sign_key, on_step
         step("stage:start", t.name)
         _save_checkpoint(vdir / "checkpoint", t.params)
         step("stage:checkpoint", t.name)
-        files = {str(p.relative_to(vdir)): {"sha256": _sha256_file(p), "bytes": p.stat().st_size}
-                 for p in _files_under(vdir / "checkpoint")}
+        files = {
+          str(p.relative_to(vdir)): {"sha256": _sha256_file(p), "bytes": p.stat().st_size}
+          for p in _files_under(vdir / "checkpoint")
+        }
         parent = None if old is None or t.name not in old["current"] else old["current"][t.name]["version"]
         manifest = _manifest_json(t, version, vhash, files, parent, key_id, tok_hash)
         data = json.dumps(manifest, indent=1, sort_keys=True).encode()
@@ -164,8 +206,9 @@ def _publish(root: Path, thoughtlets: Sequence[Thoughtlet], *, sign_key, on_step
       step("commit:index", None)
       shutil.rmtree(staging_root, ignore_errors=True)
       try:  # the writer has seen its own sequence; a reader records it on open anyway
-        RollbackState(trust.state_path()).record(state_key(body["registry_id"], root), body["sequence"],
-                                                 key is not None)
+        RollbackState(trust.state_path()).record(
+          state_key(body["registry_id"], root), body["sequence"], key is not None
+        )
       except RegistryError:
         pass  # the publish is complete; an unwritable state file is reported by the next open
     except BaseException:
@@ -188,21 +231,28 @@ def _verify_base(root: Path, body: dict, record, trust: TrustPolicy, key, count)
         if version != body["current"].get(name, {}).get("version") and not vdir.exists():
           continue  # an old version removed by gc; nothing refers to it any more
         ref = f"{name}@{version}"
-        _, raw = verifier.check_manifest(name, version, vdir, digests.get(ref),
-                                         index_signed=record is not None)
-        if raw.get("name") != name or raw.get("version") != version \
-            or not str(raw.get("versioned_hash", "")).startswith(version):
-          raise verifier.fail(INTEGRITY, IntegrityError(name, version, str(vdir / "manifest.json"),
-                                                        f"it does not describe {ref}"), ref, "manifest.json")
+        _, raw = verifier.check_manifest(name, version, vdir, digests.get(ref), index_signed=record is not None)
+        if (
+          raw.get("name") != name
+          or raw.get("version") != version
+          or not str(raw.get("versioned_hash", "")).startswith(version)
+        ):
+          raise verifier.fail(
+            INTEGRITY,
+            IntegrityError(name, version, str(vdir / "manifest.json"), f"it does not describe {ref}"),
+            ref,
+            "manifest.json",
+          )
   except RollbackError:
     count(WRITER, "index", str(root / "index.json"), "rollback")
     raise
   except RegistryError as e:
     count(WRITER, "index", str(root / "index.json"), str(e))
     raise UntrustedIndexError(
-        f"refusing to publish on top of {root / 'index.json'}: {e}. A writer signs the index it builds on, so "
-        f"it must verify first; restore the changed files from a backup (or rebuild the registry) and publish "
-        f"again") from e
+      f"refusing to publish on top of {root / 'index.json'}: {e}. A writer signs the index it builds on, so "
+      f"it must verify first; restore the changed files from a backup (or rebuild the registry) and publish "
+      f"again"
+    ) from e
   return verifier.signed
 
 
@@ -221,9 +271,13 @@ def _check_existing(final: Path, name: str, version: str, vhash: str, key, publi
   if published:
     if raw.get("versioned_hash") != vhash:
       count(INTEGRITY, ref, "manifest.json", "published version's hash differs")
-      raise IntegrityError(name, version, str(final / "manifest.json"),
-                           f"it records versioned hash {str(raw.get('versioned_hash'))[:16]}..., but the weights "
-                           f"being published hash to {vhash[:16]}...")
+      raise IntegrityError(
+        name,
+        version,
+        str(final / "manifest.json"),
+        f"it records versioned hash {str(raw.get('versioned_hash'))[:16]}..., but the weights "
+        f"being published hash to {vhash[:16]}...",
+      )
     return _sha256_bytes(data)
   key_id = None if key is None else signing.key_id(key.public_key())
   sig = final / "manifest.sig"
@@ -241,23 +295,37 @@ def _check_existing(final: Path, name: str, version: str, vhash: str, key, publi
   if problem:
     count(WRITER, ref, str(final), problem)
     raise ReusedVersionError(
-        f"{final}: a version directory that no published index names is in the way of {ref}, and {problem}; "
-        f"it cannot be vouched for. Run `thoughtjax registry gc {final.parents[2]}` to remove unreferenced "
-        f"version directories, then publish again")
+      f"{final}: a version directory that no published index names is in the way of {ref}, and {problem}; "
+      f"it cannot be vouched for. Run `thoughtjax registry gc {final.parents[2]}` to remove unreferenced "
+      f"version directories, then publish again"
+    )
   try:
     _verify_version_dir(final, name, version, {} if key is None else {key_id: key.public_key()})
   except (RegistryError, signing.SignatureError, OSError, KeyError, ValueError) as e:
     count(INTEGRITY, ref, str(final), f"left-over version directory fails verification: {e}")
-    raise IntegrityError(name, version, str(final), f"a left-over version directory fails verification ({e}); "
-                         f"run `thoughtjax registry gc` and publish again") from None
+    raise IntegrityError(
+      name,
+      version,
+      str(final),
+      f"a left-over version directory fails verification ({e}); run `thoughtjax registry gc` and publish again",
+    ) from None
   return _sha256_bytes(data)
 
 
-def _next_index(old: dict | None, staged, model, codec_entry, order, mapping_text, key_id: str | None,
-                digests: dict) -> dict:
+def _next_index(
+  old: dict | None, staged, model, codec_entry, order, mapping_text, key_id: str | None, digests: dict
+) -> dict:
   if old is None:
-    body = {"format": FORMAT, "sequence": 0, "registry_id": uuid.uuid4().hex, "model": model,
-            "codec": codec_entry, "order": list(order or []), "current": {}, "history": {}}
+    body = {
+      "format": FORMAT,
+      "sequence": 0,
+      "registry_id": uuid.uuid4().hex,
+      "model": model,
+      "codec": codec_entry,
+      "order": list(order or []),
+      "current": {},
+      "history": {},
+    }
   else:
     body = json.loads(json.dumps(old))
     body["sequence"] = sequence_of(body)
@@ -272,8 +340,12 @@ def _next_index(old: dict | None, staged, model, codec_entry, order, mapping_tex
     body.setdefault("signing_keys", [])
   body.setdefault("manifest_sha256", {}).update(digests)
   for t, version, _ in staged:
-    body["current"][t.name] = {"version": version, "dir": f"thoughtlets/{dir_name(t.name)}/{version}",
-                               "kind": t.kind.value, "layers": None if t.layers is None else list(t.layers)}
+    body["current"][t.name] = {
+      "version": version,
+      "dir": f"thoughtlets/{dir_name(t.name)}/{version}",
+      "kind": t.kind.value,
+      "layers": None if t.layers is None else list(t.layers),
+    }
     hist = body["history"].setdefault(t.name, [])
     if version in hist:
       hist.remove(version)
@@ -291,8 +363,12 @@ def _verify_version_dir(vdir: Path, name: str, version: str, keys: dict) -> None
   raw = json.loads((vdir / "manifest.json").read_bytes())
   sig = vdir / "manifest.sig"
   if keys:
-    signing.verify(keys, canonical_json(raw), signing.SignatureRecord.from_json(json.loads(sig.read_bytes())),
-                   f"{name}@{version} manifest.json (staged)")
+    signing.verify(
+      keys,
+      canonical_json(raw),
+      signing.SignatureRecord.from_json(json.loads(sig.read_bytes())),
+      f"{name}@{version} manifest.json (staged)",
+    )
   m = Manifest.from_json(raw)
   for rel, spec in m.files.items():
     if _sha256_file(vdir / rel) != spec["sha256"]:

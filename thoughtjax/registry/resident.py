@@ -39,12 +39,12 @@ class RegistryStats:
 
 # Failure kind -> the counters it increments.
 FAILURE_COUNTERS = {
-    "integrity": ("integrity_failures",),
-    "signature": ("signature_failures",),
-    "downgrade": ("signature_failures", "downgrade_refusals"),
-    "rollback": ("rollback_refusals",),
-    "restore": ("restore_failures",),
-    "writer": ("writer_refusals",),
+  "integrity": ("integrity_failures",),
+  "signature": ("signature_failures",),
+  "downgrade": ("signature_failures", "downgrade_refusals"),
+  "rollback": ("rollback_refusals",),
+  "restore": ("restore_failures",),
+  "writer": ("writer_refusals",),
 }
 
 
@@ -79,8 +79,9 @@ class ResidentSet:
     pinned_bytes = sum(e.nbytes for k, e in self._entries.items() if k in pinned)
     if need + pinned_bytes > self.budget:
       raise MemoryBudgetError(
-          f"{what} needs {need + pinned_bytes} bytes of weights resident at once but the registry's "
-          f"memory budget is {self.budget} bytes; raise memory_budget or use a shorter path")
+        f"{what} needs {need + pinned_bytes} bytes of weights resident at once but the registry's "
+        f"memory budget is {self.budget} bytes; raise memory_budget or use a shorter path"
+      )
     evicted = []
     for key in list(self._entries):
       if self.nbytes + need <= self.budget:

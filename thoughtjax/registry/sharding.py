@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def param_partition(kind: str, path: str, shape: Sequence[int], model_size: int):
@@ -18,8 +19,9 @@ def param_partition(kind: str, path: str, shape: Sequence[int], model_size: int)
   elif kind == "head" and leaf == "unembed":
     axis = 0
   elif kind == "blocks":
-    axis = {"q": 1, "k": 1, "v": 1, "o": 0, "q_bias": 0, "k_bias": 0, "v_bias": 0,
-            "gate": 1, "up": 1, "down": 0}.get(leaf)
+    axis = {"q": 1, "k": 1, "v": 1, "o": 0, "q_bias": 0, "k_bias": 0, "v_bias": 0, "gate": 1, "up": 1, "down": 0}.get(
+      leaf
+    )
   if axis is None or model_size <= 1 or shape[axis] % model_size:
     return P()
   spec = [None] * len(shape)

@@ -30,8 +30,8 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 import jax
 import numpy as np
@@ -46,10 +46,10 @@ from thoughtjax.registry.manifest import Manifest
 from thoughtjax.registry.publish import StepHook, _publish
 from thoughtjax.registry.resident import RegistryStats, ResidentSet, _Resident
 from thoughtjax.registry.sharding import _sharding_key, param_partition
-from thoughtjax.registry.trust import (INTEGRITY, RESTORE, SIGNATURE, RollbackState, TrustPolicy, Verifier,
-                                       sequence_of)
+from thoughtjax.registry.trust import INTEGRITY, RESTORE, SIGNATURE, RollbackState, TrustPolicy, Verifier, sequence_of
 from thoughtjax.registry.verify import Tolerance, VerifyReport, verify_hardware, verify_registry
 from thoughtjax.thoughtlet import Kind, ProfileSettings, Thoughtlet, measure_profile
+
 
 def _counter(stats: RegistryStats, lock) -> Callable[[str, str, str, str], None]:
   def count(kind: str, thoughtlet: str, file: str, reason: str) -> None:
@@ -68,9 +68,16 @@ class Registry:
   (or garbage collection), so ``gc`` keeps the versions it may restore; use it as a context manager.
   """
 
-  def __init__(self, root: str | os.PathLike, trust: TrustPolicy | None = None, *,
-               memory_budget: int | None = None, verify_files: bool = True,
-               trusted_keys: Iterable | None = None, require_signatures: bool | None = None):
+  def __init__(
+    self,
+    root: str | os.PathLike,
+    trust: TrustPolicy | None = None,
+    *,
+    memory_budget: int | None = None,
+    verify_files: bool = True,
+    trusted_keys: Iterable | None = None,
+    require_signatures: bool | None = None,
+  ):
     self.root = Path(root).absolute()  # Orbax takes absolute paths only
     if trusted_keys is not None or require_signatures is not None:
       # The keywords TrustPolicy replaces, still accepted from callers not yet moved over.
@@ -97,7 +104,7 @@ class Registry:
       raise
 
   @classmethod
-  def open(cls, root: str | os.PathLike, trust: TrustPolicy | None = None, **kwargs) -> "Registry":
+  def open(cls, root: str | os.PathLike, trust: TrustPolicy | None = None, **kwargs) -> Registry:
     return cls(root, trust, **kwargs)
 
   def close(self) -> None:
@@ -106,7 +113,7 @@ class Registry:
       self._lease.release()
       self._lease = None
 
-  def __enter__(self) -> "Registry":
+  def __enter__(self) -> Registry:
     return self
 
   def __exit__(self, *exc) -> None:
@@ -181,8 +188,9 @@ class Registry:
 
   def _known(self, name: str) -> None:
     if name not in self._index["current"]:
-      raise UnknownThoughtletError(f"the registry at {self.root} has no thoughtlet {name!r}; it has "
-                                   f"{', '.join(self.names)}")
+      raise UnknownThoughtletError(
+        f"the registry at {self.root} has no thoughtlet {name!r}; it has {', '.join(self.names)}"
+      )
 
   def resolve(self, name: str, version: str | None = None) -> str:
     """The full version of ``name`` for ``version`` (a unique prefix), or the current one."""
@@ -192,8 +200,9 @@ class Registry:
     found = [v for v in self._index["history"][name] if v.startswith(version)]
     if len(found) != 1:
       raise UnknownThoughtletError(
-          f"{name}@{version}: {'no' if not found else 'more than one'} published version matches; "
-          f"versions of {name}: {', '.join(self._index['history'][name])}")
+        f"{name}@{version}: {'no' if not found else 'more than one'} published version matches; "
+        f"versions of {name}: {', '.join(self._index['history'][name])}"
+      )
     self._hold_lease((dir_name(name), found[0]))  # before anything is read: gc keeps it from now on
     return found[0]
 
@@ -212,8 +221,7 @@ class Registry:
     vdir = self.version_dir(name, version)
     ref = f"{name}@{version}"
     digest = (self._index.get("manifest_sha256") or {}).get(ref)
-    _, raw = self._verifier.check_manifest(name, version, vdir, digest, check_signature=check,
-                                             index_signed=self.signed)
+    _, raw = self._verifier.check_manifest(name, version, vdir, digest, check_signature=check, index_signed=self.signed)
     try:
       m = Manifest.from_json(raw)
     except (KeyError, TypeError, ValueError, RegistryError) as e:
@@ -221,8 +229,7 @@ class Registry:
       raise IntegrityError(name, version, str(vdir / "manifest.json"), f"not a manifest ({e})") from None
     if (m.name, m.version) != (name, version) or not m.versioned_hash.startswith(version):
       self._count_failure(ref, "manifest.json", "names another thoughtlet or version")
-      raise IntegrityError(name, version, str(vdir / "manifest.json"),
-                           f"it describes {m.name}@{m.version}, not {ref}")
+      raise IntegrityError(name, version, str(vdir / "manifest.json"), f"it describes {m.name}@{m.version}, not {ref}")
     return m
 
   def manifests(self) -> list[Manifest]:
@@ -254,8 +261,12 @@ class Registry:
         raise IntegrityError(m.name, m.version, str(vdir / rel), "the file is missing")
       if got != listed[rel]["sha256"]:
         self._count_failure(m.ref, rel, "sha256 mismatch")
-        raise IntegrityError(m.name, m.version, str(vdir / rel),
-                             f"sha256 {got[:16]}... does not match the manifest's {listed[rel]['sha256'][:16]}...")
+        raise IntegrityError(
+          m.name,
+          m.version,
+          str(vdir / rel),
+          f"sha256 {got[:16]}... does not match the manifest's {listed[rel]['sha256'][:16]}...",
+        )
 
   # ---- restore --------------------------------------------------------------------------
   def _target(self, m: Manifest, dtype, mesh):
@@ -265,9 +276,10 @@ class Registry:
     model_size = 1 if mesh is None else int(mesh.shape.get("model", 1))
     if mesh is not None and any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
       raise RegistryError(
-          "the mesh has Explicit axes; thoughtjax's model leaves sharding to XLA's propagation, so build the "
-          "mesh with Auto axes: jax.sharding.Mesh(devices, ('data', 'model')) or "
-          "jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * 2)")
+        "the mesh has Explicit axes; thoughtjax's model leaves sharding to XLA's propagation, so build the "
+        "mesh with Auto axes: jax.sharding.Mesh(devices, ('data', 'model')) or "
+        "jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * 2)"
+      )
     for path, spec in m.params.items():
       dt = np.dtype(spec["dtype"])
       if dtype is not None and np.issubdtype(dt, np.floating):
@@ -283,8 +295,7 @@ class Registry:
   def _key(name: str, version: str, dtype, mesh) -> tuple:
     return (name, version, None if dtype is None else np.dtype(dtype).name, _sharding_key(mesh))
 
-  def restore(self, name: str, version: str | None = None, *, dtype=None, mesh=None,
-              pinned: set | None = None) -> dict:
+  def restore(self, name: str, version: str | None = None, *, dtype=None, mesh=None, pinned: set | None = None) -> dict:
     """The weights of one thoughtlet version as a nested dict of arrays (from the resident
     set if there, else read, checked and restored into ``dtype`` and ``mesh`` sharding)."""
     version = self.resolve(name, version)
@@ -330,18 +341,24 @@ class Registry:
       params = jax.block_until_ready(_restore_checkpoint(_checkpointer(), (copy or vdir) / "checkpoint", target))
     except Exception as e:
       self._count(RESTORE, m.ref, "checkpoint", f"{type(e).__name__}: {e}")
-      checked = ("every file matched its signed sha256 digest, so this is not tampering" if self.verify_files else
-                 "file checks were off (verify_files=False): run `thoughtjax registry verify` to rule out corruption")
-      raise RestoreError(f"restoring {m.ref} from {vdir / 'checkpoint'} failed with {type(e).__name__}: {e} "
-                         f"({checked}). Fix the cause (free memory or lower memory_budget, check the mesh, "
-                         f"check the file system) and restore again") from e
+      checked = (
+        "every file matched its signed sha256 digest, so this is not tampering"
+        if self.verify_files
+        else "file checks were off (verify_files=False): run `thoughtjax registry verify` to rule out corruption"
+      )
+      raise RestoreError(
+        f"restoring {m.ref} from {vdir / 'checkpoint'} failed with {type(e).__name__}: {e} "
+        f"({checked}). Fix the cause (free memory or lower memory_budget, check the mesh, "
+        f"check the file system) and restore again"
+      ) from e
     finally:
       if copy is not None:
         shutil.rmtree(copy, ignore_errors=True)
     return params, time.perf_counter() - t0
 
-  def restore_many(self, units: Sequence[tuple[str, str | None]], *, dtype=None, mesh=None,
-                   workers: int = 4) -> list[dict]:
+  def restore_many(
+    self, units: Sequence[tuple[str, str | None]], *, dtype=None, mesh=None, workers: int = 4
+  ) -> list[dict]:
     """Restore several versions that must be resident together (one path), up to ``workers``
     at a time; the byte budget is checked for all of them before anything is read."""
     with self._lock:
@@ -374,8 +391,9 @@ class Registry:
 
   def stats(self) -> RegistryStats:
     with self._lock:
-      s = dataclasses.replace(self._stats, failures=list(self._stats.failures),
-                              restore_seconds=dict(self._stats.restore_seconds))
+      s = dataclasses.replace(
+        self._stats, failures=list(self._stats.failures), restore_seconds=dict(self._stats.restore_seconds)
+      )
       s.resident_bytes = self._resident.nbytes
       s.resident = self._resident.refs()
       return s
@@ -395,8 +413,14 @@ class Registry:
     return self._codec
 
   # ---- publishing -------------------------------------------------------------------------
-  def publish(self, thoughtlets: Sequence[Thoughtlet], *, sign_key=None, on_step: StepHook | None = None,
-              settings: ProfileSettings | None = ProfileSettings()) -> dict[str, str]:
+  def publish(
+    self,
+    thoughtlets: Sequence[Thoughtlet],
+    *,
+    sign_key=None,
+    on_step: StepHook | None = None,
+    settings: ProfileSettings | None = ProfileSettings(),
+  ) -> dict[str, str]:
     """Publish new versions atomically and make them current; returns name -> version.
 
     Thoughtlets without a profile are measured first (``settings``; None publishes them
@@ -406,8 +430,9 @@ class Registry:
     thoughtlets = list(thoughtlets)
     for t in thoughtlets:
       if t.config != self.config:
-        raise RegistryError(f"{t.name}: the new version was cut from another model config; this registry "
-                            f"holds {self.config}")
+        raise RegistryError(
+          f"{t.name}: the new version was cut from another model config; this registry holds {self.config}"
+        )
       if t.kind is Kind.BRIDGE and t.name not in self._index["current"]:
         continue  # a bridge is trained, not cut by the mapping: its first version brings a new name
       self._known(t.name)
@@ -415,28 +440,53 @@ class Registry:
       for side in ("input", "output"):
         want, got = getattr(cur.signature, side), getattr(t.signature, side)
         if want != got:
-          raise RegistryError(f"{t.name}: a new version must keep the {side} type {want}; got {got}. "
-                              f"Paths through {t.name} would no longer compose")
+          raise RegistryError(
+            f"{t.name}: a new version must keep the {side} type {want}; got {got}. "
+            f"Paths through {t.name} would no longer compose"
+          )
     if settings is not None and any(t.profile is None for t in thoughtlets):
       table = None
       if any(t.kind is Kind.TEMPLATE or (t.kind is Kind.HEAD and self.config.tie_embeddings) for t in thoughtlets):
         new_embed = [t for t in thoughtlets if t.kind is Kind.EMBED]
         table = (new_embed[0].params if new_embed else self.restore("embed"))["table"]
-      thoughtlets = [t if t.profile is not None else
-                     dataclasses.replace(t, profile=measure_profile(t, settings, table)) for t in thoughtlets]
-    versions = _publish(self.root, thoughtlets, sign_key=sign_key, on_step=on_step, model=None, codec=None,
-                        trust=self.trust, on_failure=self._count)
+      thoughtlets = [
+        t if t.profile is not None else dataclasses.replace(t, profile=measure_profile(t, settings, table))
+        for t in thoughtlets
+      ]
+    versions = _publish(
+      self.root,
+      thoughtlets,
+      sign_key=sign_key,
+      on_step=on_step,
+      model=None,
+      codec=None,
+      trust=self.trust,
+      on_failure=self._count,
+    )
     self.refresh()
     return versions
 
   # ---- verification -----------------------------------------------------------------------
-  def verify(self, *, hardware: bool = False, all_versions: bool = False, tolerance: Tolerance | None = None,
-             settings: ProfileSettings | None = None, deep: bool = True) -> VerifyReport:
+  def verify(
+    self,
+    *,
+    hardware: bool = False,
+    all_versions: bool = False,
+    tolerance: Tolerance | None = None,
+    settings: ProfileSettings | None = None,
+    deep: bool = True,
+  ) -> VerifyReport:
     """See :func:`thoughtjax.registry.verify.verify_registry`."""
-    return verify_registry(self, hardware=hardware, all_versions=all_versions, tolerance=tolerance,
-                           settings=settings, deep=deep)
+    return verify_registry(
+      self, hardware=hardware, all_versions=all_versions, tolerance=tolerance, settings=settings, deep=deep
+    )
 
-  def verify_hardware(self, tolerance: Tolerance, settings: ProfileSettings | None = None,
-                      names: Sequence[str] | None = None, raise_on_mismatch: bool = True) -> list[Mismatch]:
+  def verify_hardware(
+    self,
+    tolerance: Tolerance,
+    settings: ProfileSettings | None = None,
+    names: Sequence[str] | None = None,
+    raise_on_mismatch: bool = True,
+  ) -> list[Mismatch]:
     """See :func:`thoughtjax.registry.verify.verify_hardware`."""
     return verify_hardware(self, tolerance, settings, names, raise_on_mismatch)

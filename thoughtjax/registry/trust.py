@@ -28,13 +28,18 @@ import fcntl
 import json
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from thoughtjax import signing
 from thoughtjax.errors import UserError
-from thoughtjax.registry.errors import (IntegrityError, RegistryError, RollbackError, SignatureDowngradeError,
-                                        SignatureError)
+from thoughtjax.registry.errors import (
+  IntegrityError,
+  RegistryError,
+  RollbackError,
+  SignatureDowngradeError,
+  SignatureError,
+)
 from thoughtjax.registry.layout import VERSION_RE, _sha256_bytes
 from thoughtjax.thoughtlet import canonical_json
 
@@ -65,8 +70,9 @@ class TrustPolicy:
     else:
       object.__setattr__(self, "public_keys", tuple(self.public_keys))
     if self.allow_unsigned and self.signatures_required:
-      raise UserError("TrustPolicy: allow_unsigned=True contradicts require_signatures=True / public_keys; "
-                      "pass one or the other")
+      raise UserError(
+        "TrustPolicy: allow_unsigned=True contradicts require_signatures=True / public_keys; pass one or the other"
+      )
 
   @property
   def signatures_required(self) -> bool:
@@ -107,8 +113,10 @@ def recorded_keys(root: Path) -> dict:
     try:
       k = signing.load_public_key(p)
     except signing.SignatureError as e:
-      raise SignatureError(f"{p}: {e}; a registry's keys directory holds only the PEM public keys of its "
-                           f"signers. Restore the file from a backup or remove it") from None
+      raise SignatureError(
+        f"{p}: {e}; a registry's keys directory holds only the PEM public keys of its "
+        f"signers. Restore the file from a backup or remove it"
+      ) from None
     if signing.key_id(k) == p.stem:  # a key file under another key's name is not that key
       keys[p.stem] = k
   return keys
@@ -130,13 +138,16 @@ class RollbackState:
     except FileNotFoundError:
       return {}
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      raise RegistryError(f"trust state {self.path} is not valid JSON ({e}); it records the highest index "
-                          f"sequence seen per registry. Delete it to start over (rollback protection then "
-                          f"restarts from the sequences seen next)") from None
+      raise RegistryError(
+        f"trust state {self.path} is not valid JSON ({e}); it records the highest index "
+        f"sequence seen per registry. Delete it to start over (rollback protection then "
+        f"restarts from the sequences seen next)"
+      ) from None
     if not isinstance(doc, dict) or doc.get("format") != STATE_FORMAT:
       got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
-      raise RegistryError(f"trust state {self.path}: expected format {STATE_FORMAT!r}, got {got!r}; delete it to "
-                          f"start over")
+      raise RegistryError(
+        f"trust state {self.path}: expected format {STATE_FORMAT!r}, got {got!r}; delete it to start over"
+      )
     return doc.get("registries", {})
 
   def get(self, key: str) -> dict | None:
@@ -146,9 +157,11 @@ class RollbackState:
       raise self._unusable(e) from e
 
   def _unusable(self, e: OSError) -> RegistryError:
-    return RegistryError(f"trust state {self.path}: cannot be read or written ({e}); it records the highest index "
-                         f"sequence seen per registry. Point {STATE_ENV} (or TrustPolicy(state_file=...)) at a "
-                         f"writable file")
+    return RegistryError(
+      f"trust state {self.path}: cannot be read or written ({e}); it records the highest index "
+      f"sequence seen per registry. Point {STATE_ENV} (or TrustPolicy(state_file=...)) at a "
+      f"writable file"
+    )
 
   @contextlib.contextmanager
   def _locked(self):
@@ -171,10 +184,17 @@ class RollbackState:
     with self._locked():
       entries = self._read()
       old = entries.get(key, {})
-      entry = {"sequence": max(int(old.get("sequence", -1)), int(sequence)),
-               "signed": bool(old.get("signed")) or signed, "seen": time.time()}
-      if entry["sequence"] == old.get("sequence") and entry["signed"] == old.get("signed") and key in entries \
-          and time.time() - float(old.get("seen", 0)) < 3600:
+      entry = {
+        "sequence": max(int(old.get("sequence", -1)), int(sequence)),
+        "signed": bool(old.get("signed")) or signed,
+        "seen": time.time(),
+      }
+      if (
+        entry["sequence"] == old.get("sequence")
+        and entry["signed"] == old.get("signed")
+        and key in entries
+        and time.time() - float(old.get("seen", 0)) < 3600
+      ):
         return old  # nothing new: skip the write
       entries[key] = entry
       if len(entries) > STATE_ENTRIES:  # keep the file small: forget the least recently seen
@@ -224,7 +244,7 @@ class Verifier:
     return self._keys
 
   # ---- index ----------------------------------------------------------------------------
-  def check_index(self, body: dict, record, state: "RollbackState | None", *, seen: int | None = None) -> bool:
+  def check_index(self, body: dict, record, state: RollbackState | None, *, seen: int | None = None) -> bool:
     """Check an index read from ``DIR/index.json``; True if it is signed. ``seen``: a sequence this
     process already saw for the registry (in addition to the state file)."""
     path = str(self.root / "index.json")
@@ -240,32 +260,55 @@ class Verifier:
         raise self.fail(SIGNATURE, SignatureError(f"{e}. {_KEY_FIX}"), "index", path) from None
       named = body.get("signing_keys")
       if named is not None and rec.key_id not in named:
-        raise self.fail(SIGNATURE, SignatureError(
+        raise self.fail(
+          SIGNATURE,
+          SignatureError(
             f"{what}: signed by key {rec.key_id}, which the index does not list among its signing keys "
-            f"{sorted(named)}; the index was re-signed by a key that never signed this registry"), "index", path)
+            f"{sorted(named)}; the index was re-signed by a key that never signed this registry"
+          ),
+          "index",
+          path,
+        )
     entry = None if state is None else state.get(state_key(body.get("registry_id"), self.root))
     if record is None:
       why = self._signed_evidence(body, entry)
       if self.policy.signatures_required:
-        raise self.fail(SIGNATURE, SignatureError(
+        raise self.fail(
+          SIGNATURE,
+          SignatureError(
             f"{path}: the index is not signed, but signatures are required (trusted public keys were given "
-            f"or require_signatures=True); sign the registry with `thoughtjax registry build --sign-key`"),
-            "index", path)
+            f"or require_signatures=True); sign the registry with `thoughtjax registry build --sign-key`"
+          ),
+          "index",
+          path,
+        )
       if why and not self.policy.allow_unsigned:
-        raise self.fail(DOWNGRADE, SignatureDowngradeError(
+        raise self.fail(
+          DOWNGRADE,
+          SignatureDowngradeError(
             f"{path}: the index is not signed, but the registry is signed ({why}); its signature was removed. "
             f"Restore index.json from a backup, or open with TrustPolicy(allow_unsigned=True) if you mean "
-            f"to read it unsigned"), "index", path)
+            f"to read it unsigned"
+          ),
+          "index",
+          path,
+        )
       self.signed = bool(why) and not self.policy.allow_unsigned
     seq = sequence_of(body)
     candidates = ([int(entry["sequence"])] if entry else []) + ([] if seen is None else [int(seen)])
     highest = max(candidates, default=-1)
     if seq < highest:
-      raise self.fail(ROLLBACK, RollbackError(
+      raise self.fail(
+        ROLLBACK,
+        RollbackError(
           f"{path}: index sequence {seq} is lower than {highest}, already seen for registry "
           f"{body.get('registry_id')} at {self.root}; an older index was put back (rollback). Restore the "
           f"newest index.json, or if the registry was deliberately rebuilt at this path remove its entry "
-          f"from the trust state {state.path if state else '(none)'}"), "index", path)
+          f"from the trust state {state.path if state else '(none)'}"
+        ),
+        "index",
+        path,
+      )
     if state is not None:
       state.record(state_key(body.get("registry_id"), self.root), seq, self.signed)
     return record is not None
@@ -310,8 +353,16 @@ class Verifier:
       raise bad(f"malformed index ({type(e).__name__}: {e})") from None
 
   # ---- manifests --------------------------------------------------------------------------
-  def check_manifest(self, name: str, version: str, vdir: Path, index_digest: str | None,
-                     check_signature: bool = True, *, index_signed: bool = False) -> tuple[bytes, dict]:
+  def check_manifest(
+    self,
+    name: str,
+    version: str,
+    vdir: Path,
+    index_digest: str | None,
+    check_signature: bool = True,
+    *,
+    index_signed: bool = False,
+  ) -> tuple[bytes, dict]:
     """Read ``manifest.json`` once, check it against the digest the index records and its detached
     signature; returns (bytes, parsed). A manifest published unsigned (``signed_by`` null) before the
     registry was signed is authenticated by the digest a signed index records for it instead."""
@@ -320,14 +371,24 @@ class Verifier:
     try:
       raw_bytes = path.read_bytes()
     except FileNotFoundError:
-      raise self.fail(INTEGRITY, IntegrityError(name, version, str(path), "the file is missing"), ref,
-                      "manifest.json") from None
+      raise self.fail(
+        INTEGRITY, IntegrityError(name, version, str(path), "the file is missing"), ref, "manifest.json"
+      ) from None
     digest_ok = index_digest is None or _sha256_bytes(raw_bytes) == index_digest
 
     def digest_error():
-      return self.fail(INTEGRITY, IntegrityError(
-          name, version, str(path), f"sha256 {_sha256_bytes(raw_bytes)[:16]}... does not match the "
-          f"{index_digest[:16]}... that the index records for it"), ref, "manifest.json")
+      return self.fail(
+        INTEGRITY,
+        IntegrityError(
+          name,
+          version,
+          str(path),
+          f"sha256 {_sha256_bytes(raw_bytes)[:16]}... does not match the "
+          f"{index_digest[:16]}... that the index records for it",
+        ),
+        ref,
+        "manifest.json",
+      )
 
     try:
       raw = json.loads(raw_bytes)
@@ -336,8 +397,9 @@ class Verifier:
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
       if not digest_ok:
         raise digest_error() from None
-      raise self.fail(INTEGRITY, IntegrityError(name, version, str(path), f"not valid JSON ({e})"), ref,
-                      "manifest.json") from None
+      raise self.fail(
+        INTEGRITY, IntegrityError(name, version, str(path), f"not valid JSON ({e})"), ref, "manifest.json"
+      ) from None
     if check_signature:  # first: an edited signed manifest is reported as the failed signature it is
       bound = index_signed and index_digest is not None and raw.get("signed_by") is None
       self._check_manifest_signature(name, version, vdir, raw, bound)
@@ -357,30 +419,46 @@ class Verifier:
       if bound:
         return
       if self.policy.signatures_required:
-        raise self.fail(SIGNATURE, SignatureError(
+        raise self.fail(
+          SIGNATURE,
+          SignatureError(
             f"{what} is not signed ({sig_path} is missing), but signatures are required; sign it with "
-            f"`thoughtjax registry build --sign-key`"), ref, "manifest.sig")
+            f"`thoughtjax registry build --sign-key`"
+          ),
+          ref,
+          "manifest.sig",
+        )
       if (self.signed or raw.get("signed_by")) and not self.policy.allow_unsigned:
         why = "the registry is signed" if self.signed else f"the manifest says key {raw['signed_by']} signed it"
-        raise self.fail(DOWNGRADE, SignatureDowngradeError(
+        raise self.fail(
+          DOWNGRADE,
+          SignatureDowngradeError(
             f"{what}: {sig_path} is missing but {why}; the signature was removed. Restore it from a backup or "
-            f"republish the thoughtlet, or open with TrustPolicy(allow_unsigned=True) to read it unsigned"),
-            ref, "manifest.sig")
+            f"republish the thoughtlet, or open with TrustPolicy(allow_unsigned=True) to read it unsigned"
+          ),
+          ref,
+          "manifest.sig",
+        )
       return
     try:
       record = signing.SignatureRecord.from_json(json.loads(sig_bytes))
     except (json.JSONDecodeError, UnicodeDecodeError, signing.SignatureError) as e:
-      raise self.fail(SIGNATURE, SignatureError(
-          f"{what}: {sig_path} is not a signature record ({e}); restore it or republish the thoughtlet"),
-          ref, "manifest.sig") from None
+      raise self.fail(
+        SIGNATURE,
+        SignatureError(f"{what}: {sig_path} is not a signature record ({e}); restore it or republish the thoughtlet"),
+        ref,
+        "manifest.sig",
+      ) from None
     try:
       signing.verify(self.keys(), canonical_json(raw), record, what)
     except signing.SignatureError as e:
       raise self.fail(SIGNATURE, SignatureError(f"{e}. {_KEY_FIX}"), ref, "manifest.sig") from None
 
 
-_KEY_FIX = ("If the content is genuine, pass the signer's public key (TrustPolicy(public_keys=...), CLI "
-            "--public-key); otherwise restore the file from a backup")
+_KEY_FIX = (
+  "If the content is genuine, pass the signer's public key (TrustPolicy(public_keys=...), CLI "
+  "--public-key); otherwise restore the file from a backup"
+)
 
 
 def sequence_of(body: dict):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from thoughtjax.registry.errors import IntegrityError, Mismatch, ResourceProfileMismatch
 from thoughtjax.thoughtlet import Kind, ProfileSettings, ResourceProfile, measure_profile, versioned_hash
@@ -55,14 +55,27 @@ class VerifyReport:
   mismatches: list = dataclasses.field(default_factory=list)
 
 
-def verify_registry(reg, *, hardware: bool = False, all_versions: bool = False, tolerance: Tolerance | None = None,
-                    settings: ProfileSettings | None = None, deep: bool = True) -> VerifyReport:
+def verify_registry(
+  reg,
+  *,
+  hardware: bool = False,
+  all_versions: bool = False,
+  tolerance: Tolerance | None = None,
+  settings: ProfileSettings | None = None,
+  deep: bool = True,
+) -> VerifyReport:
   """Check every (current, or every published) version: file digests, signatures and the
   versioned hash recomputed from the restored weights. With ``hardware``, re-measure
   profiles and raise :class:`ResourceProfileMismatch` where they disagree."""
-  report = VerifyReport(root=str(reg.root), generation=reg.sequence, index_signed=reg.signed,
-                        sequence=reg.sequence, registry_id=reg.registry_id, signing_keys=reg.signing_keys)
-  reg.codec  # digests of the tokenizer files
+  report = VerifyReport(
+    root=str(reg.root),
+    generation=reg.sequence,
+    index_signed=reg.signed,
+    sequence=reg.sequence,
+    registry_id=reg.registry_id,
+    signing_keys=reg.signing_keys,
+  )
+  _ = reg.codec  # digests of the tokenizer files
   todo = [(n, v) for n in reg.names for v in (reg.versions(n) if all_versions else [reg.resolve(n)])]
   for name, version in todo:
     m = reg.manifest(name, version)
@@ -73,9 +86,12 @@ def verify_registry(reg, *, hardware: bool = False, all_versions: bool = False, 
       got = versioned_hash(m.identity(), params)
       if got != m.versioned_hash:
         reg._count_failure(m.ref, "checkpoint", "versioned hash mismatch")
-        raise IntegrityError(name, version, str(reg.version_dir(name, version) / "checkpoint"),
-                             f"the restored weights hash to {got[:16]}..., the manifest says "
-                             f"{m.versioned_hash[:16]}...")
+        raise IntegrityError(
+          name,
+          version,
+          str(reg.version_dir(name, version) / "checkpoint"),
+          f"the restored weights hash to {got[:16]}..., the manifest says {m.versioned_hash[:16]}...",
+        )
       status["versioned_hash"] = "ok"
     report.thoughtlets.append(status)
   if hardware:
@@ -83,8 +99,13 @@ def verify_registry(reg, *, hardware: bool = False, all_versions: bool = False, 
   return report
 
 
-def verify_hardware(reg, tolerance: Tolerance, settings: ProfileSettings | None = None,
-                    names: Sequence[str] | None = None, raise_on_mismatch: bool = True) -> list[Mismatch]:
+def verify_hardware(
+  reg,
+  tolerance: Tolerance,
+  settings: ProfileSettings | None = None,
+  names: Sequence[str] | None = None,
+  raise_on_mismatch: bool = True,
+) -> list[Mismatch]:
   """Re-measure the current versions' profiles on this machine and compare."""
   mismatches: list[Mismatch] = []
   notes = set()
@@ -105,7 +126,14 @@ def verify_hardware(reg, tolerance: Tolerance, settings: ProfileSettings | None 
         notes.add(f"{fp_key}: declared {d.fingerprint.get(fp_key)!r}, here {got.fingerprint.get(fp_key)!r}")
     mismatches.extend(tolerance.compare(m.ref, d, got))
   if mismatches and raise_on_mismatch:
-    note = ("The profiles were measured on different hardware/software (" + "; ".join(sorted(notes))
-            + "); re-run `thoughtjax registry build` here to re-profile.") if notes else ""
+    note = (
+      (
+        "The profiles were measured on different hardware/software ("
+        + "; ".join(sorted(notes))
+        + "); re-run `thoughtjax registry build` here to re-profile."
+      )
+      if notes
+      else ""
+    )
     raise ResourceProfileMismatch(mismatches, note)
   return mismatches

@@ -22,27 +22,29 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 # writes "none" or leaves the key out for plain RoPE; Llama 3.x's "llama3" scaling has no type key
 # and travels as a ``rope_freqs.weight`` tensor of per-frequency factors instead.
 SUPPORTED_ROPE_SCALING = ("none",)
-_FIX_TRUNCATED = ("The download or copy was interrupted: re-fetch a known model with `thoughtjax fetch --force`, "
-                  "or download / convert this file again.")
+_FIX_TRUNCATED = (
+  "The download or copy was interrupted: re-fetch a known model with `thoughtjax fetch --force`, "
+  "or download / convert this file again."
+)
 
 _LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
+  "attn_norm.weight": "input_layernorm.weight",
+  "ffn_norm.weight": "post_attention_layernorm.weight",
+  "attn_q.weight": "self_attn.q_proj.weight",
+  "attn_k.weight": "self_attn.k_proj.weight",
+  "attn_v.weight": "self_attn.v_proj.weight",
+  "attn_output.weight": "self_attn.o_proj.weight",
+  "attn_q.bias": "self_attn.q_proj.bias",
+  "attn_k.bias": "self_attn.k_proj.bias",
+  "attn_v.bias": "self_attn.v_proj.bias",
+  "ffn_gate.weight": "mlp.gate_proj.weight",
+  "ffn_up.weight": "mlp.up_proj.weight",
+  "ffn_down.weight": "mlp.down_proj.weight",
 }
 _GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
+  "token_embd.weight": "model.embed_tokens.weight",
+  "output_norm.weight": "model.norm.weight",
+  "output.weight": "lm_head.weight",
 }
 
 
@@ -60,16 +62,14 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
   """Inverse of llama.cpp's Q/K row permutation; w is [n_heads*E, ...] (rows = outputs)."""
   rows = w.shape[0]
   head_dim = rows // n_heads
-  return (w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:])
-          .swapaxes(1, 2).reshape(w.shape))
+  return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
   """llama.cpp's Q/K row permutation (Hugging Face order -> GGUF order)."""
   rows = w.shape[0]
   head_dim = rows // n_heads
-  return (w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:])
-          .swapaxes(1, 2).reshape(w.shape))
+  return w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,27 +104,33 @@ def _field(reader, key, default=None):
 def check_rope(reader, name: str, head_dim: int) -> None:
   """Refuse, by key and value, any RoPE variant other than plain RoPE over the whole head."""
   p = _field(reader, "general.architecture") + "."
-  supported = (f"supported RoPE scaling types: {', '.join(SUPPORTED_ROPE_SCALING)} (plain RoPE). Loading it "
-               f"with plain RoPE would rotate positions wrongly, so the model is refused; use a model without "
-               f"RoPE scaling.")
+  supported = (
+    f"supported RoPE scaling types: {', '.join(SUPPORTED_ROPE_SCALING)} (plain RoPE). Loading it "
+    f"with plain RoPE would rotate positions wrongly, so the model is refused; use a model without "
+    f"RoPE scaling."
+  )
   kind = _field(reader, p + "rope.scaling.type")
   if kind is not None and kind not in SUPPORTED_ROPE_SCALING:
     factor = _field(reader, p + "rope.scaling.factor")
     raise UnsupportedModelError(
-        f"{name}: {p}rope.scaling.type = {kind!r} (factor {factor}) is not supported; {supported}")
+      f"{name}: {p}rope.scaling.type = {kind!r} (factor {factor}) is not supported; {supported}"
+    )
   linear = _field(reader, p + "rope.scale_linear")  # older files' linear scaling key
   if linear is not None and float(linear) != 1.0:
-    raise UnsupportedModelError(f"{name}: {p}rope.scale_linear = {linear} (linear scaling) is not supported; "
-                                f"{supported}")
+    raise UnsupportedModelError(
+      f"{name}: {p}rope.scale_linear = {linear} (linear scaling) is not supported; {supported}"
+    )
   if any(t.name == "rope_freqs.weight" for t in reader.tensors):
     raise UnsupportedModelError(
-        f"{name}: tensor rope_freqs.weight (per-frequency RoPE factors, Llama 3.x 'llama3' scaling) is "
-        f"present; that scaling is not supported; {supported}")
+      f"{name}: tensor rope_freqs.weight (per-frequency RoPE factors, Llama 3.x 'llama3' scaling) is "
+      f"present; that scaling is not supported; {supported}"
+    )
   dims = _field(reader, p + "rope.dimension_count")
   if dims is not None and int(dims) != head_dim:
     raise UnsupportedModelError(
-        f"{name}: {p}rope.dimension_count = {dims} but the head dimension is {head_dim}; only RoPE over "
-        f"the whole head is supported. Use a model that rotates every head dimension.")
+      f"{name}: {p}rope.dimension_count = {dims} but the head dimension is {head_dim}; only RoPE over "
+      f"the whole head is supported. Use a model that rotates every head dimension."
+    )
 
 
 def read_config(reader, name: str = "the GGUF file") -> ModelConfig:
@@ -140,21 +146,21 @@ def read_config(reader, name: str = "the GGUF file") -> ModelConfig:
   if vocab is None:
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
   return ModelConfig(
-      architecture=arch,
-      vocab_size=int(vocab),
-      d_model=D,
-      num_layers=int(_field(reader, p + "block_count")),
-      num_heads=H,
-      num_kv_heads=K,
-      head_dim=int(_field(reader, p + "attention.key_length", D // H)),
-      ffn_dim=int(_field(reader, p + "feed_forward_length")),
-      rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
-      rms_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
-      tie_embeddings="output.weight" not in names,
-      qkv_bias="blk.0.attn_q.bias" in names,
-      max_context=int(_field(reader, p + "context_length", 2048)),
-      bos_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-      eos_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+    architecture=arch,
+    vocab_size=int(vocab),
+    d_model=D,
+    num_layers=int(_field(reader, p + "block_count")),
+    num_heads=H,
+    num_kv_heads=K,
+    head_dim=int(_field(reader, p + "attention.key_length", D // H)),
+    ffn_dim=int(_field(reader, p + "feed_forward_length")),
+    rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
+    rms_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+    tie_embeddings="output.weight" not in names,
+    qkv_bias="blk.0.attn_q.bias" in names,
+    max_context=int(_field(reader, p + "context_length", 2048)),
+    bos_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+    eos_id=_field(reader, "tokenizer.ggml.eos_token_id"),
   )
 
 
@@ -163,18 +169,21 @@ def read_tokenizer(reader) -> TokenizerData:
   if model is None:
     raise UnsupportedModelError("the GGUF file carries no tokenizer (tokenizer.ggml.model is missing)")
   return TokenizerData(
-      model=model,
-      pre=_field(reader, "tokenizer.ggml.pre"),
-      tokens=list(_field(reader, "tokenizer.ggml.tokens")),
-      token_types=[int(t) for t in _field(reader, "tokenizer.ggml.token_type", [])],
-      merges=list(_field(reader, "tokenizer.ggml.merges", [])),
-      bos_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-      eos_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-      add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-      chat_template=_field(reader, "tokenizer.chat_template"),
-      # llama.cpp ends generation on each of these (end of turn, end of message), not only on eos.
-      eos_ids=tuple(dict.fromkeys(int(i) for i in (_field(reader, f"tokenizer.ggml.{k}_token_id")
-                                                   for k in ("eos", "eot", "eom")) if i is not None)),
+    model=model,
+    pre=_field(reader, "tokenizer.ggml.pre"),
+    tokens=list(_field(reader, "tokenizer.ggml.tokens")),
+    token_types=[int(t) for t in _field(reader, "tokenizer.ggml.token_type", [])],
+    merges=list(_field(reader, "tokenizer.ggml.merges", [])),
+    bos_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+    eos_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+    add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+    chat_template=_field(reader, "tokenizer.chat_template"),
+    # llama.cpp ends generation on each of these (end of turn, end of message), not only on eos.
+    eos_ids=tuple(
+      dict.fromkeys(
+        int(i) for i in (_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")) if i is not None
+      )
+    ),
   )
 
 
@@ -215,7 +224,7 @@ def expected_size(path: Path) -> int:
       if pos + n > actual:
         raise struct.error("string past the end")
       pos += n
-      return bytes(buf[pos - n:pos])
+      return bytes(buf[pos - n : pos])
 
     def skip_value(vtype: int) -> object:
       nonlocal pos
@@ -257,8 +266,8 @@ def expected_size(path: Path) -> int:
         raise struct.error("header past the end")
     except struct.error:
       raise TruncatedModelError(
-          f"{path}: the file ends inside its GGUF header (at {actual} bytes); it is truncated. "
-          f"{_FIX_TRUNCATED}") from None
+        f"{path}: the file ends inside its GGUF header (at {actual} bytes); it is truncated. {_FIX_TRUNCATED}"
+      ) from None
     return pos + (-pos % alignment) + end
   finally:
     buf.close()
@@ -269,8 +278,9 @@ def check_complete(path: Path) -> None:
   want, actual = expected_size(path), path.stat().st_size
   if actual < want:
     raise TruncatedModelError(
-        f"{path}: truncated GGUF file: expected {want} bytes (the end of its last tensor, per its header), "
-        f"got {actual} bytes ({want - actual} missing). {_FIX_TRUNCATED}")
+      f"{path}: truncated GGUF file: expected {want} bytes (the end of its last tensor, per its header), "
+      f"got {actual} bytes ({want - actual} missing). {_FIX_TRUNCATED}"
+    )
 
 
 def load_gguf(path: str | Path, weights: str = "f32") -> GGUFCheckpoint:
@@ -298,8 +308,8 @@ def load_gguf(path: str | Path, weights: str = "f32") -> GGUFCheckpoint:
     type_name = t.tensor_type.name
     if type_name not in SUPPORTED_TYPES:
       raise UnsupportedModelError(
-          f"tensor {t.name!r} in {path.name} has quantization type {type_name}; supported: "
-          f"{', '.join(SUPPORTED_TYPES)}. Re-quantize the file to one of those."
+        f"tensor {t.name!r} in {path.name} has quantization type {type_name}; supported: "
+        f"{', '.join(SUPPORTED_TYPES)}. Re-quantize the file to one of those."
       )
     if weights == "native" and type_name in formats.KINDS and len(t.shape) == 2:
       w = formats.from_gguf_blocks(t.data, type_name, (int(t.shape[1]), int(t.shape[0])))

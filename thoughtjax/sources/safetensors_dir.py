@@ -22,16 +22,17 @@ def _rope_scaling(raw: dict, path: Path) -> dict:
     if scaling is None:
       continue
     if not isinstance(scaling, dict):
-      raise UnsupportedModelError(f"{path}: {key} = {scaling!r} is not a JSON object; expected null or "
-                                  f"{{\"rope_type\": \"default\"}}")
+      raise UnsupportedModelError(
+        f"{path}: {key} = {scaling!r} is not a JSON object; expected null or {{\"rope_type\": \"default\"}}"
+      )
     type_key = "rope_type" if "rope_type" in scaling else "type"
     rope_type = scaling.get(type_key, "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
       raise UnsupportedModelError(
-          f"{path}: {key}.{type_key} = {rope_type!r} ({key} = {json.dumps(scaling, sort_keys=True)}) is not "
-          f"supported; supported RoPE scaling types: {', '.join(SUPPORTED_ROPE_TYPES)} (plain RoPE). Loading it "
-          f"with plain RoPE would rotate positions wrongly, so the model is refused; use a checkpoint without "
-          f"RoPE scaling."
+        f"{path}: {key}.{type_key} = {rope_type!r} ({key} = {json.dumps(scaling, sort_keys=True)}) is not "
+        f"supported; supported RoPE scaling types: {', '.join(SUPPORTED_ROPE_TYPES)} (plain RoPE). Loading it "
+        f"with plain RoPE would rotate positions wrongly, so the model is refused; use a checkpoint without "
+        f"RoPE scaling."
       )
     return scaling
   return {}
@@ -50,7 +51,8 @@ def read_eos_ids(directory: Path) -> tuple[int, ...]:
     for v in values:
       if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise UnsupportedModelError(
-            f"{path}: eos_token_id holds {v!r}; expected a non-negative token id or a list of them")
+          f"{path}: eos_token_id holds {v!r}; expected a non-negative token id or a list of them"
+        )
       if v not in ids:
         ids.append(v)
   return tuple(ids)
@@ -67,29 +69,30 @@ def read_hf_config(directory: Path) -> ModelConfig:
   partial = raw.get("partial_rotary_factor", 1.0)
   if partial != 1.0:
     raise UnsupportedModelError(
-        f"{path}: partial_rotary_factor = {partial!r} is not supported; only RoPE over the whole head "
-        f"(1.0) is. Use a checkpoint that rotates every head dimension.")
+      f"{path}: partial_rotary_factor = {partial!r} is not supported; only RoPE over the whole head "
+      f"(1.0) is. Use a checkpoint that rotates every head dimension."
+    )
   theta = raw.get("rope_theta")
   if theta is None:
     theta = scaling.get("rope_theta")
   D, H = int(raw["hidden_size"]), int(raw["num_attention_heads"])
   eos_ids = read_eos_ids(directory)
   return ModelConfig(
-      architecture=arch,
-      vocab_size=int(raw["vocab_size"]),
-      d_model=D,
-      num_layers=int(raw["num_hidden_layers"]),
-      num_heads=H,
-      num_kv_heads=int(raw.get("num_key_value_heads") or H),
-      head_dim=int(raw.get("head_dim") or D // H),
-      ffn_dim=int(raw["intermediate_size"]),
-      rope_theta=float(theta or 10000.0),
-      rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
-      tie_embeddings=bool(raw.get("tie_word_embeddings", arch is not Architecture.MISTRAL)),
-      qkv_bias=bool(raw.get("attention_bias", arch is Architecture.QWEN2)),
-      max_context=int(raw.get("max_position_embeddings", 2048)),
-      bos_id=raw.get("bos_token_id"),
-      eos_id=eos_ids[0] if eos_ids else None,
+    architecture=arch,
+    vocab_size=int(raw["vocab_size"]),
+    d_model=D,
+    num_layers=int(raw["num_hidden_layers"]),
+    num_heads=H,
+    num_kv_heads=int(raw.get("num_key_value_heads") or H),
+    head_dim=int(raw.get("head_dim") or D // H),
+    ffn_dim=int(raw["intermediate_size"]),
+    rope_theta=float(theta or 10000.0),
+    rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
+    tie_embeddings=bool(raw.get("tie_word_embeddings", arch is not Architecture.MISTRAL)),
+    qkv_bias=bool(raw.get("attention_bias", arch is Architecture.QWEN2)),
+    max_context=int(raw.get("max_position_embeddings", 2048)),
+    bos_id=raw.get("bos_token_id"),
+    eos_id=eos_ids[0] if eos_ids else None,
   )
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -67,8 +67,9 @@ class LatencySettings:
       v = tuple(getattr(self, f))
       object.__setattr__(self, f, v)
       if len(v) < 2 or any(isinstance(x, bool) or not isinstance(x, int) or x < 2 for x in v):
-        raise CalibrateError(f"LatencySettings.{f}: expected at least two integers >= 2 (a line needs two points), "
-                             f"got {v!r}")
+        raise CalibrateError(
+          f"LatencySettings.{f}: expected at least two integers >= 2 (a line needs two points), got {v!r}"
+        )
     if self.reps < 1 or self.plan_reps < 1:
       raise CalibrateError(f"LatencySettings reps and plan_reps: expected >= 1, got {self.reps}, {self.plan_reps}")
 
@@ -137,9 +138,15 @@ def full_model(registry, *, kernels: str | None = None):
   return compose(full_path(registry), registry, kernels=kernels)
 
 
-def calibrate(registry, dictionary=None, settings: CalibrateSettings = CalibrateSettings(), *,
-              progress: CalibrateProgress | None = None, report: CalibrateReport | None = None,
-              kernels: str | None = None) -> Calibration:
+def calibrate(
+  registry,
+  dictionary=None,
+  settings: CalibrateSettings = CalibrateSettings(),
+  *,
+  progress: CalibrateProgress | None = None,
+  report: CalibrateReport | None = None,
+  kernels: str | None = None,
+) -> Calibration:
   """A new :class:`Calibration` of ``registry`` at its current sequence (see the module docstring)."""
   from thoughtjax.synthesis.dictionary import load_dictionary
   from thoughtjax.synthesis.quality import corpora_of
@@ -150,8 +157,9 @@ def calibrate(registry, dictionary=None, settings: CalibrateSettings = Calibrate
   hints = tuple(settings.hints or dictionary.names)
   unknown = [h for h in hints if h not in dictionary]
   if unknown:
-    raise CalibrateError(f"calibrate hints {unknown} are not in the dictionary {dictionary.source}; known: "
-                         f"{', '.join(dictionary.names)}")
+    raise CalibrateError(
+      f"calibrate hints {unknown} are not in the dictionary {dictionary.source}; known: {', '.join(dictionary.names)}"
+    )
   t0 = time.perf_counter()
   progress("load", 0, 1, "full path")
   model = full_model(registry, kernels=kernels)
@@ -161,11 +169,19 @@ def calibrate(registry, dictionary=None, settings: CalibrateSettings = Calibrate
   t0 = time.perf_counter()
   corpora = {}
   for h, (cal, held) in corpora_of(dictionary, hints).items():
-    corpora[h] = (_token_docs(model.codec, cal, settings.window, settings.max_windows),
-                  _token_docs(model.codec, held, settings.window, settings.max_windows))
+    corpora[h] = (
+      _token_docs(model.codec, cal, settings.window, settings.max_windows),
+      _token_docs(model.codec, held, settings.window, settings.max_windows),
+    )
   cand_settings = dataclasses.replace(settings.candidates, window=settings.window)
-  proposals = propose(model, corpora[hints[0]][0], cand_settings, spans=list(registry.block_spans()),
-                      manual=settings.manual, progress=lambda d, n, what: progress("candidates", d, n, what))
+  proposals = propose(
+    model,
+    corpora[hints[0]][0],
+    cand_settings,
+    spans=list(registry.block_spans()),
+    manual=settings.manual,
+    progress=lambda d, n, what: progress("candidates", d, n, what),
+  )
   pinned, refused = pin(proposals, registry)
   report.refused = [(p.path, why) for p, why in refused]
   # pin() keeps proposal order: the full path first. Paths that compose to the same units are kept once.
@@ -178,26 +194,36 @@ def calibrate(registry, dictionary=None, settings: CalibrateSettings = Calibrate
   report.seconds["candidates"] = time.perf_counter() - t0
 
   t0 = time.perf_counter()
-  quality = measure_candidates(model, candidates, corpora, window=settings.window,
-                               progress=lambda d, n, what: progress("quality", d, n, what))
+  quality = measure_candidates(
+    model, candidates, corpora, window=settings.window, progress=lambda d, n, what: progress("quality", d, n, what)
+  )
   report.seconds["quality"] = time.perf_counter() - t0
   del model
   return _with_latency(registry, candidates, quality, settings.latency, progress, report, kernels)
 
 
-def recalibrate_latency(registry, stored: Calibration, settings: LatencySettings = LatencySettings(), *,
-                        progress: CalibrateProgress | None = None, report: CalibrateReport | None = None,
-                        kernels: str | None = None) -> Calibration:
+def recalibrate_latency(
+  registry,
+  stored: Calibration,
+  settings: LatencySettings = LatencySettings(),
+  *,
+  progress: CalibrateProgress | None = None,
+  report: CalibrateReport | None = None,
+  kernels: str | None = None,
+) -> Calibration:
   """``stored``'s candidates and quality with latency re-measured on this machine (``--latency-only``)."""
   progress = progress or _nop
   report = report if report is not None else CalibrateReport()
   if stored.sequence != registry.sequence:
-    raise CalibrateError(f"the stored calibration is of registry sequence {stored.sequence}, the registry is at "
-                         f"{registry.sequence}; its candidates may name old versions. Run a full calibration "
-                         f"(thoughtjax registry calibrate {registry.root}) instead of --latency-only")
+    raise CalibrateError(
+      f"the stored calibration is of registry sequence {stored.sequence}, the registry is at "
+      f"{registry.sequence}; its candidates may name old versions. Run a full calibration "
+      f"(thoughtjax registry calibrate {registry.root}) instead of --latency-only"
+    )
   candidates = [with_cost_keys(c) for c in stored.candidates]
-  quality = {with_cost_keys(c).path_hash: stored.quality[c.path_hash] for c in stored.candidates
-             if c.path_hash in stored.quality}
+  quality = {
+    with_cost_keys(c).path_hash: stored.quality[c.path_hash] for c in stored.candidates if c.path_hash in stored.quality
+  }
   return _with_latency(registry, candidates, quality, settings, progress, report, kernels)
 
 
@@ -221,7 +247,7 @@ def _with_latency(registry, candidates, quality, settings: LatencySettings, prog
 
 def _planning_ms(cal: Calibration, reps: int) -> float:
   """Median time of one warm GetOptimalPath on ``cal`` (ms), floors that every candidate meets."""
-  from thoughtjax.synthesis.planner import Floor, PlanRequest, Planner
+  from thoughtjax.synthesis.planner import Floor, Planner, PlanRequest
 
   hints = cal.hints or ("_",)
   planner = Planner(cal, {h: Floor() for h in hints})
@@ -244,13 +270,24 @@ def _run(model, prompt_tokens: int, max_tokens: int) -> dict:
   for _ in g:
     pass
   t = g.trace
-  return {"prompt_tokens": prompt_tokens, "tokens_out": t.tokens_out[0], "compile_ms": t.compile_s * 1e3,
-          "prefill_ms": t.prefill_s * 1e3, "decode_ms": t.decode_s * 1e3}
+  return {
+    "prompt_tokens": prompt_tokens,
+    "tokens_out": t.tokens_out[0],
+    "compile_ms": t.compile_s * 1e3,
+    "prefill_ms": t.prefill_s * 1e3,
+    "decode_ms": t.decode_s * 1e3,
+  }
 
 
-def measure_latency(registry, candidates: Sequence[Candidate], settings: LatencySettings = LatencySettings(), *,
-                    progress: CalibrateProgress | None = None, report: CalibrateReport | None = None,
-                    kernels: str | None = None) -> LatencyParams:
+def measure_latency(
+  registry,
+  candidates: Sequence[Candidate],
+  settings: LatencySettings = LatencySettings(),
+  *,
+  progress: CalibrateProgress | None = None,
+  report: CalibrateReport | None = None,
+  kernels: str | None = None,
+) -> LatencyParams:
   """Fitted :class:`LatencyParams` of this machine for ``candidates`` (see the module docstring)."""
   from thoughtjax.compose import compose
 
@@ -258,8 +295,9 @@ def measure_latency(registry, candidates: Sequence[Candidate], settings: Latency
   units = {u.ref: u for c in candidates for u in c.units}
   by_layers = sorted(candidates, key=lambda c: (sum(u.layers for u in c.units), c.path_hash))
   full = next(c for c in candidates if c.kind is CandidateKind.FULL)
-  timed = [full] + ([by_layers[0]] if sum(u.layers for u in by_layers[0].units) < sum(u.layers for u in full.units)
-                    else [])
+  timed = [full] + (
+    [by_layers[0]] if sum(u.layers for u in by_layers[0].units) < sum(u.layers for u in full.units) else []
+  )
   total = len(units) + len(timed) * len(settings.prompt_tokens) * (1 + len(settings.max_tokens) * settings.reps)
   done = 0
 
@@ -324,8 +362,12 @@ def measure_latency(registry, candidates: Sequence[Candidate], settings: Latency
     decode[f"blocks:{k}"] = LinearCost(float(k * Al), float(k * Bl))
   from thoughtjax.synthesis.latency import fit_linear
 
-  return LatencyParams(prefill=prefill, decode=decode, restore=fit_linear(restore_pts, "restore"),
-                       compile={b: fit_linear(pts, f"compile[{b}]") for b, pts in compile_pts.items()})
+  return LatencyParams(
+    prefill=prefill,
+    decode=decode,
+    restore=fit_linear(restore_pts, "restore"),
+    compile={b: fit_linear(pts, f"compile[{b}]") for b, pts in compile_pts.items()},
+  )
 
 
 def store(registry, calibration: Calibration, *, sign_key=None):

@@ -24,7 +24,8 @@ import enum
 import hashlib
 import json
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from thoughtjax.errors import UserError
 from thoughtjax.synthesis.latency import LatencyModel, LatencyModelError, LatencyParams
@@ -38,7 +39,7 @@ class CalibrationError(UserError, ValueError):
   """A calibration document or record is malformed, of another format version, or inconsistent."""
 
 
-class CandidateKind(str, enum.Enum):
+class CandidateKind(enum.StrEnum):
   EXIT = "exit"
   SKIP = "skip"
   REPEAT = "repeat"
@@ -66,9 +67,11 @@ def _obj(d: Any, where: str, required: set[str], optional: set[str] = frozenset(
     raise CalibrationError(f"{where}: expected an object, got {type(d).__name__}")
   missing, extra = required - set(d), set(d) - required - set(optional)
   if missing or extra:
-    raise CalibrationError(f"{where}: expected keys {sorted(required)}"
-                           + (f" (optional {sorted(optional)})" if optional else "")
-                           + f"; missing {sorted(missing)}, unknown {sorted(extra)}")
+    raise CalibrationError(
+      f"{where}: expected keys {sorted(required)}"
+      + (f" (optional {sorted(optional)})" if optional else "")
+      + f"; missing {sorted(missing)}, unknown {sorted(extra)}"
+    )
   return d
 
 
@@ -94,16 +97,22 @@ class PathQuality:
     _count(self.tokens, "tokens")
 
   def to_json(self) -> dict:
-    return {"top1_agreement": float(self.top1_agreement), "mean_kl": float(self.mean_kl),
-            "delta_nll": float(self.delta_nll), "tokens": int(self.tokens)}
+    return {
+      "top1_agreement": float(self.top1_agreement),
+      "mean_kl": float(self.mean_kl),
+      "delta_nll": float(self.delta_nll),
+      "tokens": int(self.tokens),
+    }
 
   @classmethod
-  def from_json(cls, d: Any, where: str) -> "PathQuality":
+  def from_json(cls, d: Any, where: str) -> PathQuality:
     d = _obj(d, where, {"top1_agreement", "mean_kl", "delta_nll", "tokens"})
-    return cls(_number(d["top1_agreement"], f"{where}.top1_agreement", 0.0, 1.0),
-               _number(d["mean_kl"], f"{where}.mean_kl"),
-               _number(d["delta_nll"], f"{where}.delta_nll", -math.inf),
-               _count(d["tokens"], f"{where}.tokens"))
+    return cls(
+      _number(d["top1_agreement"], f"{where}.top1_agreement", 0.0, 1.0),
+      _number(d["mean_kl"], f"{where}.mean_kl"),
+      _number(d["delta_nll"], f"{where}.delta_nll", -math.inf),
+      _count(d["tokens"], f"{where}.tokens"),
+    )
 
 
 LOSSLESS = PathQuality(1.0, 0.0, 0.0, 0)
@@ -120,10 +129,12 @@ class HintQuality:
     return {"calibration": self.calibration.to_json(), "heldout": self.heldout.to_json()}
 
   @classmethod
-  def from_json(cls, d: Any, where: str) -> "HintQuality":
+  def from_json(cls, d: Any, where: str) -> HintQuality:
     d = _obj(d, where, {"calibration", "heldout"})
-    return cls(PathQuality.from_json(d["calibration"], f"{where}.calibration"),
-               PathQuality.from_json(d["heldout"], f"{where}.heldout"))
+    return cls(
+      PathQuality.from_json(d["calibration"], f"{where}.calibration"),
+      PathQuality.from_json(d["heldout"], f"{where}.heldout"),
+    )
 
 
 LOSSLESS_HINT = HintQuality(LOSSLESS, LOSSLESS)
@@ -157,11 +168,16 @@ class Unit:
     return f"{self.name}@{self.version}"
 
   def to_json(self) -> dict:
-    return {"name": self.name, "version": self.version, "nbytes": self.nbytes, "layers": self.layers,
-            "cost_key": self.cost_key}
+    return {
+      "name": self.name,
+      "version": self.version,
+      "nbytes": self.nbytes,
+      "layers": self.layers,
+      "cost_key": self.cost_key,
+    }
 
   @classmethod
-  def from_json(cls, d: Any, where: str) -> "Unit":
+  def from_json(cls, d: Any, where: str) -> Unit:
     d = _obj(d, where, {"name", "version", "nbytes", "layers", "cost_key"})
     try:
       return cls(d["name"], d["version"], d["nbytes"], d["layers"], d["cost_key"])
@@ -196,18 +212,21 @@ class Candidate:
     try:
       object.__setattr__(self, "kind", CandidateKind(self.kind))
     except ValueError:
-      raise CalibrationError(f"candidate {self.path!r} kind: expected one of "
-                             f"{[k.value for k in CandidateKind]}, got {self.kind!r}") from None
+      raise CalibrationError(
+        f"candidate {self.path!r} kind: expected one of {[k.value for k in CandidateKind]}, got {self.kind!r}"
+      ) from None
     if not self.units:
       raise CalibrationError(f"candidate {self.path!r}: no units; a path runs at least embed and head")
     want = path_hash_of(self.units)
     if self.path_hash != want:
-      raise CalibrationError(f"candidate {self.path!r}: path_hash {self.path_hash!r} does not match its units "
-                             f"(expected {want!r}); the record was altered or built by hand, rebuild it with "
-                             f"Candidate.build")
+      raise CalibrationError(
+        f"candidate {self.path!r}: path_hash {self.path_hash!r} does not match its units "
+        f"(expected {want!r}); the record was altered or built by hand, rebuild it with "
+        f"Candidate.build"
+      )
 
   @classmethod
-  def build(cls, path: str, kind: CandidateKind | str, units: Sequence[Unit]) -> "Candidate":
+  def build(cls, path: str, kind: CandidateKind | str, units: Sequence[Unit]) -> Candidate:
     units = tuple(units)
     return cls(path, kind, units, path_hash_of(units), program_of(units))
 
@@ -217,11 +236,16 @@ class Candidate:
     return tuple(dict.fromkeys(u.ref for u in self.units))
 
   def to_json(self) -> dict:
-    return {"path": self.path, "kind": self.kind.value, "units": [u.to_json() for u in self.units],
-            "path_hash": self.path_hash, "program": self.program}
+    return {
+      "path": self.path,
+      "kind": self.kind.value,
+      "units": [u.to_json() for u in self.units],
+      "path_hash": self.path_hash,
+      "program": self.program,
+    }
 
   @classmethod
-  def from_json(cls, d: Any, where: str) -> "Candidate":
+  def from_json(cls, d: Any, where: str) -> Candidate:
     d = _obj(d, where, {"path", "kind", "units", "path_hash", "program"})
     if not isinstance(d["path"], str) or not d["path"].strip():
       raise CalibrationError(f"{where}.path: expected a path string, got {d['path']!r}")
@@ -262,16 +286,20 @@ class Calibration:
     hashes = [c.path_hash for c in self.candidates]
     dup = sorted({h for h in hashes if hashes.count(h) > 1})
     if dup:
-      raise CalibrationError(f"calibration candidates: path hashes {dup} appear more than once; keep one "
-                             f"record per path")
+      raise CalibrationError(
+        f"calibration candidates: path hashes {dup} appear more than once; keep one record per path"
+      )
     full = [c for c in self.candidates if c.kind is CandidateKind.FULL]
     if len(full) != 1:
-      raise CalibrationError(f"calibration candidates: expected exactly one full path (kind 'full'), got "
-                             f"{len(full)}; the full path is always a candidate")
+      raise CalibrationError(
+        f"calibration candidates: expected exactly one full path (kind 'full'), got "
+        f"{len(full)}; the full path is always a candidate"
+      )
     unknown = sorted(set(self.quality) - set(hashes))
     if unknown:
-      raise CalibrationError(f"calibration quality: entries for unknown path hashes {unknown}; every quality "
-                             f"entry must name a candidate")
+      raise CalibrationError(
+        f"calibration quality: entries for unknown path hashes {unknown}; every quality entry must name a candidate"
+      )
     for h, per_hint in self.quality.items():
       for hint, q in per_hint.items():
         if not isinstance(q, HintQuality):
@@ -281,9 +309,10 @@ class Calibration:
         cur = self.current.get(u.name)
         if cur is not None and cur != u.version:
           raise CalibrationError(
-              f"candidate {c.path!r} ({c.path_hash}) needs {u.ref}, but the current version of {u.name} at "
-              f"registry sequence {self.sequence} is {cur!r}; a calibration only pins current versions. "
-              f"Recalibrate (thoughtjax registry calibrate DIR)")
+            f"candidate {c.path!r} ({c.path_hash}) needs {u.ref}, but the current version of {u.name} at "
+            f"registry sequence {self.sequence} is {cur!r}; a calibration only pins current versions. "
+            f"Recalibrate (thoughtjax registry calibrate DIR)"
+          )
     # Every unit must have a measured cost, so planning never fails on a missing key mid-request.
     probe = LatencyModel(self.latency)
     for c in self.candidates:
@@ -310,11 +339,14 @@ class Calibration:
   # ---- JSON
   def to_dict(self) -> dict:
     return {
-        "format": FORMAT, "version": FORMAT_VERSION,
-        "sequence": self.sequence, "fingerprint": self.fingerprint, "current": dict(self.current),
-        "candidates": [c.to_json() for c in self.candidates],
-        "quality": {h: {hint: q.to_json() for hint, q in per.items()} for h, per in self.quality.items()},
-        "latency": self.latency.to_json(),
+      "format": FORMAT,
+      "version": FORMAT_VERSION,
+      "sequence": self.sequence,
+      "fingerprint": self.fingerprint,
+      "current": dict(self.current),
+      "candidates": [c.to_json() for c in self.candidates],
+      "quality": {h: {hint: q.to_json() for hint, q in per.items()} for h, per in self.quality.items()},
+      "latency": self.latency.to_json(),
     }
 
   def to_json(self) -> bytes:
@@ -325,24 +357,28 @@ class Calibration:
     return hashlib.sha3_256(self.to_json()).hexdigest()
 
   @classmethod
-  def from_json(cls, data: bytes | str | Mapping) -> "Calibration":
+  def from_json(cls, data: bytes | str | Mapping) -> Calibration:
     """Parse and validate a calibration document; refuses another format or version."""
     if isinstance(data, (bytes, str)):
       try:
         d = json.loads(data)
       except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CalibrationError(f"calibration: not valid JSON ({e}); regenerate it with "
-                               f"thoughtjax registry calibrate DIR") from None
+        raise CalibrationError(
+          f"calibration: not valid JSON ({e}); regenerate it with thoughtjax registry calibrate DIR"
+        ) from None
     else:
       d = data
     if not isinstance(d, Mapping):
       raise CalibrationError(f"calibration: expected a JSON object, got {type(d).__name__}")
     if d.get("format") != FORMAT or d.get("version") != FORMAT_VERSION:
-      raise CalibrationError(f"calibration: expected format {FORMAT!r} version {FORMAT_VERSION}, got format "
-                             f"{d.get('format')!r} version {d.get('version')!r}; recalibrate with this "
-                             f"thoughtjax (thoughtjax registry calibrate DIR)")
-    d = _obj(d, "calibration", {"format", "version", "sequence", "fingerprint", "current", "candidates",
-                                "quality", "latency"})
+      raise CalibrationError(
+        f"calibration: expected format {FORMAT!r} version {FORMAT_VERSION}, got format "
+        f"{d.get('format')!r} version {d.get('version')!r}; recalibrate with this "
+        f"thoughtjax (thoughtjax registry calibrate DIR)"
+      )
+    d = _obj(
+      d, "calibration", {"format", "version", "sequence", "fingerprint", "current", "candidates", "quality", "latency"}
+    )
     current = d["current"]
     if not isinstance(current, Mapping) or not all(isinstance(v, str) for v in current.values()):
       raise CalibrationError(f"calibration.current: expected an object of name -> version, got {current!r}")
@@ -362,5 +398,6 @@ class Calibration:
       raise CalibrationError(str(e)) from None
     if not isinstance(d["fingerprint"], str):
       raise CalibrationError(f"calibration.fingerprint: expected a string, got {d['fingerprint']!r}")
-    return cls(_count(d["sequence"], "calibration.sequence"), d["fingerprint"], candidates, quality,
-               latency, dict(current))
+    return cls(
+      _count(d["sequence"], "calibration.sequence"), d["fingerprint"], candidates, quality, latency, dict(current)
+    )

@@ -26,7 +26,7 @@ registry (refusing, with the reason, any that do not compose) into
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -84,8 +84,9 @@ class CandidateSettings:
     for f in ("single_skips", "greedy_removals", "greedy_windows"):
       v = getattr(self, f)
       if isinstance(v, bool) or not isinstance(v, int) or v < (1 if f == "greedy_windows" else 0):
-        raise CandidateError(f"CandidateSettings.{f}: expected an integer >= {1 if f == 'greedy_windows' else 0}, "
-                             f"got {v!r}")
+        raise CandidateError(
+          f"CandidateSettings.{f}: expected an integer >= {1 if f == 'greedy_windows' else 0}, got {v!r}"
+        )
 
 
 # ------------------------------------------------------------------------------ units
@@ -97,13 +98,16 @@ def unit_spans(num_layers: int, spans: Iterable[Span] | None = None) -> list[Spa
   at = 0
   for a, b in out:
     if a != at or b <= a:
-      raise CandidateError(f"unit spans {out}: expected half-open spans tiling [0, {num_layers}) with no gap or "
-                           f"overlap, but the span {(a, b)} follows layer {at}; pass registry.block_spans() of a "
-                           f"registry of this model")
+      raise CandidateError(
+        f"unit spans {out}: expected half-open spans tiling [0, {num_layers}) with no gap or "
+        f"overlap, but the span {(a, b)} follows layer {at}; pass registry.block_spans() of a "
+        f"registry of this model"
+      )
     at = b
   if at != num_layers:
-    raise CandidateError(f"unit spans {out} end at layer {at}, but the model has {num_layers} layers; pass spans "
-                         f"that cover every layer")
+    raise CandidateError(
+      f"unit spans {out} end at layer {at}, but the model has {num_layers} layers; pass spans that cover every layer"
+    )
   return out
 
 
@@ -116,8 +120,14 @@ def _label(span: Span) -> str:
 
 
 # ------------------------------------------------------------------------------ measurements
-def block_influence(model, documents: Sequence[Document], *, spans: Iterable[Span] | None = None,
-                    window: int = DEFAULT_WINDOW, progress: Progress | None = None) -> dict[Span, float]:
+def block_influence(
+  model,
+  documents: Sequence[Document],
+  *,
+  spans: Iterable[Span] | None = None,
+  window: int = DEFAULT_WINDOW,
+  progress: Progress | None = None,
+) -> dict[Span, float]:
   """``{unit: mean over tokens of 1 - cos(residual before it, residual after it)}`` inside the full path.
 
   One full pass per window; every real token position counts. 0 for a unit that leaves the residual
@@ -139,9 +149,16 @@ def block_influence(model, documents: Sequence[Document], *, spans: Iterable[Spa
   return {u: float(s / count) for u, s in zip(units, sums)}
 
 
-def greedy_removal(model, documents: Sequence[Document], removals: int, *, spans: Iterable[Span] | None = None,
-                   window: int = DEFAULT_WINDOW, max_windows: int | None = None,
-                   progress: Progress | None = None) -> list[tuple[Span, float]]:
+def greedy_removal(
+  model,
+  documents: Sequence[Document],
+  removals: int,
+  *,
+  spans: Iterable[Span] | None = None,
+  window: int = DEFAULT_WINDOW,
+  max_windows: int | None = None,
+  progress: Progress | None = None,
+) -> list[tuple[Span, float]]:
   """Remove units one at a time, each time the one whose removal adds the least ΔNLL.
 
   ΔNLL is the mean over predicted tokens of the path's NLL minus the full path's, on the first
@@ -172,7 +189,7 @@ def greedy_removal(model, documents: Sequence[Document], removals: int, *, spans
           starts.append(x)
           x = runner.run(win, range(a, b), start=x)
       for j in range(len(kept)):
-        rest = _layers(kept[j + 1:])
+        rest = _layers(kept[j + 1 :])
         sums[j] += float(np.sum(runner.compare(win, runner.run(win, rest, start=starts[j]))[2]))
       tokens += win.predicted
     best = int(np.argmin(sums))  # first minimum: ties go to the earlier unit
@@ -186,8 +203,10 @@ def greedy_removal(model, documents: Sequence[Document], removals: int, *, spans
 def _check_depth(d, units: list[Span], L: int, what: str) -> int:
   bounds = {a for a, _ in units} | {L}
   if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or int(d) not in bounds:
-    raise CandidateError(f"{what}: expected a unit boundary in {sorted(bounds)}, got {d!r}; with registry spans, "
-                         f"exits and repeats start and end where a block thoughtlet does")
+    raise CandidateError(
+      f"{what}: expected a unit boundary in {sorted(bounds)}, got {d!r}; with registry spans, "
+      f"exits and repeats start and end where a block thoughtlet does"
+    )
   return int(d)
 
 
@@ -215,9 +234,15 @@ def default_repeats(units: list[Span], L: int) -> list[Span]:
   return [(a, b)] if a < b else []
 
 
-def propose(model, calibration_docs: Sequence[Document], settings: CandidateSettings = CandidateSettings(), *,
-            spans: Iterable[Span] | None = None, manual: Sequence[str] = (),
-            progress: Progress | None = None) -> list[Proposal]:
+def propose(
+  model,
+  calibration_docs: Sequence[Document],
+  settings: CandidateSettings = CandidateSettings(),
+  *,
+  spans: Iterable[Span] | None = None,
+  manual: Sequence[str] = (),
+  progress: Progress | None = None,
+) -> list[Proposal]:
   """Candidate paths of ``model`` (see the module docstring), measured on ``calibration_docs``."""
   runner = Runner(model)
   L = runner.num_layers
@@ -232,8 +257,11 @@ def propose(model, calibration_docs: Sequence[Document], settings: CandidateSett
       out.append(Proposal(format_path(layers), kind, layers, why))
 
   add(CandidateKind.FULL, range(L), "the full path (the reference)")
-  exits = default_exits(units, L) if settings.exits is None else [
-      _check_depth(d, units, L, "exit depth") for d in settings.exits]
+  exits = (
+    default_exits(units, L)
+    if settings.exits is None
+    else [_check_depth(d, units, L, "exit depth") for d in settings.exits]
+  )
   for d in exits:
     if not 1 <= d < L:
       raise CandidateError(f"exit depth: expected 1..{L - 1} layers before the head, got {d}")
@@ -243,17 +271,28 @@ def propose(model, calibration_docs: Sequence[Document], settings: CandidateSett
     influence = block_influence(model, calibration_docs, spans=units, window=settings.window, progress=progress)
     least = sorted(units, key=lambda u: (influence[u], u))[: settings.single_skips]
     for u in least:
-      add(CandidateKind.SKIP, _layers(v for v in units if v != u),
-          f"skip {_label(u)}: influence 1-cos {influence[u]:.4g}")
+      add(
+        CandidateKind.SKIP, _layers(v for v in units if v != u), f"skip {_label(u)}: influence 1-cos {influence[u]:.4g}"
+      )
 
   if settings.greedy_removals and len(units) > 1:
-    order = greedy_removal(model, calibration_docs, settings.greedy_removals, spans=units, window=settings.window,
-                           max_windows=settings.greedy_windows, progress=progress)
+    order = greedy_removal(
+      model,
+      calibration_docs,
+      settings.greedy_removals,
+      spans=units,
+      window=settings.window,
+      max_windows=settings.greedy_windows,
+      progress=progress,
+    )
     removed: list[Span] = []
     for u, dnll in order:
       removed.append(u)
-      add(CandidateKind.SKIP, _layers(v for v in units if v not in removed),
-          f"greedy removal of {', '.join(map(_label, removed))}: ΔNLL {dnll:.4g}")
+      add(
+        CandidateKind.SKIP,
+        _layers(v for v in units if v not in removed),
+        f"greedy removal of {', '.join(map(_label, removed))}: ΔNLL {dnll:.4g}",
+      )
 
   repeats = default_repeats(units, L) if settings.repeats is None else list(settings.repeats)
   for rep in repeats:

@@ -20,8 +20,8 @@ Later uses open it and check the stored calibration; a calibration measured on a
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 Progress = Callable[[str, int, int, str], None]
 
@@ -73,8 +73,13 @@ def ensure_default(progress: Progress | None = None, *, root: Path | None = None
   root = Path(root) if root is not None else default_registry_dir()
   if not is_registry(root):
     root.parent.mkdir(parents=True, exist_ok=True)
-    build(root, _mapping_path(), DEFAULT_MODEL, settings=None,
-          progress=lambda stage, name, done, total: report(f"build {stage}", done, total, name))
+    build(
+      root,
+      _mapping_path(),
+      DEFAULT_MODEL,
+      settings=None,
+      progress=lambda stage, name, done, total: report(f"build {stage}", done, total, name),
+    )
   reg = Registry.open(root)
   try:
     stored = read_calibration(reg)

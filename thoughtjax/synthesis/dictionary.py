@@ -55,8 +55,7 @@ _SPLIT_KEYS = {"path", "sha3_256"}
 class DictionaryError(UserError, ValueError):
   """A synthesis dictionary or one of its corpora is invalid; names the file, line and entry."""
 
-  def __init__(self, message: str, *, source: str, line: int | None, entry: int | None = None,
-               name: str | None = None):
+  def __init__(self, message: str, *, source: str, line: int | None, entry: int | None = None, name: str | None = None):
     where = f"{source}:{line}" if line is not None else source
     who = "" if entry is None else f"hint {entry}" + (f" ({name})" if name else "") + ": "
     super().__init__(f"{where}: {who}{message}")
@@ -66,6 +65,7 @@ class DictionaryError(UserError, ValueError):
 @dataclasses.dataclass(frozen=True)
 class Floors:
   """Quality a path must reach against the full path: agreement at least, KL and ΔNLL at most."""
+
   top1_agreement: float
   mean_kl: float
   delta_nll: float | None = None
@@ -80,6 +80,7 @@ class Floors:
 @dataclasses.dataclass(frozen=True)
 class Source:
   """Where a corpus's text comes from: written for the project, or a named public-domain work."""
+
   kind: Literal["written_for_project", "public_domain"]
   work: str | None = None
   note: str | None = None
@@ -89,6 +90,7 @@ class Source:
 class Corpus:
   """A hint's evaluation text: a calibration split (to choose paths) and a held-out split (to check
   that a floor generalizes). Paths are absolute; hashes are the recorded SHA3-256 hex digests."""
+
   calibration: Path
   heldout: Path
   calibration_sha3_256: str
@@ -108,9 +110,13 @@ class Corpus:
     data = path.read_bytes()
     got = hashlib.sha3_256(data).hexdigest()
     if got != want:
-      raise DictionaryError(f"corpus {split} file changed since the dictionary was loaded: sha3-256 is "
-                            f"{got}, the dictionary records {want}; reload the dictionary (and update "
-                            f"its sha3_256 if the change is intended)", source=str(path), line=None)
+      raise DictionaryError(
+        f"corpus {split} file changed since the dictionary was loaded: sha3-256 is "
+        f"{got}, the dictionary records {want}; reload the dictionary (and update "
+        f"its sha3_256 if the change is intended)",
+        source=str(path),
+        line=None,
+      )
     return split_documents(data.decode("utf-8"))
 
 
@@ -197,16 +203,20 @@ def load_dictionary(path: str | os.PathLike | None = None, *, text: str | None =
     try:
       text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-      raise DictionaryError("no such file; pass the path of a synthesis dictionary (the shipped one is "
-                            "registry/synthesis_dict.yaml)", source=name, line=None) from None
+      raise DictionaryError(
+        "no such file; pass the path of a synthesis dictionary (the shipped one is registry/synthesis_dict.yaml)",
+        source=name,
+        line=None,
+      ) from None
   loader = yaml.SafeLoader(text)
   try:
     root = loader.get_single_node()
     data = loader.construct_document(root) if root is not None else None
   except yaml.YAMLError as e:
     mark = getattr(e, "problem_mark", None)
-    raise DictionaryError(f"not valid YAML: {getattr(e, 'problem', e)}", source=name,
-                          line=None if mark is None else mark.line + 1) from None
+    raise DictionaryError(
+      f"not valid YAML: {getattr(e, 'problem', e)}", source=name, line=None if mark is None else mark.line + 1
+    ) from None
   finally:
     loader.dispose()
   if not isinstance(data, dict) or not isinstance(root, yaml.MappingNode):
@@ -214,23 +224,31 @@ def load_dictionary(path: str | os.PathLike | None = None, *, text: str | None =
   top = _field_nodes(root)
   unknown = sorted(set(data) - _TOP_KEYS)
   if unknown:
-    raise DictionaryError(f"unknown top-level key {unknown[0]!r}; allowed: {sorted(_TOP_KEYS)}",
-                          source=name, line=_line(top[unknown[0]][0]))
+    raise DictionaryError(
+      f"unknown top-level key {unknown[0]!r}; allowed: {sorted(_TOP_KEYS)}", source=name, line=_line(top[unknown[0]][0])
+    )
   if data.get("format", 1) != 1:
-    raise DictionaryError(f"format {data['format']!r} is not supported; expected 1", source=name,
-                          line=_line(top["format"][1]))
+    raise DictionaryError(
+      f"format {data['format']!r} is not supported; expected 1", source=name, line=_line(top["format"][1])
+    )
   items = data.get("hints")
   if "hints" not in top or not isinstance(items, list) or not items:
-    raise DictionaryError("'hints' must be a non-empty list of entries", source=name,
-                          line=_line(top["hints"][1]) if "hints" in top else 1)
+    raise DictionaryError(
+      "'hints' must be a non-empty list of entries", source=name, line=_line(top["hints"][1]) if "hints" in top else 1
+    )
   base = path.resolve().parent
   hints = [_hint(i, raw, node, name, base) for i, (raw, node) in enumerate(zip(items, top["hints"][1].value))]
   seen: dict[str, tuple[int, HintSpec]] = {}
   for i, h in enumerate(hints):
     if h.name in seen:
       j, first = seen[h.name]
-      raise DictionaryError(f"name {h.name!r} is already used by hint {j} (line {first.line}); hint names "
-                            f"must be unique", source=name, line=h.line, entry=i, name=h.name)
+      raise DictionaryError(
+        f"name {h.name!r} is already used by hint {j} (line {first.line}); hint names must be unique",
+        source=name,
+        line=h.line,
+        entry=i,
+        name=h.name,
+      )
     seen[h.name] = (i, h)
   return SynthesisDictionary(tuple(hints), name)
 
@@ -238,8 +256,9 @@ def load_dictionary(path: str | os.PathLike | None = None, *, text: str | None =
 def _hint(i: int, raw: Any, node: yaml.Node, source: str, base: Path) -> HintSpec:
   line = _line(node)
   if not isinstance(raw, dict) or not isinstance(node, yaml.MappingNode):
-    raise DictionaryError(f"expected a mapping with {sorted(_HINT_KEYS)}, got {raw!r}", source=source,
-                          line=line, entry=i)
+    raise DictionaryError(
+      f"expected a mapping with {sorted(_HINT_KEYS)}, got {raw!r}", source=source, line=line, entry=i
+    )
   fields = _field_nodes(node)
   given = raw.get("name") if isinstance(raw.get("name"), str) else None
 
@@ -269,8 +288,11 @@ def _hint(i: int, raw: Any, node: yaml.Node, source: str, base: Path) -> HintSpe
     fail(f"missing field {missing[0]!r}; every hint needs {sorted(_HINT_KEYS)}")
   hint_name = raw["name"]
   if not isinstance(hint_name, str) or not NAME_RE.fullmatch(hint_name):
-    fail(f"name must be in normalized form (lower-case letters, digits and '_', e.g. "
-         f"'code_generation'), got {hint_name!r}", "name")
+    fail(
+      f"name must be in normalized form (lower-case letters, digits and '_', e.g. "
+      f"'code_generation'), got {hint_name!r}",
+      "name",
+    )
   desc = raw["description"]
   if not isinstance(desc, str) or not desc.strip() or "\n" in desc.strip():
     fail(f"description must be one non-empty line, got {desc!r}", "description")
@@ -289,13 +311,16 @@ def _hint(i: int, raw: Any, node: yaml.Node, source: str, base: Path) -> HintSpe
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
       fail(f"floors.{k} must be a finite number, got {v!r}", at=fnodes[k][1])
   if not 0.0 <= fl["top1_agreement"] <= 1.0:
-    fail(f"floors.top1_agreement is a fraction of positions, in [0, 1]; got {fl['top1_agreement']!r}",
-         at=fnodes["top1_agreement"][1])
+    fail(
+      f"floors.top1_agreement is a fraction of positions, in [0, 1]; got {fl['top1_agreement']!r}",
+      at=fnodes["top1_agreement"][1],
+    )
   for k in ("mean_kl", "delta_nll"):
     if k in fl and fl[k] < 0:
       fail(f"floors.{k} is a maximum in nats per token and must be >= 0; got {fl[k]!r}", at=fnodes[k][1])
-  floors = Floors(float(fl["top1_agreement"]), float(fl["mean_kl"]),
-                  None if fl.get("delta_nll") is None else float(fl["delta_nll"]))
+  floors = Floors(
+    float(fl["top1_agreement"]), float(fl["mean_kl"]), None if fl.get("delta_nll") is None else float(fl["delta_nll"])
+  )
 
   corp, cnodes = sub("corpus", set(SPLITS), SPLITS)
   paths, hashes = {}, {}
@@ -312,8 +337,11 @@ def _hint(i: int, raw: Any, node: yaml.Node, source: str, base: Path) -> HintSpe
     rel = Path(spec["path"])
     full = (base / rel).resolve()
     if rel.is_absolute() or not full.is_relative_to(base):
-      fail(f"corpus.{split}.path {spec['path']!r} leaves the dictionary's folder {base}; corpora live "
-           f"beside the dictionary (e.g. evals/<hint>/{split}.txt)", at=snodes["path"][1])
+      fail(
+        f"corpus.{split}.path {spec['path']!r} leaves the dictionary's folder {base}; corpora live "
+        f"beside the dictionary (e.g. evals/<hint>/{split}.txt)",
+        at=snodes["path"][1],
+      )
     if not full.is_file():
       fail(f"corpus.{split} file {full} does not exist; write it or fix the path", at=snodes["path"][1])
     digest = hashlib.sha3_256(full.read_bytes()).hexdigest()
@@ -321,23 +349,23 @@ def _hint(i: int, raw: Any, node: yaml.Node, source: str, base: Path) -> HintSpe
     if want is None:
       fail(f"corpus.{split}.sha3_256 is missing; record the file's hash: sha3_256: {digest}", at=snode)
     if not isinstance(want, str) or not re.fullmatch(r"[0-9a-f]{64}", want):
-      fail(f"corpus.{split}.sha3_256 must be 64 lower-case hex digits, got {want!r}",
-           at=snodes["sha3_256"][1])
+      fail(f"corpus.{split}.sha3_256 must be 64 lower-case hex digits, got {want!r}", at=snodes["sha3_256"][1])
     if want != digest:
-      fail(f"corpus {split} file {spec['path']} has sha3-256 {digest}, but the dictionary records {want}. "
-           f"If the corpus was changed on purpose, set corpus.{split}.sha3_256 to {digest}; otherwise "
-           f"restore the file", at=snodes["sha3_256"][1])
+      fail(
+        f"corpus {split} file {spec['path']} has sha3-256 {digest}, but the dictionary records {want}. "
+        f"If the corpus was changed on purpose, set corpus.{split}.sha3_256 to {digest}; otherwise "
+        f"restore the file",
+        at=snodes["sha3_256"][1],
+      )
     paths[split], hashes[split] = full, want
     try:
       docs = split_documents(full.read_text(encoding="utf-8"))
     except UnicodeDecodeError as e:
-      fail(f"corpus {split} file {spec['path']} is not UTF-8 text ({e.reason} at byte {e.start})",
-           at=snodes["path"][1])
+      fail(f"corpus {split} file {spec['path']} is not UTF-8 text ({e.reason} at byte {e.start})", at=snodes["path"][1])
     if not docs:
       fail(f"corpus {split} file {spec['path']} holds no document", at=snodes["path"][1])
   if paths["calibration"] == paths["heldout"] or hashes["calibration"] == hashes["heldout"]:
-    fail("corpus.calibration and corpus.heldout hold the same text; the held-out split must be other text",
-         "corpus")
+    fail("corpus.calibration and corpus.heldout hold the same text; the held-out split must be other text", "corpus")
   corpus = Corpus(paths["calibration"], paths["heldout"], hashes["calibration"], hashes["heldout"])
   source_ = Source(src["kind"], src.get("work"), src.get("note"))
   return HintSpec(hint_name, desc.strip(), floors, corpus, source_, line)

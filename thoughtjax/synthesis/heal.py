@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +38,16 @@ from thoughtjax.thoughtlet import bridge as bridge_lib
 
 # (step, steps, loss) after each training step.
 Progress = Callable[[int, int, float], None]
-OPENINGS = ("The", "In the beginning", "Here is a short story about", "def main():", "Question: What is",
-            "Once upon a time", "The following list", "Dear")
+OPENINGS = (
+  "The",
+  "In the beginning",
+  "Here is a short story about",
+  "def main():",
+  "Question: What is",
+  "Once upon a time",
+  "The following list",
+  "Dear",
+)
 
 
 class HealError(UserError, ValueError):
@@ -81,8 +89,9 @@ class HealQuality:
     return dataclasses.asdict(self)
 
   def __str__(self) -> str:
-    return (f"agreement {self.top1_agreement:.1%}  KL {self.mean_kl:.4f}  ΔNLL {self.delta_nll:+.4f}  "
-            f"({self.tokens} tokens)")
+    return (
+      f"agreement {self.top1_agreement:.1%}  KL {self.mean_kl:.4f}  ΔNLL {self.delta_nll:+.4f}  ({self.tokens} tokens)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,13 +143,19 @@ def _self_text(full, settings: HealSettings, documents: Sequence[str]) -> list[l
   starts = [" ".join(d.split()[:6]) for d in documents if d.split()] or list(OPENINGS)
   rng = np.random.default_rng(settings.seed)
   prompts = [starts[int(i)] for i in rng.integers(0, len(starts), settings.generated)]
-  params = [SamplingParams(max_tokens=settings.generated_tokens, ignore_eos=True,
-                           temperature=0.0 if i % 2 == 0 else 0.8, seed=settings.seed * 1000 + i)
-            for i in range(len(prompts))]
+  params = [
+    SamplingParams(
+      max_tokens=settings.generated_tokens,
+      ignore_eos=True,
+      temperature=0.0 if i % 2 == 0 else 0.8,
+      seed=settings.seed * 1000 + i,
+    )
+    for i in range(len(prompts))
+  ]
   out = []
   for lo in range(0, len(prompts), 8):  # batches of 8: one program bucket
-    done = full.generate_batch(prompts[lo:lo + 8], params[lo:lo + 8])
-    for p, c in zip(prompts[lo:lo + 8], done, strict=True):
+    done = full.generate_batch(prompts[lo : lo + 8], params[lo : lo + 8])
+    for p, c in zip(prompts[lo : lo + 8], done, strict=True):
       out.append(codec.encode(p) + [int(t) for t in c.token_ids])
   return out
 
@@ -152,8 +167,9 @@ def _pack(streams: Sequence[Sequence[int]], window: int) -> np.ndarray:
   return flat[: n * window].reshape(n, window)
 
 
-def training_windows(full, settings: HealSettings, documents: Sequence[str] = (),
-                     heldout_documents: Sequence[str] = ()) -> tuple[np.ndarray, np.ndarray]:
+def training_windows(
+  full, settings: HealSettings, documents: Sequence[str] = (), heldout_documents: Sequence[str] = ()
+) -> tuple[np.ndarray, np.ndarray]:
   """(train [N, T], held-out [M, T]) windows: self-generated text plus ``documents``; held out are the
   ``heldout_documents`` if given, else one window in ``heldout_every`` (seeded)."""
   codec = full.codec
@@ -168,8 +184,10 @@ def training_windows(full, settings: HealSettings, documents: Sequence[str] = ()
     is_held = np.arange(len(windows)) % settings.heldout_every == 0
     train, held = windows[~is_held], windows[is_held]
   if len(train) < 1 or len(held) < 1:
-    raise HealError(f"too little text to heal: {len(train)} training and {len(held)} held-out windows of "
-                    f"{settings.window} tokens; raise HealSettings.generated or pass more documents")
+    raise HealError(
+      f"too little text to heal: {len(train)} training and {len(held)} held-out windows of "
+      f"{settings.window} tokens; raise HealSettings.generated or pass more documents"
+    )
   return train, held
 
 
@@ -196,8 +214,9 @@ def _bridged_parts(cut_parts, bparams):
 
 def _logps(plan: _Plan, full_parts, cut_parts, bparams, tokens):
   p = jax.nn.log_softmax(_full_sequence_logits(plan.defs, plan.full_layers, full_parts, tokens), axis=-1)
-  q = jax.nn.log_softmax(_full_sequence_logits(plan.defs, plan.bridged_layers, _bridged_parts(cut_parts, bparams),
-                                               tokens), axis=-1)
+  q = jax.nn.log_softmax(
+    _full_sequence_logits(plan.defs, plan.bridged_layers, _bridged_parts(cut_parts, bparams), tokens), axis=-1
+  )
   return jax.lax.stop_gradient(p), q
 
 
@@ -220,7 +239,7 @@ def evaluate(plan: _Plan, full_parts, cut_parts, bparams, windows: np.ndarray, b
   """Held-out quality of the bridged cut path against the full path (sums in float64 on the host)."""
   agree = kl = dnll = 0.0
   for lo in range(0, len(windows), batch):
-    a, k, d = _metrics(plan, full_parts, cut_parts, bparams, jnp.asarray(windows[lo:lo + batch]))
+    a, k, d = _metrics(plan, full_parts, cut_parts, bparams, jnp.asarray(windows[lo : lo + batch]))
     agree, kl, dnll = agree + float(a), kl + float(k), dnll + float(d)
   n = len(windows) * (windows.shape[1] - 1)
   return HealQuality(agree / n, kl / n, dnll / n, n)
@@ -243,8 +262,15 @@ def _train_step(plan: _Plan, optimizer):
 
 
 # ------------------------------------------------------------------------------ heal
-def heal(source, path: str, settings: HealSettings = HealSettings(), *, documents: Sequence[str] = (),
-         heldout_documents: Sequence[str] = (), progress: Progress | None = None) -> tuple[dict, HealReport]:
+def heal(
+  source,
+  path: str,
+  settings: HealSettings = HealSettings(),
+  *,
+  documents: Sequence[str] = (),
+  heldout_documents: Sequence[str] = (),
+  progress: Progress | None = None,
+) -> tuple[dict, HealReport]:
   """Train a bridge for the cut ``path`` of ``source`` (a Registry or a loaded Model); returns its params
   and a :class:`HealReport` (held-out quality before and after, training time, size)."""
   import optax
@@ -254,8 +280,9 @@ def heal(source, path: str, settings: HealSettings = HealSettings(), *, document
   train, held = training_windows(full, settings, documents, heldout_documents)
   bparams = bridge_lib.init_params(full.config, settings.rank, settings.seed)
   before = evaluate(plan, full.parts, cut.parts, bparams, held, settings.batch)
-  schedule = optax.warmup_cosine_decay_schedule(0.0, settings.learning_rate, max(1, settings.steps // 20),
-                                                settings.steps, settings.learning_rate * 0.05)
+  schedule = optax.warmup_cosine_decay_schedule(
+    0.0, settings.learning_rate, max(1, settings.steps // 20), settings.steps, settings.learning_rate * 0.05
+  )
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=settings.weight_decay))
   opt_state = optimizer.init(bparams)
   step = _train_step(plan, optimizer)
@@ -265,7 +292,7 @@ def heal(source, path: str, settings: HealSettings = HealSettings(), *, document
   for i in range(settings.steps):
     if at + settings.batch > len(order):
       order, at = rng.permutation(len(train)), 0
-    idx = order[at:at + settings.batch] if len(order) >= settings.batch else order
+    idx = order[at : at + settings.batch] if len(order) >= settings.batch else order
     at += settings.batch
     bparams, opt_state, loss = step(bparams, opt_state, full.parts, cut.parts, jnp.asarray(train[idx]))
     losses.append(float(loss))
@@ -276,10 +303,22 @@ def heal(source, path: str, settings: HealSettings = HealSettings(), *, document
   L = full.config.num_layers
   name = bridge_lib.bridge_name(span)
   report = HealReport(
-      path=path, bridged_path=bridge_lib.bridged_path(path, name, L), name=name, heals=span,
-      rank=settings.rank, param_bytes=int(sum(x.nbytes for x in jax.tree.leaves(bparams))), steps=settings.steps,
-      seed=settings.seed, train_windows=len(train), heldout_windows=len(held), window=settings.window,
-      train_seconds=seconds, before=before, after=after, losses=tuple(losses))
+    path=path,
+    bridged_path=bridge_lib.bridged_path(path, name, L),
+    name=name,
+    heals=span,
+    rank=settings.rank,
+    param_bytes=int(sum(x.nbytes for x in jax.tree.leaves(bparams))),
+    steps=settings.steps,
+    seed=settings.seed,
+    train_windows=len(train),
+    heldout_windows=len(held),
+    window=settings.window,
+    train_seconds=seconds,
+    before=before,
+    after=after,
+    losses=tuple(losses),
+  )
   return jax.tree.map(np.asarray, bparams), report
 
 
@@ -289,7 +328,8 @@ def publish_bridge(reg, params, report: HealReport, *, sign_key=None, settings=N
   cut path and the report (held-out quality before and after, training time, size)."""
   from thoughtjax.thoughtlet import ProfileSettings
 
-  t = bridge_lib.bridge_thoughtlet(reg.config, reg.tokenizer_hash, params, cut_path=report.path, span=report.heals,
-                                   report=report.to_json())
+  t = bridge_lib.bridge_thoughtlet(
+    reg.config, reg.tokenizer_hash, params, cut_path=report.path, span=report.heals, report=report.to_json()
+  )
   versions = reg.publish([t], sign_key=sign_key, settings=settings if settings is not None else ProfileSettings())
   return versions[t.name]

@@ -116,8 +116,9 @@ def normalize_hints(raw: Iterable[str], dictionary: SynthesisDictionary | Iterab
   names = tuple(getattr(dictionary, "names", dictionary))
   valid = ", ".join(names)
   if isinstance(raw, (str, bytes)):
-    raise HintError(f"hints must be a sequence of strings, got the single string {_shown(raw)}; "
-                    f"pass a list such as [{_shown(raw)}]")
+    raise HintError(
+      f"hints must be a sequence of strings, got the single string {_shown(raw)}; pass a list such as [{_shown(raw)}]"
+    )
   known = set(names)
   raw = list(raw)
   out: list[str] = []
@@ -128,15 +129,20 @@ def normalize_hints(raw: Iterable[str], dictionary: SynthesisDictionary | Iterab
       raise HintError(f"hint {pos} must be a string, got {type(given).__name__} {shown}; valid hints: {valid}")
     hint = normalize(given)
     if not hint:
-      raise EmptyHintError(f"hint {pos} is empty ({_shown(given)}); give a hint name or leave the hint out. "
-                           f"Valid hints: {valid}")
+      raise EmptyHintError(
+        f"hint {pos} is empty ({_shown(given)}); give a hint name or leave the hint out. Valid hints: {valid}"
+      )
     if hint not in known:
       near = near_entries(hint, names)
       if len(near) != 1:
-        why = (f"it is near {len(near)} hints ({', '.join(near)}), so no correction is safe; write the one you mean"
-               if near else "no hint is near it")
-        raise UnknownHintError(f"unknown hint {_shown(given)}: {why}. Valid hints: {valid}",
-                               given=given, valid=names, candidates=near)
+        why = (
+          f"it is near {len(near)} hints ({', '.join(near)}), so no correction is safe; write the one you mean"
+          if near
+          else "no hint is near it"
+        )
+        raise UnknownHintError(
+          f"unknown hint {_shown(given)}: {why}. Valid hints: {valid}", given=given, valid=names, candidates=near
+        )
       corrections.append(Correction(given, near[0]))
       hint = near[0]
     if hint in out:
@@ -144,6 +150,8 @@ def normalize_hints(raw: Iterable[str], dictionary: SynthesisDictionary | Iterab
     out.append(hint)
     if len(out) > MAX_HINTS:
       more = ", ..." if pos + 1 < len(raw) else ""
-      raise TooManyHintsError(f"more than {MAX_HINTS} distinct hints given ({', '.join(out)}{more}); at most"
-                              f" {MAX_HINTS} are allowed, in priority order: keep the {MAX_HINTS} that matter most")
+      raise TooManyHintsError(
+        f"more than {MAX_HINTS} distinct hints given ({', '.join(out)}{more}); at most"
+        f" {MAX_HINTS} are allowed, in priority order: keep the {MAX_HINTS} that matter most"
+      )
   return HintResolution(tuple(out), tuple(corrections))

@@ -30,7 +30,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -63,7 +64,7 @@ class LinearCost:
     return {"a": float(self.a), "b": float(self.b)}
 
   @classmethod
-  def from_json(cls, d: Any, where: str) -> "LinearCost":
+  def from_json(cls, d: Any, where: str) -> LinearCost:
     if not isinstance(d, Mapping) or set(d) != {"a", "b"}:
       raise LatencyModelError(f"{where}: expected an object {{\"a\": ms, \"b\": ms per unit}}, got {d!r}")
     vals = []
@@ -83,8 +84,9 @@ def fit_linear(points: Iterable[tuple[float, float]], what: str) -> LinearCost:
   """
   pts = np.asarray(list(points), dtype=np.float64).reshape(-1, 2)
   if len(pts) == 0:
-    raise LatencyModelError(f"{what}: no measurements to fit; measure at least one size "
-                            f"(thoughtjax registry calibrate --latency-only)")
+    raise LatencyModelError(
+      f"{what}: no measurements to fit; measure at least one size (thoughtjax registry calibrate --latency-only)"
+    )
   if not np.isfinite(pts).all() or (pts < 0).any():
     raise LatencyModelError(f"{what}: measurements must be finite and >= 0, got {pts.tolist()}")
   x, y = pts[:, 0], pts[:, 1]
@@ -135,44 +137,47 @@ class LatencyParams:
 
   def __post_init__(self):
     if not self.compile:
-      raise LatencyModelError("latency parameters have no compile fit; measure compile time for at least "
-                              "one prompt bucket (thoughtjax registry calibrate --latency-only)")
+      raise LatencyModelError(
+        "latency parameters have no compile fit; measure compile time for at least "
+        "one prompt bucket (thoughtjax registry calibrate --latency-only)"
+      )
     for name in ("step_ms", "synthesis_ms"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
         raise LatencyModelError(f"latency {name}: expected a finite number >= 0, got {v!r}")
 
   @classmethod
-  def fit(cls, m: Measurements) -> "LatencyParams":
+  def fit(cls, m: Measurements) -> LatencyParams:
     """Least-squares fits of every cost from raw measurements."""
     return cls(
-        prefill={k: fit_linear(v, f"prefill[{k}]") for k, v in m.prefill.items()},
-        decode={k: fit_linear(v, f"decode[{k}]") for k, v in m.decode.items()},
-        restore=fit_linear(m.restore, "restore"),
-        compile={int(k): fit_linear(v, f"compile[{k}]") for k, v in m.compile.items()},
-        step_ms=max(0.0, float(np.mean(m.step))),
-        synthesis_ms=max(0.0, float(np.mean(m.synthesis))),
+      prefill={k: fit_linear(v, f"prefill[{k}]") for k, v in m.prefill.items()},
+      decode={k: fit_linear(v, f"decode[{k}]") for k, v in m.decode.items()},
+      restore=fit_linear(m.restore, "restore"),
+      compile={int(k): fit_linear(v, f"compile[{k}]") for k, v in m.compile.items()},
+      step_ms=max(0.0, float(np.mean(m.step))),
+      synthesis_ms=max(0.0, float(np.mean(m.synthesis))),
     )
 
   def to_json(self) -> dict:
     return {
-        "prefill": {k: c.to_json() for k, c in self.prefill.items()},
-        "decode": {k: c.to_json() for k, c in self.decode.items()},
-        "restore": self.restore.to_json(),
-        "compile": {str(k): c.to_json() for k, c in self.compile.items()},
-        "step_ms": float(self.step_ms),
-        "synthesis_ms": float(self.synthesis_ms),
-        "corrections": _corrections_json(self.corrections, "latency.corrections"),
+      "prefill": {k: c.to_json() for k, c in self.prefill.items()},
+      "decode": {k: c.to_json() for k, c in self.decode.items()},
+      "restore": self.restore.to_json(),
+      "compile": {str(k): c.to_json() for k, c in self.compile.items()},
+      "step_ms": float(self.step_ms),
+      "synthesis_ms": float(self.synthesis_ms),
+      "corrections": _corrections_json(self.corrections, "latency.corrections"),
     }
 
   @classmethod
-  def from_json(cls, d: Any, where: str = "latency") -> "LatencyParams":
+  def from_json(cls, d: Any, where: str = "latency") -> LatencyParams:
     keys = {"prefill", "decode", "restore", "compile", "step_ms", "synthesis_ms", "corrections"}
     if not isinstance(d, Mapping):
       raise LatencyModelError(f"{where}: expected an object, got {type(d).__name__}")
     if set(d) - keys or {"prefill", "decode", "restore", "compile"} - set(d):
-      raise LatencyModelError(f"{where}: expected keys {sorted(keys)} (corrections, step_ms, synthesis_ms "
-                              f"optional), got {sorted(d)}")
+      raise LatencyModelError(
+        f"{where}: expected keys {sorted(keys)} (corrections, step_ms, synthesis_ms optional), got {sorted(d)}"
+      )
 
     def table(name):
       t = d[name]
@@ -185,10 +190,15 @@ class LatencyParams:
       if not str(k).isdigit() or int(k) <= 0:
         raise LatencyModelError(f"{where}.compile: keys are prompt buckets (positive integers), got {k!r}")
       compile_[int(k)] = v
-    return cls(prefill=table("prefill"), decode=table("decode"),
-               restore=LinearCost.from_json(d["restore"], f"{where}.restore"), compile=compile_,
-               step_ms=d.get("step_ms", 0.0), synthesis_ms=d.get("synthesis_ms", 0.0),
-               corrections=_corrections_json(d.get("corrections", {}), f"{where}.corrections"))
+    return cls(
+      prefill=table("prefill"),
+      decode=table("decode"),
+      restore=LinearCost.from_json(d["restore"], f"{where}.restore"),
+      compile=compile_,
+      step_ms=d.get("step_ms", 0.0),
+      synthesis_ms=d.get("synthesis_ms", 0.0),
+      corrections=_corrections_json(d.get("corrections", {}), f"{where}.corrections"),
+    )
 
 
 def _factor(v: Any, where: str) -> float:
@@ -207,8 +217,9 @@ def _stage_factors(d: Any, where: str) -> dict[str, float]:
 def _corrections_json(d: Any, where: str) -> dict:
   """Validate and copy learned corrections (plain dicts, canonical-JSON ready)."""
   if not isinstance(d, Mapping) or set(d) - {"global", "paths"}:
-    raise LatencyModelError(f"{where}: expected {{\"global\": {{stage: f}}, \"paths\": {{path_hash: {{stage: f}}}}}}, "
-                            f"got {d!r}")
+    raise LatencyModelError(
+      f"{where}: expected {{\"global\": {{stage: f}}, \"paths\": {{path_hash: {{stage: f}}}}}}, got {d!r}"
+    )
   paths = d.get("paths", {})
   if not isinstance(paths, Mapping):
     raise LatencyModelError(f"{where}.paths: expected an object, got {paths!r}")
@@ -330,11 +341,11 @@ class LatencyModel:
     self.updates = 0
 
   # ---- per-candidate sums
-  def check(self, candidate: "Candidate") -> None:
+  def check(self, candidate: Candidate) -> None:
     """Raise :class:`LatencyModelError` if a thoughtlet of ``candidate`` has no measured cost."""
     self._candidate_costs(candidate)
 
-  def _candidate_costs(self, c: "Candidate") -> _Costs:
+  def _candidate_costs(self, c: Candidate) -> _Costs:
     got = self._costs.get(c.path_hash)
     if got is not None:
       return got
@@ -343,15 +354,21 @@ class LatencyModel:
       p, d = self.params.prefill.get(u.cost_key), self.params.decode.get(u.cost_key)
       if p is None or d is None:
         raise LatencyModelError(
-            f"path {c.path_hash} ({c.path}) needs {u.ref}, whose cost key {u.cost_key!r} has no measured "
-            f"{'prefill' if p is None else 'decode'} cost; measured keys: {sorted(self.params.prefill)}. "
-            f"Re-measure latency on this machine (thoughtjax registry calibrate --latency-only)")
+          f"path {c.path_hash} ({c.path}) needs {u.ref}, whose cost key {u.cost_key!r} has no measured "
+          f"{'prefill' if p is None else 'decode'} cost; measured keys: {sorted(self.params.prefill)}. "
+          f"Re-measure latency on this machine (thoughtjax registry calibrate --latency-only)"
+        )
       pa, pb, da, db = pa + p.a, pb + p.b, da + d.a, db + d.b
     seen: dict[str, int] = {}
     for u in c.units:
       seen.setdefault(u.ref, u.nbytes)
-    costs = _Costs(LinearCost(pa, pb), LinearCost(da + self.params.step_ms, db), tuple(seen.items()),
-                   sum(u.layers for u in c.units), c.program)
+    costs = _Costs(
+      LinearCost(pa, pb),
+      LinearCost(da + self.params.step_ms, db),
+      tuple(seen.items()),
+      sum(u.layers for u in c.units),
+      c.program,
+    )
     self._costs[c.path_hash] = costs
     return costs
 
@@ -374,8 +391,9 @@ class LatencyModel:
       return own[stage]
     return self._global.get(stage, 1.0)
 
-  def predict(self, candidate: "Candidate", prompt_tokens: int, max_tokens: int,
-              residency: Residency = COLD) -> Prediction:
+  def predict(
+    self, candidate: Candidate, prompt_tokens: int, max_tokens: int, residency: Residency = COLD
+  ) -> Prediction:
     """Stage latencies (ms) of ``candidate`` for a prompt of ``prompt_tokens`` and ``max_tokens`` decode
     steps, given what ``residency`` says is already restored and compiled."""
     c = self._candidate_costs(candidate)
@@ -386,12 +404,25 @@ class LatencyModel:
     key = self.program_key(c.program, T, n)
     compile_ = 0.0 if key in residency.compiled else self._compile_fit(bucket(T))(c.layers)
     A, B = c.decode.a, c.decode.b
-    raw = {"synthesis": self.params.synthesis_ms, "restore": restore, "compile": compile_,
-           "prefill": c.prefill(T), "decode": n * A + B * (n * T + n * (n - 1) / 2)}
+    raw = {
+      "synthesis": self.params.synthesis_ms,
+      "restore": restore,
+      "compile": compile_,
+      "prefill": c.prefill(T),
+      "decode": n * A + B * (n * T + n * (n - 1) / 2),
+    }
     h = candidate.path_hash
     f = {s: self.factor(h, s) for s in STAGES}
-    return Prediction(h, T, n, *(raw[s] * f[s] for s in STAGES), raw=raw, decode_terms=(A, B),
-                      decode_factor=f["decode"], program_key=key)
+    return Prediction(
+      h,
+      T,
+      n,
+      *(raw[s] * f[s] for s in STAGES),
+      raw=raw,
+      decode_terms=(A, B),
+      decode_factor=f["decode"],
+      program_key=key,
+    )
 
   # ---- learning
   def update(self, trace: Any) -> dict[str, float]:

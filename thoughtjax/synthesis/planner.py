@@ -31,7 +31,9 @@ import collections
 import dataclasses
 import math
 import threading
-from typing import AbstractSet, Any, Callable, Mapping, Sequence, Union
+from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from typing import Any
 
 from thoughtjax.errors import UserError
 from thoughtjax.synthesis.calibration import Calibration, PathQuality
@@ -42,7 +44,7 @@ BUDGET = "budget"
 
 # A failed-thoughtlet report: refs (``name@version``, or a bare name for every version of it) that
 # failed, a mapping ref -> why ("verification: hash mismatch"), or a callback ref -> why or None.
-Unavailable = Union[AbstractSet[str], Mapping[str, str], Callable[[str], "str | None"], None]
+Unavailable = AbstractSet[str] | Mapping[str, str] | Callable[[str], str | None] | None
 
 
 class PlanError(UserError, ValueError):
@@ -87,14 +89,18 @@ def as_floor(obj: Any, hint: str) -> Floor:
   get = obj.get if isinstance(obj, Mapping) else (lambda k, d=None: getattr(obj, k, d))
   vals = {k: get(k) for k in ("top1_agreement", "mean_kl", "delta_nll")}
   if all(v is None for v in vals.values()):
-    raise PlanError(f"floor of hint {hint!r}: expected top1_agreement, mean_kl and/or delta_nll, got {obj!r}; "
-                    f"pass the synthesis dictionary's floors")
+    raise PlanError(
+      f"floor of hint {hint!r}: expected top1_agreement, mean_kl and/or delta_nll, got {obj!r}; "
+      f"pass the synthesis dictionary's floors"
+    )
   for k, v in vals.items():
     if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v)):
       raise PlanError(f"floor of hint {hint!r}: {k} must be a number, got {v!r}; fix the synthesis dictionary")
-  return Floor(float(vals["top1_agreement"] or 0.0),
-               math.inf if vals["mean_kl"] is None else float(vals["mean_kl"]),
-               None if vals["delta_nll"] is None else float(vals["delta_nll"]))
+  return Floor(
+    float(vals["top1_agreement"] or 0.0),
+    math.inf if vals["mean_kl"] is None else float(vals["mean_kl"]),
+    None if vals["delta_nll"] is None else float(vals["delta_nll"]),
+  )
 
 
 def floors_of(dictionary: Any) -> dict[str, Floor]:
@@ -119,8 +125,10 @@ class PlanRequest:
     corr = self.corrections.items() if isinstance(self.corrections, Mapping) else self.corrections
     object.__setattr__(self, "corrections", tuple((str(a), str(b)) for a, b in corr))
     if not 1 <= len(hints) <= MAX_HINTS:
-      raise PlanError(f"a plan takes 1 to {MAX_HINTS} hints in priority order, got {len(hints)} ({list(hints)}); "
-                      f"drop hints, or route a request without hints first")
+      raise PlanError(
+        f"a plan takes 1 to {MAX_HINTS} hints in priority order, got {len(hints)} ({list(hints)}); "
+        f"drop hints, or route a request without hints first"
+      )
     if len(set(hints)) != len(hints) or not all(isinstance(h, str) and h for h in hints):
       raise PlanError(f"hints must be distinct non-empty strings (normalize them first), got {list(hints)}")
     for name, lo in (("prompt_tokens", 1), ("max_tokens", 1)):
@@ -170,14 +178,22 @@ class Plan:
   def to_json(self) -> dict:
     """The plan as the command line's ``--json`` object."""
     return {
-        "path": self.path, "refs": list(self.refs), "path_hash": self.path_hash, "kind": self.kind,
-        "hints": list(self.hints), "corrected_hints": dict(self.corrected_hints),
-        "predicted_ms": self.predicted.to_json(),
-        "quality": {h: q.to_json() for h, q in self.quality.items()},
-        "degraded": self.degraded, "reason": self.reason, "notes": list(self.notes),
-        "registry_sequence": self.sequence, "max_tokens": self.max_tokens, "tokens_that_fit": self.tokens_that_fit,
-        "max_latency_ms": None if math.isinf(self.max_latency_ms) else self.max_latency_ms,
-        "rejected": [dataclasses.asdict(r) for r in self.rejected],
+      "path": self.path,
+      "refs": list(self.refs),
+      "path_hash": self.path_hash,
+      "kind": self.kind,
+      "hints": list(self.hints),
+      "corrected_hints": dict(self.corrected_hints),
+      "predicted_ms": self.predicted.to_json(),
+      "quality": {h: q.to_json() for h, q in self.quality.items()},
+      "degraded": self.degraded,
+      "reason": self.reason,
+      "notes": list(self.notes),
+      "registry_sequence": self.sequence,
+      "max_tokens": self.max_tokens,
+      "tokens_that_fit": self.tokens_that_fit,
+      "max_latency_ms": None if math.isinf(self.max_latency_ms) else self.max_latency_ms,
+      "rejected": [dataclasses.asdict(r) for r in self.rejected],
     }
 
 
@@ -199,9 +215,13 @@ class PlannerCounters:
 
   def snapshot(self) -> dict:
     with self._lock:
-      return {"plans": self.plans, "degraded_budget": self.degraded_budget,
-              "degraded_unavailable": self.degraded_unavailable, "no_path": self.no_path,
-              "unavailable": dict(self.unavailable)}
+      return {
+        "plans": self.plans,
+        "degraded_budget": self.degraded_budget,
+        "degraded_unavailable": self.degraded_unavailable,
+        "no_path": self.no_path,
+        "unavailable": dict(self.unavailable),
+      }
 
 
 # ----------------------------------------------------------------------------- planner
@@ -302,17 +322,26 @@ class Planner:
     seq = self.calibration.sequence
     if pin_sequence is not None and pin_sequence != seq:
       raise SequenceMismatchError(
-          f"the request pins registry sequence {pin_sequence}, but the calibration was made against sequence "
-          f"{seq}; pin {seq}, or calibrate the registry at sequence {pin_sequence} (thoughtjax registry "
-          f"calibrate DIR) and plan with that calibration")
+        f"the request pins registry sequence {pin_sequence}, but the calibration was made against sequence "
+        f"{seq}; pin {seq}, or calibrate the registry at sequence {pin_sequence} (thoughtjax registry "
+        f"calibrate DIR) and plan with that calibration"
+      )
     unknown = [h for h in request.hints if h not in self.floors]
     if unknown:
-      raise PlanError(f"hints {unknown} have no floor in the synthesis dictionary; known hints: "
-                      f"{sorted(self.floors)}. Normalize hints against the dictionary first")
+      raise PlanError(
+        f"hints {unknown} have no floor in the synthesis dictionary; known hints: "
+        f"{sorted(self.floors)}. Normalize hints against the dictionary first"
+      )
 
-  def plan(self, request: PlanRequest, latency_model: LatencyModel | None = None,
-           residency: Residency | None = None, *, pin_sequence: int | None = None,
-           unavailable: Unavailable = None) -> Plan:
+  def plan(
+    self,
+    request: PlanRequest,
+    latency_model: LatencyModel | None = None,
+    residency: Residency | None = None,
+    *,
+    pin_sequence: int | None = None,
+    unavailable: Unavailable = None,
+  ) -> Plan:
     """The plan for ``request`` (see the module docstring for the rule)."""
     self._check(request, pin_sequence)
     if latency_model is None:
@@ -329,8 +358,9 @@ class Planner:
     chosen: tuple[int, Prediction] | None = None
     best_ignoring_failures: int | None = None  # the choice had nothing failed
     for group in order.groups:
-      preds = sorted((p.total, cands[i].path_hash, i, p)
-                     for i in group for p in (latency_model.predict(cands[i], T, n, residency),))
+      preds = sorted(
+        (p.total, cands[i].path_hash, i, p) for i in group for p in (latency_model.predict(cands[i], T, n, residency),)
+      )
       for total, h, i, p in preds:
         if i in failed:
           if best_ignoring_failures is None and total <= budget:
@@ -348,8 +378,11 @@ class Planner:
         continue
       ref, why = failed[i]
       uses = next(r for r in cands[i].refs if r.partition("@")[0] == ref.partition("@")[0])
-      detail = (f"needs {ref}, which failed {why}" if uses == ref or "@" not in ref else
-                f"uses {uses} where the current {ref} failed {why}; another version is never used in its place")
+      detail = (
+        f"needs {ref}, which failed {why}"
+        if uses == ref or "@" not in ref
+        else f"uses {uses} where the current {ref} failed {why}; another version is never used in its place"
+      )
       rejected.append(Rejection(cands[i].path, cands[i].path_hash, "unavailable", detail))
 
     if chosen is None and not seen:
@@ -361,8 +394,7 @@ class Planner:
     if best_ignoring_failures is not None and (chosen is None or best_ignoring_failures != chosen[0]):
       ref, why = failed[best_ignoring_failures]
       degraded_refs.append(ref)
-      notes.append(f"{ref} failed {why}; every path that needs it was passed over "
-                   f"(never another version in its place)")
+      notes.append(f"{ref} failed {why}; every path that needs it was passed over (never another version in its place)")
     tokens_that_fit = None
     if chosen is None:  # nothing fits: the fastest eligible path, told how many tokens fit
       total, h, i, p = min(seen)
@@ -370,8 +402,11 @@ class Planner:
       rejected = [r for r in rejected if r.path_hash != h]
       tokens_that_fit = p.tokens_within(budget)
       reason = BUDGET
-      notes.insert(0, f"no path meeting every floor fits {budget:.4g} ms; the fastest is predicted at "
-                      f"{total:.4g} ms; {tokens_that_fit} of {n} tokens fit the budget")
+      notes.insert(
+        0,
+        f"no path meeting every floor fits {budget:.4g} ms; the fastest is predicted at "
+        f"{total:.4g} ms; {tokens_that_fit} of {n} tokens fit the budget",
+      )
     elif degraded_refs:
       ref, why = failed[best_ignoring_failures]
       reason = f"unavailable: {ref} failed {why}"
@@ -384,12 +419,24 @@ class Planner:
     i, p = chosen
     c = cands[i]
     return Plan(
-        path=c.path, refs=c.refs, path_hash=c.path_hash, kind=c.kind.value, predicted=p,
-        quality={h: self._heldout[h][i] for h in hints}, quality_calibration={h: self._q[h][i] for h in hints},
-        hints=hints, corrected_hints=request.corrections, sequence=self.calibration.sequence,
-        degraded=reason == BUDGET or bool(degraded_refs), reason=reason,
-        rejected=order.floor_rejections + tuple(rejected), max_latency_ms=budget, max_tokens=n,
-        tokens_that_fit=tokens_that_fit, notes=tuple(notes))
+      path=c.path,
+      refs=c.refs,
+      path_hash=c.path_hash,
+      kind=c.kind.value,
+      predicted=p,
+      quality={h: self._heldout[h][i] for h in hints},
+      quality_calibration={h: self._q[h][i] for h in hints},
+      hints=hints,
+      corrected_hints=request.corrections,
+      sequence=self.calibration.sequence,
+      degraded=reason == BUDGET or bool(degraded_refs),
+      reason=reason,
+      rejected=order.floor_rejections + tuple(rejected),
+      max_latency_ms=budget,
+      max_tokens=n,
+      tokens_that_fit=tokens_that_fit,
+      notes=tuple(notes),
+    )
 
   def _no_path_message(self, request: PlanRequest, order: _Order, failed: dict[int, tuple[str, str]]) -> str:
     cands = self._cands
@@ -400,13 +447,16 @@ class Planner:
     for ref, why in blocked:
       lines.append(f"{ref} failed {why}")
     full_fail = failed.get(self._full)
-    fix = (f"repair or republish {full_fail[0]} (thoughtjax registry verify DIR) so the full path is usable again"
-           if full_fail else "loosen the hints' floors or calibrate more candidates")
+    fix = (
+      f"repair or republish {full_fail[0]} (thoughtjax registry verify DIR) so the full path is usable again"
+      if full_fail
+      else "loosen the hints' floors or calibrate more candidates"
+    )
     return "; ".join(lines) + f". Fix: {fix}"
 
 
 # ------------------------------------------------------------------------------ function
-_PLANNERS: "collections.OrderedDict[tuple[int, int], tuple[Calibration, Any, Planner]]" = collections.OrderedDict()
+_PLANNERS: collections.OrderedDict[tuple[int, int], tuple[Calibration, Any, Planner]] = collections.OrderedDict()
 _PLANNERS_LOCK = threading.Lock()
 
 
@@ -426,9 +476,17 @@ def planner_for(calibration: Calibration, dictionary_floors: Mapping[str, Any]) 
   return planner
 
 
-def get_optimal_path(request: PlanRequest, calibration: Calibration, dictionary_floors: Mapping[str, Any],
-                     latency_model: LatencyModel | None, residency: Residency | None = None, *,
-                     pin_sequence: int | None = None, unavailable: Unavailable = None) -> Plan:
+def get_optimal_path(
+  request: PlanRequest,
+  calibration: Calibration,
+  dictionary_floors: Mapping[str, Any],
+  latency_model: LatencyModel | None,
+  residency: Residency | None = None,
+  *,
+  pin_sequence: int | None = None,
+  unavailable: Unavailable = None,
+) -> Plan:
   """GetOptimalPath (see the module docstring); counts go to ``planner_for(calibration, floors).counters``."""
   return planner_for(calibration, dictionary_floors).plan(
-      request, latency_model, residency, pin_sequence=pin_sequence, unavailable=unavailable)
+    request, latency_model, residency, pin_sequence=pin_sequence, unavailable=unavailable
+  )

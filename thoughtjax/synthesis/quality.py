@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Mapping, Sequence, Union
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +46,7 @@ DEFAULT_WINDOW = 128
 
 # (done, total, what): called after each unit of work; ``what`` names it, e.g. "general_purpose/heldout".
 Progress = Callable[[int, int, str], None]
-Document = Union[str, Sequence[int]]
+Document = str | Sequence[int]
 Corpora = Mapping[str, tuple[Sequence[Document], Sequence[Document]]]  # hint -> (calibration, held-out) documents
 
 
@@ -67,13 +67,15 @@ def windows(codec, documents: Sequence[Document], size: int = DEFAULT_WINDOW) ->
   for i, doc in enumerate(documents):
     if isinstance(doc, str):
       if codec is None:
-        raise QualityError(f"document {i} is text, but no codec was given to tokenize it; pass a loaded "
-                           f"Model (it carries its codec) or give documents as token ids")
+        raise QualityError(
+          f"document {i} is text, but no codec was given to tokenize it; pass a loaded "
+          f"Model (it carries its codec) or give documents as token ids"
+        )
       ids = codec.encode(doc)
     else:
       ids = [int(t) for t in doc]
     for at in range(0, len(ids), size):
-      piece = ids[at:at + size]
+      piece = ids[at : at + size]
       if len(piece) >= 2:
         out.append(np.asarray(piece, np.int32))
   return out
@@ -94,7 +96,7 @@ class Weights:
     return self.cfg.num_layers
 
   @classmethod
-  def of(cls, model) -> "Weights":
+  def of(cls, model) -> Weights:
     """From a loaded :class:`~thoughtjax.engine.Model` (its full weights) or a bare Transformer."""
     if isinstance(model, Weights):
       return model
@@ -105,14 +107,17 @@ class Weights:
       module, codec = getattr(model, "module", None), getattr(model, "codec", None)
       parts = getattr(model, "parts", None)
       if module is None or parts is None:
-        raise QualityError(f"quality is measured on a loaded Model (thoughtjax.load()) or a Transformer; got "
-                           f"{type(model).__name__}")
+        raise QualityError(
+          f"quality is measured on a loaded Model (thoughtjax.load()) or a Transformer; got {type(model).__name__}"
+        )
     cfg = module.cfg
     missing = sorted(set(range(cfg.num_layers)) - set(parts.blocks))
     if missing:
-      raise QualityError(f"quality is measured against the full path, but this model holds no weights for "
-                         f"layers {missing}; measure on the loaded source model (thoughtjax.load(...)), "
-                         f"not on a composed path")
+      raise QualityError(
+        f"quality is measured against the full path, but this model holds no weights for "
+        f"layers {missing}; measure on the loaded source model (thoughtjax.load(...)), "
+        f"not on a composed path"
+      )
     return cls(GraphDefs.from_model(module), cfg, parts, codec)
 
 
@@ -248,8 +253,11 @@ class Runner:
     w = self.w
     agree, kl, nll = _compare(w.defs, w.parts.embed, w.parts.head, x, win.full_logp, win.full_top, win.targets)
     m = win.predicted
-    return (np.asarray(agree, np.float64)[:m], np.asarray(kl, np.float64)[:m],
-            np.asarray(nll, np.float64)[:m] - win.full_nll)
+    return (
+      np.asarray(agree, np.float64)[:m],
+      np.asarray(kl, np.float64)[:m],
+      np.asarray(nll, np.float64)[:m] - win.full_nll,
+    )
 
   @staticmethod
   def one_minus_cos(a, b, n: int) -> np.ndarray:
@@ -282,8 +290,15 @@ class Sums:
 
 
 # ------------------------------------------------------------------------------ measuring
-def _measure_windows(runner: Runner, layer_seqs: Sequence[tuple[int, ...]], wins: Sequence[np.ndarray],
-                     progress: Progress | None, what: str, done: int, total: int) -> list[PathQuality]:
+def _measure_windows(
+  runner: Runner,
+  layer_seqs: Sequence[tuple[int, ...]],
+  wins: Sequence[np.ndarray],
+  progress: Progress | None,
+  what: str,
+  done: int,
+  total: int,
+) -> list[PathQuality]:
   full = tuple(range(runner.num_layers))
   sums = [Sums() for _ in layer_seqs]
   for ids in wins:
@@ -300,8 +315,14 @@ def _measure_windows(runner: Runner, layer_seqs: Sequence[tuple[int, ...]], wins
   return [s.quality() for s in sums]
 
 
-def measure(model, paths: Sequence[str | Sequence[int]], documents: Sequence[Document], *,
-            window: int = DEFAULT_WINDOW, progress: Progress | None = None) -> list[PathQuality]:
+def measure(
+  model,
+  paths: Sequence[str | Sequence[int]],
+  documents: Sequence[Document],
+  *,
+  window: int = DEFAULT_WINDOW,
+  progress: Progress | None = None,
+) -> list[PathQuality]:
   """Quality of each path (a path string or a layer sequence) against the full path on ``documents``.
 
   The full path runs once per window and every path reuses it (see the module docstring).
@@ -310,8 +331,9 @@ def measure(model, paths: Sequence[str | Sequence[int]], documents: Sequence[Doc
   seqs = [runner.layers_of(p) for p in paths]
   wins = windows(runner.w.codec, documents, window)
   if not wins:
-    raise QualityError(f"no document has 2 or more tokens; quality needs at least one predicted token "
-                       f"(got {len(documents)} documents)")
+    raise QualityError(
+      f"no document has 2 or more tokens; quality needs at least one predicted token (got {len(documents)} documents)"
+    )
   return _measure_windows(runner, seqs, wins, progress, "quality", 0, len(wins))
 
 
@@ -320,8 +342,9 @@ def _candidate_path(c) -> str | Sequence[int]:
   return getattr(c, "layers", None) or getattr(c, "path", c)
 
 
-def measure_candidates(model, candidates: Sequence, corpora: Corpora, *, window: int = DEFAULT_WINDOW,
-                       progress: Progress | None = None) -> dict[str, dict[str, HintQuality]]:
+def measure_candidates(
+  model, candidates: Sequence, corpora: Corpora, *, window: int = DEFAULT_WINDOW, progress: Progress | None = None
+) -> dict[str, dict[str, HintQuality]]:
   """``quality[path_hash][hint]`` of every candidate on every hint's (calibration, held-out) documents.
 
   ``candidates``: :class:`~thoughtjax.synthesis.calibration.Candidate`\\ s or
@@ -333,19 +356,22 @@ def measure_candidates(model, candidates: Sequence, corpora: Corpora, *, window:
   hashes = [c.path_hash for c in candidates]
   dup = sorted({h for h in hashes if hashes.count(h) > 1})
   if dup:
-    raise QualityError(f"candidates: path hashes {dup} appear more than once; deduplicate the candidates "
-                       f"(candidates.propose does)")
+    raise QualityError(
+      f"candidates: path hashes {dup} appear more than once; deduplicate the candidates (candidates.propose does)"
+    )
   seqs = [runner.layers_of(_candidate_path(c)) for c in candidates]
   splits = {}
   for hint, pair in corpora.items():
     if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-      raise QualityError(f"corpus of hint {hint!r}: expected (calibration documents, held-out documents), got "
-                         f"{type(pair).__name__}")
+      raise QualityError(
+        f"corpus of hint {hint!r}: expected (calibration documents, held-out documents), got {type(pair).__name__}"
+      )
     for split, docs in zip(("calibration", "heldout"), pair):
       wins = windows(runner.w.codec, docs, window)
       if not wins:
-        raise QualityError(f"hint {hint!r} {split} split: no document has 2 or more tokens; quality needs at "
-                           f"least one predicted token")
+        raise QualityError(
+          f"hint {hint!r} {split} split: no document has 2 or more tokens; quality needs at least one predicted token"
+        )
       splits[(hint, split)] = wins
   total = sum(len(w) for w in splits.values())
   done = 0
@@ -353,9 +379,10 @@ def measure_candidates(model, candidates: Sequence, corpora: Corpora, *, window:
   for (hint, split), wins in splits.items():
     measured[(hint, split)] = _measure_windows(runner, seqs, wins, progress, f"{hint}/{split}", done, total)
     done += len(wins)
-  return {h: {hint: HintQuality(measured[(hint, "calibration")][i], measured[(hint, "heldout")][i])
-              for hint in corpora}
-          for i, h in enumerate(hashes)}
+  return {
+    h: {hint: HintQuality(measured[(hint, "calibration")][i], measured[(hint, "heldout")][i]) for hint in corpora}
+    for i, h in enumerate(hashes)
+  }
 
 
 def corpora_of(dictionary, hints: Sequence[str] | None = None) -> dict[str, tuple[list[str], list[str]]]:

@@ -114,8 +114,9 @@ class TrainSettings:
     if not isinstance(self.hidden, int) or self.hidden < 0:
       raise RouterError(f"router hidden width must be an integer >= 0, got {self.hidden!r}")
     if not self.learning_rate > 0 or not self.weight_decay >= 0:
-      raise RouterError(f"router learning_rate must be > 0 and weight_decay >= 0, got "
-                        f"{self.learning_rate!r} and {self.weight_decay!r}")
+      raise RouterError(
+        f"router learning_rate must be > 0 and weight_decay >= 0, got {self.learning_rate!r} and {self.weight_decay!r}"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,19 +146,33 @@ class RouterReport:
 
   def as_dict(self) -> dict:
     """JSON-serializable."""
-    return {"labels": list(self.labels), "accuracy": self.accuracy, "precision": self.precision.tolist(),
-            "recall": self.recall.tolist(), "confusion": self.confusion.tolist(),
-            "train_accuracy": self.train_accuracy, "final_loss": self.final_loss, "n_train": self.n_train,
-            "n_heldout": self.n_heldout, "predict_ms": self.predict_ms, "predict_ms_p90": self.predict_ms_p90,
-            "train_s": self.train_s, "features": dataclasses.asdict(self.features),
-            "training": dataclasses.asdict(self.training)}
+    return {
+      "labels": list(self.labels),
+      "accuracy": self.accuracy,
+      "precision": self.precision.tolist(),
+      "recall": self.recall.tolist(),
+      "confusion": self.confusion.tolist(),
+      "train_accuracy": self.train_accuracy,
+      "final_loss": self.final_loss,
+      "n_train": self.n_train,
+      "n_heldout": self.n_heldout,
+      "predict_ms": self.predict_ms,
+      "predict_ms_p90": self.predict_ms_p90,
+      "train_s": self.train_s,
+      "features": dataclasses.asdict(self.features),
+      "training": dataclasses.asdict(self.training),
+    }
 
   def table(self) -> str:
     """The confusion matrix and per-hint precision/recall as text."""
     w = max(len(h) for h in self.labels)
-    lines = [(f"held-out accuracy {self.accuracy:.3f} over {self.n_heldout} prompts; "
-              f"predict {self.predict_ms:.3f} ms median (p90 {self.predict_ms_p90:.3f})"),
-             " " * w + "  " + " ".join(f"{i:>4d}" for i in range(len(self.labels))) + "  precision recall"]
+    lines = [
+      (
+        f"held-out accuracy {self.accuracy:.3f} over {self.n_heldout} prompts; "
+        f"predict {self.predict_ms:.3f} ms median (p90 {self.predict_ms_p90:.3f})"
+      ),
+      " " * w + "  " + " ".join(f"{i:>4d}" for i in range(len(self.labels))) + "  precision recall",
+    ]
     for i, h in enumerate(self.labels):
       row = " ".join(f"{int(c):>4d}" for c in self.confusion[i])
       lines.append(f"{h:>{w}}  {row}  {self.precision[i]:9.3f} {self.recall[i]:6.3f}   ({i})")
@@ -228,14 +243,18 @@ def _feature_parts(model, settings: FeatureSettings):
   """(graph defs, config, embed table [V, D], block states 0..layers-1) read from ``model.parts``."""
   cfg = model.config
   if settings.layers > cfg.num_layers:
-    raise RouterError(f"router features ask for the residual after {settings.layers} blocks, but the model has "
-                      f"{cfg.num_layers}; use layers <= {cfg.num_layers}")
+    raise RouterError(
+      f"router features ask for the residual after {settings.layers} blocks, but the model has "
+      f"{cfg.num_layers}; use layers <= {cfg.num_layers}"
+    )
   parts = model.parts
   missing = [i for i in range(settings.layers) if i not in parts.blocks]
   if missing:
-    raise RouterError(f"router features need blocks {missing} for layers={settings.layers}, but this model's "
-                      f"path holds only {sorted(parts.blocks)}; pass a model whose path includes blocks[0:"
-                      f"{settings.layers}) or use layers=0")
+    raise RouterError(
+      f"router features need blocks {missing} for layers={settings.layers}, but this model's "
+      f"path holds only {sorted(parts.blocks)}; pass a model whose path includes blocks[0:"
+      f"{settings.layers}) or use layers=0"
+    )
   blocks = [parts.blocks[i] for i in range(settings.layers)]
   return GraphDefs.from_model(model.module), cfg, parts.embed["table"][...], blocks
 
@@ -263,8 +282,10 @@ def _token_ids(codec, prompt: str, max_tokens: int, where: str = "") -> list[int
     raise RouterError(f"router prompt{where} must be text, got {type(prompt).__name__}")
   ids = codec.encode(prompt) if prompt.strip() else []
   if not ids:
-    raise RouterError(f"router prompt{where} is empty (no text after trimming whitespace); the router needs "
-                      f"at least one token: give a prompt, or pass a hint instead of routing")
+    raise RouterError(
+      f"router prompt{where} is empty (no text after trimming whitespace); the router needs "
+      f"at least one token: give a prompt, or pass a hint instead of routing"
+    )
   return ids[:max_tokens]
 
 
@@ -276,7 +297,7 @@ def _padded(rows: Sequence[Sequence[int]], batch: int | None = None) -> tuple[np
   ids = np.zeros((B, T), np.int32)
   lengths = np.ones((B,), np.int32)
   for i, r in enumerate(rows):
-    ids[i, :len(r)] = r
+    ids[i, : len(r)] = r
     lengths[i] = len(r)
   return ids, lengths
 
@@ -288,8 +309,14 @@ class Router:
   ``predict(prompt) -> (hint, {hint: probability})`` in ``labels`` order.
   """
 
-  def __init__(self, model, params: Mapping[str, np.ndarray], labels: Sequence[str], features: FeatureSettings,
-               meta: Mapping[str, Any]):
+  def __init__(
+    self,
+    model,
+    params: Mapping[str, np.ndarray],
+    labels: Sequence[str],
+    features: FeatureSettings,
+    meta: Mapping[str, Any],
+  ):
     self.model, self.labels, self.features = model, tuple(labels), features
     self._meta = dict(meta)
     self._params = {k: np.asarray(v, np.float32) for k, v in params.items()}
@@ -332,29 +359,36 @@ class Router:
       shapes = {k: tuple(v) for k, v in meta["params"].items()}
       codec, fingerprint = meta["codec_digest"], meta["weights_fingerprint"]
     except (KeyError, TypeError) as e:
-      raise RouterError(f"router meta is missing or mangles a field ({e}); pass the meta that to_params "
-                        f"returned") from None
+      raise RouterError(
+        f"router meta is missing or mangles a field ({e}); pass the meta that to_params returned"
+      ) from None
     got = {k: tuple(np.shape(v)) for k, v in params.items()}
     if got != shapes:
       raise RouterError(f"router params do not match the meta: expected {shapes}, got {got}")
     width, n = features.width(model.config.d_model), sum(1 for k in shapes if k.endswith(".kernel"))
     if shapes.get("standardize.mean") != (width,) or shapes.get(f"dense_{n - 1}.bias") != (len(labels),):
-      raise RouterError(f"router params do not fit the meta: {meta['features']} on d_model={model.config.d_model} "
-                        f"gives {width} features and {len(labels)} hints need {len(labels)} outputs, got "
-                        f"standardize.mean {shapes.get('standardize.mean')} and dense_{n - 1}.bias "
-                        f"{shapes.get(f'dense_{n - 1}.bias')}")
+      raise RouterError(
+        f"router params do not fit the meta: {meta['features']} on d_model={model.config.d_model} "
+        f"gives {width} features and {len(labels)} hints need {len(labels)} outputs, got "
+        f"standardize.mean {shapes.get('standardize.mean')} and dense_{n - 1}.bias "
+        f"{shapes.get(f'dense_{n - 1}.bias')}"
+      )
     bad = [k for k, v in params.items() if np.asarray(v).dtype != np.float32]
     if bad:
       raise RouterError(f"router params must be float32; {bad} are not")
     have = _codec_digest(model.codec)
     if have != codec:
-      raise RouterError(f"this router was trained on a model whose tokenizer has digest {codec}; the given "
-                        f"model's has {have}; train a router for this model with train_router")
+      raise RouterError(
+        f"this router was trained on a model whose tokenizer has digest {codec}; the given "
+        f"model's has {have}; train a router for this model with train_router"
+      )
     _, _, table, blocks = _feature_parts(model, features)
     have = _fingerprint(table, blocks)
     if have != fingerprint:
-      raise RouterError(f"this router was trained on other weights (fingerprint {fingerprint}); the given "
-                        f"model's embed/blocks have {have}; train a router for this model with train_router")
+      raise RouterError(
+        f"this router was trained on other weights (fingerprint {fingerprint}); the given "
+        f"model's embed/blocks have {have}; train a router for this model with train_router"
+      )
     return cls(model, params, labels, features, meta)
 
 
@@ -367,8 +401,10 @@ def _labeled(data, labels: Sequence[str], split: str) -> tuple[list[str], np.nda
     prompt, hint = (row.prompt, row.hint) if hasattr(row, "hint") else tuple(row)
     if hint not in index:
       where = f"line {row.line}" if hasattr(row, "line") else f"row {n}"
-      raise RouterError(f"{split} prompt {where} ({prompt[:60]!r}) is labeled {hint!r}, which is not a router "
-                        f"hint; valid hints: {', '.join(labels)}; fix the label or pass labels= with it")
+      raise RouterError(
+        f"{split} prompt {where} ({prompt[:60]!r}) is labeled {hint!r}, which is not a router "
+        f"hint; valid hints: {', '.join(labels)}; fix the label or pass labels= with it"
+      )
     prompts.append(prompt)
     ys.append(index[hint])
   if not prompts:
@@ -376,16 +412,17 @@ def _labeled(data, labels: Sequence[str], split: str) -> tuple[list[str], np.nda
   return prompts, np.asarray(ys, np.int32)
 
 
-def _feature_matrix(model, features: FeatureSettings, prompts: Sequence[str], split: str,
-                    progress: Progress | None) -> np.ndarray:
+def _feature_matrix(
+  model, features: FeatureSettings, prompts: Sequence[str], split: str, progress: Progress | None
+) -> np.ndarray:
   defs, cfg, table, blocks = _feature_parts(model, features)
   run = _jit_features(defs, cfg, features)
   rows = [_token_ids(model.codec, p, features.max_tokens, f" {i} of the {split} set") for i, p in enumerate(prompts)]
   out = []
   for start in range(0, len(rows), _FEATURE_BATCH):
-    chunk = rows[start:start + _FEATURE_BATCH]
+    chunk = rows[start : start + _FEATURE_BATCH]
     ids, lengths = _padded(chunk, batch=_FEATURE_BATCH)
-    out.append(np.asarray(run(table, blocks, ids, lengths))[:len(chunk)])
+    out.append(np.asarray(run(table, blocks, ids, lengths))[: len(chunk)])
     if progress is not None:
       progress(min(start + _FEATURE_BATCH, len(rows)), len(rows), f"router features/{split}")
   return np.concatenate(out, axis=0)
@@ -395,8 +432,9 @@ def _init(key, sizes: Sequence[int]) -> dict[str, jax.Array]:
   """Glorot-normal kernels, zero biases, for dense layers sizes[0] -> sizes[1] -> ..."""
   params = {}
   for i, (a, b) in enumerate(itertools.pairwise(sizes)):
-    params[f"dense_{i}.kernel"] = jax.random.normal(jax.random.fold_in(key, i), (a, b), jnp.float32) * (
-        2.0 / (a + b)) ** 0.5
+    params[f"dense_{i}.kernel"] = (
+      jax.random.normal(jax.random.fold_in(key, i), (a, b), jnp.float32) * (2.0 / (a + b)) ** 0.5
+    )
     params[f"dense_{i}.bias"] = jnp.zeros((b,), jnp.float32)
   return params
 
@@ -425,8 +463,9 @@ def _train_programs(sizes: tuple[int, ...], learning_rate: float, weight_decay: 
   return start, step
 
 
-def fit(x: np.ndarray, y: np.ndarray, classes: int, training: TrainSettings,
-        progress: Progress | None = None) -> tuple[dict[str, np.ndarray], float, float]:
+def fit(
+  x: np.ndarray, y: np.ndarray, classes: int, training: TrainSettings, progress: Progress | None = None
+) -> tuple[dict[str, np.ndarray], float, float]:
   """Standardize features x [N, F] and train the classifier on labels y [N] in 0..classes-1.
 
   Returns (params, final training loss, training accuracy); deterministic for ``training.seed``.
@@ -461,9 +500,18 @@ def _metrics(confusion: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
   return float(tp.sum() / max(confusion.sum(), 1)), precision, recall
 
 
-def train_router(model, train, heldout, *, seed: int = 0, steps: int = 300, features: FeatureSettings | None = None,
-                 training: TrainSettings | None = None, labels: Sequence[str] | None = None,
-                 progress: Progress | None = None) -> tuple[Router, RouterReport]:
+def train_router(
+  model,
+  train,
+  heldout,
+  *,
+  seed: int = 0,
+  steps: int = 300,
+  features: FeatureSettings | None = None,
+  training: TrainSettings | None = None,
+  labels: Sequence[str] | None = None,
+  progress: Progress | None = None,
+) -> tuple[Router, RouterReport]:
   """Train a router on ``train`` and evaluate it on ``heldout``.
 
   ``train``/``heldout``: :class:`~thoughtjax.synthesis.router_data.RouterPrompt` rows or (prompt, hint)
@@ -485,18 +533,24 @@ def train_router(model, train, heldout, *, seed: int = 0, steps: int = 300, feat
   held_prompts, y_held = _labeled(heldout, labels, "heldout")
   absent = [h for i, h in enumerate(labels) if not np.any(y == i)]
   if absent:
-    raise RouterError(f"hints {absent} have no training prompt; add labeled prompts for them or leave them "
-                      f"out of labels=")
+    raise RouterError(
+      f"hints {absent} have no training prompt; add labeled prompts for them or leave them out of labels="
+    )
   x = _feature_matrix(model, features, train_prompts, "train", progress)
   params, final_loss, train_acc = fit(x, y, len(labels), training, progress)
 
   _, _, table, blocks = _feature_parts(model, features)
-  meta = {"format": FORMAT, "labels": list(labels), "features": dataclasses.asdict(features),
-          "codec_digest": _codec_digest(model.codec), "weights_fingerprint": _fingerprint(table, blocks),
-          "d_model": model.config.d_model,
-          "params": {k: list(v.shape) for k, v in sorted(params.items())},
-          "training": dataclasses.asdict(training) | {"n_train": len(train_prompts), "final_loss": final_loss,
-                                                      "train_accuracy": train_acc}}
+  meta = {
+    "format": FORMAT,
+    "labels": list(labels),
+    "features": dataclasses.asdict(features),
+    "codec_digest": _codec_digest(model.codec),
+    "weights_fingerprint": _fingerprint(table, blocks),
+    "d_model": model.config.d_model,
+    "params": {k: list(v.shape) for k, v in sorted(params.items())},
+    "training": dataclasses.asdict(training)
+    | {"n_train": len(train_prompts), "final_loss": final_loss, "train_accuracy": train_acc},
+  }
   train_s = time.perf_counter() - t0
   router = Router(model, params, labels, features, meta)
 
@@ -506,12 +560,30 @@ def train_router(model, train, heldout, *, seed: int = 0, steps: int = 300, feat
   np.add.at(confusion, (y_held, pred), 1)
   accuracy, precision, recall = _metrics(confusion)
   times = _predict_times(router, held_prompts)
-  report = RouterReport(labels, accuracy, precision, recall, confusion, train_acc, final_loss, len(train_prompts),
-                        len(held_prompts), statistics.median(times), float(np.percentile(times, 90)), train_s,
-                        features, training)
-  router._meta["heldout"] = {"n": len(held_prompts), "accuracy": accuracy, "precision": precision.tolist(),
-                             "recall": recall.tolist(), "confusion": confusion.tolist(),
-                             "predict_ms": report.predict_ms}
+  report = RouterReport(
+    labels,
+    accuracy,
+    precision,
+    recall,
+    confusion,
+    train_acc,
+    final_loss,
+    len(train_prompts),
+    len(held_prompts),
+    statistics.median(times),
+    float(np.percentile(times, 90)),
+    train_s,
+    features,
+    training,
+  )
+  router._meta["heldout"] = {
+    "n": len(held_prompts),
+    "accuracy": accuracy,
+    "precision": precision.tolist(),
+    "recall": recall.tolist(),
+    "confusion": confusion.tolist(),
+    "predict_ms": report.predict_ms,
+  }
   return router, report
 
 

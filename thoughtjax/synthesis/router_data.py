@@ -36,8 +36,9 @@ def default_router_prompts_dir() -> Path:
   return default_dictionary_path().parent / "router_prompts"
 
 
-def load_router_prompts(split: RouterSplit, directory: str | os.PathLike | None = None,
-                        dictionary: SynthesisDictionary | None = None) -> list[RouterPrompt]:
+def load_router_prompts(
+  split: RouterSplit, directory: str | os.PathLike | None = None, dictionary: SynthesisDictionary | None = None
+) -> list[RouterPrompt]:
   """The labeled prompts of ``split`` in file order, each label checked against ``dictionary``
   (default: the default synthesis dictionary)."""
   if split not in ROUTER_SPLITS:
@@ -47,8 +48,9 @@ def load_router_prompts(split: RouterSplit, directory: str | os.PathLike | None 
   try:
     text = path.read_text(encoding="utf-8")
   except FileNotFoundError:
-    raise RouterDataError(f"{path}: no such file; the router's prompts live in registry/router_prompts/"
-                          f"{{train,heldout}}.jsonl") from None
+    raise RouterDataError(
+      f"{path}: no such file; the router's prompts live in registry/router_prompts/{{train,heldout}}.jsonl"
+    ) from None
   except UnicodeDecodeError as e:
     raise RouterDataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
   out = []
@@ -58,8 +60,9 @@ def load_router_prompts(split: RouterSplit, directory: str | os.PathLike | None 
     try:
       row = json.loads(line)
     except json.JSONDecodeError as e:
-      raise RouterDataError(f"{path}:{n}: not a JSON object ({e.msg}); each line is "
-                            f'{{"prompt": "...", "hint": "..."}}') from None
+      raise RouterDataError(
+        f"{path}:{n}: not a JSON object ({e.msg}); each line is {{\"prompt\": \"...\", \"hint\": \"...\"}}"
+      ) from None
     if not isinstance(row, dict) or set(row) != {"prompt", "hint"}:
       got = sorted(row) if isinstance(row, dict) else type(row).__name__
       raise RouterDataError(f"{path}:{n}: expected exactly the keys ['hint', 'prompt'], got {got}")
@@ -67,8 +70,9 @@ def load_router_prompts(split: RouterSplit, directory: str | os.PathLike | None 
     if not isinstance(prompt, str) or not prompt.strip():
       raise RouterDataError(f"{path}:{n}: prompt must be a non-empty string, got {prompt!r}")
     if hint not in names:
-      raise RouterDataError(f"{path}:{n}: hint {hint!r} is not in the synthesis dictionary; "
-                            f"valid hints: {', '.join(names)}")
+      raise RouterDataError(
+        f"{path}:{n}: hint {hint!r} is not in the synthesis dictionary; valid hints: {', '.join(names)}"
+      )
     out.append(RouterPrompt(prompt, hint, n))
   if not out:
     raise RouterDataError(f"{path}: holds no prompt")

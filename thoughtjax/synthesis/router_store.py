@@ -40,8 +40,19 @@ from typing import Any
 
 import numpy as np
 
-from thoughtjax.synthesis.router import (FORMAT, FeatureSettings, Progress, Router, RouterError, RouterReport,
-                                         TrainSettings, _feature_parts, _fingerprint, _logits, train_router)
+from thoughtjax.synthesis.router import (
+  FORMAT,
+  FeatureSettings,
+  Progress,
+  Router,
+  RouterError,
+  RouterReport,
+  TrainSettings,
+  _feature_parts,
+  _fingerprint,
+  _logits,
+  train_router,
+)
 from thoughtjax.thoughtlet import Kind, Thoughtlet, signature_for
 
 ROUTER_NAME = "router"
@@ -95,16 +106,18 @@ def _check_model(meta: Mapping[str, Any], registry, model, what: str) -> None:
   features = FeatureSettings(**meta["features"])
   if meta.get("codec_digest") != registry.tokenizer_hash:
     raise RouterMismatchError(
-        f"{what} was trained on a model whose tokenizer has digest {meta.get('codec_digest')}; the registry "
-        f"{registry.root} has tokenizer {registry.tokenizer_hash}. Train a router for this registry: "
-        f"thoughtjax registry train-router {registry.root}")
+      f"{what} was trained on a model whose tokenizer has digest {meta.get('codec_digest')}; the registry "
+      f"{registry.root} has tokenizer {registry.tokenizer_hash}. Train a router for this registry: "
+      f"thoughtjax registry train-router {registry.root}"
+    )
   _, _, table, blocks = _feature_parts(model, features)
   have = _fingerprint(table, blocks)
   if meta.get("weights_fingerprint") != have:
     raise RouterMismatchError(
-        f"{what} was trained on other weights (fingerprint {meta.get('weights_fingerprint')}); the current "
-        f"embed{' and blocks' if features.layers else ''} of {registry.root} have {have}. Train a router for "
-        f"this registry: thoughtjax registry train-router {registry.root}")
+      f"{what} was trained on other weights (fingerprint {meta.get('weights_fingerprint')}); the current "
+      f"embed{' and blocks' if features.layers else ''} of {registry.root} have {have}. Train a router for "
+      f"this registry: thoughtjax registry train-router {registry.root}"
+    )
 
 
 def router_thoughtlet(router: Router, registry, name: str = ROUTER_NAME) -> Thoughtlet:
@@ -113,16 +126,22 @@ def router_thoughtlet(router: Router, registry, name: str = ROUTER_NAME) -> Thou
   if meta.get("format") != FORMAT:
     raise RouterError(f"router meta format must be {FORMAT!r}, got {meta.get('format')!r}")
   params, _ = router.to_params()
-  sig = signature_for(Kind.ROUTER, registry.config, registry.tokenizer_hash, max_context=router.features.max_tokens,
-                      tags=("router", *router.labels),
-                      description=f"picks one of {len(router.labels)} hints from the prompt's embed rows")
+  sig = signature_for(
+    Kind.ROUTER,
+    registry.config,
+    registry.tokenizer_hash,
+    max_context=router.features.max_tokens,
+    tags=("router", *router.labels),
+    description=f"picks one of {len(router.labels)} hints from the prompt's embed rows",
+  )
   sig = dataclasses.replace(sig, constraints={**sig.constraints, "router": meta})
   return Thoughtlet(name, Kind.ROUTER, sig, nest_params(params), registry.config)
 
 
 # ------------------------------------------------------------------------------ publish / restore
-def publish_router(registry, router: Router, *, sign_key=None, name: str = ROUTER_NAME,
-                   carry_calibration: bool = True, settings=None) -> str:
+def publish_router(
+  registry, router: Router, *, sign_key=None, name: str = ROUTER_NAME, carry_calibration: bool = True, settings=None
+) -> str:
   """Publish ``router`` into ``registry`` as the current version of ``name``; returns the version.
 
   ``sign_key``: required when the registry is signed (a signed registry stays signed). ``settings``:
@@ -135,8 +154,10 @@ def publish_router(registry, router: Router, *, sign_key=None, name: str = ROUTE
   from thoughtjax.thoughtlet import ProfileSettings, measure_profile
 
   if name in registry.names and registry.manifest(name).kind is not Kind.ROUTER:
-    raise RegistryError(f"{registry.root} already has a {registry.manifest(name).kind.value} thoughtlet named "
-                        f"{name!r}; publish the router under another name")
+    raise RegistryError(
+      f"{registry.root} already has a {registry.manifest(name).kind.value} thoughtlet named "
+      f"{name!r}; publish the router under another name"
+    )
   _check_model(router.meta, registry, registry_model(registry, router.features), "the router being published")
   t = router_thoughtlet(router, registry, name)
   t = dataclasses.replace(t, profile=measure_profile(t, settings or ProfileSettings(batch=1, reps=20)))
@@ -146,16 +167,25 @@ def publish_router(registry, router: Router, *, sign_key=None, name: str = ROUTE
       calibration = read_calibration(registry)
     except MissingCalibrationError:
       calibration = None
-  versions = _publish(registry.root, [t], sign_key=sign_key, on_step=None, model=None, codec=None,
-                      trust=registry.trust, on_failure=registry._count)
+  versions = _publish(
+    registry.root,
+    [t],
+    sign_key=sign_key,
+    on_step=None,
+    model=None,
+    codec=None,
+    trust=registry.trust,
+    on_failure=registry._count,
+  )
   registry.refresh()
   if calibration is not None:
     # No candidate path uses a router, so a calibration pinned to the previous router version stays valid.
     current = registry.current
     if all(current.get(n) == v for n, v in calibration.current.items() if n != name):
       pinned = {n: current[name] if n == name else v for n, v in calibration.current.items()}
-      write_calibration(registry, dataclasses.replace(calibration, sequence=registry.sequence, current=pinned),
-                        sign_key=sign_key)
+      write_calibration(
+        registry, dataclasses.replace(calibration, sequence=registry.sequence, current=pinned), sign_key=sign_key
+      )
   return versions[name]
 
 
@@ -164,12 +194,15 @@ def load_router(registry, name: str = ROUTER_NAME, version: str | None = None, *
   manifest, bound to ``model`` (default: :func:`registry_model` of ``registry``)."""
   m = registry.manifest(name, version)
   if m.kind is not Kind.ROUTER:
-    raise RouterError(f"{m.ref} is a {m.kind.value} thoughtlet, not a router; pass the name of a router "
-                      f"(thoughtjax registry list {registry.root} shows the kinds)")
+    raise RouterError(
+      f"{m.ref} is a {m.kind.value} thoughtlet, not a router; pass the name of a router "
+      f"(thoughtjax registry list {registry.root} shows the kinds)"
+    )
   meta = m.signature.constraints.get("router")
   if not isinstance(meta, Mapping) or meta.get("format") != FORMAT:
-    raise RouterError(f"{m.ref}: its signature carries no router meta of format {FORMAT!r}; publish it with "
-                      f"publish_router")
+    raise RouterError(
+      f"{m.ref}: its signature carries no router meta of format {FORMAT!r}; publish it with publish_router"
+    )
   params = flatten_params(registry.restore(m.name, m.version))
   features = FeatureSettings(**meta["features"])
   model = model if model is not None else registry_model(registry, features)
@@ -178,11 +211,21 @@ def load_router(registry, name: str = ROUTER_NAME, version: str | None = None, *
 
 
 # ------------------------------------------------------------------------------ training into a registry
-def train_registry_router(registry, train=None, heldout=None, *, sign_key=None, name: str = ROUTER_NAME,
-                          seed: int = 0, steps: int = 300, features: FeatureSettings | None = None,
-                          training: TrainSettings | None = None, labels: Sequence[str] | None = None,
-                          progress: Progress | None = None,
-                          publish: bool = True) -> tuple[Router, RouterReport, str | None]:
+def train_registry_router(
+  registry,
+  train=None,
+  heldout=None,
+  *,
+  sign_key=None,
+  name: str = ROUTER_NAME,
+  seed: int = 0,
+  steps: int = 300,
+  features: FeatureSettings | None = None,
+  training: TrainSettings | None = None,
+  labels: Sequence[str] | None = None,
+  progress: Progress | None = None,
+  publish: bool = True,
+) -> tuple[Router, RouterReport, str | None]:
   """Train a router on ``registry``'s own embed (``train``/``heldout``: default the project's prompt
   splits), evaluate it on the held-out split and, with ``publish``, store it; returns (router, report,
   version or None)."""
@@ -191,8 +234,17 @@ def train_registry_router(registry, train=None, heldout=None, *, sign_key=None, 
   train = load_router_prompts("train") if train is None else train
   heldout = load_router_prompts("heldout") if heldout is None else heldout
   model = registry_model(registry, features)
-  router, report = train_router(model, train, heldout, seed=seed, steps=steps, features=features,
-                                training=training, labels=labels, progress=progress)
+  router, report = train_router(
+    model,
+    train,
+    heldout,
+    seed=seed,
+    steps=steps,
+    features=features,
+    training=training,
+    labels=labels,
+    progress=progress,
+  )
   version = publish_router(registry, router, sign_key=sign_key, name=name) if publish else None
   return router, report, version
 
@@ -224,8 +276,9 @@ def stored_router(registry, name: str = ROUTER_NAME) -> tuple[Router | None, str
     return router, why
 
 
-def route_hint(registry, prompt: str | Sequence[int], default: str,
-               decode: Callable[[Sequence[int]], str] | None = None) -> tuple[str, str]:
+def route_hint(
+  registry, prompt: str | Sequence[int], default: str, decode: Callable[[Sequence[int]], str] | None = None
+) -> tuple[str, str]:
   """(hint, note) for a request without hints: the stored router's pick for ``prompt`` (token ids are
   decoded with ``decode``, default the registry's codec), or ``default`` with the reason in the note."""
   router, why = stored_router(registry)
@@ -245,6 +298,18 @@ def clear_cache() -> None:
     _ROUTERS.clear()
 
 
-__all__ = ["ROUTER_NAME", "RouterMismatchError", "clear_cache", "flatten_params", "load_router", "nest_params",
-           "profile_step", "publish_router", "registry_model", "route_hint", "router_thoughtlet", "stored_router",
-           "train_registry_router"]
+__all__ = [
+  "ROUTER_NAME",
+  "RouterMismatchError",
+  "clear_cache",
+  "flatten_params",
+  "load_router",
+  "nest_params",
+  "profile_step",
+  "publish_router",
+  "registry_model",
+  "route_hint",
+  "router_thoughtlet",
+  "stored_router",
+  "train_registry_router",
+]

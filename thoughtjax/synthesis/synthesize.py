@@ -32,12 +32,12 @@ import dataclasses
 import math
 import threading
 import time
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from thoughtjax.errors import UserError
 from thoughtjax.synthesis.calibration import Calibration
 from thoughtjax.synthesis.latency import STAGES, LatencyModel, LatencyTrace, Residency
-from thoughtjax.synthesis.planner import Plan, PlanRequest, Planner, floors_of
+from thoughtjax.synthesis.planner import Plan, Planner, PlanRequest, floors_of
 
 DEFAULT_HINT = "general_purpose"
 STAGE_NAMES = ("restore", "compile", "prefill", "decode")
@@ -69,15 +69,27 @@ class SynthesisTrace:
     return sum(self.actual_ms.get(s, 0.0) for s in STAGE_NAMES) / 1e3
 
   def to_json(self) -> dict:
-    return {"path": self.path, "path_hash": self.path_hash, "refs": list(self.refs), "hints": list(self.hints),
-            "degraded": self.degraded, "reason": self.reason, "tokens_in": self.tokens_in,
-            "tokens_out": self.tokens_out, "predicted_ms": dict(self.predicted_ms), "actual_ms": dict(self.actual_ms),
-            "compute_seconds": self.compute_seconds, "finish_reason": self.finish_reason}
+    return {
+      "path": self.path,
+      "path_hash": self.path_hash,
+      "refs": list(self.refs),
+      "hints": list(self.hints),
+      "degraded": self.degraded,
+      "reason": self.reason,
+      "tokens_in": self.tokens_in,
+      "tokens_out": self.tokens_out,
+      "predicted_ms": dict(self.predicted_ms),
+      "actual_ms": dict(self.actual_ms),
+      "compute_seconds": self.compute_seconds,
+      "finish_reason": self.finish_reason,
+    }
 
   def table(self) -> str:
     """Predicted vs actual per stage, one line each (what the command line prints to stderr)."""
-    lines = [f"path {self.path} ({self.path_hash}){'  DEGRADED: ' + self.reason if self.degraded else ''}",
-             f"{'stage':<10}{'predicted ms':>14}{'actual ms':>12}"]
+    lines = [
+      f"path {self.path} ({self.path_hash}){'  DEGRADED: ' + self.reason if self.degraded else ''}",
+      f"{'stage':<10}{'predicted ms':>14}{'actual ms':>12}",
+    ]
     for s in ("synthesis", *STAGE_NAMES, "total"):
       a = self.actual_ms.get(s)
       lines.append(f"{s:<10}{self.predicted_ms.get(s, 0.0):>14.2f}{'-' if a is None else f'{a:.2f}':>12}")
@@ -114,14 +126,19 @@ class SynthesisResult:
     if self.trace.finished:
       return
     t = self.generation.trace
-    self.trace.actual_ms.update({"compile": t.compile_s * 1e3, "prefill": (t.prefill_s or 0.0) * 1e3,
-                                 "decode": (t.decode_s or 0.0) * 1e3,
-                                 "total": ((t.end or time.perf_counter()) - self._t0) * 1e3})
+    self.trace.actual_ms.update(
+      {
+        "compile": t.compile_s * 1e3,
+        "prefill": (t.prefill_s or 0.0) * 1e3,
+        "decode": (t.decode_s or 0.0) * 1e3,
+        "total": ((t.end or time.perf_counter()) - self._t0) * 1e3,
+      }
+    )
     self.trace.tokens_out = t.tokens_out[0] if t.tokens_out else 0
     self.trace.finished = True
     self._on_done(self)
 
-  def finish(self) -> "SynthesisResult":
+  def finish(self) -> SynthesisResult:
     """Run to the end (the trace is then complete); returns self."""
     for _ in self:
       pass
@@ -133,7 +150,7 @@ class SynthesisResult:
   def close(self) -> None:
     self.generation.close()
 
-  def __enter__(self) -> "SynthesisResult":
+  def __enter__(self) -> SynthesisResult:
     return self
 
   def __exit__(self, *exc) -> None:
@@ -142,35 +159,46 @@ class SynthesisResult:
   def to_json(self) -> dict:
     """The plan's fields plus ``token_ids``, ``text``, ``actual_ms`` and the trace (the CLI's ``--json``)."""
     d = self.plan.to_json()
-    d.update({"token_ids": list(self.token_ids), "text": self.text, "actual_ms": dict(self.trace.actual_ms),
-              "tokens_in": self.trace.tokens_in, "tokens_out": self.trace.tokens_out,
-              "compute_seconds": self.trace.compute_seconds, "finish_reason": self.trace.finish_reason})
+    d.update(
+      {
+        "token_ids": list(self.token_ids),
+        "text": self.text,
+        "actual_ms": dict(self.trace.actual_ms),
+        "tokens_in": self.trace.tokens_in,
+        "tokens_out": self.trace.tokens_out,
+        "compute_seconds": self.trace.compute_seconds,
+        "finish_reason": self.trace.finish_reason,
+      }
+    )
     return d
 
 
 class Synthesizer:
   """Plans and runs requests over one registry and its stored calibration (see the module docstring)."""
 
-  def __init__(self, registry, calibration: Calibration, dictionary=None, *, kernels: str | None = None,
-               keep_paths: int = 4):
+  def __init__(
+    self, registry, calibration: Calibration, dictionary=None, *, kernels: str | None = None, keep_paths: int = 4
+  ):
     from thoughtjax.synthesis.dictionary import load_dictionary
 
     if calibration.sequence != registry.sequence:
-      raise SynthesisError(f"the calibration is of registry sequence {calibration.sequence}, the registry is at "
-                           f"{registry.sequence}; recalibrate (thoughtjax registry calibrate {registry.root})")
+      raise SynthesisError(
+        f"the calibration is of registry sequence {calibration.sequence}, the registry is at "
+        f"{registry.sequence}; recalibrate (thoughtjax registry calibrate {registry.root})"
+      )
     self.registry, self.calibration = registry, calibration
     self.dictionary = dictionary if dictionary is not None else load_dictionary()
     self.floors = floors_of(self.dictionary)
     self.planner = Planner(calibration, self.floors)
     self.latency = LatencyModel(calibration.latency)
     self.kernels, self.keep_paths = kernels, keep_paths
-    self._models: "collections.OrderedDict[str, object]" = collections.OrderedDict()
+    self._models: collections.OrderedDict[str, object] = collections.OrderedDict()
     self._compiled: set[str] = set()
     self._lock = threading.Lock()
     self.traces: list[SynthesisTrace] = []
 
   @classmethod
-  def open(cls, registry, dictionary=None, *, sequence: int | None = None, **kwargs) -> "Synthesizer":
+  def open(cls, registry, dictionary=None, *, sequence: int | None = None, **kwargs) -> Synthesizer:
     """A synthesizer over ``registry``'s stored calibration (verified; refused loudly when tampered)."""
     from thoughtjax.registry.calibration_store import read_calibration
 
@@ -179,8 +207,7 @@ class Synthesizer:
   # ---- residency ---------------------------------------------------------------------
   def residency(self) -> Residency:
     with self._lock:
-      composed = {u.ref for h in self._models for c in self.calibration.candidates if c.path_hash == h
-                  for u in c.units}
+      composed = {u.ref for h in self._models for c in self.calibration.candidates if c.path_hash == h for u in c.units}
       return Residency(set(self.registry.stats().resident) | composed, set(self._compiled))
 
   def _model(self, candidate):
@@ -207,8 +234,9 @@ class Synthesizer:
         self._models.popitem(last=False)
     return model
 
-  def warm(self, hints: Sequence[str] | None = None, *, prompt_tokens: Sequence[int] = (16,),
-           max_tokens: Sequence[int] = (64,)) -> list[str]:
+  def warm(
+    self, hints: Sequence[str] | None = None, *, prompt_tokens: Sequence[int] = (16,), max_tokens: Sequence[int] = (64,)
+  ) -> list[str]:
     """Restore and compile ahead of time the plans of ``hints`` (default: every calibrated hint) under a
     generous budget, for the given shape buckets, so a first request pays no restore or compile.
     Returns the paths warmed."""
@@ -223,8 +251,17 @@ class Synthesizer:
     return warmed
 
   # ---- requests ----------------------------------------------------------------------
-  def plan(self, prompt: str | Sequence[int], hints: Sequence[str] | None = None, *, max_latency_ms: float,
-           max_tokens: int = 64, chat: bool = False, pin_sequence: int | None = None, unavailable=None) -> Plan:
+  def plan(
+    self,
+    prompt: str | Sequence[int],
+    hints: Sequence[str] | None = None,
+    *,
+    max_latency_ms: float,
+    max_tokens: int = 64,
+    chat: bool = False,
+    pin_sequence: int | None = None,
+    unavailable=None,
+  ) -> Plan:
     """GetOptimalPath for this request (hints normalized and corrected against the dictionary)."""
     return self._plan(prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, unavailable)[0]
 
@@ -248,16 +285,29 @@ class Synthesizer:
     ids = self.prompt_ids(prompt, chat)
     if max_latency_ms is None:
       max_latency_ms = math.inf
-    req = PlanRequest(res.hints, len(ids), int(max_tokens), float(max_latency_ms),
-                      tuple((c.given, c.corrected) for c in res.corrections))
+    req = PlanRequest(
+      res.hints,
+      len(ids),
+      int(max_tokens),
+      float(max_latency_ms),
+      tuple((c.given, c.corrected) for c in res.corrections),
+    )
     plan = self.planner.plan(req, self.latency, self.residency(), pin_sequence=pin_sequence, unavailable=unavailable)
     if routed:
       plan = dataclasses.replace(plan, notes=plan.notes + (routed[1],))
     return plan, ids, (time.perf_counter() - t0) * 1e3
 
-  def synthesize(self, prompt: str | Sequence[int], hints: Sequence[str] | None = None, *,
-                 max_latency_ms: float | None, max_tokens: int = 64, chat: bool = False,
-                 pin_sequence: int | None = None, **sampling) -> SynthesisResult:
+  def synthesize(
+    self,
+    prompt: str | Sequence[int],
+    hints: Sequence[str] | None = None,
+    *,
+    max_latency_ms: float | None,
+    max_tokens: int = 64,
+    chat: bool = False,
+    pin_sequence: int | None = None,
+    **sampling,
+  ) -> SynthesisResult:
     """Plan, restore and compose, and start the plan's program; iterate the result for deltas.
 
     ``sampling``: :class:`~thoughtjax.sampling.SamplingParams` fields (temperature, top_k, top_p, seed,
@@ -268,8 +318,9 @@ class Synthesizer:
     unavailable: dict[str, str] = {}
     synthesis_ms = 0.0
     while True:
-      plan, ids, ms = self._plan(prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence,
-                                 dict(unavailable) or None)
+      plan, ids, ms = self._plan(
+        prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, dict(unavailable) or None
+      )
       synthesis_ms += ms
       candidate = next(c for c in self.calibration.candidates if c.path_hash == plan.path_hash)
       t = time.perf_counter()
@@ -287,8 +338,17 @@ class Synthesizer:
       self._compiled.add(plan.predicted.program_key)
     # ids already carry the chat template: the path runs them as token ids.
     generation = model.stream_batch([ids], params)
-    trace = SynthesisTrace(plan.path, plan.path_hash, plan.refs, plan.hints, plan.degraded, plan.reason, len(ids),
-                           plan.predicted.to_json(), {"synthesis": synthesis_ms, "restore": restore_ms})
+    trace = SynthesisTrace(
+      plan.path,
+      plan.path_hash,
+      plan.refs,
+      plan.hints,
+      plan.degraded,
+      plan.reason,
+      len(ids),
+      plan.predicted.to_json(),
+      {"synthesis": synthesis_ms, "restore": restore_ms},
+    )
     return SynthesisResult(plan, generation, trace, self._learn, t_request)
 
   def _learn(self, result: SynthesisResult) -> None:
@@ -307,8 +367,17 @@ class _Unavailable(Exception):
     self.ref, self.why = ref, why
 
 
-def synthesize(registry, prompt: str | Sequence[int], hints: Sequence[str] | None = None, *,
-               max_latency_ms: float | None, max_tokens: int = 64, chat: bool = False, **sampling) -> SynthesisResult:
+def synthesize(
+  registry,
+  prompt: str | Sequence[int],
+  hints: Sequence[str] | None = None,
+  *,
+  max_latency_ms: float | None,
+  max_tokens: int = 64,
+  chat: bool = False,
+  **sampling,
+) -> SynthesisResult:
   """One request on ``registry``'s stored calibration (see :class:`Synthesizer` to keep what is warm)."""
-  return Synthesizer.open(registry).synthesize(prompt, hints, max_latency_ms=max_latency_ms, max_tokens=max_tokens,
-                                               chat=chat, **sampling)
+  return Synthesizer.open(registry).synthesize(
+    prompt, hints, max_latency_ms=max_latency_ms, max_tokens=max_tokens, chat=chat, **sampling
+  )

@@ -26,16 +26,42 @@ One concept per module:
 
 from thoughtjax.thoughtlet.errors import ThoughtletError
 from thoughtjax.thoughtlet.hashing import HASH_DOMAIN, canonical_json, flat_params, param_spec, versioned_hash
-from thoughtjax.thoughtlet.types import Kind, SemanticSignature, TensorType, Thoughtlet, residual_type, signature_for
-from thoughtjax.thoughtlet.slicing import as_state, block_states, cut, defs_for, template_parts, unit_of
-from thoughtjax.thoughtlet.run import causal_setup, run_blocks, run_embed, run_head, run_template
-from thoughtjax.thoughtlet.profile import ProfileSettings, ResourceProfile, fingerprint, measure_profile
 from thoughtjax.thoughtlet.isolate import Capture, ReplayReport, capture, replay
+from thoughtjax.thoughtlet.profile import ProfileSettings, ResourceProfile, fingerprint, measure_profile
+from thoughtjax.thoughtlet.run import causal_setup, run_blocks, run_embed, run_head, run_template
+from thoughtjax.thoughtlet.slicing import as_state, block_states, cut, defs_for, template_parts, unit_of
+from thoughtjax.thoughtlet.types import Kind, SemanticSignature, TensorType, Thoughtlet, residual_type, signature_for
 
 __all__ = [
-    "HASH_DOMAIN", "Capture", "Kind", "ProfileSettings", "ReplayReport", "ResourceProfile", "SemanticSignature",
-    "TensorType", "Thoughtlet", "ThoughtletError", "as_state", "block_states", "canonical_json", "capture",
-    "causal_setup", "cut", "defs_for", "fingerprint", "flat_params", "measure_profile", "param_spec", "replay",
-    "residual_type", "run_blocks", "run_embed", "run_head", "run_template", "signature_for", "template_parts",
-    "unit_of", "versioned_hash",
+  "HASH_DOMAIN",
+  "Capture",
+  "Kind",
+  "ProfileSettings",
+  "ReplayReport",
+  "ResourceProfile",
+  "SemanticSignature",
+  "TensorType",
+  "Thoughtlet",
+  "ThoughtletError",
+  "as_state",
+  "block_states",
+  "canonical_json",
+  "capture",
+  "causal_setup",
+  "cut",
+  "defs_for",
+  "fingerprint",
+  "flat_params",
+  "measure_profile",
+  "param_spec",
+  "replay",
+  "residual_type",
+  "run_blocks",
+  "run_embed",
+  "run_head",
+  "run_template",
+  "signature_for",
+  "template_parts",
+  "unit_of",
+  "versioned_hash",
 ]

@@ -17,7 +17,7 @@ its own use. Training lives in :mod:`thoughtjax.synthesis.heal`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +36,7 @@ def init_params(cfg: ModelConfig, rank: int = DEFAULT_RANK, seed: int = 0) -> di
   if not isinstance(rank, int) or rank < 1:
     raise ThoughtletError(f"bridge rank must be a positive integer (e.g. 64, 128, 256), got {rank!r}")
   D = cfg.d_model
-  down = jax.random.normal(jax.random.key(seed), (D, rank), jnp.float32) * (D ** -0.5)
+  down = jax.random.normal(jax.random.key(seed), (D, rank), jnp.float32) * (D**-0.5)
   return {"norm": {"weight": jnp.ones((D,), jnp.float32)}, "down": down, "up": jnp.zeros((rank, D), jnp.float32)}
 
 
@@ -84,12 +84,16 @@ def cut_point(path: str | Sequence, num_layers: int) -> tuple[int, tuple[int, in
   for i, layer in enumerate(layers):
     if layer != i:
       if layer <= i:
-        raise ThoughtletError(f"path {path!r} repeats layers at position {i} (layer {layer}); a bridge heals "
-                              f"skipped layers or an early exit, give a path whose blocks go up in order")
+        raise ThoughtletError(
+          f"path {path!r} repeats layers at position {i} (layer {layer}); a bridge heals "
+          f"skipped layers or an early exit, give a path whose blocks go up in order"
+        )
       return i, (i, layer)
   if len(layers) >= num_layers:
-    raise ThoughtletError(f"path {path!r} runs all {num_layers} layers; there is no cut to heal. Give an early "
-                          f"exit (embed, blocks[0:10), head) or a skip (embed, blocks[0:8), blocks[10:{num_layers}), head)")
+    raise ThoughtletError(
+      f"path {path!r} runs all {num_layers} layers; there is no cut to heal. Give an early "
+      f"exit (embed, blocks[0:10), head) or a skip (embed, blocks[0:8), blocks[10:{num_layers}), head)"
+    )
   return len(layers), (len(layers), num_layers)
 
 
@@ -119,16 +123,33 @@ def bridged_path(path: str, name: str, num_layers: int) -> str:
   return ", ".join(out)
 
 
-def bridge_thoughtlet(cfg: ModelConfig, tokenizer_hash: str, params: Mapping, *, cut_path: str,
-                      span: tuple[int, int], report: Mapping | None = None) -> Thoughtlet:
+def bridge_thoughtlet(
+  cfg: ModelConfig,
+  tokenizer_hash: str,
+  params: Mapping,
+  *,
+  cut_path: str,
+  span: tuple[int, int],
+  report: Mapping | None = None,
+) -> Thoughtlet:
   """A bridge as a :class:`Thoughtlet` (unprofiled): typed residual -> residual; its constraints record
   the cut path it heals and (``report``) how it was trained and its held-out quality before and after."""
   name = bridge_name(span)
-  sig = signature_for(Kind.BRIDGE, cfg, tokenizer_hash, tags=("bridge", "heal"),
-                      description=f"heals layers [{span[0]}, {span[1]}) of {cut_path}")
+  sig = signature_for(
+    Kind.BRIDGE,
+    cfg,
+    tokenizer_hash,
+    tags=("bridge", "heal"),
+    description=f"heals layers [{span[0]}, {span[1]}) of {cut_path}",
+  )
   extra = {"heals": list(span), "cut_path": cut_path, "rank": rank_of(params)}
   if report is not None:
     extra["training"] = dict(report)
   sig = dataclasses.replace(sig, constraints={**sig.constraints, **extra})
-  return Thoughtlet(name, Kind.BRIDGE, sig, {"norm": {"weight": params["norm"]["weight"]}, "down": params["down"],
-                                             "up": params["up"]}, cfg)
+  return Thoughtlet(
+    name,
+    Kind.BRIDGE,
+    sig,
+    {"norm": {"weight": params["norm"]["weight"]}, "down": params["down"], "up": params["up"]},
+    cfg,
+  )

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -21,8 +22,7 @@ HASH_DOMAIN = b"thoughtjax.thoughtlet/1\n"
 
 def canonical_json(obj: Any) -> bytes:
   """The one byte serialization that is hashed and signed: sorted keys, no spaces, UTF-8."""
-  return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                    allow_nan=False).encode()
+  return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
 def flat_params(params: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:

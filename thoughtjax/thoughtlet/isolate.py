@@ -23,7 +23,7 @@ message's tokens alone against the embed output of the whole chat prompt.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -64,8 +64,10 @@ class ReplayReport:
     return self.captured.shape == self.replayed.shape and self.max_abs_diff <= atol
 
   def __str__(self) -> str:
-    return (f"replay {self.name}: {tuple(self.input.shape)} -> {tuple(self.replayed.shape)}, "
-            f"max |alone - in model| = {self.max_abs_diff:.3g}")
+    return (
+      f"replay {self.name}: {tuple(self.input.shape)} -> {tuple(self.replayed.shape)}, "
+      f"max |alone - in model| = {self.max_abs_diff:.3g}"
+    )
 
 
 class _Recorder:
@@ -100,9 +102,11 @@ def _module(model):
   """The NNX Transformer of a loaded Model, or the Transformer itself; it must hold real weights."""
   module = getattr(model, "module", model)
   if not isinstance(module.embed.table.get_value(), jax.Array):
-    raise ThoughtletError("this model holds no whole-model weights (a path composed from a registry holds only "
-                          "its parts); replay inside the loaded source model instead: "
-                          "replay(thoughtjax.load(source), registry.thoughtlet(name), prompt)")
+    raise ThoughtletError(
+      "this model holds no whole-model weights (a path composed from a registry holds only "
+      "its parts); replay inside the loaded source model instead: "
+      "replay(thoughtjax.load(source), registry.thoughtlet(name), prompt)"
+    )
   return module
 
 
@@ -117,11 +121,14 @@ def capture(model, tokens) -> Capture:
   positions = jnp.broadcast_to(jnp.arange(T)[None], (B, T))
   logits, _ = type(module).forward(_Recorded(module, records), tokens, positions, caches, write_at, mask)
   if len(records["blocks"]) != module.cfg.num_layers or len(records["embed"]) != 1 or len(records["head"]) != 1:
-    raise RuntimeError(f"capture saw {len(records['embed'])} embed, {len(records['blocks'])} block and "
-                       f"{len(records['head'])} head calls; expected 1, {module.cfg.num_layers} and 1. "
-                       f"The model's forward no longer calls its parts once each")
-  return Capture(np.asarray(tokens), records["embed"][0], tuple(records["blocks"]), records["head"][0],
-                 np.asarray(logits))
+    raise RuntimeError(
+      f"capture saw {len(records['embed'])} embed, {len(records['blocks'])} block and "
+      f"{len(records['head'])} head calls; expected 1, {module.cfg.num_layers} and 1. "
+      f"The model's forward no longer calls its parts once each"
+    )
+  return Capture(
+    np.asarray(tokens), records["embed"][0], tuple(records["blocks"]), records["head"][0], np.asarray(logits)
+  )
 
 
 # ------------------------------------------------------------------------------ the kinds
@@ -155,13 +162,19 @@ def _head(cap: Capture, params, layers, a: _Alone):
 
 def _template(cap: Capture, params, layers, a: _Alone):
   user = np.asarray([a.user], np.int32)
-  got = run_template(params, a.table, jnp.asarray(user), jnp.asarray([user.shape[1]], jnp.int32),
-                     total_len=cap.tokens.shape[1], left_pad=False, implementation=a.implementation)
+  got = run_template(
+    params,
+    a.table,
+    jnp.asarray(user),
+    jnp.asarray([user.shape[1]], jnp.int32),
+    total_len=cap.tokens.shape[1],
+    left_pad=False,
+    implementation=a.implementation,
+  )
   return user, cap.embed[1], got
 
 
-_KINDS: dict[Kind, Callable] = {Kind.EMBED: _embed, Kind.BLOCKS: _blocks, Kind.HEAD: _head,
-                                Kind.TEMPLATE: _template}
+_KINDS: dict[Kind, Callable] = {Kind.EMBED: _embed, Kind.BLOCKS: _blocks, Kind.HEAD: _head, Kind.TEMPLATE: _template}
 
 
 # ------------------------------------------------------------------------------ the tool
@@ -169,8 +182,10 @@ def _unit(module, unit: str | Thoughtlet, codec, system) -> tuple[str, Kind, tup
   """(name, kind, layers, params) of a named unit cut from the model, or of a given thoughtlet."""
   if isinstance(unit, Thoughtlet):
     if unit.config.family_hash != module.cfg.family_hash:
-      raise ThoughtletError(f"{unit.name}: cut from a model of family {unit.config.family_hash}, but the model "
-                            f"replayed is family {module.cfg.family_hash}; replay it inside the model it was cut from")
+      raise ThoughtletError(
+        f"{unit.name}: cut from a model of family {unit.config.family_hash}, but the model "
+        f"replayed is family {module.cfg.family_hash}; replay it inside the model it was cut from"
+      )
     kind, layers, params = unit.kind, unit.layers, unit.params
     if kind is Kind.BLOCKS and layers[1] > module.cfg.num_layers:
       raise ThoughtletError(f"{unit.name}: layers {layers} run past the model's {module.cfg.num_layers} layers")
@@ -196,13 +211,24 @@ def _prompt(codec, prompt, kind: Kind, chat: bool, system: str | None) -> tuple[
   user = codec.tokenizer.encode(prompt, add_special_tokens=False).ids
   prefix, suffix = template_parts(codec, system)
   if not user or prefix + user + suffix != tokens:
-    raise ThoughtletError(f"the message {prompt!r} does not tokenize the same alone as inside the chat prompt "
-                          f"(or is empty); pick a message that does, e.g. one that starts and ends with a letter")
+    raise ThoughtletError(
+      f"the message {prompt!r} does not tokenize the same alone as inside the chat prompt "
+      f"(or is empty); pick a message that does, e.g. one that starts and ends with a letter"
+    )
   return tokens, user
 
 
-def replay(model, unit: str | Thoughtlet, prompt: str | Sequence[int], *, chat: bool = False,
-           system: str | None = None, table=None, codec=None, implementation: str | None = None) -> ReplayReport:
+def replay(
+  model,
+  unit: str | Thoughtlet,
+  prompt: str | Sequence[int],
+  *,
+  chat: bool = False,
+  system: str | None = None,
+  table=None,
+  codec=None,
+  implementation: str | None = None,
+) -> ReplayReport:
   """Run one thoughtlet alone on the input it receives inside ``model``; compare with its output there.
 
   ``model``: a loaded :class:`~thoughtjax.engine.Model` (``thoughtjax.load()``) or a bare Transformer
@@ -219,8 +245,9 @@ def replay(model, unit: str | Thoughtlet, prompt: str | Sequence[int], *, chat: 
     raise ThoughtletError(f"replay {name}: the prompt has no tokens; give at least one")
   cap = capture(module, tokens)
   abstract = abstract_model(module.cfg)
-  alone = _Alone(GraphDefs.from_model(module), abstract, module.embed.table[...] if table is None else table, user,
-                 implementation)
+  alone = _Alone(
+    GraphDefs.from_model(module), abstract, module.embed.table[...] if table is None else table, user, implementation
+  )
   x, want, got = _KINDS[kind](cap, params, layers, alone)
   got = np.asarray(got)
   diff = float(np.max(np.abs(got - want))) if got.shape == want.shape else float("inf")

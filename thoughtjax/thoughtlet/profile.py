@@ -13,7 +13,8 @@ import os
 import platform
 import sys
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +57,7 @@ class ResourceProfile:
     return d
 
   @classmethod
-  def from_json(cls, d: Mapping) -> "ResourceProfile":
+  def from_json(cls, d: Mapping) -> ResourceProfile:
     return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
 
 
@@ -79,10 +80,19 @@ def fingerprint() -> dict:
   import orbax.checkpoint as ocp
 
   dev = jax.devices()[0]
-  return {"platform": dev.platform, "device_kind": dev.device_kind, "device_count": jax.device_count(),
-          "cpu": _cpu_name(), "cpu_count": os.cpu_count(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-          "flax": flax.__version__, "orbax": ocp.__version__, "python": sys.version.split()[0],
-          "xla_flags": os.environ.get("XLA_FLAGS", "")}
+  return {
+    "platform": dev.platform,
+    "device_kind": dev.device_kind,
+    "device_count": jax.device_count(),
+    "cpu": _cpu_name(),
+    "cpu_count": os.cpu_count(),
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "flax": flax.__version__,
+    "orbax": ocp.__version__,
+    "python": sys.version.split()[0],
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+  }
 
 
 # One decode step of a thoughtlet alone: (jittable fn, example args, tokens it handles).
@@ -138,8 +148,14 @@ def _router_step(t: Thoughtlet, abstract, defs: GraphDefs, s: ProfileSettings, t
   return profile_step(t, s)
 
 
-_STEPS = {Kind.EMBED: _embed_step, Kind.HEAD: _head_step, Kind.BLOCKS: _blocks_step, Kind.TEMPLATE: _template_step,
-          Kind.BRIDGE: _bridge_step, Kind.ROUTER: _router_step}
+_STEPS = {
+  Kind.EMBED: _embed_step,
+  Kind.HEAD: _head_step,
+  Kind.BLOCKS: _blocks_step,
+  Kind.TEMPLATE: _template_step,
+  Kind.BRIDGE: _bridge_step,
+  Kind.ROUTER: _router_step,
+}
 
 
 def _step_setup(t: Thoughtlet, settings: ProfileSettings, table) -> Step:
@@ -156,8 +172,7 @@ def _xla_costs(compiled) -> tuple[float, int]:
   mem = compiled.memory_analysis()
   peak = int(getattr(mem, "peak_memory_in_bytes", 0) or 0)
   if peak <= 0:  # backends that do not report a peak: live arguments + outputs + temps
-    peak = int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-               - mem.alias_size_in_bytes)
+    peak = int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
   return flops, peak
 
 
@@ -182,8 +197,10 @@ def measure_profile(t: Thoughtlet, settings: ProfileSettings = ProfileSettings()
   ``table`` is the embedding table [V, D] for a tied head or a template (ignored otherwise).
   """
   if _needs_table(t) and table is None:
-    raise ThoughtletError(f"{t.name}: measuring a {t.kind.value} thoughtlet needs the embedding table; "
-                          f"pass table= (the embed thoughtlet's params['table'], [V, D])")
+    raise ThoughtletError(
+      f"{t.name}: measuring a {t.kind.value} thoughtlet needs the embedding table; "
+      f"pass table= (the embed thoughtlet's params['table'], [V, D])"
+    )
   table = table if _needs_table(t) else None
   fn, args, tokens = _step_setup(t, settings, table)
   compiled = jax.jit(fn).lower(*args).compile()
@@ -191,8 +208,14 @@ def measure_profile(t: Thoughtlet, settings: ProfileSettings = ProfileSettings()
   times = _time_per_token(compiled, args, tokens, settings)
   times_a = np.asarray(times or [float("nan")])
   return ResourceProfile(
-      param_bytes=t.param_bytes, flops_per_token=flops / tokens, peak_memory_bytes=peak,
-      latency_mean_s=float(times_a.mean()) if times else 0.0,
-      latency_std_s=float(times_a.std()) if times else 0.0,
-      latency_p99_s=float(np.percentile(times_a, 99)) if times else 0.0,
-      samples=len(times), batch=settings.batch, context=settings.context, fingerprint=fingerprint())
+    param_bytes=t.param_bytes,
+    flops_per_token=flops / tokens,
+    peak_memory_bytes=peak,
+    latency_mean_s=float(times_a.mean()) if times else 0.0,
+    latency_std_s=float(times_a.std()) if times else 0.0,
+    latency_p99_s=float(np.percentile(times_a, 99)) if times else 0.0,
+    samples=len(times),
+    batch=settings.batch,
+    context=settings.context,
+    fingerprint=fingerprint(),
+  )

@@ -6,7 +6,7 @@ thoughtlet's state and calls the part; nothing here is jitted (callers own the j
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax.numpy as jnp
 from flax import nnx
@@ -27,8 +27,16 @@ def causal_setup(cfg: ModelConfig, batch: int, length: int, layers: int):
   return caches, jnp.zeros((), jnp.int32), mask
 
 
-def run_blocks(defs: GraphDefs, cfg: ModelConfig, states: Sequence[nnx.State], x, positions=None,
-               caches=None, write_at=None, mask=None):
+def run_blocks(
+  defs: GraphDefs,
+  cfg: ModelConfig,
+  states: Sequence[nnx.State],
+  x,
+  positions=None,
+  caches=None,
+  write_at=None,
+  mask=None,
+):
   """Blocks in order over residual x [B, T, D].
 
   Without caches this is a causal forward from scratch (fresh caches of T slots);
@@ -51,10 +59,25 @@ def run_head(defs: GraphDefs, state: nnx.State, x, table=None):  # [B, T, D] -> 
   return nnx.merge(defs.head, state)(x, table)
 
 
-def run_template(params: Mapping, table, user_ids, user_lengths, total_len: int, left_pad: bool = True,
-                 implementation: str | None = None):
+def run_template(
+  params: Mapping,
+  table,
+  user_ids,
+  user_lengths,
+  total_len: int,
+  left_pad: bool = True,
+  implementation: str | None = None,
+):
   """[B, U] user ids -> [B, total_len, D]: template rows around the user rows (one pass)."""
   from thoughtjax.kernels.template_embed import template_embed
 
-  return template_embed(params["prefix_rows"], params["suffix_rows"], table, user_ids, user_lengths,
-                        total_len=total_len, left_pad=left_pad, implementation=implementation)
+  return template_embed(
+    params["prefix_rows"],
+    params["suffix_rows"],
+    table,
+    user_ids,
+    user_lengths,
+    total_len=total_len,
+    left_pad=left_pad,
+    implementation=implementation,
+  )

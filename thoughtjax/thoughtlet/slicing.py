@@ -8,7 +8,7 @@ the same module code as the whole model.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from flax import nnx
 
@@ -29,8 +29,10 @@ def unit_of(name: str) -> tuple[Kind, tuple[int, int] | None]:
     return Kind.BLOCKS, span
   if name in ("embed", "head", "template"):
     return Kind(name), None
-  raise ThoughtletError(f"{name!r} is not a thoughtlet of a model; expected embed, head, template or "
-                        f"blocks[a:b) (half-open). Named thoughtlets live in a registry")
+  raise ThoughtletError(
+    f"{name!r} is not a thoughtlet of a model; expected embed, head, template or "
+    f"blocks[a:b) (half-open). Named thoughtlets live in a registry"
+  )
 
 
 def template_parts(codec, system: str | None) -> tuple[list[int], list[int]]:
@@ -49,13 +51,16 @@ def _blocks(model: Transformer, layers) -> dict:
     raise ThoughtletError("cutting blocks needs a layer range; pass layers=(a, b) or the name 'blocks[a:b)'")
   a, b = layers
   if not 0 <= a < b <= len(model.blocks):
-    raise ThoughtletError(f"blocks[{a}:{b}): the model has layers 0..{len(model.blocks) - 1}; "
-                          f"give a half-open range inside [0, {len(model.blocks)})")
+    raise ThoughtletError(
+      f"blocks[{a}:{b}): the model has layers 0..{len(model.blocks) - 1}; "
+      f"give a half-open range inside [0, {len(model.blocks)})"
+    )
   return {str(i): nnx.to_pure_dict(nnx.state(model.blocks[i])) for i in range(a, b)}
 
 
-def cut(model: Transformer, kind: Kind | str, *, layers: tuple[int, int] | None = None,
-        codec=None, system: str | None = None) -> dict:
+def cut(
+  model: Transformer, kind: Kind | str, *, layers: tuple[int, int] | None = None, codec=None, system: str | None = None
+) -> dict:
   """The params of one thoughtlet, taken (not copied) from a model.
 
   ``kind`` is a :class:`Kind` (blocks take ``layers=(a, b)``) or a name such as

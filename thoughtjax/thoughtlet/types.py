@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -46,7 +47,7 @@ class TensorType:
     dims = ",".join(str(d) for d in self.shape)
     return f"{self.role}[{dims}] {self.dtype}" + (f" family={self.family}" if self.family else "")
 
-  def mismatch(self, received: "TensorType") -> str | None:
+  def mismatch(self, received: TensorType) -> str | None:
     """Why ``received`` cannot feed an input of this type (None if it can)."""
     if received.role != self.role:
       return f"role {received.role!r} is not {self.role!r}"
@@ -65,7 +66,7 @@ class TensorType:
     return {"role": self.role, "shape": list(self.shape), "dtype": self.dtype, "family": self.family}
 
   @classmethod
-  def from_json(cls, d: Mapping) -> "TensorType":
+  def from_json(cls, d: Mapping) -> TensorType:
     return cls(d["role"], tuple(d["shape"]), d["dtype"], d.get("family"))
 
 
@@ -78,14 +79,23 @@ class SemanticSignature:
   description: str = ""
 
   def to_json(self) -> dict:
-    return {"input": self.input.to_json(), "output": self.output.to_json(),
-            "constraints": dict(self.constraints), "tags": list(self.tags),
-            "description": self.description}
+    return {
+      "input": self.input.to_json(),
+      "output": self.output.to_json(),
+      "constraints": dict(self.constraints),
+      "tags": list(self.tags),
+      "description": self.description,
+    }
 
   @classmethod
-  def from_json(cls, d: Mapping) -> "SemanticSignature":
-    return cls(TensorType.from_json(d["input"]), TensorType.from_json(d["output"]),
-               dict(d["constraints"]), tuple(d.get("tags", ())), d.get("description", ""))
+  def from_json(cls, d: Mapping) -> SemanticSignature:
+    return cls(
+      TensorType.from_json(d["input"]),
+      TensorType.from_json(d["output"]),
+      dict(d["constraints"]),
+      tuple(d.get("tags", ())),
+      d.get("description", ""),
+    )
 
 
 def residual_type(cfg: ModelConfig) -> TensorType:
@@ -96,13 +106,15 @@ def _links(kind: Kind, cfg: ModelConfig, tokenizer_hash: str) -> tuple[TensorTyp
   """(input, output) types of a thoughtlet of ``kind``."""
   resid = residual_type(cfg)
   return {
-      Kind.EMBED: (TensorType("tokens", ("B", "T"), "i32", tokenizer_hash), resid),
-      Kind.BLOCKS: (resid, resid),
-      Kind.HEAD: (resid, TensorType("logits", ("B", "T", cfg.vocab_size), "f32", tokenizer_hash)),
-      Kind.TEMPLATE: (TensorType("message", ("B", "U"), "i32", tokenizer_hash), resid),
-      Kind.BRIDGE: (resid, resid),
-      Kind.ROUTER: (TensorType("tokens", ("B", "T"), "i32", tokenizer_hash),
-                    TensorType("hint_probs", ("B", "C"), "f32", tokenizer_hash)),
+    Kind.EMBED: (TensorType("tokens", ("B", "T"), "i32", tokenizer_hash), resid),
+    Kind.BLOCKS: (resid, resid),
+    Kind.HEAD: (resid, TensorType("logits", ("B", "T", cfg.vocab_size), "f32", tokenizer_hash)),
+    Kind.TEMPLATE: (TensorType("message", ("B", "U"), "i32", tokenizer_hash), resid),
+    Kind.BRIDGE: (resid, resid),
+    Kind.ROUTER: (
+      TensorType("tokens", ("B", "T"), "i32", tokenizer_hash),
+      TensorType("hint_probs", ("B", "C"), "f32", tokenizer_hash),
+    ),
   }[kind]
 
 
@@ -112,26 +124,41 @@ def _constraints(kind: Kind, cfg: ModelConfig, tokenizer_hash: str, layers, cont
     return {"max_context": context, **vocab}
   if kind is Kind.BLOCKS:
     rope = {"theta": cfg.rope_theta, "head_dim": cfg.head_dim}
-    return {"max_context": context, "rope": rope, "layers": list(layers),
-            "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads}
+    return {
+      "max_context": context,
+      "rope": rope,
+      "layers": list(layers),
+      "num_heads": cfg.num_heads,
+      "num_kv_heads": cfg.num_kv_heads,
+    }
   if kind is Kind.HEAD:  # a tied head reads the embed thoughtlet's table
-    return {"max_context": context, "tied": cfg.tie_embeddings, **vocab,
-            **({"requires": ["embed"]} if cfg.tie_embeddings else {})}
+    return {
+      "max_context": context,
+      "tied": cfg.tie_embeddings,
+      **vocab,
+      **({"requires": ["embed"]} if cfg.tie_embeddings else {}),
+    }
   if kind is Kind.BRIDGE:  # position-wise: no rope, no cache; what it heals is in its tags/constraints
     return {"max_context": context}
   return {"max_context": context, "requires": ["embed"], **vocab}  # template, router
 
 
-def signature_for(kind: Kind, cfg: ModelConfig, tokenizer_hash: str, *,
-                  layers: tuple[int, int] | None = None, max_context: int | None = None,
-                  tags: tuple[str, ...] = (), description: str = "") -> SemanticSignature:
+def signature_for(
+  kind: Kind,
+  cfg: ModelConfig,
+  tokenizer_hash: str,
+  *,
+  layers: tuple[int, int] | None = None,
+  max_context: int | None = None,
+  tags: tuple[str, ...] = (),
+  description: str = "",
+) -> SemanticSignature:
   """The semantic signature of a thoughtlet of ``kind`` cut from a model with ``cfg``."""
   if kind is Kind.BLOCKS and layers is None:
     raise ThoughtletError("a blocks thoughtlet's signature needs its layer range; pass layers=(a, b)")
   context = min(cfg.max_context, max_context or cfg.max_context)
   inp, out = _links(kind, cfg, tokenizer_hash)
-  return SemanticSignature(inp, out, _constraints(kind, cfg, tokenizer_hash, layers, context), tuple(tags),
-                           description)
+  return SemanticSignature(inp, out, _constraints(kind, cfg, tokenizer_hash, layers, context), tuple(tags), description)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +176,7 @@ class Thoughtlet:
   params: Mapping[str, Any]
   config: ModelConfig
   layers: tuple[int, int] | None = None
-  profile: "ResourceProfile | None" = None
+  profile: ResourceProfile | None = None
 
   @property
   def param_bytes(self) -> int:
@@ -157,17 +184,23 @@ class Thoughtlet:
 
   def identity(self) -> dict:
     """What the versioned hash covers besides the weights."""
-    return {"name": self.name, "kind": self.kind.value,
-            "layers": None if self.layers is None else list(self.layers),
-            "semantic_signature": self.signature.to_json(), "model_config": self.config.to_json()}
+    return {
+      "name": self.name,
+      "kind": self.kind.value,
+      "layers": None if self.layers is None else list(self.layers),
+      "semantic_signature": self.signature.to_json(),
+      "model_config": self.config.to_json(),
+    }
 
   def versioned_hash(self) -> str:
     return versioned_hash(self.identity(), self.params)
 
-  def with_params(self, params: Mapping[str, Any]) -> "Thoughtlet":
+  def with_params(self, params: Mapping[str, Any]) -> Thoughtlet:
     """A new version with other weights (same shapes), e.g. after fine-tuning; unprofiled."""
     spec_old, spec_new = param_spec(self.params), param_spec(params)
     if spec_old != spec_new:
-      raise ThoughtletError(f"{self.name}: new weights must keep the parameter tree; expected "
-                            f"{spec_old}, got {spec_new}. Give arrays of the same paths, shapes and dtypes")
+      raise ThoughtletError(
+        f"{self.name}: new weights must keep the parameter tree; expected "
+        f"{spec_old}, got {spec_new}. Give arrays of the same paths, shapes and dtypes"
+      )
     return dataclasses.replace(self, params=params, profile=None)
