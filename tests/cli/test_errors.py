@@ -206,7 +206,7 @@ def test_kernels_reaches_the_model(monkeypatch, choice):
   argv = ["generate", "--prompt", "x"] + ([] if choice is None else ["--kernels", choice])
   with pytest.raises(Stop):
     cli.main(argv)
-  assert seen == {"kernels": choice}
+  assert seen == {"kernels": choice, "weights": "f32"}
 
 
 # ------------------------------------------------------------------------------ trust

@@ -117,6 +117,8 @@ def _open(args):
 def cmd_verify(args) -> int:
   from thoughtjax.registry import ResourceProfileMismatch, Tolerance
 
+  if args.hardware:
+    import thoughtjax.synthesis.router_store  # noqa: F401  (registers the router kind's profile step)
   reg = _open(args)
   tol = Tolerance(
     flops=args.flops_tolerance,

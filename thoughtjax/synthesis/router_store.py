@@ -54,6 +54,7 @@ from thoughtjax.synthesis.router import (
   train_router,
 )
 from thoughtjax.thoughtlet import Kind, Thoughtlet, signature_for
+from thoughtjax.thoughtlet.profile import register_step
 
 ROUTER_NAME = "router"
 
@@ -88,6 +89,9 @@ def profile_step(t: Thoughtlet, settings):
   params = flatten_params(t.params)
   f = jnp.zeros((settings.batch, params["standardize.mean"].shape[0]), jnp.float32)
   return (lambda p, x: jax.nn.softmax(_logits(p, x), axis=-1)), (params, f), settings.batch
+
+
+register_step(Kind.ROUTER, profile_step)
 
 
 # ------------------------------------------------------------------------------ the model features read

@@ -142,25 +142,32 @@ def _bridge_step(t: Thoughtlet, abstract, defs: GraphDefs, s: ProfileSettings, t
   return apply, (dict(t.params), x), s.batch
 
 
-def _router_step(t: Thoughtlet, abstract, defs: GraphDefs, s: ProfileSettings, table, x) -> Step:
-  from thoughtjax.synthesis.router_store import profile_step  # the classifier alone: its features are embed rows
-
-  return profile_step(t, s)
-
-
 _STEPS = {
   Kind.EMBED: _embed_step,
   Kind.HEAD: _head_step,
   Kind.BLOCKS: _blocks_step,
   Kind.TEMPLATE: _template_step,
   Kind.BRIDGE: _bridge_step,
-  Kind.ROUTER: _router_step,
 }
+
+
+def register_step(kind: Kind, step_for: Callable[[Thoughtlet, ProfileSettings], Step]) -> None:
+  """Profile thoughtlets of ``kind`` with ``step_for(thoughtlet, settings) -> (fn, args, tokens)``.
+
+  For kinds defined above this package (the hint router lives in :mod:`thoughtjax.synthesis`): the
+  module that defines the kind registers its step when imported, so this package imports nothing above it.
+  """
+  _STEPS[kind] = lambda t, abstract, defs, s, table, x: step_for(t, s)
 
 
 def _step_setup(t: Thoughtlet, settings: ProfileSettings, table) -> Step:
   abstract = abstract_model(t.config)
   x = jax.random.normal(jax.random.key(0), (settings.batch, 1, t.config.d_model), jnp.float32)
+  if t.kind not in _STEPS:
+    raise ThoughtletError(
+      f"{t.name}: no profile step is registered for kind {t.kind.value!r}; import the module that defines "
+      f"the kind first (for 'router': thoughtjax.synthesis.router_store)"
+    )
   return _STEPS[t.kind](t, abstract, GraphDefs.from_model(abstract), settings, table, x)
 
 
