@@ -33,6 +33,7 @@ from typing import Any
 
 import yaml
 
+from thoughtjax import yamlnodes
 from thoughtjax.errors import UserError
 
 KINDS = ("embed", "blocks", "head", "template")
@@ -85,12 +86,7 @@ class Mapping:
     _check_spans(self, num_layers)
 
 
-def _line(node: yaml.Node) -> int:
-  return node.start_mark.line + 1
-
-
-def _field_nodes(node: yaml.MappingNode) -> dict[str, tuple[yaml.Node, yaml.Node]]:
-  return {k.value: (k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode)}
+_line, _field_nodes = yamlnodes.line, yamlnodes.field_nodes
 
 
 def load_mapping(source: str | os.PathLike, num_layers: int | None = None, *, text: str | None = None) -> Mapping:
@@ -98,29 +94,7 @@ def load_mapping(source: str | os.PathLike, num_layers: int | None = None, *, te
   name = str(source)
   if text is None:
     text = Path(source).read_text()
-  loader = yaml.SafeLoader(text)
-  try:
-    root = loader.get_single_node()
-    data = loader.construct_document(root) if root is not None else None
-  except yaml.YAMLError as e:
-    mark = getattr(e, "problem_mark", None)
-    raise MappingError(
-      f"not valid YAML: {getattr(e, 'problem', e)}", source=name, line=None if mark is None else mark.line + 1
-    ) from None
-  finally:
-    loader.dispose()
-  if not isinstance(data, dict) or not isinstance(root, yaml.MappingNode):
-    raise MappingError("expected a mapping with a 'thoughtlets' list at the top level", source=name, line=1)
-  top = _field_nodes(root)
-  unknown = sorted(set(data) - _TOP_KEYS)
-  if unknown:
-    raise MappingError(
-      f"unknown top-level key {unknown[0]!r}; allowed: {sorted(_TOP_KEYS)}", source=name, line=_line(top[unknown[0]][0])
-    )
-  if data.get("format", 1) != 1:
-    raise MappingError(
-      f"format {data['format']!r} is not supported; expected 1", source=name, line=_line(top["format"][1])
-    )
+  data, top = yamlnodes.load_document(text, name, MappingError, top_keys=_TOP_KEYS, expected="a 'thoughtlets' list")
   declared = data.get("num_layers")
   if declared is not None and (not isinstance(declared, int) or declared <= 0):
     raise MappingError(

@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 import yaml
 
+from thoughtjax import yamlnodes
 from thoughtjax.errors import UserError
 
 DOC_SEPARATOR = "%%% document %%%"
@@ -183,12 +184,7 @@ def _check_split(split: str) -> None:
     raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
 
 
-def _line(node: yaml.Node) -> int:
-  return node.start_mark.line + 1
-
-
-def _field_nodes(node: yaml.MappingNode) -> dict[str, tuple[yaml.Node, yaml.Node]]:
-  return {k.value: (k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode)}
+_line, _field_nodes = yamlnodes.line, yamlnodes.field_nodes
 
 
 def load_dictionary(path: str | os.PathLike | None = None, *, text: str | None = None) -> SynthesisDictionary:
@@ -208,29 +204,7 @@ def load_dictionary(path: str | os.PathLike | None = None, *, text: str | None =
         source=name,
         line=None,
       ) from None
-  loader = yaml.SafeLoader(text)
-  try:
-    root = loader.get_single_node()
-    data = loader.construct_document(root) if root is not None else None
-  except yaml.YAMLError as e:
-    mark = getattr(e, "problem_mark", None)
-    raise DictionaryError(
-      f"not valid YAML: {getattr(e, 'problem', e)}", source=name, line=None if mark is None else mark.line + 1
-    ) from None
-  finally:
-    loader.dispose()
-  if not isinstance(data, dict) or not isinstance(root, yaml.MappingNode):
-    raise DictionaryError("expected a mapping with a 'hints' list at the top level", source=name, line=1)
-  top = _field_nodes(root)
-  unknown = sorted(set(data) - _TOP_KEYS)
-  if unknown:
-    raise DictionaryError(
-      f"unknown top-level key {unknown[0]!r}; allowed: {sorted(_TOP_KEYS)}", source=name, line=_line(top[unknown[0]][0])
-    )
-  if data.get("format", 1) != 1:
-    raise DictionaryError(
-      f"format {data['format']!r} is not supported; expected 1", source=name, line=_line(top["format"][1])
-    )
+  data, top = yamlnodes.load_document(text, name, DictionaryError, top_keys=_TOP_KEYS, expected="a 'hints' list")
   items = data.get("hints")
   if "hints" not in top or not isinstance(items, list) or not items:
     raise DictionaryError(
