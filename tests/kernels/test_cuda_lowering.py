@@ -9,6 +9,7 @@ compilation handler that the CUDA plugin registers; ``lower_for_cuda`` says so.
 """
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import pytest
 
@@ -109,7 +110,7 @@ def _kernel_jaxprs(f, args):
       if eqn.primitive.name == "pallas_call":
         kernels.append(eqn.params["jaxpr"])
         continue
-      for sub in jax.core.jaxprs_in_params(eqn.params):
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
         collect(sub, inside_kernel)
 
   collect(jax.make_jaxpr(f)(*args).jaxpr, False)
@@ -119,7 +120,7 @@ def _kernel_jaxprs(f, args):
 def _all_eqns(jaxpr):
   for eqn in jaxpr.eqns:
     yield eqn
-    for sub in jax.core.jaxprs_in_params(eqn.params):
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
       yield from _all_eqns(sub)
 
 
