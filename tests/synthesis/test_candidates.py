@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.registry.helpers import DEEP_SPANS
 from tests.synthesis.test_quality import make_model
 from thoughtjax import program
 from thoughtjax.compose import compose
@@ -144,22 +145,7 @@ def test_the_full_path_is_always_proposed(ident, docs):
 def test_defaults_follow_the_depth_and_unit_boundaries():
   assert default_exits(unit_spans(30), 30) == list(range(15, 30, 2))  # 15, 17, ..., 29
   assert default_repeats(unit_spans(30), 30) == [(10, 20)]
-  shipped = [
-    (0, 2),
-    (2, 4),
-    (4, 6),
-    (6, 8),
-    (8, 10),
-    (10, 12),
-    (12, 15),
-    (15, 18),
-    (18, 20),
-    (20, 22),
-    (22, 24),
-    (24, 26),
-    (26, 28),
-    (28, 30),
-  ]
+  shipped = DEEP_SPANS  # the shipped mapping's block boundaries
   assert default_exits(unit_spans(30, shipped), 30) == [15, 18, 20, 22, 24, 26, 28]
   assert default_repeats(unit_spans(30, shipped), 30) == [(10, 20)]
 
