@@ -127,6 +127,31 @@ def test_rollback_is_refused_by_readers_and_writers(registry_copy, keypair, tmp_
   assert entry["sequence"] == 2 and entry["signed"] is True and state.stat().st_size < 512
 
 
+def test_a_newer_sequence_recorded_while_reading_is_not_a_rollback(registry_copy, keypair, tmp_path, monkeypatch):
+  """Reader A reads index 1; before A checks it, a publish lands and reader B records sequence 2.
+  A holds a consistent (older) snapshot, not a rolled-back one: it opens at 1. Then a genuine
+  rollback (index 1 put back after 2 was seen) is still refused."""
+  from thoughtjax.registry import store
+
+  trust = TrustPolicy(state_file=tmp_path / "state.json")
+  writer = Registry.open(registry_copy, trust)
+  read_index = store._read_index
+
+  def read_then_race(root):
+    body = read_index(root)
+    monkeypatch.setattr(store, "_read_index", read_index)
+    writer.publish([_bumped(writer, 1)], sign_key=keypair[0], settings=None)
+    assert Registry.open(registry_copy, trust).sequence == 2  # reader B records 2
+    return body
+
+  old = _index_bytes(registry_copy)
+  monkeypatch.setattr(store, "_read_index", read_then_race)
+  assert Registry.open(registry_copy, trust).sequence == 1
+  (registry_copy / "index.json").write_bytes(old)
+  with pytest.raises(RollbackError):
+    Registry.open(registry_copy, trust)
+
+
 def test_state_file_stays_small(tmp_path, monkeypatch):
   from thoughtjax.registry import trust as trust_mod
 

@@ -46,10 +46,11 @@ def collect_garbage(
   root = Path(root).absolute()
   report = GcReport(dry_run=dry_run)
   with _writer_lock(root):
+    trust = trust or TrustPolicy()
+    state = RollbackState(trust.state_path()).snapshot()  # before the read (see RollbackState.snapshot)
     body, record = _read_index(root)
     # gc trusts the index to say what is live: an edited or rolled-back one must not decide deletions.
-    trust = trust or TrustPolicy()
-    Verifier(root, trust).check_index(body, record, RollbackState(trust.state_path()))
+    Verifier(root, trust).check_index(body, record, state)
     live = set()
     for name, hist in body["history"].items():
       live.update((dir_name(name), v) for v in hist[-keep:])

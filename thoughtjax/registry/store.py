@@ -123,11 +123,12 @@ class Registry:
   def refresh(self) -> None:
     """Read the index again (one read: a consistent snapshot of current versions), check its
     structure, signature and sequence (never lower than one seen before: :class:`RollbackError`)."""
+    state = RollbackState(self.trust.state_path()).snapshot()  # before the read (see snapshot)
     body, sig = _read_index(self.root)
     same = self._index is not None and self._index.get("registry_id") == body.get("registry_id")
     seen = sequence_of(self._index) if same else None  # a registry rebuilt at this path starts over
     verifier = Verifier(self.root, self.trust, self._count)
-    verifier.check_index(body, sig, RollbackState(self.trust.state_path()), seen=seen)
+    verifier.check_index(body, sig, state, seen=seen)
     with self._lock:
       self._verifier, self._index, self._index_record = verifier, body, sig
       self.config = ModelConfig.from_json(body["model"]["config"])

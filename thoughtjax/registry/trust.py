@@ -131,6 +131,17 @@ class RollbackState:
 
   def __init__(self, path: Path):
     self.path = Path(path)
+    self._snapshot: dict | None = None
+
+  def snapshot(self) -> RollbackState:
+    """Freeze what :meth:`get` answers to the entries recorded now. Take it *before* reading the
+    index: a concurrent reader may record a newer sequence between our read of the index and our
+    check, which is not a rollback; a sequence recorded before our read began is."""
+    try:
+      self._snapshot = self._read()
+    except OSError as e:
+      raise self._unusable(e) from e
+    return self
 
   def _read(self) -> dict:
     try:
@@ -151,6 +162,8 @@ class RollbackState:
     return doc.get("registries", {})
 
   def get(self, key: str) -> dict | None:
+    if self._snapshot is not None:
+      return self._snapshot.get(key)
     try:
       return self._read().get(key)
     except OSError as e:
