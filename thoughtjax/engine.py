@@ -238,9 +238,11 @@ class Generation:
   ``completions()`` runs it to the end and returns one :class:`Completion` per prompt.
   """
 
-  def __init__(self, run: Iterator[Delta], trace: Trace, cancelled: threading.Event):
+  def __init__(self, run: Iterator[Delta], trace: Trace, cancelled: threading.Event, inputs=None):
     # The runner must not refer back to this object, so dropping it finalizes the runner.
     self._run, self.trace, self._cancelled = run, trace, cancelled
+    # (model, prompt ids per row, SamplingParams per row): lets a slot engine run the same rows instead.
+    self.inputs = inputs
     n = len(trace.prompt_ids)
     self._tokens: list[list[int]] = [[] for _ in range(n)]
     self._texts = [""] * n
@@ -663,7 +665,8 @@ class Model:
     trace = Trace(key, ids, start, tokens_out=[0] * len(ids))
     cancelled = threading.Event()
     runner = _run_chunks if stream_mode == "chunks" else _run_callback
-    return Generation(runner(req, _Rows(self.codec, params, stops), trace, cancelled), trace, cancelled)
+    rows = _Rows(self.codec, params, stops)
+    return Generation(runner(req, rows, trace, cancelled), trace, cancelled, inputs=(self, ids, list(params)))
 
   def stream(
     self,
