@@ -21,6 +21,11 @@ A :class:`BlockQuant` is a JAX pytree (arrays are children; ``kind`` is static) 
 value of an ``nnx.Param``. Like an array, ``w[...]`` is ``w`` itself (what ``Variable[...]`` calls),
 ``w[ids]`` gathers and dequantizes rows, and ``jnp.asarray(w)`` dequantizes the whole matrix
 (code that needs a float32 table, e.g. a template's rows, keeps working).
+
+A :class:`RowInt8` is the lossy ``int8`` form: W [O, I] as int8 q and one float32 scale per output
+row (symmetric, ``W[o, i] ~ scale[o] * q[o, i]``, q in [-127, 127]), quantized from float32 weights by
+:func:`quantize_int8`. Its matmul ``(x @ convert(q).T) * scale`` reads one byte per weight. It is not
+exact: its quality against the exact path is measured (``thoughtjax bench decode --weights int8``).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from thoughtjax.errors import UserError
 Kind = Literal["Q8_0", "Q4_0", "Q4_1"]
 KINDS: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1")
 BLOCK = 32  # inputs per block, for every kind here (gguf.GGML_QUANT_SIZES[...][0])
-WEIGHT_FORMATS = ("f32", "native")
+WEIGHT_FORMATS = ("f32", "native", "int8")
 ArrayLike = jax.Array | np.ndarray
 
 
@@ -85,17 +90,57 @@ class BlockQuant:
     return BlockQuant(fn(self.q), fn(self.scale), None if self.min is None else fn(self.min), self.kind)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowInt8:
+  """W [O, I] as int8 q [O, I] and a float32 scale [O] per output row (symmetric, lossy)."""
+
+  q: ArrayLike
+  scale: ArrayLike
+
+  kind = "int8"
+  shape = BlockQuant.shape
+  ndim = BlockQuant.ndim
+  dtype = BlockQuant.dtype
+  nbytes = BlockQuant.nbytes
+  __getitem__ = BlockQuant.__getitem__
+
+  def __jax_array__(self):
+    return dequantize_jnp(self)
+
+  def map(self, fn) -> RowInt8:
+    """``fn`` applied to q and scale (e.g. a row permutation; both are indexed by row first)."""
+    return RowInt8(fn(self.q), fn(self.scale))
+
+
+Packed = BlockQuant | RowInt8
+
+
 def is_packed(w) -> bool:
-  return isinstance(w, BlockQuant)
+  """Whether ``w`` is a weight held in a narrow form ([O, I], computed by :func:`matmul`)."""
+  return isinstance(w, (BlockQuant, RowInt8))
 
 
 def check_format(weights: str) -> str:
   if weights not in WEIGHT_FORMATS:
     raise WeightFormatError(
       f"weights={weights!r} is not a weight format; expected one of {', '.join(WEIGHT_FORMATS)} "
-      f"(native: the GGUF's quantized blocks, computed in float32; f32: dequantized float32)"
+      f"(native: the GGUF's quantized blocks, computed in float32; f32: dequantized float32; "
+      f"int8: per-row int8 quantized from float32, lossy)"
     )
   return weights
+
+
+def quantize_int8(w: ArrayLike) -> RowInt8:
+  """Per-output-row symmetric int8 of a float32 W [O, I] (numpy): scale[o] = max_i |W[o, i]| / 127,
+  q = round(W / scale) in [-127, 127]; an all-zero row gets scale 0 and q 0."""
+  w = dequantize(w) if is_packed(w) else np.asarray(w, np.float32)
+  if w.ndim != 2:
+    raise WeightFormatError(f"int8 quantization takes a matrix W [O, I]; got shape {w.shape}")
+  scale = (np.max(np.abs(w), axis=1) / np.float32(127)).astype(np.float32)  # [O]
+  safe = np.where(scale > 0, scale, np.float32(1))[:, None]
+  q = np.clip(np.rint(w / safe), -127, 127).astype(np.int8)
+  return RowInt8(q, scale)
 
 
 def _type_size(kind: str) -> int:
@@ -143,8 +188,10 @@ def from_gguf_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int] | None =
   return BlockQuant(q, scale, mins, kind)
 
 
-def dequantize(w: BlockQuant) -> np.ndarray:
+def dequantize(w: Packed) -> np.ndarray:
   """float32 [O, I] in numpy, bit for bit ``gguf.quants.dequantize`` of the same blocks."""
+  if isinstance(w, RowInt8):
+    return np.asarray(w.scale, np.float32)[:, None] * np.asarray(w.q).astype(np.float32)
   q = np.asarray(w.q)
   rows, cols = q.shape
   d = np.asarray(w.scale, np.float32)[:, :, None]
@@ -154,8 +201,10 @@ def dequantize(w: BlockQuant) -> np.ndarray:
   return out.reshape(rows, cols)
 
 
-def dequantize_jnp(w: BlockQuant) -> jax.Array:
+def dequantize_jnp(w: Packed) -> jax.Array:
   """float32 [O, I] computed in the traced program (the same products and sums as :func:`dequantize`)."""
+  if isinstance(w, RowInt8):
+    return jnp.asarray(w.scale)[:, None] * jnp.asarray(w.q).astype(jnp.float32)
   rows, cols = w.q.shape
   out = jnp.asarray(w.scale)[:, :, None] * jnp.asarray(w.q).reshape(rows, cols // BLOCK, BLOCK).astype(jnp.float32)
   if w.min is not None:
@@ -169,7 +218,7 @@ def dequantize_jnp(w: BlockQuant) -> jax.Array:
 FUSED_ROWS_MAX = 1
 
 
-def matmul(x: jax.Array, w: BlockQuant) -> jax.Array:
+def matmul(x: jax.Array, w: Packed) -> jax.Array:
   """x [..., I] @ W.T -> [..., O] in float32, W read from its packed form.
 
   Dequantize-then-dot in one expression: XLA fuses the convert and the block scale into the dot's
@@ -185,18 +234,24 @@ def matmul(x: jax.Array, w: BlockQuant) -> jax.Array:
   # of the loop, materializing float32 W once and then reading it through the slow elemental dot
   # (measured 6x slower than f32 weights). The barrier makes W's uses depend on this step's x.
   x2, w = jax.lax.optimization_barrier((x2, w))
-  if x2.shape[0] > FUSED_ROWS_MAX:  # prefill: dequantize once, then one GEMM over all rows
+  if isinstance(w, RowInt8):  # (x @ convert(q).T) * scale: the per-row scale moves out of the sum
+    y = jax.lax.dot_general(x2, jnp.asarray(w.q).astype(jnp.float32).T, (((1,), (0,)), ((), ())))
+    y = y * jnp.asarray(w.scale)[None, :]
+  elif x2.shape[0] > FUSED_ROWS_MAX:  # prefill: dequantize once, then one GEMM over all rows
     y = jax.lax.dot_general(x2, dequantize_jnp(w), (((1,), (1,)), ((), ())))
   else:
     y = jax.lax.dot_general(x2, dequantize_jnp(w).T, (((1,), (0,)), ((), ())))
   return y.reshape(*x.shape[:-1], w.shape[0])
 
 
-def take_rows(w: BlockQuant, ids) -> jax.Array:
+def take_rows(w: Packed, ids) -> jax.Array:
   """Rows ``W[ids]`` in float32 (ids of any shape -> [*ids.shape, I]): gathers the packed rows, then
   dequantizes only those (the embedding lookup of a quantized table)."""
   ids = jnp.asarray(ids)
   cols = w.q.shape[1]
+  if isinstance(w, RowInt8):
+    rows = jnp.take(jnp.asarray(w.q), ids, axis=0).astype(jnp.float32)
+    return jnp.take(jnp.asarray(w.scale), ids, axis=0)[..., None] * rows
   q = jnp.take(jnp.asarray(w.q), ids, axis=0).reshape(*ids.shape, cols // BLOCK, BLOCK).astype(jnp.float32)
   out = jnp.take(jnp.asarray(w.scale), ids, axis=0)[..., None] * q
   if w.min is not None:
@@ -204,5 +259,5 @@ def take_rows(w: BlockQuant, ids) -> jax.Array:
   return out.reshape(*ids.shape, cols)
 
 
-def to_device(w: BlockQuant) -> BlockQuant:
+def to_device(w: Packed) -> Packed:
   return w.map(jnp.asarray)

@@ -51,7 +51,7 @@ from thoughtjax.config import ModelConfig
 from thoughtjax.model import Transformer
 from thoughtjax.sources.errors import ModelNotFoundError, UnsupportedModelError, WeightCacheError
 from thoughtjax.tokenizer import TextCodec
-from thoughtjax.weights import build_model, params_from_hf, to_hf_tensors
+from thoughtjax.weights import build_model, int8_params, params_from_hf, to_hf_tensors
 
 # 2: float32 weights in the model layout, memory-mapped on load; 3: + integrity record and eos_ids
 _CACHE_FORMAT = 3
@@ -126,11 +126,14 @@ def load(
 ) -> LoadedModel:
   """Load a model by known name or path into a Flax NNX :class:`Transformer`.
 
-  ``weights``: ``"f32"`` (dequantized float32) or ``"native"`` (a GGUF's quantized blocks, read packed
-  by every matmul and computed in float32: the same logits up to summation order).
+  ``weights``: ``"f32"`` (dequantized float32), ``"native"`` (a GGUF's quantized blocks, read packed
+  by every matmul and computed in float32: the same logits up to summation order) or ``"int8"``
+  (per-row int8 quantized from float32 at load; lossy).
   """
   source = resolve_source(name_or_path)
-  cfg, params, codec, digest = load_params(source, weights)
+  cfg, params, codec, digest = load_params(source, "f32" if formats.check_format(weights) == "int8" else weights)
+  if weights == "int8":  # lossy: quantized per output row from the float32 weights at load
+    params = int8_params(params)
   return LoadedModel(cfg, build_model(cfg, params, dtype), codec, str(name_or_path), digest)
 
 

@@ -50,6 +50,41 @@ def native_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
   return (int(np.prod(shape[n:])), int(np.prod(shape[:n])))
 
 
+def _as_rows(name: str, w) -> np.ndarray:
+  """The [O, I] matrix of parameter ``name`` held in the model's [in..., out...] layout (float32)."""
+  if formats.is_packed(w):
+    return formats.dequantize(w)
+  w = np.asarray(w, np.float32)
+  if name not in _IN_DIMS:
+    return w
+  n = _IN_DIMS[name]
+  return w.reshape(int(np.prod(w.shape[:n])), -1).T
+
+
+def int8_block(params: Mapping) -> dict:
+  """One block's params (nested dict, model layout) with every projection as per-row int8
+  (:class:`thoughtjax.formats.RowInt8`, [O, I]); norms and biases stay float32."""
+
+  def walk(node):
+    return {
+      k: walk(v) if isinstance(v, Mapping) else (formats.quantize_int8(_as_rows(k, v)) if k in _IN_DIMS else v)
+      for k, v in node.items()
+    }
+
+  return walk(params)
+
+
+def int8_params(params: Mapping) -> dict:
+  """A whole model's params (see :func:`params_from_hf`) with every matrix as per-row int8: the
+  block projections, the embedding table (also the tied head) and an untied head's unembed."""
+  out = {k: dict(v) for k, v in params.items()}
+  out["embed"]["table"] = formats.quantize_int8(_as_rows("table", params["embed"]["table"]))
+  if "unembed" in params["head"]:
+    out["head"]["unembed"] = formats.quantize_int8(_as_rows("unembed", params["head"]["unembed"]))
+  out["blocks"] = {i: int8_block(b) for i, b in params["blocks"].items()}
+  return out
+
+
 def _layer_params(cfg: ModelConfig, get, i: int) -> dict:
   D, H, K, E = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   pre = f"model.layers.{i}."

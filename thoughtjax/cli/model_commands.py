@@ -27,10 +27,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
   )
   p.add_argument(
     "--weights",
-    choices=("native", "f32"),
+    choices=("native", "f32", "int8"),
     default=None,
     help="native: the GGUF's quantized blocks, read packed and computed in float32 (same logits); "
-    "f32: dequantized float32 weights (the default)",
+    "f32: dequantized float32 weights (the default); int8: per-row int8 quantized at load (lossy, faster)",
   )
   add_kernels_arg(p)
   add_trust_args(p, keys_help="with --registry: trusted Ed25519 public key (repeatable)")
