@@ -1,0 +1,578 @@
+"""Continuous batching over one path: a fixed number of slots sharing one compiled decode program.
+
+>>> engine = SlotEngine(model, slots=8)                  # one path (one Model), 8 slots
+>>> run = engine.insert([1, 2, 3], SamplingParams(max_tokens=32))   # prefill, then a free slot
+>>> while engine.active: engine.step()                   # one decode chunk for every slot in use
+>>> [d.text for d in run.deltas()]                        # what the request produced
+
+Or with a :class:`SlotDriver`, a thread that steps while any slot is in use: ``driver.submit(ids, params)``
+returns a :class:`SlotRun` to iterate (deltas as they are produced) or ``cancel()`` from any thread.
+
+Prefill: a request's prefill is the very program :meth:`~thoughtjax.engine.Model.generate` runs for it alone
+(batch 1, the same shape buckets, from :data:`~thoughtjax.program.PROGRAMS`), so its first token and its keys
+are those of the alone run, and the server's warm set serves both. :meth:`SlotEngine.prefill` takes no slot
+and touches no engine state (any thread); :meth:`SlotEngine.insert` writes the keys into a free slot and the
+request joins at the next decode chunk.
+
+Decode: one program per (mode, bias on/off), compiled once per engine: up to ``chunk`` steps over all N slots
+(inactive slots compute and are ignored), ending early when every active row has stopped. Per-slot sampling
+settings are arrays (:class:`~thoughtjax.sampling.SamplingArrays`, [N] rows). A slot is freed at the end of
+the chunk in which its row stopped (stop ids, EOS, max_tokens, a stop string found on the host) or at the
+end of the chunk running when ``cancel`` came (at once if none runs), and is reused.
+
+Cache layout: per path block, K and V of shape [N, K, S, E] form a ring over one write cursor ``c`` shared by
+every slot (the number of decode steps the engine has run): each step writes all slots' new keys at index
+``c mod S``, so the model's attention (one scalar write index) runs unchanged. A request joining at cursor
+``c`` with ``n`` prompt tokens gets its prompt keys at absolute positions ``[c - n, c)``: its start is
+``c - n``, its RoPE position at cursor ``c'`` is ``c' - start``, and ring index ``s`` (absolute position
+``c' - ((c' - s) mod S)``) is visible to it when that position is ``>= start``. A request fits when
+``n + max_tokens <= S``, so its keys never wrap onto themselves; other slots live in other rows.
+
+Exactness: greedy tokens of a request in a slot equal those of the request alone through ``Model.generate``
+(tested with staggered arrivals, different lengths and cancelled neighbours); sampled tokens follow the
+same distribution, keyed by (seed, engine step, slot) rather than the alone run's (seed, step, row 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from thoughtjax import program as program_lib
+from thoughtjax.engine import Delta, Trace, _Rows
+from thoughtjax.errors import UserError
+from thoughtjax.model import GraphDefs, kv_cache_shape, merge_path, run_path
+from thoughtjax.program import COMPILE_CLOCK, ProgramKey
+from thoughtjax.sampling import SamplingArrays, SamplingMode, SamplingParams, sample, sampling_arrays, stop_ids_for
+
+DEFAULT_SLOTS = 8
+DEFAULT_CACHE_LEN = 512
+DEFAULT_STOP_WIDTH = 16
+
+
+class SlotsFull(UserError, RuntimeError):
+  """Every slot of the engine holds a request; wait for one to be freed (or use a SlotDriver's queue)."""
+
+
+class SlotRequestError(UserError, ValueError):
+  """A request a slot engine cannot hold as given; the message names the limit and the fix."""
+
+
+class SlotState(NamedTuple):
+  """The device state every slot shares."""
+
+  caches: tuple[tuple[jax.Array, jax.Array], ...]  # per path block: [N, K, S, E] x2 (a bridge: [N, 1, 1, 1])
+  token: jax.Array  # [N] i32, each slot's last token
+  start: jax.Array  # [N] i32, absolute position of each slot's first prompt key
+  cursor: jax.Array  # [] i32, absolute position the next step writes (ring index cursor mod S)
+  done: jax.Array  # [N] bool
+  count: jax.Array  # [N] i32, tokens generated per slot (the prefill's first token included)
+
+
+@dataclasses.dataclass
+class Prefilled:
+  """A request after its prefill, ready to take a slot (its keys stay on the device until inserted)."""
+
+  ids: list[int]
+  params: SamplingParams
+  kv: tuple  # per path block: (k, v) [1, K, T', E], the prompt left-padded in [:, :, :T]
+  token: jax.Array  # [1] i32
+  done: bool
+  count: int
+  trace: Trace
+  rows: _Rows
+
+
+class SlotRun:
+  """One request in a slot engine: iterate for :class:`~thoughtjax.engine.Delta`s (blocking until the
+  engine produced them), ``cancel()`` from any thread, ``trace`` as a Generation's.
+
+  ``slot`` is the slot it held (None when it finished at its prefill); ``chunks_at_cancel`` and
+  ``chunks_at_free`` are the engine's decode chunks when ``cancel`` came and when the slot was freed.
+  """
+
+  def __init__(self, engine: SlotEngine, pre: Prefilled, on_delta: Callable[[Delta | None], None] | None):
+    self.engine, self.ids, self.params, self.trace, self.rows = engine, pre.ids, pre.params, pre.trace, pre.rows
+    self.slot: int | None = None
+    self.on_delta = on_delta
+    self._queue: queue.SimpleQueue = queue.SimpleQueue()
+    self.freed = threading.Event()
+    self._on_free: list[Callable[[], None]] = []
+    self.cancel_requested = False
+    self.chunks_at_cancel: int | None = None
+    self.chunks_at_free: int | None = None
+    self.finish_reason: str | None = None
+    self.error: BaseException | None = None
+    self.token_ids: list[int] = []
+    self.text = ""
+
+  # ---- engine side ------------------------------------------------------------------
+  def _push(self, d: Delta) -> None:
+    self.token_ids.extend(d.token_ids)
+    self.text += d.text
+    if d.finished:
+      self.finish_reason = d.finish_reason
+    self._queue.put(d)
+    if self.on_delta is not None:
+      self.on_delta(d)
+
+  def _end(self, error: BaseException | None = None) -> None:
+    """No more deltas: the slot (if any) is free again."""
+    self.error = error
+    self.trace.end = time.perf_counter()
+    self.trace.tokens_out = list(self.rows.counts)
+    self._queue.put(None)
+    if self.on_delta is not None:
+      self.on_delta(None)
+    with self.engine._cancel_lock:
+      self.freed.set()
+      callbacks, self._on_free = self._on_free, []
+    for fn in callbacks:
+      fn()
+
+  # ---- user side --------------------------------------------------------------------
+  def when_freed(self, fn: Callable[[], None]) -> None:
+    """Call ``fn`` (on the engine's thread) once the slot is free; at once if it already is."""
+    with self.engine._cancel_lock:
+      if not self.freed.is_set():
+        self._on_free.append(fn)
+        return
+    fn()
+
+  @property
+  def finished(self) -> bool:
+    return self.freed.is_set()
+
+  def __iter__(self) -> SlotRun:
+    return self
+
+  def __next__(self) -> Delta:
+    d = self._queue.get()
+    if d is None:
+      self._queue.put(None)  # later calls end too
+      if self.error is not None:
+        raise self.error
+      raise StopIteration
+    return d
+
+  def deltas(self) -> list[Delta]:
+    """Every delta produced so far, without waiting (the run must have ended, or some are missed later)."""
+    out = []
+    while True:
+      try:
+        d = self._queue.get_nowait()
+      except queue.Empty:
+        return out
+      if d is None:
+        self._queue.put(None)
+        return out
+      out.append(d)
+
+  def cancel(self) -> None:
+    self.engine.cancel(self)
+
+  def close(self) -> None:
+    self.cancel()
+
+
+class SlotProgram:
+  """The compiled functions of one slot layout (shared by every engine of that layout; see :func:`slot_program`)."""
+
+  def __init__(self, defs: GraphDefs, cfg, layers: tuple[int, ...], slots: int, cache_len: int, chunk: int, kernels):
+    self.defs, self.cfg, self.layers, self.kernels = defs, cfg, layers, kernels
+    self.slots, self.cache_len, self.steps_per_chunk = slots, cache_len, chunk
+    self.init = jax.jit(self._init_impl)
+    self.chunk = jax.jit(self._chunk_impl, static_argnums=(4,), donate_argnums=(2,))
+    self.insert = jax.jit(self._insert_impl, static_argnums=(6,), donate_argnums=(0,))
+
+  # ---- traced code (under jit) -------------------------------------------------------------------
+  def _init_impl(self) -> SlotState:
+    N, S = self.slots, self.cache_len
+    shape = kv_cache_shape(self.cfg, N, S)
+    caches = tuple(
+      (jnp.zeros(shape if i >= 0 else (N, 1, 1, 1)), jnp.zeros(shape if i >= 0 else (N, 1, 1, 1))) for i in self.layers
+    )
+    zeros = jnp.zeros(N, jnp.int32)
+    return SlotState(caches, zeros, zeros, jnp.zeros((), jnp.int32), jnp.ones(N, bool), zeros)
+
+  def _chunk_impl(self, parts, samp: SamplingArrays, state: SlotState, active, mode: SamplingMode):
+    """Up to ``chunk`` decode steps of every slot; returns the state, tokens [N, chunk] (-1: none), steps."""
+    embed, blocks, head = merge_path(self.defs, parts, self.layers)
+    N, S, C = self.slots, self.cache_len, self.steps_per_chunk
+    s = jnp.arange(S, dtype=jnp.int32)
+
+    def body(carry):
+      i, st, out = carry
+      c = st.cursor
+      w = c % S
+      live = active & ~st.done
+      positions = jnp.maximum(c - st.start, 0)[:, None]  # [N, 1]
+      absolute = c - (c - s) % S  # [S] absolute position held at each ring index
+      mask = (absolute[None, :] >= st.start[:, None]) | (s == w)[None, :]  # a free slot sees itself: no NaN
+      logits, caches = run_path(embed, blocks, head, st.token[:, None], positions, st.caches, w, mask[:, None, :])
+      token, stop = sample(logits[:, -1], samp, c, mode, self.kernels)
+      count = st.count + live.astype(jnp.int32)
+      done = st.done | (live & stop) | (live & (count >= samp.max_new))
+      out = jax.lax.dynamic_update_slice(out, jnp.where(live, token, -1)[:, None], (jnp.zeros((), jnp.int32), i))
+      st = SlotState(tuple(caches), jnp.where(live, token, st.token), st.start, c + 1, done, count)
+      return i + 1, st, out
+
+    def cond(carry):
+      i, st, _ = carry
+      return (i < C) & jnp.any(active & ~st.done)
+
+    init = (jnp.zeros((), jnp.int32), state, jnp.full((N, C), -1, jnp.int32))
+    steps, state, out = jax.lax.while_loop(cond, body, init)
+    return state, out, steps
+
+  def _insert_impl(self, state: SlotState, kv, slot, n, token, done_count, prompt_len: int) -> SlotState:
+    """Write a prefilled request's prompt keys into ``slot``'s ring at absolute positions [cursor - n, cursor)."""
+    S, T = self.cache_len, prompt_len
+    c = state.cursor
+    d = (c - jnp.arange(S, dtype=jnp.int32)) % S  # how far behind the cursor each ring index is
+    valid = (d >= 1) & (d <= n)
+    src = jnp.clip(T - d, 0, T - 1)  # the prefill cache holds the prompt left-padded in [T - n, T)
+    caches = []
+    for layer, (ck, cv), (pk, pv) in zip(self.layers, state.caches, kv, strict=True):
+      if layer < 0:  # a bridge keeps no keys
+        caches.append((ck, cv))
+        continue
+      rows = []
+      for pre in (pk, pv):
+        row = jnp.take(pre[0], src, axis=1)  # [K, S, E]
+        rows.append(jnp.where(valid[None, :, None], row, 0).astype(ck.dtype))
+      caches.append((ck.at[slot].set(rows[0]), cv.at[slot].set(rows[1])))
+    done, count = done_count
+    return SlotState(
+      tuple(caches),
+      state.token.at[slot].set(token[0]),
+      state.start.at[slot].set(c - n),
+      c,
+      state.done.at[slot].set(done),
+      state.count.at[slot].set(count),
+    )
+
+
+_SLOT_PROGRAMS: dict[tuple, SlotProgram] = {}
+_SLOT_PROGRAMS_LOCK = threading.Lock()
+
+
+def slot_program(defs, cfg, layers, slots, cache_len, chunk, kernels) -> SlotProgram:
+  """The slot program of this layout, made once per process (a new engine of the same layout compiles nothing)."""
+  key = (defs, cfg, tuple(layers), slots, cache_len, chunk, kernels)
+  with _SLOT_PROGRAMS_LOCK:
+    if key not in _SLOT_PROGRAMS:
+      _SLOT_PROGRAMS[key] = SlotProgram(defs, cfg, tuple(layers), slots, cache_len, chunk, kernels)
+    return _SLOT_PROGRAMS[key]
+
+
+class SlotEngine:
+  """N slots over one path's model (see the module docstring). Thread-safe: ``prefill`` runs anywhere,
+  ``insert``/``step`` serialize on the engine, ``cancel`` never waits for a chunk."""
+
+  def __init__(
+    self,
+    model,
+    slots: int = DEFAULT_SLOTS,
+    *,
+    cache_len: int | None = None,
+    chunk: int | None = None,
+    stop_width: int = DEFAULT_STOP_WIDTH,
+  ):
+    if slots < 1:
+      raise SlotRequestError(f"slots must be >= 1, got {slots}")
+    self.model, self.slots = model, int(slots)
+    self.cfg = model.config
+    self.cache_len = int(min(cache_len or DEFAULT_CACHE_LEN, self.cfg.max_context))
+    self.chunk = int(chunk or model.chunk)
+    if self.chunk < 1 or self.cache_len < 2:
+      raise SlotRequestError(f"chunk must be >= 1 and cache_len >= 2, got chunk={self.chunk} cache_len={cache_len}")
+    self.stop_width, self.layers, self.kernels = stop_width, tuple(model.layers), model.kernels
+    self.defs = GraphDefs.from_model(model.module)
+    self.parts = model.parts
+    self._lock = threading.RLock()  # engine state: insert, step, free
+    self._cancel_lock = threading.Lock()
+    self._runs: list[SlotRun | None] = [None] * self.slots
+    self._cancelled: set[int] = set()
+    self.chunks = 0  # decode chunks run
+    self.steps = 0  # decode steps run (the cursor)
+    self.freed_total = 0
+    N, V = self.slots, self.cfg.vocab_size
+    self._host = dict(
+      temperature=np.zeros(N, np.float32),
+      top_k=np.zeros(N, np.int32),
+      top_p=np.ones(N, np.float32),
+      seed=np.zeros(N, np.uint32),
+      max_new=np.ones(N, np.int32),
+      stop_ids=np.full((N, stop_width), -1, np.int32),
+    )
+    self._bias = np.zeros((N, V), np.float32)
+    self._modes = [SamplingMode.GREEDY] * N
+    self._has_bias = [False] * N
+    self._samp: tuple | None = None  # (has_bias, SamplingArrays) on the device, rebuilt after an insert
+    self.program = slot_program(self.defs, self.cfg, self.layers, self.slots, self.cache_len, self.chunk, self.kernels)
+    self._state = self.program.init()
+
+  # ---- host API ----------------------------------------------------------------------
+  @property
+  def active(self) -> int:
+    """Slots holding a request."""
+    return sum(r is not None for r in self._runs)
+
+  @property
+  def free(self) -> int:
+    return self.slots - self.active
+
+  def runs(self) -> list[SlotRun | None]:
+    """The request in each slot (None: free)."""
+    return list(self._runs)
+
+  def prefill(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Prefilled:
+    """Run the request's prefill (the alone run's program); takes no slot. Any thread."""
+    params = params or SamplingParams()
+    ids = [int(t) for t in prompt_ids]
+    stops = stop_ids_for(params, self.model.codec.eos_ids)
+    if len(ids) + params.max_tokens > self.cache_len:
+      raise SlotRequestError(
+        f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {len(ids) + params.max_tokens} exceeds "
+        f"the slot engine's cache of {self.cache_len} tokens; shorten the prompt, lower max_tokens or make the "
+        f"engine with a larger cache_len (at most the model's context, {self.cfg.max_context})"
+      )
+    if len(stops) > self.stop_width:
+      raise SlotRequestError(
+        f"{len(stops)} stop ids (stop_token_ids and end-of-sequence ids) exceed the slot engine's "
+        f"stop_width of {self.stop_width}; send fewer stop ids or make the engine with a larger stop_width"
+      )
+    gen = self.model.stream_batch([ids], params)  # the alone run's program key and checks; never iterated
+    key: ProgramKey = gen.trace.program
+    gen.close()
+    trace = Trace(key, [ids], time.perf_counter(), tokens_out=[0])
+    prog = program_lib.PROGRAMS.get(key, self.defs, self.cfg)
+    T = key.prompt_len
+    tokens = np.zeros((1, T), np.int32)
+    tokens[0, T - len(ids) :] = ids
+    pad = jnp.asarray(np.array([T - len(ids)], np.int32))
+    samp = sampling_arrays([params], 1, self.cfg.vocab_size, key.stop_width, self.model.codec.eos_ids, key.has_bias)
+    trace.device_start = time.perf_counter()
+    with COMPILE_CLOCK.measure() as compile_s:
+      st = prog.advance(self.parts, jnp.asarray(tokens), pad, samp, prog.init_state())
+      done, count = jax.device_get((st.done, st.count))
+    trace.compile_s = compile_s[0]
+    trace.first_token = time.perf_counter()
+    return Prefilled(
+      ids, params, st.caches, st.token, bool(done[0]), int(count[0]), trace, _Rows(self.model.codec, [params], [stops])
+    )
+
+  def insert(
+    self,
+    request: Prefilled | Sequence[int],
+    params: SamplingParams | None = None,
+    *,
+    on_delta: Callable[[Delta | None], None] | None = None,
+  ) -> SlotRun:
+    """Put a request into a free slot (prefilling it first when given token ids); it joins at the next
+    decode chunk. A request that finished at its prefill takes no slot. ``on_delta(delta)`` is called on
+    the engine's thread for each delta, then ``on_delta(None)`` when the run ended.
+    Raises :class:`SlotsFull` when no slot is free."""
+    pre = request if isinstance(request, Prefilled) else self.prefill(request, params)
+    run = SlotRun(self, pre, on_delta)
+    token = int(jax.device_get(pre.token)[0])
+    d = pre.rows.emit(0, [token], pre.done, pre.count)
+    if d is not None:
+      run._push(d)
+    if pre.rows.all_finished:
+      run.chunks_at_free = self.chunks
+      run._end()
+      return run
+    with self._lock:
+      try:
+        b = self._runs.index(None)
+      except ValueError:
+        raise SlotsFull(
+          f"all {self.slots} slots of the engine for path {self.model.path!r} hold requests; wait until one is "
+          f"freed, or queue the request (a SlotDriver or the server's scheduler does)"
+        ) from None
+      p = pre.params
+      h = self._host
+      h["temperature"][b], h["top_k"][b], h["top_p"][b] = p.temperature, p.top_k, p.top_p
+      h["seed"][b], h["max_new"][b] = p.seed, p.max_tokens
+      h["stop_ids"][b] = -1
+      h["stop_ids"][b, : len(pre.rows.stops[0])] = pre.rows.stops[0]
+      self._bias[b] = 0.0
+      for tok, bias in (p.logit_bias or {}).items():
+        self._bias[b, int(tok)] += bias
+      self._modes[b], self._has_bias[b] = p.mode, bool(p.logit_bias)
+      self._samp = None
+      self._state = self.program.insert(
+        self._state,
+        pre.kv,
+        jnp.int32(b),
+        jnp.int32(len(pre.ids)),
+        pre.token,
+        (jnp.bool_(pre.done), jnp.int32(pre.count)),
+        int(pre.trace.program.prompt_len),
+      )
+      run.slot = b
+      self._runs[b] = run
+    return run
+
+  def cancel(self, run: SlotRun) -> None:
+    """End ``run``: its slot is freed at the end of the chunk now running (at once when none runs) with a
+    last delta of finish_reason ``cancelled``. Any thread; a finished run is left alone."""
+    with self._cancel_lock:
+      if run.freed.is_set() or run.cancel_requested:
+        return
+      run.cancel_requested = True
+      run.chunks_at_cancel = self.chunks
+      if run.slot is not None:
+        self._cancelled.add(run.slot)
+    if self._lock.acquire(blocking=False):  # no chunk running: free it now
+      try:
+        self._free_cancelled()
+      finally:
+        self._lock.release()
+
+  def _free(self, b: int) -> None:
+    run = self._runs[b]
+    self._runs[b] = None
+    self.freed_total += 1
+    run.chunks_at_free = self.chunks
+    run._end()
+
+  def _free_cancelled(self) -> None:
+    with self._cancel_lock:
+      cancelled, self._cancelled = self._cancelled, set()
+    for b in sorted(cancelled):
+      run = self._runs[b]
+      if run is None:
+        continue
+      run.trace.cancelled = True
+      for d in run.rows.cancel():
+        run._push(d)
+      self._free(b)
+
+  def _sampling(self) -> tuple[bool, SamplingArrays]:
+    if self._samp is None:
+      live = [b for b, r in enumerate(self._runs) if r is not None]
+      has_bias = any(self._has_bias[b] for b in live)
+      h = self._host
+      arrays = SamplingArrays(
+        *(jnp.asarray(h[k]) for k in ("temperature", "top_k", "top_p", "seed", "max_new", "stop_ids")),
+        jnp.asarray(self._bias) if has_bias else None,
+      )
+      self._samp = (_widest({self._modes[b] for b in live}), arrays)
+    return self._samp
+
+  def step(self) -> dict[int, list[int]]:
+    """One decode chunk for every slot in use; returns each slot's new token ids. Slots whose row stopped
+    (or that were cancelled meanwhile) are freed at the end of the chunk."""
+    with self._lock:
+      self._free_cancelled()
+      live = [b for b, r in enumerate(self._runs) if r is not None]
+      if not live:
+        return {}
+      mode, samp = self._sampling()
+      active = np.zeros(self.slots, bool)
+      active[live] = True
+      self._state, out, steps = self.program.chunk(self.parts, samp, self._state, jnp.asarray(active), mode)
+      out, done, count, steps = jax.device_get((out, self._state.done, self._state.count, steps))
+      self.chunks += 1
+      self.steps += int(steps)
+      new: dict[int, list[int]] = {}
+      for b in live:
+        run = self._runs[b]
+        run.trace.decode_chunks += 1
+        ids = [int(t) for t in out[b] if t >= 0]
+        new[b] = ids
+        d = run.rows.emit(0, ids, bool(done[b]), int(count[b]))
+        if d is not None:
+          run._push(d)
+        if run.rows.all_finished:
+          self._free(b)
+      self._free_cancelled()
+      return new
+
+  def fail(self, error: BaseException) -> None:
+    """End every run in a slot with ``error`` (a device failure): their iterators raise it."""
+    with self._lock:
+      for b, run in enumerate(self._runs):
+        if run is not None:
+          self._runs[b] = None
+          run.chunks_at_free = self.chunks
+          run._end(error)
+
+
+def _widest(modes: set[SamplingMode]) -> SamplingMode:
+  """The least capable sampler that serves every slot (as :func:`~thoughtjax.sampling.program_mode`)."""
+  for m in (SamplingMode.SAMPLE_TOP_P, SamplingMode.SAMPLE):
+    if m in modes:
+      return m
+  return SamplingMode.GREEDY
+
+
+class SlotDriver:
+  """A thread that steps one :class:`SlotEngine` while any slot is in use (idle otherwise), and a FIFO of
+  requests waiting for a slot. ``submit`` returns the request's :class:`SlotRun` at once."""
+
+  def __init__(self, engine: SlotEngine):
+    self.engine = engine
+    self._cond = threading.Condition()
+    self._closed = False
+    self.error: BaseException | None = None
+    self._thread = threading.Thread(target=self._loop, name="thoughtjax-slot-driver", daemon=True)
+    self._thread.start()
+
+  def insert(self, pre: Prefilled, on_delta=None) -> SlotRun:
+    """Insert a prefilled request now (a slot must be free) and wake the driver."""
+    run = self.engine.insert(pre, on_delta=on_delta)
+    self.wake()
+    return run
+
+  def wake(self) -> None:
+    with self._cond:
+      self._cond.notify_all()
+
+  def _loop(self) -> None:
+    while True:
+      with self._cond:
+        self._cond.wait_for(lambda: self._closed or self.engine.active > 0)
+        if self._closed:
+          return
+      try:
+        self.engine.step()
+      except BaseException as e:  # every request in a slot gets the error; the driver goes on
+        self.error = e
+        self.engine.fail(e)
+
+  def close(self) -> None:
+    with self._cond:
+      self._closed = True
+      self._cond.notify_all()
+    self._thread.join(timeout=60)
+
+
+def generate_in_slots(
+  engine: SlotEngine, requests: Sequence[tuple[Sequence[int], SamplingParams]], arrivals: Sequence[int] | None = None
+) -> list[SlotRun]:
+  """Run ``requests`` through ``engine`` on this thread, request i inserted before decode chunk
+  ``arrivals[i]`` (default: all at once; a request that finds no free slot waits for one). Returns the runs,
+  ended. For tests, notebooks and benchmarks."""
+  arrivals = list(arrivals) if arrivals is not None else [0] * len(requests)
+  pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
+  runs: list[SlotRun | None] = [None] * len(requests)
+  chunk = 0
+  while pending or engine.active:
+    while pending and arrivals[pending[0]] <= chunk and engine.free:
+      i = pending.pop(0)
+      runs[i] = engine.insert(*requests[i])
+    engine.step()
+    chunk += 1
+  return runs
