@@ -299,7 +299,7 @@ def _run_chunks(req: _Request, rows: _Rows, trace: Trace, cancelled: threading.E
       return
     trace.device_start = time.perf_counter()
     with COMPILE_CLOCK.measure() as compile_s:
-      state = prog.advance(req.parts, req.prompt, req.pad, req.samp, prog.init_state())
+      state = prog.advance(req.parts, req.prompt, req.pad, req.samp, prog.init_state(req.parts))
       step, done, out, count = jax.device_get((state.step, state.done, state.out, state.count))
     trace.compile_s = compile_s[0]
     trace.first_token = time.perf_counter()

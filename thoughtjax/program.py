@@ -227,8 +227,13 @@ class Program:
     return jax.lax.cond(state.step == 0, self._prefill, self._decode_chunk, parts, prompt, pad, samp, state)
 
   # ---- host API --------------------------------------------------------------------
-  def init_state(self) -> DecodeState:
-    return self._init()
+  def init_state(self, parts: PathParts | None = None) -> DecodeState:
+    """The empty state, committed to the one device ``parts`` live on: ``advance`` returns a committed
+    state, and an uncommitted first one would make the first decode chunk compile the program again."""
+    state = self._init()
+    leaves = jax.tree.leaves(parts) if parts is not None else []
+    devices = {d for leaf in leaves if isinstance(leaf, jax.Array) for d in leaf.sharding.device_set}
+    return jax.device_put(state, next(iter(devices))) if len(devices) == 1 else state
 
   def advance(
     self, parts: PathParts, prompt: jax.Array, pad: jax.Array, samp: SamplingArrays, state: DecodeState

@@ -75,6 +75,23 @@ def test_the_latency_model_learns_and_a_warm_path_predicts_no_restore_or_compile
   assert syn.latency.updates == before + 2
 
 
+def test_a_new_program_compiles_once_so_its_first_decode_chunk_pays_no_compile(reg, caplog):
+  """A first run's decode time is decode only: the prefill call compiles the program and the decode chunks
+  reuse it (an uncommitted first state used to compile it a second time inside the first chunk)."""
+  import logging
+
+  import jax
+
+  model = compose(FULL, reg)
+  with caplog.at_level(logging.WARNING), jax.log_compiles(True):
+    g = model.stream(list(range(5, 45)), max_tokens=20, ignore_eos=True)  # a shape no other test runs
+    for _ in g:
+      pass
+  compiles = [r for r in caplog.records if "Compiling jit(_advance_impl)" in r.getMessage()]
+  assert g.trace.decode_chunks >= 2 and g.trace.compile_s > 0
+  assert len(compiles) == 1, [r.getMessage()[:120] for r in compiles]
+
+
 def test_a_budget_nothing_fits_degrades_to_the_fastest_and_says_how_many_tokens_fit(syn):
   before = syn.planner.counters.snapshot()["degraded_budget"]
   plan = syn.plan(PROMPT, ["general_purpose"], max_latency_ms=1e-3, max_tokens=9)
