@@ -19,13 +19,24 @@ Status of each failure:
   RESOURCE_EXHAUSTED   every turn taken and the waiting queue full (at once, before any work)
   UNAVAILABLE          warming up (health NOT_SERVING) or draining
   FAILED_PRECONDITION  a pinned registry sequence that is not the one served; no path left after a needed
-                       thoughtlet failed verification; ReloadRegistry of a newer sequence (restart to switch)
+                       thoughtlet failed verification; a ReloadRegistry whose new sequence fails verification
+                       or has no calibration that can serve it (the old sequence keeps serving)
   DEADLINE_EXCEEDED    the deadline passed while waiting or generating (the generation stops at the next chunk)
 
 Request fields: ``prompt`` is plain text; ``messages`` go through the registry tokenizer's chat template.
 ``max_latency_ms`` unset: the call's remaining deadline is the budget (no deadline: no budget).
-``ReloadRegistry`` re-reads the index on disk with the serving trust policy and reports both sequences; a
-newer one is FAILED_PRECONDITION (this version switches by restart; hot reload is issue 11 item 6).
+Trace and billing travel twice: in the final message and in the trailing metadata (gRPC conventions:
+lowercase keys, ``-bin`` for binary): ``thoughtjax-trace-bin`` and ``thoughtjax-usage-bin`` (the serialized
+``Trace`` and ``Usage``), and text keys ``x-thoughtjax-*`` (request id, path hash, registry sequence, tokens,
+compute seconds, degraded, finish reason, program cache) that proxies and access logs can read without the
+proto. :func:`thoughtjax.client.read_trailer` reads them back.
+
+Reload: everything one registry sequence serves with (registry, synthesizer, composed explicit paths) is one
+:class:`_Serving`; a request takes the current one when it arrives and keeps it to its end, and
+``ReloadRegistry`` builds the next one off the event loop (open under the serving trust policy, verify every
+current thoughtlet's signature and digests, a calibration valid for the new sequence, warm the configured
+hints) and swaps the reference. Streams in flight finish on the version they started with; a failure leaves
+the old version serving, is answered FAILED_PRECONDITION naming it and is counted (RegistryStats, metrics).
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from server.config import ServerConfig
+from server.metrics import FAILURE_FIELDS, ServerMetrics, failure_totals
 from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
 from server.scheduling import DeadlineExpired, QueueFull, Scheduler, SimpleScheduler
 from server.tls import server_credentials
@@ -105,6 +117,42 @@ class Request:
   sampling: dict
   path: str | None
   pin_sequence: int | None
+  serving: _Serving | None = dataclasses.field(default=None, compare=False, repr=False)  # what it runs on
+
+
+@dataclasses.dataclass(eq=False)
+class _Serving:
+  """Everything one registry sequence serves with; ``ReloadRegistry`` swaps the whole object at once and a
+  request keeps the one it arrived under. ``owned``: opened by the server (a reload), closed by it."""
+
+  syn: Any
+  registry: Any
+  max_context: int
+  vocab: int
+  owned: bool = False
+  paths: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)  # path -> Model
+  paths_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+  @classmethod
+  def of(cls, syn, owned: bool = False) -> _Serving:
+    reg = syn.registry
+    return cls(syn, reg, int(reg.config.max_context), int(reg.config.vocab_size), owned)
+
+  @property
+  def sequence(self) -> int:
+    return int(self.syn.calibration.sequence)
+
+
+@dataclasses.dataclass
+class _Reload:
+  """What one ReloadRegistry prepared (``serving`` None: nothing to switch to)."""
+
+  serving: _Serving | None
+  published: int
+  calibration: str = ""
+  dropped: tuple[str, ...] = ()
+  warmed: tuple[str, ...] = ()
+  notes: tuple[str, ...] = ()
 
 
 def _finite(value: float, name: str, fix: str) -> float:
@@ -116,17 +164,44 @@ def _finite(value: float, name: str, fix: str) -> float:
 class SynthesizerService:
   """The servicer: one synthesizer, one scheduler, the server's readiness (see the module docstring)."""
 
-  def __init__(self, synthesizer, config: ServerConfig, scheduler: Scheduler | None = None):
-    self.syn, self.config = synthesizer, config
-    self.registry = synthesizer.registry
+  def __init__(
+    self, synthesizer, config: ServerConfig, scheduler: Scheduler | None = None, metrics: ServerMetrics | None = None
+  ):
+    self.config = config
+    self.serving = _Serving.of(synthesizer)
     self.scheduler = scheduler or SimpleScheduler(config.max_concurrent, config.max_queue)
     self.ready = False
     self.draining = False
-    self.max_context = int(self.registry.config.max_context)
-    self.vocab = int(self.registry.config.vocab_size)
-    self._paths: collections.OrderedDict[str, Any] = collections.OrderedDict()  # explicit path -> Model
-    self._paths_lock = threading.Lock()
     self.statuses: collections.Counter[str] = collections.Counter()  # status name -> answers
+    # ReloadRegistry: results, and the registries it replaced (their counters stay in the totals).
+    self.reloads: dict[str, Any] = {"switched": 0, "unchanged": 0, "refused": 0, "last_refusal": None}
+    self._retired: list[_Serving] = []
+    self._refused_failures: collections.Counter[str] = collections.Counter()
+    self._reload_lock = asyncio.Lock()
+    self._count_lock = threading.Lock()
+    self.metrics = metrics or ServerMetrics()
+    self.metrics.bind(self.scheduler.snapshot, self.failure_totals, lambda: self.serving.sequence)
+
+  @property
+  def syn(self):
+    return self.serving.syn
+
+  @property
+  def registry(self):
+    return self.serving.registry
+
+  def failure_totals(self) -> dict:
+    """Registry refusal counters over the server's life: the serving registry, the ones reloads replaced,
+    and the new sequences a reload refused."""
+    with self._count_lock:
+      refused = dict(self._refused_failures)
+    return failure_totals(self.registry.stats(), *(s.registry.stats() for s in self._retired), refused)
+
+  def close(self) -> None:
+    """Release the registries the server opened itself (reloads)."""
+    for s in [*self._retired, self.serving]:
+      if s.owned:
+        s.registry.close()
 
   # ---- wiring -------------------------------------------------------------------------
   def handler(self) -> grpc.GenericRpcHandler:
@@ -145,12 +220,16 @@ class SynthesizerService:
       },
     )
 
-  async def _abort(self, context, e: BaseException):
+  def _answered(self, method: str, code: str) -> None:
+    self.statuses[code] += 1
+    self.metrics.answered(method, code)
+
+  async def _abort(self, context, e: BaseException, method: str = ""):
     code = status_of(e)
     if code is None:
-      self.statuses["UNKNOWN"] += 1
+      self._answered(method, "UNKNOWN")
       raise e
-    self.statuses[code.name] += 1
+    self._answered(method, code.name)
     await context.abort(code, f"{type(e).__name__}: {e}" if not isinstance(e, _Refused) else str(e))
 
   # ---- validation ---------------------------------------------------------------------
@@ -180,20 +259,22 @@ class SynthesizerService:
         "the server is warming up (health NOT_SERVING); retry when grpc.health.v1 reports SERVING",
       )
 
-  def validate(self, m: pb.SynthesizeRequest, deadline_s: float | None) -> Request:
-    """A :class:`Request`, or :class:`_Refused` naming the field (no model work; tokenization only)."""
+  def validate(self, m: pb.SynthesizeRequest, deadline_s: float | None, serving: _Serving | None = None) -> Request:
+    """A :class:`Request` on ``serving`` (default: the current one), or :class:`_Refused` naming the field
+    (no model work; tokenization only)."""
     from thoughtjax.paths import parse_path
     from thoughtjax.sampling import SamplingParams
     from thoughtjax.synthesis.hints import normalize_hints
 
     bad = lambda msg: _Refused(grpc.StatusCode.INVALID_ARGUMENT, msg)
+    s = serving or self.serving
     rid = m.request_id or uuid.uuid4().hex
     if len(rid) > MAX_REQUEST_ID or not rid.isprintable() or not rid.isascii():
       raise bad(
         f"request_id: expected at most {MAX_REQUEST_ID} printable ASCII characters, got {len(rid)} "
         f"characters {rid[:40]!r}; send a shorter id or none (one is generated)"
       )
-    codec = self.registry.codec
+    codec = s.registry.codec
     if bool(m.prompt) == bool(m.messages):
       raise bad(
         "give exactly one of prompt (plain text) and messages (chat), got "
@@ -214,17 +295,17 @@ class SynthesizerService:
     if not ids:
       raise bad("the prompt is empty after tokenization; give at least one token of text")
     try:
-      normalize_hints(list(m.hints), self.syn.dictionary)
+      normalize_hints(list(m.hints), s.syn.dictionary)
     except UserError as e:
       raise bad(f"hints: {e}") from None
     n = int(m.max_tokens) if m.HasField("max_tokens") else DEFAULT_MAX_TOKENS
     if not 1 <= n <= self.config.max_tokens_limit:
       raise bad(f"max_tokens: expected 1..{self.config.max_tokens_limit} (the server's max_tokens_limit), got {n}")
-    if len(ids) + n > self.max_context:
+    if len(ids) + n > s.max_context:
       raise _Refused(
         grpc.StatusCode.OUT_OF_RANGE,
         f"prompt ({len(ids)} tokens) + max_tokens ({n}) = {len(ids) + n} exceeds the model's context "
-        f"of {self.max_context} tokens; shorten the prompt or lower max_tokens",
+        f"of {s.max_context} tokens; shorten the prompt or lower max_tokens",
       )
     if m.HasField("max_latency_ms"):
       budget = m.max_latency_ms
@@ -238,9 +319,9 @@ class SynthesizerService:
     temperature = _finite(m.temperature, "temperature", fix) if m.HasField("temperature") else 0.0
     top_p = _finite(m.top_p, "top_p", fix) if m.HasField("top_p") else 1.0
     for tok in list(m.stop_token_ids) + list(m.logit_bias):
-      if not 0 <= tok < self.vocab:
+      if not 0 <= tok < s.vocab:
         raise bad(
-          f"token id {tok} (stop_token_ids or logit_bias) is outside the vocabulary [0, {self.vocab}); "
+          f"token id {tok} (stop_token_ids or logit_bias) is outside the vocabulary [0, {s.vocab}); "
           f"send ids the registry's tokenizer produces"
         )
     bias = {int(k): _finite(v, f"logit_bias[{k}]", fix) for k, v in m.logit_bias.items()}
@@ -266,18 +347,18 @@ class SynthesizerService:
       except UserError as e:
         raise bad(f"path: {e}") from None
     pin = int(m.registry_sequence) if m.HasField("registry_sequence") else None
-    served = self.syn.calibration.sequence
+    served = s.sequence
     if pin is not None and pin != served:
       raise _Refused(
         grpc.StatusCode.FAILED_PRECONDITION,
         f"registry_sequence: the request pins {pin}, this server plans at sequence {served}; pin "
         f"{served}, or send it to a server of sequence {pin}",
       )
-    return Request(rid, tuple(ids), tuple(m.hints), float(budget), n, sampling, path, pin)
+    return Request(rid, tuple(ids), tuple(m.hints), float(budget), n, sampling, path, pin, s)
 
   # ---- the library calls (on worker threads) ----------------------------------------------
   def _plan(self, r: Request):
-    return self.syn.plan(
+    return r.serving.syn.plan(
       list(r.prompt_ids),
       list(r.hints) or None,
       max_latency_ms=r.max_latency_ms,
@@ -285,25 +366,26 @@ class SynthesizerService:
       pin_sequence=r.pin_sequence,
     )
 
-  def _path_model(self, path: str):
+  @staticmethod
+  def _path_model(path: str, s: _Serving):
     from thoughtjax.compose import compose
 
-    with self._paths_lock:
-      got = self._paths.get(path)
+    with s.paths_lock:
+      got = s.paths.get(path)
       if got is not None:
-        self._paths.move_to_end(path)
+        s.paths.move_to_end(path)
         return got
-    model = compose(path, self.registry, kernels=self.syn.kernels)
-    with self._paths_lock:
-      self._paths[path] = model
-      while len(self._paths) > 4:
-        self._paths.popitem(last=False)
+    model = compose(path, s.registry, kernels=s.syn.kernels)
+    with s.paths_lock:
+      s.paths[path] = model
+      while len(s.paths) > 4:
+        s.paths.popitem(last=False)
     return model
 
   def _start(self, r: Request):
     if r.path is not None:
-      return _PathRun(self._path_model(r.path), r, self.registry.sequence)
-    return self.syn.synthesize(
+      return _PathRun(self._path_model(r.path, r.serving), r, r.serving.registry.sequence)
+    return r.serving.syn.synthesize(
       list(r.prompt_ids),
       list(r.hints) or None,
       max_latency_ms=r.max_latency_ms,
@@ -323,46 +405,64 @@ class SynthesizerService:
     try:
       r = await self._request(raw, context)
       if r.path is not None:
-        model = await asyncio.get_running_loop().run_in_executor(None, self._path_model, r.path)
-        plan = _explicit_plan(model, r, self.registry.sequence)
+        model = await asyncio.get_running_loop().run_in_executor(None, self._path_model, r.path, r.serving)
+        plan = _explicit_plan(model, r, r.serving.registry.sequence)
       else:
         plan = _plan_message(await asyncio.get_running_loop().run_in_executor(None, self._plan, r), r.request_id)
     except Exception as e:
-      await self._abort(context, e)
-    self.statuses["OK"] += 1
+      await self._abort(context, e, "GetOptimalPath")
+    self._answered("GetOptimalPath", "OK")
     return plan
 
   async def Synthesize(self, raw: bytes, context):
+    t_arrival = time.perf_counter()
     try:
       r = await self._request(raw, context)
     except Exception as e:
-      await self._abort(context, e)
+      await self._abort(context, e, "Synthesize")
     remaining = context.time_remaining()
     deadline = None if remaining is None else time.monotonic() + remaining
-    stream = self.scheduler.stream(lambda: self._start(r), request_id=r.request_id, deadline=deadline)
-    run, last = None, None
+    t_admit, started = time.perf_counter(), []
+
+    def start():
+      started.append(time.perf_counter())  # the scheduler gave the request its turn: the queue wait ends
+      return self._start(r)
+
+    stream = self.scheduler.stream(start, request_id=r.request_id, deadline=deadline)
+    run, last, t_prev = None, None, None
     try:
       async for item in stream:
         if run is None:
           run = item
-          yield pb.SynthesizeResponse(request_id=r.request_id, plan=_run_plan(run, r, self.registry.sequence))
+          yield pb.SynthesizeResponse(request_id=r.request_id, plan=_run_plan(run, r))
           continue
         last = item
         if item.token_ids or item.text:
+          now = time.perf_counter()
+          if t_prev is None:
+            self.metrics.first_token(now - t_arrival)
+          else:
+            self.metrics.tokens(now - t_prev, len(item.token_ids))
+          t_prev = now
           yield pb.SynthesizeResponse(request_id=r.request_id, delta=pb.Delta(token_ids=item.token_ids, text=item.text))
     except Exception as e:
-      await self._abort(context, e)
+      await self._abort(context, e, "Synthesize")
     finally:
       await stream.aclose()
-    self.statuses["OK"] += 1
-    yield pb.SynthesizeResponse(request_id=r.request_id, final=_final(run, last, self.registry.sequence))
+    final = _final(run, last, (started[0] - t_admit) * 1e3 if started else None)
+    self._answered("Synthesize", "OK")
+    ran = run.generation.trace.first_token is not None
+    self.metrics.finished(final.trace, final.usage, final.trace.program_cache_hit if ran else None)
+    context.set_trailing_metadata(trailer(final, r.request_id))
+    yield pb.SynthesizeResponse(request_id=r.request_id, final=final)
 
   async def ListThoughtlets(self, raw: bytes, context) -> pb.ListThoughtletsResponse:
     try:
       self._parse(raw, pb.ListThoughtletsRequest)
-      out = pb.ListThoughtletsResponse(registry_sequence=self.registry.sequence)
-      for name in self.registry.names:
-        mf = self.registry.manifest(name)
+      reg = self.serving.registry
+      out = pb.ListThoughtletsResponse(registry_sequence=reg.sequence)
+      for name in reg.names:
+        mf = reg.manifest(name)
         t = pb.Thoughtlet(
           name=mf.name,
           version=mf.version,
@@ -377,51 +477,174 @@ class SynthesizerService:
           t.layer_start, t.layer_end = mf.layers
         out.thoughtlets.append(t)
     except Exception as e:
-      await self._abort(context, e)
-    self.statuses["OK"] += 1
+      await self._abort(context, e, "ListThoughtlets")
+    self._answered("ListThoughtlets", "OK")
     return out
 
   async def RegistryStats(self, raw: bytes, context) -> pb.RegistryStatsResponse:
     try:
       self._parse(raw, pb.RegistryStatsRequest)
     except Exception as e:
-      await self._abort(context, e)
+      await self._abort(context, e, "RegistryStats")
+    s = self.serving
     snap = self.scheduler.snapshot()
-    self.statuses["OK"] += 1
+    # The serving registry's stats, with refusal counters totalled over the server's life (versions a
+    # reload replaced or refused included: a refused reload must stay visible after the fact).
+    stats = {**s.registry.stats().to_json(), **self.failure_totals(), "reload": dict(self.reloads)}
+    self._answered("RegistryStats", "OK")
     return pb.RegistryStatsResponse(
-      registry_sequence=self.registry.sequence,
-      signed=self.registry.signed,
-      stats_json=json.dumps(self.registry.stats().to_json(), default=str),
+      registry_sequence=s.registry.sequence,
+      signed=s.registry.signed,
+      stats_json=json.dumps(stats, default=str),
       planner_json=json.dumps(
-        {**self.syn.planner.counters.snapshot(), "scheduler": snap, "statuses": dict(self.statuses)}, default=str
+        {**s.syn.planner.counters.snapshot(), "scheduler": snap, "statuses": dict(self.statuses)}, default=str
       ),
       in_flight=snap["running"],
       waiting=snap["waiting"],
     )
 
   async def ReloadRegistry(self, raw: bytes, context) -> pb.ReloadRegistryResponse:
-    from thoughtjax.registry import Registry
-
     try:
       self._parse(raw, pb.ReloadRegistryRequest)
-
-      def published() -> int:
-        with Registry.open(self.registry.root, trust=self.registry.trust) as fresh:
-          return fresh.sequence
-
-      seq = await asyncio.get_running_loop().run_in_executor(None, published)
-      serving = self.syn.calibration.sequence
-      if seq != serving:
-        raise _Refused(
-          grpc.StatusCode.FAILED_PRECONDITION,
-          f"registry {self.registry.root} is published at sequence {seq}, this server serves {serving}; "
-          f"this version switches sequences by restart: calibrate the new sequence (thoughtjax registry "
-          f"calibrate) and restart thoughtjax serve (replicas one at a time)",
-        )
+      async with self._reload_lock:  # one reload at a time; requests keep flowing meanwhile
+        old = self.serving
+        got = await asyncio.get_running_loop().run_in_executor(None, self._prepare_reload, old)
+        if got.serving is not None:
+          self.serving = got.serving  # the switch: one reference; admitted requests keep `old`
+          self._retire(old)
     except Exception as e:
-      await self._abort(context, e)
-    self.statuses["OK"] += 1
-    return pb.ReloadRegistryResponse(serving_sequence=serving, published_sequence=seq)
+      await self._abort(context, e, "ReloadRegistry")
+    switched = got.serving is not None
+    self.reloads["switched" if switched else "unchanged"] += 1
+    self.metrics.reloads.labels("switched" if switched else "unchanged").inc()
+    if switched:
+      log.info(
+        "switched to registry sequence %d (was %d; calibration %s)", got.published, old.sequence, got.calibration
+      )
+    self._answered("ReloadRegistry", "OK")
+    return pb.ReloadRegistryResponse(
+      serving_sequence=self.serving.sequence,
+      published_sequence=got.published,
+      switched=switched,
+      previous_sequence=old.sequence,
+      calibration=got.calibration,
+      dropped_paths=list(got.dropped),
+      warmed_paths=list(got.warmed),
+      notes=list(got.notes),
+    )
+
+  def _prepare_reload(self, old: _Serving) -> _Reload:
+    """On a worker thread: the next :class:`_Serving`, opened, verified, calibrated and warmed; or nothing
+    when the published sequence is the one served. A failure is counted and refused, ``old`` untouched."""
+    from thoughtjax.registry import Registry
+    from thoughtjax.synthesis.synthesize import Synthesizer
+
+    fresh = None
+    try:
+      # The index: its signature under the serving trust policy, and never a sequence lower than one seen.
+      fresh = Registry.open(old.registry.root, trust=old.registry.trust)
+      if fresh.sequence == old.sequence:
+        fresh.close()
+        return _Reload(None, old.sequence)
+      # Every current thoughtlet's manifest signature and file digests, before anything is switched.
+      fresh.verify(deep=False)
+      calibration, how, dropped, notes = calibration_for(fresh, old.syn.calibration)
+      syn = Synthesizer(fresh, calibration, old.syn.dictionary, kernels=old.syn.kernels, keep_paths=old.syn.keep_paths)
+      w = self.config.warm
+      warmed = syn.warm(w.hints, prompt_tokens=w.prompt_tokens, max_tokens=w.max_tokens) if w.hints else []
+      return _Reload(_Serving.of(syn, owned=True), fresh.sequence, how, tuple(dropped), tuple(warmed), tuple(notes))
+    except Exception as e:
+      seq = "" if fresh is None else f" sequence {fresh.sequence}"
+      message = (
+        e.args[0]
+        if isinstance(e, _Refused)
+        else (
+          f"ReloadRegistry: the registry at {old.registry.root}{seq} was refused: {type(e).__name__}: {e}. "
+          f"Still serving sequence {old.sequence}; republish the failed thoughtlet (or restore the registry "
+          f"from a backup), check it with thoughtjax registry verify, then call ReloadRegistry again"
+        )
+      )
+      with self._count_lock:
+        if fresh is not None:
+          for field, n in failure_totals(fresh.stats()).items():
+            self._refused_failures[field] += n
+        elif (field := _failure_field(e)) is not None:  # refused while opening: its counters went with it
+          self._refused_failures[field] += 1
+        self.reloads["refused"] += 1
+        self.reloads["last_refusal"] = message
+      self.metrics.reloads.labels("refused").inc()
+      log.error("%s", message)
+      if fresh is not None:
+        fresh.close()
+      if status_of(e) is None:
+        raise
+      raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, message) from None
+
+  def _retire(self, old: _Serving) -> None:
+    """``old`` stops taking requests; streams in flight hold their own models. Its counters stay in the
+    totals; its resident weights are dropped now (when the server opened it) and its lease at stop."""
+    self._retired.append(old)
+    if old.owned:
+      old.registry.evict_all()
+    old.paths.clear()
+
+
+def _failure_field(e: BaseException) -> str | None:
+  from thoughtjax.registry import IntegrityError, RestoreError, RollbackError, SignatureDowngradeError, SignatureError
+
+  for cls, kind in (
+    (SignatureDowngradeError, "downgrade"),
+    (SignatureError, "signature"),
+    (IntegrityError, "integrity"),
+    (RollbackError, "rollback"),
+    (RestoreError, "restore"),
+  ):
+    if isinstance(e, cls):
+      return FAILURE_FIELDS[kind]
+  return None
+
+
+def calibration_for(registry, previous) -> tuple[Any, str, list[str], list[str]]:
+  """A calibration valid for ``registry``'s sequence: its stored one (``"stored"``), else ``previous`` (of an
+  older sequence) restricted to the paths whose thoughtlet versions are all still current (``"derived"``,
+  with the dropped paths and a note saying so). Refused (FAILED_PRECONDITION naming ``thoughtjax registry
+  calibrate``) when the full path changed: then no path's quality or latency is known at the new sequence."""
+  from thoughtjax.registry.calibration_store import MissingCalibrationError, read_calibration
+  from thoughtjax.synthesis.calibration import Calibration
+
+  try:
+    return read_calibration(registry), "stored", [], []
+  except MissingCalibrationError:
+    pass
+  current = registry.current
+  changed = lambda c: sorted({u.ref for u in c.units if current.get(u.name) != u.version})
+  fix = f"calibrate it (thoughtjax registry calibrate {registry.root}) and call ReloadRegistry again"
+  full = changed(previous.full)
+  if full:
+    now = ", ".join(f"{ref.split('@')[0]}@{current.get(ref.split('@')[0], '(removed)')}" for ref in full)
+    raise _Refused(
+      grpc.StatusCode.FAILED_PRECONDITION,
+      f"ReloadRegistry: registry {registry.root} sequence {registry.sequence} has no calibration, and the one of "
+      f"sequence {previous.sequence} cannot serve it: the full path's thoughtlets {full} are no longer current "
+      f"(now {now}), so no path's quality or latency is known. Still serving sequence {previous.sequence}; {fix}",
+    )
+  kept = [c for c in previous.candidates if not changed(c)]
+  dropped = [c.path for c in previous.candidates if changed(c)]
+  hashes = {c.path_hash for c in kept}
+  calibration = Calibration(
+    registry.sequence,
+    previous.fingerprint,
+    kept,
+    {h: q for h, q in previous.quality.items() if h in hashes},
+    previous.latency,
+    dict(current),
+  )
+  note = (
+    f"registry sequence {registry.sequence} has no calibration: serving with the quality and latency recorded "
+    f"at sequence {previous.sequence} for the {len(kept)} paths whose thoughtlet versions are unchanged"
+    + (f"; {len(dropped)} paths whose thoughtlets changed are not offered until you {fix}" if dropped else "")
+  )
+  return calibration, "derived", dropped, [note]
 
 
 class _PathRun:
@@ -487,14 +710,53 @@ def _explicit_plan(model, r: Request, sequence: int) -> pb.Plan:
   )
 
 
-def _run_plan(run, r: Request, sequence: int) -> pb.Plan:
-  return _explicit_plan(run.model, r, sequence) if isinstance(run, _PathRun) else _plan_message(run.plan, r.request_id)
+def _run_plan(run, r: Request) -> pb.Plan:
+  if isinstance(run, _PathRun):
+    return _explicit_plan(run.model, r, run.sequence)
+  return _plan_message(run.plan, r.request_id)
 
 
-def _final(run, last, sequence: int) -> pb.Final:
+def _final(run, last, queue_ms: float | None = None) -> pb.Final:
+  """The final message of ``run`` (on the sequence it started with); ``queue_ms``: its wait for a turn."""
+  out = _final_of(run, last)
+  if queue_ms is not None:
+    out.trace.actual_ms["queue"] = queue_ms
+  gt = run.generation.trace
+  out.trace.program_cache_hit = gt.first_token is not None and gt.compile_s == 0.0
+  return out
+
+
+def trailer(final: pb.Final, request_id: str) -> tuple[tuple[str, str | bytes], ...]:
+  """The trailing metadata of a finished stream: the final message's trace and usage (see the module
+  docstring; :func:`thoughtjax.client.read_trailer` is the reader)."""
+  from thoughtjax.client import TEXT_PREFIX, TRACE_KEY, USAGE_KEY
+
+  t, u = final.trace, final.usage
+  text = {
+    "request-id": request_id,
+    "finish-reason": final.finish_reason,
+    "path-hash": t.path_hash,
+    "registry-sequence": str(t.registry_sequence),
+    "degraded": "true" if t.degraded else "false",
+    "program-cache": "hit" if t.program_cache_hit else "miss",
+    "tokens-in": str(u.tokens_in),
+    "tokens-out": str(u.tokens_out),
+    "compute-seconds": f"{u.compute_seconds:.6f}",
+    "predicted-ms": f"{t.predicted_ms.get('total', 0.0):.3f}",
+    "actual-ms": f"{t.actual_ms.get('total', 0.0):.3f}",
+  }
+  return (
+    (TRACE_KEY, t.SerializeToString()),
+    (USAGE_KEY, u.SerializeToString()),
+    *((TEXT_PREFIX + k, v) for k, v in text.items()),
+  )
+
+
+def _final_of(run, last) -> pb.Final:
   reason = (last.finish_reason if last is not None and last.finished else None) or "length"
   gt = run.generation.trace
   if isinstance(run, _PathRun):
+    sequence = run.sequence
     actual = {
       "compile": gt.compile_s * 1e3,
       "prefill": (gt.prefill_s or 0.0) * 1e3,
@@ -562,6 +824,7 @@ class ServerApp:
     self._warm_fn = warm if warm is not None else self._default_warm
     self.server: grpc.aio.Server | None = None
     self.port: int | None = None
+    self.metrics_port: int | None = None  # the Prometheus endpoint's port (config metrics_port; None: off)
     self.warm_error: BaseException | None = None
     self._warm_task: asyncio.Task | None = None
     self._stopped = asyncio.Event()
@@ -597,6 +860,15 @@ class ServerApp:
       raise ConfigError(f"cannot bind {cfg.address} ({e}); pick a free --port or another bind address") from None
     self.port = port
     await self.server.start()
+    if cfg.metrics_port is not None:
+      try:
+        self.metrics_port = self.service.metrics.serve(cfg.metrics_bind, cfg.metrics_port)
+      except OSError as e:
+        await self.server.stop(0)
+        raise ConfigError(
+          f"cannot serve metrics on {cfg.metrics_bind}:{cfg.metrics_port} ({e}); pick a free metrics_port "
+          f"(0: any free port) or set it to null"
+        ) from None
     self._warm_task = asyncio.get_running_loop().create_task(self._warm())
     log.info(
       "thoughtjax server on %s:%d (%s)",
@@ -644,13 +916,21 @@ class ServerApp:
     close = getattr(self.service.scheduler, "close", None)
     if close is not None:
       close()
+    self.service.metrics.stop()
+    self.service.close()
     self._stopped.set()
 
   async def wait(self) -> None:
     await self._stopped.wait()
 
 
-async def serve(synthesizer, config: ServerConfig, *, on_port: Callable[[int], None] | None = None) -> None:
+async def serve(
+  synthesizer,
+  config: ServerConfig,
+  *,
+  on_port: Callable[[int], None] | None = None,
+  on_metrics_port: Callable[[int], None] | None = None,
+) -> None:
   """Run until SIGTERM or SIGINT (then drain, see :meth:`ServerApp.drain`)."""
   import signal
 
@@ -658,6 +938,8 @@ async def serve(synthesizer, config: ServerConfig, *, on_port: Callable[[int], N
   port = await app.start()
   if on_port is not None:
     on_port(port)
+  if on_metrics_port is not None and app.metrics_port is not None:
+    on_metrics_port(app.metrics_port)
   loop = asyncio.get_running_loop()
   for sig in (signal.SIGTERM, signal.SIGINT):
     loop.add_signal_handler(sig, lambda: loop.create_task(app.drain()))

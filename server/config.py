@@ -65,6 +65,8 @@ class ServerConfig:
   max_tokens_limit: int = 2048
   grace_s: float = 30.0
   warm: WarmConfig = WarmConfig()
+  metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: any free port
+  metrics_bind: str = "127.0.0.1"
 
   def __post_init__(self):
     for name in ("max_message_bytes", "max_concurrent", "max_tokens_limit"):
@@ -73,6 +75,17 @@ class ServerConfig:
       raise ConfigError(f"max_queue: expected an integer >= 0, got {self.max_queue!r}")
     if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
       raise ConfigError(f"port: expected an integer in [0, 65535] (0: any free port), got {self.port!r}")
+    if self.metrics_port is not None and (
+      isinstance(self.metrics_port, bool)
+      or not isinstance(self.metrics_port, int)
+      or not 0 <= self.metrics_port < 65536
+    ):
+      raise ConfigError(
+        f"metrics_port: expected null (no metrics endpoint) or an integer in [0, 65535] (0: any free port), "
+        f"got {self.metrics_port!r}"
+      )
+    if not isinstance(self.metrics_bind, str) or not self.metrics_bind:
+      raise ConfigError(f"metrics_bind: expected an address such as 127.0.0.1, got {self.metrics_bind!r}")
     if not isinstance(self.grace_s, (int, float)) or not math.isfinite(self.grace_s) or self.grace_s < 0:
       raise ConfigError(f"grace_s: expected a finite number of seconds >= 0, got {self.grace_s!r}")
     if (self.tls.cert is None) != (self.tls.key is None):

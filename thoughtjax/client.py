@@ -5,6 +5,10 @@
 ...   c.plan("Write a haiku", hints=["general_purpose"], max_latency_ms=2000).path
 ...   for piece in c.stream("Write a haiku", hints=["general_purpose"], max_tokens=32): print(piece, end="")
 ...   c.last_final.trace.actual_ms            # the trace of the last finished stream
+...   c.last_trailer.fields["tokens-out"]     # the same figures from the trailing metadata
+
+The trace and usage also come in the trailing metadata (``thoughtjax-trace-bin``, ``thoughtjax-usage-bin``
+and text keys ``x-thoughtjax-*``), for proxies, logs and clients that read metadata only: :func:`read_trailer`.
 
 A failed call raises :class:`ClientError` with the gRPC ``code`` and the server's message (which says the fix).
 TLS: ``ca`` (PEM bytes or path) verifies the server; ``cert``/``key`` add a client certificate (mTLS).
@@ -12,6 +16,7 @@ TLS: ``ca`` (PEM bytes or path) verifies the server; ``cert``/``key`` add a clie
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -20,6 +25,11 @@ import grpc
 
 from thoughtjax.errors import UserError
 
+# Trailing metadata of a finished Synthesize stream (gRPC conventions: lowercase keys, "-bin" for bytes).
+TRACE_KEY = "thoughtjax-trace-bin"  # a serialized thoughtjax.v1.Trace
+USAGE_KEY = "thoughtjax-usage-bin"  # a serialized thoughtjax.v1.Usage
+TEXT_PREFIX = "x-thoughtjax-"  # billing figures as text: tokens-in, tokens-out, compute-seconds, path-hash, ...
+
 
 class ClientError(UserError, RuntimeError):
   """A call the server refused or could not finish: ``code`` (grpc.StatusCode) and the server's message."""
@@ -27,6 +37,32 @@ class ClientError(UserError, RuntimeError):
   def __init__(self, code: grpc.StatusCode, details: str, method: str):
     super().__init__(f"{method}: {code.name}: {details}")
     self.code, self.details, self.method = code, details, method
+
+
+@dataclasses.dataclass(frozen=True)
+class Trailer:
+  """What a stream's trailing metadata carried: ``trace`` and ``usage`` (``thoughtjax.v1`` messages, None
+  when absent) and the ``x-thoughtjax-*`` text ``fields`` without the prefix (e.g. ``fields["tokens-out"]``)."""
+
+  trace: object | None
+  usage: object | None
+  fields: dict
+
+
+def read_trailer(metadata) -> Trailer:
+  """The thoughtjax part of a call's trailing metadata (``call.trailing_metadata()``: pairs of key, value)."""
+  from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
+
+  trace = usage = None
+  fields = {}
+  for key, value in metadata or ():
+    if key == TRACE_KEY:
+      trace = pb.Trace.FromString(value)
+    elif key == USAGE_KEY:
+      usage = pb.Usage.FromString(value)
+    elif key.startswith(TEXT_PREFIX):
+      fields[key[len(TEXT_PREFIX) :]] = value
+  return Trailer(trace, usage, fields)
 
 
 def _pem(v: bytes | str | os.PathLike | None) -> bytes | None:
@@ -106,6 +142,7 @@ class Client:
     self.stub = rpc.SynthesizerStub(self.channel)
     self.last_final = None
     self.last_plan = None
+    self.last_trailer: Trailer | None = None
 
   def _call(self, method: str, *args, **kwargs):
     try:
@@ -119,9 +156,11 @@ class Client:
     return self._call("GetOptimalPath", request(prompt, hints, **kwargs), timeout=timeout)
 
   def synthesize(self, prompt=None, hints=(), **kwargs) -> Iterator:
-    """Synthesize: every ``SynthesizeResponse`` (the plan, the deltas, the final message) as it arrives."""
+    """Synthesize: every ``SynthesizeResponse`` (the plan, the deltas, the final message) as it arrives; once
+    the stream ends, its trailing metadata is on ``last_trailer``."""
     timeout = kwargs.pop("timeout", self.timeout)
     call = self.stub.Synthesize(request(prompt, hints, **kwargs), timeout=timeout)
+    self.last_trailer = None
     try:
       for r in call:
         kind = r.WhichOneof("kind")
@@ -130,6 +169,7 @@ class Client:
         elif kind == "final":
           self.last_final = r.final
         yield r
+      self.last_trailer = read_trailer(call.trailing_metadata())
     except grpc.RpcError as e:
       raise ClientError(e.code(), e.details(), "Synthesize") from None
     finally:

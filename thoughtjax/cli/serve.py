@@ -1,6 +1,7 @@
 """``thoughtjax serve`` (the gRPC server of ``server/``) and ``thoughtjax client`` (stream one request).
 
-``serve`` prints one line ``serving on HOST:PORT`` once the port is bound (health then says NOT_SERVING
+``serve`` prints one line ``serving on HOST:PORT`` once the port is bound (and ``metrics on URL`` when the
+Prometheus endpoint is on) (health then says NOT_SERVING
 until the configured fronts are warm), and drains on SIGTERM. ``client`` streams the text to stdout and
 prints the plan and the trace to stderr (``--json``: one JSON object on stdout instead).
 """
@@ -24,6 +25,12 @@ def add_parsers(sub) -> None:
   p.add_argument("--config", default=None, metavar="FILE", help="server settings (default: server/config.yaml)")
   p.add_argument("--port", type=int, default=None, help="override the config's port (0: any free port)")
   p.add_argument("--bind", default=None, help="override the config's bind address (default 127.0.0.1)")
+  p.add_argument(
+    "--metrics-port",
+    type=int,
+    default=None,
+    help="serve Prometheus metrics on the config's metrics_bind (default 127.0.0.1) at this port (0: any free port)",
+  )
   add_kernels_arg(p)
   add_trust_args(p)
   p.set_defaults(fn=cmd_serve)
@@ -59,7 +66,9 @@ def cmd_serve(args) -> int:
   from thoughtjax.synthesis.synthesize import Synthesizer
 
   config = load_config(existing_path(args.config, "--config") if args.config else None)
-  changes = {k: v for k, v in (("port", args.port), ("bind", args.bind)) if v is not None}
+  changes = {
+    k: v for k, v in (("port", args.port), ("bind", args.bind), ("metrics_port", args.metrics_port)) if v is not None
+  }
   config = dataclasses.replace(config, **changes) if changes else config
   if args.registry:
     registry = open_registry(args.registry, args, "--registry")
@@ -74,7 +83,10 @@ def cmd_serve(args) -> int:
   def on_port(port: int) -> None:
     print(f"serving on {config.bind}:{port}", flush=True)
 
-  asyncio.run(serve(synthesizer, config, on_port=on_port))
+  def on_metrics_port(port: int) -> None:
+    print(f"metrics on http://{config.metrics_bind}:{port}/metrics", flush=True)
+
+  asyncio.run(serve(synthesizer, config, on_port=on_port, on_metrics_port=on_metrics_port))
   return 0
 
 

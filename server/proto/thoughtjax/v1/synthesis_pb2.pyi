@@ -129,7 +129,7 @@ class Usage(_message.Message):
     def __init__(self, tokens_in: _Optional[int] = ..., tokens_out: _Optional[int] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
 class Trace(_message.Message):
-    __slots__ = ("path", "path_hash", "refs", "hints", "degraded", "reason", "predicted_ms", "actual_ms", "registry_sequence", "corrected_hints", "decode_chunks")
+    __slots__ = ("path", "path_hash", "refs", "hints", "degraded", "reason", "predicted_ms", "actual_ms", "registry_sequence", "corrected_hints", "decode_chunks", "program_cache_hit")
     class PredictedMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,7 @@ class Trace(_message.Message):
     REGISTRY_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     CORRECTED_HINTS_FIELD_NUMBER: _ClassVar[int]
     DECODE_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     path: str
     path_hash: str
     refs: _containers.RepeatedScalarFieldContainer[str]
@@ -166,7 +167,8 @@ class Trace(_message.Message):
     registry_sequence: int
     corrected_hints: _containers.RepeatedCompositeFieldContainer[HintCorrection]
     decode_chunks: int
-    def __init__(self, path: _Optional[str] = ..., path_hash: _Optional[str] = ..., refs: _Optional[_Iterable[str]] = ..., hints: _Optional[_Iterable[str]] = ..., degraded: _Optional[bool] = ..., reason: _Optional[str] = ..., predicted_ms: _Optional[_Mapping[str, float]] = ..., actual_ms: _Optional[_Mapping[str, float]] = ..., registry_sequence: _Optional[int] = ..., corrected_hints: _Optional[_Iterable[_Union[HintCorrection, _Mapping]]] = ..., decode_chunks: _Optional[int] = ...) -> None: ...
+    program_cache_hit: bool
+    def __init__(self, path: _Optional[str] = ..., path_hash: _Optional[str] = ..., refs: _Optional[_Iterable[str]] = ..., hints: _Optional[_Iterable[str]] = ..., degraded: _Optional[bool] = ..., reason: _Optional[str] = ..., predicted_ms: _Optional[_Mapping[str, float]] = ..., actual_ms: _Optional[_Mapping[str, float]] = ..., registry_sequence: _Optional[int] = ..., corrected_hints: _Optional[_Iterable[_Union[HintCorrection, _Mapping]]] = ..., decode_chunks: _Optional[int] = ..., program_cache_hit: _Optional[bool] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("finish_reason", "usage", "trace", "text")
@@ -261,9 +263,21 @@ class ReloadRegistryRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReloadRegistryResponse(_message.Message):
-    __slots__ = ("serving_sequence", "published_sequence")
+    __slots__ = ("serving_sequence", "published_sequence", "switched", "previous_sequence", "calibration", "dropped_paths", "warmed_paths", "notes")
     SERVING_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SWITCHED_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_PATHS_FIELD_NUMBER: _ClassVar[int]
+    WARMED_PATHS_FIELD_NUMBER: _ClassVar[int]
+    NOTES_FIELD_NUMBER: _ClassVar[int]
     serving_sequence: int
     published_sequence: int
-    def __init__(self, serving_sequence: _Optional[int] = ..., published_sequence: _Optional[int] = ...) -> None: ...
+    switched: bool
+    previous_sequence: int
+    calibration: str
+    dropped_paths: _containers.RepeatedScalarFieldContainer[str]
+    warmed_paths: _containers.RepeatedScalarFieldContainer[str]
+    notes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, serving_sequence: _Optional[int] = ..., published_sequence: _Optional[int] = ..., switched: _Optional[bool] = ..., previous_sequence: _Optional[int] = ..., calibration: _Optional[str] = ..., dropped_paths: _Optional[_Iterable[str]] = ..., warmed_paths: _Optional[_Iterable[str]] = ..., notes: _Optional[_Iterable[str]] = ...) -> None: ...

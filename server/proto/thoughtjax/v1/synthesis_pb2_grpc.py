@@ -91,8 +91,10 @@ class SynthesizerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReloadRegistry(self, request, context):
-        """Re-reads the registry's index. In this version a new sequence is reported, not switched to (the
-        server answers FAILED_PRECONDITION naming the restart that switches); the same sequence is a no-op.
+        """Re-reads the registry's index; a newly published sequence is opened under the server's trust policy,
+        verified, warmed and switched to atomically (streams in flight finish on the version they started
+        with). A failed verification leaves the old version serving: FAILED_PRECONDITION naming the failure,
+        counted in RegistryStats. The same sequence is a no-op.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
