@@ -99,11 +99,23 @@ def test_cold_prediction_follows_the_formulas():
   assert got.restore == pytest.approx(sum(2.0 + 1e-5 * b for b in distinct.values()))
   # bucket(40) = 64 is not measured; 16 and 256 are equally near in log2, the smaller one serves; 8 layers.
   assert got.compile == pytest.approx(100.0 + 10.0 * 8)
-  assert got.prefill == pytest.approx(sum(p.prefill[u.cost_key](T) for u in c.units))
-  step = lambda ctx: p.step_ms + sum(p.decode[u.cost_key](ctx) for u in c.units)  # noqa: E731
-  assert got.decode == pytest.approx(sum(step(T + i) for i in range(n)))
+  # The program's shapes: the prompt padded to bucket(40) = 64; n - 1 decode steps (the prefill gives the
+  # first token), each over the whole cache of 64 + bucket(12) = 80 slots.
+  assert got.prefill == pytest.approx(sum(p.prefill[u.cost_key](64) for u in c.units))
+  step = p.step_ms + sum(p.decode[u.cost_key](64 + 16) for u in c.units)
+  assert got.decode == pytest.approx((n - 1) * step) and got.cache_len == 80
   assert got.synthesis == p.synthesis_ms
   assert got.total == pytest.approx(got.synthesis + got.restore + got.compile + got.prefill + got.decode)
+
+
+def test_prefill_steps_at_bucket_edges_and_a_decode_step_costs_the_same_throughout():
+  m = LatencyModel(params())
+  c = candidate([(0, 2), (2, 4)])
+  assert m.predict(c, 17, 8).prefill == m.predict(c, 32, 8).prefill > m.predict(c, 16, 8).prefill
+  one = m.predict(c, 20, 64)
+  assert one.raw_decode(1) == 0.0  # the first token comes from the prefill
+  assert one.raw_decode(33) == pytest.approx(2 * one.raw_decode(17))  # linear in steps: one cache size
+  assert m.predict(c, 20, 65).raw_decode(17) > one.raw_decode(17)  # a larger max_tokens bucket: a larger cache
 
 
 def test_nearest_compile_bucket_is_used():
@@ -184,6 +196,18 @@ def test_update_is_bounded_and_skips_zero_stages():
     m.update(LatencyTrace(p, {"queue": 1.0}))
   with pytest.raises(LatencyModelError, match=r"actual_ms\[decode\]"):
     m.update(LatencyTrace(p, {"decode": math.nan}))
+
+
+def test_a_run_that_compiled_teaches_restore_and_compile_only():
+  m = LatencyModel(params())
+  c = candidate([(0, 2)])
+  p = m.predict(c, 20, 8)
+  ratios = m.update(
+    LatencyTrace(p, {s: 3 * p.raw[s] for s in ("restore", "compile", "prefill", "decode")}, compiled=True)
+  )
+  assert set(ratios) == {"restore", "compile"}
+  assert m.factor(c.path_hash, "prefill") == m.factor(c.path_hash, "decode") == 1.0
+  assert m.factor(c.path_hash, "compile") > 1.0
 
 
 def test_update_uses_tokens_actually_produced():

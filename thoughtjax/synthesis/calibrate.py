@@ -19,7 +19,8 @@ Steps (each reported to ``progress(stage, done, total, item)``):
 4. **latency**: the real program (prefill + decode loop, as synthesis runs it) of the full path and of
    the shortest candidate, at two prompt buckets and two decode lengths, ``ignore_eos`` so every step
    runs; per-layer and fixed (embed + head + loop) costs are fitted by non-negative least squares to the
-   same stage times a synthesis trace reports, so predictions and traces compare like with like. Restore
+   same stage times a synthesis trace reports, so predictions and traces compare like with like. Warm
+   runs only: the first run of each program (which compiles it) gives the compile cost alone. Restore
    cost: every unit restored once from disk (bytes, ms). Compile cost: the first run of each program
    (layers run, ms) per prompt bucket. Synthesis overhead: planning time on the new calibration.
 
@@ -55,9 +56,10 @@ class CalibrateError(UserError, ValueError):
 @dataclasses.dataclass(frozen=True)
 class LatencySettings:
   """What the latency measurement runs: prompt lengths (tokens; two buckets), decode lengths (steps;
-  one bucket, so one program per path and prompt bucket) and repetitions of each run after the first."""
+  one bucket, so one program per path and prompt bucket) and repetitions of each run after the first.
+  The default prompt buckets (16 and 512) span the prompts served, so predictions interpolate."""
 
-  prompt_tokens: tuple[int, ...] = (12, 100)
+  prompt_tokens: tuple[int, ...] = (12, 300)
   max_tokens: tuple[int, ...] = (6, 16)
   reps: int = 2
   plan_reps: int = 200
@@ -101,13 +103,18 @@ class CalibrateReport:
     return sum(self.seconds.values())
 
 
+# The form of the latency model's fits (latency module docstring); part of the fingerprint, so latency
+# measured for another form is re-measured (the default registry does so on first use).
+LATENCY_MODEL = 2
+
+
 def machine_fingerprint() -> str:
-  """This machine and software, as a short string: ``platform/device kind/cpus/jax version/<hash>``."""
+  """This machine and software, as a short string: ``platform/device kind/cpus/jax version/<hash>/lm<form>``."""
   from thoughtjax.thoughtlet import canonical_json, fingerprint
 
   fp = fingerprint()
   digest = hashlib.sha3_256(canonical_json(fp)).hexdigest()[:12]
-  return f"{fp['platform']}/{fp['device_kind']}/{fp['cpu_count']}cpu/jax{fp['jax']}/{digest}"
+  return f"{fp['platform']}/{fp['device_kind']}/{fp['cpu_count']}cpu/jax{fp['jax']}/{digest}/lm{LATENCY_MODEL}"
 
 
 def cost_key(unit: Unit) -> str:
@@ -272,6 +279,7 @@ def _run(model, prompt_tokens: int, max_tokens: int) -> dict:
   t = g.trace
   return {
     "prompt_tokens": prompt_tokens,
+    "max_tokens": max_tokens,
     "tokens_out": t.tokens_out[0],
     "compile_ms": t.compile_s * 1e3,
     "prefill_ms": t.prefill_s * 1e3,
@@ -334,11 +342,14 @@ def measure_latency(
   if report is not None:
     report.latency_runs = rows
 
-  # prefill = (P0 + L Pl) + (Q0 + L Ql) T;  decode = sum_{i<n} (A0 + L Al) + (B0 + L Bl)(T + i).
+  # The shapes the program runs (latency module docstring): the prompt padded to P = bucket(T), n - 1
+  # decode steps each over the whole cache of S = bucket(T) + bucket(max_tokens) slots.
+  # prefill = (P0 + L Pl) + (Q0 + L Ql) P;  decode = (n - 1) ((A0 + L Al) + (B0 + L Bl) S).
   L = np.array([r["layers"] for r in rows], float)
-  T = np.array([r["prompt_tokens"] for r in rows], float)
-  n = np.array([r["tokens_out"] for r in rows], float)
-  ctx = n * T + n * (n - 1) / 2
+  T = np.array([bucket(r["prompt_tokens"]) for r in rows], float)
+  S = T + np.array([bucket(r["max_tokens"]) for r in rows], float)
+  n = np.maximum(np.array([r["tokens_out"] for r in rows], float) - 1, 0)
+  ctx = n * S
   prefill_ms = np.array([r["prefill_ms"] for r in rows])
   decode_ms = np.array([r["decode_ms"] for r in rows])
 

@@ -7,20 +7,27 @@ A request's latency is predicted as five stages (milliseconds)::
                (r.a: fixed cost per restore, 1 / r.b: measured restore bandwidth in bytes/ms)
     compile    0 when the program key is compiled, else  c[bucket].a + c[bucket].b * layers_run
                (one fit per prompt-length bucket; the nearest measured bucket serves others)
-    prefill    sum over the executed thoughtlets of  p[u].a + p[u].b * T          (T prompt tokens)
-    decode     sum over steps i = 0..N-1 of  step_ms + sum over units of  d[u].a + d[u].b * (T + i)
+    prefill    sum over the executed thoughtlets of  p[u].a + p[u].b * P          (P = bucket(T))
+    decode     (N - 1) * (step_ms + sum over units of  d[u].a + d[u].b * S)      (S = bucket(T) + bucket(N))
+
+for a prompt of T tokens and N new tokens. The shapes are those the program runs (``program.py``): the
+prefill runs over the prompt left-padded to its bucket P and yields the first token; each of the N - 1
+decode steps attends over the whole KV cache of S slots (masked), whatever the context so far. So prefill
+cost steps at bucket edges and a decode step costs the same throughout one request.
 
 Units are counted as executed, so a repeated span costs twice in prefill and decode but is
 restored once. Each linear cost is fitted by least squares from measurements at several sizes
-(:func:`fit_linear`) and is non-negative and non-decreasing by construction, so the decode sum has
-a closed form and "how many tokens fit the budget" is a monotone search.
+(:func:`fit_linear`) and is non-negative by construction, so decode cost is non-decreasing in the
+number of tokens and "how many tokens fit the budget" is a monotone search.
 
 Learning from traces (:meth:`LatencyModel.update`): the model keeps a multiplicative correction
 per stage, once globally and once per path hash. An observed stage time moves the factor toward
 ``actual / raw`` by an exponentially weighted step (``alpha`` per path, ``global_alpha`` for all
 paths); the ratio and the factor are clipped to ``[1/4, 4]`` so one outlier cannot swing a plan by
 more than 4x. A path with no factor of its own for a stage uses the global one. Stages predicted at
-zero (already resident, already compiled) carry no information and are not learned from.
+zero (already resident, already compiled) carry no information and are not learned from, and a run that
+compiled its program teaches only restore and compile: its prefill and decode carry one-off first-run
+costs that a warm request never pays (``LatencyTrace.compiled``).
 A candidate whose cost is not the sum of its units (a speculative plan: draft and verify in one
 program) starts from a per-path factor that calibration measured, stored in ``corrections``.
 """
@@ -251,9 +258,9 @@ COLD = Residency()
 class Prediction:
   """Predicted ms per stage for one path and request (corrections applied), and the raw model values.
 
-  ``decode_terms = (A, B)``: one decode step at context ``c`` costs ``A + B * c`` raw ms, before the
-  decode factor ``decode_factor``; this lets :meth:`tokens_within` and trace learning re-evaluate decode
-  for another token count.
+  ``decode_terms = (A, B)``: one decode step over a cache of ``cache_len`` slots costs ``A + B * cache_len``
+  raw ms, before the decode factor ``decode_factor``; this lets :meth:`tokens_within` and trace learning
+  re-evaluate decode for another token count (the cache is that of the request's program).
   """
 
   path_hash: str
@@ -268,6 +275,7 @@ class Prediction:
   decode_terms: tuple[float, float]
   decode_factor: float
   program_key: str
+  cache_len: int = 0
 
   @property
   def total(self) -> float:
@@ -277,10 +285,9 @@ class Prediction:
     return getattr(self, name)
 
   def raw_decode(self, tokens: int) -> float:
-    """Raw decode ms for ``tokens`` steps: sum_{i<n} A + B (T + i), in closed form."""
+    """Raw decode ms until ``tokens`` tokens are out: the prefill gives the first, each other is one step."""
     A, B = self.decode_terms
-    n, T = tokens, self.prompt_tokens
-    return n * A + B * (n * T + n * (n - 1) / 2)
+    return max(int(tokens) - 1, 0) * (A + B * self.cache_len)
 
   def tokens_within(self, budget_ms: float) -> int:
     """How many decode tokens (at most ``max_tokens``) fit ``budget_ms`` after the fixed stages."""
@@ -303,11 +310,13 @@ class Prediction:
 @dataclasses.dataclass(frozen=True)
 class LatencyTrace:
   """What a run measured, for :meth:`LatencyModel.update`: its prediction, actual ms per stage
-  (any subset of :data:`STAGES`) and the tokens it produced (``None``: as predicted)."""
+  (any subset of :data:`STAGES`), the tokens it produced (``None``: as predicted) and whether it compiled
+  its program (then its prefill and decode are not learned from)."""
 
   prediction: Prediction
   actual_ms: Mapping[str, float]
   tokens_out: int | None = None
+  compiled: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,12 +413,13 @@ class LatencyModel:
     key = self.program_key(c.program, T, n)
     compile_ = 0.0 if key in residency.compiled else self._compile_fit(bucket(T))(c.layers)
     A, B = c.decode.a, c.decode.b
+    S = bucket(T) + bucket(n)
     raw = {
       "synthesis": self.params.synthesis_ms,
       "restore": restore,
       "compile": compile_,
-      "prefill": c.prefill(T),
-      "decode": n * A + B * (n * T + n * (n - 1) / 2),
+      "prefill": c.prefill(bucket(T)),
+      "decode": max(n - 1, 0) * (A + B * S),
     }
     h = candidate.path_hash
     f = {s: self.factor(h, s) for s in STAGES}
@@ -422,6 +432,7 @@ class LatencyModel:
       decode_terms=(A, B),
       decode_factor=f["decode"],
       program_key=key,
+      cache_len=S,
     )
 
   # ---- learning
@@ -429,7 +440,8 @@ class LatencyModel:
     """Move the correction factors toward what a run measured; returns the observed ratios used.
 
     ``trace`` has ``prediction`` (:class:`Prediction`), ``actual_ms`` (stage -> ms) and optionally
-    ``tokens_out`` (decode steps actually run; the raw decode is re-evaluated for that count).
+    ``tokens_out`` (tokens actually produced; the raw decode is re-evaluated for that count) and
+    ``compiled`` (the run compiled its program: its prefill and decode are not learned from).
     """
     p: Prediction = trace.prediction
     actual = trace.actual_ms
@@ -440,11 +452,14 @@ class LatencyModel:
     tokens = getattr(trace, "tokens_out", None)
     if tokens is not None:
       raw["decode"] = p.raw_decode(int(tokens))
+    first_run = bool(getattr(trace, "compiled", False))
     lo, hi = FACTOR_BOUNDS
     ratios = {}
     for s, ms in actual.items():
       if ms is None or not math.isfinite(ms) or ms < 0:
         raise LatencyModelError(f"trace actual_ms[{s}]: expected a finite time >= 0, got {ms!r}")
+      if first_run and s in ("prefill", "decode"):
+        continue  # a first run's device time includes one-off costs (allocation, first execution)
       if raw[s] > 0:
         ratios[s] = min(hi, max(lo, ms / raw[s]))
     with self._lock:

@@ -355,8 +355,10 @@ class Synthesizer:
     """Move the latency model toward what the finished request measured."""
     actual = {s: result.trace.actual_ms[s] for s in STAGES if s in result.trace.actual_ms}
     tokens = result.trace.tokens_out
-    if tokens and not result.generation.trace.cancelled:
-      self.latency.update(LatencyTrace(result.plan.predicted, actual, tokens))
+    gen = result.generation.trace
+    if tokens and not gen.cancelled:
+      # compile_s > 0: this call traced or compiled its program (its first run in this process).
+      self.latency.update(LatencyTrace(result.plan.predicted, actual, tokens, compiled=gen.compile_s > 0))
     with self._lock:
       self.traces.append(result.trace)
 
