@@ -1,0 +1,161 @@
+"""The slot engine on a tiny model: a request in a slot gives the tokens it gives alone (greedy), whoever its
+neighbours are and whenever it joins; slots are reused; cancel frees a slot within one chunk; stop strings,
+stop ids and per-slot sampling settings hold per slot."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from tests.tiny import tiny_engine
+from thoughtjax.sampling import SamplingParams
+from thoughtjax.serving import SlotDriver, SlotEngine, SlotRequestError, SlotsFull, generate_in_slots
+
+# Prompts and max_tokens stay within one shape bucket (16 and 16), so one prefill program serves every test.
+PROMPTS = [[7, 8, 9], list(range(40, 52)), [100], [5, 6, 7, 8, 9, 10, 11], [3] * 15, [200, 201]]
+MAX_TOKENS = [10, 16, 7, 13, 12, 16]
+SLOTS = 3
+
+
+@pytest.fixture(scope="module")
+def model():
+  return tiny_engine("llama_gqa", seed=3, chunk=4)
+
+
+@pytest.fixture
+def engine(model):
+  return SlotEngine(model, slots=SLOTS, cache_len=64)
+
+
+def alone(model, ids, **kw):
+  return model.generate(ids, **kw)
+
+
+def test_requests_in_slots_give_the_tokens_they_give_alone(model, engine):
+  """Six requests through three slots, arriving at chunks 0, 0, 1, 2, 2, 5: staggered joins, different
+  lengths, slots reused; every request's greedy tokens equal its alone run's."""
+  reqs = [(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
+  runs = generate_in_slots(engine, reqs, arrivals=[0, 0, 1, 2, 2, 5])
+  for (p, params), run in zip(reqs, runs, strict=True):
+    want = alone(model, p, max_tokens=params.max_tokens, ignore_eos=True)
+    assert run.token_ids == want.token_ids and run.text == want.text
+    assert run.finish_reason == "length" and run.finished and run.trace.tokens_out == [params.max_tokens]
+  assert engine.active == 0 and engine.free == SLOTS and engine.freed_total == len(reqs)
+  used = [r.slot for r in runs]
+  assert len(set(used)) == SLOTS and len(used) > len(set(used))  # slots were reused
+
+
+def test_a_request_joins_mid_stream_at_the_next_chunk(model, engine):
+  first = engine.insert(PROMPTS[1], SamplingParams(max_tokens=16, ignore_eos=True))
+  engine.step()
+  engine.step()
+  assert len(first.token_ids) == 1 + 2 * engine.chunk  # the prefill's token, then two chunks
+  second = engine.insert(PROMPTS[3], SamplingParams(max_tokens=13, ignore_eos=True))
+  assert second.slot != first.slot and len(second.token_ids) == 1  # in its slot, not yet decoded
+  new = engine.step()
+  assert set(new) == {first.slot, second.slot} and len(new[second.slot]) == engine.chunk  # joined this chunk
+  while engine.active:
+    engine.step()
+  assert first.token_ids == alone(model, PROMPTS[1], max_tokens=16, ignore_eos=True).token_ids
+  assert second.token_ids == alone(model, PROMPTS[3], max_tokens=13, ignore_eos=True).token_ids
+
+
+def test_cancel_frees_the_slot_within_one_chunk_and_neighbours_are_unchanged(model, engine):
+  params = SamplingParams(max_tokens=16, ignore_eos=True)
+  victim = engine.insert(PROMPTS[0], params)
+  neighbour = engine.insert(PROMPTS[4], params)
+  engine.step()
+  victim.cancel()  # no chunk running: freed at once
+  assert victim.finished and victim.chunks_at_free - victim.chunks_at_cancel == 0
+  assert victim.finish_reason == "cancelled" and victim.trace.cancelled and len(victim.token_ids) < 16
+  assert engine.runs()[victim.slot] is None and engine.free == SLOTS - 1
+  reuse = engine.insert(PROMPTS[5], params)  # the freed slot is taken again
+  assert reuse.slot == victim.slot
+  while engine.active:
+    engine.step()
+  assert neighbour.token_ids == alone(model, PROMPTS[4], **_kw(params)).token_ids
+  assert reuse.token_ids == alone(model, PROMPTS[5], **_kw(params)).token_ids
+
+
+def test_cancel_from_another_thread_while_the_driver_steps(model, engine):
+  """A driver thread steps; the cancel comes while chunks run: the slot is free by the end of the chunk
+  running then (at most one more chunk), with a last ``cancelled`` delta, and the engine goes idle."""
+  driver = SlotDriver(engine)
+  try:
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    first_delta = threading.Event()
+    run = driver.insert(engine.prefill([9, 9, 9], params), on_delta=lambda d: first_delta.set())
+    keep = driver.insert(engine.prefill(PROMPTS[2], SamplingParams(max_tokens=7, ignore_eos=True)))
+    assert first_delta.wait(60)
+    it = iter(run)
+    next(it)
+    next(it)  # at least one decode chunk ran
+    run.cancel()
+    deltas = list(it)
+    assert deltas[-1].finished and deltas[-1].finish_reason == "cancelled"
+    assert run.freed.wait(60) and run.chunks_at_free - run.chunks_at_cancel <= 1
+    assert len(run.token_ids) < 60
+    assert list(keep)[-1].finish_reason == "length"
+    assert keep.token_ids == alone(model, PROMPTS[2], max_tokens=7, ignore_eos=True).token_ids
+  finally:
+    driver.close()
+  assert engine.active == 0
+
+
+def test_stop_strings_stop_ids_and_eos_per_slot(model, engine):
+  free = alone(model, PROMPTS[1], max_tokens=16, ignore_eos=True)
+  stop = free.text[3:5]  # a string the free run produces: the stopped run ends just before it
+  eos = model.config.eos_id
+  reqs = [
+    (PROMPTS[1], SamplingParams(max_tokens=16, stop_strings=(stop,), ignore_eos=True)),
+    (PROMPTS[1], SamplingParams(max_tokens=16, stop_token_ids=(free.token_ids[5],), ignore_eos=True)),
+    (PROMPTS[0], SamplingParams(max_tokens=16, logit_bias={eos: 1e4})),  # EOS at once: never takes a slot
+    (PROMPTS[3], SamplingParams(max_tokens=9, ignore_eos=True)),
+  ]
+  runs = generate_in_slots(engine, reqs, arrivals=[0, 0, 1, 1])
+  for (p, params), run in zip(reqs, runs, strict=True):
+    want = alone(model, p, **_kw(params))
+    assert (run.token_ids, run.text, run.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+  assert runs[0].finish_reason == "stop_string" and runs[0].text == free.text[: free.text.index(stop)]
+  first = free.token_ids.index(free.token_ids[5])
+  assert runs[1].finish_reason == "stop" and runs[1].token_ids == free.token_ids[: first + 1]
+  assert runs[2].token_ids == [eos] and runs[2].slot is None
+  assert engine.active == 0
+
+
+def test_per_slot_bias_and_sampling_settings(model, engine):
+  """Greedy and biased rows next to sampled ones: the greedy and biased rows match their alone runs; the
+  sampled rows produce their max_tokens."""
+  reqs = [
+    (PROMPTS[0], SamplingParams(max_tokens=12, ignore_eos=True)),
+    (PROMPTS[3], SamplingParams(max_tokens=12, logit_bias={77: 1e4}, ignore_eos=True)),
+    (PROMPTS[1], SamplingParams(max_tokens=12, temperature=0.9, top_k=20, top_p=0.9, seed=5, ignore_eos=True)),
+  ]
+  runs = generate_in_slots(engine, reqs)
+  assert runs[0].token_ids == alone(model, PROMPTS[0], max_tokens=12, ignore_eos=True).token_ids
+  assert runs[1].token_ids == [77] * 12
+  assert len(runs[2].token_ids) == 12
+
+
+def test_requests_that_do_not_fit_are_refused_with_the_limit(model, engine):
+  with pytest.raises(SlotRequestError, match="exceeds the slot engine's cache of 64 tokens"):
+    engine.prefill(list(range(1, 60)), SamplingParams(max_tokens=16))
+  with pytest.raises(SlotRequestError, match="stop_width"):
+    engine.prefill([1, 2], SamplingParams(max_tokens=8, stop_token_ids=tuple(range(10, 30))))
+  runs = [engine.insert([4, 5], SamplingParams(max_tokens=8, ignore_eos=True)) for _ in range(SLOTS)]
+  with pytest.raises(SlotsFull, match=f"all {SLOTS} slots"):
+    engine.insert([4, 5], SamplingParams(max_tokens=8, ignore_eos=True))
+  for r in runs:
+    r.cancel()
+  assert engine.active == 0
+
+
+def _kw(p: SamplingParams) -> dict:
+  return dict(
+    max_tokens=p.max_tokens,
+    stop_strings=p.stop_strings,
+    stop_token_ids=p.stop_token_ids,
+    logit_bias=p.logit_bias,
+    ignore_eos=p.ignore_eos,
+  )
