@@ -79,6 +79,10 @@ class Trace:
   decode_chunks: int = 0  # decode calls run on the device (callback streaming: decode steps)
   tokens_out: list[int] = dataclasses.field(default_factory=list)  # per row
   cancelled: bool = False
+  # Speculative decoding (draft=): tokens drafted, drafts accepted, verify passes (sums over rows).
+  drafted: int = 0
+  accepted: int = 0
+  verify_passes: int = 0
 
   @property
   def tokens_in(self) -> list[int]:
@@ -113,6 +117,9 @@ class Trace:
       "decode_s": self.decode_s,
       "decode_chunks": self.decode_chunks,
       "cancelled": self.cancelled,
+      "drafted": self.drafted,
+      "accepted": self.accepted,
+      "verify_passes": self.verify_passes,
     }
 
 
@@ -591,9 +598,16 @@ class Model:
     chat: bool = False,
     system: str | None = None,
     stream_mode: str = "chunks",
+    *,
+    draft=None,
+    draft_tokens: int = 4,
   ) -> Generation:
     """Generate for several prompts at once; the returned :class:`Generation` yields deltas as
     tokens are produced (``stream_mode``: ``"chunks"``, or ``"callback"`` for comparison).
+
+    ``draft`` (a path string, e.g. ``"embed, blocks[0:10), head"``, or a
+    :class:`thoughtjax.speculative.Draft`): self-speculative decoding, ``draft_tokens`` drafted per
+    verify pass of this path; the same tokens (greedy) or the same distribution (sampling).
 
     Template prompts (``chat=True``, or any string prompt on a path with a template) go in as
     the template's fixed rows around the user tokens, embedded by the fused template kernel
@@ -629,6 +643,12 @@ class Model:
         f"shorten the prompt or lower max_tokens"
       )
     stops = [stop_ids_for(p, self.codec.eos_ids) for p in params]
+    if draft is not None:
+      if stream_mode != "chunks":
+        raise RequestError(f"draft= streams in chunks; got stream_mode={stream_mode!r}, drop it or drop draft=")
+      from thoughtjax import speculative
+
+      return speculative.stream_batch(self, ids, params, stops, start, draft, draft_tokens)
     key = ProgramKey(
       layers=self.layers,
       batch=bucket(len(ids), 1),
@@ -675,16 +695,24 @@ class Model:
     chat: bool = False,
     system: str | None = None,
     stream_mode: str = "chunks",
+    draft=None,
+    draft_tokens: int = 4,
     **sampling,
   ) -> Generation:
     """Deltas of one prompt's continuation as they are produced."""
-    return self.stream_batch([prompt], SamplingParams(**sampling), chat, system, stream_mode)
+    return self.stream_batch(
+      [prompt], SamplingParams(**sampling), chat, system, stream_mode, draft=draft, draft_tokens=draft_tokens
+    )
 
-  def generate_batch(self, prompts, params=None, chat=False, system=None, stream_mode="chunks") -> list[Completion]:
+  def generate_batch(
+    self, prompts, params=None, chat=False, system=None, stream_mode="chunks", *, draft=None, draft_tokens=4
+  ) -> list[Completion]:
     """Whole continuations of several prompts, generated as one batch."""
     if isinstance(prompts, str):
       raise TypeError("generate_batch takes a list of prompts; use generate() for one")
-    return self.stream_batch(prompts, params, chat, system, stream_mode).completions()
+    return self.stream_batch(
+      prompts, params, chat, system, stream_mode, draft=draft, draft_tokens=draft_tokens
+    ).completions()
 
   def generate(
     self,
@@ -693,10 +721,14 @@ class Model:
     chat: bool = False,
     system: str | None = None,
     stream_mode: str = "chunks",
+    draft=None,
+    draft_tokens: int = 4,
     **sampling,
   ) -> Completion:
-    """The whole continuation of one prompt."""
-    return self.stream(prompt, chat=chat, system=system, stream_mode=stream_mode, **sampling).result()
+    """The whole continuation of one prompt (``draft``: see :meth:`stream_batch`)."""
+    return self.stream(
+      prompt, chat=chat, system=system, stream_mode=stream_mode, draft=draft, draft_tokens=draft_tokens, **sampling
+    ).result()
 
   # ---- scoring ---------------------------------------------------------------------
   def logits(self, token_ids: Sequence[int]) -> np.ndarray:

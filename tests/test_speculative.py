@@ -1,0 +1,234 @@
+"""Self-speculative decoding (thoughtjax/speculative.py): greedy tokens identical to plain greedy decoding,
+sampled tokens distributed as plain sampling (a statistical test that a wrong rule fails), stops,
+max_tokens, cancellation, the trace's counts and the errors of drafts that cannot draft."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from scipy import stats
+
+import thoughtjax
+from tests.tiny import TINY_CONFIGS, tiny_tokenizer
+from thoughtjax import speculative
+from thoughtjax.loading import LoadedModel
+from thoughtjax.model import init_random
+from thoughtjax.sampling import SamplingParams, stop_ids_for
+from thoughtjax.speculative import Draft, DraftError
+from thoughtjax.thoughtlet import bridge as bridge_lib
+
+PROMPTS = [[10, 20, 30, 40, 50], [7, 8, 9], list(range(40, 61))]
+
+
+def _engine(seed: int = 5, scale: float = 0.3) -> thoughtjax.Model:
+  """A 3-layer tiny model whose random weights are large enough that greedy text varies and the
+  layers disagree (at the tests' default scale every layer predicts the same token)."""
+  from thoughtjax.tokenizer import TextCodec
+
+  cfg = TINY_CONFIGS["llama_gqa"]
+  codec = TextCodec(tiny_tokenizer(), None, cfg.bos_id, cfg.eos_id)
+  return thoughtjax.Model(LoadedModel(cfg, init_random(cfg, seed, scale=scale), codec, f"spec-{seed}", ""))
+
+
+@pytest.fixture(scope="module")
+def engine():
+  return _engine()
+
+
+def _bridge(cfg) -> dict:
+  params = bridge_lib.init_params(cfg, rank=8, seed=1)
+  params["up"] = 0.5 * np.asarray(bridge_lib.init_params(cfg, rank=8, seed=2)["down"]).T  # not the identity
+  return params
+
+
+DRAFTS = [
+  ("exit1_k1", lambda cfg: "embed, blocks[0:1), head", 1),
+  ("exit2_k3", lambda cfg: "embed, blocks[0:2), head", 3),
+  ("exit1_recompute_k2", lambda cfg: Draft("embed, blocks[0:1), head", reuse=False), 2),
+  ("exit1_bridge_k4", lambda cfg: Draft("embed, blocks[0:1), head", bridge=_bridge(cfg)), 4),
+  ("full_truncated_vocab_k4", lambda cfg: Draft("embed, blocks[0:3), head", vocab=128), 4),
+]
+
+
+@pytest.mark.parametrize("make,k", [d[1:] for d in DRAFTS], ids=[d[0] for d in DRAFTS])
+def test_greedy_is_token_identical_to_plain_greedy(engine, make, k):
+  draft = make(engine.config)
+  plain = [engine.generate(p, max_tokens=20, ignore_eos=True).token_ids for p in PROMPTS]
+  assert len({tuple(t) for t in plain}) == 3 and all(len(set(t)) > 5 for t in plain)  # varied text
+  one = engine.stream(PROMPTS[0], max_tokens=20, ignore_eos=True, draft=draft, draft_tokens=k)
+  assert one.result().token_ids == plain[0]
+  assert one.trace.verify_passes > 0 and one.trace.drafted == k * one.trace.verify_passes
+  # A batch of 3 rows that accept different counts, with other max_tokens and a stop inside the text.
+  stop = plain[1][7]
+  params = [
+    SamplingParams(max_tokens=20, ignore_eos=True),
+    SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(stop,)),
+    SamplingParams(max_tokens=13, ignore_eos=True),
+  ]
+  got = engine.generate_batch(PROMPTS, params, draft=draft, draft_tokens=k)
+  assert got[0].token_ids == plain[0] and got[0].finish_reason == "length"
+  assert got[1].token_ids == plain[1][: plain[1].index(stop) + 1] and got[1].finish_reason == "stop"
+  assert got[2].token_ids == plain[2][:13] and got[2].finish_reason == "length"
+
+
+def test_trace_counts_add_up(engine):
+  g = engine.stream(PROMPTS[0], max_tokens=30, ignore_eos=True, draft="embed, blocks[0:2), head", draft_tokens=3)
+  c = g.result()
+  t = g.trace
+  assert len(c.token_ids) == 30 and t.tokens_out == [30]
+  assert t.drafted == 3 * t.verify_passes and 0 <= t.accepted <= t.drafted
+  # One token from the prefill, then each pass appends its accepted drafts and one of the full path's (the
+  # last pass may be cut by max_tokens).
+  assert 30 - 1 <= t.accepted + t.verify_passes <= 30 - 1 + 3
+  assert t.as_dict()["verify_passes"] == t.verify_passes
+
+
+def test_eos_inside_an_accepted_run_ends_the_row(engine):
+  eos = engine.config.eos_id
+  bias = {eos: 1e4}  # every path, draft included, picks EOS: the first pass accepts it
+  out = engine.generate([4, 5], max_tokens=6, logit_bias=bias, draft="embed, blocks[0:1), head", draft_tokens=3)
+  assert out.token_ids == [eos] and out.finish_reason == "stop"
+  out = engine.generate(
+    [4, 5], max_tokens=6, logit_bias=bias, ignore_eos=True, draft="embed, blocks[0:1), head", draft_tokens=4
+  )
+  assert out.token_ids == [eos] * 6 and out.finish_reason == "length"
+
+
+def test_cancel_ends_rows_at_the_next_chunk(engine):
+  g = engine.with_chunk(1).stream(PROMPTS[0], max_tokens=40, ignore_eos=True, draft="embed, blocks[0:1), head")
+  first = next(g)
+  assert not first.finished
+  g.cancel()
+  rest = list(g)
+  assert rest[-1].finished and rest[-1].finish_reason == "cancelled" and g.trace.cancelled
+  assert len(g.completions()[0].token_ids) < 40
+
+
+@pytest.mark.parametrize(
+  "draft,words",
+  [
+    ("embed, blocks[1:2), head", ["not the first blocks", "blocks[1:2)", "embed, blocks[0:1), head"]),
+    ("embed, blocks[0:1), blocks[2:3), head", ["not the first blocks"]),
+    ("blocks[0:1), head", ["start with embed"]),
+    ("embed, blocks[0:3), head", ["full path itself"]),
+    (Draft("embed, blocks[0:1), head", vocab=10**6), ["vocab", "[1, 259]"]),
+  ],
+)
+def test_a_draft_that_cannot_draft_is_a_named_user_error(engine, draft, words):
+  with pytest.raises(DraftError) as err:
+    engine.generate(PROMPTS[0], max_tokens=4, draft=draft)
+  assert isinstance(err.value, thoughtjax.errors.UserError)
+  for w in words:
+    assert w in str(err.value)
+
+
+def test_draft_tokens_out_of_range_and_callback_streaming_are_refused(engine):
+  with pytest.raises(DraftError, match="draft_tokens"):
+    engine.generate(PROMPTS[0], max_tokens=4, draft="embed, blocks[0:1), head", draft_tokens=0)
+  with pytest.raises(thoughtjax.errors.UserError, match="stream_mode"):
+    engine.generate(PROMPTS[0], max_tokens=4, draft="embed, blocks[0:1), head", stream_mode="callback")
+
+
+# ---- sampling: the output distribution is the full path's ------------------------------------------------
+ALLOWED = [7, 129, 151, 81]  # the only tokens with non-negligible mass (a large logit bias), 4**3 outcomes
+PROMPT = [10, 20, 30, 40, 50]
+SAMPLES = 2048
+ROWS = 64
+
+
+def _exact_joint(engine, params: SamplingParams) -> dict[tuple[int, ...], float]:
+  """P(t1, t2, t3) of plain sampling, from the full path's logits under the same bias and temperature."""
+  bias = np.zeros(engine.config.vocab_size)
+  for t, b in params.logit_bias.items():
+    bias[t] = b
+
+  def probs(prefix):
+    x = (engine.logits(prefix)[-1] + bias) / params.temperature
+    p = np.exp(x - x.max())
+    return p / p.sum()
+
+  joint = {}
+  for seq in itertools.product(ALLOWED, repeat=3):
+    pr, prefix = 1.0, list(PROMPT)
+    for t in seq:
+      pr *= probs(prefix)[t]
+      prefix.append(t)
+    joint[seq] = pr
+  return joint
+
+
+def _samples(engine, params_of, accept) -> list[tuple[int, ...]]:
+  out = []
+  for first in range(0, SAMPLES, ROWS):
+    params = [params_of(seed) for seed in range(first, first + ROWS)]
+    stops = [stop_ids_for(p, engine.codec.eos_ids) for p in params]
+    g = speculative.stream_batch(
+      engine, [PROMPT] * ROWS, params, stops, 0.0, "embed, blocks[0:1), head", draft_tokens=2, accept=accept
+    )
+    out += [tuple(c.token_ids) for c in g.completions()]
+  return out
+
+
+def _chi_square_p(samples, joint) -> float:
+  """p-value of the samples against the exact joint; outcomes expected fewer than 5 times are pooled."""
+  counts = {seq: 0 for seq in joint}
+  for s in samples:
+    counts[s] = counts.get(s, 0) + 1  # an outcome outside ALLOWED gets its own cell with ~0 expected
+  total = sum(joint.values())
+  obs, exp, pool_obs, pool_exp = [], [], 0, 0.0
+  for seq, c in counts.items():
+    e = len(samples) * joint.get(seq, 0.0) / total
+    if e < 5:
+      pool_obs, pool_exp = pool_obs + c, pool_exp + e
+    else:
+      obs.append(c)
+      exp.append(e)
+  obs.append(pool_obs)
+  exp.append(max(pool_exp, 1e-9))
+  return float(stats.chisquare(obs, np.asarray(exp) * len(samples) / sum(exp)).pvalue)
+
+
+def test_sampling_keeps_the_full_paths_distribution_and_a_wrong_rule_fails(engine):
+  def params_of(seed):
+    return SamplingParams(
+      max_tokens=3, temperature=1.0, seed=seed, ignore_eos=True, logit_bias={t: 30.0 for t in ALLOWED}
+    )
+
+  joint = _exact_joint(engine, params_of(0))
+  right = _samples(engine, params_of, "speculative")
+  wrong = _samples(engine, params_of, "always")  # accept every draft: tokens 2 and 3 follow the draft's q
+  assert all(len(s) == 3 for s in right + wrong)
+  p_right, p_wrong = _chi_square_p(right, joint), _chi_square_p(wrong, joint)
+  assert p_right > 1e-3, f"speculative sampling departs from the full path's distribution: p={p_right:.2e}"
+  assert p_wrong < 1e-6, f"the check cannot tell a wrong rule (accept always) apart: p={p_wrong:.2e}"
+  assert len(set(right)) > 20  # many outcomes, not a constant
+
+
+def test_sampling_with_top_k_top_p_and_truncated_draft_vocab_is_reproducible(engine):
+  kw = dict(max_tokens=12, temperature=0.8, top_k=20, top_p=0.9, seed=3, ignore_eos=True)
+  draft = Draft("embed, blocks[0:2), head", vocab=200)
+  a = engine.generate(PROMPTS[0], draft=draft, draft_tokens=3, **kw).token_ids
+  assert a == engine.generate(PROMPTS[0], draft=draft, draft_tokens=3, **kw).token_ids
+  assert len(a) == 12
+  plain_top = set()
+  for seed in range(8):  # every token lies in the top-k support of the full path
+    plain_top |= set(engine.generate(PROMPTS[0], **{**kw, "seed": seed}).token_ids)
+  assert a[0] in plain_top  # the prefill's token is the plain program's own
+
+
+@pytest.mark.slow
+def test_default_model_greedy_speculation_is_identical_to_plain_greedy(default_model):
+  from tests.test_exactness import PROMPTS as EXACT
+
+  for label, text in EXACT:
+    ids = (
+      default_model.prompt_ids("What is the capital of France?", chat=True)
+      if text is None
+      else default_model.prompt_ids(text)
+    )
+    plain = default_model.generate(ids, max_tokens=32).token_ids
+    for draft, k in (("embed, blocks[0:24), head", 4), (Draft("embed, blocks[0:8), head", vocab=8192), 3)):
+      got = default_model.generate(ids, max_tokens=32, draft=draft, draft_tokens=k).token_ids
+      assert got == plain, f"{label}: draft {draft} K={k} gave {got}, plain greedy {plain}"

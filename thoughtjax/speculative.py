@@ -1,0 +1,560 @@
+"""Self-speculative decoding: a short path of the same model drafts, the full path verifies, in one program.
+
+A *draft* is a prefix of the full path: ``embed, blocks[0:k)`` of it, optionally a bridge after them
+(``embed, blocks[0:10), bridge.10-30, head``), then the head, optionally over a truncated vocabulary
+(the ``vocab`` most frequent token ids). Each decode iteration of :class:`SpecProgram`, inside one
+``lax.while_loop`` of one compiled program,
+
+1. runs the draft K times, one token at a time, proposing d_1..d_K after the last token d_0; its
+   shared blocks write the KV-cache entries the full path would write for the same tokens;
+2. runs the full path once over the K+1 positions d_0..d_K, giving p_0..p_K (with ``reuse``, the
+   verify pass starts at block k from the residuals the draft saved there, since blocks 0..k-1 already
+   ran on those tokens);
+3. accepts a prefix of the draft and appends one more token of the full path's own:
+   greedy rows accept d_{j+1} while it equals argmax p_j, then take argmax p_n, so the tokens are those
+   of plain greedy decoding; sampled rows accept d_{j+1} with probability min(1, p_j/q_j) and on the
+   first rejection sample from norm(max(0, p_n - q_n)) (after K acceptances: from p_K), so every token
+   has the full path's distribution (Leviathan et al. 2023), p and q under the same bias, temperature,
+   top-k and top-p transform.
+
+Rows accept different counts, so every row keeps its own cache slot: row b's last token (not yet in the
+cache) goes to slot ``T + count[b] - 1``, with left-padded prompts as in :mod:`thoughtjax.program`.
+Blocks run per row under ``vmap`` so each row writes its keys at its own slot. Positions written for
+rejected tokens are overwritten later (writes are by position) and are masked until then.
+
+The prefill and the first token are the plain program's. A stop token inside an accepted run ends the
+row there; ``max_tokens`` cuts the run; cancellation acts between device calls of ``chunk`` iterations.
+The Trace of a speculative call counts tokens drafted, drafts accepted and verify passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from thoughtjax import formats
+from thoughtjax.errors import UserError
+from thoughtjax.model import GraphDefs, PathParts, kv_cache_shape, merge_path, rope_tables, run_path
+from thoughtjax.program import COMPILE_CLOCK, DEFAULT_CHUNK, bucket
+from thoughtjax.sampling import SamplingArrays, SamplingMode, SamplingParams, program_mode, sampling_arrays, top_p_mask
+
+DEFAULT_DRAFT_TOKENS = 4
+AcceptRule = Literal["speculative", "always"]
+
+
+class DraftError(UserError, ValueError):
+  """A draft that cannot speculate for this model; the message names the draft, the rule and the fix."""
+
+
+@dataclasses.dataclass(eq=False)
+class Draft:
+  """What drafts for a full path.
+
+  ``path``: a path string (``"embed, blocks[0:10), head"``, or with a registry bridge
+  ``"embed, blocks[0:10), bridge.10-30, head"``) or layer slots, a prefix of the full path's blocks
+  followed only by bridges; ``bridge``: params of a bridge (:mod:`thoughtjax.thoughtlet.bridge`, e.g.
+  fresh from training) run after the shared blocks; ``vocab``: a truncated head over that many of the
+  most frequent ids (BPE ids follow merge order, so the lowest ids stand in for the most frequent) or
+  over the given ids; ``reuse``: the verify pass starts from the residual the draft saved after the
+  shared blocks instead of recomputing them.
+  """
+
+  path: str | Sequence[int]
+  vocab: int | Sequence[int] | None = None
+  bridge: Mapping | None = None
+  reuse: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecKey:
+  """Everything that changes a speculative program (see :class:`thoughtjax.program.ProgramKey`)."""
+
+  layers: tuple[int, ...]  # full path slots
+  draft: tuple[int, ...]  # draft slots: layers[:shared], then bridge slots (< 0)
+  shared: int  # leading full-path blocks the draft runs
+  draft_tokens: int  # K
+  batch: int  # B
+  prompt_len: int  # T
+  max_new: int  # N
+  stop_width: int  # M
+  mode: SamplingMode
+  has_bias: bool
+  chunk: int = DEFAULT_CHUNK  # verify passes per device call
+  kernels: str | None = None
+  draft_vocab: int | None = None  # size of the truncated draft head (its ids come as data)
+  reuse: bool = True
+  accept: AcceptRule = "speculative"  # "always": a deliberately wrong rule, the statistical test's control
+
+  @property
+  def cache_len(self) -> int:  # S: a verify pass writes K positions past the last token
+    return self.prompt_len + self.max_new + self.draft_tokens + 1
+
+
+class SpecState(NamedTuple):
+  caches: tuple[tuple[jax.Array, jax.Array], ...]  # per full-path block (bridges: placeholders)
+  token: jax.Array  # [B] i32, last token, not yet in the cache
+  count: jax.Array  # [B] i32, tokens generated per row
+  done: jax.Array  # [B] bool
+  out: jax.Array  # [B, N + K + 1] i32, row b's tokens at [0, count[b]), -1 after
+  started: jax.Array  # bool, prefill done
+  drafted: jax.Array  # [B] i32
+  accepted: jax.Array  # [B] i32
+  passes: jax.Array  # [B] i32, verify passes
+
+
+def _is_stop(tokens, stop_ids):
+  """tokens [B, J] -> [B, J] bool: in the row's stop set (entries < 0 are padding)."""
+  hit = (tokens[:, :, None] == stop_ids[:, None, :]) & (stop_ids[:, None, :] >= 0)
+  return jnp.any(hit, axis=-1)
+
+
+def transformed_probs(logits, samp: SamplingArrays, mode: SamplingMode, bias=None):
+  """logits [B, J, V] -> probabilities [B, J, V] under each row's bias, temperature, top-k and top-p,
+  as the fused sampler draws from them (top-k keeps ties at the k-th value). ``bias`` [B, V] overrides
+  ``samp.logit_bias`` (a truncated head's columns)."""
+  B, J, V = logits.shape
+  bias = samp.logit_bias if bias is None else bias
+  rep = lambda a: jnp.repeat(a, J, axis=0)  # noqa: E731 - per row -> per (row, position)
+  x = logits.reshape(B * J, V).astype(jnp.float32)
+  if mode is SamplingMode.SAMPLE_TOP_P:
+    flat = samp._replace(
+      temperature=rep(samp.temperature),
+      top_k=rep(samp.top_k),
+      top_p=rep(samp.top_p),
+      logit_bias=None if bias is None else rep(bias),
+    )
+    x = top_p_mask(x, flat)
+  if bias is not None:
+    x = x + rep(bias)
+  x = x / rep(jnp.maximum(samp.temperature, 1e-6))[:, None]
+  k = rep(samp.top_k)
+  kth = jnp.take_along_axis(jnp.sort(x, axis=-1), (V - jnp.clip(k, 1, V))[:, None], axis=-1)
+  x = jnp.where((k[:, None] > 0) & (k[:, None] < V) & (x < kth), -jnp.inf, x)
+  return jax.nn.softmax(x, axis=-1).reshape(B, J, V)
+
+
+class SpecProgram:
+  """One compiled speculative generation program; see the module docstring.
+
+  ``advance(parts, prompt, pad, samp, vocab_ids, state)``: the prefill and first token on the first
+  call, up to ``chunk`` draft-and-verify iterations on later ones; ``state`` is donated.
+  """
+
+  def __init__(self, key: SpecKey, defs: GraphDefs, cfg):
+    self.key, self.defs, self.cfg = key, defs, cfg
+    self._advance = jax.jit(self._advance_impl, donate_argnums=(5,))
+    self._init = jax.jit(self._init_impl)
+
+  def _init_impl(self) -> SpecState:
+    k = self.key
+    shape = kv_cache_shape(self.cfg, k.batch, k.cache_len)
+    caches = tuple((jnp.zeros(shape if i >= 0 else (k.batch, 1, 1, 1), jnp.float32),) * 2 for i in k.layers)
+    zeros = jnp.zeros(k.batch, jnp.int32)
+    return SpecState(
+      caches,
+      zeros,
+      zeros,
+      jnp.zeros(k.batch, bool),
+      jnp.full((k.batch, k.max_new + k.draft_tokens + 1), -1, jnp.int32),
+      jnp.zeros((), bool),
+      zeros,
+      zeros,
+      zeros,
+    )
+
+  def init_state(self) -> SpecState:
+    return self._init()
+
+  def advance(self, parts, prompt, pad, samp, vocab_ids, state) -> SpecState:
+    return self._advance(parts, prompt, pad, samp, vocab_ids, state)
+
+  # ---- traced code -------------------------------------------------------------
+  def _prefill(self, parts, prompt, pad, samp, vocab_ids, st):
+    from thoughtjax.sampling import sample
+
+    del vocab_ids
+    k = self.key
+    embed, blocks, head = merge_path(self.defs, parts, k.layers)
+    T, S = k.prompt_len, k.cache_len
+    t, s = jnp.arange(T), jnp.arange(S)
+    positions = jnp.maximum(t[None, :] - pad[:, None], 0)
+    mask = ((s[None, None, :] >= pad[:, None, None]) & (s[None, None, :] <= t[None, :, None])) | (
+      s[None, None, :] == t[None, :, None]
+    )
+    logits, caches = run_path(embed, blocks, head, prompt, positions, st.caches, jnp.zeros((), jnp.int32), mask)
+    token, stop = sample(logits[:, -1], samp, jnp.zeros((), jnp.int32), k.mode, k.kernels)
+    count = jnp.ones_like(st.count)
+    return st._replace(
+      caches=tuple(caches),
+      token=token,
+      count=count,
+      done=stop | (count >= samp.max_new),
+      out=st.out.at[:, 0].set(token),
+      started=jnp.ones((), bool),
+    )
+
+  def _blocks(self, blocks, slots, x, positions, caches, write_at, mask):
+    """Run ``blocks`` (path slots ``slots``) over x [B, J, D]; row b writes its J keys at slot write_at[b]."""
+    cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+    new = []
+    for block, slot, (ck, cv) in zip(blocks, slots, caches, strict=True):
+      if slot < 0:  # a bridge: position-wise, no cache
+        x, ck, cv = block(x, cos, sin, ck, cv, write_at, mask)
+      else:
+
+        def row(x, cos, sin, ck, cv, w, m, block=block):
+          y, ck, cv = block(x[None], cos[None], sin[None], ck[None], cv[None], w, m[None])
+          return y[0], ck[0], cv[0]
+
+        x, ck, cv = jax.vmap(row)(x, cos, sin, ck, cv, write_at, mask)
+      new.append((ck, cv))
+    return x, new
+
+  def _draft_logits(self, embed, head, x, vocab_ids):
+    """Draft head over x [B, J, D]: logits [B, J, V] or, truncated, [B, J, Vd] over ``vocab_ids``."""
+    if vocab_ids is None:
+      return head(x, embed.table[...])
+    w = embed.table[...] if head.tied else head.unembed[...]
+    rows = formats.take_rows(w, vocab_ids) if formats.is_packed(w) else jnp.take(w, vocab_ids, axis=0)
+    h = head.norm(x)  # btd,vd->btv
+    return jax.lax.dot_general(h, rows.astype(h.dtype), (((2,), (1,)), ((), ()))).astype(jnp.float32)
+
+  def _iteration(self, parts, pad, samp, vocab_ids, st: SpecState) -> SpecState:
+    k = self.key
+    K, S = k.draft_tokens, k.cache_len
+    greedy_only = k.mode is SamplingMode.GREEDY
+    embed, full_blocks, head = merge_path(self.defs, parts, k.layers)
+    _, draft_blocks, _ = merge_path(self.defs, parts, k.draft)
+    B = st.token.shape[0]
+    slot0 = k.prompt_len + st.count - 1  # [B] cache slot of d_0
+    s = jnp.arange(S)
+    live = ~st.done
+    draft_bias = None
+    if samp.logit_bias is not None:
+      draft_bias = samp.logit_bias if vocab_ids is None else jnp.take(samp.logit_bias, vocab_ids, axis=1)
+    keys = None
+    if not greedy_only:  # per (seed, tokens so far): a row draws the same whatever its batch
+      keys = jax.vmap(lambda sd, c: jax.random.split(jax.random.fold_in(jax.random.key(sd), c), K + 2))(
+        samp.seed, st.count
+      )
+
+    def shared_pass(caches, tok, j):
+      slot = slot0 + j
+      positions = (slot - pad)[:, None]
+      mask = ((s[None, :] >= pad[:, None]) & (s[None, :] <= slot[:, None]))[:, None, :]
+      x = embed(tok[:, None])
+      x, new = self._blocks(draft_blocks[: k.shared], k.draft[: k.shared], x, positions, caches[: k.shared], slot, mask)
+      return x, tuple(new) + tuple(caches[k.shared :]), positions, mask
+
+    def draft_step(j, c):
+      caches, toks, resid, qlog = c
+      tok = jax.lax.dynamic_index_in_dim(toks, j, axis=1, keepdims=False)
+      x, caches, positions, mask = shared_pass(caches, tok, j)
+      resid = jax.lax.dynamic_update_slice_in_dim(resid, x, j, axis=1)
+      for bridge in draft_blocks[k.shared :]:  # position-wise: no rope, no cache
+        x, _, _ = bridge(x, None, None, None, None, None, None)
+      logits = self._draft_logits(embed, head, x, vocab_ids)[:, 0]  # [B, V or Vd]
+      biased = logits if draft_bias is None else logits + draft_bias
+      nxt = jnp.argmax(biased, axis=-1).astype(jnp.int32)
+      if not greedy_only:
+        q = transformed_probs(logits[:, None], samp, k.mode, draft_bias)[:, 0]
+        drawn = jax.vmap(lambda key, lq: jax.random.categorical(key, lq))(keys[:, j], jnp.log(q)).astype(jnp.int32)
+        nxt = jnp.where(samp.temperature > 0, drawn, nxt)
+        qlog = jax.lax.dynamic_update_slice_in_dim(qlog, logits[:, None], j, axis=1)
+      if vocab_ids is not None:
+        nxt = jnp.take(vocab_ids, nxt)
+      toks = jax.lax.dynamic_update_slice_in_dim(toks, nxt[:, None], j + 1, axis=1)
+      return caches, toks, resid, qlog
+
+    D = self.cfg.d_model
+    Vd = self.cfg.vocab_size if vocab_ids is None else k.draft_vocab
+    toks = jnp.zeros((B, K + 1), jnp.int32).at[:, 0].set(st.token)
+    resid = jnp.zeros((B, K + 1, D), jnp.float32)
+    qlog = jnp.zeros((B, K if not greedy_only else 0, Vd), jnp.float32)
+    caches, toks, resid, qlog = jax.lax.fori_loop(0, K, draft_step, (st.caches, toks, resid, qlog))
+
+    # Verify the K + 1 positions d_0..d_K in one pass.
+    slots = slot0[:, None] + jnp.arange(K + 1)[None, :]  # [B, K+1]
+    positions = slots - pad[:, None]
+    mask = (s[None, None, :] >= pad[:, None, None]) & (s[None, None, :] <= slots[:, :, None])
+    if k.reuse and k.shared > 0:
+      # d_K has not been through the shared blocks yet; the draft's residuals stand for d_0..d_{K-1}.
+      last, caches, _, _ = shared_pass(caches, toks[:, K], K)
+      x = jax.lax.dynamic_update_slice_in_dim(resid, last, K, axis=1)
+      x, rest = self._blocks(
+        full_blocks[k.shared :], k.layers[k.shared :], x, positions, caches[k.shared :], slot0, mask
+      )
+      caches = tuple(caches[: k.shared]) + tuple(rest)
+    else:
+      x, caches = self._blocks(full_blocks, k.layers, embed(toks), positions, caches, slot0, mask)
+    logits = head(x, embed.table[...])  # [B, K+1, V]
+    biased = logits if samp.logit_bias is None else logits + samp.logit_bias[:, None, :]
+    target = jnp.argmax(biased, axis=-1).astype(jnp.int32)  # [B, K+1]
+    drafts = toks[:, 1:]  # [B, K]
+    ok = drafts == target[:, :K]
+    bonus = None
+    if not greedy_only:
+      p = transformed_probs(logits, samp, k.mode)  # [B, K+1, V]
+      q_small = transformed_probs(qlog, samp, k.mode, draft_bias)  # [B, K, Vd]
+      q = q_small if vocab_ids is None else jnp.zeros((B, K, self.cfg.vocab_size)).at[:, :, vocab_ids].set(q_small)
+      pd = jnp.take_along_axis(p[:, :K], drafts[:, :, None], axis=-1)[..., 0]
+      qd = jnp.take_along_axis(q, drafts[:, :, None], axis=-1)[..., 0]
+      u = jax.vmap(lambda key: jax.random.uniform(key, (K,)))(keys[:, K])
+      sampled_ok = u * qd < pd if k.accept == "speculative" else jnp.ones_like(ok)
+      ok = jnp.where((samp.temperature > 0)[:, None], sampled_ok, ok)
+    n = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # [B] drafts accepted
+    bonus = jnp.take_along_axis(target, n[:, None], axis=1)[:, 0]
+    if not greedy_only:
+      p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]  # [B, V]
+      q_n = jnp.take_along_axis(jnp.pad(q, ((0, 0), (0, 1), (0, 0))), n[:, None, None], axis=1)[:, 0]  # 0 at n == K
+      r = jnp.maximum(p_n - q_n, 0.0)
+      r = jnp.where(jnp.sum(r, axis=-1, keepdims=True) > 0, r, p_n)  # p == q: the residual is p itself
+      drawn = jax.vmap(lambda key, lr: jax.random.categorical(key, lr))(keys[:, K + 1], jnp.log(r)).astype(jnp.int32)
+      bonus = jnp.where(samp.temperature > 0, drawn, bonus)
+
+    j = jnp.arange(K + 1)[None, :]
+    new = jnp.concatenate([drafts, drafts[:, :1]], axis=1)
+    new = jnp.where(j == n[:, None], bonus[:, None], new)
+    stop = _is_stop(new, samp.stop_ids) & (j <= n[:, None])
+    first_stop = jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1), K + 1)
+    take = jnp.minimum(jnp.minimum(n + 1, first_stop + 1), jnp.maximum(samp.max_new - st.count, 0))
+    take = jnp.where(live, take, 0)
+    idx = st.count[:, None] + j
+    written = jnp.where(j < take[:, None], new, -1)
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], idx.shape)
+    out = st.out.at[rows, idx].set(jnp.where(j < take[:, None], written, st.out[rows, idx]), mode="drop")
+    last = jnp.take_along_axis(new, jnp.maximum(take - 1, 0)[:, None], axis=1)[:, 0]
+    count = st.count + take
+    done = st.done | (live & ((first_stop < take) | (count >= samp.max_new)))
+    live_i = live.astype(jnp.int32)
+    return st._replace(
+      caches=tuple(caches),
+      token=jnp.where(take > 0, last, st.token),
+      count=count,
+      done=done,
+      out=out,
+      drafted=st.drafted + live_i * K,
+      accepted=st.accepted + live_i * jnp.minimum(n, take),
+      passes=st.passes + live_i,
+    )
+
+  def _decode_chunk(self, parts, prompt, pad, samp, vocab_ids, st):
+    del prompt
+
+    def cond(c):
+      i, st = c
+      return (i < self.key.chunk) & ~jnp.all(st.done)
+
+    def body(c):
+      i, st = c
+      return i + 1, self._iteration(parts, pad, samp, vocab_ids, st)
+
+    return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), st))[1]
+
+  def _advance_impl(self, parts, prompt, pad, samp, vocab_ids, st):
+    return jax.lax.cond(st.started, self._decode_chunk, self._prefill, parts, prompt, pad, samp, vocab_ids, st)
+
+
+# ---- host side ------------------------------------------------------------------------
+class ResolvedDraft(NamedTuple):
+  """A draft checked against a full path: its slots, the blocks it shares, the parts both read."""
+
+  slots: tuple[int, ...]
+  shared: int
+  parts: PathParts  # the full path's parts, plus the draft's bridges
+  vocab_ids: jax.Array | None  # [Vd] i32
+  reuse: bool
+  label: str
+
+
+def _prefix_error(model, label: str, why: str) -> DraftError:
+  n = max(1, len([i for i in model.layers if i >= 0]) // 3)
+  return DraftError(
+    f"draft {label!r} cannot draft for the path {model.path!r}: {why}. A draft runs embed, the full path's "
+    f"first k blocks in the same order (optionally bridges after them), then head, over the same model; "
+    f"e.g. draft='embed, blocks[0:{n}), head'"
+  )
+
+
+def _same_leaves(a, b) -> bool:
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  return len(la) == len(lb) and all(x is y or np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+def resolve_draft(model, draft: str | Sequence[int] | Draft) -> ResolvedDraft:
+  """Check ``draft`` against ``model``'s path (a :class:`~thoughtjax.engine.Model`); see :class:`Draft`."""
+  from thoughtjax.paths import parse_path
+
+  spec = draft if isinstance(draft, Draft) else Draft(draft)
+  label = spec.path if isinstance(spec.path, str) else str(list(spec.path))
+  if model.template is not None:
+    raise _prefix_error(model, label, "the full path starts with a template; speculate over an embed path")
+  blocks = dict(model.parts.blocks)
+  if isinstance(spec.path, str):
+    refs = parse_path(spec.path)
+    if refs[0].name != "embed" or refs[-1].name != "head":
+      raise _prefix_error(model, label, f"it must start with embed and end with head, got {refs[0]} ... {refs[-1]}")
+    if all(r.span is not None for r in refs[1:-1]) and all(r.version is None for r in refs) and model.links is None:
+      slots = [i for r in refs[1:-1] for i in r.layers(model.config.num_layers)]
+      other = None
+    else:  # registry refs (bridges, versions): composed over the same source
+      other = model.with_path(spec.path)
+      slots = list(other.layers)
+  else:
+    slots, other = [int(i) for i in spec.path], None
+  full = [i for i in model.layers]
+  shared = 0
+  while shared < len(slots) and slots[shared] >= 0:
+    shared += 1
+  if any(i >= 0 for i in slots[shared:]):
+    raise _prefix_error(model, label, f"only bridges may follow its shared blocks, got slots {slots}")
+  if slots[:shared] != full[:shared]:
+    raise _prefix_error(model, label, f"its blocks {slots[:shared]} are not the first blocks of {full}")
+  if other is not None:
+    for i in slots[:shared]:
+      if not _same_leaves(other.parts.blocks[i], blocks[i]):
+        raise _prefix_error(model, label, f"its block slot {i} holds other weights than the full path's")
+  draft_slots = list(slots[:shared])
+  free = min([0, *blocks]) - 1
+  for i in slots[shared:]:  # the draft's registry bridges, in slots the full path does not use
+    blocks[free] = other.parts.blocks[i]
+    draft_slots.append(free)
+    free -= 1
+  if spec.bridge is not None:
+    blocks[free] = dict(spec.bridge)
+    draft_slots.append(free)
+  if any(i < 0 for i in full):
+    raise _prefix_error(model, label, "the full path itself holds a bridge; verify with the uncut path")
+  if len(draft_slots) == len(full) and draft_slots == full and spec.vocab is None:
+    raise _prefix_error(model, label, "it is the full path itself, so it saves nothing; cut it or truncate its head")
+  V = model.config.vocab_size
+  vocab_ids = None
+  if spec.vocab is not None:
+    ids = np.arange(spec.vocab) if isinstance(spec.vocab, (int, np.integer)) else np.unique(np.asarray(spec.vocab))
+    if ids.size < 1 or ids.min() < 0 or ids.max() >= V:
+      raise DraftError(
+        f"draft vocab {spec.vocab!r}: expected a size in [1, {V}] or token ids in [0, {V}); pick ids the "
+        f"draft may propose, e.g. vocab=8192 for the 8192 most frequent"
+      )
+    vocab_ids = jnp.asarray(ids, jnp.int32)
+  parts = PathParts(model.parts.embed, blocks, model.parts.head)
+  return ResolvedDraft(tuple(draft_slots), shared, parts, vocab_ids, spec.reuse, label)
+
+
+@functools.lru_cache(maxsize=16)
+def get_program(key: SpecKey, defs: GraphDefs, cfg) -> SpecProgram:
+  """Programs by key, graph definitions and config (a small LRU; XLA executables also persist on disk)."""
+  return SpecProgram(key, defs, cfg)
+
+
+def _run(prog, parts, prompt, pad, samp, vocab_ids, rows, trace, cancelled: threading.Event) -> Iterator:
+  """Prefill, then ``chunk`` draft-and-verify iterations per device call, each after the last deltas were taken."""
+  n = len(rows.finished)
+  seen = [0] * n
+  state = None
+  try:
+    if cancelled.is_set():
+      trace.cancelled = True
+      yield from rows.cancel()
+      return
+    trace.device_start = time.perf_counter()
+    with COMPILE_CLOCK.measure() as compile_s:
+      state = prog.advance(parts, prompt, pad, samp, vocab_ids, prog.init_state())
+      out, done, count = jax.device_get((state.out, state.done, state.count))
+    trace.compile_s = compile_s[0]
+    trace.first_token = time.perf_counter()
+    while True:
+      for r in range(n):
+        c = int(count[r])
+        d = rows.emit(r, [int(t) for t in out[r, seen[r] : c]], bool(done[r]), c)
+        seen[r] = c
+        if d is not None:
+          yield d
+      if rows.all_finished:
+        return
+      if cancelled.is_set():
+        trace.cancelled = True
+        yield from rows.cancel()
+        return
+      state = prog.advance(parts, prompt, pad, samp, vocab_ids, state)
+      trace.decode_chunks += 1
+      out, done, count = jax.device_get((state.out, state.done, state.count))
+  finally:
+    trace.end = time.perf_counter()
+    trace.tokens_out = list(rows.counts)
+    if state is not None:
+      drafted, accepted, passes = jax.device_get((state.drafted, state.accepted, state.passes))
+      trace.drafted, trace.accepted = int(drafted[:n].sum()), int(accepted[:n].sum())
+      trace.verify_passes = int(passes[:n].sum())
+
+
+def stream_batch(
+  model,
+  ids: Sequence[Sequence[int]],
+  params: Sequence[SamplingParams],
+  stops: Sequence[Sequence[int]],
+  start: float,
+  draft,
+  draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+  accept: AcceptRule = "speculative",
+):
+  """A speculative :class:`~thoughtjax.engine.Generation` of prompt ids (the engine's ``draft=`` path)."""
+  from thoughtjax.engine import Generation, Trace, _Rows
+
+  if not isinstance(draft_tokens, (int, np.integer)) or not 1 <= draft_tokens <= 64:
+    raise DraftError(f"draft_tokens is the number of tokens drafted per verify pass, in [1, 64]; got {draft_tokens!r}")
+  d = resolve_draft(model, draft)
+  longest, max_new = max(len(i) for i in ids), max(p.max_tokens for p in params)
+  if longest + max_new + draft_tokens + 1 > model.config.max_context:
+    raise DraftError(
+      f"prompt ({longest} tokens) + max_tokens ({max_new}) + draft_tokens + 1 ({draft_tokens + 1}) exceeds the "
+      f"model's context of {model.config.max_context}: a verify pass looks draft_tokens past the end; "
+      f"shorten the prompt or lower max_tokens"
+    )
+  key = SpecKey(
+    layers=model.layers,
+    draft=d.slots,
+    shared=d.shared,
+    draft_tokens=int(draft_tokens),
+    batch=bucket(len(ids), 1),
+    prompt_len=bucket(longest),
+    max_new=bucket(max_new),
+    stop_width=bucket(max(len(s) for s in stops), 4),
+    mode=program_mode(params),
+    has_bias=any(p.logit_bias for p in params),
+    chunk=model.chunk,
+    kernels=model.kernels,
+    draft_vocab=None if d.vocab_ids is None else int(d.vocab_ids.shape[0]),
+    reuse=d.reuse,
+    accept=accept,
+  )
+  prog = get_program(key, GraphDefs.from_model(model.module), model.config)
+  B, T = key.batch, key.prompt_len
+  pad = np.full(B, T - 1, np.int32)
+  tokens = np.zeros((B, T), np.int32)
+  for r, row in enumerate(ids):
+    pad[r] = T - len(row)
+    tokens[r, T - len(row) :] = row
+  samp = sampling_arrays(params, B, model.config.vocab_size, key.stop_width, model.codec.eos_ids, key.has_bias)
+  trace = Trace(key, [list(i) for i in ids], start, tokens_out=[0] * len(ids))
+  cancelled = threading.Event()
+  run = _run(
+    prog,
+    d.parts,
+    jnp.asarray(tokens),
+    jnp.asarray(pad),
+    samp,
+    d.vocab_ids,
+    _Rows(model.codec, params, stops),
+    trace,
+    cancelled,
+  )
+  return Generation(run, trace, cancelled)
