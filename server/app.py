@@ -62,7 +62,7 @@ from grpc_reflection.v1alpha import reflection
 from server.config import ServerConfig
 from server.metrics import FAILURE_FIELDS, ServerMetrics, failure_totals
 from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
-from server.scheduling import DeadlineExpired, QueueFull, Scheduler, SimpleScheduler
+from server.scheduling import DeadlineExpired, QueueFull, Scheduler, make_scheduler
 from server.tls import server_credentials
 from thoughtjax.errors import UserError
 
@@ -169,7 +169,7 @@ class SynthesizerService:
   ):
     self.config = config
     self.serving = _Serving.of(synthesizer)
-    self.scheduler = scheduler or SimpleScheduler(config.max_concurrent, config.max_queue)
+    self.scheduler = scheduler or make_scheduler(config)  # config.scheduler: continuous (slot engines) or simple
     self.ready = False
     self.draining = False
     self.statuses: collections.Counter[str] = collections.Counter()  # status name -> answers

@@ -16,6 +16,7 @@ from typing import Any
 from thoughtjax.errors import UserError
 
 DEFAULT_CONFIG = Path(__file__).with_name("config.yaml")
+SCHEDULERS = ("continuous", "simple")
 
 
 class ConfigError(UserError, ValueError):
@@ -67,8 +68,11 @@ class ServerConfig:
   warm: WarmConfig = WarmConfig()
   metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: any free port
   metrics_bind: str = "127.0.0.1"
+  scheduler: str = "simple"  # "continuous" (slot engines, server/scheduling.py) or "simple" (one generation each)
 
   def __post_init__(self):
+    if self.scheduler not in SCHEDULERS:
+      raise ConfigError(f"scheduler: expected one of {list(SCHEDULERS)}, got {self.scheduler!r}")
     for name in ("max_message_bytes", "max_concurrent", "max_tokens_limit"):
       _positive_int(getattr(self, name), name)
     if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:

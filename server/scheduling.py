@@ -235,3 +235,233 @@ class SimpleScheduler:
 
   def close(self) -> None:
     self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class ContinuousScheduler(SimpleScheduler):
+  """Continuous batching (issue 11 item 3): per path, one :class:`~thoughtjax.serving.SlotEngine` of
+  ``max_concurrent`` slots sharing one decode program, stepped by one driver thread while any slot is in use.
+
+  A request takes a turn (``max_concurrent`` turns over all paths, ``max_queue`` waiting, beyond it
+  :class:`QueueFull` at once), runs ``start`` (plan, restore, compose) on a worker, and is refused with
+  :class:`DeadlineExpired` before it takes a slot when the plan's predicted compile + prefill + decode does not
+  fit in the call's remaining deadline. It then prefills on a worker (the alone run's program; no slot yet),
+  takes a free slot and joins at the next decode chunk; its deltas come back from the driver. When the call
+  ends early (cancelled, connection closed, deadline) its slot is cancelled and freed at the end of the chunk
+  running then; the turn is released once the slot is free. Chunks between cancel and free are recorded
+  (:class:`RequestRecord`). Engines are made lazily, at most ``max_engines``; an idle one is evicted for a new
+  path (all busy: :class:`QueueFull`). A run whose generation does not carry its inputs (``Generation.inputs``)
+  runs alone, as in :class:`SimpleScheduler`.
+  """
+
+  def __init__(
+    self,
+    max_concurrent: int,
+    max_queue: int,
+    *,
+    max_engines: int = 4,
+    cache_len: int = 512,
+    keep_records: int = 256,
+  ):
+    super().__init__(max_concurrent, max_queue, keep_records=keep_records)
+    self.max_engines, self.cache_len = max_engines, cache_len
+    self._engines: collections.OrderedDict[tuple, Any] = collections.OrderedDict()  # key -> SlotDriver
+    self._engines_lock = threading.Lock()
+    self.refused_deadline = 0
+
+  def snapshot(self) -> dict:
+    with self._engines_lock:
+      drivers = list(self._engines.values())
+    return {
+      **super().snapshot(),
+      "scheduler": "continuous",
+      "engines": len(drivers),
+      "slots_in_use": sum(d.engine.active for d in drivers),
+      "refused_deadline": self.refused_deadline,
+    }
+
+  def _driver(self, model, tokens: int):
+    """The driver of ``model``'s path for requests of ``tokens`` prompt + new tokens (made on first use)."""
+    from thoughtjax.program import bucket
+    from thoughtjax.serving import SlotDriver, SlotEngine
+
+    cache_len = min(max(self.cache_len, bucket(tokens)), model.config.max_context)
+    key = (model.path_hash, tuple(model.layers), model.kernels, model.chunk, cache_len)
+    with self._engines_lock:
+      driver = self._engines.get(key)
+      if driver is not None:
+        self._engines.move_to_end(key)
+        return driver
+      if len(self._engines) >= self.max_engines:
+        idle = next((k for k, d in self._engines.items() if d.engine.active == 0), None)
+        if idle is None:
+          self.shed += 1
+          raise QueueFull(
+            f"{len(self._engines)} paths are decoding at once (max_engines {self.max_engines}) and none is idle; "
+            f"retry with backoff, or serve fewer distinct paths"
+          )
+        self._engines.pop(idle).close()
+      driver = self._engines[key] = SlotDriver(SlotEngine(model, self.max_concurrent, cache_len=cache_len))
+      return driver
+
+  async def stream(
+    self, start: Callable[[], Run], *, request_id: str, deadline: float | None = None
+  ) -> AsyncIterator[Any]:
+    self._bind()
+    if self.waiting + self.running >= self.max_concurrent + self.max_queue:
+      self.shed += 1
+      raise QueueFull(
+        f"request {request_id}: {self.running} requests running (max_concurrent "
+        f"{self.max_concurrent}) and {self.waiting} waiting (max_queue {self.max_queue}); "
+        f"retry with backoff, or raise max_queue/max_concurrent in the server config"
+      )
+    loop = asyncio.get_running_loop()
+    record = RequestRecord(request_id)
+    self.waiting += 1
+    t0 = time.monotonic()
+    try:
+      timeout = None if deadline is None else max(0.0, deadline - t0)
+      await asyncio.wait_for(self._turns.acquire(), timeout)
+    except TimeoutError:
+      raise DeadlineExpired(
+        f"request {request_id}: the deadline passed after {time.monotonic() - t0:.3f} s "
+        f"waiting for a turn ({self.running} running); give a longer deadline or retry"
+      ) from None
+    finally:
+      self.waiting -= 1
+      self._notify()
+    self.running += 1
+    record.queue_s = time.monotonic() - t0
+    box: dict[str, Any] = {}  # "start", "insert": futures; "run", "slot": what they gave
+    ended = "cancelled"
+    try:
+      box["start"] = self._executor.submit(start)
+      run = box["run"] = await asyncio.wrap_future(box["start"])
+      inputs = getattr(getattr(run, "generation", None), "inputs", None)
+      if inputs is None or len(inputs[1]) != 1:
+        yield run
+        async for d in self._alone(run, box, request_id, deadline):
+          yield d
+        ended = "finished"
+        return
+      model, (ids,), (params,) = inputs
+      self._refuse_late(run, request_id, deadline)
+      driver = await asyncio.wrap_future(self._executor.submit(self._driver, model, len(ids) + params.max_tokens))
+      pre = await asyncio.wrap_future(self._executor.submit(driver.engine.prefill, ids, params))
+      ready: asyncio.Queue = asyncio.Queue()
+      box["insert"] = self._executor.submit(
+        driver.insert, pre, lambda d: loop.call_soon_threadsafe(ready.put_nowait, d)
+      )
+      slot = box["slot"] = await asyncio.wrap_future(box["insert"])
+      run.generation.close()  # the library's own (never started) generation; the slot runs the request
+      run.generation = slot
+      yield run
+      while True:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        try:
+          d = await asyncio.wait_for(ready.get(), remaining)
+        except TimeoutError:
+          raise DeadlineExpired(
+            f"request {request_id}: the deadline passed while generating; give a longer deadline or fewer max_tokens"
+          ) from None
+        if d is None:  # the slot ended: let the run finish its trace (or raise the engine's error)
+          for _ in iter(lambda: _next(run), _END):
+            pass
+          ended = "finished" if slot.error is None else "failed"
+          return
+        yield next(run)
+    except BaseException:
+      f = box.get("start")
+      if "run" not in box and f is not None and f.done() and not f.cancelled() and f.exception():
+        ended = "failed"
+      raise
+    finally:
+      self._release_slot(box, record, ended, loop)
+
+  def _refuse_late(self, run, request_id: str, deadline: float | None) -> None:
+    """DeadlineExpired when the plan's predicted compile + prefill + decode outlasts the deadline."""
+    plan = getattr(run, "plan", None)
+    if deadline is None or plan is None:
+      return
+    p = plan.predicted
+    need_ms = p.compile + p.prefill + p.decode
+    left_ms = (deadline - time.monotonic()) * 1e3
+    if need_ms > left_ms:
+      self.refused_deadline += 1
+      run.close()
+      raise DeadlineExpired(
+        f"request {request_id}: path {plan.path} is predicted to need {need_ms:.0f} ms (compile {p.compile:.0f}, "
+        f"prefill {p.prefill:.0f}, decode {p.decode:.0f}) and the deadline leaves {max(left_ms, 0):.0f} ms; "
+        f"refused before taking a slot: give a longer deadline, a max_latency_ms budget or fewer max_tokens"
+      )
+
+  async def _alone(self, run, box, request_id: str, deadline: float | None) -> AsyncIterator[Any]:
+    while True:
+      if deadline is not None and time.monotonic() >= deadline:
+        raise DeadlineExpired(
+          f"request {request_id}: the deadline passed while generating; give a longer deadline or fewer max_tokens"
+        )
+      box["next"] = self._executor.submit(_next, run)
+      d = await asyncio.wrap_future(box["next"])
+      if d is _END:
+        return
+      yield d
+
+  def _release_slot(self, box: dict, record: RequestRecord, ended: str, loop) -> None:
+    """Cancel the request's slot (freed at the end of the chunk running), then give the turn back on the loop."""
+    record.ended_by = ended
+    slot = box.get("slot")
+    if slot is not None and ended != "finished":
+      record.decode_chunks_at_cancel = slot.trace.decode_chunks
+      slot.cancel()
+    self.running -= 1
+    self.draining += 1
+
+    def finish():
+      try:
+        futures = [box[k] for k in ("start", "insert", "next") if k in box]
+        concurrent.futures.wait(futures)  # work in flight ends first (a late insert is cancelled below)
+        s = box.get("slot")
+        f = box.get("insert")
+        if s is None and f is not None and not f.cancelled() and f.exception() is None:
+          s = f.result()
+          record.decode_chunks_at_cancel = s.trace.decode_chunks
+        if s is not None:
+          s.cancel()
+          s.freed.wait()
+          record.decode_chunks_end = s.trace.decode_chunks
+          record.tokens_out = sum(s.trace.tokens_out)
+        else:
+          r = box.get("run")
+          f = box.get("start")
+          if r is None and f is not None and not f.cancelled() and f.exception() is None:
+            r = f.result()
+          if r is not None:
+            if "next" in box:  # ran alone
+              r.cancel()
+              for _ in iter(lambda: _next(r), _END):
+                pass
+            r.close()
+            t = r.generation.trace
+            record.decode_chunks_at_cancel = record.decode_chunks_at_cancel or t.decode_chunks
+            record.decode_chunks_end = t.decode_chunks
+            record.tokens_out = sum(t.tokens_out)
+        record.closed = True
+      finally:
+        loop.call_soon_threadsafe(self._freed, record)
+
+    threading.Thread(target=finish, name=f"thoughtjax-release-{record.request_id}", daemon=True).start()
+
+  def close(self) -> None:
+    with self._engines_lock:
+      drivers, self._engines = list(self._engines.values()), collections.OrderedDict()
+    for d in drivers:
+      d.close()
+    super().close()
+
+
+def make_scheduler(config) -> Scheduler:
+  """The scheduler a server config names (``scheduler: continuous|simple``)."""
+  kind = getattr(config, "scheduler", "simple")
+  if kind == "continuous":
+    return ContinuousScheduler(config.max_concurrent, config.max_queue)
+  return SimpleScheduler(config.max_concurrent, config.max_queue)
