@@ -232,3 +232,25 @@ def test_default_model_greedy_speculation_is_identical_to_plain_greedy(default_m
     for draft, k in (("embed, blocks[0:24), head", 4), (Draft("embed, blocks[0:8), head", vocab=8192), 3)):
       got = default_model.generate(ids, max_tokens=32, draft=draft, draft_tokens=k).token_ids
       assert got == plain, f"{label}: draft {draft} K={k} gave {got}, plain greedy {plain}"
+
+
+def test_cli_generate_with_a_draft_prints_the_plain_tokens_and_the_counts(tmp_path, capsys):
+  import json
+
+  from tests.tiny import tiny_model, write_safetensors_dir
+  from thoughtjax import cli
+
+  cfg, model = tiny_model("llama_gqa", seed=2)
+  directory = write_safetensors_dir(tmp_path / "model", cfg, model)
+  base = ["generate", "--model", str(directory), "--prompt", "hello", "--max-tokens", "8", "--json"]
+  assert cli.main(base) == 0
+  plain = json.loads(capsys.readouterr().out)
+  assert cli.main([*base, "--draft", "embed, blocks[0:1), head", "--draft-tokens", "2"]) == 0
+  spec = json.loads(capsys.readouterr().out)
+  assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
+  assert spec["drafted"] == 2 * spec["verify_passes"] > 0
+  assert cli.main([*base, "--draft", "embed, blocks[2:3), head"]) == 2
+  err = capsys.readouterr().err
+  assert "embed, blocks[2:3), head" in err and "first k blocks" in err
+  assert cli.main([*base, "--draft-tokens", "3"]) == 2
+  assert "--draft PATH" in capsys.readouterr().err

@@ -81,7 +81,15 @@ def cmd_generate(args) -> int:
   ids: list[int] = []
   text, reason = "", None
   # Leaving the block early (an interrupt, a closed stdout) abandons the generation: no more device work.
-  with model.stream_batch([args.prompt], params, chat=args.chat, system=args.system) as stream:
+  draft = None
+  if args.draft:
+    from thoughtjax.speculative import Draft
+
+    draft = Draft(args.draft, vocab=args.draft_vocab)
+  elif args.draft_vocab is not None or args.draft_tokens is not None:
+    raise CommandLineError("--draft-tokens and --draft-vocab set up a draft: add --draft PATH or drop them")
+  draft_kw = {} if draft is None else {"draft": draft, "draft_tokens": args.draft_tokens or 4}
+  with model.stream_batch([args.prompt], params, chat=args.chat, system=args.system, **draft_kw) as stream:
     for d in stream:
       ids.extend(d.token_ids)
       text += d.text
@@ -101,6 +109,7 @@ def cmd_generate(args) -> int:
           "finish_reason": reason,
           "time_to_first_token_s": (t.first_token or 0) - t.start,
           "total_s": (t.end or 0) - t.start,
+          **({} if draft is None else {"drafted": t.drafted, "accepted": t.accepted, "verify_passes": t.verify_passes}),
         }
       )
     )
@@ -167,6 +176,19 @@ def add_parsers(sub) -> None:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--stop", action="append", help="stop string (repeatable)")
   p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+  p.add_argument(
+    "--draft",
+    default=None,
+    metavar="PATH",
+    help='self-speculative decoding: a prefix of the path drafts, e.g. "embed, blocks[0:10), head" '
+    "(greedy output identical, sampling keeps its distribution)",
+  )
+  p.add_argument(
+    "--draft-tokens", type=int, default=None, metavar="K", help="tokens drafted per verify pass (default 4)"
+  )
+  p.add_argument(
+    "--draft-vocab", type=int, default=None, metavar="N", help="the draft's head reads only the N most frequent ids"
+  )
   p.set_defaults(fn=cmd_generate)
 
   p = sub.add_parser("score", help="per-position top-K logits and log-likelihood of a sequence")
