@@ -3,6 +3,11 @@
 Everything is measured in one run so the figures can be compared side by side:
 thoughtjax (chunked streaming and callback streaming), the machine's copy bandwidth,
 and llama.cpp on the same GGUF when ``llama-cpp-python`` is installed.
+
+``--weights f32,native,int8`` also compares weight formats in this one process: each form's
+decode rate at batch 1 and 8 and its prefill rate, runs interleaved across the forms (medians), and
+each form's quality against the exact float32 weights on held-out text (next-token top-1 agreement,
+mean KL(f32 || form), ΔNLL per token). ``--quick`` shrinks every section (CI runs it on a tiny model).
 """
 
 from __future__ import annotations
@@ -45,6 +50,93 @@ def _decode_rate(model, prompts, max_tokens, repeats, stream_mode="chunks", chat
   return statistics.median(rates[1:]), statistics.median(ttfts[1:])
 
 
+def _one_rate(model, prompts, max_tokens: int) -> tuple[float, float]:
+  """(decode tok/s, seconds to first token) of one generate_batch call, EOS ignored."""
+  from thoughtjax.sampling import SamplingParams
+
+  params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+  out = model.generate_batch(prompts, [params] * len(prompts))
+  t = out[0].timings
+  n = sum(len(c.token_ids) for c in out)
+  return (n - len(prompts)) / (t["end"] - t["first_token"]), t["first_token"] - t["start"]
+
+
+def _prefill_tokens(args) -> int:
+  return 64 if args.quick else 250
+
+
+def heldout_documents() -> list[str]:
+  """The general_purpose hint's held-out documents (text the quality figures are measured on)."""
+  from thoughtjax.synthesis.dictionary import default_dictionary_path, load_dictionary
+
+  return load_dictionary(default_dictionary_path())["general_purpose"].documents("heldout")
+
+
+def weights_quality(reference, model, documents, window: int = 128, max_windows: int | None = None):
+  """:class:`~thoughtjax.synthesis.calibration.PathQuality` of ``model`` against ``reference`` (the same
+  path on exact weights): per predicted position of each window of at most ``window`` tokens, top-1
+  agreement, KL(reference || model) and ΔNLL of the text's next token, averaged in float64."""
+  import numpy as np
+
+  from thoughtjax.synthesis.quality import Sums, windows
+
+  sums = Sums()
+  wins = windows(reference.codec, documents, window)
+  for ids in wins[:max_windows]:
+    ref = _log_softmax(reference.logits(ids)[:-1])
+    got = _log_softmax(model.logits(ids)[:-1])
+    y = np.asarray(ids[1:])
+    at = np.arange(len(y))
+    kl = np.sum(np.exp(ref) * (ref - got), axis=-1)
+    sums.add(np.argmax(ref, -1) == np.argmax(got, -1), kl, ref[at, y] - got[at, y])
+  return sums.quality()
+
+
+def _log_softmax(logits):
+  import numpy as np
+
+  x = np.asarray(logits, np.float64)
+  x = x - x.max(axis=-1, keepdims=True)
+  return x - np.log(np.sum(np.exp(x), axis=-1, keepdims=True))
+
+
+def bench_weights(args) -> dict:
+  """Each weight form of ``args.weights`` side by side: decode at batch 1 and 8, prefill, runs
+  interleaved across the forms (medians), and quality against float32 on held-out text."""
+  import jax
+
+  import thoughtjax
+
+  forms = list(dict.fromkeys(args.weights))
+  models = {w: thoughtjax.load(args.model, weights=w) for w in forms}
+  reference = models.get("f32") or thoughtjax.load(args.model, weights="f32")
+  any_model = next(iter(models.values()))
+  chat_ids = any_model.prompt_ids(CHAT_PROMPT, chat=True)
+  long_ids = any_model.codec.encode(LONG_TEXT)[: _prefill_tokens(args)]
+  runs = {w: {"b1": [], "b8": [], "prefill": []} for w in forms}
+  for rep in range(args.repeats + 1):  # the first round compiles
+    for w, m in models.items():
+      b1, _ = _one_rate(m, [chat_ids], args.tokens)
+      b8, _ = _one_rate(m, [chat_ids] * 8, args.tokens)
+      _, ttft = _one_rate(m, [long_ids], 2)
+      if rep:
+        runs[w]["b1"].append(b1)
+        runs[w]["b8"].append(b8)
+        runs[w]["prefill"].append(len(long_ids) / ttft)
+  docs = heldout_documents()
+  out = {}
+  for w, m in models.items():
+    q = weights_quality(reference, m, docs, max_windows=2 if args.quick else None)
+    out[w] = {
+      "weight_bytes": sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(m.parts)),
+      "decode_b1_tok_s": statistics.median(runs[w]["b1"]),
+      "decode_b8_tok_s": statistics.median(runs[w]["b8"]),
+      "prefill_tok_s": statistics.median(runs[w]["prefill"]),
+      "quality_vs_f32": q.to_json(),
+    }
+  return out
+
+
 def _process_first_token(model_arg: str, cache_dir: str | None, prompt: str) -> float:
   """Seconds from spawning ``thoughtjax generate`` to its first byte of answer text."""
   env = dict(os.environ)
@@ -62,13 +154,14 @@ def bench_thoughtjax(args) -> dict:
   import thoughtjax
 
   t0 = time.perf_counter()
-  model = thoughtjax.load(args.model)
+  model = thoughtjax.load(args.model, weights=args.weights[0])
   load_s = time.perf_counter() - t0
   weight_bytes = sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(model.parts))
   chat_ids = model.prompt_ids(CHAT_PROMPT, chat=True)
-  long_ids = model.codec.encode(LONG_TEXT)[:250]
+  long_ids = model.codec.encode(LONG_TEXT)[: _prefill_tokens(args)]
   res = {
     "model": args.model or "smollm2-135m-instruct",
+    "weights": args.weights[0],
     "load_s": load_s,
     "weight_bytes": weight_bytes,
     "chat_prompt_tokens": len(chat_ids),
@@ -231,11 +324,26 @@ def main(argv: list[str] | None = None) -> int:
   )
   p.add_argument("--skip-process", action="store_true", help="skip the new-process start-up runs")
   p.add_argument(
+    "--weights",
+    type=_weight_forms,
+    default=["f32"],
+    help="weight forms, comma-separated (f32, native, int8): the first runs the main table; two or more "
+    "are also compared side by side (speed and quality against f32)",
+  )
+  p.add_argument(
+    "--quick",
+    action="store_true",
+    help="small sizes everywhere (16 tokens, 1 repeat, no chunk sweep, no process start-up, a small copy)",
+  )
+  p.add_argument("--skip-llama", action="store_true", help="do not run llama.cpp even when installed")
+  p.add_argument(
     "--stream-startup",
     action="store_true",
     help="only compare start-up of chunked vs callback streaming in fresh processes",
   )
   args = p.parse_args(argv)
+  if args.quick:
+    args.tokens, args.repeats, args.chunks, args.skip_process = min(args.tokens, 16), 1, [], True
 
   if args.stream_startup:
     res = stream_startup(args)
@@ -251,11 +359,13 @@ def main(argv: list[str] | None = None) -> int:
       common.write_json(args.json, res)
     return 0
 
-  bw = copy_bandwidth()
+  bw = copy_bandwidth(64 << 20 if args.quick else 512 << 20)
   res = {
     "copy_bandwidth_gb_s": bw,
+    "quick": args.quick,
     "thoughtjax": bench_thoughtjax(args),
-    "llama_cpp": bench_llama_cpp(args),
+    "weights": bench_weights(args) if len(args.weights) > 1 else None,
+    "llama_cpp": None if args.skip_llama else bench_llama_cpp(args),
     "cpu_count": os.cpu_count(),
   }
   tj = res["thoughtjax"]
@@ -263,7 +373,44 @@ def main(argv: list[str] | None = None) -> int:
   if args.json:
     common.write_json(args.json, res)
   _print_table(res)
+  if res["weights"]:
+    _print_weights(res["weights"])
   return 0
+
+
+def _weight_forms(text: str) -> list[str]:
+  from thoughtjax.formats import WEIGHT_FORMATS
+
+  forms = [t.strip() for t in text.split(",") if t.strip()]
+  bad = [f for f in forms if f not in WEIGHT_FORMATS]
+  if not forms or bad:
+    raise argparse.ArgumentTypeError(
+      f"--weights {text!r}: expected comma-separated forms from {', '.join(WEIGHT_FORMATS)}, e.g. f32,native,int8"
+    )
+  return forms
+
+
+def _print_weights(rows: dict) -> None:
+  fmt = common.fmt
+  common.print_table(
+    "weight forms (interleaved runs, medians; quality against f32 on held-out text)",
+    ["weights", "MB", "b1 tok/s", "b8 tok/s", "prefill tok/s", "top-1", "KL", "ΔNLL", "tokens"],
+    [
+      (
+        w,
+        fmt(r["weight_bytes"] / 1e6, ".0f"),
+        fmt(r["decode_b1_tok_s"], ".1f"),
+        fmt(r["decode_b8_tok_s"], ".1f"),
+        fmt(r["prefill_tok_s"], ".1f"),
+        fmt(r["quality_vs_f32"]["top1_agreement"], ".4f"),
+        fmt(r["quality_vs_f32"]["mean_kl"], ".5f"),
+        fmt(r["quality_vs_f32"]["delta_nll"], "+.5f"),
+        str(r["quality_vs_f32"]["tokens"]),
+      )
+      for w, r in rows.items()
+    ],
+    right=("MB", "b1 tok/s", "b8 tok/s", "prefill tok/s", "top-1", "KL", "ΔNLL", "tokens"),
+  )
 
 
 def _print_table(res: dict) -> None:
