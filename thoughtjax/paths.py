@@ -2,12 +2,19 @@
 
 Grammar (whitespace-insensitive)::
 
-    path  := ref ("," ref)*
-    ref   := name ["@" version]
-    name  := "embed" | "head" | "template" | "blocks[" a ":" b ")" | identifier
+    path    := ref ("," ref)*
+    ref     := name ["@" variant] ["@" version]
+    name    := "embed" | "head" | "template" | "blocks[" a ":" b ")" | identifier
+    variant := "int8"
 
-``blocks[a:b)`` is always half-open. A version is free text without commas
-(for example a hash prefix or ``v2``); no version means the registry's current one.
+``blocks[a:b)`` is always half-open. A *variant* names a lossy weight form of the same thoughtlet
+(``int8``: per-row int8, see :mod:`thoughtjax.formats`); it is one of :data:`VARIANTS`, a closed set of
+words, so ``@int8`` is never read as a version. A version is any other text without commas or ``@``
+(in a registry a prefix of the hex versioned hash, e.g. ``3fa2``; hex never spells a variant); no
+version means the registry's current one. ``blocks[0:10)@int8`` runs layers 0..9 from their int8
+variant, ``blocks[0:10)@int8@3fa2`` pins a version of it, and a path may mix variants:
+``embed, blocks[0:10)@int8, blocks[10:30), head``. In a registry the variant is a thoughtlet of its
+own, named with its suffix (``blocks[0:10)@int8``, see :attr:`Ref.unit`).
 """
 
 from __future__ import annotations
@@ -21,24 +28,38 @@ from thoughtjax.errors import UserError
 
 _BLOCKS = re.compile(r"^blocks\[\s*(\d+)\s*:\s*(\d+)\s*([)\]])$")
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+VARIANTS: tuple[str, ...] = ("int8",)  # weight variants a ref may name (a thoughtlet of its own in a registry)
 
 
 class PathSyntaxError(UserError, ValueError):
   """A path string could not be parsed."""
 
 
+def split_variant(unit: str) -> tuple[str, str | None]:
+  """``"blocks[0:10)@int8"`` -> (``"blocks[0:10)"``, ``"int8"``); a name without a variant suffix -> (name, None)."""
+  base, at, variant = unit.rpartition("@")
+  return (base, variant) if at and variant in VARIANTS else (unit, None)
+
+
 @dataclasses.dataclass(frozen=True)
 class Ref:
   name: str
   version: str | None = None
+  variant: str | None = None
 
   @property
   def span(self) -> tuple[int, int] | None:
-    m = _BLOCKS.match(self.name)
+    """(a, b) of ``blocks[a:b)`` (a registry unit name's variant suffix ignored), else None."""
+    m = _BLOCKS.match(split_variant(self.name)[0])
     return (int(m.group(1)), int(m.group(2))) if m else None
 
+  @property
+  def unit(self) -> str:
+    """The thoughtlet name this ref reads in a registry: the name, with ``@variant`` when it has one."""
+    return self.name if self.variant is None else f"{self.name}@{self.variant}"
+
   def __str__(self) -> str:
-    return self.name if self.version is None else f"{self.name}@{self.version}"
+    return self.unit if self.version is None else f"{self.unit}@{self.version}"
 
   def layers(self, num_layers: int) -> tuple[int, ...]:
     """The layers ``blocks[a:b)`` runs on a model of ``num_layers`` layers (checked)."""
@@ -58,8 +79,15 @@ def parse_path(text: str) -> list[Ref]:
   refs = []
   for i, item in enumerate(text.split(",")):
     item = item.strip()
-    name, _, version = item.partition("@")
-    name, version = name.strip(), version.strip() or None
+    name, *suffixes = [part.strip() for part in item.split("@")]
+    variant = suffixes.pop(0) if suffixes and suffixes[0] in VARIANTS else None
+    if len(suffixes) > 1:
+      raise PathSyntaxError(
+        f"item {i} {item!r}: expected name[@variant][@version] with variant one of {', '.join(VARIANTS)} "
+        f"(e.g. blocks[0:10)@int8 or blocks[0:10)@int8@3fa2); {suffixes[0]!r} is not a variant, so only one "
+        f"version may follow"
+      )
+    version = (suffixes[0] if suffixes else "") or None
     m = _BLOCKS.match(name)
     if m:
       a, b = int(m.group(1)), int(m.group(2))
@@ -73,7 +101,7 @@ def parse_path(text: str) -> list[Ref]:
         f"item {i} {item!r} is not a thoughtlet ref; expected embed, head, template, "
         f"blocks[a:b) or a registered name, optionally with @version"
       )
-    refs.append(Ref(name, version))
+    refs.append(Ref(name, version, variant))
   return refs
 
 
@@ -87,6 +115,11 @@ def layers_of_path(text: str, num_layers: int) -> tuple[int, ...]:
     raise PathSyntaxError(f"a path ends with head (residual -> logits); got {refs[-1]}")
   layers: list[int] = []
   for ref in refs[1:-1]:
+    if ref.variant is not None:
+      raise PathSyntaxError(
+        f"{ref}: a weight variant is a thoughtlet of its own; compose the path with "
+        f"thoughtjax.compose.compose(path, model_or_registry) (or load the model with weights={ref.variant!r})"
+      )
     span = ref.span
     if span is None:
       raise PathSyntaxError(
