@@ -1,0 +1,181 @@
+"""The continuous scheduler behind the server on the tiny registry: concurrent streams share one slot engine and
+each gives the tokens it gives alone; a cancelled stream frees its slot within one chunk; a request whose
+predicted latency outlasts its deadline is refused before it takes a slot; a full queue is RESOURCE_EXHAUSTED."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import math
+import threading
+import time
+import types
+
+import grpc
+import pytest
+
+from server.app import BackgroundServer
+from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
+from server.scheduling import ContinuousScheduler, DeadlineExpired
+from tests.server.conftest import config, wait_ready
+from tests.server.test_server import code_of, stub_of
+
+C = grpc.StatusCode
+PROMPTS = ["The quick brown fox", "Once upon a time", "A haiku about rain", "Numbers: 1, 2, 3"]
+
+
+@pytest.fixture(scope="module")
+def batched(synthesizer):
+  with BackgroundServer(synthesizer, config(scheduler="continuous", max_concurrent=4, max_queue=4)) as srv:
+    wait_ready(srv)
+    yield srv
+
+
+def _alone(synthesizer, prompt: str, n: int):
+  ids = synthesizer.prompt_ids(prompt)
+  return synthesizer.synthesize(ids, ["general_purpose"], max_latency_ms=math.inf, max_tokens=n).finish()
+
+
+def _request(prompt: str, n: int, request_id: str, **kw) -> pb.SynthesizeRequest:
+  return pb.SynthesizeRequest(prompt=prompt, hints=["general_purpose"], max_tokens=n, request_id=request_id, **kw)
+
+
+def test_the_config_selects_the_continuous_scheduler(batched):
+  assert isinstance(batched.app.service.scheduler, ContinuousScheduler)
+
+
+def test_concurrent_streams_share_one_engine_and_each_gives_its_alone_tokens(batched, synthesizer):
+  """Four streams at once (and a long one holding a slot meanwhile) go through one slot engine of the path;
+  each of the four gives the greedy tokens, text and usage it gives alone through the library."""
+  lengths = [12, 20, 7, 16]
+  alone = [_alone(synthesizer, p, n) for p, n in zip(PROMPTS, lengths, strict=True)]
+  sched = batched.app.service.scheduler
+  before = sum(d.engine.freed_total for d in sched._engines.values())
+  ch, stub = stub_of(batched)
+  with ch:
+    long = stub.Synthesize(_request(PROMPTS[0], 200, "long", logit_bias={0: 50.0}), timeout=120)
+    it = iter(long)
+    assert next(it).WhichOneof("kind") == "plan" and next(it).WhichOneof("kind") == "delta"  # in its slot
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+      got = list(
+        pool.map(lambda i: list(stub.Synthesize(_request(PROMPTS[i], lengths[i], f"r{i}"), timeout=120)), range(4))
+      )
+    long.cancel()
+  for responses, want in zip(got, alone, strict=True):
+    ids = [t for r in responses[1:-1] for t in r.delta.token_ids]
+    final = responses[-1].final
+    assert ids == want.token_ids and final.text == want.text and final.usage.tokens_out == len(ids)
+  assert batched.call(lambda: sched.wait_idle(60))
+  snap = sched.snapshot()
+  assert snap["engines"] == 1 and snap["slots_in_use"] == 0 and snap["running"] == 0
+  (driver,) = sched._engines.values()
+  assert driver.engine.freed_total - before == 5 and driver.engine.slots == 4
+
+
+def test_a_cancelled_stream_frees_its_slot_within_one_chunk(batched):
+  sched = batched.app.service.scheduler
+  ch, stub = stub_of(batched)
+  with ch:
+    call = stub.Synthesize(_request(PROMPTS[1], 200, "cancel-me", logit_bias={0: 50.0}), timeout=120)
+    it = iter(call)
+    assert next(it).WhichOneof("kind") == "plan" and next(it).WhichOneof("kind") == "delta"
+    call.cancel()
+  assert batched.call(lambda: sched.wait_idle(60))
+  rec = next(r for r in sched.records if r.request_id == "cancel-me")
+  assert rec.ended_by == "cancelled" and rec.closed and rec.tokens_out < 200
+  assert rec.decode_chunks_end - rec.decode_chunks_at_cancel <= 1
+  assert sched.snapshot()["slots_in_use"] == 0 and sched._turns._value == sched.max_concurrent
+
+
+def test_a_deadline_the_plan_cannot_meet_is_refused_before_a_slot(synthesizer):
+  """The plan predicts an hour of decode; a 30 s deadline is refused with DEADLINE_EXCEEDED before the
+  request takes a slot (no engine, no slot, counted)."""
+
+  class Slow:
+    def __getattr__(self, name):
+      return getattr(synthesizer, name)
+
+    def synthesize(self, *a, **kw):
+      r = synthesizer.synthesize(*a, **kw)
+      r.plan = dataclasses.replace(r.plan, predicted=dataclasses.replace(r.plan.predicted, decode=3.6e6))
+      return r
+
+  with BackgroundServer(Slow(), config(scheduler="continuous", max_concurrent=2, max_queue=2)) as srv:
+    wait_ready(srv)
+    ch, stub = stub_of(srv)
+    with ch:
+      req = pb.SynthesizeRequest(prompt=PROMPTS[1], max_tokens=8, request_id="too-late", max_latency_ms=1e9)
+      code, details = code_of(stub.Synthesize, req, timeout=30)
+    sched = srv.app.service.scheduler
+    assert code == C.DEADLINE_EXCEEDED and "refused before taking a slot" in details, details
+    assert srv.call(lambda: sched.wait_idle(60))
+    assert sched.refused_deadline == 1 and sched.snapshot()["engines"] == 0
+    rec = next(r for r in sched.records if r.request_id == "too-late")
+    assert rec.closed and rec.tokens_out == 0 and rec.decode_chunks_end == 0
+
+
+def test_a_full_queue_is_resource_exhausted_at_once(synthesizer):
+  gate, entered = threading.Event(), threading.Semaphore(0)
+
+  class Gated:
+    def __getattr__(self, name):
+      return getattr(synthesizer, name)
+
+    def synthesize(self, *a, **kw):
+      entered.release()
+      gate.wait(60)
+      return synthesizer.synthesize(*a, **kw)
+
+  with BackgroundServer(Gated(), config(scheduler="continuous", max_concurrent=1, max_queue=1)) as srv:
+    wait_ready(srv)
+    sched = srv.app.service.scheduler
+    ch, stub = stub_of(srv)
+    with ch:
+      req = pb.SynthesizeRequest(prompt=PROMPTS[2], max_tokens=4)
+      running = stub.Synthesize(req, timeout=120)
+      assert entered.acquire(timeout=60)  # the first holds the only turn
+      queued = stub.Synthesize(req, timeout=120)
+      srv.call(lambda: _until(lambda: sched.waiting == 1))
+      code, details = code_of(stub.Synthesize, req, timeout=60)
+      assert code == C.RESOURCE_EXHAUSTED and "max_queue 1" in details
+      assert sched.shed == 1
+      gate.set()
+      assert list(running)[-1].final.usage.tokens_out >= 1 and list(queued)[-1].WhichOneof("kind") == "final"
+    assert srv.call(lambda: sched.wait_idle(60)) and sched.completed == 2
+
+
+def test_the_scheduler_refuses_late_requests_without_a_server():
+  """Scheduler level: a run whose plan cannot meet the deadline never reaches an engine."""
+
+  class Gen:
+    inputs = (None, [[1, 2, 3]], [None])
+    trace = types.SimpleNamespace(decode_chunks=0, tokens_out=[0])
+    closed = False
+
+    def close(self):
+      Gen.closed = True
+
+  class Run:
+    generation = Gen()
+    plan = type("P", (), {"path": "p", "predicted": type("Q", (), {"compile": 0.0, "prefill": 5e3, "decode": 5e3})})
+
+    def close(self):
+      self.generation.close()
+
+  async def go():
+    sched = ContinuousScheduler(2, 2)
+    with pytest.raises(DeadlineExpired, match="refused before taking a slot"):
+      async for _ in sched.stream(Run, request_id="x", deadline=time.monotonic() + 1.0):
+        pass
+    await sched.wait_idle(30)
+    return sched
+
+  sched = asyncio.run(go())
+  assert sched.refused_deadline == 1 and sched.snapshot()["engines"] == 0 and Gen.closed
+  sched.close()
+
+
+async def _until(cond):
+  while not cond():
+    await asyncio.sleep(0)
