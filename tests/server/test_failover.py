@@ -1,0 +1,123 @@
+"""Two replicas behind gRPC's own round_robin policy, no home-made layer: a load spreads over both; one is killed
+(SIGKILL) with streams in flight: those end with UNAVAILABLE, every new call succeeds on the other, and nothing
+hangs (every call has a deadline). One replica is ``thoughtjax serve`` itself, the other the same server in
+``tests/server/replica.py`` (which can hold streams in flight until it is killed)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
+from server.proto.thoughtjax.v1 import synthesis_pb2_grpc as rpc
+from tests.server.replica import HOLD_SEED
+
+DEADLINE_S = 120  # every call's deadline: a hang fails the test instead of stalling it
+PROMPT = "The quick brown fox"
+
+
+@contextlib.contextmanager
+def process(argv: list[str], log: Path):
+  """A server process (stderr to ``log``: a pipe nobody reads could fill and stall it); yields (process, port)
+  once it printed ``serving on HOST:PORT``."""
+  err = open(log, "w")  # closed below, after the process
+  proc = subprocess.Popen(
+    [sys.executable, *argv],
+    stdout=subprocess.PIPE,
+    stderr=err,
+    text=True,
+    env=dict(os.environ),
+    cwd=Path(__file__).resolve().parents[2],  # the repository root: tests.server.replica is importable
+  )
+  try:
+    line = proc.stdout.readline()  # blocks until the port is bound (or the process died)
+    assert line.startswith("serving on 127.0.0.1:"), (line, log.read_text() if proc.poll() is not None else "")
+    yield proc, int(line.split(":")[-1])
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+    proc.wait(60)
+    proc.stdout.close()
+    err.close()
+
+
+def wait_serving(port: int) -> None:
+  """Until the replica's health says SERVING (a Watch stream, not a poll)."""
+  with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+    watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=DEADLINE_S)
+    for r in watch:
+      if r.status == health_pb2.HealthCheckResponse.SERVING:
+        watch.cancel()
+        return
+
+
+def completed(port: int) -> tuple[int, int]:
+  """(requests the replica completed, requests in flight on it), from its RegistryStats."""
+  with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+    stats = rpc.SynthesizerStub(ch).RegistryStats(pb.RegistryStatsRequest(), timeout=DEADLINE_S)
+  return json.loads(stats.planner_json)["scheduler"]["completed"], stats.in_flight
+
+
+def finish(call) -> tuple[grpc.StatusCode, list]:
+  try:
+    return grpc.StatusCode.OK, list(call)
+  except grpc.RpcError as e:
+    return e.code(), []
+
+
+def test_round_robin_over_two_replicas_survives_killing_one_mid_load(tiny_registry, tmp_path):
+  cli = ["-c", "from thoughtjax.cli import main; raise SystemExit(main())", "serve"]
+  with (
+    process([*cli, "--registry", str(tiny_registry.root), "--port", "0"], tmp_path / "b.log") as (_, port_b),
+    process(["-m", "tests.server.replica", "--registry", str(tiny_registry.root), "--hold"], tmp_path / "a.log") as (
+      victim,
+      port_a,
+    ),
+  ):
+    wait_serving(port_a)
+    wait_serving(port_b)
+    channel = grpc.insecure_channel(
+      f"ipv4:127.0.0.1:{port_a},127.0.0.1:{port_b}", [("grpc.lb_policy_name", "round_robin")]
+    )
+    with channel:
+      stub = rpc.SynthesizerStub(channel)
+      request = pb.SynthesizeRequest(prompt=PROMPT, max_tokens=6)
+      # A load over both replicas: every call succeeds and each replica served some.
+      for _ in range(8):
+        code, out = finish(stub.Synthesize(request, timeout=DEADLINE_S))
+        assert code == grpc.StatusCode.OK and out[-1].WhichOneof("kind") == "final"
+      assert completed(port_a)[0] >= 1 and completed(port_b)[0] >= 1
+
+      # Mid-load: streams in flight on both; the victim holds its own after their first delta.
+      held = pb.SynthesizeRequest(prompt=PROMPT, max_tokens=40, seed=HOLD_SEED)
+      calls = [stub.Synthesize(held, timeout=DEADLINE_S) for _ in range(6)]
+      for call in calls:
+        it = iter(call)
+        assert [next(it).WhichOneof("kind"), next(it).WhichOneof("kind")] == ["plan", "delta"]  # generating
+      on_victim = completed(port_a)[1]
+      assert on_victim >= 1
+      victim.send_signal(signal.SIGKILL)
+
+      outcomes = [finish(call) for call in calls]
+      codes = [code for code, _ in outcomes]
+      assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, codes
+      assert codes.count(grpc.StatusCode.UNAVAILABLE) == on_victim  # exactly the victim's streams
+      for code, rest in outcomes:
+        if code == grpc.StatusCode.OK:  # the survivor's streams ran to their end
+          assert rest[-1].WhichOneof("kind") == "final" and rest[-1].final.usage.tokens_out >= 1
+
+      # New calls all succeed on the survivor.
+      before = completed(port_b)[0]
+      for _ in range(6):
+        code, out = finish(stub.Synthesize(request, timeout=DEADLINE_S))
+        assert code == grpc.StatusCode.OK and out[-1].WhichOneof("kind") == "final"
+      assert completed(port_b)[0] == before + 6
+    assert victim.wait(60) == -signal.SIGKILL
