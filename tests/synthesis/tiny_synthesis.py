@@ -54,6 +54,8 @@ def tiny_setup() -> TinySetup:
   atexit.register(shutil.rmtree, root, True)
   # Rollback state of this process's registries, not the user's.
   os.environ.setdefault("THOUGHTJAX_TRUST_STATE", str(root / "trust-state.json"))
+  # Learned latency corrections of this process's registries, not the user's.
+  os.environ.setdefault("THOUGHTJAX_LATENCY_CORRECTIONS", str(root / "latency-corrections.json"))
   key, pub = keygen(root / "keys" / "registry")
   (root / "mapping.yaml").write_text(mapping_text(TINY_SPANS, 6))
   model = make_model(identity=2)

@@ -98,6 +98,11 @@ def _plan_text(plan, explain: bool) -> str:
       f"quality     {hint}: top-1 agreement {q.top1_agreement:.3f}, mean KL {q.mean_kl:.4f}, "
       f"ΔNLL {q.delta_nll:+.4f} (held-out, {q.tokens} tokens)"
     )
+  if p.corrections:
+    applied = ", ".join(
+      f"{s} x{f:.3g} ({'this path' if src == 'path' else 'all paths'})" for s, (f, src) in p.corrections.items()
+    )
+    lines.append(f"corrected   {applied}: learned from earlier requests on this machine")
   lines.append(f"degraded    {str(plan.degraded).lower()}" + (f" ({plan.reason})" if plan.degraded else ""))
   lines.append(f"reason      {plan.reason}")
   if plan.tokens_that_fit is not None:

@@ -287,6 +287,12 @@ def _run(model, prompt_tokens: int, max_tokens: int) -> dict:
   }
 
 
+def _prompt_lengths(settings: LatencySettings, max_context: int) -> list[int]:
+  """The distinct prompt lengths measured: each within the context left by the longest decode."""
+  cap = max_context - max(settings.max_tokens)
+  return sorted({max(1, min(T, cap)) for T in settings.prompt_tokens})
+
+
 def measure_latency(
   registry,
   candidates: Sequence[Candidate],
@@ -325,7 +331,10 @@ def measure_latency(
   for c in timed:
     layers = sum(u.layers for u in c.units)
     model = compose(", ".join(u.ref for u in c.units), registry, kernels=kernels)
-    for T in settings.prompt_tokens:
+    prompts = _prompt_lengths(settings, model.config.max_context)
+    # Fewer runs when the context clamps prompt lengths together.
+    total -= (len(settings.prompt_tokens) - len(prompts)) * (1 + len(settings.max_tokens) * settings.reps)
+    for T in prompts:
       # The first run of a program key compiles it; later runs are the warm measurements.
       first = _run(model, T, max(settings.max_tokens))
       compile_pts.setdefault(bucket(T), []).append((float(layers), first["compile_ms"]))

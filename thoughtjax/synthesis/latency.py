@@ -276,6 +276,8 @@ class Prediction:
   decode_factor: float
   program_key: str
   cache_len: int = 0
+  # stage -> (factor, "path" or "global"): the learned corrections this prediction applied (factor != 1).
+  corrections: Mapping[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
 
   @property
   def total(self) -> float:
@@ -395,10 +397,13 @@ class LatencyModel:
     return f"{program}|T{bucket(prompt_tokens)}|N{bucket(max_tokens)}"
 
   def factor(self, path_hash: str, stage: str) -> float:
+    return self._factor_from(path_hash, stage)[0]
+
+  def _factor_from(self, path_hash: str, stage: str) -> tuple[float, str]:
     own = self._paths.get(path_hash)
     if own is not None and stage in own:
-      return own[stage]
-    return self._global.get(stage, 1.0)
+      return own[stage], "path"
+    return self._global.get(stage, 1.0), "global"
 
   def predict(
     self, candidate: Candidate, prompt_tokens: int, max_tokens: int, residency: Residency = COLD
@@ -422,7 +427,8 @@ class LatencyModel:
       "decode": max(n - 1, 0) * (A + B * S),
     }
     h = candidate.path_hash
-    f = {s: self.factor(h, s) for s in STAGES}
+    fs = {s: self._factor_from(h, s) for s in STAGES}
+    f = {s: v[0] for s, v in fs.items()}
     return Prediction(
       h,
       T,
@@ -433,6 +439,7 @@ class LatencyModel:
       decode_factor=f["decode"],
       program_key=key,
       cache_len=S,
+      corrections={s: fs[s] for s in STAGES if fs[s][0] != 1.0 and raw[s] > 0},
     )
 
   # ---- learning

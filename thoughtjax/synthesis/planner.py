@@ -194,6 +194,8 @@ class Plan:
       "tokens_that_fit": self.tokens_that_fit,
       "max_latency_ms": None if math.isinf(self.max_latency_ms) else self.max_latency_ms,
       "rejected": [dataclasses.asdict(r) for r in self.rejected],
+      # Learned latency corrections the prediction applied: stage -> factor and whose (this path's or all).
+      "corrections": {s: {"factor": f, "from": src} for s, (f, src) in self.predicted.corrections.items()},
     }
 
 

@@ -12,6 +12,9 @@ A :class:`Synthesizer` holds one registry, its stored calibration (at the regist
 the synthesis dictionary's floors, a :class:`~thoughtjax.synthesis.latency.LatencyModel` that learns from
 every finished request, and what is warm: composed paths (their thoughtlets restored) and the program
 keys it has run (compiled). Planning sees that residency, so a warm path predicts no restore or compile.
+What the latency model learns persists per machine and registry (:mod:`~thoughtjax.synthesis.corrections`):
+a new synthesizer starts from the corrections earlier ones learned; ``learned_corrections=False`` keeps them
+in process.
 
 Stages as measured (milliseconds), the same definitions calibration fitted:
 ``synthesis`` hint normalization + GetOptimalPath; ``restore`` reading the plan's missing thoughtlets and
@@ -32,6 +35,7 @@ import dataclasses
 import math
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 
 from thoughtjax.errors import UserError
@@ -177,8 +181,17 @@ class Synthesizer:
   """Plans and runs requests over one registry and its stored calibration (see the module docstring)."""
 
   def __init__(
-    self, registry, calibration: Calibration, dictionary=None, *, kernels: str | None = None, keep_paths: int = 4
+    self,
+    registry,
+    calibration: Calibration,
+    dictionary=None,
+    *,
+    kernels: str | None = None,
+    keep_paths: int = 4,
+    learned_corrections: bool = True,
   ):
+    from thoughtjax.synthesis import corrections as corr_lib
+    from thoughtjax.synthesis.calibrate import machine_fingerprint
     from thoughtjax.synthesis.dictionary import load_dictionary
 
     if calibration.sequence != registry.sequence:
@@ -190,7 +203,16 @@ class Synthesizer:
     self.dictionary = dictionary if dictionary is not None else load_dictionary()
     self.floors = floors_of(self.dictionary)
     self.planner = Planner(calibration, self.floors)
-    self.latency = LatencyModel(calibration.latency)
+    params = calibration.latency
+    self.corrections_key = corr_lib.corrections_key(registry.registry_id, machine_fingerprint(), params)
+    path = corr_lib.corrections_path() if learned_corrections else None
+    learned = corr_lib.load_corrections(self.corrections_key, path) if path is not None else {}
+    if learned:
+      params = dataclasses.replace(params, corrections=_merged(params.corrections, learned))
+    self.latency = LatencyModel(params)
+    self.corrections_loaded = learned
+    self._store = corr_lib.CorrectionsStore(self.corrections_key, self.latency, path)
+    weakref.finalize(self, self._store.flush)  # what the last requests taught, saved at exit
     self.kernels, self.keep_paths = kernels, keep_paths
     self._models: collections.OrderedDict[str, object] = collections.OrderedDict()
     self._compiled: set[str] = set()
@@ -359,8 +381,21 @@ class Synthesizer:
     if tokens and not gen.cancelled:
       # compile_s > 0: this call traced or compiled its program (its first run in this process).
       self.latency.update(LatencyTrace(result.plan.predicted, actual, tokens, compiled=gen.compile_s > 0))
+      self._store.learned()
     with self._lock:
       self.traces.append(result.trace)
+
+  def save_corrections(self) -> None:
+    """Write the learned latency corrections now (otherwise at most once a second, and at exit)."""
+    self._store.flush()
+
+
+def _merged(calibrated, learned) -> dict:
+  """Calibration's corrections (e.g. a speculative plan's measured factor) overlaid with learned ones."""
+  out = {"global": {**calibrated.get("global", {}), **learned.get("global", {})}, "paths": {}}
+  for h in (*calibrated.get("paths", {}), *learned.get("paths", {})):
+    out["paths"][h] = {**calibrated.get("paths", {}).get(h, {}), **learned.get("paths", {}).get(h, {})}
+  return {k: v for k, v in out.items() if v}
 
 
 class _Unavailable(Exception):
