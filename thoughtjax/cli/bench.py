@@ -1,4 +1,4 @@
-"""``thoughtjax bench decode|kernels|registry|synthesis [ARGS...]``: the arguments after the name go to the benchmark."""
+"""``thoughtjax bench decode|kernels|registry|synthesis|speculative [ARGS...]``: the arguments after the name go to the benchmark."""
 
 from __future__ import annotations
 
@@ -20,12 +20,16 @@ def cmd_bench(args, rest: list[str]) -> int:
     from thoughtjax.bench import synthesis
 
     return synthesis.main(rest)
+  if args.what == "speculative":
+    from thoughtjax.bench import speculative
+
+    return speculative.main(rest)
   raise SystemExit(f"unknown benchmark {args.what!r}")
 
 
 def add_parser(subparsers) -> None:
   p = subparsers.add_parser(
-    "bench", help="benchmarks: decode, kernels, registry, synthesis (args after the name go to it)"
+    "bench", help="benchmarks: decode, kernels, registry, synthesis, speculative (args after the name go to it)"
   )
-  p.add_argument("what", choices=("decode", "kernels", "registry", "synthesis"))
+  p.add_argument("what", choices=("decode", "kernels", "registry", "synthesis", "speculative"))
   p.set_defaults(fn=cmd_bench, passthrough=True)
