@@ -6,6 +6,7 @@
 >>> m.generate("The capital of France is", max_tokens=8).text
 >>> compose("embed, blocks[0:20), blocks[10:30), head", reg)  # repeat: layers 10..19 run twice,
 ...                                                           # their weights are held once
+>>> compose("embed, blocks[0:10)@int8, blocks[10:30), head", reg)  # layers 0..9 from their int8 variant
 
 A path is a list of refs (:func:`thoughtjax.paths.parse_path`). :func:`resolve` turns each into one
 published thoughtlet (``name@version``; no version = current) or, for ``blocks[a:b)`` that is
@@ -22,6 +23,11 @@ The result is a :class:`thoughtjax.engine.Model` carrying the resolved path (``l
 weights are arguments, so two versions of the same layout share a program.
 ``source`` may also be a loaded :class:`~thoughtjax.engine.Model` (no registry: its own weights
 are sliced) for quick experiments in a notebook.
+
+A ref may name a weight variant (``blocks[a:b)@int8``, :mod:`thoughtjax.paths`): from a registry it reads
+the published variant thoughtlets (``registry build --variants int8``) that tile the range, from a loaded
+model it quantizes the sliced layers at compose time. A layer taken from two variants in one path gets
+two slots, like two versions.
 """
 
 from __future__ import annotations
@@ -34,9 +40,10 @@ from thoughtjax.engine import Model
 from thoughtjax.errors import UserError
 from thoughtjax.loading import LoadedModel
 from thoughtjax.model import PathParts, abstract_model
-from thoughtjax.paths import PathSyntaxError, Ref, hash_refs, parse_path
+from thoughtjax.paths import PathSyntaxError, Ref, hash_refs, parse_path, split_variant
 from thoughtjax.template import Template
 from thoughtjax.thoughtlet import Kind, SemanticSignature, TensorType, as_state, signature_for
+from thoughtjax.weights import from_stored, int8_block
 
 # compose() returns a Model; the old name stays importable.
 ComposedModel = Model
@@ -114,7 +121,10 @@ def check_chain(links: Sequence[Link]) -> tuple[TensorType, TensorType]:
 
 def full_path(reg) -> str:
   """The monolithic path of a registry: embed, every block thoughtlet in layer order, head."""
-  blocks = sorted((reg.manifest(n) for n in reg.names if n.startswith("blocks[")), key=lambda m: m.layers)
+  blocks = sorted(
+    (reg.manifest(n) for n in reg.names if n.startswith("blocks[") and split_variant(n)[1] is None),
+    key=lambda m: m.layers,
+  )
   return ", ".join(["embed", *(m.name for m in blocks), "head"])
 
 
@@ -127,17 +137,25 @@ def path_hash(links: Sequence[Link]) -> str:
 def _resolve_registry(refs: Sequence[Ref], reg) -> list[Link]:
   from thoughtjax.registry import UnknownThoughtletError
 
-  span_names = reg.block_spans()
+  base_spans = reg.block_spans()
   links = []
   for ref in refs:
-    if ref.name in reg.names:
-      m = reg.manifest(ref.name, ref.version)
+    if ref.unit in reg.names:
+      m = reg.manifest(ref.unit, ref.version)
       layers = tuple(range(*m.layers)) if m.layers else ()
       links.append(Link(ref, m.kind, m.signature, ((m.name, m.version),), layers))
       continue
     span = ref.span
     if span is None:
-      raise UnknownThoughtletError(f"{ref}: the registry has no thoughtlet {ref.name!r}; it has {', '.join(reg.names)}")
+      raise UnknownThoughtletError(f"{ref}: the registry has no thoughtlet {ref.unit!r}; it has {', '.join(reg.names)}")
+    span_names = base_spans
+    if ref.variant is not None:
+      span_names = {Ref(n).span: n for n in reg.names if split_variant(n)[1] == ref.variant and Ref(n).span}
+      if not span_names:
+        raise UnknownThoughtletError(
+          f"{ref}: the registry has no {ref.variant} variant of any block thoughtlet; rebuild it with "
+          f"`thoughtjax registry build ... --variants {ref.variant}` or drop @{ref.variant}"
+        )
     a, b = span
     chain, at = [], a
     while at < b:
@@ -158,7 +176,7 @@ def _resolve_registry(refs: Sequence[Ref], reg) -> list[Link]:
       at = nxt[1]
     if ref.version is not None:
       raise PathSyntaxError(
-        f"{ref}: a version pins one thoughtlet, but {ref.name} spans {len(chain)}: "
+        f"{ref}: a version pins one thoughtlet, but {ref.unit} spans {len(chain)}: "
         f"{', '.join(m.name for m in chain)}; write each with its own @version"
       )
     sig = dataclasses.replace(
@@ -188,9 +206,12 @@ def _resolve_model(refs: Sequence[Ref], model: Model) -> list[Link]:
       )
     if ref.span is not None:
       layers = ref.layers(cfg.num_layers)
-      links.append(
-        Link(ref, Kind.BLOCKS, signature_for(Kind.BLOCKS, cfg, tok, layers=ref.span), ((ref.name, None),), layers)
-      )
+      sig = signature_for(Kind.BLOCKS, cfg, tok, layers=ref.span)
+      if ref.variant is not None:
+        sig = dataclasses.replace(sig, constraints={**sig.constraints, "weights": ref.variant})
+      links.append(Link(ref, Kind.BLOCKS, sig, ((ref.unit, None),), layers))
+    elif ref.variant is not None:
+      raise PathSyntaxError(f"{ref}: weight variants exist for block ranges only; drop @{ref.variant}")
     elif ref.name in ("embed", "head", "template"):
       kind = Kind(ref.name)
       links.append(Link(ref, kind, signature_for(kind, cfg, tok), ((ref.name, None),)))
@@ -283,6 +304,9 @@ def compose(
   if isinstance(source, Registry):
     wanted = list(dict.fromkeys(units))
     restored = dict(zip(wanted, source.restore_many(wanted, dtype=dtype, mesh=mesh), strict=True))
+    for unit in wanted:  # a variant's int8 weights are stored as {"int8", "scale"} arrays
+      if split_variant(unit[0])[1] is not None:
+        restored[unit] = from_stored(restored[unit])
     codec, module_src, source_hash = source.codec, f"registry:{source.root}", str(source.generation)
   else:
     if mesh is not None or dtype is not None:
@@ -307,8 +331,8 @@ def compose(
       params = restored[unit]
       for key in sorted(params, key=int):
         layer = int(key)
-        # A registry unit is one version; a loaded model has one version of every layer.
-        ident = (unit if isinstance(source, Registry) else None, layer)
+        # A registry unit is one version; a loaded model has one version of every layer (per variant).
+        ident = (unit if isinstance(source, Registry) else split_variant(unit[0])[1], layer)
         if ident not in slot_of:
           # Two versions of one layer in a path get distinct slots; the program only sees slots.
           slot = layer
@@ -347,4 +371,6 @@ def _model_units(model: Model, units) -> dict:
       if span is not None
       else cut(model.module, Kind(name), codec=model.codec)
     )
+    if split_variant(name)[1] == "int8":  # quantized here: a loaded model holds one form of its weights
+      out[(name, version)] = {k: int8_block(v) for k, v in out[(name, version)].items()}
   return out

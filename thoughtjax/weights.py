@@ -74,6 +74,28 @@ def int8_block(params: Mapping) -> dict:
   return walk(params)
 
 
+def to_stored(params: Mapping) -> dict:
+  """Params with each :class:`~thoughtjax.formats.RowInt8` as a plain ``{"int8": q [O, I], "scale": [O]}``
+  mapping: the tree a registry checkpoints and hashes (arrays only). Inverse of :func:`from_stored`."""
+  return {
+    k: {"int8": v.q, "scale": v.scale}
+    if isinstance(v, formats.RowInt8)
+    else (to_stored(v) if isinstance(v, Mapping) else v)
+    for k, v in params.items()
+  }
+
+
+def from_stored(params: Mapping) -> dict:
+  """Params restored from a registry with every ``{"int8", "scale"}`` mapping back as a RowInt8."""
+
+  def one(v):
+    if isinstance(v, Mapping):
+      return formats.RowInt8(v["int8"], v["scale"]) if set(v) == {"int8", "scale"} else from_stored(v)
+    return v
+
+  return {k: one(v) for k, v in params.items()}
+
+
 def int8_params(params: Mapping) -> dict:
   """A whole model's params (see :func:`params_from_hf`) with every matrix as per-row int8: the
   block projections, the embedding table (also the tied head) and an untied head's unembed."""

@@ -30,6 +30,18 @@ def _profile_settings(args):
   return ProfileSettings(batch=args.batch, context=args.context, reps=args.reps)
 
 
+def _variants(text: str) -> tuple[str, ...]:
+  import argparse
+
+  from thoughtjax.paths import VARIANTS
+
+  names = tuple(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+  bad = [n for n in names if n not in VARIANTS]
+  if not names or bad:
+    raise argparse.ArgumentTypeError(f"--variants {text!r}: expected comma-separated names from {', '.join(VARIANTS)}")
+  return names
+
+
 def cmd_build(args) -> int:
   from rich.console import Console
   from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -69,6 +81,7 @@ def cmd_build(args) -> int:
       settings=_profile_settings(args),
       progress=progress,
       trust=trust,
+      variants=args.variants,
     )
   console.print(
     f"registry {reg.root}: generation {reg.generation}, {len(reg.names)} thoughtlets"
@@ -236,6 +249,14 @@ def add_parser(subparsers) -> None:
   b.add_argument("--context", type=int, default=256, help="profile: KV cache length")
   b.add_argument("--reps", type=int, default=20, help="profile: timed runs per thoughtlet")
   b.add_argument("--no-profile", action="store_true", help="publish without resource profiles")
+  b.add_argument(
+    "--variants",
+    type=_variants,
+    default=(),
+    metavar="LIST",
+    help="weight variants of every block thoughtlet to publish too, comma-separated (int8: per-row int8, lossy; "
+    "a path names one as blocks[a:b)@int8)",
+  )
   add_trust_args(b, keys_help="trusted public key (repeatable) for the existing index the build publishes onto")
   b.set_defaults(fn=cmd_build)
 

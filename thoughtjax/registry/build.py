@@ -1,14 +1,21 @@
-"""Building a registry: cut a model along a semantic mapping, profile, publish."""
+"""Building a registry: cut a model along a semantic mapping, profile, publish.
+
+``variants=("int8",)`` also publishes a weight variant of every block thoughtlet: ``blocks[a:b)@int8``
+holds the same layers with every projection as per-row int8 (:class:`thoughtjax.formats.RowInt8`,
+stored as ``{"int8": q, "scale": s}`` arrays), the variant in its signature (``constraints["weights"]``
+and a tag), so it is hashed, signed and profiled like any thoughtlet, and paths can name it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from thoughtjax.mapping import Mapping as SemanticMapping
 from thoughtjax.mapping import load_mapping
+from thoughtjax.paths import VARIANTS
 from thoughtjax.registry.codec import codec_digest
 from thoughtjax.registry.publish import _publish
 from thoughtjax.registry.store import Registry
@@ -48,6 +55,27 @@ def cut_thoughtlets(model, codec, mapping: SemanticMapping) -> list[Thoughtlet]:
   return out
 
 
+def variant_of(t: Thoughtlet, variant: str) -> Thoughtlet:
+  """The ``variant`` of a blocks thoughtlet, named ``<name>@<variant>``; its params hold
+  :class:`~thoughtjax.formats.RowInt8` weights (:func:`thoughtjax.weights.to_stored` before publishing)."""
+  from thoughtjax.thoughtlet import ThoughtletError
+  from thoughtjax.weights import int8_block
+
+  if variant not in VARIANTS:
+    raise ThoughtletError(f"weight variant {variant!r} is not known; expected one of {', '.join(VARIANTS)}")
+  if t.kind is not Kind.BLOCKS:
+    raise ThoughtletError(f"{t.name}: weight variants are built for block thoughtlets, not {t.kind.value}")
+  sig = t.signature
+  sig = dataclasses.replace(
+    sig,
+    constraints={**sig.constraints, "weights": variant},
+    tags=(*sig.tags, variant),
+    description=f"{sig.description} [{variant}: per-row int8 weights, lossy]".strip(),
+  )
+  params = {k: int8_block(v) for k, v in t.params.items()}
+  return dataclasses.replace(t, name=f"{t.name}@{variant}", signature=sig, params=params, profile=None)
+
+
 def build(
   out: str | os.PathLike,
   mapping: str | os.PathLike | SemanticMapping,
@@ -60,6 +88,7 @@ def build(
   source: str | None = None,
   source_hash: str | None = None,
   trust: TrustPolicy | None = None,
+  variants: Sequence[str] = (),
 ) -> Registry:
   """Cut ``model`` along ``mapping``, profile every thoughtlet and publish them to ``out``.
 
@@ -67,11 +96,13 @@ def build(
   :class:`~thoughtjax.loading.LoadedModel`, or a :class:`~thoughtjax.model.Transformer` with
   ``codec`` given. Building into an existing registry of the same model publishes the changed
   thoughtlets as new versions (one atomic index switch); unchanged ones keep their version, and the
-  existing index is verified first under ``trust`` (see :mod:`.publish`).
+  existing index is verified first under ``trust`` (see :mod:`.publish`). ``variants`` (e.g. ``("int8",)``)
+  adds that weight variant of every block thoughtlet (:func:`variant_of`).
   """
   from thoughtjax.loading import LoadedModel
   from thoughtjax.loading import load as load_model
   from thoughtjax.model import Transformer
+  from thoughtjax.weights import to_stored
 
   report = progress or (lambda stage, name, i, n: None)
   if isinstance(model, (str, os.PathLike)):
@@ -89,6 +120,7 @@ def build(
   if not isinstance(mapping, SemanticMapping):
     mapping = load_mapping(mapping, cfg.num_layers)
   units = cut_thoughtlets(model, codec, mapping)
+  units += [variant_of(t, v) for v in dict.fromkeys(variants) for t in units if t.kind is Kind.BLOCKS]
   n = len(units)
   if settings is not None:
     table = model.embed.table[...]
@@ -97,6 +129,7 @@ def build(
       report("profile", t.name, i, n)
       profiled.append(dataclasses.replace(t, profile=measure_profile(t, settings, table)))
     units = profiled
+  units = [dataclasses.replace(t, params=to_stored(t.params)) for t in units]  # int8 weights as plain arrays
   counter = {"stage:checkpoint": 0, "verify": 0, "commit:version": 0}
 
   def on_step(event, name):

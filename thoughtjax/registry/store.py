@@ -180,8 +180,9 @@ class Registry:
     return self._index["codec"]["digest"]
 
   def block_spans(self) -> dict[tuple[int, int], str]:
-    """Layer span -> name of the current block thoughtlets (from the index alone)."""
-    return {tuple(e["layers"]): n for n, e in self._index["current"].items() if e.get("layers")}
+    """Layer span -> name of the current block thoughtlets (from the index alone); weight variants
+    (``blocks[a:b)@int8``, see :mod:`thoughtjax.paths`) are not listed: a path names them."""
+    return {tuple(e["layers"]): n for n, e in self._index["current"].items() if e.get("layers") and "@" not in n}
 
   def versions(self, name: str) -> list[str]:
     self._known(name)

@@ -25,6 +25,7 @@ from thoughtjax.thoughtlet.errors import ThoughtletError
 from thoughtjax.thoughtlet.run import run_blocks, run_embed, run_head, run_template
 from thoughtjax.thoughtlet.slicing import as_state
 from thoughtjax.thoughtlet.types import Kind, Thoughtlet
+from thoughtjax.weights import from_stored
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +112,10 @@ def _head_step(t: Thoughtlet, abstract, defs: GraphDefs, s: ProfileSettings, tab
 
 def _blocks_step(t: Thoughtlet, abstract, defs: GraphDefs, s: ProfileSettings, table, x) -> Step:
   cfg, B, S = t.config, s.batch, s.context
-  states = [as_state(abstract.blocks[int(i)], p) for i, p in sorted(t.params.items(), key=lambda kv: int(kv[0]))]
+  # from_stored: a weight variant restored from a registry holds its int8 weights as {"int8", "scale"} arrays.
+  states = [
+    as_state(abstract.blocks[int(i)], from_stored(p)) for i, p in sorted(t.params.items(), key=lambda kv: int(kv[0]))
+  ]
   shape = kv_cache_shape(cfg, B, S)
   caches = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in states]
   positions = jnp.full((B, 1), S - 1, jnp.int32)
