@@ -1,9 +1,11 @@
 """A replica for the failover test: the server of ``thoughtjax serve`` (``server.app.serve``) over a registry, in
 its own process, printing ``serving on 127.0.0.1:PORT`` like the command.
 
-With ``--hold``, a Synthesize stream whose ``seed`` is :data:`HOLD_SEED` stops after its first delta and waits
-for good: the test can then kill the process with those streams truly in flight (a tiny model finishes a
-stream in milliseconds, so without it "in flight at the kill" would be a race). Other requests run normally.
+With ``--hold``, a Synthesize request whose ``seed`` is :data:`HOLD_SEED` is admitted, then waits at its start
+for good and prints ``held`` on stdout: the test can then kill the process with those calls truly in flight (a
+tiny model finishes a stream in milliseconds, so without it "in flight at the kill" would be a race). The wait
+is on the scheduler's worker thread, so the server itself keeps answering (RegistryStats counts them in flight).
+Other requests run normally.
 
     python -m tests.server.replica --registry DIR [--hold]
 """
@@ -18,35 +20,22 @@ HOLD_SEED = 4242
 
 
 class _Holding:
-  """The synthesizer, except that runs asked with ``seed=HOLD_SEED`` never get past their first delta."""
+  """The synthesizer, except that runs asked with ``seed=HOLD_SEED`` never start."""
 
   def __init__(self, syn):
     self._syn = syn
     self._never = threading.Event()
+    self._print = threading.Lock()
 
   def __getattr__(self, name):
     return getattr(self._syn, name)
 
   def synthesize(self, *a, **kw):
-    r = self._syn.synthesize(*a, **kw)
-    return _Held(r, self._never) if kw.get("seed") == HOLD_SEED else r
-
-
-class _Held:
-  def __init__(self, result, never: threading.Event):
-    self._r, self._never, self._n = result, never, 0
-
-  def __getattr__(self, name):
-    return getattr(self._r, name)
-
-  def __iter__(self):
-    return self
-
-  def __next__(self):
-    if self._n == 1:
+    if kw.get("seed") == HOLD_SEED:
+      with self._print:
+        print("held", flush=True)
       self._never.wait()  # until the process is killed
-    self._n += 1
-    return next(self._r)
+    return self._syn.synthesize(*a, **kw)
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import grpc
@@ -96,22 +97,49 @@ def test_round_robin_over_two_replicas_survives_killing_one_mid_load(tiny_regist
         assert code == grpc.StatusCode.OK and out[-1].WhichOneof("kind") == "final"
       assert completed(port_a)[0] >= 1 and completed(port_b)[0] >= 1
 
-      # Mid-load: streams in flight on both; the victim holds its own after their first delta.
-      held = pb.SynthesizeRequest(prompt=PROMPT, max_tokens=40, seed=HOLD_SEED)
-      calls = [stub.Synthesize(held, timeout=DEADLINE_S) for _ in range(6)]
-      for call in calls:
-        it = iter(call)
-        assert [next(it).WhichOneof("kind"), next(it).WhichOneof("kind")] == ["plan", "delta"]  # generating
-      on_victim = completed(port_a)[1]
-      assert on_victim >= 1
-      victim.send_signal(signal.SIGKILL)
+      # Mid-load: calls in flight on both; the victim holds its own (and says so on stdout), the survivor's run
+      # to their end. Each call is read to its end on its own thread.
+      held_request = pb.SynthesizeRequest(prompt=PROMPT, max_tokens=40, seed=HOLD_SEED)
+      n = 4
+      outcomes: list = []
+      state = {"held": 0}
+      changed = threading.Condition()
 
-      outcomes = [finish(call) for call in calls]
+      def read_to_end(call):
+        got = finish(call)
+        with changed:
+          outcomes.append(got)
+          changed.notify_all()
+
+      def count_held():
+        for line in victim.stdout:
+          if line.strip() == "held":
+            with changed:
+              state["held"] += 1
+              changed.notify_all()
+
+      counter = threading.Thread(target=count_held, daemon=True)
+      counter.start()
+      readers = [
+        threading.Thread(target=read_to_end, args=(stub.Synthesize(held_request, timeout=DEADLINE_S),))
+        for _ in range(n)
+      ]
+      for t in readers:
+        t.start()
+      with changed:  # every call either ended (on the survivor) or is held (on the victim)
+        assert changed.wait_for(lambda: len(outcomes) + state["held"] == n, timeout=DEADLINE_S), (outcomes, state)
+      on_victim = state["held"]
+      assert on_victim >= 1 and completed(port_a)[1] == on_victim  # the victim counts them in flight
+      assert all(code == grpc.StatusCode.OK for code, _ in outcomes)
+      victim.send_signal(signal.SIGKILL)
+      for t in [*readers, counter]:  # the counter ends at the victim's end of output
+        t.join(DEADLINE_S)
+        assert not t.is_alive()
       codes = [code for code, _ in outcomes]
       assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, codes
-      assert codes.count(grpc.StatusCode.UNAVAILABLE) == on_victim  # exactly the victim's streams
+      assert codes.count(grpc.StatusCode.UNAVAILABLE) == on_victim  # exactly the victim's calls
       for code, rest in outcomes:
-        if code == grpc.StatusCode.OK:  # the survivor's streams ran to their end
+        if code == grpc.StatusCode.OK:  # the survivor's ran to their end
           assert rest[-1].WhichOneof("kind") == "final" and rest[-1].final.usage.tokens_out >= 1
 
       # New calls all succeed on the survivor.

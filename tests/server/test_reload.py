@@ -25,49 +25,63 @@ MAX_TOKENS = 12
 
 
 class Holding:
-  """The served synthesizer, except that while ``hold`` is set each run stops after its first delta until
-  ``gate`` opens: its stream is then truly in flight (mid-generation, model bound) during the reload."""
+  """The served synthesizer, except that while ``hold`` is set a request waits for ``gate`` (so it is in flight,
+  admitted on the old sequence, when the reload switches): at its start (``"start"``: admitted, planned on the
+  old sequence, any scheduler) or after its first delta (``"stream"``: mid-generation, model bound; the simple
+  scheduler, which pulls each chunk on a worker thread)."""
 
   def __init__(self, syn):
-    self._syn, self.hold = syn, False
+    self._syn, self.hold = syn, None
     self.gate, self.entered = threading.Event(), threading.Semaphore(0)
 
   def __getattr__(self, name):
     return getattr(self._syn, name)
 
+  def wait(self) -> None:
+    self.entered.release()
+    assert self.gate.wait(120), "the test never opened the gate"
+
   def synthesize(self, *a, **kw):
+    if self.hold == "start":
+      self.wait()
     r = self._syn.synthesize(*a, **kw)
-    return _Held(r, self) if self.hold else r
+    return _Held(r, self) if self.hold == "stream" else r
 
 
 class _Held:
   def __init__(self, result, owner: Holding):
-    self._r, self._owner, self._n = result, owner, 0
+    object.__setattr__(self, "_r", result)
+    object.__setattr__(self, "_owner", owner)
+    object.__setattr__(self, "_n", 0)
 
   def __getattr__(self, name):
     return getattr(self._r, name)
+
+  def __setattr__(self, name, value):  # a scheduler may replace the run's generation: the run's, not ours
+    setattr(self._r, name, value)
 
   def __iter__(self):
     return self
 
   def __next__(self):
     if self._n == 1:
-      self._owner.entered.release()
-      assert self._owner.gate.wait(120), "the test never opened the gate"
-    self._n += 1
+      self._owner.wait()
+    object.__setattr__(self, "_n", self._n + 1)
     return next(self._r)
 
 
 @pytest.fixture
-def reloadable(tmp_path):
-  """A private copy of the tiny registry (own rollback state) served by a holding synthesizer."""
+def reloadable(tmp_path, request):
+  """A private copy of the tiny registry (own rollback state) served by a holding synthesizer (indirect
+  parameter: the scheduler, default the config's)."""
   from thoughtjax.synthesis.synthesize import Synthesizer
 
   root = registry_copy(tmp_path / "reg")
   trust = TrustPolicy(state_file=tmp_path / "trust-state.json")
+  scheduler = {"scheduler": request.param} if getattr(request, "param", None) else {}
   with Registry.open(root, trust) as reg:
     syn = Holding(Synthesizer.open(reg))
-    with BackgroundServer(syn, config(max_concurrent=len(PROMPTS) + 1, max_queue=4)) as srv:
+    with BackgroundServer(syn, config(max_concurrent=len(PROMPTS) + 1, max_queue=4, **scheduler)) as srv:
       wait_ready(srv)
       yield srv, syn, root, trust
 
@@ -106,7 +120,10 @@ def tokens_of(responses) -> tuple[list[int], pb.Final]:
   return [t for r in responses if r.WhichOneof("kind") == "delta" for t in r.delta.token_ids], responses[-1].final
 
 
-def test_reload_under_load_switches_and_streams_in_flight_finish_on_their_version(reloadable):
+@pytest.mark.parametrize(
+  "reloadable, hold", [(None, "start"), ("simple", "stream")], indirect=["reloadable"], ids=["admitted", "streaming"]
+)
+def test_reload_under_load_switches_and_streams_in_flight_finish_on_their_version(reloadable, hold):
   srv, syn, root, trust = reloadable
   old = syn.calibration.sequence
   target = f"127.0.0.1:{srv.port}"
@@ -115,17 +132,16 @@ def test_reload_under_load_switches_and_streams_in_flight_finish_on_their_versio
   new, version = publish_next(root, trust, "blocks[2:3)", calibrate=True)
   assert new == old + 1
 
-  syn.hold = True
+  syn.hold = hold
   with grpc.insecure_channel(target) as ch:
     stub = rpc.SynthesizerStub(ch)
     calls = [
       stub.Synthesize(pb.SynthesizeRequest(prompt=p, hints=["general_purpose"], max_tokens=MAX_TOKENS), timeout=120)
       for p in PROMPTS
     ]
-    heads = [[next(it), next(it)] for it in map(iter, calls)]  # the plan and the first delta of each
     for _ in PROMPTS:
-      assert syn.entered.acquire(timeout=120)  # each generation waits mid-way for its next chunk
-    syn.hold = False
+      assert syn.entered.acquire(timeout=120)  # each request is in flight, waiting at the gate
+    syn.hold = None
 
     with Client(target, timeout=120) as c:
       r = c.reload_registry()
@@ -137,8 +153,8 @@ def test_reload_under_load_switches_and_streams_in_flight_finish_on_their_versio
       assert c.list_thoughtlets().registry_sequence == new
       assert any(t.version == version for t in c.list_thoughtlets().thoughtlets if t.name == "blocks[2:3)")
       syn.gate.set()
-      for p, call, head in zip(PROMPTS, calls, heads):
-        ids, last = tokens_of(head + list(call))
+      for p, call in zip(PROMPTS, calls):
+        ids, last = tokens_of(list(call))
         want_ids, want = before[p]
         assert ids == want_ids and last.text == want.text  # token for token, on the version it started with
         assert last.trace.registry_sequence == old and list(last.trace.refs) == list(want.trace.refs)
