@@ -39,7 +39,7 @@ import numpy as np
 
 from thoughtjax.errors import UserError
 from thoughtjax.synthesis.calibration import Calibration, Candidate, CandidateKind, Unit
-from thoughtjax.synthesis.candidates import CandidateSettings, pin, propose
+from thoughtjax.synthesis.candidates import CandidateSettings, bridge_slots, bridged_proposals, is_bridge, pin, propose
 from thoughtjax.synthesis.latency import LatencyModel, LatencyParams, LinearCost
 from thoughtjax.synthesis.quality import measure_candidates, windows
 
@@ -118,9 +118,11 @@ def machine_fingerprint() -> str:
 
 
 def cost_key(unit: Unit) -> str:
-  """Units of equal shape share one measured cost: embed, head, and ``blocks:<layers>``."""
+  """Units of equal shape share one measured cost: embed, head, ``blocks:<layers>`` and ``bridge:<bytes>``."""
   if unit.layers:
     return f"blocks:{unit.layers}"
+  if is_bridge(unit.name):
+    return f"bridge:{unit.nbytes}"
   return HEAD_KEY if unit.name == "head" else EMBED_KEY
 
 
@@ -189,6 +191,9 @@ def calibrate(
     manual=settings.manual,
     progress=lambda d, n, what: progress("candidates", d, n, what),
   )
+  # Paths healed by the registry's bridges (thoughtjax registry heal), measured like any other.
+  known = {p.path for p in proposals}
+  proposals += [p for p in bridged_proposals(registry, model.config.num_layers) if p.path not in known]
   pinned, refused = pin(proposals, registry)
   report.refused = [(p.path, why) for p, why in refused]
   # pin() keeps proposal order: the full path first. Paths that compose to the same units are kept once.
@@ -201,8 +206,15 @@ def calibrate(
   report.seconds["candidates"] = time.perf_counter() - t0
 
   t0 = time.perf_counter()
+  used = {u.name for c in candidates for u in c.units}
+  bridges = {n: registry.restore(n) for n in bridge_slots(registry) if n in used}
   quality = measure_candidates(
-    model, candidates, corpora, window=settings.window, progress=lambda d, n, what: progress("quality", d, n, what)
+    model,
+    candidates,
+    corpora,
+    window=settings.window,
+    progress=lambda d, n, what: progress("quality", d, n, what),
+    bridges=bridges,
   )
   report.seconds["quality"] = time.perf_counter() - t0
   del model
@@ -380,6 +392,15 @@ def measure_latency(
   for k in sorted({u.layers for u in units.values() if u.layers}):
     prefill[f"blocks:{k}"] = LinearCost(float(k * Pl), float(k * Ql))
     decode[f"blocks:{k}"] = LinearCost(float(k * Al), float(k * Bl))
+  # A bridge (a position-wise adapter) is too small to time apart from its path: it costs the per-layer
+  # cost scaled by the weights it reads per token against a layer's. It attends to nothing: no cache term.
+  blocks = [u for u in units.values() if u.layers]
+  layer_bytes = sum(u.nbytes for u in blocks) / max(1, sum(u.layers for u in blocks))
+  for u in units.values():
+    if is_bridge(u.name):
+      frac = u.nbytes / layer_bytes if layer_bytes else 0.0
+      prefill[cost_key(u)] = LinearCost(float(frac * Pl), float(frac * Ql))
+      decode[cost_key(u)] = LinearCost(float(frac * Al), 0.0)
   from thoughtjax.synthesis.latency import fit_linear
 
   return LatencyParams(

@@ -16,6 +16,11 @@ greedy skip sets (remove, one at a time, the unit whose removal adds the least Î
 the calibration split; every prefix of that sequence is a candidate); repeated spans
 (``(a, b)``: layers 0..b-1, then a..L-1 again: ``blocks[0:b), blocks[a:L)``); the manual paths given.
 
+:func:`bridged_proposals` adds, for each bridge thoughtlet a registry holds (``thoughtjax registry heal``),
+the path it heals with the bridge at its cut (``embed, blocks[0:10), bridge.10-30, head``); in a layer
+sequence a bridge is a negative slot (-1, -2, ... in the order the registry lists them), as in a program.
+Other kinds of candidates plug in the same way: a function that returns proposals, appended by calibrate.
+
 Units: a skip or a removal takes out a whole unit, an exit or a repeat starts and ends on unit
 boundaries. By default every layer is a unit; pass ``spans=registry.block_spans()`` so that every
 proposal composes from the registry's own block thoughtlets. :func:`pin` resolves proposals in a
@@ -309,6 +314,46 @@ def propose(
     except PathSyntaxError as e:
       raise CandidateError(f"manual path {text!r}: {e}") from None
     add(CandidateKind.MANUAL, layers, f"given: {text}")
+  return out
+
+
+# ------------------------------------------------------------------------------ bridged paths
+BRIDGE_PREFIX = "bridge."  # thoughtlet.bridge.bridge_name: bridge.<a>-<b>
+
+
+def is_bridge(name: str) -> bool:
+  return name.startswith(BRIDGE_PREFIX)
+
+
+def bridge_slots(registry) -> dict[str, int]:
+  """``{bridge name: slot}`` of the current bridges of ``registry``: -1, -2, ... in registry order."""
+  return {n: -(i + 1) for i, n in enumerate(n for n in registry.names if is_bridge(n))}
+
+
+def bridged_proposals(registry, num_layers: int) -> list[Proposal]:
+  """One proposal per current bridge of ``registry``: the cut path its manifest records, with the bridge at
+  the cut (:func:`thoughtjax.thoughtlet.bridge.bridged_path`), and why (its held-out quality when healed)."""
+  from thoughtjax.thoughtlet import bridge as bridge_lib
+
+  out = []
+  for name, slot in bridge_slots(registry).items():
+    constraints = registry.manifest(name).signature.constraints
+    cut = constraints.get("cut_path")
+    if not isinstance(cut, str):
+      raise CandidateError(
+        f"bridge {name} ({registry.root}): its manifest records no cut path (constraints.cut_path); "
+        f"publish bridges with thoughtjax registry heal"
+      )
+    layers = layers_of_path(cut, num_layers)
+    at, _ = bridge_lib.cut_point(cut, num_layers)
+    path = bridge_lib.bridged_path(cut, name, num_layers)
+    after = (constraints.get("training") or {}).get("after") or {}
+    why = f"{name} heals {cut}" + (
+      f": held-out top-1 {after['top1_agreement']:.3g}, KL {after['mean_kl']:.3g} when healed"
+      if {"top1_agreement", "mean_kl"} <= set(after)
+      else ""
+    )
+    out.append(Proposal(path, CandidateKind.BRIDGED, (*layers[:at], slot, *layers[at:]), why))
   return out
 
 

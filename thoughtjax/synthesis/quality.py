@@ -37,7 +37,7 @@ from flax import nnx
 
 from thoughtjax.errors import UserError
 from thoughtjax.model import GraphDefs, PathParts, Transformer
-from thoughtjax.paths import PathSyntaxError, layers_of_path
+from thoughtjax.paths import PathSyntaxError, layers_of_path, parse_path
 from thoughtjax.program import bucket
 from thoughtjax.synthesis.calibration import HintQuality, PathQuality
 from thoughtjax.thoughtlet.run import run_blocks, run_embed, run_head
@@ -159,6 +159,13 @@ def _compare(defs: GraphDefs, embed_state, head_state, x, full_logp, full_top, t
 
 
 @jax.jit
+def _bridge(params, x):  # [1, T, D] -> [1, T, D], position-wise
+  from thoughtjax.thoughtlet.bridge import apply
+
+  return apply(params, x)
+
+
+@jax.jit
 def _one_minus_cos(a, b):  # [1, T, D] x2 -> [T]
   a, b = a[0].astype(jnp.float32), b[0].astype(jnp.float32)
   dot = jnp.sum(a * b, axis=-1)
@@ -188,10 +195,15 @@ class Window:
 
 
 class Runner:
-  """Runs windows through the full path once and candidate layer sequences from its residuals."""
+  """Runs windows through the full path once and candidate layer sequences from its residuals.
 
-  def __init__(self, model):
+  ``bridges``: ``{name: params}`` of bridge thoughtlets candidates may run; in a layer sequence bridge k
+  (in that order) is slot -(k + 1), as in :func:`~thoughtjax.synthesis.candidates.bridge_slots`."""
+
+  def __init__(self, model, bridges: Mapping[str, Mapping] | None = None):
     self.w = Weights.of(model)
+    self.slots = {name: -(i + 1) for i, name in enumerate(bridges or {})}
+    self.bridges = {self.slots[n]: jax.tree.map(jnp.asarray, p) for n, p in (bridges or {}).items()}
 
   @property
   def num_layers(self) -> int:
@@ -202,14 +214,24 @@ class Runner:
     L = self.num_layers
     if isinstance(path, str):
       try:
-        layers = layers_of_path(path, L)
+        refs = parse_path(path)
+        named = [r for r in refs[1:-1] if r.span is None and r.name in self.slots]
+        if not named:
+          return layers_of_path(path, L)
+        layers = []  # the path with its bridges: each block range's layers, each bridge's slot
+        for r in refs[1:-1]:
+          layers.extend(r.layers(L) if r.span is not None or r.name not in self.slots else [self.slots[r.name]])
+        layers_of_path(", ".join(str(r) for r in refs if r.name not in self.slots), L)  # the rest is checked
+        return tuple(layers)
       except PathSyntaxError as e:
         raise QualityError(f"path {path!r} cannot be measured from the model's own layers: {e}") from None
-    else:
-      layers = tuple(int(i) for i in path)
-      bad = [i for i in layers if not 0 <= i < L]
-      if bad:
-        raise QualityError(f"layer sequence {layers}: layers {bad} are outside 0..{L - 1}")
+    layers = tuple(int(i) for i in path)
+    bad = [i for i in layers if not (0 <= i < L or i in self.bridges)]
+    if bad:
+      raise QualityError(
+        f"layer sequence {layers}: layers {bad} are outside 0..{L - 1} and are not bridge slots given to the "
+        f"runner ({sorted(self.bridges)})"
+      )
     return layers
 
   def full_pass(self, ids: np.ndarray) -> Window:
@@ -245,7 +267,7 @@ class Runner:
       start = win.residuals[skip]
     x = start
     for i in layers[skip:]:
-      x = _block(self.w.defs, self.w.cfg, self.w.parts.blocks[i], x)
+      x = _bridge(self.bridges[i], x) if i < 0 else _block(self.w.defs, self.w.cfg, self.w.parts.blocks[i], x)
     return x
 
   def compare(self, win: Window, x) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -343,7 +365,13 @@ def _candidate_path(c) -> str | Sequence[int]:
 
 
 def measure_candidates(
-  model, candidates: Sequence, corpora: Corpora, *, window: int = DEFAULT_WINDOW, progress: Progress | None = None
+  model,
+  candidates: Sequence,
+  corpora: Corpora,
+  *,
+  window: int = DEFAULT_WINDOW,
+  progress: Progress | None = None,
+  bridges: Mapping[str, Mapping] | None = None,
 ) -> dict[str, dict[str, HintQuality]]:
   """``quality[path_hash][hint]`` of every candidate on every hint's (calibration, held-out) documents.
 
@@ -351,8 +379,9 @@ def measure_candidates(
   :class:`~thoughtjax.synthesis.candidates.Proposal`\\ s (anything with ``path`` and ``path_hash``);
   the result is what :class:`~thoughtjax.synthesis.calibration.Calibration` takes as ``quality``.
   The full path's logits are computed once per window of each corpus split and shared by all.
+  ``bridges``: ``{name: params}`` of the bridges bridged candidates run (see :class:`Runner`).
   """
-  runner = Runner(model)
+  runner = Runner(model, bridges)
   hashes = [c.path_hash for c in candidates]
   dup = sorted({h for h in hashes if hashes.count(h) > 1})
   if dup:
