@@ -68,7 +68,7 @@ class ServerConfig:
   warm: WarmConfig = WarmConfig()
   metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: any free port
   metrics_bind: str = "127.0.0.1"
-  scheduler: str = "simple"  # "continuous" (slot engines, server/scheduling.py) or "simple" (one generation each)
+  scheduler: str = "continuous"  # "continuous" (slot engines, server/scheduling.py) or "simple" (one generation each)
 
   def __post_init__(self):
     if self.scheduler not in SCHEDULERS:

@@ -249,8 +249,8 @@ class ContinuousScheduler(SimpleScheduler):
   ends early (cancelled, connection closed, deadline) its slot is cancelled and freed at the end of the chunk
   running then; the turn is released once the slot is free. Chunks between cancel and free are recorded
   (:class:`RequestRecord`). Engines are made lazily, at most ``max_engines``; an idle one is evicted for a new
-  path (all busy: :class:`QueueFull`). A run whose generation does not carry its inputs (``Generation.inputs``)
-  runs alone, as in :class:`SimpleScheduler`.
+  path (all busy: :class:`QueueFull`). A run that does not hold its own generation carrying its inputs
+  (``Generation.inputs``; e.g. a wrapper that forwards it) runs alone, as in :class:`SimpleScheduler`.
   """
 
   def __init__(
@@ -336,7 +336,9 @@ class ContinuousScheduler(SimpleScheduler):
     try:
       box["start"] = self._executor.submit(start)
       run = box["run"] = await asyncio.wrap_future(box["start"])
-      inputs = getattr(getattr(run, "generation", None), "inputs", None)
+      # The slot stands in for the run's own generation attribute (a wrapper forwarding it would iterate the old).
+      own = getattr(run, "__dict__", {}).get("generation")
+      inputs = getattr(own, "inputs", None)
       if inputs is None or len(inputs[1]) != 1:
         yield run
         async for d in self._alone(run, box, request_id, deadline):
