@@ -40,10 +40,28 @@ CASES = [
     texts=("thoughtlets, sequence", "'embed, head, blocks[0:2)':\n  link 2", "top-1 agreement=", "tok/s", "restores="),
   ),
   Case(
+    "03_synthesis.ipynb",
+    needs_default_model=True,
+    min_figures=3,
+    texts=("meeting the floor:", "corrected hints:", "degraded=True reason=budget", "tokens fit; predicted", "router ("),
+  ),
+  Case(
     "02_kernels_vs_xla.ipynb",
     needs_default_model=False,
     min_figures=3,
     texts=("identical: True", "pallas (interpret)", "GB/s"),
+  ),
+  Case(
+    "04_serving.ipynb",
+    needs_default_model=True,
+    min_figures=1,
+    texts=(
+      "health SERVING",
+      "trace in the trailer equals the final message's: True",
+      "x-thoughtjax-tokens-out",
+      "TTFT p50 ms",
+      "thoughtjax_time_to_first_token_seconds_count",
+    ),
   ),
 ]
 
