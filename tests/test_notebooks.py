@@ -43,7 +43,13 @@ CASES = [
     "03_synthesis.ipynb",
     needs_default_model=True,
     min_figures=3,
-    texts=("meeting the floor:", "corrected hints:", "degraded=True reason=budget", "tokens fit; predicted", "router ("),
+    texts=(
+      "meeting the floor:",
+      "corrected hints:",
+      "degraded=True reason=budget",
+      "tokens fit; predicted",
+      "router (",
+    ),
   ),
   Case(
     "02_kernels_vs_xla.ipynb",
