@@ -46,6 +46,7 @@ class RequestRecord:
   decode_chunks_end: int | None = None
   tokens_out: int | None = None
   closed: bool = False  # the generation was closed (no further device work possible)
+  cancel_to_free_s: float | None = None  # continuous batching: from the slot's cancel to its release
 
 
 class Run(Protocol):
@@ -430,6 +431,8 @@ class ContinuousScheduler(SimpleScheduler):
         if s is not None:
           s.cancel()
           s.freed.wait()
+          if s.cancelled_at is not None:
+            record.cancel_to_free_s = s.freed_at - s.cancelled_at
           record.decode_chunks_end = s.trace.decode_chunks
           record.tokens_out = sum(s.trace.tokens_out)
         else:

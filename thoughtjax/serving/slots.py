@@ -35,6 +35,7 @@ same distribution, keyed by (seed, engine step, slot) rather than the alone run'
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import queue
 import threading
@@ -109,6 +110,8 @@ class SlotRun:
     self.cancel_requested = False
     self.chunks_at_cancel: int | None = None
     self.chunks_at_free: int | None = None
+    self.cancelled_at: float | None = None  # time.perf_counter() of cancel() and of the slot's release
+    self.freed_at: float | None = None
     self.finish_reason: str | None = None
     self.error: BaseException | None = None
     self.token_ids: list[int] = []
@@ -127,7 +130,7 @@ class SlotRun:
   def _end(self, error: BaseException | None = None) -> None:
     """No more deltas: the slot (if any) is free again."""
     self.error = error
-    self.trace.end = time.perf_counter()
+    self.trace.end = self.freed_at = time.perf_counter()
     self.trace.tokens_out = list(self.rows.counts)
     self._queue.put(None)
     if self.on_delta is not None:
@@ -305,6 +308,7 @@ class SlotEngine:
     self.chunks = 0  # decode chunks run
     self.steps = 0  # decode steps run (the cursor)
     self.freed_total = 0
+    self.chunk_seconds: collections.deque[float] = collections.deque(maxlen=1024)  # wall time of recent chunks
     N, V = self.slots, self.cfg.vocab_size
     self._host = dict(
       temperature=np.zeros(N, np.float32),
@@ -431,6 +435,7 @@ class SlotEngine:
       if run.freed.is_set() or run.cancel_requested:
         return
       run.cancel_requested = True
+      run.cancelled_at = time.perf_counter()
       run.chunks_at_cancel = self.chunks
       if run.slot is not None:
         self._cancelled.add(run.slot)
@@ -482,8 +487,10 @@ class SlotEngine:
       mode, samp = self._sampling()
       active = np.zeros(self.slots, bool)
       active[live] = True
+      t0 = time.perf_counter()
       self._state, out, steps = self.program.chunk(self.parts, samp, self._state, jnp.asarray(active), mode)
       out, done, count, steps = jax.device_get((out, self._state.done, self._state.count, steps))
+      self.chunk_seconds.append(time.perf_counter() - t0)
       self.chunks += 1
       self.steps += int(steps)
       new: dict[int, list[int]] = {}

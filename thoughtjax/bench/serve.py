@@ -1,0 +1,333 @@
+"""``thoughtjax bench serve``: the gRPC server with continuous batching on loopback, against the library's static batch.
+
+Measured in one run, in one process (the server on its own event-loop thread, the clients on threads), on one
+path of a registry (default: the default registry's full path), every stream decoding exactly ``--max-tokens``
+(end-of-sequence suppressed with a logit bias, the same bias in the static batch):
+
+1. **concurrency**: at 1, 4, 8 and 16 concurrent streams (closed loop: each client starts its next stream when
+   one ends; ``--rounds`` streams per client, bounded by ``--level-seconds``): p50/p99 time to first token
+   (call -> first token on the client) and aggregate tokens/s (tokens / wall time of the level);
+2. **static batch 8**: ``Model.generate_batch`` of 8 prompts on the same path, warm: tokens/s; the ratios
+   (aims: 8 streams >= 0.9x static batch 8; p50 TTFT at 8 streams <= 2x single-stream p50);
+3. **cancellation**: streams cancelled after their first delta: time from the slot's cancel to its release
+   and the decode chunks in between, beside the median decode chunk time;
+4. ``--soak SECONDS``: 16 streams closed loop for that long: requests, errors, RSS after warm-up and at the end.
+
+Prints tables; ``--json FILE`` writes every number. ``--quick`` shrinks everything (short prompts and decodes,
+one round) so a test can run it on a tiny registry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import math
+import threading
+import time
+
+import numpy as np
+
+from thoughtjax.bench import common
+
+
+def _rss_mib() -> float:
+  """Resident set size of this process now (MiB), from /proc (Linux)."""
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith("VmRSS:"):
+        return int(line.split()[1]) / 1024
+  return float("nan")
+
+
+def _pct(xs, q: float) -> float:
+  return float(np.percentile(xs, q)) if len(xs) else float("nan")
+
+
+class _Load:
+  """Requests over one channel: each stream's time to first token, tokens and errors."""
+
+  def __init__(self, port: int, request):
+    import grpc
+
+    from server.proto.thoughtjax.v1 import synthesis_pb2_grpc as rpc
+
+    self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    self.stub = rpc.SynthesizerStub(self.channel)
+    self.request = request
+
+  def one(self, timeout: float) -> tuple[float | None, int, str | None]:
+    """(seconds to first token, tokens, error status name or None) of one stream."""
+    import grpc
+
+    t0 = time.perf_counter()
+    ttft, tokens = None, 0
+    try:
+      for r in self.stub.Synthesize(self.request, timeout=timeout):
+        if r.WhichOneof("kind") == "delta" and r.delta.token_ids:
+          if ttft is None:
+            ttft = time.perf_counter() - t0
+          tokens += len(r.delta.token_ids)
+    except grpc.RpcError as e:
+      return ttft, tokens, e.code().name
+    return ttft, tokens, None
+
+  def closed_loop(self, streams: int, per_client: int, seconds: float, timeout: float) -> dict:
+    """``streams`` clients, each running up to ``per_client`` streams back to back for at most ``seconds``."""
+    stop_at = time.perf_counter() + seconds
+    rows: list[tuple] = []
+    lock = threading.Lock()
+
+    def client():
+      for _ in range(per_client):
+        if time.perf_counter() >= stop_at:
+          return
+        row = self.one(timeout)
+        with lock:
+          rows.append(row)
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+      for f in [pool.submit(client) for _ in range(streams)]:
+        f.result()
+    wall = time.perf_counter() - t0
+    ttfts = [r[0] * 1e3 for r in rows if r[0] is not None and r[2] is None]
+    tokens = sum(r[1] for r in rows)
+    errors = [r[2] for r in rows if r[2] is not None]
+    return {
+      "streams": streams,
+      "requests": len(rows),
+      "tokens": tokens,
+      "wall_s": wall,
+      "tok_s": tokens / wall if wall > 0 else float("nan"),
+      "ttft_p50_ms": _pct(ttfts, 50),
+      "ttft_p99_ms": _pct(ttfts, 99),
+      "errors": len(errors),
+      "error_codes": sorted(set(errors)),
+    }
+
+  def close(self) -> None:
+    self.channel.close()
+
+
+def bench_static(model, ids: list[int], params, reps: int) -> dict:
+  """Warm ``Model.generate_batch`` of 8 copies of the prompt: tokens/s over ``reps`` calls (prefill included)."""
+  model.generate_batch([ids] * 8, params)  # compile
+  walls, tokens = [], 0
+  for _ in range(reps):
+    t = time.perf_counter()
+    out = model.generate_batch([ids] * 8, params)
+    walls.append(time.perf_counter() - t)
+    tokens = sum(len(c.token_ids) for c in out)
+  wall = common.median(walls)
+  return {"batch": 8, "reps": reps, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall}
+
+
+def bench_cancel(load: _Load, scheduler, count: int, timeout: float) -> dict:
+  """Streams cancelled after their first delta: the slot's cancel -> release time and chunks in between."""
+  from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
+
+  ids = []
+  for i in range(count):
+    req = pb.SynthesizeRequest()
+    req.CopyFrom(load.request)
+    req.request_id = f"bench-cancel-{i}-{time.monotonic_ns()}"
+    call = load.stub.Synthesize(req, timeout=timeout)
+    for r in call:
+      if r.WhichOneof("kind") == "delta":
+        break
+    call.cancel()
+    ids.append(req.request_id)
+  deadline = time.monotonic() + timeout
+  records = {}
+  while len(records) < len(ids) and time.monotonic() < deadline:  # the release thread records it
+    records = {r.request_id: r for r in list(scheduler.records) if r.request_id in ids}
+    time.sleep(0.01)
+  free_ms = [r.cancel_to_free_s * 1e3 for r in records.values() if r.cancel_to_free_s is not None]
+  chunks = [
+    r.decode_chunks_end - r.decode_chunks_at_cancel
+    for r in records.values()
+    if r.decode_chunks_end is not None and r.decode_chunks_at_cancel is not None
+  ]
+  chunk_s = [s for d in list(scheduler._engines.values()) for s in d.engine.chunk_seconds]
+  return {
+    "cancelled": len(ids),
+    "recorded": len(records),
+    "cancel_to_free_ms_p50": _pct(free_ms, 50),
+    "cancel_to_free_ms_max": max(free_ms) if free_ms else float("nan"),
+    "chunks_between_max": max(chunks) if chunks else None,
+    "decode_chunk_ms_p50": _pct([s * 1e3 for s in chunk_s], 50),
+  }
+
+
+def bench_soak(load: _Load, seconds: float, timeout: float) -> dict:
+  """16 streams closed loop for ``seconds``; RSS after a warm-up tenth and at the end."""
+  warm = load.closed_loop(16, 10**9, max(seconds * 0.1, 0.5), timeout)
+  rss_warm = _rss_mib()
+  main = load.closed_loop(16, 10**9, seconds, timeout)
+  rss_end = _rss_mib()
+  return {
+    "seconds": seconds,
+    "requests": warm["requests"] + main["requests"],
+    "errors": warm["errors"] + main["errors"],
+    "error_codes": sorted(set(warm["error_codes"]) | set(main["error_codes"])),
+    "tok_s": main["tok_s"],
+    "rss_warm_mib": rss_warm,
+    "rss_end_mib": rss_end,
+    "rss_growth": (rss_end - rss_warm) / rss_warm,
+  }
+
+
+def _open(args):
+  from thoughtjax.registry import Registry
+
+  if args.registry:
+    return Registry.open(args.registry)
+  from thoughtjax.synthesis.default_registry import ensure_default
+
+  return ensure_default(lambda stage, done, total, item: print(f"{stage} {done}/{total} {item}", flush=True))
+
+
+def _f(x, spec: str) -> str:
+  return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="thoughtjax bench serve", description=__doc__.splitlines()[0])
+  p.add_argument("--registry", default=None, help="registry to serve (default: the default registry)")
+  p.add_argument("--path", default=None, help="the path every request runs (default: the registry's full path)")
+  p.add_argument("--quick", action="store_true", help="small sizes everywhere (CI)")
+  p.add_argument("--concurrency", default="1,4,8,16", help="comma-separated stream counts (default 1,4,8,16)")
+  p.add_argument("--slots", type=int, default=8, help="slots per path engine (the server's max_concurrent)")
+  p.add_argument("--rounds", type=int, default=None, help="streams per client per level (default 4; quick 1)")
+  p.add_argument("--level-seconds", type=float, default=120.0, help="at most this long per level")
+  p.add_argument("--prompt-tokens", type=int, default=None, help="prompt length in tokens (default 32; quick 8)")
+  p.add_argument("--max-tokens", type=int, default=None, help="tokens per stream (default 64; quick 8)")
+  p.add_argument("--static-reps", type=int, default=None, help="static batch-8 calls timed (default 5; quick 1)")
+  p.add_argument("--cancels", type=int, default=None, help="streams cancelled after a delta (default 8; quick 2)")
+  p.add_argument("--soak", type=float, default=None, metavar="SECONDS", help="also soak 16 streams this long")
+  p.add_argument("--timeout", type=float, default=600.0, help="deadline of each call in seconds")
+  p.add_argument("--json", default=None, type=common.json_path, help="write the results here")
+  args = p.parse_args(argv)
+
+  from server.app import BackgroundServer
+  from server.config import ServerConfig
+  from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
+  from thoughtjax.bench.synthesis import _prompt_ids
+  from thoughtjax.compose import compose, full_path
+  from thoughtjax.sampling import SamplingParams
+  from thoughtjax.synthesis.synthesize import Synthesizer
+  from thoughtjax.thoughtlet import fingerprint
+
+  quick = args.quick
+  levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+  rounds = args.rounds or (1 if quick else 4)
+  T = args.prompt_tokens or (8 if quick else 32)
+  n = args.max_tokens or (8 if quick else 64)
+  reg = _open(args)
+  syn = Synthesizer.open(reg)
+  path = args.path or full_path(reg)
+  codec = reg.codec
+  ids = _prompt_ids(codec, T)
+  eos = [int(e) for e in codec.eos_ids]
+  bias = {e: -100.0 for e in eos}  # every stream decodes max_tokens
+  text = codec.decode(ids)
+  request = pb.SynthesizeRequest(prompt=text, path=path, max_tokens=n, logit_bias=bias)
+  prompt_len = len(codec.encode(text))
+  result: dict = {
+    "registry": str(reg.root),
+    "sequence": reg.sequence,
+    "path": path,
+    "quick": quick,
+    "fingerprint": fingerprint(),
+    "prompt_tokens": prompt_len,
+    "max_tokens": n,
+    "slots": args.slots,
+    "command": "thoughtjax bench serve " + " ".join(argv or []),
+  }
+
+  model = compose(path, reg)
+  result["static_batch8"] = static = bench_static(
+    model, codec.encode(text), SamplingParams(max_tokens=n, logit_bias=bias), args.static_reps or (1 if quick else 5)
+  )
+  config = ServerConfig(port=0, scheduler="continuous", max_concurrent=args.slots, max_queue=max(levels + [16]) * 2)
+  with BackgroundServer(syn, config) as srv:
+    if not srv.call(srv.app.wait_ready):
+      raise RuntimeError(f"the server did not become ready: {srv.app.warm_error}")
+    load = _Load(srv.port, request)
+    try:
+      load.closed_loop(min(args.slots, 2), 1, args.level_seconds, args.timeout)  # compile prefill, insert, chunk
+      rows = []
+      for c in levels:
+        rows.append(load.closed_loop(c, rounds, args.level_seconds, args.timeout))
+      result["levels"] = rows
+      by = {r["streams"]: r for r in rows}
+      if 8 in by:
+        result["ratio_8_streams_to_static_batch8"] = by[8]["tok_s"] / static["tok_s"]
+      if 8 in by and 1 in by:
+        result["ttft_p50_8_over_1"] = by[8]["ttft_p50_ms"] / by[1]["ttft_p50_ms"]
+      sched = srv.app.service.scheduler
+      result["cancellation"] = bench_cancel(load, sched, args.cancels or (2 if quick else 8), args.timeout)
+      if args.soak:
+        result["soak"] = bench_soak(load, args.soak, args.timeout)
+      result["scheduler"] = sched.snapshot()
+    finally:
+      load.close()
+
+  common.print_table(
+    f"gRPC streams on loopback, path {path} ({prompt_len} prompt tokens, {n} tokens per stream, {args.slots} slots)",
+    ["streams", "requests", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "errors"],
+    [
+      [r["streams"], r["requests"], _f(r["tok_s"], ".1f"), _f(r["ttft_p50_ms"], ".1f"), _f(r["ttft_p99_ms"], ".1f")]
+      + [r["errors"]]
+      for r in result["levels"]
+    ],
+    right=("streams", "requests", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "errors"),
+  )
+  common.print_table(
+    "static batch 8 (Model.generate_batch, same path and sizes) and the ratios",
+    ["static tok/s", "8 streams / static (aim >= 0.9)", "TTFT p50 8 / 1 (aim <= 2)"],
+    [
+      [
+        _f(static["tok_s"], ".1f"),
+        _f(result.get("ratio_8_streams_to_static_batch8"), ".2f"),
+        _f(result.get("ttft_p50_8_over_1"), ".2f"),
+      ]
+    ],
+  )
+  cz = result["cancellation"]
+  common.print_table(
+    "cancellation (after the first delta)",
+    ["cancelled", "cancel -> free p50 ms", "max ms", "chunks between (max)", "decode chunk p50 ms"],
+    [
+      [
+        cz["cancelled"],
+        _f(cz["cancel_to_free_ms_p50"], ".2f"),
+        _f(cz["cancel_to_free_ms_max"], ".2f"),
+        _f(cz["chunks_between_max"], "d"),
+        _f(cz["decode_chunk_ms_p50"], ".2f"),
+      ]
+    ],
+  )
+  if "soak" in result:
+    s = result["soak"]
+    common.print_table(
+      f"soak: 16 streams for {s['seconds']:.0f} s",
+      ["requests", "errors", "tok/s", "RSS warm MiB", "RSS end MiB", "growth"],
+      [
+        [
+          s["requests"],
+          s["errors"],
+          _f(s["tok_s"], ".1f"),
+          _f(s["rss_warm_mib"], ".0f"),
+          _f(s["rss_end_mib"], ".0f"),
+          _f(s["rss_growth"], ".1%"),
+        ]
+      ],
+    )
+  if args.json:
+    common.write_json(args.json, result, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
