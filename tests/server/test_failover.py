@@ -1,7 +1,8 @@
 """Two replicas behind gRPC's own round_robin policy, no home-made layer: a load spreads over both; one is killed
 (SIGKILL) with streams in flight: those end with UNAVAILABLE, every new call succeeds on the other, and nothing
 hangs (every call has a deadline). One replica is ``thoughtjax serve`` itself, the other the same server in
-``tests/server/replica.py`` (which can hold streams in flight until it is killed)."""
+``tests/server/replica.py`` (which can hold streams in flight until it is killed). A channel with client-side
+health checking sends nothing to a replica that is not SERVING."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from server.app import BackgroundServer
 from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
 from server.proto.thoughtjax.v1 import synthesis_pb2_grpc as rpc
+from tests.server.conftest import config, wait_ready
 from tests.server.replica import HOLD_SEED
 
 DEADLINE_S = 120  # every call's deadline: a hang fails the test instead of stalling it
@@ -149,3 +152,37 @@ def test_round_robin_over_two_replicas_survives_killing_one_mid_load(tiny_regist
         assert code == grpc.StatusCode.OK and out[-1].WhichOneof("kind") == "final"
       assert completed(port_b)[0] == before + 6
     assert victim.wait(60) == -signal.SIGKILL
+
+
+def test_a_health_checking_round_robin_channel_sends_nothing_to_a_replica_still_warming(synthesizer):
+  """gRPC's client-side health checking (service config ``healthCheckConfig``) follows each replica's
+  grpc.health.v1 status: a replica that is NOT_SERVING gets no calls; without it, half the calls hit it."""
+  gate = threading.Event()
+  with (
+    BackgroundServer(synthesizer, config(), warm=lambda: gate.wait(DEADLINE_S)) as warming,
+    BackgroundServer(synthesizer, config()) as ready,
+  ):
+    wait_ready(ready)
+    try:
+      target = f"ipv4:127.0.0.1:{warming.port},127.0.0.1:{ready.port}"
+      checked = {
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "healthCheckConfig": {"serviceName": "thoughtjax.v1.Synthesizer"},
+      }
+      for options, expected in (
+        ([("grpc.service_config", json.dumps(checked))], {grpc.StatusCode.OK}),
+        ([("grpc.lb_policy_name", "round_robin")], {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}),
+      ):
+        with grpc.insecure_channel(target, options) as ch:
+          stub = rpc.SynthesizerStub(ch)
+          codes = set()
+          for _ in range(10):
+            try:
+              stub.GetOptimalPath(pb.SynthesizeRequest(prompt=PROMPT), timeout=DEADLINE_S, wait_for_ready=True)
+              codes.add(grpc.StatusCode.OK)
+            except grpc.RpcError as e:
+              codes.add(e.code())
+              assert "warming" in e.details()
+          assert codes == expected, (options, codes)
+    finally:
+      gate.set()
