@@ -10,7 +10,7 @@ import pytest
 
 from tests.tiny import tiny_engine
 from thoughtjax.sampling import SamplingParams
-from thoughtjax.serving import SlotDriver, SlotEngine, SlotRequestError, SlotsFull, generate_in_slots
+from thoughtjax.serving import SlotDriver, SlotEngine, SlotRequestError, SlotsClosed, SlotsFull, generate_in_slots
 
 # Prompts and max_tokens stay within one shape bucket (16 and 16), so one prefill program serves every test.
 PROMPTS = [[7, 8, 9], list(range(40, 52)), [100], [5, 6, 7, 8, 9, 10, 11], [3] * 15, [200, 201]]
@@ -101,6 +101,30 @@ def test_cancel_from_another_thread_while_the_driver_steps(model, engine):
   finally:
     driver.close()
   assert engine.active == 0
+
+
+def test_closing_the_driver_ends_the_runs_it_held(engine):
+  """The driver is held inside its first chunk's delivery; close() comes meanwhile: the run still in its slot
+  ends with SlotsClosed instead of waiting for a step that never comes."""
+  driver = SlotDriver(engine)
+  inside, gate = threading.Event(), threading.Event()
+
+  def hold(d):
+    if threading.current_thread() is driver._thread:
+      inside.set()
+      gate.wait(60)
+
+  run = driver.insert(engine.prefill([9, 9, 9], SamplingParams(max_tokens=60, ignore_eos=True)), on_delta=hold)
+  assert inside.wait(60)
+  closing = threading.Thread(target=driver.close)
+  closing.start()
+  for _ in iter(lambda: driver._closed, True):  # until close() has marked the driver (no timed wait)
+    pass
+  gate.set()
+  closing.join(60)
+  with pytest.raises(SlotsClosed, match="was closed"):
+    list(run)
+  assert run.finished and len(run.token_ids) < 60 and engine.active == 0
 
 
 def test_stop_strings_stop_ids_and_eos_per_slot(model, engine):

@@ -6,8 +6,18 @@ from thoughtjax.serving.slots import (
   SlotEngine,
   SlotRequestError,
   SlotRun,
+  SlotsClosed,
   SlotsFull,
   generate_in_slots,
 )
 
-__all__ = ["Prefilled", "SlotDriver", "SlotEngine", "SlotRequestError", "SlotRun", "SlotsFull", "generate_in_slots"]
+__all__ = [
+  "Prefilled",
+  "SlotDriver",
+  "SlotEngine",
+  "SlotRequestError",
+  "SlotRun",
+  "SlotsClosed",
+  "SlotsFull",
+  "generate_in_slots",
+]

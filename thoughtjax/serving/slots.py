@@ -63,6 +63,10 @@ class SlotsFull(UserError, RuntimeError):
   """Every slot of the engine holds a request; wait for one to be freed (or use a SlotDriver's queue)."""
 
 
+class SlotsClosed(RuntimeError):
+  """The engine's driver was closed (the server stopped) while the request held a slot."""
+
+
 class SlotRequestError(UserError, ValueError):
   """A request a slot engine cannot hold as given; the message names the limit and the fix."""
 
@@ -560,10 +564,12 @@ class SlotDriver:
         self.engine.fail(e)
 
   def close(self) -> None:
+    """Stop stepping; runs still in a slot end with an error (nobody would step them again)."""
     with self._cond:
       self._closed = True
       self._cond.notify_all()
     self._thread.join(timeout=60)
+    self.engine.fail(SlotsClosed(f"the slot driver of path {self.engine.model.path!r} was closed"))
 
 
 def generate_in_slots(
