@@ -2,9 +2,10 @@
 number waiting (beyond it: :class:`QueueFull` at once), deadlines and cancellation that stop the
 generation at the next decode chunk.
 
-This is the one interface the servicer schedules through (:class:`Scheduler`). The slot engine of
-continuous batching (issue 11 item 3, ``thoughtjax/serving/``) replaces :class:`SimpleScheduler` behind the
-same ``stream``/``wait_idle``/``snapshot`` methods; the servicer does not change.
+This is the one interface the servicer schedules through (:class:`Scheduler`). :class:`ContinuousScheduler`
+(continuous batching, issue 11 item 3: the slot engines of ``thoughtjax/serving/``) implements the same
+``stream``/``wait_idle``/``snapshot`` methods and is the default (``scheduler:`` in the server config,
+:func:`make_scheduler`); the servicer does not change.
 
 Threads: the event loop never runs model work. A request's planning, restore and compile (``start``) and
 each decode chunk (one ``next()`` of the run) run on a worker thread, one at a time per request. When the
