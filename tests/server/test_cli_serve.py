@@ -1,5 +1,6 @@
 """``thoughtjax serve`` as a process over the tiny registry: ``thoughtjax client`` streams from it, and SIGTERM
-drains it: a stream in flight finishes, then the process exits 0."""
+drains it: a stream in flight finishes, then the process exits 0. ``--metrics-port`` serves its Prometheus
+endpoint."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
@@ -27,6 +29,8 @@ def serve_process(tiny_registry):
       str(tiny_registry.root),
       "--port",
       "0",
+      "--metrics-port",
+      "0",
     ],
     stdout=subprocess.PIPE,
     stderr=subprocess.PIPE,
@@ -36,7 +40,9 @@ def serve_process(tiny_registry):
   try:
     line = proc.stdout.readline()  # blocks until the port is bound (or the process died)
     assert line.startswith("serving on 127.0.0.1:"), (line, proc.stderr.read() if proc.poll() is not None else "")
-    yield proc, line.split()[-1]
+    metrics = proc.stdout.readline()
+    assert metrics.startswith("metrics on http://127.0.0.1:"), metrics
+    yield proc, line.split()[-1], metrics.split()[-1]
   finally:
     if proc.poll() is None:
       proc.kill()
@@ -46,7 +52,7 @@ def serve_process(tiny_registry):
 
 
 def test_client_streams_from_serve_and_sigterm_drains(serve_process, capsys):
-  proc, target = serve_process
+  proc, target, metrics_url = serve_process
   assert (
     main(
       [
@@ -66,6 +72,9 @@ def test_client_streams_from_serve_and_sigterm_drains(serve_process, capsys):
   )
   out = json.loads(capsys.readouterr().out)
   assert out["plan"]["path"] and out["final"]["usage"]["tokensOut"] >= 1
+  assert out["trailer"]["tokens-out"] == str(out["final"]["usage"]["tokensOut"])
+  with urllib.request.urlopen(metrics_url, timeout=30) as r:  # the process's Prometheus endpoint
+    assert 'thoughtjax_requests_total{code="OK",method="Synthesize"} 1.0' in r.read().decode()
   assert main(["client", "--target", target, "--prompt", "x", "--hint", "poetry_in_klingon", "--timeout", "60"]) == 2
   assert "INVALID_ARGUMENT" in capsys.readouterr().err
 

@@ -3,7 +3,8 @@
 ``serve`` prints one line ``serving on HOST:PORT`` once the port is bound (and ``metrics on URL`` when the
 Prometheus endpoint is on) (health then says NOT_SERVING
 until the configured fronts are warm), and drains on SIGTERM. ``client`` streams the text to stdout and
-prints the plan and the trace to stderr (``--json``: one JSON object on stdout instead).
+prints the plan and the trace to stderr (``--json``: one JSON object on stdout instead, with the trailing
+metadata's ``x-thoughtjax-*`` fields under ``trailer``).
 """
 
 from __future__ import annotations
@@ -133,7 +134,12 @@ def cmd_client(args) -> int:
         sys.stdout.flush()
     final = c.last_final
     if args.json:
-      print(json.dumps({"plan": MessageToDict(c.last_plan), "text": "".join(text), "final": MessageToDict(final)}))
+      trailer = c.last_trailer.fields if c.last_trailer is not None else {}
+      print(
+        json.dumps(
+          {"plan": MessageToDict(c.last_plan), "text": "".join(text), "final": MessageToDict(final), "trailer": trailer}
+        )
+      )
       return 0
     print()
     t = final.trace
