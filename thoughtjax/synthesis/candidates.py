@@ -177,10 +177,10 @@ def greedy_removal(
     raise CandidateError("greedy removal needs at least one document of 2 or more tokens")
   removals = min(removals, len(units) - 1)
   kept, order = list(units), []
+  passes = [runner.full_pass(ids) for ids in wins]  # every step starts from the same full passes
   for step in range(removals):
     sums, tokens = np.zeros(len(kept)), 0
-    for ids in wins:
-      win = runner.full_pass(ids)
+    for win in passes:
       # The current path's residual before each of its units: a removal reruns only what follows it.
       layers = _layers(kept)
       # Units inside its shared prefix 0..at-1 start from the full pass; the rest follow on (``at`` is
