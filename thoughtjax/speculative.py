@@ -64,13 +64,16 @@ class Draft:
   fresh from training) run after the shared blocks; ``vocab``: a truncated head over that many of the
   most frequent ids (BPE ids follow merge order, so the lowest ids stand in for the most frequent) or
   over the given ids; ``reuse``: the verify pass starts from the residual the draft saved after the
-  shared blocks instead of recomputing them.
+  shared blocks instead of recomputing them. Off by default: it saves the shared blocks' work on K
+  positions but costs one more single-token pass through them (d_K was never drafted from), and a
+  memory-bound decode reads the weights once for K+1 positions anyway; measured slower on CPU at
+  batch 1 (``thoughtjax bench speculative``, the reuse table).
   """
 
   path: str | Sequence[int]
   vocab: int | Sequence[int] | None = None
   bridge: Mapping | None = None
-  reuse: bool = True
+  reuse: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +93,7 @@ class SpecKey:
   chunk: int = DEFAULT_CHUNK  # verify passes per device call
   kernels: str | None = None
   draft_vocab: int | None = None  # size of the truncated draft head (its ids come as data)
-  reuse: bool = True
+  reuse: bool = False
   accept: AcceptRule = "speculative"  # "always": a deliberately wrong rule, the statistical test's control
 
   @property

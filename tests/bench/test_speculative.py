@@ -29,7 +29,7 @@ def test_bench_speculative_quick_writes_every_section(tmp_path, capsys):
     assert math.isclose(r["speedup_b1"], r["tok_s_b1"] / d["plain"]["tok_s_b1"])
     assert r["bridge"] == ("bridge" in r["draft"])
   assert "healed here: 2 steps" in drafts[("exit 2 + bridge", 2)]["origin"]
-  assert d["reuse"]["identical"] is True and d["reuse"]["tok_s_recompute"] > 0
+  assert d["reuse"]["identical"] is True and d["reuse"]["tok_s_recompute"] > 0 and d["reuse"]["tok_s_reuse"] > 0
   for title in ("plain decode", "self-speculative decoding", "saved residual", "identical to plain decoding: yes"):
     assert title in printed
 
