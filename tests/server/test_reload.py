@@ -13,6 +13,7 @@ import jax
 import pytest
 
 from server.app import BackgroundServer
+from server.config import WarmConfig
 from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
 from server.proto.thoughtjax.v1 import synthesis_pb2_grpc as rpc
 from tests.server.conftest import config, wait_ready
@@ -73,15 +74,15 @@ class _Held:
 @pytest.fixture
 def reloadable(tmp_path, request):
   """A private copy of the tiny registry (own rollback state) served by a holding synthesizer (indirect
-  parameter: the scheduler, default the config's)."""
+  parameter: server config changes, e.g. the scheduler)."""
   from thoughtjax.synthesis.synthesize import Synthesizer
 
   root = registry_copy(tmp_path / "reg")
   trust = TrustPolicy(state_file=tmp_path / "trust-state.json")
-  scheduler = {"scheduler": request.param} if getattr(request, "param", None) else {}
+  changes = getattr(request, "param", None) or {}
   with Registry.open(root, trust) as reg:
     syn = Holding(Synthesizer.open(reg))
-    with BackgroundServer(syn, config(max_concurrent=len(PROMPTS) + 1, max_queue=4, **scheduler)) as srv:
+    with BackgroundServer(syn, config(max_concurrent=len(PROMPTS) + 1, max_queue=4, **changes)) as srv:
       wait_ready(srv)
       yield srv, syn, root, trust
 
@@ -121,7 +122,10 @@ def tokens_of(responses) -> tuple[list[int], pb.Final]:
 
 
 @pytest.mark.parametrize(
-  "reloadable, hold", [(None, "start"), ("simple", "stream")], indirect=["reloadable"], ids=["admitted", "streaming"]
+  "reloadable, hold",
+  [({}, "start"), ({"scheduler": "simple"}, "stream")],
+  indirect=["reloadable"],
+  ids=["admitted", "streaming"],
 )
 def test_reload_under_load_switches_and_streams_in_flight_finish_on_their_version(reloadable, hold):
   srv, syn, root, trust = reloadable
@@ -201,8 +205,12 @@ def test_no_calibration_for_a_changed_full_path_is_refused_naming_calibrate(relo
     assert c.generate(PROMPTS[0], max_tokens=3).trace.registry_sequence == old
 
 
+@pytest.mark.parametrize(
+  "reloadable", [{"warm": WarmConfig(hints=("fast_draft",), prompt_tokens=(4,), max_tokens=(4,))}], indirect=True
+)
 def test_a_sequence_without_calibration_reuses_the_paths_whose_versions_are_unchanged(reloadable):
-  """The template is on no calibrated path: every path keeps its versions, so its records stay valid."""
+  """The template is on no calibrated path: every path keeps its versions, so its records stay valid. The
+  configured warm set is warmed on the new sequence before the switch."""
   srv, syn, root, trust = reloadable
   old_paths = sorted(c.path for c in syn.calibration.candidates)
   new, _ = publish_next(root, trust, "template", calibrate=False)
@@ -210,7 +218,9 @@ def test_a_sequence_without_calibration_reuses_the_paths_whose_versions_are_unch
     r = c.reload_registry()
     assert r.switched and r.serving_sequence == new and r.calibration == "derived" and not r.dropped_paths
     assert any(f"recorded at sequence {new - 1}" in n for n in r.notes)
+    assert len(r.warmed_paths) == 1 and c.plan(PROMPTS[0], ["fast_draft"], max_latency_ms=1e9).registry_sequence == new
     final = c.generate(PROMPTS[0], ["general_purpose"], max_tokens=4)
     assert final.trace.registry_sequence == new
   serving = srv.app.service.serving
   assert serving.sequence == new and sorted(c.path for c in serving.syn.calibration.candidates) == old_paths
+  assert r.warmed_paths[0] in old_paths and serving.syn.residency().compiled  # restored and compiled before the switch
