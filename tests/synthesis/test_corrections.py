@@ -40,8 +40,10 @@ def test_a_new_synthesizer_predicts_with_what_an_earlier_one_learned(reg, store)
   for _ in range(2):  # the first run compiles (teaches compile only); the second is warm
     first.synthesize(PROMPT, ["general_purpose"], max_latency_ms=math.inf, max_tokens=9, ignore_eos=True).finish()
   first.save_corrections()
-  learned = _plan(first).predicted
-  assert {"prefill", "decode"} & set(learned.corrections)  # the warm run moved them
+  ran = next(c for c in first.calibration.candidates if c.path_hash == first.traces[-1].path_hash)
+  learned = first.latency.predict(ran, 12, 9)  # cold, as a new synthesizer sees it
+  assert {"prefill", "decode"} <= set(learned.corrections)  # the warm run moved them
+  assert learned.corrections["decode"][1] == "path"
 
   doc = json.loads(store.read_text())
   assert doc["format"] == corr.FORMAT and list(doc["entries"]) == [first.corrections_key]
@@ -49,16 +51,16 @@ def test_a_new_synthesizer_predicts_with_what_an_earlier_one_learned(reg, store)
 
   second = Synthesizer.open(reg)
   assert second.corrections_loaded
-  plan = _plan(second)
-  assert plan.predicted.decode == pytest.approx(learned.decode)
-  assert plan.predicted.prefill == pytest.approx(learned.prefill)
-  # The same factors (and compile's, which the first one no longer predicts: its program is compiled).
-  assert {s: plan.predicted.corrections[s] for s in learned.corrections} == learned.corrections
-  assert "compile" in plan.predicted.corrections
-  j = plan.to_json()["corrections"]
-  assert set(j) == set(plan.predicted.corrections) and all(v["from"] in ("path", "global") for v in j.values())
+  again = second.latency.predict(ran, 12, 9)
+  assert again.corrections == learned.corrections
+  assert (again.prefill, again.decode, again.compile) == pytest.approx(
+    (learned.prefill, learned.decode, learned.compile)
+  )
+  plan = second.plan(PROMPT, ["general_purpose"], max_latency_ms=math.inf, max_tokens=9)
+  j = plan.to_json()["corrections"]  # the plan says which corrections it applied
+  assert j and set(j) == set(plan.predicted.corrections) and all(v["from"] in ("path", "global") for v in j.values())
   # Without the file, the calibration alone.
-  fresh = _plan(Synthesizer.open(reg, learned_corrections=False)).predicted
+  fresh = Synthesizer.open(reg, learned_corrections=False).latency.predict(ran, 12, 9)
   assert not fresh.corrections and fresh.decode != pytest.approx(learned.decode)
 
 

@@ -156,8 +156,9 @@ def save_corrections(key: str, corrections: Mapping, updates: int, path: Path | 
   if path is None:
     return None
   corr = _bounded(_corrections_json(corrections, "corrections"))
+  if not path.parent.is_dir():  # a folder since removed (a test's scratch dir at exit): nothing to keep
+    return None
   try:
-    path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path):
       entries = _read(path)
       entries[key] = {"updated": time.time(), "updates": int(updates), "corrections": corr}
