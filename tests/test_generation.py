@@ -53,6 +53,43 @@ def test_top_k_one_is_greedy_and_top_p_tiny_is_greedy(engine):
   assert engine.generate([4, 5, 6], max_tokens=8, temperature=1.5, top_p=1e-6, seed=3).token_ids == greedy
 
 
+def test_kth_largest_is_the_sorted_threshold_without_a_sort():
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from thoughtjax.sampling import kth_largest
+
+  rng = np.random.default_rng(0)
+  y = (rng.standard_normal((4, 300)) * 3).astype(np.float32)
+  y[0, :6] = [-np.inf, -0.0, 0.0, 7.0, 7.0, -1e-40]  # infinities, signed zeros, ties, a denormal
+  y[1] = np.round(y[1])  # many ties
+  y[2, :] = -5.0  # one value everywhere
+  for k in (1, 2, 3, 5, 40, 299, 300):
+    ks = np.full(4, k, np.int32)
+    want = np.sort(y, axis=-1)[:, 300 - k]
+    got = np.asarray(jax.jit(kth_largest)(jnp.asarray(y), jnp.asarray(ks)))
+    assert np.array_equal(got, want) or np.array_equal(np.abs(got), np.abs(want)), (k, got, want)
+    assert np.array_equal(y >= got[:, None], y >= want[:, None])  # the same tokens are kept
+  hlo = jax.jit(kth_largest).lower(jnp.asarray(y), jnp.ones(4, jnp.int32)).as_text()
+  assert "sort" not in hlo
+
+
+# Token streams of top-k sampling on the tiny engine, recorded with the sort-based threshold before
+# kth_largest replaced it: the search keeps the same candidates, so the streams stay the same.
+TOP_K_STREAMS = [
+  (40, 7, 1.0, [246, 74, 243, 214, 46, 194, 136, 121, 70, 13, 247, 13, 13, 13, 13, 13]),
+  (5, 11, 0.7, [30, 147, 153, 90, 153, 153, 118, 155, 58, 67, 67, 67, 75, 50, 50, 155]),
+  (3, 2, 1.3, [136, 136, 136, 136, 136, 247, 153, 136, 136, 136, 136, 247, 121, 121, 136, 136]),
+]
+
+
+@pytest.mark.parametrize("top_k,seed,temperature,stream", TOP_K_STREAMS)
+def test_top_k_sampling_streams_are_pinned(engine, top_k, seed, temperature, stream):
+  kw = dict(max_tokens=16, temperature=temperature, top_k=top_k, seed=seed, ignore_eos=True)
+  assert engine.generate([4, 5, 6], **kw).token_ids == stream
+
+
 def test_logit_bias_forces_a_token(engine):
   out = engine.generate([4, 5, 6], max_tokens=5, logit_bias={123: 1e4}).token_ids
   assert out == [123] * 5
