@@ -410,6 +410,7 @@ def _print_weights(rows: dict) -> None:
       for w, r in rows.items()
     ],
     right=("MB", "b1 tok/s", "b8 tok/s", "prefill tok/s", "top-1", "KL", "ΔNLL", "tokens"),
+    width=120,
   )
 
 
