@@ -101,3 +101,36 @@ def test_tiny_model_loaded_as_int8_holds_int8_and_stays_close(tmp_path, cache_di
   assert np.mean(np.argmax(a, -1) == np.argmax(b, -1)) >= 0.8
   got = q8.generate(IDS, max_tokens=12, ignore_eos=True).token_ids
   assert len(got) == 12
+
+
+def test_a_loaded_model_composes_a_mixed_variant_path(tmp_path, cache_dir):
+  """From a loaded model (no registry) ``blocks[a:b)@int8`` quantizes those layers at compose time."""
+  from thoughtjax.compose import compose
+  from thoughtjax.paths import PathSyntaxError, layers_of_path
+
+  cfg = TINY_CONFIGS["llama_gqa"]
+  model = thoughtjax.load(write_gguf(tmp_path / "t.gguf", cfg, init_random(cfg, 1, scale=0.08)), compile_cache=False)
+  n = cfg.num_layers
+  full = compose(f"embed, blocks[0:{n}), head", model)
+  mixed = compose(f"embed, blocks[0:1)@int8, blocks[1:{n}), head", model)
+  both = compose(f"embed, blocks[0:1)@int8, blocks[0:{n}), head", model)  # layer 0 in both forms: two slots
+  assert len(set(both.layers)) == n + 1 and mixed.path_hash != full.path_hash
+  a, b = full.logits(IDS), mixed.logits(IDS)
+  assert 0 < np.max(np.abs(a - b)) <= 0.05 * np.max(np.abs(a))
+  assert len(mixed.generate(IDS, max_tokens=4, ignore_eos=True).token_ids) == 4
+  with pytest.raises(PathSyntaxError, match=r"blocks\[0:1\)@int8: a weight variant.*compose"):
+    layers_of_path("embed, blocks[0:1)@int8, head", n)
+  with pytest.raises(PathSyntaxError, match=r"head@int8: weight variants exist for block ranges only"):
+    compose("embed, blocks[0:1), head@int8", model)
+
+
+@pytest.mark.slow
+def test_default_model_int8_quality_against_f32():
+  """The default model with every matrix per-row int8: measured against float32 on held-out text."""
+  from thoughtjax.bench.decode import heldout_documents, weights_quality
+
+  f32, q8 = thoughtjax.load(weights="f32"), thoughtjax.load(weights="int8")
+  q = weights_quality(f32, q8, heldout_documents(), max_windows=3)
+  assert q.tokens > 200 and q.top1_agreement >= 0.9 and 0 < q.mean_kl < 0.02 and abs(q.delta_nll) < 0.05, q
+  text = q8.generate("The capital of France is", max_tokens=8).text
+  assert "Paris" in text, text
