@@ -745,6 +745,8 @@ def trailer(final: pb.Final, request_id: str) -> tuple[tuple[str, str | bytes], 
     "predicted-ms": f"{t.predicted_ms.get('total', 0.0):.3f}",
     "actual-ms": f"{t.actual_ms.get('total', 0.0):.3f}",
   }
+  if t.degraded:  # metadata text must be printable ASCII
+    text["degraded-reason"] = "".join(ch if " " <= ch <= "~" else "?" for ch in t.reason)[:512]
   return (
     (TRACE_KEY, t.SerializeToString()),
     (USAGE_KEY, u.SerializeToString()),

@@ -28,7 +28,7 @@ def test_the_trace_and_usage_come_in_the_trailing_metadata_too(served):
   assert f["path-hash"] == final.trace.path_hash and f["registry-sequence"] == str(final.trace.registry_sequence)
   assert (f["tokens-in"], f["tokens-out"]) == (str(final.usage.tokens_in), str(final.usage.tokens_out))
   assert float(f["compute-seconds"]) == pytest.approx(final.usage.compute_seconds, abs=1e-6)
-  assert f["degraded"] == "false" and f["program-cache"] in ("hit", "miss")
+  assert f["degraded"] == "false" and f["program-cache"] in ("hit", "miss") and "degraded-reason" not in f
   assert {"queue", "synthesis", "prefill", "decode", "total"} <= set(final.trace.actual_ms)
 
   # On the wire: lowercase keys, bytes for -bin keys, ASCII text for the rest (any gRPC client reads them).
@@ -84,6 +84,7 @@ def test_metrics_endpoint_series_move_after_requests(synthesizer, served):
       for _ in range(2):  # the second run of the same shapes finds its program compiled
         final = c.generate(PROMPT, ["general_purpose"], max_tokens=8, logit_bias={0: 50.0})
       c.generate(PROMPT, ["general_purpose"], max_tokens=4, max_latency_ms=1e-3)  # nothing fits: degraded
+      assert c.last_trailer.fields["degraded"] == "true" and c.last_trailer.fields["degraded-reason"] == "budget"
       with pytest.raises(Exception, match="INVALID_ARGUMENT"):
         c.plan("x", ["poetry_in_klingon"])
     after = scrape(a.app.metrics_port)
