@@ -352,10 +352,10 @@ class ContinuousScheduler(SimpleScheduler):
       driver = await asyncio.wrap_future(self._executor.submit(self._driver, model, len(ids) + params.max_tokens))
       pre = await asyncio.wrap_future(self._executor.submit(driver.engine.prefill, ids, params))
       ready: asyncio.Queue = asyncio.Queue()
-      box["insert"] = self._executor.submit(
-        driver.insert, pre, lambda d: loop.call_soon_threadsafe(ready.put_nowait, d)
-      )
-      slot = box["slot"] = await asyncio.wrap_future(box["insert"])
+      # The prefill's token goes out at once; the slot is taken on a worker (it waits for the chunk running).
+      slot = box["slot"] = driver.engine.admit(pre, on_delta=lambda d: loop.call_soon_threadsafe(ready.put_nowait, d))
+      box["insert"] = self._executor.submit(driver.place, slot, pre)
+      box["insert"].add_done_callback(lambda f: _end_unplaced(slot, f))
       run.generation.close()  # the library's own (never started) generation; the slot runs the request
       run.generation = slot
       yield run
@@ -368,6 +368,7 @@ class ContinuousScheduler(SimpleScheduler):
             f"request {request_id}: the deadline passed while generating; give a longer deadline or fewer max_tokens"
           ) from None
         if d is None:  # the slot ended: let the run finish its trace (or raise the engine's error)
+          await asyncio.wrap_future(box["insert"])  # raises what place() raised
           for _ in iter(lambda: _next(run), _END):
             pass
           ended = "finished" if slot.error is None else "failed"
@@ -423,12 +424,8 @@ class ContinuousScheduler(SimpleScheduler):
     def finish():
       try:
         futures = [box[k] for k in ("start", "insert", "next") if k in box]
-        concurrent.futures.wait(futures)  # work in flight ends first (a late insert is cancelled below)
+        concurrent.futures.wait(futures)  # work in flight ends first (a run placed late is cancelled below)
         s = box.get("slot")
-        f = box.get("insert")
-        if s is None and f is not None and not f.cancelled() and f.exception() is None:
-          s = f.result()
-          record.decode_chunks_at_cancel = s.trace.decode_chunks
         if s is not None:
           s.cancel()
           s.freed.wait()
@@ -463,6 +460,12 @@ class ContinuousScheduler(SimpleScheduler):
     for d in drivers:
       d.close()
     super().close()
+
+
+def _end_unplaced(slot, placed: concurrent.futures.Future) -> None:
+  """A run whose place() failed never got a slot: end it with that error (its stream raises it)."""
+  if placed.exception() is not None and not slot.finished:
+    slot._end(placed.exception())
 
 
 def make_scheduler(config) -> Scheduler:

@@ -68,9 +68,10 @@ def test_concurrent_streams_share_one_engine_and_each_gives_its_alone_tokens(bat
     assert ids == want.token_ids and final.text == want.text and final.usage.tokens_out == len(ids)
   assert batched.call(lambda: sched.wait_idle(60))
   snap = sched.snapshot()
-  assert snap["engines"] == 1 and snap["slots_in_use"] == 0 and snap["running"] == 0
-  (driver,) = sched._engines.values()
-  assert driver.engine.freed_total - before == 5 and driver.engine.slots == 4
+  # One engine per path: the plan of each request is the planner's (equal-quality paths can swap as it learns).
+  assert 1 <= snap["engines"] <= 2 and snap["slots_in_use"] == 0 and snap["running"] == 0, snap
+  engines = [d.engine for d in sched._engines.values()]
+  assert sum(e.freed_total for e in engines) - before == 5 and {e.slots for e in engines} == {4}
 
 
 def test_a_cancelled_stream_frees_its_slot_within_one_chunk(batched):
@@ -157,7 +158,9 @@ def test_the_scheduler_refuses_late_requests_without_a_server():
       Gen.closed = True
 
   class Run:
-    generation = Gen()
+    def __init__(self):
+      self.generation = Gen()
+
     plan = type("P", (), {"path": "p", "predicted": type("Q", (), {"compile": 0.0, "prefill": 5e3, "decode": 5e3})})
 
     def close(self):

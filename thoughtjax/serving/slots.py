@@ -389,8 +389,15 @@ class SlotEngine:
     """Put a request into a free slot (prefilling it first when given token ids); it joins at the next
     decode chunk. A request that finished at its prefill takes no slot. ``on_delta(delta)`` is called on
     the engine's thread for each delta, then ``on_delta(None)`` when the run ended.
-    Raises :class:`SlotsFull` when no slot is free."""
+    Raises :class:`SlotsFull` when no slot is free. (:meth:`admit` then :meth:`place`.)"""
     pre = request if isinstance(request, Prefilled) else self.prefill(request, params)
+    run = self.admit(pre, on_delta=on_delta)
+    self.place(run, pre)
+    return run
+
+  def admit(self, pre: Prefilled, *, on_delta: Callable[[Delta | None], None] | None = None) -> SlotRun:
+    """The request's run with its prefill's delta delivered at once (its first token does not wait for the
+    chunk running); it takes no slot until :meth:`place`. A request that finished at its prefill ends here."""
     run = SlotRun(self, pre, on_delta)
     token = int(jax.device_get(pre.token)[0])
     d = pre.rows.emit(0, [token], pre.done, pre.count)
@@ -399,8 +406,21 @@ class SlotEngine:
     if pre.rows.all_finished:
       run.chunks_at_free = self.chunks
       run._end()
-      return run
+    return run
+
+  def place(self, run: SlotRun, pre: Prefilled) -> None:
+    """Write an admitted run's prompt keys into a free slot (waits for the chunk running); it joins at the next
+    chunk. A run cancelled meanwhile ends here without a slot; a finished one is left alone."""
     with self._lock:
+      if run.freed.is_set() or run.slot is not None:
+        return
+      if run.cancel_requested:
+        run.trace.cancelled = True
+        for d in run.rows.cancel():
+          run._push(d)
+        run.chunks_at_free = self.chunks
+        run._end()
+        return
       try:
         b = self._runs.index(None)
       except ValueError:
@@ -430,7 +450,9 @@ class SlotEngine:
       )
       run.slot = b
       self._runs[b] = run
-    return run
+      with self._cancel_lock:  # a cancel that came while this waited for the chunk: freed at the next step
+        if run.cancel_requested:
+          self._cancelled.add(b)
 
   def cancel(self, run: SlotRun) -> None:
     """End ``run``: its slot is freed at the end of the chunk now running (at once when none runs) with a
@@ -546,6 +568,11 @@ class SlotDriver:
     run = self.engine.insert(pre, on_delta=on_delta)
     self.wake()
     return run
+
+  def place(self, run: SlotRun, pre: Prefilled) -> None:
+    """:meth:`SlotEngine.place` an admitted run and wake the driver."""
+    self.engine.place(run, pre)
+    self.wake()
 
   def wake(self) -> None:
     with self._cond:
