@@ -394,7 +394,7 @@ def _same_leaves(a, b) -> bool:
 
 def resolve_draft(model, draft: str | Sequence[int] | Draft) -> ResolvedDraft:
   """Check ``draft`` against ``model``'s path (a :class:`~thoughtjax.engine.Model`); see :class:`Draft`."""
-  from thoughtjax.paths import parse_path
+  from thoughtjax.paths import format_path, parse_path
 
   spec = draft if isinstance(draft, Draft) else Draft(draft)
   label = spec.path if isinstance(spec.path, str) else str(list(spec.path))
@@ -420,7 +420,8 @@ def resolve_draft(model, draft: str | Sequence[int] | Draft) -> ResolvedDraft:
   if any(i >= 0 for i in slots[shared:]):
     raise _prefix_error(model, label, f"only bridges may follow its shared blocks, got slots {slots}")
   if slots[:shared] != full[:shared]:
-    raise _prefix_error(model, label, f"its blocks {slots[:shared]} are not the first blocks of {full}")
+    mine, theirs = format_path(slots[:shared]), format_path(full)
+    raise _prefix_error(model, label, f"its blocks ({mine}) are not the first blocks of the full path ({theirs})")
   if other is not None:
     for i in slots[:shared]:
       if not _same_leaves(other.parts.blocks[i], blocks[i]):
