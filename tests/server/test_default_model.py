@@ -25,3 +25,4 @@ def test_serves_a_chat_request_on_the_default_model():
       final = c.last_final
   assert text.strip() and final.text == text and final.usage.tokens_out >= 1
   assert final.trace.refs and final.trace.actual_ms["total"] > 0
+  assert c.last_trailer.trace == final.trace and c.last_trailer.usage == final.usage
