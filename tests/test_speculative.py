@@ -254,3 +254,14 @@ def test_cli_generate_with_a_draft_prints_the_plain_tokens_and_the_counts(tmp_pa
   assert "embed, blocks[2:3), head" in err and "first k blocks" in err
   assert cli.main([*base, "--draft-tokens", "3"]) == 2
   assert "--draft PATH" in capsys.readouterr().err
+
+
+def test_draft_and_verify_run_in_one_program_with_no_host_callbacks(engine):
+  """The decode chunk is a while loop inside one XLA program: a draft loop and a verify pass per iteration,
+  and no host round trip between them."""
+  params = [SamplingParams(max_tokens=8, temperature=1.0)]
+  stops = [stop_ids_for(params[0], engine.codec.eos_ids)]
+  req = speculative.prepare(engine, [PROMPTS[0]], params, stops, "embed, blocks[0:2), head", draft_tokens=3)
+  hlo = req.program.lower(req.parts, req.prompt, req.pad, req.samp, req.vocab_ids).as_text()
+  assert "callback" not in hlo.lower()
+  assert hlo.count("stablehlo.while") >= 2  # the decode loop and the draft loop inside it

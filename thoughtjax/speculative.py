@@ -179,6 +179,10 @@ class SpecProgram:
   def advance(self, parts, prompt, pad, samp, vocab_ids, state) -> SpecState:
     return self._advance(parts, prompt, pad, samp, vocab_ids, state)
 
+  def lower(self, parts, prompt, pad, samp, vocab_ids):
+    state = jax.eval_shape(self._init_impl)
+    return self._advance.trace(parts, prompt, pad, samp, vocab_ids, state).lower()
+
   # ---- traced code -------------------------------------------------------------
   def _prefill(self, parts, prompt, pad, samp, vocab_ids, st):
     from thoughtjax.sampling import sample
@@ -500,19 +504,27 @@ def _run(prog, parts, prompt, pad, samp, vocab_ids, rows, trace, cancelled: thre
       trace.verify_passes = int(passes[:n].sum())
 
 
-def stream_batch(
+class SpecRequest(NamedTuple):
+  """One speculative call's program and inputs, prepared on the host."""
+
+  program: SpecProgram
+  parts: PathParts
+  prompt: jax.Array  # [B, T] i32, left-padded
+  pad: jax.Array  # [B] i32
+  samp: SamplingArrays
+  vocab_ids: jax.Array | None  # [Vd] i32
+
+
+def prepare(
   model,
   ids: Sequence[Sequence[int]],
   params: Sequence[SamplingParams],
   stops: Sequence[Sequence[int]],
-  start: float,
   draft,
   draft_tokens: int = DEFAULT_DRAFT_TOKENS,
   accept: AcceptRule = "speculative",
-):
-  """A speculative :class:`~thoughtjax.engine.Generation` of prompt ids (the engine's ``draft=`` path)."""
-  from thoughtjax.engine import Generation, Trace, _Rows
-
+) -> SpecRequest:
+  """The program and inputs of a speculative call over prompt ids (checks the draft and the sizes)."""
   if not isinstance(draft_tokens, (int, np.integer)) or not 1 <= draft_tokens <= 64:
     raise DraftError(f"draft_tokens is the number of tokens drafted per verify pass, in [1, 64]; got {draft_tokens!r}")
   d = resolve_draft(model, draft)
@@ -548,17 +560,25 @@ def stream_batch(
     pad[r] = T - len(row)
     tokens[r, T - len(row) :] = row
   samp = sampling_arrays(params, B, model.config.vocab_size, key.stop_width, model.codec.eos_ids, key.has_bias)
-  trace = Trace(key, [list(i) for i in ids], start, tokens_out=[0] * len(ids))
+  return SpecRequest(prog, d.parts, jnp.asarray(tokens), jnp.asarray(pad), samp, d.vocab_ids)
+
+
+def stream_batch(
+  model,
+  ids: Sequence[Sequence[int]],
+  params: Sequence[SamplingParams],
+  stops: Sequence[Sequence[int]],
+  start: float,
+  draft,
+  draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+  accept: AcceptRule = "speculative",
+):
+  """A speculative :class:`~thoughtjax.engine.Generation` of prompt ids (the engine's ``draft=`` path)."""
+  from thoughtjax.engine import Generation, Trace, _Rows
+
+  req = prepare(model, ids, params, stops, draft, draft_tokens, accept)
+  trace = Trace(req.program.key, [list(i) for i in ids], start, tokens_out=[0] * len(ids))
   cancelled = threading.Event()
-  run = _run(
-    prog,
-    d.parts,
-    jnp.asarray(tokens),
-    jnp.asarray(pad),
-    samp,
-    d.vocab_ids,
-    _Rows(model.codec, params, stops),
-    trace,
-    cancelled,
-  )
+  rows = _Rows(model.codec, params, stops)
+  run = _run(req.program, req.parts, req.prompt, req.pad, req.samp, req.vocab_ids, rows, trace, cancelled)
   return Generation(run, trace, cancelled)
