@@ -5,16 +5,17 @@
 >>> while engine.active: engine.step()                   # one decode chunk for every slot in use
 >>> [d.text for d in run.deltas()]                        # what the request produced
 
-Or with a :class:`SlotDriver`, a thread that steps while any slot is in use: ``driver.submit(ids, params)``
-returns a :class:`SlotRun` to iterate (deltas as they are produced) or ``cancel()`` from any thread.
+Or with a :class:`SlotDriver`, a thread that steps while any slot is in use: ``driver.insert(engine.prefill(ids,
+params))`` returns a :class:`SlotRun` to iterate (deltas as they are produced) or ``cancel()`` from any thread.
 
 Prefill: a request's prefill is the very program :meth:`~thoughtjax.engine.Model.generate` runs for it alone
 (batch 1, the same shape buckets, from :data:`~thoughtjax.program.PROGRAMS`), so its first token and its keys
 are those of the alone run, and the server's warm set serves both. :meth:`SlotEngine.prefill` takes no slot
 and touches no engine state (any thread); :meth:`SlotEngine.insert` writes the keys into a free slot and the
-request joins at the next decode chunk.
+request joins at the next decode chunk. A server splits insert in two: :meth:`SlotEngine.admit` hands out the
+prefill's token at once, :meth:`SlotEngine.place` takes the slot once the chunk running ends.
 
-Decode: one program per (mode, bias on/off), compiled once per engine: up to ``chunk`` steps over all N slots
+Decode: one program per (mode, bias on/off), compiled once per slot layout (:func:`slot_program`): up to ``chunk`` steps over all N slots
 (inactive slots compute and are ignored), ending early when every active row has stopped. Per-slot sampling
 settings are arrays (:class:`~thoughtjax.sampling.SamplingArrays`, [N] rows). A slot is freed at the end of
 the chunk in which its row stopped (stop ids, EOS, max_tokens, a stop string found on the host) or at the
