@@ -178,6 +178,24 @@ def test_update_moves_predictions_toward_observed_times():
   assert o_before < o_after < 2.0 * o_before
 
 
+def test_a_path_factor_is_relative_to_the_machine_and_follows_it():
+  """A path traced while the machine was busy does not keep its busy factor once other paths show the
+  machine is quiet again: its factor is the machine-wide one times its own deviation."""
+  m = LatencyModel(params(), alpha=0.3, global_alpha=0.1)
+  busy, other = candidate([(0, 2)]), candidate([(0, 2), (2, 4)])
+  for _ in range(15):
+    p = m.predict(busy, 20, 8)
+    m.update(LatencyTrace(p, {"decode": 2.0 * p.raw["decode"]}))
+  before = m.factor(busy.path_hash, "decode")
+  assert before == pytest.approx(2.0, rel=0.02)
+  for _ in range(40):  # the machine is quiet again: another path runs as the raw model says
+    p = m.predict(other, 20, 8)
+    m.update(LatencyTrace(p, {"decode": p.raw["decode"]}))
+  after = m.factor(busy.path_hash, "decode")
+  assert after < 0.75 * before and m.factor(other.path_hash, "decode") == pytest.approx(1.0, rel=0.05)
+  assert m.predict(busy, 20, 8).corrections["decode"][1] == "path"
+
+
 def test_update_is_bounded_and_skips_zero_stages():
   m = LatencyModel(params(), alpha=0.3)
   c = candidate([(0, 2)])

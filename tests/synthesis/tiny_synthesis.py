@@ -54,8 +54,9 @@ def tiny_setup() -> TinySetup:
   atexit.register(shutil.rmtree, root, True)
   # Rollback state of this process's registries, not the user's.
   os.environ.setdefault("THOUGHTJAX_TRUST_STATE", str(root / "trust-state.json"))
-  # Learned latency corrections of this process's registries, not the user's.
-  os.environ.setdefault("THOUGHTJAX_LATENCY_CORRECTIONS", str(root / "latency-corrections.json"))
+  # Learned latency corrections stay in process (tests that need the file name one of their own): neither
+  # the user's file nor what one test learned reaches another test's plans.
+  os.environ.setdefault("THOUGHTJAX_LATENCY_CORRECTIONS", "off")
   key, pub = keygen(root / "keys" / "registry")
   (root / "mapping.yaml").write_text(mapping_text(TINY_SPANS, 6))
   model = make_model(identity=2)

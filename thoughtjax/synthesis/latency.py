@@ -20,11 +20,13 @@ restored once. Each linear cost is fitted by least squares from measurements at 
 (:func:`fit_linear`) and is non-negative by construction, so decode cost is non-decreasing in the
 number of tokens and "how many tokens fit the budget" is a monotone search.
 
-Learning from traces (:meth:`LatencyModel.update`): the model keeps a multiplicative correction
-per stage, once globally and once per path hash. An observed stage time moves the factor toward
-``actual / raw`` by an exponentially weighted step (``alpha`` per path, ``global_alpha`` for all
-paths); the ratio and the factor are clipped to ``[1/4, 4]`` so one outlier cannot swing a plan by
-more than 4x. A path with no factor of its own for a stage uses the global one. Stages predicted at
+Learning from traces (:meth:`LatencyModel.update`): the model keeps multiplicative corrections per
+stage: a global factor g (how this machine runs now: load, clocks) and, per path hash, a relative factor r
+(how that path deviates from the rest); a path's factor is g * r (r = 1 for a path never traced). An
+observed ratio q = ``actual / raw`` moves g toward q (step ``global_alpha``) and the path's own factor
+g * r toward q (step ``alpha``), stored as r relative to the new g. Because load moves g for every path at once, a path that has run is not made to
+look slower than one that has not merely because the machine got busier. Ratios and factors are clipped
+to ``[1/4, 4]`` so one outlier cannot swing a plan by more than 4x. Stages predicted at
 zero (already resident, already compiled) carry no information and are not learned from, and a run that
 compiled its program teaches only restore and compile: its prefill and decode carry one-off first-run
 costs that a warm request never pays (``LatencyTrace.compiled``).
@@ -131,7 +133,8 @@ class Measurements:
 class LatencyParams:
   """Fitted latency parameters of one machine (see the module docstring for the formulas).
 
-  ``corrections`` holds learned factors: ``{"global": {stage: f}, "paths": {path_hash: {stage: f}}}``.
+  ``corrections`` holds learned factors: ``{"global": {stage: g}, "paths": {path_hash: {stage: r}}}`` (a path's
+  factor is g * r; see the module docstring).
   """
 
   prefill: Mapping[str, LinearCost]
@@ -400,10 +403,13 @@ class LatencyModel:
     return self._factor_from(path_hash, stage)[0]
 
   def _factor_from(self, path_hash: str, stage: str) -> tuple[float, str]:
+    """(g * r clipped, "path" when the path has a relative factor of its own, else "global")."""
+    g = self._global.get(stage, 1.0)
     own = self._paths.get(path_hash)
     if own is not None and stage in own:
-      return own[stage], "path"
-    return self._global.get(stage, 1.0), "global"
+      lo, hi = FACTOR_BOUNDS
+      return min(hi, max(lo, g * own[stage])), "path"
+    return g, "global"
 
   def predict(
     self, candidate: Candidate, prompt_tokens: int, max_tokens: int, residency: Residency = COLD
@@ -473,8 +479,11 @@ class LatencyModel:
       glob = dict(self._global)
       own = dict(self._paths.get(p.path_hash, {}))
       for s, q in ratios.items():
-        own[s] = min(hi, max(lo, (1 - self.alpha) * own.get(s, glob.get(s, 1.0)) + self.alpha * q))
-        glob[s] = min(hi, max(lo, (1 - self.global_alpha) * glob.get(s, 1.0) + self.global_alpha * q))
+        g = glob.get(s, 1.0)
+        path_f = min(hi, max(lo, g * own.get(s, 1.0)))
+        path_f = min(hi, max(lo, (1 - self.alpha) * path_f + self.alpha * q))  # this path's factor, smoothed
+        glob[s] = min(hi, max(lo, (1 - self.global_alpha) * g + self.global_alpha * q))
+        own[s] = min(hi, max(lo, path_f / glob[s]))  # kept relative to the machine-wide factor
       self._global = glob
       self._paths = {**self._paths, p.path_hash: own}
       self.updates += 1
