@@ -79,9 +79,9 @@ def test_the_plan_text_shows_the_applied_correction(reg, store):
   [
     (b"{not json", "is not JSON"),
     (b'{"format": "something-else", "version": 1}', "expected format"),
-    (b'{"format": "thoughtjax.latency-corrections", "version": 1, "entries": []}', "'entries'"),
+    (b'{"format": "thoughtjax.latency-corrections", "version": 2, "entries": []}', "'entries'"),
     (
-      b'{"format": "thoughtjax.latency-corrections", "version": 1, "entries": {"k": {"updated": 1, '
+      b'{"format": "thoughtjax.latency-corrections", "version": 2, "entries": {"k": {"updated": 1, '
       b'"corrections": {"global": {"decode": 99.0}}}}}',
       "entry 'k'",
     ),
@@ -99,6 +99,16 @@ def test_a_damaged_file_is_named_ignored_and_replaced_at_the_next_save(reg, stor
     syn.save_corrections()
   assert list(json.loads(store.read_text())["entries"]) == [syn.corrections_key]
   assert not list(store.parent.glob(f".{store.name}.*"))  # no temporary file left behind
+
+
+def test_a_file_of_an_older_version_is_ignored_quietly_and_replaced(reg, store, recwarn):
+  store.write_text(json.dumps({"format": corr.FORMAT, "version": 1, "entries": {"x": {"updated": 1}}}))
+  syn = Synthesizer.open(reg)
+  assert syn.corrections_loaded == {} and not recwarn.list
+  p = _plan(syn).predicted
+  syn.latency.update(LatencyTrace(p, {"decode": 2 * p.raw["decode"]}))
+  syn.save_corrections()
+  assert json.loads(store.read_text())["version"] == corr.FORMAT_VERSION
 
 
 def test_the_file_is_bounded_and_keeps_the_most_recent_entries(store):

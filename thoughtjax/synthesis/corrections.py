@@ -8,7 +8,7 @@ learns. They are not part of the signed registry (they are per machine and chang
 Layout (``<cache dir>/latency-corrections.json``; ``THOUGHTJAX_LATENCY_CORRECTIONS`` names another file, or
 ``off`` to keep corrections in process only)::
 
-    {"format": "thoughtjax.latency-corrections", "version": 1,
+    {"format": "thoughtjax.latency-corrections", "version": 2,
      "entries": {"<registry id>|<machine fingerprint>|<latency digest>":
                    {"updated": unix seconds, "updates": n,
                     "corrections": {"global": {stage: f}, "paths": {path_hash: {stage: f}}}}}}
@@ -38,7 +38,9 @@ from pathlib import Path
 from thoughtjax.synthesis.latency import LatencyModelError, LatencyParams, _corrections_json
 
 FORMAT = "thoughtjax.latency-corrections"
-FORMAT_VERSION = 1
+# 2: a path's factor is relative to the global one (latency module docstring). A file of an older version
+# is not damaged, only incomparable: it is ignored without a warning and replaced at the next save.
+FORMAT_VERSION = 2
 MAX_ENTRIES = 16
 MAX_PATHS = 128
 ENV = "THOUGHTJAX_LATENCY_CORRECTIONS"
@@ -88,7 +90,10 @@ def _read(path: Path) -> dict:
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     _warn(path, f"is not JSON ({e})")
     return {}
-  if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("version") != FORMAT_VERSION:
+  version = doc.get("version") if isinstance(doc, dict) else None
+  if isinstance(doc, dict) and doc.get("format") == FORMAT and isinstance(version, int) and version < FORMAT_VERSION:
+    return {}
+  if not isinstance(doc, dict) or doc.get("format") != FORMAT or version != FORMAT_VERSION:
     got = (doc.get("format"), doc.get("version")) if isinstance(doc, dict) else type(doc).__name__
     _warn(path, f"expected format {FORMAT!r} version {FORMAT_VERSION}, got {got!r}")
     return {}
