@@ -183,3 +183,17 @@ def _kw(p: SamplingParams) -> dict:
     logit_bias=p.logit_bias,
     ignore_eos=p.ignore_eos,
   )
+
+
+@pytest.mark.slow
+def test_the_default_model_in_slots_gives_its_alone_tokens(default_model):
+  """The real model (30 layers, 3 KV heads): chat prompts of different lengths joining at different chunks
+  give the greedy tokens they give alone."""
+  prompts = ["What is the capital of France?", "Write a haiku about rain.", "Count from one to five."]
+  ids = [default_model.prompt_ids(p, chat=True) for p in prompts]
+  params = [SamplingParams(max_tokens=n) for n in (12, 20, 16)]
+  engine = SlotEngine(default_model, slots=2, cache_len=128)
+  runs = generate_in_slots(engine, list(zip(ids, params, strict=True)), arrivals=[0, 1, 2])
+  for i, p, run in zip(ids, params, runs, strict=True):
+    want = default_model.generate(i, max_tokens=p.max_tokens)
+    assert (run.token_ids, run.text, run.finish_reason) == (want.token_ids, want.text, want.finish_reason)
