@@ -16,8 +16,9 @@ import grpc
 import pytest
 
 from server.app import BackgroundServer
+from server.config import ConfigError, load_config
 from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
-from server.scheduling import ContinuousScheduler, DeadlineExpired
+from server.scheduling import ContinuousScheduler, DeadlineExpired, SimpleScheduler, make_scheduler
 from tests.server.conftest import config, wait_ready
 from tests.server.test_server import code_of, stub_of
 
@@ -41,8 +42,14 @@ def _request(prompt: str, n: int, request_id: str, **kw) -> pb.SynthesizeRequest
   return pb.SynthesizeRequest(prompt=prompt, hints=["general_purpose"], max_tokens=n, request_id=request_id, **kw)
 
 
-def test_the_config_selects_the_continuous_scheduler(batched):
+def test_the_config_selects_the_continuous_scheduler(batched, tmp_path):
   assert isinstance(batched.app.service.scheduler, ContinuousScheduler)
+  assert load_config().scheduler == "continuous" and isinstance(make_scheduler(load_config()), ContinuousScheduler)
+  assert isinstance(make_scheduler(config(scheduler="simple")), SimpleScheduler)
+  bad = tmp_path / "bad.yaml"
+  bad.write_text("scheduler: fifo\n")
+  with pytest.raises(ConfigError, match=r"scheduler: expected one of \['continuous', 'simple'\], got 'fifo'"):
+    load_config(bad)
 
 
 def test_concurrent_streams_share_one_engine_and_each_gives_its_alone_tokens(batched, synthesizer):
