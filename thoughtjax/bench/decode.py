@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="thoughtjax bench decode", description=__doc__.splitlines()[0])
   p.add_argument("--model", default=None)
   p.add_argument("--tokens", type=int, default=64, help="decode tokens per run")
-  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--repeats", type=int, default=None, help="timed runs per figure (default 3; --quick 1)")
   p.add_argument("--json", default=None, type=common.json_path, help="write results to this JSON file")
   p.add_argument(
     "--chunks",
@@ -343,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
   )
   args = p.parse_args(argv)
   if args.quick:
-    args.tokens, args.repeats, args.chunks, args.skip_process = min(args.tokens, 16), 1, [], True
+    args.tokens, args.chunks, args.skip_process = min(args.tokens, 16), [], True
+  args.repeats = args.repeats if args.repeats is not None else 1 if args.quick else 3
 
   if args.stream_startup:
     res = stream_startup(args)
