@@ -46,8 +46,8 @@ def _bridge(cfg) -> dict:
 DRAFTS = [
   ("exit1_k1", lambda cfg: "embed, blocks[0:1), head", 1),
   ("exit2_k3", lambda cfg: "embed, blocks[0:2), head", 3),
-  ("exit1_reuse_k2", lambda cfg: Draft("embed, blocks[0:1), head", reuse=True), 2),
-  ("exit1_bridge_reuse_k4", lambda cfg: Draft("embed, blocks[0:1), head", bridge=_bridge(cfg), reuse=True), 4),
+  ("exit1_recompute_k2", lambda cfg: Draft("embed, blocks[0:1), head", reuse=False), 2),
+  ("exit1_bridge_k4", lambda cfg: Draft("embed, blocks[0:1), head", bridge=_bridge(cfg)), 4),
   ("full_truncated_vocab_k4", lambda cfg: Draft("embed, blocks[0:3), head", vocab=128), 4),
 ]
 
