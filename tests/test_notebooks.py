@@ -61,7 +61,14 @@ CASES = [
     "05_healing_and_drafting.ipynb",
     needs_default_model=True,
     min_figures=3,
-    texts=("before: agreement", "after:  agreement", "refused: draft", "acceptance", "identical tokens: True", "speedup"),
+    texts=(
+      "before: agreement",
+      "after:  agreement",
+      "refused: draft",
+      "acceptance",
+      "identical tokens: True",
+      "speedup",
+    ),
   ),
   Case(
     "04_serving.ipynb",
