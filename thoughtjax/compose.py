@@ -38,12 +38,13 @@ from collections.abc import Sequence
 from thoughtjax import program as program_lib
 from thoughtjax.engine import Model
 from thoughtjax.errors import UserError
+from thoughtjax.formats import from_stored
 from thoughtjax.loading import LoadedModel
 from thoughtjax.model import PathParts, abstract_model
 from thoughtjax.paths import PathSyntaxError, Ref, hash_refs, parse_path, split_variant
 from thoughtjax.template import Template
 from thoughtjax.thoughtlet import Kind, SemanticSignature, TensorType, as_state, signature_for
-from thoughtjax.weights import from_stored, int8_block
+from thoughtjax.weights import int8_block
 
 # compose() returns a Model; the old name stays importable.
 ComposedModel = Model

@@ -31,6 +31,7 @@ exact: its quality against the exact path is measured (``thoughtjax bench decode
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Literal
 
 import jax
@@ -261,3 +262,14 @@ def take_rows(w: Packed, ids) -> jax.Array:
 
 def to_device(w: Packed) -> Packed:
   return w.map(jnp.asarray)
+
+
+def from_stored(params: Mapping) -> dict:
+  """Params restored from a registry with every ``{"int8", "scale"}`` mapping back as a RowInt8."""
+
+  def one(v):
+    if isinstance(v, Mapping):
+      return RowInt8(v["int8"], v["scale"]) if set(v) == {"int8", "scale"} else from_stored(v)
+    return v
+
+  return {k: one(v) for k, v in params.items()}

@@ -18,6 +18,7 @@ from flax import nnx
 from thoughtjax import formats
 from thoughtjax.config import ModelConfig
 from thoughtjax.errors import UserError
+from thoughtjax.formats import from_stored  # noqa: F401 - the inverse of to_stored, kept importable here
 from thoughtjax.model import Transformer, abstract_model
 
 
@@ -83,17 +84,6 @@ def to_stored(params: Mapping) -> dict:
     else (to_stored(v) if isinstance(v, Mapping) else v)
     for k, v in params.items()
   }
-
-
-def from_stored(params: Mapping) -> dict:
-  """Params restored from a registry with every ``{"int8", "scale"}`` mapping back as a RowInt8."""
-
-  def one(v):
-    if isinstance(v, Mapping):
-      return formats.RowInt8(v["int8"], v["scale"]) if set(v) == {"int8", "scale"} else from_stored(v)
-    return v
-
-  return {k: one(v) for k, v in params.items()}
 
 
 def int8_params(params: Mapping) -> dict:

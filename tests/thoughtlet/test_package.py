@@ -8,10 +8,11 @@ from pathlib import Path
 import thoughtjax.thoughtlet as thoughtlet
 
 PACKAGE = Path(thoughtlet.__file__).parent
-# What a thoughtlet may build on: the model's parts and config, path names, the error base, the kernels.
+# What a thoughtlet may build on: the model's parts, weight formats and config, path names, the error base, the kernels.
 ALLOWED = {
   "thoughtjax.config",
   "thoughtjax.errors",
+  "thoughtjax.formats",
   "thoughtjax.model",
   "thoughtjax.paths",
   "thoughtjax.template",

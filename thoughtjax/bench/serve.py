@@ -139,8 +139,12 @@ def bench_cancel(load: _Load, scheduler, count: int, timeout: float) -> dict:
     ids.append(req.request_id)
   deadline = time.monotonic() + timeout
   records = {}
-  while len(records) < len(ids) and time.monotonic() < deadline:  # the release thread records it
+  # A record is listed when its request starts; the release thread completes it (times, chunks) and then
+  # marks it closed: wait for that, not for the listing.
+  while time.monotonic() < deadline:
     records = {r.request_id: r for r in list(scheduler.records) if r.request_id in ids}
+    if len(records) == len(ids) and all(r.closed for r in records.values()):
+      break
     time.sleep(0.01)
   free_ms = [r.cancel_to_free_s * 1e3 for r in records.values() if r.cancel_to_free_s is not None]
   chunks = [

@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from thoughtjax.formats import from_stored
 from thoughtjax.model import GraphDefs, abstract_model, kv_cache_shape
 from thoughtjax.thoughtlet.errors import ThoughtletError
 from thoughtjax.thoughtlet.run import run_blocks, run_embed, run_head, run_template
 from thoughtjax.thoughtlet.slicing import as_state
 from thoughtjax.thoughtlet.types import Kind, Thoughtlet
-from thoughtjax.weights import from_stored
 
 
 @dataclasses.dataclass(frozen=True)
