@@ -141,9 +141,9 @@ class SimpleScheduler:
 
     asyncio.get_running_loop().create_task(notify())
 
-  async def stream(
-    self, start: Callable[[], Run], *, request_id: str, deadline: float | None = None
-  ) -> AsyncIterator[Any]:
+  async def _admit(self, request_id: str, deadline: float | None) -> RequestRecord:
+    """Admit (or :class:`QueueFull` at once), then wait for a turn (:class:`DeadlineExpired` past
+    ``deadline``); returns the request's record with its queue wait, counted as running."""
     self._bind()
     if self.waiting + self.running >= self.max_concurrent + self.max_queue:
       self.shed += 1
@@ -152,7 +152,6 @@ class SimpleScheduler:
         f"{self.max_concurrent}) and {self.waiting} waiting (max_queue {self.max_queue}); "
         f"retry with backoff, or raise max_queue/max_concurrent in the server config"
       )
-    loop = asyncio.get_running_loop()
     record = RequestRecord(request_id)
     self.waiting += 1
     t0 = time.monotonic()
@@ -169,6 +168,13 @@ class SimpleScheduler:
       self._notify()
     self.running += 1
     record.queue_s = time.monotonic() - t0
+    return record
+
+  async def stream(
+    self, start: Callable[[], Run], *, request_id: str, deadline: float | None = None
+  ) -> AsyncIterator[Any]:
+    record = await self._admit(request_id, deadline)
+    loop = asyncio.get_running_loop()
     run: list[Run] = []
     inflight: list[concurrent.futures.Future] = []
     ended = "cancelled"
@@ -308,31 +314,8 @@ class ContinuousScheduler(SimpleScheduler):
   async def stream(
     self, start: Callable[[], Run], *, request_id: str, deadline: float | None = None
   ) -> AsyncIterator[Any]:
-    self._bind()
-    if self.waiting + self.running >= self.max_concurrent + self.max_queue:
-      self.shed += 1
-      raise QueueFull(
-        f"request {request_id}: {self.running} requests running (max_concurrent "
-        f"{self.max_concurrent}) and {self.waiting} waiting (max_queue {self.max_queue}); "
-        f"retry with backoff, or raise max_queue/max_concurrent in the server config"
-      )
+    record = await self._admit(request_id, deadline)
     loop = asyncio.get_running_loop()
-    record = RequestRecord(request_id)
-    self.waiting += 1
-    t0 = time.monotonic()
-    try:
-      timeout = None if deadline is None else max(0.0, deadline - t0)
-      await asyncio.wait_for(self._turns.acquire(), timeout)
-    except TimeoutError:
-      raise DeadlineExpired(
-        f"request {request_id}: the deadline passed after {time.monotonic() - t0:.3f} s "
-        f"waiting for a turn ({self.running} running); give a longer deadline or retry"
-      ) from None
-    finally:
-      self.waiting -= 1
-      self._notify()
-    self.running += 1
-    record.queue_s = time.monotonic() - t0
     box: dict[str, Any] = {}  # "start", "insert": futures; "run", "slot": what they gave
     ended = "cancelled"
     try:
