@@ -15,7 +15,7 @@ from server.app import BackgroundServer
 from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
 from server.proto.thoughtjax.v1 import synthesis_pb2_grpc as rpc
 from tests.server.conftest import config, wait_ready
-from tests.synthesis.tiny_synthesis import IDENTITY_SKIP
+from tests.synthesis.tiny_synthesis import FULL, IDENTITY_SKIP
 from thoughtjax.client import Client, ClientError
 
 PROMPT = "The quick brown fox"
@@ -44,7 +44,9 @@ def test_a_stream_gives_the_plan_deltas_and_a_final_trace(served, synthesizer):
   assert kinds[0] == "plan" and kinds[-1] == "final" and set(kinds[1:-1]) == {"delta"}
   assert all(r.request_id == "r-1" for r in responses)
   plan, final = responses[0].plan, responses[-1].final
-  assert plan.path == IDENTITY_SKIP and not plan.degraded
+  # Both paths give the full path's quality (block 2 is the identity); which one is faster is the latency
+  # model's call, and it learns from the requests other tests made on this loaded machine.
+  assert plan.path in (IDENTITY_SKIP, FULL) and not plan.degraded
   ids = [t for r in responses[1:-1] for t in r.delta.token_ids]
   # The same request through the library gives the same greedy tokens.
   alone = synthesizer.synthesize(
