@@ -79,7 +79,7 @@ def test_matmul_and_rows_match_the_float32_weights(rng, kind, lead):
   p, ref = _packed(_weights(rng), kind)
   x = rng.standard_normal((*lead, ref.shape[1])).astype(np.float32)
   got = np.asarray(jax.jit(formats.matmul)(jnp.asarray(x), formats.to_device(p)))
-  want = np.asarray(jnp.asarray(x) @ jnp.asarray(ref).T)
+  want = x @ ref.T  # numpy's float32 product: jnp's default precision is TF32 on a GPU
   assert got.shape == (*lead, ref.shape[0])
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
   ids = np.array([[0, 2, 47], [1, 1, 5]])
@@ -104,6 +104,7 @@ def _entry_lines(hlo: str) -> list[str]:
   return entry[: entry.index("\n}")].splitlines()
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="asserts XLA:CPU's fusion of the decode dot")
 @pytest.mark.parametrize("kind,rows,cols", [("Q4_1", 1536, 576), ("Q8_0", 4096, 576)], ids=["mlp_q4_1", "head_q8_0"])
 def test_decode_matmul_reads_the_packed_bytes(rng, kind, rows, cols):
   """x [1, 1, I] @ W.T: the dot's fusion takes q's bytes as a parameter; no float32 [O, I] buffer."""

@@ -40,6 +40,10 @@ import numpy as np
 
 from thoughtjax.errors import UserError
 
+# Every float32 dot of the engine asks for full float32 products. CPUs compute them so anyway; GPUs
+# would otherwise round the operands to TF32 (seen on an H200: 1e-3 relative error in a matmul).
+EXACT = jax.lax.Precision.HIGHEST
+
 Kind = Literal["Q8_0", "Q4_0", "Q4_1"]
 KINDS: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1")
 BLOCK = 32  # inputs per block, for every kind here (gguf.GGML_QUANT_SIZES[...][0])
@@ -236,12 +240,12 @@ def matmul(x: jax.Array, w: Packed) -> jax.Array:
   # (measured 6x slower than f32 weights). The barrier makes W's uses depend on this step's x.
   x2, w = jax.lax.optimization_barrier((x2, w))
   if isinstance(w, RowInt8):  # (x @ convert(q).T) * scale: the per-row scale moves out of the sum
-    y = jax.lax.dot_general(x2, jnp.asarray(w.q).astype(jnp.float32).T, (((1,), (0,)), ((), ())))
+    y = jax.lax.dot_general(x2, jnp.asarray(w.q).astype(jnp.float32).T, (((1,), (0,)), ((), ())), precision=EXACT)
     y = y * jnp.asarray(w.scale)[None, :]
   elif x2.shape[0] > FUSED_ROWS_MAX:  # prefill: dequantize once, then one GEMM over all rows
-    y = jax.lax.dot_general(x2, dequantize_jnp(w), (((1,), (1,)), ((), ())))
+    y = jax.lax.dot_general(x2, dequantize_jnp(w), (((1,), (1,)), ((), ())), precision=EXACT)
   else:
-    y = jax.lax.dot_general(x2, dequantize_jnp(w).T, (((1,), (0,)), ((), ())))
+    y = jax.lax.dot_general(x2, dequantize_jnp(w).T, (((1,), (0,)), ((), ())), precision=EXACT)
   return y.reshape(*x.shape[:-1], w.shape[0])
 
 

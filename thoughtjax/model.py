@@ -67,7 +67,7 @@ def _matmul(x: Array, w: Array | formats.BlockQuant) -> Array:
   quantized blocks (:mod:`thoughtjax.formats`), read packed and computed in float32."""
   if formats.is_packed(w):
     return formats.matmul(x, w)
-  return jax.lax.dot_general(x, w, (((2,), (0,)), ((), ())))
+  return jax.lax.dot_general(x, w, (((2,), (0,)), ((), ())), precision=formats.EXACT)
 
 
 def _matrix(w: Array | formats.BlockQuant, rows: int, cols: int):
@@ -78,7 +78,7 @@ def _matrix(w: Array | formats.BlockQuant, rows: int, cols: int):
 def _batched(a: Array, b: Array, b_contract: int) -> Array:
   """[B, K, Q, X] x [B, K, ., .] -> [B, K, Q, .], contracting a's last dim with b's dim
   ``b_contract`` (3: bkqe,bkse->bkqs; 2: bkqs,bkse->bkqe)."""
-  return jax.lax.dot_general(a, b, (((3,), (b_contract,)), ((0, 1), (0, 1))))
+  return jax.lax.dot_general(a, b, (((3,), (b_contract,)), ((0, 1), (0, 1))), precision=formats.EXACT)
 
 
 def kv_cache_shape(cfg: ModelConfig, batch: int, length: int) -> tuple[int, int, int, int]:
@@ -200,7 +200,7 @@ class Head(nnx.Module):
     h = self.norm(x)  # btd,vd->btv
     if formats.is_packed(w):  # [V, D] blocks: the head reads the packed bytes
       return formats.matmul(h, w)
-    return jax.lax.dot_general(h, w, (((2,), (1,)), ((), ()))).astype(jnp.float32)
+    return jax.lax.dot_general(h, w, (((2,), (1,)), ((), ())), precision=formats.EXACT).astype(jnp.float32)
 
 
 class Transformer(nnx.Module):

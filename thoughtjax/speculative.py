@@ -232,7 +232,9 @@ class SpecProgram:
     w = embed.table[...] if head.tied else head.unembed[...]
     rows = formats.take_rows(w, vocab_ids) if formats.is_packed(w) else jnp.take(w, vocab_ids, axis=0)
     h = head.norm(x)  # btd,vd->btv
-    return jax.lax.dot_general(h, rows.astype(h.dtype), (((2,), (1,)), ((), ()))).astype(jnp.float32)
+    return jax.lax.dot_general(h, rows.astype(h.dtype), (((2,), (1,)), ((), ())), precision=formats.EXACT).astype(
+      jnp.float32
+    )
 
   def _iteration(self, parts, pad, samp, vocab_ids, st: SpecState) -> SpecState:
     k = self.key

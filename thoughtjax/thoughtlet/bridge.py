@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from thoughtjax.config import ModelConfig
+from thoughtjax.formats import EXACT
 from thoughtjax.paths import parse_path
 from thoughtjax.thoughtlet.errors import ThoughtletError
 from thoughtjax.thoughtlet.types import Kind, Thoughtlet, signature_for
@@ -50,8 +51,8 @@ def apply(params: Mapping, x: jax.Array) -> jax.Array:
   h = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + BRIDGE_EPS)
   w = params["norm"]["weight"].astype(jnp.float32)
   h = h * w.reshape((1,) * (h.ndim - 1) + w.shape)  # explicit broadcast over [...]
-  z = jax.nn.silu(jnp.einsum("btd,dr->btr", h, params["down"].astype(jnp.float32)))
-  return (x32 + jnp.einsum("btr,rd->btd", z, params["up"].astype(jnp.float32))).astype(x.dtype)
+  z = jax.nn.silu(jnp.einsum("btd,dr->btr", h, params["down"].astype(jnp.float32), precision=EXACT))
+  return (x32 + jnp.einsum("btr,rd->btd", z, params["up"].astype(jnp.float32), precision=EXACT)).astype(x.dtype)
 
 
 class BridgeLayer:
