@@ -5,15 +5,22 @@
 >>> while engine.active: engine.step()                   # one decode chunk for every slot in use
 >>> [d.text for d in run.deltas()]                        # what the request produced
 
-Or with a :class:`SlotDriver`, a thread that steps while any slot is in use: ``driver.insert(engine.prefill(ids,
-params))`` returns a :class:`SlotRun` to iterate (deltas as they are produced) or ``cancel()`` from any thread.
+Or with a :class:`SlotDriver`, a thread that prefills waiting requests and steps while any slot is in use:
+``driver.submit(ids, params)`` returns a :class:`SlotRun` at once, to iterate (deltas as they are produced) or
+``cancel()`` from any thread.
 
-Prefill: a request's prefill is the very program :meth:`~thoughtjax.engine.Model.generate` runs for it alone
-(batch 1, the same shape buckets, from :data:`~thoughtjax.program.PROGRAMS`), so its first token and its keys
-are those of the alone run, and the server's warm set serves both. :meth:`SlotEngine.prefill` takes no slot
+Prefill: requests waiting at the same moment are prefilled together, in one call of the engine's prefill program
+(:meth:`SlotEngine.prefill_batch`: prompts left-padded to their shared prompt bucket T, rows padded to a power of
+two P, one [P, T] program call; only the last position goes through the head), and each row's keys are written
+into its own slot. A request's prefill is computed as in its alone run (same left padding, positions, mask and
+first-token sampling), so its first token and keys are the alone run's. :meth:`SlotEngine.prefill` takes no slot
 and touches no engine state (any thread); :meth:`SlotEngine.insert` writes the keys into a free slot and the
 request joins at the next decode chunk. A server splits insert in two: :meth:`SlotEngine.admit` hands out the
-prefill's token at once, :meth:`SlotEngine.place` takes the slot once the chunk running ends.
+prefill's token at once, :meth:`SlotEngine.place` takes the slot once the chunk running ends. A
+:class:`SlotDriver` does all of it on its thread: ``driver.submit(ids, params)`` queues a request; between two
+decode chunks the driver runs at most one prefill call (every request waiting in the oldest one's prompt
+bucket, up to the free slots), so a running stream waits for at most one prefill between its chunks
+(``SlotRun.max_prefills_between_chunks``).
 
 Decode: one program per (mode, bias on/off), compiled once per slot layout (:func:`slot_program`): up to ``chunk`` steps over all N slots
 (inactive slots compute and are ignored), ending early when every active row has stopped. Per-slot sampling
@@ -48,12 +55,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from thoughtjax import program as program_lib
 from thoughtjax.engine import Delta, Trace, _Rows
 from thoughtjax.errors import UserError
-from thoughtjax.model import GraphDefs, kv_cache_shape, merge_path, run_path
-from thoughtjax.program import COMPILE_CLOCK, ProgramKey
-from thoughtjax.sampling import SamplingArrays, SamplingMode, SamplingParams, sample, sampling_arrays, stop_ids_for
+from thoughtjax.model import GraphDefs, kv_cache_shape, merge_path, path_config, rope_tables, run_path
+from thoughtjax.program import COMPILE_CLOCK, ProgramKey, bucket
+from thoughtjax.sampling import (
+  SamplingArrays,
+  SamplingMode,
+  SamplingParams,
+  program_mode,
+  sample,
+  sampling_arrays,
+  stop_ids_for,
+)
 
 DEFAULT_SLOTS = 8
 DEFAULT_CACHE_LEN = 512
@@ -85,14 +99,27 @@ class SlotState(NamedTuple):
 
 @dataclasses.dataclass
 class Prefilled:
-  """A request after its prefill, ready to take a slot (its keys stay on the device until inserted)."""
+  """A request after its prefill, ready to take a slot (its keys stay on the device until inserted).
+
+  Requests prefilled in one call share ``kv`` and ``token``; ``row`` is this request's row in them."""
 
   ids: list[int]
   params: SamplingParams
-  kv: tuple  # per path block: (k, v) [1, K, T', E], the prompt left-padded in [:, :, :T]
-  token: jax.Array  # [1] i32
+  kv: tuple  # per path block: (k, v) [P, K, T, E], row ``row``'s prompt left-padded in [:, :, T - n:]
+  token: jax.Array  # [P] i32, each row's first token
   done: bool
   count: int
+  trace: Trace
+  rows: _Rows
+  row: int = 0
+  batch: int = 1  # requests prefilled in the same call (padding rows not counted)
+
+
+class _Request(NamedTuple):
+  """A request checked against the engine's limits, with its trace and row bookkeeping (no device work yet)."""
+
+  ids: list[int]
+  params: SamplingParams
   trace: Trace
   rows: _Rows
 
@@ -102,12 +129,17 @@ class SlotRun:
   engine produced them), ``cancel()`` from any thread, ``trace`` as a Generation's.
 
   ``slot`` is the slot it held (None when it finished at its prefill); ``chunks_at_cancel`` and
-  ``chunks_at_free`` are the engine's decode chunks when ``cancel`` came and when the slot was freed.
+  ``chunks_at_free`` are the engine's decode chunks when ``cancel`` came and when the slot was freed;
+  ``prefill_batch`` how many requests shared its prefill call; ``max_prefills_between_chunks`` the most prefill
+  calls the engine ran between two of its decode chunks (how long it stalled, in program calls).
   """
 
-  def __init__(self, engine: SlotEngine, pre: Prefilled, on_delta: Callable[[Delta | None], None] | None):
-    self.engine, self.ids, self.params, self.trace, self.rows = engine, pre.ids, pre.params, pre.trace, pre.rows
+  def __init__(self, engine: SlotEngine, req: _Request | Prefilled, on_delta: Callable[[Delta | None], None] | None):
+    self.engine, self.ids, self.params, self.trace, self.rows = engine, req.ids, req.params, req.trace, req.rows
     self.slot: int | None = None
+    self.prefill_batch: int | None = None  # requests prefilled in the same program call as this one
+    self.max_prefills_between_chunks = 0  # most prefill calls run between two of its decode chunks
+    self._prefills_mark = 0  # engine.prefill_calls at its last chunk (or when it took its slot)
     self.on_delta = on_delta
     self._queue: queue.SimpleQueue = queue.SimpleQueue()
     self.freed = threading.Event()
@@ -199,7 +231,8 @@ class SlotProgram:
     self.slots, self.cache_len, self.steps_per_chunk = slots, cache_len, chunk
     self.init = jax.jit(self._init_impl)
     self.chunk = jax.jit(self._chunk_impl, static_argnums=(4,), donate_argnums=(2,))
-    self.insert = jax.jit(self._insert_impl, static_argnums=(6,), donate_argnums=(0,))
+    self.prefill = jax.jit(self._prefill_impl, static_argnums=(4,))
+    self.insert = jax.jit(self._insert_impl, donate_argnums=(0,))
 
   # ---- traced code (under jit) -------------------------------------------------------------------
   def _init_impl(self) -> SlotState:
@@ -241,27 +274,55 @@ class SlotProgram:
     steps, state, out = jax.lax.while_loop(cond, body, init)
     return state, out, steps
 
-  def _insert_impl(self, state: SlotState, kv, slot, n, token, done_count, prompt_len: int) -> SlotState:
-    """Write a prefilled request's prompt keys into ``slot``'s ring at absolute positions [cursor - n, cursor)."""
-    S, T = self.cache_len, prompt_len
+  def _prefill_impl(self, parts, tokens, pad, samp: SamplingArrays, mode: SamplingMode):
+    """The prefill of P left-padded prompts [P, T] (row p's prompt in [pad[p], T)): per path block (k, v)
+    [P, K, T, E], each row's first token [P] and whether it stopped there [P]. Positions, mask and sampling are
+    those of the alone run's prefill (:class:`~thoughtjax.program.Program`); the head sees only the last
+    position, the one the first token comes from."""
+    embed, blocks, head = merge_path(self.defs, parts, self.layers)
+    P, T = tokens.shape
+    t = jnp.arange(T)
+    positions = jnp.maximum(t[None, :] - pad[:, None], 0)
+    mask = ((t[None, None, :] >= pad[:, None, None]) & (t[None, None, :] <= t[None, :, None])) | (
+      t[None, None, :] == t[None, :, None]
+    )  # padded queries see themselves: no NaN rows
+    shape = kv_cache_shape(self.cfg, P, T)
+    caches = tuple((jnp.zeros(shape if i >= 0 else (P, 1, 1, 1)),) * 2 for i in self.layers)
+    # run_path's loop, stopping before the head: only the last position's logits are needed.
+    x = embed(tokens)
+    cfg = path_config(blocks)
+    cos, sin = (None, None) if cfg is None else rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    out = []
+    for block, (ck, cv) in zip(blocks, caches, strict=True):
+      x, ck, cv = block(x, cos, sin, ck, cv, jnp.zeros((), jnp.int32), mask)
+      out.append((ck, cv))
+    logits = head(x[:, -1:], embed.table[...])
+    token, stop = sample(logits[:, -1], samp, jnp.zeros((), jnp.int32), mode, self.kernels)
+    return tuple(out), token, stop | (samp.max_new <= 1)
+
+  def _insert_impl(self, state: SlotState, kv, slot, row, n, token, done_count) -> SlotState:
+    """Write row ``row`` of a prefill's keys (the prompt of ``n`` tokens) into ``slot``'s ring at absolute
+    positions [cursor - n, cursor)."""
+    S = self.cache_len
     c = state.cursor
     d = (c - jnp.arange(S, dtype=jnp.int32)) % S  # how far behind the cursor each ring index is
     valid = (d >= 1) & (d <= n)
-    src = jnp.clip(T - d, 0, T - 1)  # the prefill cache holds the prompt left-padded in [T - n, T)
     caches = []
     for layer, (ck, cv), (pk, pv) in zip(self.layers, state.caches, kv, strict=True):
       if layer < 0:  # a bridge keeps no keys
         caches.append((ck, cv))
         continue
+      T = pk.shape[2]
+      src = jnp.clip(T - d, 0, T - 1)  # the prefill cache holds the prompt left-padded in [T - n, T)
       rows = []
       for pre in (pk, pv):
-        row = jnp.take(pre[0], src, axis=1)  # [K, S, E]
-        rows.append(jnp.where(valid[None, :, None], row, 0).astype(ck.dtype))
+        one = jax.lax.dynamic_index_in_dim(pre, row, 0, keepdims=False)  # [K, T, E]
+        rows.append(jnp.where(valid[None, :, None], jnp.take(one, src, axis=1), 0).astype(ck.dtype))
       caches.append((ck.at[slot].set(rows[0]), cv.at[slot].set(rows[1])))
     done, count = done_count
     return SlotState(
       tuple(caches),
-      state.token.at[slot].set(token[0]),
+      state.token.at[slot].set(token[row]),
       state.start.at[slot].set(c - n),
       c,
       state.done.at[slot].set(done),
@@ -311,6 +372,9 @@ class SlotEngine:
     self._runs: list[SlotRun | None] = [None] * self.slots
     self._cancelled: set[int] = set()
     self.chunks = 0  # decode chunks run
+    self.prefill_calls = 0  # prefill program calls run
+    self.prefill_rows = 0  # requests those calls prefilled
+    self._stats_lock = threading.Lock()
     self.steps = 0  # decode steps run (the cursor)
     self.freed_total = 0
     self.chunk_seconds: collections.deque[float] = collections.deque(maxlen=1024)  # wall time of recent chunks
@@ -344,8 +408,9 @@ class SlotEngine:
     """The request in each slot (None: free)."""
     return list(self._runs)
 
-  def prefill(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Prefilled:
-    """Run the request's prefill (the alone run's program); takes no slot. Any thread."""
+  def request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> _Request:
+    """Check a request against the engine's limits (:class:`SlotRequestError` names the limit and the fix) and
+    make its trace and row bookkeeping; no device work. Any thread."""
     params = params or SamplingParams()
     ids = [int(t) for t in prompt_ids]
     stops = stop_ids_for(params, self.model.codec.eos_ids)
@@ -364,21 +429,66 @@ class SlotEngine:
     key: ProgramKey = gen.trace.program
     gen.close()
     trace = Trace(key, [ids], time.perf_counter(), tokens_out=[0])
-    prog = program_lib.PROGRAMS.get(key, self.defs, self.cfg)
-    T = key.prompt_len
-    tokens = np.zeros((1, T), np.int32)
-    tokens[0, T - len(ids) :] = ids
-    pad = jnp.asarray(np.array([T - len(ids)], np.int32))
-    samp = sampling_arrays([params], 1, self.cfg.vocab_size, key.stop_width, self.model.codec.eos_ids, key.has_bias)
-    trace.device_start = time.perf_counter()
+    return _Request(ids, params, trace, _Rows(self.model.codec, [params], [stops]))
+
+  def prefill(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Prefilled:
+    """Run one request's prefill; takes no slot. Any thread."""
+    return self.prefill_batch([(prompt_ids, params)])[0]
+
+  def prefill_batch(self, requests: Sequence[tuple[Sequence[int], SamplingParams | None]]) -> list[Prefilled]:
+    """Prefill requests together in one program call (prompts padded to the longest one's bucket); takes no
+    slot. Any thread."""
+    return self._prefill([self.request(ids, params) for ids, params in requests])
+
+  def _prefill(self, reqs: Sequence[_Request]) -> list[Prefilled]:
+    n = len(reqs)
+    T = bucket(max(len(r.ids) for r in reqs))
+    P = bucket(n, 1)
+    tokens = np.zeros((P, T), np.int32)
+    pad = np.full(P, T - 1, np.int32)  # padding rows: one token, inert
+    for p, r in enumerate(reqs):
+      tokens[p, T - len(r.ids) :] = r.ids
+      pad[p] = T - len(r.ids)
+    params = [r.params for r in reqs]
+    has_bias = any(p.logit_bias for p in params)
+    samp = sampling_arrays(params, P, self.cfg.vocab_size, self.stop_width, self.model.codec.eos_ids, has_bias)
+    started = time.perf_counter()
     with COMPILE_CLOCK.measure() as compile_s:
-      st = prog.advance(self.parts, jnp.asarray(tokens), pad, samp, prog.init_state())
-      done, count = jax.device_get((st.done, st.count))
-    trace.compile_s = compile_s[0]
-    trace.first_token = time.perf_counter()
-    return Prefilled(
-      ids, params, st.caches, st.token, bool(done[0]), int(count[0]), trace, _Rows(self.model.codec, [params], [stops])
-    )
+      kv, token, done = self.program.prefill(
+        self.parts, jnp.asarray(tokens), jnp.asarray(pad), samp, program_mode(params)
+      )
+      done = jax.device_get(done)
+    first = time.perf_counter()
+    with self._stats_lock:
+      self.prefill_calls += 1
+      self.prefill_rows += n
+    out = []
+    for p, r in enumerate(reqs):
+      r.trace.device_start, r.trace.first_token, r.trace.compile_s = started, first, compile_s[0]
+      out.append(Prefilled(r.ids, r.params, kv, token, bool(done[p]), 1, r.trace, r.rows, row=p, batch=n))
+    return out
+
+  def warm(self, prompt_len: int, modes: Sequence[SamplingMode] = (SamplingMode.GREEDY,)) -> None:
+    """Compile the prefill of every batch size (1, 2, 4, ... up to the slots) for prompts of ``prompt_len``
+    tokens (its bucket) in each mode, and the insert of their keys, so the first requests compile nothing."""
+    T = bucket(prompt_len)
+    params = SamplingParams()  # the mode, not the settings, shapes the program
+    for mode in modes:
+      P = 1
+      while True:
+        samp = sampling_arrays([params] * P, P, self.cfg.vocab_size, self.stop_width, self.model.codec.eos_ids, False)
+        tokens, pad = jnp.zeros((P, T), jnp.int32), jnp.full((P,), T - 1, jnp.int32)
+        kv, token, _ = self.program.prefill(self.parts, tokens, pad, samp, mode)
+        with self._lock:
+          if self.free:  # a free slot's row is ignored by the chunk and rewritten by the next insert
+            b = self._runs.index(None)
+            self._state = self.program.insert(
+              self._state, kv, jnp.int32(b), jnp.int32(0), jnp.int32(1), token, (jnp.bool_(True), jnp.int32(1))
+            )
+        if P >= self.slots:
+          break
+        P *= 2
+    jax.block_until_ready(self._state)
 
   def insert(
     self,
@@ -396,18 +506,41 @@ class SlotEngine:
     self.place(run, pre)
     return run
 
+  def insert_batch(
+    self,
+    requests: Sequence[Prefilled | tuple[Sequence[int], SamplingParams | None]],
+    *,
+    on_delta: Callable[[Delta | None], None] | None = None,
+  ) -> list[SlotRun]:
+    """:meth:`insert` several requests; those given as token ids are prefilled together, one program call per
+    prompt bucket. Raises :class:`SlotsFull` when fewer slots are free than requests that need one."""
+    pre: list[Prefilled | None] = [r if isinstance(r, Prefilled) else None for r in requests]
+    todo = [i for i, p in enumerate(pre) if p is None]
+    for group in _by_bucket([(i, self.request(*requests[i])) for i in todo]):
+      for (i, _), p in zip(group, self._prefill([r for _, r in group]), strict=True):
+        pre[i] = p
+    runs = [self.admit(p, on_delta=on_delta) for p in pre]
+    for run, p in zip(runs, pre, strict=True):
+      self.place(run, p)
+    return runs
+
   def admit(self, pre: Prefilled, *, on_delta: Callable[[Delta | None], None] | None = None) -> SlotRun:
     """The request's run with its prefill's delta delivered at once (its first token does not wait for the
     chunk running); it takes no slot until :meth:`place`. A request that finished at its prefill ends here."""
     run = SlotRun(self, pre, on_delta)
-    token = int(jax.device_get(pre.token)[0])
+    self._deliver(run, pre)
+    return run
+
+  def _deliver(self, run: SlotRun, pre: Prefilled) -> None:
+    """The prefill's first token to the run (and its end when it stopped there)."""
+    run.prefill_batch = pre.batch
+    token = int(jax.device_get(pre.token)[pre.row])
     d = pre.rows.emit(0, [token], pre.done, pre.count)
     if d is not None:
       run._push(d)
     if pre.rows.all_finished:
       run.chunks_at_free = self.chunks
       run._end()
-    return run
 
   def place(self, run: SlotRun, pre: Prefilled) -> None:
     """Write an admitted run's prompt keys into a free slot (waits for the chunk running); it joins at the next
@@ -444,12 +577,13 @@ class SlotEngine:
         self._state,
         pre.kv,
         jnp.int32(b),
+        jnp.int32(pre.row),
         jnp.int32(len(pre.ids)),
         pre.token,
         (jnp.bool_(pre.done), jnp.int32(pre.count)),
-        int(pre.trace.program.prompt_len),
       )
       run.slot = b
+      run._prefills_mark = self.prefill_calls
       self._runs[b] = run
       with self._cancel_lock:  # a cancel that came while this waited for the chunk: freed at the next step
         if run.cancel_requested:
@@ -524,6 +658,8 @@ class SlotEngine:
       for b in live:
         run = self._runs[b]
         run.trace.decode_chunks += 1
+        stalled, run._prefills_mark = self.prefill_calls - run._prefills_mark, self.prefill_calls
+        run.max_prefills_between_chunks = max(run.max_prefills_between_chunks, stalled)
         ids = [int(t) for t in out[b] if t >= 0]
         new[b] = ids
         d = run.rows.emit(0, ids, bool(done[b]), int(count[b]))
@@ -552,17 +688,50 @@ def _widest(modes: set[SamplingMode]) -> SamplingMode:
   return SamplingMode.GREEDY
 
 
+def _by_bucket(items: Sequence[tuple]) -> list[list[tuple]]:
+  """(key, request) pairs grouped by the request's prompt bucket, in order of first appearance."""
+  groups: dict[int, list[tuple]] = {}
+  for item in items:
+    groups.setdefault(bucket(len(item[1].ids)), []).append(item)
+  return list(groups.values())
+
+
 class SlotDriver:
-  """A thread that steps one :class:`SlotEngine` while any slot is in use (idle otherwise), and a FIFO of
-  requests waiting for a slot. ``submit`` returns the request's :class:`SlotRun` at once."""
+  """A thread that runs one :class:`SlotEngine`: it prefills the requests waiting (``submit``), places them in
+  free slots and steps while any slot is in use (idle otherwise). Between two decode chunks it runs at most one
+  prefill call, taking every waiting request in the oldest one's prompt bucket, up to the free slots; waiting
+  requests beyond the free slots stay queued in order."""
 
   def __init__(self, engine: SlotEngine):
     self.engine = engine
     self._cond = threading.Condition()
     self._closed = False
+    self._pending: collections.deque[SlotRun] = collections.deque()
     self.error: BaseException | None = None
     self._thread = threading.Thread(target=self._loop, name="thoughtjax-slot-driver", daemon=True)
     self._thread.start()
+
+  @property
+  def waiting(self) -> int:
+    """Requests submitted and not yet prefilled."""
+    return len(self._pending)
+
+  def submit(
+    self,
+    prompt_ids: Sequence[int],
+    params: SamplingParams | None = None,
+    *,
+    on_delta: Callable[[Delta | None], None] | None = None,
+  ) -> SlotRun:
+    """Queue a request for the driver's next prefill call; returns its run at once (its first delta comes
+    when the prefill ran). The engine's limits are checked here (:class:`SlotRequestError`). Any thread."""
+    run = SlotRun(self.engine, self.engine.request(prompt_ids, params), on_delta)
+    with self._cond:
+      if self._closed:
+        raise SlotsClosed(f"the slot driver of path {self.engine.model.path!r} was closed")
+      self._pending.append(run)
+      self._cond.notify_all()
+    return run
 
   def insert(self, pre: Prefilled, on_delta=None) -> SlotRun:
     """Insert a prefilled request now (a slot must be free) and wake the driver."""
@@ -579,41 +748,99 @@ class SlotDriver:
     with self._cond:
       self._cond.notify_all()
 
+  def _take(self) -> tuple[list[SlotRun], list[SlotRun]]:
+    """(cancelled runs to end, runs to prefill now); called holding the condition."""
+    dropped = [r for r in self._pending if r.cancel_requested]
+    if dropped:
+      self._pending = collections.deque(r for r in self._pending if not r.cancel_requested)
+    batch: list[SlotRun] = []
+    free = self.engine.free
+    if self._pending and free:
+      want = bucket(len(self._pending[0].ids))
+      keep: collections.deque[SlotRun] = collections.deque()
+      for r in self._pending:
+        (batch if len(batch) < free and bucket(len(r.ids)) == want else keep).append(r)
+      self._pending = keep
+    return dropped, batch
+
   def _loop(self) -> None:
+    prefilled = False  # the last thing done was a prefill call: decode before the next one
     while True:
       with self._cond:
-        self._cond.wait_for(lambda: self._closed or self.engine.active > 0)
+        self._cond.wait_for(lambda: self._closed or self.engine.active > 0 or bool(self._pending))
         if self._closed:
           return
-      try:
-        self.engine.step()
-      except BaseException as e:  # every request in a slot gets the error; the driver goes on
-        self.error = e
-        self.engine.fail(e)
+        dropped, batch = [], []
+        if not (prefilled and self.engine.active):
+          dropped, batch = self._take()
+      for run in dropped:
+        self._end_unstarted(run, None)
+      if batch:
+        try:
+          self._start(batch)
+        except BaseException as e:  # the batch's requests get the error; those in slots go on
+          self.error = e
+          for run in batch:
+            if not run.finished and run.slot is None:
+              self._end_unstarted(run, e)
+        prefilled = True
+      elif self.engine.active:
+        try:
+          self.engine.step()
+        except BaseException as e:  # every request in a slot gets the error; the driver goes on
+          self.error = e
+          self.engine.fail(e)
+        prefilled = False
+
+  def _start(self, batch: list[SlotRun]) -> None:
+    """One prefill call for ``batch``, each run's first token out, then each into a free slot."""
+    engine = self.engine
+    pres = engine._prefill([_Request(r.ids, r.params, r.trace, r.rows) for r in batch])
+    for run, pre in zip(batch, pres, strict=True):
+      engine._deliver(run, pre)
+    for run, pre in zip(batch, pres, strict=True):
+      engine.place(run, pre)
+
+  def _end_unstarted(self, run: SlotRun, error: BaseException | None) -> None:
+    """End a run that holds no slot: cancelled (``error`` None) or failed."""
+    if run.finished:
+      return
+    if error is None:
+      run.trace.cancelled = True
+      for d in run.rows.cancel():
+        run._push(d)
+    run.chunks_at_free = self.engine.chunks
+    run._end(error)
 
   def close(self) -> None:
-    """Stop stepping; runs still in a slot end with an error (nobody would step them again)."""
+    """Stop; runs still in a slot or waiting end with an error (nobody would step them again)."""
     with self._cond:
       self._closed = True
+      pending, self._pending = list(self._pending), collections.deque()
       self._cond.notify_all()
     self._thread.join(timeout=60)
-    self.engine.fail(SlotsClosed(f"the slot driver of path {self.engine.model.path!r} was closed"))
+    error = SlotsClosed(f"the slot driver of path {self.engine.model.path!r} was closed")
+    for run in pending:
+      self._end_unstarted(run, error)
+    self.engine.fail(error)
 
 
 def generate_in_slots(
   engine: SlotEngine, requests: Sequence[tuple[Sequence[int], SamplingParams]], arrivals: Sequence[int] | None = None
 ) -> list[SlotRun]:
   """Run ``requests`` through ``engine`` on this thread, request i inserted before decode chunk
-  ``arrivals[i]`` (default: all at once; a request that finds no free slot waits for one). Returns the runs,
-  ended. For tests, notebooks and benchmarks."""
+  ``arrivals[i]`` (default: all at once; a request that finds no free slot waits for one; requests inserted
+  before the same chunk are prefilled together). Returns the runs, ended. For tests, notebooks and benchmarks."""
   arrivals = list(arrivals) if arrivals is not None else [0] * len(requests)
   pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
   runs: list[SlotRun | None] = [None] * len(requests)
   chunk = 0
   while pending or engine.active:
-    while pending and arrivals[pending[0]] <= chunk and engine.free:
-      i = pending.pop(0)
-      runs[i] = engine.insert(*requests[i])
+    now = [i for i in pending if arrivals[i] <= chunk][: engine.free]  # prefilled together
+    if now:
+      pending = [i for i in pending if i not in now]
+      for i, run in zip(now, engine.insert_batch([requests[i] for i in now]), strict=True):
+        runs[i] = run
     engine.step()
     chunk += 1
   return runs
