@@ -69,6 +69,8 @@ def cmd_build(args) -> int:
     def progress(stage, name, done, total):
       if stage == "done":
         return
+      if stage == "replace" and done == 0:
+        console.print(f"{name} holds a registry of an older format; removing it and building a new one there")
       if stage not in stages:
         stages[stage] = bar.add_task(stage, total=total, item="")
       bar.update(stages[stage], completed=done if stage != "profile" else done + 1, item=name)
@@ -82,6 +84,8 @@ def cmd_build(args) -> int:
       progress=progress,
       trust=trust,
       variants=args.variants,
+      weights=args.weights,
+      replace_old_format=args.replace_old_format,
     )
   console.print(
     f"registry {reg.root}: generation {reg.generation}, {len(reg.names)} thoughtlets"
@@ -256,6 +260,18 @@ def add_parser(subparsers) -> None:
     metavar="LIST",
     help="weight variants of every block thoughtlet to publish too, comma-separated (int8: per-row int8, lossy; "
     "a path names one as blocks[a:b)@int8)",
+  )
+  b.add_argument(
+    "--weights",
+    choices=("native", "f32"),
+    default="native",
+    help="how matrices are stored (native: a quantized GGUF's blocks, packed, as large as the GGUF, the default; "
+    "f32: dequantized float32). Readers get float32 either way unless they ask for native",
+  )
+  b.add_argument(
+    "--replace-old-format",
+    action="store_true",
+    help="--out holds a registry of an older format: remove it (its thoughtlets too) and build a new one there",
   )
   add_trust_args(b, keys_help="trusted public key (repeatable) for the existing index the build publishes onto")
   b.set_defaults(fn=cmd_build)

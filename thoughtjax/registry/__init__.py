@@ -14,6 +14,7 @@ from thoughtjax.registry.errors import (
   MemoryBudgetError,
   Mismatch,
   RegistryError,
+  RegistryFormatError,
   ResourceProfileMismatch,
   RestoreError,
   ReusedVersionError,
@@ -24,7 +25,15 @@ from thoughtjax.registry.errors import (
   UntrustedIndexError,
 )
 from thoughtjax.registry.gc import GcReport, collect_garbage
-from thoughtjax.registry.layout import FORMAT, MANIFEST_FORMAT, VERSION_LEN, dir_name, is_registry
+from thoughtjax.registry.layout import (
+  FORMAT,
+  FORMAT_VERSION,
+  MANIFEST_FORMAT,
+  VERSION_LEN,
+  dir_name,
+  is_older_format,
+  is_registry,
+)
 from thoughtjax.registry.manifest import Manifest
 from thoughtjax.registry.publish import StepHook
 from thoughtjax.registry.resident import RegistryStats, ResidentSet
@@ -35,6 +44,7 @@ from thoughtjax.registry.verify import Tolerance, VerifyReport
 
 __all__ = [
   "FORMAT",
+  "FORMAT_VERSION",
   "MANIFEST_FORMAT",
   "VERSION_LEN",
   "GcReport",
@@ -44,6 +54,7 @@ __all__ = [
   "Mismatch",
   "Registry",
   "RegistryError",
+  "RegistryFormatError",
   "RegistryStats",
   "ResidentSet",
   "ResourceProfileMismatch",
@@ -63,6 +74,7 @@ __all__ = [
   "collect_garbage",
   "cut_thoughtlets",
   "dir_name",
+  "is_older_format",
   "is_registry",
   "param_partition",
 ]

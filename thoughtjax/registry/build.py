@@ -1,5 +1,11 @@
 """Building a registry: cut a model along a semantic mapping, profile, publish.
 
+A model named by path or name is loaded with ``weights="native"``: a quantized GGUF's matrices stay
+its packed blocks and are stored so (:mod:`thoughtjax.thoughtlet.stored`: the registry is as large as
+the GGUF, and hashes and signatures cover the packed bytes); readers dequantize them at restore or keep
+them packed (:class:`~thoughtjax.registry.store.Registry` ``weights=``). A loaded model is stored in the
+form it holds.
+
 ``variants=("int8",)`` also publishes a weight variant of every block thoughtlet: ``blocks[a:b)@int8``
 holds the same layers with every projection as per-row int8 (:class:`thoughtjax.formats.RowInt8`,
 stored as ``{"int8": q, "scale": s}`` arrays), the variant in its signature (``constraints["weights"]``
@@ -17,10 +23,26 @@ from thoughtjax.mapping import Mapping as SemanticMapping
 from thoughtjax.mapping import load_mapping
 from thoughtjax.paths import VARIANTS
 from thoughtjax.registry.codec import codec_digest
+from thoughtjax.registry.errors import RegistryError
+from thoughtjax.registry.layout import check_format, index_format, is_older_format
+from thoughtjax.registry.lease import LEASE_DIR
 from thoughtjax.registry.publish import _publish
 from thoughtjax.registry.store import Registry
 from thoughtjax.registry.trust import TrustPolicy
 from thoughtjax.thoughtlet import Kind, ProfileSettings, Thoughtlet, cut, measure_profile, signature_for
+from thoughtjax.thoughtlet.stored import to_stored
+
+# What a registry directory holds (thoughtjax.registry.layout), removed when an older format is replaced.
+_REGISTRY_ENTRIES = ("index.json", "thoughtlets", "codec", "keys", "calibration", ".staging", LEASE_DIR)
+
+
+def _remove_registry(root: Path) -> None:
+  """Remove an older-format registry's own entries (index first: from then on it is no registry)."""
+  import shutil
+
+  (root / "index.json").unlink(missing_ok=True)
+  for entry in _REGISTRY_ENTRIES[1:]:
+    shutil.rmtree(root / entry, ignore_errors=True)
 
 
 def cut_thoughtlets(model, codec, mapping: SemanticMapping) -> list[Thoughtlet]:
@@ -89,6 +111,8 @@ def build(
   source_hash: str | None = None,
   trust: TrustPolicy | None = None,
   variants: Sequence[str] = (),
+  weights: str = "native",
+  replace_old_format: bool = False,
 ) -> Registry:
   """Cut ``model`` along ``mapping``, profile every thoughtlet and publish them to ``out``.
 
@@ -97,18 +121,32 @@ def build(
   ``codec`` given. Building into an existing registry of the same model publishes the changed
   thoughtlets as new versions (one atomic index switch); unchanged ones keep their version, and the
   existing index is verified first under ``trust`` (see :mod:`.publish`). ``variants`` (e.g. ``("int8",)``)
-  adds that weight variant of every block thoughtlet (:func:`variant_of`).
+  adds that weight variant of every block thoughtlet (:func:`variant_of`). ``weights`` is the form a model
+  given by name or path is loaded in (``"native"``: a quantized GGUF's blocks, stored packed; ``"f32"``).
+
+  A registry of an older format at ``out`` cannot be built upon (:class:`RegistryFormatError`);
+  ``replace_old_format=True`` removes it first and builds a new one there.
   """
   from thoughtjax.loading import LoadedModel
   from thoughtjax.loading import load as load_model
   from thoughtjax.model import Transformer
-  from thoughtjax.weights import to_stored
 
   report = progress or (lambda stage, name, i, n: None)
+  if weights not in ("native", "f32"):
+    raise RegistryError(
+      f"build(weights={weights!r}): a registry stores native (a quantized GGUF's blocks, packed) or f32 weights; "
+      f"int8 versions are variants (variants=('int8',), CLI --variants int8)"
+    )
+  if is_older_format(out):
+    if not replace_old_format:
+      check_format(index_format(out), Path(out))  # raises, naming the way out
+    report("replace", str(out), 0, 1)
+    _remove_registry(Path(out))
+    report("replace", str(out), 1, 1)
   if isinstance(model, (str, os.PathLike)):
     report("load", str(model), 0, 1)
     name = str(model)
-    model = load_model(model)
+    model = load_model(model, weights=weights)
     report("load", name, 1, 1)
   if isinstance(model, LoadedModel):
     codec = codec or model.codec
@@ -129,7 +167,7 @@ def build(
       report("profile", t.name, i, n)
       profiled.append(dataclasses.replace(t, profile=measure_profile(t, settings, table)))
     units = profiled
-  units = [dataclasses.replace(t, params=to_stored(t.params)) for t in units]  # int8 weights as plain arrays
+  units = [dataclasses.replace(t, params=to_stored(t.params)) for t in units]  # packed weights as plain arrays
   counter = {"stage:checkpoint": 0, "verify": 0, "commit:version": 0}
 
   def on_step(event, name):

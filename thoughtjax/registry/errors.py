@@ -13,6 +13,10 @@ class RegistryError(UserError, RuntimeError):
   """A registry cannot be opened, read or updated as asked."""
 
 
+class RegistryFormatError(RegistryError):
+  """A registry (or manifest) was written in another on-disk format than this thoughtjax reads."""
+
+
 class SignatureError(RegistryError, signing.SignatureError):
   """A registry file's signature is missing, malformed, made by an untrusted key, or does not verify."""
 

@@ -25,10 +25,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from thoughtjax.registry.errors import IntegrityError, RegistryError
+from thoughtjax.registry.errors import IntegrityError, RegistryError, RegistryFormatError
 
-FORMAT = "thoughtjax.registry/1"
-MANIFEST_FORMAT = "thoughtjax.manifest/1"
+# 2: a quantized GGUF's matrices stored packed (thoughtjax.thoughtlet.stored), hashed over the packed bytes.
+FORMAT_VERSION = 2
+FORMAT = f"thoughtjax.registry/{FORMAT_VERSION}"
+MANIFEST_FORMAT = f"thoughtjax.manifest/{FORMAT_VERSION}"
 VERSION_LEN = 16
 # A version (and a codec digest) as the index names it: hex only, so it can never escape its directory.
 VERSION_RE = re.compile(f"[0-9a-f]{{{VERSION_LEN}}}")
@@ -125,9 +127,53 @@ def _read_index(root: Path) -> tuple[dict, dict | None]:
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise IntegrityError("index", None, str(path), f"not valid JSON ({e})") from None
   body = doc.get("index") if isinstance(doc, dict) else None
-  if not isinstance(body, dict) or body.get("format") != FORMAT:
+  if not isinstance(body, dict):
     raise RegistryError(f"{path}: not a {FORMAT} index")
+  check_format(body.get("format"), root)
   return body, doc.get("signature")
+
+
+def _format_version(fmt) -> int | None:
+  prefix = "thoughtjax.registry/"
+  if isinstance(fmt, str) and fmt.startswith(prefix) and fmt[len(prefix) :].isdigit():
+    return int(fmt[len(prefix) :])
+  return None
+
+
+def index_format(root: str | os.PathLike) -> str | None:
+  """The ``format`` an existing ``root/index.json`` declares (None: no index, or not one)."""
+  try:
+    doc = json.loads((Path(root) / "index.json").read_bytes())
+  except (OSError, ValueError):
+    return None
+  body = doc.get("index") if isinstance(doc, dict) else None
+  return body.get("format") if isinstance(body, dict) else None
+
+
+def is_older_format(root: str | os.PathLike) -> bool:
+  """Whether ``root`` holds a registry of an older format than this thoughtjax writes (rebuild it)."""
+  version = _format_version(index_format(root))
+  return version is not None and version < FORMAT_VERSION
+
+
+def check_format(fmt, root: Path) -> None:
+  """Refuse an index of another format, with the way out (:class:`RegistryFormatError`)."""
+  if fmt == FORMAT:
+    return
+  version = _format_version(fmt)
+  if version is None:
+    raise RegistryError(f"{Path(root) / 'index.json'}: not a {FORMAT} index (format {fmt!r})")
+  if version < FORMAT_VERSION:
+    raise RegistryFormatError(
+      f"{root} is a registry of format {fmt}; this thoughtjax reads {FORMAT} only (since format "
+      f"{FORMAT_VERSION} a quantized model's weights are stored packed and hashed over the packed bytes, so "
+      f"every version changed). Rebuild it: `thoughtjax registry build --out {root} --replace-old-format "
+      f"[--model ...] [--mapping ...] [--sign-key ...]` (its old thoughtlets are removed), or build into a new "
+      f"directory"
+    )
+  raise RegistryFormatError(
+    f"{root} is a registry of format {fmt}, newer than the {FORMAT} this thoughtjax reads; upgrade thoughtjax"
+  )
 
 
 @contextlib.contextmanager

@@ -72,6 +72,7 @@ from thoughtjax.registry.trust import (
   state_key,
 )
 from thoughtjax.thoughtlet import Thoughtlet, canonical_json, versioned_hash
+from thoughtjax.thoughtlet.stored import to_stored
 
 StepHook = Callable[[str, "str | None"], None]
 
@@ -92,6 +93,8 @@ def _publish(
   """Verify the base, stage, verify, fsync, rename into place, then switch the index (module docstring).
   ``on_failure(kind, thoughtlet, file, reason)`` is told of every refusal before it is raised."""
   step = on_step or (lambda event, name: None)
+  # Packed weights (native blocks, int8 variants) are checkpointed as the arrays their hash covers.
+  thoughtlets = [dataclasses.replace(t, params=to_stored(t.params)) for t in thoughtlets]
   count = on_failure or (lambda kind, thoughtlet, file, reason: None)
   key = signing.load_private_key(sign_key) if isinstance(sign_key, (str, os.PathLike)) else sign_key
   key_id = None if key is None else signing.key_id(key.public_key())

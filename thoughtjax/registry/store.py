@@ -13,6 +13,14 @@ into the requested dtype and sharding (Orbax restores into ``jax.ShapeDtypeStruc
 carry both). Restored weights stay in a resident set, an LRU under an optional byte budget,
 with hit/miss/eviction counts.
 
+**Weight forms.** A registry built from a quantized GGUF stores its matrices packed
+(:mod:`thoughtjax.thoughtlet.stored`). ``weights`` (per registry, or per :meth:`Registry.restore`) says
+what a restore returns: ``"f32"`` (default) dequantizes them at restore into the model's float32 layout,
+bit for bit the arrays a float32 registry held; ``"native"`` keeps them packed
+(:class:`~thoughtjax.formats.BlockQuant`, computed in float32 from the packed bytes); ``"stored"``
+returns the checkpoint's arrays as they are (what the versioned hash covers). Int8 variants come back
+as their stored ``{"int8", "scale"}`` arrays in every form (:func:`thoughtjax.formats.from_stored`).
+
 **Multi-host.** With ``jax.distributed.initialize()`` called first in every process, pass a
 ``Mesh`` spanning all processes' devices to :meth:`restore` / :func:`thoughtjax.compose.compose`:
 Orbax then restores on each process only the shards its devices hold (the SHA-256 file checks
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import shutil
 import threading
@@ -36,6 +45,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from thoughtjax import formats
 from thoughtjax.config import ModelConfig
 from thoughtjax.registry.checkpoint import _checkpointer, _restore_checkpoint, verified_copy
 from thoughtjax.registry.codec import load_codec
@@ -49,6 +59,69 @@ from thoughtjax.registry.sharding import _sharding_key, param_partition
 from thoughtjax.registry.trust import INTEGRITY, RESTORE, SIGNATURE, RollbackState, TrustPolicy, Verifier, sequence_of
 from thoughtjax.registry.verify import Tolerance, VerifyReport, verify_hardware, verify_registry
 from thoughtjax.thoughtlet import Kind, ProfileSettings, Thoughtlet, measure_profile
+from thoughtjax.thoughtlet.stored import block_from_stored, in_dims, model_layout, stored_kind
+
+# What a restore returns (module docstring): f32 and native are the weight formats a path runs in.
+RESTORE_FORMS = ("f32", "native", "stored")
+
+
+def _check_form(weights: str) -> str:
+  if weights not in RESTORE_FORMS:
+    raise RegistryError(
+      f"weights={weights!r}: a registry restores weights as one of {', '.join(RESTORE_FORMS)} (f32: dequantized "
+      f"float32; native: the GGUF's blocks kept packed; stored: the checkpoint's arrays). int8 is a variant a path "
+      f"names (blocks[a:b)@int8, from `registry build --variants int8`), not a restore form"
+    )
+  return weights
+
+
+def _packed_nodes(params: dict) -> dict[str, str]:
+  """Parent path -> block type of every stored native weight in a manifest's ``params`` spec."""
+  children: dict[str, dict] = {}
+  for path in params:
+    parent, _, leaf = path.rpartition("/")
+    children.setdefault(parent, {})[leaf] = None
+  out = {}
+  for parent, keys in children.items():
+    kind = stored_kind(keys)
+    if kind in formats.KINDS:
+      out[parent] = kind
+  return out
+
+
+@functools.lru_cache(maxsize=8)
+def _layout_shapes(cfg: ModelConfig) -> dict:
+  """Model-layout shapes of the parameters of each kind's module (one block stands for all)."""
+  from flax import nnx
+
+  from thoughtjax.model import abstract_model
+
+  abstract = abstract_model(cfg)
+
+  def shapes(module):
+    return jax.tree.map(lambda x: tuple(x.shape), nnx.to_pure_dict(nnx.state(module)))
+
+  return {"embed": shapes(abstract.embed), "head": shapes(abstract.head), "blocks": shapes(abstract.blocks[0])}
+
+
+def _layout_shape(cfg: ModelConfig, kind: str, parent: str) -> tuple[int, ...]:
+  node = _layout_shapes(cfg)[kind]
+  for key in parent.split("/")[1:] if kind == "blocks" else parent.split("/"):
+    node = node[key]
+  return node
+
+
+def _packed_bytes(params: dict, parent: str, kind: str, weights: str, dtype) -> int:
+  """Bytes a stored native weight takes resident in form ``weights``."""
+  rows, cols = params[f"{parent}/scale"]["shape"]
+  n = rows * cols * formats.BLOCK
+  if weights == "f32":
+    return n * np.dtype(dtype or np.float32).itemsize
+  if weights == "native":  # one byte per value, float32 scale (and minimum) per block
+    return n + rows * cols * 4 * (2 if kind == "Q4_1" else 1)
+  return sum(
+    int(np.prod(s["shape"])) * np.dtype(s["dtype"]).itemsize for p, s in params.items() if p.startswith(parent + "/")
+  )
 
 
 def _counter(stats: RegistryStats, lock) -> Callable[[str, str, str, str], None]:
@@ -63,7 +136,7 @@ class Registry:
   """A registry directory opened for reading (and, with :meth:`publish`, writing).
 
   ``trust`` (a :class:`TrustPolicy`, default ``TrustPolicy()``) decides which keys are trusted and
-  how unsigned files are treated; every refusal is a named :class:`RegistryError`, counted in
+  how unsigned files are treated; ``weights`` is the form restores return by default (module docstring); every refusal is a named :class:`RegistryError`, counted in
   :meth:`stats`. An open registry holds a reader lease (see :mod:`.lease`) until :meth:`close`
   (or garbage collection), so ``gc`` keeps the versions it may restore; use it as a context manager.
   """
@@ -77,8 +150,10 @@ class Registry:
     verify_files: bool = True,
     trusted_keys: Iterable | None = None,
     require_signatures: bool | None = None,
+    weights: str = "f32",
   ):
     self.root = Path(root).absolute()  # Orbax takes absolute paths only
+    self.weights = _check_form(weights)
     if trusted_keys is not None or require_signatures is not None:
       # The keywords TrustPolicy replaces, still accepted from callers not yet moved over.
       if trust is not None:
@@ -282,8 +357,14 @@ class Registry:
         "mesh with Auto axes: jax.sharding.Mesh(devices, ('data', 'model')) or "
         "jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * 2)"
       )
+    packed = _packed_nodes(m.params)
     for path, spec in m.params.items():
       dt = np.dtype(spec["dtype"])
+      if path.rpartition("/")[0] in packed:  # read as stored (small), converted after the restore
+        flat[path] = jax.ShapeDtypeStruct(
+          tuple(spec["shape"]), dt, sharding=SingleDeviceSharding(jax.local_devices()[0])
+        )
+        continue
       if dtype is not None and np.issubdtype(dt, np.floating):
         dt = np.dtype(dtype)
       if mesh is None:
@@ -293,15 +374,76 @@ class Registry:
       flat[path] = jax.ShapeDtypeStruct(tuple(spec["shape"]), dt, sharding=sharding)
     return _nest(flat)
 
-  @staticmethod
-  def _key(name: str, version: str, dtype, mesh) -> tuple:
-    return (name, version, None if dtype is None else np.dtype(dtype).name, _sharding_key(mesh))
+  def _key(self, name: str, version: str, dtype, mesh, weights: str | None = None) -> tuple:
+    form = _check_form(weights or self.weights)
+    return (name, version, None if dtype is None else np.dtype(dtype).name, _sharding_key(mesh), form)
 
-  def restore(self, name: str, version: str | None = None, *, dtype=None, mesh=None, pinned: set | None = None) -> dict:
+  def _resident_need(self, m: Manifest, target, dtype, weights: str) -> int:
+    """Bytes version ``m`` takes resident once restored in form ``weights``."""
+    packed = _packed_nodes(m.params)
+    flat = {p: x for p, x in m.params.items() if p.rpartition("/")[0] not in packed}
+    plain = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(target))
+    plain -= sum(int(np.prod(s["shape"])) * np.dtype(s["dtype"]).itemsize for p, s in m.params.items() if p not in flat)
+    return plain + sum(_packed_bytes(m.params, parent, kind, weights, dtype) for parent, kind in packed.items())
+
+  def _present(self, m: Manifest, params: dict, dtype, mesh, weights: str) -> dict:
+    """Restored stored arrays in form ``weights``: native weights kept packed or dequantized (module docstring)."""
+    from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+    packed = _packed_nodes(m.params)
+    if weights == "stored" or not packed:
+      return params
+    model_size = 1 if mesh is None else int(mesh.shape.get("model", 1))
+    out = jax.tree.map(lambda x: x, params)  # a new tree: the stored one stays as Orbax gave it
+    for parent in packed:
+      *up, leaf = parent.split("/")
+      node = out
+      for key in up:
+        node = node[key]
+      w = block_from_stored({k: np.asarray(v) for k, v in node[leaf].items()})
+      shape = _layout_shape(m.config, m.kind.value, parent)
+      spec = param_partition(m.kind.value, parent, shape, model_size) if mesh is not None else PartitionSpec()
+      if weights == "f32":
+        dense = model_layout(leaf, formats.dequantize(w), shape).astype(np.dtype(dtype or np.float32))
+        sharding = SingleDeviceSharding(jax.devices()[0]) if mesh is None else NamedSharding(mesh, spec)
+        node[leaf] = jax.device_put(dense, sharding)
+        continue
+      # Native: rows are outputs, so a model-axis split of an output dim splits q's rows, one of an
+      # input dim splits its columns (whole blocks only, else replicated).
+      axis = next((i for i, a in enumerate(spec) if a == "model"), None)
+      n_in = in_dims(leaf)
+      axis = None if axis is None else (1 if n_in is not None and axis < n_in else 0)
+      if axis == 1 and (w.shape[1] // formats.BLOCK) % model_size:
+        axis = None
+
+      def put(a, axis=axis):
+        if mesh is None:
+          return jax.device_put(a, SingleDeviceSharding(jax.devices()[0]))
+        parts = [None] * a.ndim
+        if axis is not None:
+          parts[axis] = "model"
+        return jax.device_put(a, NamedSharding(mesh, PartitionSpec(*parts)))
+
+      node[leaf] = w.map(put)
+    return out
+
+  def restore(
+    self,
+    name: str,
+    version: str | None = None,
+    *,
+    dtype=None,
+    mesh=None,
+    pinned: set | None = None,
+    weights: str | None = None,
+  ) -> dict:
     """The weights of one thoughtlet version as a nested dict of arrays (from the resident
-    set if there, else read, checked and restored into ``dtype`` and ``mesh`` sharding)."""
+    set if there, else read, checked and restored into ``dtype`` and ``mesh`` sharding), native weights
+    in form ``weights`` (default: the registry's; see the module docstring). ``dtype`` casts float
+    arrays; packed native weights keep their narrow types (they compute in float32)."""
     version = self.resolve(name, version)
-    key = self._key(name, version, dtype, mesh)
+    weights = _check_form(weights or self.weights)
+    key = self._key(name, version, dtype, mesh, weights)
     with self._lock:
       entry = self._resident.get(key)
       if entry is not None:
@@ -310,10 +452,13 @@ class Registry:
       self._stats.misses += 1
       m = self.manifest(name, version)
       target = self._target(m, dtype, mesh)
-      need = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(target))
+      need = self._resident_need(m, target, dtype, weights)
       for _ in self._resident.make_room(need, set(pinned or ()) | {key}, m.ref):
         self._stats.evictions += 1
     params, seconds = self._read(m, target)  # outside the lock: restores may overlap
+    t0 = time.perf_counter()
+    params = self._present(m, params, dtype, mesh, weights)
+    seconds += time.perf_counter() - t0
     with self._lock:
       self._stats.restore_seconds[m.ref] = seconds
       self._stats.restores += 1
@@ -359,32 +504,41 @@ class Registry:
     return params, time.perf_counter() - t0
 
   def restore_many(
-    self, units: Sequence[tuple[str, str | None]], *, dtype=None, mesh=None, workers: int = 4
+    self,
+    units: Sequence[tuple[str, str | None]],
+    *,
+    dtype=None,
+    mesh=None,
+    workers: int = 4,
+    weights: str | None = None,
   ) -> list[dict]:
     """Restore several versions that must be resident together (one path), up to ``workers``
     at a time; the byte budget is checked for all of them before anything is read."""
+    weights = _check_form(weights or self.weights)
     with self._lock:
       resolved = [(n, self.resolve(n, v)) for n, v in units]
-      keyed = {self._key(n, v, dtype, mesh) for n, v in resolved}
-      missing = [u for u in dict.fromkeys(resolved) if self._resident.get(self._key(*u, dtype, mesh)) is None]
+      keyed = {self._key(n, v, dtype, mesh, weights) for n, v in resolved}
+      missing = [u for u in dict.fromkeys(resolved) if self._resident.get(self._key(*u, dtype, mesh, weights)) is None]
       if self._resident.budget is not None:
         need = 0
         for n, v in missing:
           m = self.manifest(n, v)
-          need += sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(self._target(m, dtype, None)))
+          need += self._resident_need(m, self._target(m, dtype, None), dtype, weights)
         for _ in self._resident.make_room(need, keyed, "this path"):
           self._stats.evictions += 1
+    kw = dict(dtype=dtype, mesh=mesh, pinned=keyed, weights=weights)
     if len(missing) > 1 and workers > 1:
       with concurrent.futures.ThreadPoolExecutor(min(workers, len(missing))) as pool:
-        futures = [pool.submit(self.restore, n, v, dtype=dtype, mesh=mesh, pinned=keyed) for n, v in missing]
+        futures = [pool.submit(self.restore, n, v, **kw) for n, v in missing]
         for f in futures:
           f.result()
-    return [self.restore(n, v, dtype=dtype, mesh=mesh, pinned=keyed) for n, v in resolved]
+    return [self.restore(n, v, **kw) for n, v in resolved]
 
-  def thoughtlet(self, name: str, version: str | None = None) -> Thoughtlet:
-    """A published version as a :class:`Thoughtlet` (weights restored), e.g. to derive a new one."""
+  def thoughtlet(self, name: str, version: str | None = None, *, weights: str = "native") -> Thoughtlet:
+    """A published version as a :class:`Thoughtlet` (weights restored), e.g. to derive a new one. Native
+    weights stay packed by default: the form it was profiled in and that republishing stores."""
     m = self.manifest(name, version)
-    params = self.restore(name, m.version)
+    params = self.restore(name, m.version, weights=weights)
     return Thoughtlet(m.name, m.kind, m.signature, params, m.config, m.layers, m.profile)
 
   def evict_all(self) -> None:

@@ -65,13 +65,17 @@ def shipped_calibration(registry):
 def ensure_default(progress: Progress | None = None, *, root: Path | None = None):
   """Build and calibrate the default registry if needed; returns it opened (:class:`Registry`)."""
   from thoughtjax.fetch import DEFAULT_MODEL
-  from thoughtjax.registry import Registry, build, is_registry
+  from thoughtjax.registry import Registry, build, is_older_format, is_registry
   from thoughtjax.registry.calibration_store import MissingCalibrationError, read_calibration, write_calibration
+  from thoughtjax.registry.layout import index_format
   from thoughtjax.synthesis import calibrate as cal_lib
 
   report = progress or (lambda stage, done, total, item: None)
   root = Path(root) if root is not None else default_registry_dir()
-  if not is_registry(root):
+  older = is_older_format(root)  # a cache of an older thoughtjax: rebuilt in place, and said so
+  if older:
+    report(f"rebuild: {root} holds a registry of an older format ({index_format(root)}); building it anew", 0, 1, "")
+  if older or not is_registry(root):
     root.parent.mkdir(parents=True, exist_ok=True)
     build(
       root,
@@ -79,6 +83,7 @@ def ensure_default(progress: Progress | None = None, *, root: Path | None = None
       DEFAULT_MODEL,
       settings=None,
       progress=lambda stage, name, done, total: report(f"build {stage}", done, total, name),
+      replace_old_format=older,
     )
   reg = Registry.open(root)
   try:

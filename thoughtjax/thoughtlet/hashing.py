@@ -4,7 +4,8 @@
 :func:`canonical_json` of the identity, then every weight in sorted path order as a
 length-prefixed header (path, little-endian dtype, shape) and its length-prefixed
 little-endian bytes. Published versions are named by it: any change here renames every
-published thoughtlet, so the bytes are pinned by tests.
+published thoughtlet, so the bytes are pinned by tests. Packed weights are hashed in their stored
+form (:mod:`.stored`): the hash covers the packed bytes, and a weight hashes the same in memory and on disk.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from thoughtjax.thoughtlet.stored import to_stored
 
 HASH_DOMAIN = b"thoughtjax.thoughtlet/1\n"
 
@@ -39,8 +42,8 @@ def flat_params(params: Mapping[str, Any], prefix: str = "") -> list[tuple[str, 
 
 
 def param_spec(params: Mapping[str, Any]) -> dict[str, dict]:
-  """``{path: {"shape": [...], "dtype": name}}`` of every weight: the parameter tree's layout."""
-  return {p: {"shape": list(np.shape(x)), "dtype": np.dtype(x.dtype).name} for p, x in flat_params(params)}
+  """``{path: {"shape": [...], "dtype": name}}`` of every weight as stored: the parameter tree's layout."""
+  return {p: {"shape": list(np.shape(x)), "dtype": np.dtype(x.dtype).name} for p, x in flat_params(to_stored(params))}
 
 
 def _update_weight(h, path: str, leaf) -> None:
@@ -59,6 +62,6 @@ def versioned_hash(identity: Mapping, params: Mapping[str, Any]) -> str:
   blob = canonical_json(identity)
   h.update(len(blob).to_bytes(8, "little"))
   h.update(blob)
-  for path, leaf in flat_params(params):
+  for path, leaf in flat_params(to_stored(params)):
     _update_weight(h, path, leaf)
   return h.hexdigest()
