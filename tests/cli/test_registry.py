@@ -211,3 +211,42 @@ def test_trust_flags_reach_the_registry_end_to_end(cli_registry, tmp_path, capsy
     assert re.fullmatch(
       rf"thoughtjax {command}: error: \w+Error: .*{re.escape(str(reg_dir))}/index\.json.*trusted.*", lines[0]
     ), err
+
+
+def test_build_stores_a_quantized_gguf_packed_and_replaces_an_older_format(tmp_path, capsys, monkeypatch):
+  """``registry build`` keeps a Q4_1 GGUF's blocks (``--weights f32``: float32); a registry of an older
+  format is refused by every command with the rebuild command, which ``--replace-old-format`` runs."""
+  from tests.registry.helpers import read_index, write_index
+  from tests.tiny import write_gguf
+
+  monkeypatch.setenv("THOUGHTJAX_CACHE", str(tmp_path / "cache"))
+  cfg, model = tiny_model("llama_gqa", seed=2)
+  src = write_gguf(tmp_path / "m.gguf", cfg, model, "Q4_1")
+  (tmp_path / "mapping.yaml").write_text(mapping_text([(0, 1), (1, 3)], 3))
+  common = ["registry", "build", "--model", str(src), "--mapping", str(tmp_path / "mapping.yaml"), "--no-profile"]
+  assert cli.main([*common, "--out", str(tmp_path / "native")]) == 0
+  assert cli.main([*common, "--out", str(tmp_path / "f32"), "--weights", "f32"]) == 0
+  native, f32 = Registry.open(tmp_path / "native"), Registry.open(tmp_path / "f32")
+  assert "0/mlp/up/Q4_1" in native.manifest("blocks[0:1)").params
+  assert "0/mlp/up" in f32.manifest("blocks[0:1)").params
+  assert native.manifest("blocks[1:3)").param_bytes < 0.2 * f32.manifest("blocks[1:3)").param_bytes
+  ids = [5, 6, 7, 8]
+  assert (
+    compose("embed, blocks[0:3), head", native).logits(ids) == compose("embed, blocks[0:3), head", f32).logits(ids)
+  ).all()
+
+  body, _ = read_index(tmp_path / "native")
+  body["format"] = "thoughtjax.registry/1"
+  write_index(tmp_path / "native", body, None)
+  capsys.readouterr()
+  assert cli.main(["registry", "list", str(tmp_path / "native")]) == 2
+  err = capsys.readouterr().err
+  assert (
+    "RegistryFormatError" in err
+    and f"thoughtjax registry build --out {tmp_path / 'native'} --replace-old-format" in err
+  )
+  assert cli.main([*common, "--out", str(tmp_path / "native")]) == 2
+  assert "--replace-old-format" in capsys.readouterr().err
+  assert cli.main([*common, "--out", str(tmp_path / "native"), "--replace-old-format"]) == 0
+  assert "older format" in capsys.readouterr().err
+  assert Registry.open(tmp_path / "native").current == native.current  # the same content-addressed versions
