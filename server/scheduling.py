@@ -252,13 +252,18 @@ class ContinuousScheduler(SimpleScheduler):
   A request takes a turn (``max_concurrent`` turns over all paths, ``max_queue`` waiting, beyond it
   :class:`QueueFull` at once), runs ``start`` (plan, restore, compose) on a worker, and is refused with
   :class:`DeadlineExpired` before it takes a slot when the plan's predicted compile + prefill + decode does not
-  fit in the call's remaining deadline. It then prefills on a worker (the alone run's program; no slot yet),
-  takes a free slot and joins at the next decode chunk; its deltas come back from the driver. When the call
-  ends early (cancelled, connection closed, deadline) its slot is cancelled and freed at the end of the chunk
-  running then; the turn is released once the slot is free. Chunks between cancel and free are recorded
-  (:class:`RequestRecord`). Engines are made lazily, at most ``max_engines``; an idle one is evicted for a new
-  path (all busy: :class:`QueueFull`). A run that does not hold its own generation carrying its inputs
-  (``Generation.inputs``; e.g. a wrapper that forwards it) runs alone, as in :class:`SimpleScheduler`.
+  fit in the call's remaining deadline. It is then submitted to its engine's driver, which prefills the
+  requests waiting at that moment together in one program call (at most one prefill call between two decode
+  chunks), sends each first token at once, places each in a free slot, and it joins at the next decode chunk;
+  its deltas come back from the driver. When the call ends early (cancelled, connection closed, deadline) its
+  slot (or its place in the driver's queue) is cancelled and freed at the end of the chunk running then; the
+  turn is released once the slot is free. Chunks between cancel and free are recorded (:class:`RequestRecord`).
+
+  Engines are made lazily per path and ring length (the request's prompt + max_tokens bucket, at least
+  ``cache_len``: a short request does not pay attention over a long ring), at most ``max_engines``; past that a
+  request joins the path's smallest engine that fits it, else an idle engine is evicted for it (all busy:
+  :class:`QueueFull`). A run that does not hold its own generation carrying its inputs (``Generation.inputs``;
+  e.g. a wrapper that forwards it) runs alone, as in :class:`SimpleScheduler`.
   """
 
   def __init__(
@@ -267,7 +272,7 @@ class ContinuousScheduler(SimpleScheduler):
     max_queue: int,
     *,
     max_engines: int = 4,
-    cache_len: int = 512,
+    cache_len: int = 64,
     keep_records: int = 256,
   ):
     super().__init__(max_concurrent, max_queue, keep_records=keep_records)
@@ -292,12 +297,16 @@ class ContinuousScheduler(SimpleScheduler):
     from thoughtjax.program import bucket
     from thoughtjax.serving import SlotDriver, SlotEngine
 
-    cache_len = min(max(self.cache_len, bucket(tokens)), model.config.max_context)
-    key = (model.path_hash, tuple(model.layers), model.kernels, model.chunk, cache_len)
+    cache_len = min(bucket(tokens, self.cache_len), model.config.max_context)
+    path = (model.path_hash, tuple(model.layers), model.kernels, model.chunk)
+    key = (*path, cache_len)
     with self._engines_lock:
       driver = self._engines.get(key)
+      if driver is None and len(self._engines) >= self.max_engines:  # the path's smallest engine that fits
+        fits = [(k[-1], k) for k in self._engines if k[:-1] == path and k[-1] >= cache_len]
+        driver = self._engines[min(fits)[1]] if fits else None
       if driver is not None:
-        self._engines.move_to_end(key)
+        self._engines.move_to_end(next(k for k, d in self._engines.items() if d is driver))
         return driver
       if len(self._engines) >= self.max_engines:
         idle = next((k for k, d in self._engines.items() if d.engine.active == 0), None)
@@ -333,12 +342,12 @@ class ContinuousScheduler(SimpleScheduler):
       model, (ids,), (params,) = inputs
       self._refuse_late(run, request_id, deadline)
       driver = await asyncio.wrap_future(self._executor.submit(self._driver, model, len(ids) + params.max_tokens))
-      pre = await asyncio.wrap_future(self._executor.submit(driver.engine.prefill, ids, params))
       ready: asyncio.Queue = asyncio.Queue()
-      # The prefill's token goes out at once; the slot is taken on a worker (it waits for the chunk running).
-      slot = box["slot"] = driver.engine.admit(pre, on_delta=lambda d: loop.call_soon_threadsafe(ready.put_nowait, d))
-      box["insert"] = self._executor.submit(driver.place, slot, pre)
-      box["insert"].add_done_callback(lambda f: _end_unplaced(slot, f))
+      # The driver prefills it with the others waiting then; its first token goes out as soon as that call ends.
+      box["insert"] = self._executor.submit(
+        driver.submit, ids, params, on_delta=lambda d: loop.call_soon_threadsafe(ready.put_nowait, d)
+      )
+      slot = box["slot"] = await asyncio.wrap_future(box["insert"])
       run.generation.close()  # the library's own (never started) generation; the slot runs the request
       run.generation = slot
       yield run
@@ -351,7 +360,6 @@ class ContinuousScheduler(SimpleScheduler):
             f"request {request_id}: the deadline passed while generating; give a longer deadline or fewer max_tokens"
           ) from None
         if d is None:  # the slot ended: let the run finish its trace (or raise the engine's error)
-          await asyncio.wrap_future(box["insert"])  # raises what place() raised
           for _ in iter(lambda: _next(run), _END):
             pass
           ended = "finished" if slot.error is None else "failed"
@@ -407,8 +415,10 @@ class ContinuousScheduler(SimpleScheduler):
     def finish():
       try:
         futures = [box[k] for k in ("start", "insert", "next") if k in box]
-        concurrent.futures.wait(futures)  # work in flight ends first (a run placed late is cancelled below)
-        s = box.get("slot")
+        concurrent.futures.wait(futures)  # work in flight ends first (a run submitted late is cancelled below)
+        s, submitted = box.get("slot"), box.get("insert")
+        if s is None and submitted is not None and not submitted.cancelled() and submitted.exception() is None:
+          s = submitted.result()  # the call ended while its request was being submitted
         if s is not None:
           s.cancel()
           s.freed.wait()
@@ -443,12 +453,6 @@ class ContinuousScheduler(SimpleScheduler):
     for d in drivers:
       d.close()
     super().close()
-
-
-def _end_unplaced(slot, placed: concurrent.futures.Future) -> None:
-  """A run whose place() failed never got a slot: end it with that error (its stream raises it)."""
-  if placed.exception() is not None and not slot.finished:
-    slot._end(placed.exception())
 
 
 def make_scheduler(config) -> Scheduler:

@@ -75,10 +75,14 @@ def test_concurrent_streams_share_one_engine_and_each_gives_its_alone_tokens(bat
     assert ids == want.token_ids and final.text == want.text and final.usage.tokens_out == len(ids)
   assert batched.call(lambda: sched.wait_idle(60))
   snap = sched.snapshot()
-  # One engine per path: the plan of each request is the planner's (equal-quality paths can swap as it learns).
-  assert 1 <= snap["engines"] <= 2 and snap["slots_in_use"] == 0 and snap["running"] == 0, snap
+  # One engine per path and ring length: the four short requests share the 64-token ring of their path, the long
+  # one has a longer ring (the plan of each request is the planner's: equal-quality paths can swap as it learns).
+  paths = {k[:-1] for k in sched._engines}
+  assert 1 <= len(paths) <= 2 and snap["engines"] <= 2 * len(paths), snap
+  assert snap["slots_in_use"] == 0 and snap["running"] == 0, snap
   engines = [d.engine for d in sched._engines.values()]
   assert sum(e.freed_total for e in engines) - before == 5 and {e.slots for e in engines} == {4}
+  assert {e.cache_len for e in engines} <= {64, 256}
 
 
 def test_a_cancelled_stream_frees_its_slot_within_one_chunk(batched):
