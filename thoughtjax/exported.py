@@ -1,0 +1,279 @@
+"""Serialized programs: a jitted function traced and lowered once, then loaded by later processes.
+
+Tracing and lowering the unrolled 30-layer generation program takes seconds in every new process,
+even when JAX's persistent compilation cache then hands back the compiled executable. ``jax.export``
+serializes the lowered program (StableHLO bytecode); a later process deserializes it and calls it
+through ``jax.jit(exported.call)``, which costs a small trace and a module parse, and the compiled
+executable of that call comes from the persistent compilation cache as before.
+
+One entry point, :func:`wrap`::
+
+  self._advance = exported.wrap(jax.jit(fn, donate_argnums=(4,)), key=..., donate_argnums=(4,), out_like=4)
+
+returns a callable that behaves as the jitted function (``.trace``/``.lower`` and every other attribute
+are the jitted function's). Per argument signature (tree structure, shapes, dtypes, weak types,
+shardings) it loads the artifact or exports and stores one. Arguments are flattened to their leaves
+before export, so any pytree (NNX states, NamedTuples) goes through; ``out_like`` names the argument
+whose tree structure the output has (the output comes back as a flat list of leaves without it).
+
+An artifact is keyed by everything that determines the program: the caller's ``key`` (e.g. the
+program key, graph definitions and model config), the argument signature, the donated arguments,
+the jax and jaxlib versions, the backend and its devices, and a hash of the thoughtjax sources (a
+code change makes a new program). It is stored as ``<cache>/exported/<sha256 of the key>.jaxexp``:
+a magic line, a JSON header holding the whole key and the payload's sha256, then the payload;
+written to a temporary file, fsynced and renamed into place, so a reader sees a whole file or none.
+A file that does not check out (bad magic, unreadable header, another key under the same name,
+payload hash mismatch, deserialization failure) is refused: a warning names the file and the
+problem, :data:`EXPORT_STATS` counts it under ``"refused"``, and the program is exported again and
+the file replaced (it is derived data, like the compilation cache). A function ``jax.export``
+cannot serialize (host callbacks, custom calls it does not allow) runs as plain ``jax.jit``,
+counted under ``"unexportable"``.
+
+``THOUGHTJAX_EXPORT_CACHE``: a directory for the artifacts (default ``<thoughtjax cache>/exported``),
+or ``off`` to make :func:`wrap` return the jitted function unchanged.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import jaxlib
+
+MAGIC = b"thoughtjax-exported 1\n"
+SUFFIX = ".jaxexp"
+# Outcomes: "loaded" (artifact used), "exported" (written), "refused" (a bad file, rebuilt),
+# "unexportable" (plain jit used), "write_failed" (could not store; plain export used in process).
+EXPORT_STATS: collections.Counter = collections.Counter()
+
+_source_hash: str | None = None
+
+
+class ExportedArtifactError(RuntimeError):
+  """An artifact on disk failed a check; caught inside this module (counted, warned, rebuilt)."""
+
+
+def export_dir() -> Path | None:
+  """Where artifacts live (None: turned off with ``THOUGHTJAX_EXPORT_CACHE=off``)."""
+  env = os.environ.get("THOUGHTJAX_EXPORT_CACHE")
+  if env is not None and env.strip().lower() in ("off", "0", "none", ""):
+    return None
+  if env:
+    return Path(env).expanduser()
+  from thoughtjax.fetch import cache_dir
+
+  return cache_dir() / "exported"
+
+
+def source_hash() -> str:
+  """sha256 over the thoughtjax package's Python sources (names and bytes); computed once per process."""
+  global _source_hash
+  if _source_hash is None:
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+      h.update(str(path.relative_to(root)).encode() + b"\0")
+      h.update(path.read_bytes())
+    _source_hash = h.hexdigest()
+  return _source_hash
+
+
+def _leaf_sig(x) -> tuple:
+  aval = jax.typeof(x)
+  return (
+    tuple(aval.shape),
+    str(aval.dtype),
+    bool(getattr(aval, "weak_type", False)),
+    repr(getattr(x, "sharding", None)),
+  )
+
+
+def _platform_key() -> dict:
+  devices = jax.devices()
+  return {
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "backend": jax.default_backend(),
+    "devices": [f"{d.platform}:{d.device_kind}:{d.id}" for d in devices],
+    "x64": bool(jax.config.jax_enable_x64),
+  }
+
+
+class ExportedFunction:
+  """A jitted function whose lowered programs are stored and loaded by :mod:`thoughtjax.exported`."""
+
+  def __init__(
+    self,
+    jitted,
+    key: str,
+    *,
+    donate_argnums: Sequence[int] = (),
+    out_like: int | None = None,
+    directory: Path | None = None,
+  ):
+    self._jitted, self._key, self._donate = jitted, str(key), tuple(donate_argnums)
+    self._out_like, self._dir = out_like, directory
+    self._calls: dict[tuple, Callable] = {}
+    self._lock = threading.Lock()
+
+  def __getattr__(self, name):  # .trace, .lower, ... are the jitted function's
+    return getattr(self._jitted, name)
+
+  def __call__(self, *args):
+    leaves, treedef = jax.tree.flatten(args)
+    sig = (str(treedef), tuple(_leaf_sig(x) for x in leaves))
+    call = self._calls.get(sig)
+    if call is None:
+      with self._lock:
+        call = self._calls.get(sig) or self._build(args, leaves, treedef, sig)
+        self._calls[sig] = call
+    if call is self._jitted:  # not exportable: the plain jitted function on the arguments as given
+      return call(*args)
+    out = call(*leaves)
+    if self._out_like is None:
+      return out
+    return jax.tree.unflatten(jax.tree.structure(args[self._out_like]), out)
+
+  # ---- building ---------------------------------------------------------------------
+  def _full_key(self, sig, donated: list[int]) -> dict:
+    key = {
+      "key": self._key,
+      "in_tree": sig[0],
+      "leaves": [list(s) for s in sig[1]],
+      "donated_leaves": donated,
+      "out_like": self._out_like,
+      "platform": _platform_key(),
+      "sources": source_hash(),
+    }
+    return json.loads(json.dumps(key))  # as it reads back from the file (tuples become lists)
+
+  def _build(self, args, leaves, treedef, sig) -> Callable:
+    counts = [len(jax.tree.leaves(a)) for a in args]
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    donated = [j for i in self._donate for j in range(starts[i], starts[i] + counts[i])]
+    full_key = self._full_key(sig, donated)
+    directory = self._dir if self._dir is not None else export_dir()
+    path = None
+    if directory is not None:
+      digest = hashlib.sha256(json.dumps(full_key, sort_keys=True).encode()).hexdigest()
+      path = directory / f"{digest}{SUFFIX}"
+      if path.exists():
+        try:
+          exp = _read(path, full_key)
+          EXPORT_STATS["loaded"] += 1
+          return jax.jit(exp.call, donate_argnums=tuple(donated))
+        except ExportedArtifactError as e:
+          EXPORT_STATS["refused"] += 1
+          print(
+            f"thoughtjax: warning: exported program {path} refused: {e}; exporting it again and replacing the file",
+            file=sys.stderr,
+            flush=True,
+          )
+    jitted, out_like = self._jitted, self._out_like
+
+    def flat(*xs):
+      out = jitted(*jax.tree.unflatten(treedef, list(xs)))
+      if out_like is None:
+        return out
+      return jax.tree.leaves(out)
+
+    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)) for x in leaves]
+    try:
+      exp = jax.export.export(jax.jit(flat, donate_argnums=tuple(donated)))(*specs)
+      payload = bytes(exp.serialize())
+    except Exception as e:  # noqa: BLE001 (any export failure means: run it as plain jit)
+      EXPORT_STATS["unexportable"] += 1
+      print(
+        f"thoughtjax: note: program {self._key[:80]!r} cannot be exported ({type(e).__name__}: {e}); "
+        "it runs as plain jit",
+        file=sys.stderr,
+        flush=True,
+      )
+      return self._jitted
+    if path is not None:
+      try:
+        _write(path, full_key, payload)
+        EXPORT_STATS["exported"] += 1
+      except OSError as e:
+        EXPORT_STATS["write_failed"] += 1
+        print(f"thoughtjax: warning: could not store exported program {path}: {e}", file=sys.stderr, flush=True)
+    return jax.jit(exp.call, donate_argnums=tuple(donated))
+
+
+def _write(path: Path, full_key: dict, payload: bytes) -> None:
+  """Store atomically: temporary file in the same directory, fsync, rename."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  header = json.dumps({"key": full_key, "payload_sha256": hashlib.sha256(payload).hexdigest(), "size": len(payload)})
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=SUFFIX)
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(MAGIC)
+      f.write(header.encode() + b"\n")
+      f.write(payload)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    Path(tmp).unlink(missing_ok=True)
+    raise
+
+
+def _read(path: Path, full_key: dict) -> jax.export.Exported:
+  """The artifact at ``path`` if it is whole and holds ``full_key``'s program; else ExportedArtifactError."""
+  try:
+    data = path.read_bytes()
+  except OSError as e:
+    raise ExportedArtifactError(f"unreadable ({e})") from None
+  if not data.startswith(MAGIC):
+    raise ExportedArtifactError(f"expected it to start with {MAGIC!r}, found {data[: len(MAGIC)]!r}")
+  end = data.find(b"\n", len(MAGIC))
+  try:
+    header = json.loads(data[len(MAGIC) : end])
+    stored_key, want_sha, size = header["key"], header["payload_sha256"], header["size"]
+  except (ValueError, KeyError, TypeError) as e:
+    raise ExportedArtifactError(f"its header is unreadable ({e})") from None
+  if stored_key != full_key:
+    diff = sorted(k for k in set(stored_key) | set(full_key) if stored_key.get(k) != full_key.get(k))
+    raise ExportedArtifactError(f"it holds another program (key fields differ: {', '.join(diff)})")
+  payload = data[end + 1 :]
+  if len(payload) != size:
+    raise ExportedArtifactError(f"expected a {size}-byte payload, found {len(payload)} bytes (truncated?)")
+  got = hashlib.sha256(payload).hexdigest()
+  if got != want_sha:
+    raise ExportedArtifactError(f"payload sha256 {got} differs from the recorded {want_sha} (edited or corrupt)")
+  try:
+    return jax.export.deserialize(bytearray(payload))
+  except Exception as e:  # noqa: BLE001 (a payload that passed its hash but does not parse: another jax?)
+    raise ExportedArtifactError(f"it does not deserialize ({type(e).__name__}: {e})") from None
+
+
+def wrap_program(prog) -> None:
+  """The hook for :class:`thoughtjax.program.Program`: its ``_advance`` loaded from / stored as an artifact,
+  keyed by the program key, graph definitions and model config (the state argument, 4, is donated)."""
+  prog._advance = wrap(prog._advance, key=(prog.key, prog.defs, prog.cfg), donate_argnums=(4,), out_like=4)
+
+
+def wrap(jitted, *, key, donate_argnums: Sequence[int] = (), out_like: int | None = None, directory=None):
+  """``jitted`` whose programs are exported once and loaded by later processes (see the module docstring).
+
+  ``key``: what identifies the program beyond its arguments (a string or anything with a stable repr);
+  ``donate_argnums``: as given to ``jax.jit``; ``out_like``: the argument whose tree the output has.
+  Returns ``jitted`` itself when the export cache is off.
+  """
+  if directory is None and export_dir() is None:
+    return jitted
+  return ExportedFunction(
+    jitted,
+    key if isinstance(key, str) else repr(key),
+    donate_argnums=donate_argnums,
+    out_like=out_like,
+    directory=None if directory is None else Path(directory),
+  )
