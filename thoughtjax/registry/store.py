@@ -411,7 +411,7 @@ class Registry:
       # Native: rows are outputs, so a model-axis split of an output dim splits q's rows, one of an
       # input dim splits its columns (whole blocks only, else replicated).
       axis = next((i for i, a in enumerate(spec) if a == "model"), None)
-      n_in = in_dims(leaf)
+      n_in = in_dims(leaf, w.shape, shape)
       axis = None if axis is None else (1 if n_in is not None and axis < n_in else 0)
       if axis == 1 and (w.shape[1] // formats.BLOCK) % model_size:
         axis = None

@@ -22,8 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from thoughtjax import formats
-from thoughtjax.formats import BLOCK, BlockQuant, RowInt8, WeightFormatError
+from thoughtjax.formats import BLOCK, KINDS, BlockQuant, RowInt8, WeightFormatError
 
 INT8_KEYS = frozenset({"int8", "scale"})
 
@@ -39,7 +38,7 @@ def stored_kind(node: Any) -> str | None:
   keys = frozenset(node)
   if keys == INT8_KEYS:
     return "int8"
-  kinds = [k for k in formats.KINDS if k in keys]
+  kinds = [k for k in KINDS if k in keys]
   return kinds[0] if len(kinds) == 1 and keys == _block_keys(kinds[0]) else None
 
 
@@ -76,7 +75,7 @@ def block_to_stored(w: BlockQuant) -> dict:
 def block_from_stored(node: Mapping) -> BlockQuant:
   """The in-memory :class:`BlockQuant` (numpy) of a stored block weight: nibbles one per byte, scales float32."""
   kind = stored_kind(node)
-  if kind not in formats.KINDS:
+  if kind not in KINDS:
     raise WeightFormatError(
       f"not a stored block weight: keys {sorted(node)}; expected {{Q8_0|Q4_0|Q4_1, scale[, min]}}"
     )
@@ -117,20 +116,29 @@ def to_stored(params: Mapping) -> dict:
 def has_blocks(params: Mapping) -> bool:
   """Whether a stored tree holds any native block weight."""
   return any(
-    stored_kind(v) in formats.KINDS or (isinstance(v, Mapping) and stored_kind(v) is None and has_blocks(v))
+    stored_kind(v) in KINDS or (isinstance(v, Mapping) and stored_kind(v) is None and has_blocks(v))
     for v in params.values()
   )
 
 
-def in_dims(name: str) -> int | None:
-  """How many leading dims of parameter ``name`` (model layout) are its inputs; None: held as [O, I]
-  already (the embedding table, the unembedding)."""
-  from thoughtjax.weights import _IN_DIMS  # the one table of the model's [in..., out...] parameters
+# Parameters the model holds as [O, I] already ([V, D]); every other matrix is a projection held as
+# [in..., out...] (thoughtjax.weights lays the float32 model out so).
+_AS_ROWS = frozenset({"table", "unembed"})
 
-  return _IN_DIMS.get(name)
+
+def in_dims(name: str, rows_cols: tuple[int, int], shape: tuple[int, ...]) -> int | None:
+  """How many leading dims of parameter ``name`` (model layout ``shape``) are the inputs of its [O, I]
+  matrix ``rows_cols``; None when the model holds it as [O, I] already."""
+  if name in _AS_ROWS:
+    return None
+  rows, cols = rows_cols
+  for n in range(1, len(shape)):
+    if int(np.prod(shape[:n])) == cols and int(np.prod(shape[n:])) == rows:
+      return n
+  raise WeightFormatError(f"parameter {name}: an [O, I] = {list(rows_cols)} matrix does not fit the model's {shape}")
 
 
 def model_layout(name: str, dense: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
   """A dense [O, I] matrix of parameter ``name`` in the model's layout ``shape`` (as the float32 loader
   lays it out: ``W.T.reshape(shape)`` for projections, [V, D] as it is)."""
-  return dense.reshape(shape) if in_dims(name) is None else dense.T.reshape(shape)
+  return dense.reshape(shape) if in_dims(name, dense.shape, shape) is None else dense.T.reshape(shape)
