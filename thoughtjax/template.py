@@ -65,4 +65,12 @@ class Template:
 
 
 def _rows(table: jax.Array, ids: Sequence[int]) -> jax.Array:
-  return jnp.take(table, jnp.asarray(np.asarray(ids, np.int32).reshape(-1)), axis=0)
+  """Rows ``table[ids]`` [P, D]. A table in host memory is gathered by numpy (a view, no copy): an eager
+  ``jnp.take`` compiles or fetches a small program in every new process, on the start-up path of chat."""
+  idx = np.asarray(ids, np.int32).reshape(-1)
+  if isinstance(table, np.ndarray):
+    return jax.device_put(table[idx])
+  if isinstance(table, jax.Array) and {d.platform for d in table.sharding.device_set} == {"cpu"}:
+    if len(table.sharding.device_set) == 1:
+      return jax.device_put(np.asarray(table)[idx], next(iter(table.sharding.device_set)))
+  return jnp.take(table, jnp.asarray(idx), axis=0)
