@@ -24,6 +24,7 @@ def test_bench_serve_quick_writes_every_section(tmp_path, capsys):
     assert r["errors"] == 0 and r["requests"] == r["streams"]  # one round per client
     assert r["tokens"] == r["requests"] * 8  # EOS suppressed: every stream decodes max_tokens
     assert r["tok_s"] > 0 and r["ttft_p50_ms"] <= r["ttft_p99_ms"]
+    assert r["prefilled"] == r["requests"] and 1 <= r["prefill_calls"] <= r["requests"] and r["decode_chunks"] >= 1
   s = d["static_batch8"]
   assert s["batch"] == 8 and s["tokens"] == 64 and s["tok_s"] > 0
   assert d["ratio_8_streams_to_static_batch8"] > 0 and d["ttft_p50_8_over_1"] > 0

@@ -6,7 +6,8 @@ path of a registry (default: the default registry's full path), every stream dec
 
 1. **concurrency**: at 1, 4, 8 and 16 concurrent streams (closed loop: each client starts its next stream when
    one ends; ``--rounds`` streams per client, bounded by ``--level-seconds``): p50/p99 time to first token
-   (call -> first token on the client) and aggregate tokens/s (tokens / wall time of the level);
+   (call -> first token on the client) and aggregate tokens/s (tokens / wall time of the level), with the slot
+   engines' prefill calls and the requests they prefilled (waiting requests are prefilled together);
 2. **static batch 8**: ``Model.generate_batch`` of 8 prompts on the same path, warm: tokens/s; the ratios
    (aims: 8 streams >= 0.9x static batch 8; p50 TTFT at 8 streams <= 2x single-stream p50);
 3. **cancellation**: streams cancelled after their first delta: time from the slot's cancel to its release
@@ -107,6 +108,16 @@ class _Load:
 
   def close(self) -> None:
     self.channel.close()
+
+
+def _engine_counts(scheduler) -> tuple[int, int, int]:
+  """(prefill calls, requests prefilled, decode chunks) over the scheduler's slot engines so far."""
+  engines = [d.engine for d in list(scheduler._engines.values())]
+  return (
+    sum(e.prefill_calls for e in engines),
+    sum(e.prefill_rows for e in engines),
+    sum(e.chunks for e in engines),
+  )
 
 
 def bench_static(model, ids: list[int], params, reps: int) -> dict:
@@ -260,16 +271,22 @@ def main(argv=None) -> int:
     load = _Load(srv.port, request)
     try:
       load.closed_loop(min(args.slots, 2), 1, args.level_seconds, args.timeout)  # compile prefill, insert, chunk
+      sched = srv.app.service.scheduler
+      for d in list(sched._engines.values()):  # every prefill batch size the levels may meet
+        d.engine.warm(prompt_len)
       rows = []
       for c in levels:
-        rows.append(load.closed_loop(c, rounds, args.level_seconds, args.timeout))
+        before = _engine_counts(sched)
+        row = load.closed_loop(c, rounds, args.level_seconds, args.timeout)
+        after = _engine_counts(sched)
+        row["prefill_calls"], row["prefilled"], row["decode_chunks"] = (a - b for a, b in zip(after, before))
+        rows.append(row)
       result["levels"] = rows
       by = {r["streams"]: r for r in rows}
       if 8 in by:
         result["ratio_8_streams_to_static_batch8"] = by[8]["tok_s"] / static["tok_s"]
       if 8 in by and 1 in by:
         result["ttft_p50_8_over_1"] = by[8]["ttft_p50_ms"] / by[1]["ttft_p50_ms"]
-      sched = srv.app.service.scheduler
       result["cancellation"] = bench_cancel(load, sched, args.cancels or (2 if quick else 8), args.timeout)
       if args.soak:
         result["soak"] = bench_soak(load, args.soak, args.timeout)
@@ -279,13 +296,13 @@ def main(argv=None) -> int:
 
   common.print_table(
     f"gRPC streams on loopback, path {path} ({prompt_len} prompt tokens, {n} tokens per stream, {args.slots} slots)",
-    ["streams", "requests", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "errors"],
+    ["streams", "requests", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "errors", "prefill calls", "decode chunks"],
     [
       [r["streams"], r["requests"], _f(r["tok_s"], ".1f"), _f(r["ttft_p50_ms"], ".1f"), _f(r["ttft_p99_ms"], ".1f")]
-      + [r["errors"]]
+      + [r["errors"], r["prefill_calls"], r["decode_chunks"]]
       for r in result["levels"]
     ],
-    right=("streams", "requests", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "errors"),
+    right=("streams", "requests", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "errors", "prefill calls", "decode chunks"),
   )
   common.print_table(
     "static batch 8 (Model.generate_batch, same path and sizes) and the ratios",
