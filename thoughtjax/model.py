@@ -86,6 +86,54 @@ def kv_cache_shape(cfg: ModelConfig, batch: int, length: int) -> tuple[int, int,
   return (batch, cfg.num_kv_heads, length, cfg.head_dim)
 
 
+def _write(cache: Array, new: Array, write_at: Array) -> Array:
+  """cache [B, K, S, E] with new [B, K, T, E] at slots write_at.. (clamped into the cache like any DUS)."""
+  zero = jnp.zeros((), jnp.int32)
+  return jax.lax.dynamic_update_slice(cache, new, (zero, zero, write_at, zero))
+
+
+def _after(at: Array, ctx: Array, last: int) -> Array:
+  """``at`` (already in [0, last]) unchanged, as a value computed after ``ctx``.
+
+  An ordering edge for XLA's copy insertion (optimization barriers are gone by then): min(at, last or
+  last + 1, chosen by a test on ctx that holds for any value, NaN included) is at; no pass folds it.
+  """
+  probe = ctx.reshape(-1)[0]
+  return jnp.minimum(at, jnp.where(jnp.isnan(probe) | (probe == probe), last, last + 1))
+
+
+def _before_and_new(cache_k, cache_v, k_new, v_new, write_at, mask):
+  """Attention over the cache as it will be after writing T new keys at ``write_at``, as two parts
+  that read only the cache as it is now: its slots outside [at, at + T), and the new keys in place of
+  those slots (``at`` clamped as dynamic_update_slice clamps). mask [B, T, S] -> masks [B, T, S], [B, T, T]."""
+  S, T = cache_k.shape[2], k_new.shape[2]
+  at = jnp.clip(write_at, 0, S - T)
+  s = jnp.arange(S)
+  replaced = (s >= at) & (s < at + T)
+  return (cache_k, cache_v, mask & ~replaced[None, None, :]), (
+    k_new,
+    v_new,
+    jax.lax.dynamic_slice_in_dim(mask, at, T, 2),
+  )
+
+
+def _attend(qg: Array, parts, B: int, T: int, G: int, E: int) -> Array:
+  """Softmax attention of qg [B, K, T*G, E] over the concatenated key parts (keys [B, K, S_i, E],
+  values [B, K, S_i, E], mask [B, T, S_i]): one softmax over all parts. Returns ctx [B, K, T*G, E]."""
+  scores = []
+  for keys, _, mask in parts:
+    sc = _batched(qg, keys, 3).astype(jnp.float32) * (E**-0.5)  # bkqe,bkse->bkqs
+    allowed = jnp.broadcast_to(mask[:, None, :, None, :], (B, 1, T, G, mask.shape[-1]))
+    scores.append(jnp.where(allowed.reshape(B, 1, T * G, -1), sc, -jnp.inf))
+  probs = jax.nn.softmax(scores[0] if len(scores) == 1 else jnp.concatenate(scores, axis=-1), axis=-1)
+  ctx, start = None, 0
+  for _, values, _ in parts:
+    n = values.shape[2]
+    term = _batched(probs[..., start : start + n].astype(values.dtype), values, 2)  # bkqs,bkse->bkqe
+    ctx, start = term if ctx is None else ctx + term, start + n
+  return ctx
+
+
 class Attention(nnx.Module):
   """Grouped-query self-attention over a KV cache."""
 
@@ -124,18 +172,21 @@ class Attention(nnx.Module):
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     # The cache is [B, K, S, E]: batch dims lead, so both attention contractions are
     # plain batched matmuls with no per-step transpose of the cache.
-    zero = jnp.zeros((), jnp.int32)
-    at = (zero, zero, write_at, zero)
-    cache_k = jax.lax.dynamic_update_slice(cache_k, k.transpose(0, 2, 1, 3).astype(cache_k.dtype), at)
-    cache_v = jax.lax.dynamic_update_slice(cache_v, v.transpose(0, 2, 1, 3).astype(cache_v.dtype), at)
-
+    k_new = k.transpose(0, 2, 1, 3).astype(cache_k.dtype)  # [B, K, T, E]
+    v_new = v.transpose(0, 2, 1, 3).astype(cache_v.dtype)
     G = cfg.group_size  # query heads k*G .. k*G+G-1 share kv head k
     qg = q.reshape(B, T, K, G, E).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, E)
-    scores = _batched(qg, cache_k, 3).astype(jnp.float32) * (E**-0.5)  # bkqe,bkse->bkqs
-    allowed = jnp.broadcast_to(mask[:, None, :, None, :], (B, 1, T, G, mask.shape[-1]))
-    scores = jnp.where(allowed.reshape(B, 1, T * G, -1), scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)
-    ctx = _batched(probs, cache_v, 2)  # bkqs,bkse->bkqe
+    S = cache_k.shape[2]
+    if 2 * T > S:  # a prefill-sized write: attend over the updated cache (the old part is mostly replaced)
+      cache_k, cache_v = _write(cache_k, k_new, write_at), _write(cache_v, v_new, write_at)
+      ctx = _attend(qg, ((cache_k, cache_v, mask),), B, T, G, E)
+    else:
+      ctx = _attend(qg, _before_and_new(cache_k, cache_v, k_new, v_new, write_at, mask), B, T, G, E)
+      # The write is the cache's last use in the step, and its index depends on ctx so that the reads
+      # of the old cache data-precede it: XLA then updates the loop-carried buffer in place. With the
+      # order of a read and the write left open, copy insertion copies the cache (every layer, every step).
+      at = _after(jnp.clip(write_at, 0, S - T), ctx, S - T)
+      cache_k, cache_v = _write(cache_k, k_new, at), _write(cache_v, v_new, at)
     ctx = ctx.reshape(B, K, T, G, E).transpose(0, 2, 1, 3, 4).reshape(B, T, H * E)
     out = _matmul(ctx.astype(x.dtype), _matrix(self.o[...], H * E, D))  # btf,fd->btd
     return out, cache_k, cache_v

@@ -35,6 +35,7 @@ import collections
 import contextlib
 import dataclasses
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
@@ -281,6 +282,46 @@ class Program:
       return st, emit(st)
 
     return jax.lax.while_loop(cond, body, (state, cancel))[0]
+
+
+def loop_copies(hlo: str, cache_shape: tuple[int, ...]) -> tuple[int, int]:
+  """(copies, copies shaped like ``cache_shape``) among the top-level instructions of a compiled
+  program's decode loop: the ``while`` whose body (with what it calls) holds the most dots and fusions.
+
+  ``hlo``: ``compiled.as_text()``. Fused computations are skipped: a copy inside a fusion writes no
+  buffer of its own. A decode step that updates its KV caches in place has no cache-shaped copy.
+  """
+  comps = {}
+  for chunk in re.split(r"\n(?=\S)", hlo):
+    m = re.match(r"(?:ENTRY )?%?([\w.\-]+) ", chunk)
+    if m and "{" in chunk.split("\n", 1)[0]:
+      comps[m.group(1)] = chunk
+
+  def called(text):
+    names = set(re.findall(r"(?:body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)", text))
+    for group in re.findall(r"branch_computations=\{([^}]*)\}", text):
+      names.update(n.strip().lstrip("%") for n in group.split(","))
+    return names
+
+  def reach(name):
+    seen, todo = set(), [name]
+    while todo:
+      n = todo.pop()
+      if n not in seen and n in comps and "fused" not in n:
+        seen.add(n)
+        todo.extend(called(comps[n]))
+    return seen
+
+  best, most = set(), -1
+  for text in comps.values():
+    for body in re.findall(r"while\(.*?body=%?([\w.\-]+)", text):
+      names = reach(body)
+      work = sum(len(re.findall(r"\b(?:dot|fusion|custom-call)\(", comps[n])) for n in names)
+      if work > most:
+        best, most = names, work
+  shape = "[" + ",".join(str(d) for d in cache_shape) + "]"
+  lines = [line for n in best for line in comps[n].split("\n") if re.search(r"= \S+ copy(?:-start)?\(", line)]
+  return len(lines), sum(f"= f32{shape}" in line for line in lines)
 
 
 class _CallbackTable:
