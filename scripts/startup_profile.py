@@ -126,7 +126,13 @@ def child(opts: argparse.Namespace) -> dict:
   if opts.exported:
     from thoughtjax import exported
 
-    exported.install(program.Program)
+    init = program.Program.__init__
+
+    def hooked(self, *a, **k):  # the one-line hook program.py would carry
+      init(self, *a, **k)
+      exported.wrap_program(self)
+
+    program.Program.__init__ = hooked
   mark("exported hook")
   g = model.stream_batch([PROMPT], engine.SamplingParams(max_tokens=8), chat=True)
   mark("request preparation")

@@ -137,15 +137,43 @@ def bench_weights(args) -> dict:
   return out
 
 
-def _process_first_token(model_arg: str, cache_dir: str | None, prompt: str) -> float:
-  """Seconds from spawning ``thoughtjax generate`` to its first byte of answer text."""
+def _process_first_token(model_arg: str, cache_dir: str | None, prompt: str, weights: str = "f32", rss=None) -> float:
+  """Seconds from spawning ``thoughtjax generate --chat --max-tokens 8`` to its first byte of answer text.
+
+  ``cache_dir``: a compile cache of its own (exported programs in its ``exported/`` folder), e.g. an
+  empty one for a cold start; None: the user's caches. ``rss``: a list that gets the child's peak RSS (MiB).
+  """
   env = dict(os.environ)
   if cache_dir:
     env["THOUGHTJAX_COMPILE_CACHE"] = cache_dir
-  cmd = [sys.executable, "-m", "thoughtjax.cli", "generate", "--chat", "--prompt", prompt, "--max-tokens", "8"] + (
-    ["--model", model_arg] if model_arg else []
-  )
-  return common.first_byte(cmd, env).seconds
+    env["THOUGHTJAX_EXPORT_CACHE"] = os.path.join(cache_dir, "exported")
+  cmd = [sys.executable, "-m", "thoughtjax.cli", "generate", "--chat", "--prompt", prompt, "--max-tokens", "8"]
+  cmd += (["--model", model_arg] if model_arg else []) + (["--weights", weights] if weights != "f32" else [])
+  fb = common.first_byte(cmd, env)
+  if rss is not None:
+    rss.append(fb.peak_rss_mib)
+  return fb.seconds
+
+
+def bench_startup(args) -> dict:
+  """Fresh ``thoughtjax generate`` processes to their first answer byte: each cold one with a new empty
+  compile cache, warm ones on the user's caches after one unmeasured run; runs interleaved, medians."""
+  cold, warm, rss = [], [], []
+  _process_first_token(args.model, None, CHAT_PROMPT, args.weights[0])  # the user's caches are warm now
+  for _ in range(args.repeats):
+    with tempfile.TemporaryDirectory() as d:
+      cold.append(_process_first_token(args.model, d, CHAT_PROMPT, args.weights[0]))
+    warm.append(_process_first_token(args.model, None, CHAT_PROMPT, args.weights[0], rss))
+  return {
+    "model": args.model or "smollm2-135m-instruct",
+    "weights": args.weights[0],
+    "process_first_token_cold_s": statistics.median(cold),
+    "process_first_token_warm_s": statistics.median(warm),
+    "cold_runs_s": cold,
+    "warm_runs_s": warm,
+    "process_peak_rss_mb": max(rss),
+    "loadavg": list(os.getloadavg()),
+  }
 
 
 def bench_thoughtjax(args) -> dict:
@@ -337,6 +365,12 @@ def main(argv: list[str] | None = None) -> int:
   )
   p.add_argument("--skip-llama", action="store_true", help="do not run llama.cpp even when installed")
   p.add_argument(
+    "--startup",
+    action="store_true",
+    help="only the fresh-process start-up: generate --chat --max-tokens 8 to its first byte, cold (empty "
+    "compile cache) and warm, --repeats times each, interleaved",
+  )
+  p.add_argument(
     "--stream-startup",
     action="store_true",
     help="only compare start-up of chunked vs callback streaming in fresh processes",
@@ -345,6 +379,24 @@ def main(argv: list[str] | None = None) -> int:
   if args.quick:
     args.tokens, args.chunks, args.skip_process = min(args.tokens, 16), [], True
   args.repeats = args.repeats if args.repeats is not None else 1 if args.quick else 3
+
+  if args.startup:
+    res = bench_startup(args)
+    fmt = common.fmt
+    common.print_table(
+      f"thoughtjax bench decode --startup ({res['model']}, {res['weights']}, medians of {args.repeats}; "
+      f"load average {res['loadavg'][0]:.2f})",
+      ["figure", "thoughtjax"],
+      [
+        ("process start -> first byte, empty compile cache, s", fmt(res["process_first_token_cold_s"], ".2f")),
+        ("process start -> first byte, warm caches, s", fmt(res["process_first_token_warm_s"], ".2f")),
+        ("peak RSS of a warm process, MiB", fmt(res["process_peak_rss_mb"], ".0f")),
+      ],
+      right=("thoughtjax",),
+    )
+    if args.json:
+      common.write_json(args.json, res)
+    return 0
 
   if args.stream_startup:
     res = stream_startup(args)
