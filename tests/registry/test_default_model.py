@@ -84,3 +84,32 @@ def test_repeated_span_shares_buffers(default_model, real_registry):
   assert len(m.layers) == 40 and sorted(m.parts.blocks) == list(range(30))
   full = sum(x.nbytes for x in jax.tree.leaves(default_model.parts))
   assert m.resident_bytes == full == reg.stats().resident_bytes
+
+
+@pytest.fixture(scope="session")
+def native_registry(default_model, tmp_path_factory):
+  """The default model built by name, as `thoughtjax registry build` does: its Q4_1 / Q8_0 blocks stored packed."""
+  out = tmp_path_factory.mktemp("real-native") / "registry"
+  build(out, REPO / "registry" / "semantic_mapping.yaml", "smollm2-135m-instruct", settings=None)
+  return out
+
+
+def test_native_registry_is_the_gguf_size_and_gives_the_float32_logits(default_model, native_registry):
+  import gguf
+
+  from thoughtjax import formats
+  from thoughtjax.fetch import fetch
+
+  reg = Registry.open(native_registry)
+  assert "0/mlp/up/Q4_1" in reg.manifest("blocks[0:2)").params and "table/Q8_0" in reg.manifest("embed").params
+  stored = sum(m.param_bytes for m in reg.manifests() if m.name != "template")
+  assert stored == sum(int(t.n_bytes) for t in gguf.GGUFReader(str(fetch(progress=False))).tensors)
+  ids = default_model.codec.encode(PROMPT)
+  # Restored for weights="f32" (the default): exactly the float32 load's logits.
+  assert np.array_equal(compose(full_path(reg), reg).logits(ids), default_model.logits(ids))
+  native = Registry.open(native_registry, weights="native")
+  m = compose(full_path(native), native)
+  assert any(formats.is_packed(x) for x in jax.tree.leaves(m.parts.embed, is_leaf=formats.is_packed))
+  assert np.max(np.abs(m.logits(ids) - default_model.logits(ids))) <= 1e-4
+  greedy = dict(max_tokens=8, ignore_eos=True)
+  assert m.generate(ids, **greedy).token_ids == default_model.generate(ids, **greedy).token_ids
