@@ -1,6 +1,7 @@
 """The slot engine on a tiny model: a request in a slot gives the tokens it gives alone (greedy), whoever its
-neighbours are and whenever it joins; slots are reused; cancel frees a slot within one chunk; stop strings,
-stop ids and per-slot sampling settings hold per slot."""
+neighbours are, whenever it joins and whoever it was prefilled with; slots are reused; cancel frees a slot
+within one chunk; requests waiting together are prefilled in one call and a running stream waits for at most
+one prefill call between its chunks; stop strings, stop ids and per-slot sampling settings hold per slot."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import threading
 import pytest
 
 from tests.tiny import tiny_engine
+from thoughtjax.program import bucket
 from thoughtjax.sampling import SamplingParams
 from thoughtjax.serving import SlotDriver, SlotEngine, SlotRequestError, SlotsClosed, SlotsFull, generate_in_slots
 
@@ -175,6 +177,98 @@ def test_requests_that_do_not_fit_are_refused_with_the_limit(model, engine):
   assert engine.active == 0
 
 
+def test_requests_arriving_together_are_prefilled_in_one_call_per_prompt_bucket(model, engine):
+  """Three requests inserted together: the two whose prompts share a bucket (16) go through one prefill call, the
+  third (bucket 32) through another; each still gives its alone tokens."""
+  reqs = [
+    (PROMPTS[1], SamplingParams(max_tokens=12, ignore_eos=True)),
+    (list(range(60, 80)), SamplingParams(max_tokens=9, ignore_eos=True)),
+    (PROMPTS[3], SamplingParams(max_tokens=16, ignore_eos=True)),
+  ]
+  calls, rows = engine.prefill_calls, engine.prefill_rows
+  runs = engine.insert_batch(reqs)
+  assert engine.prefill_calls - calls == 2 and engine.prefill_rows - rows == 3
+  assert [r.prefill_batch for r in runs] == [2, 1, 2] and len({r.slot for r in runs}) == 3
+  while engine.active:
+    engine.step()
+  for (p, params), run in zip(reqs, runs, strict=True):
+    assert run.token_ids == alone(model, p, **_kw(params)).token_ids and run.finish_reason == "length"
+
+
+def test_the_driver_prefills_waiting_requests_together_and_a_stream_waits_at_most_one_prefill(model, engine):
+  """The driver is held inside a decode chunk while five requests are submitted: two in prompt bucket 16, one in
+  32, one in 64, one cancelled while it waits. Released, it prefills the two of bucket 16 in one call, the others
+  in calls of their own once slots free, never two prefill calls between two decode chunks of the running
+  stream; the cancelled one ends without a prefill or a slot; every other request gives its alone tokens."""
+  driver = SlotDriver(engine)
+  inside, gate = threading.Event(), threading.Event()
+  seen = []
+
+  def hold(d):
+    seen.append(d)
+    if len(seen) == 2 and threading.current_thread() is driver._thread:  # the first chunk's delta
+      inside.set()
+      gate.wait(60)
+
+  try:
+    long = driver.submit([9, 9, 9], SamplingParams(max_tokens=60, ignore_eos=True), on_delta=hold)
+    assert inside.wait(60)
+    calls = engine.prefill_calls
+    reqs = [
+      (PROMPTS[0], SamplingParams(max_tokens=6, ignore_eos=True)),
+      (PROMPTS[3], SamplingParams(max_tokens=6, ignore_eos=True)),
+      (list(range(60, 80)), SamplingParams(max_tokens=10, ignore_eos=True)),
+      (list(range(100, 140)), SamplingParams(max_tokens=12, ignore_eos=True)),
+    ]
+    runs = [driver.submit(p, params) for p, params in reqs]
+    dropped = driver.submit(PROMPTS[5], SamplingParams(max_tokens=8, ignore_eos=True))
+    dropped.cancel()
+    assert driver.waiting == 5 and engine.active == 1
+    gate.set()
+    assert list(dropped)[-1].finish_reason == "cancelled"
+    for (p, params), run in zip(reqs, runs, strict=True):
+      assert list(run)[-1].finish_reason == "length"
+      assert run.token_ids == alone(model, p, **_kw(params)).token_ids
+    list(long)
+  finally:
+    gate.set()
+    driver.close()
+  assert [r.prefill_batch for r in runs] == [2, 2, 1, 1] and engine.prefill_calls - calls == 3
+  assert dropped.prefill_batch is None and dropped.slot is None and dropped.token_ids == []
+  assert (
+    long.max_prefills_between_chunks == 1 and long.token_ids == alone(model, [9, 9, 9], **_kw(long.params)).token_ids
+  )
+  assert engine.active == 0 and driver.waiting == 0
+
+
+def test_closing_the_driver_ends_the_requests_still_waiting(engine):
+  """Requests submitted to a driver whose slots are all held stay queued; close() ends them with SlotsClosed."""
+  driver = SlotDriver(engine)
+  inside, gate = threading.Event(), threading.Event()
+
+  def hold(d):
+    if threading.current_thread() is driver._thread and not inside.is_set():
+      inside.set()
+      gate.wait(60)
+
+  params = SamplingParams(max_tokens=60, ignore_eos=True)
+  first = driver.submit([4, 5], params, on_delta=hold)
+  assert inside.wait(60)
+  waiting = [driver.submit([4, 5], params) for _ in range(SLOTS + 1)]
+  closing = threading.Thread(target=driver.close)
+  closing.start()
+  for _ in iter(lambda: driver._closed, True):  # until close() has marked the driver (no timed wait)
+    pass
+  gate.set()
+  closing.join(60)
+  for run in [first, *waiting]:
+    with pytest.raises(SlotsClosed, match="was closed"):
+      list(run)
+  assert engine.active == 0 and driver.waiting == 0
+  with pytest.raises(SlotsClosed):
+    driver.submit([4, 5], params)
+
+
 def _kw(p: SamplingParams) -> dict:
   return dict(
     max_tokens=p.max_tokens,
@@ -192,8 +286,11 @@ def test_the_default_model_in_slots_gives_its_alone_tokens(default_model):
   prompts = ["What is the capital of France?", "Write a haiku about rain.", "Count from one to five."]
   ids = [default_model.prompt_ids(p, chat=True) for p in prompts]
   params = [SamplingParams(max_tokens=n) for n in (12, 20, 16)]
-  engine = SlotEngine(default_model, slots=2, cache_len=128)
-  runs = generate_in_slots(engine, list(zip(ids, params, strict=True)), arrivals=[0, 1, 2])
-  for i, p, run in zip(ids, params, runs, strict=True):
-    want = default_model.generate(i, max_tokens=p.max_tokens)
-    assert (run.token_ids, run.text, run.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+  wants = [default_model.generate(i, max_tokens=p.max_tokens) for i, p in zip(ids, params, strict=True)]
+  # Staggered (one prefill each) on two slots, then all three arriving together (prefilled together).
+  for slots, arrivals in ((2, [0, 1, 2]), (3, [0, 0, 0])):
+    engine = SlotEngine(default_model, slots=slots, cache_len=128)
+    runs = generate_in_slots(engine, list(zip(ids, params, strict=True)), arrivals=arrivals)
+    assert engine.prefill_calls == (3 if slots == 2 else len({bucket(len(i)) for i in ids}))
+    for want, run in zip(wants, runs, strict=True):
+      assert (run.token_ids, run.text, run.finish_reason) == (want.token_ids, want.text, want.finish_reason)
