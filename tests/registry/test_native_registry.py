@@ -275,3 +275,20 @@ def test_the_default_registry_of_an_older_format_rebuilds_itself(ggufs, tmp_path
   assert any(s == "build replace" for s in said)
   reg = Registry.open(root)
   assert "0/attn/q/Q8_0" in reg.manifest("blocks[0:1)").params and not (root / "thoughtlets" / "old").exists()
+
+
+def test_native_thoughtlets_are_profiled_and_reprofile_alike(ggufs, tmp_path):
+  """Profiles are measured on the packed weights at build, and `verify --hardware` measures the same form."""
+  from tests.registry.helpers import FAST
+  from thoughtjax.registry import Tolerance
+
+  (tmp_path / "mapping.yaml").write_text(mapping_text([(0, 1), (1, 3)], 3))
+  root = tmp_path / "profiled"
+  build(root, tmp_path / "mapping.yaml", ggufs["Q4_1"][2].loaded, settings=FAST, variants=("int8",))
+  reg = Registry.open(root)
+  m = reg.manifest("blocks[1:3)")
+  # One byte per 4-bit value, float32 scale and minimum per 32 values: what the packed weights take in memory.
+  d, e = CFG.d_model, CFG.head_dim
+  matrices = 2 * (2 * d * CFG.num_heads * e + 2 * d * CFG.num_kv_heads * e + 3 * d * CFG.ffn_dim)  # 2 layers
+  assert m.profile.param_bytes == matrices * (1 + 8 / 32) + 2 * 2 * CFG.d_model * 4
+  assert reg.verify_hardware(Tolerance(latency=None), FAST) == []

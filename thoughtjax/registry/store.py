@@ -604,7 +604,7 @@ class Registry:
       table = None
       if any(t.kind is Kind.TEMPLATE or (t.kind is Kind.HEAD and self.config.tie_embeddings) for t in thoughtlets):
         new_embed = [t for t in thoughtlets if t.kind is Kind.EMBED]
-        table = (new_embed[0].params if new_embed else self.restore("embed"))["table"]
+        table = (new_embed[0].params if new_embed else self.restore("embed", weights="native"))["table"]
       thoughtlets = [
         t if t.profile is not None else dataclasses.replace(t, profile=measure_profile(t, settings, table))
         for t in thoughtlets

@@ -117,7 +117,7 @@ def verify_hardware(
       continue
     t = reg.thoughtlet(name)
     if table is None and (t.kind is Kind.TEMPLATE or (t.kind is Kind.HEAD and reg.config.tie_embeddings)):
-      table = reg.restore("embed")["table"]
+      table = reg.restore("embed", weights="native")["table"]  # the form build profiled with
     d = m.profile
     s = settings or ProfileSettings(batch=d.batch, context=d.context)
     got = measure_profile(t, s, table)
