@@ -87,13 +87,11 @@ def source_hash() -> str:
 
 
 def _leaf_sig(x) -> tuple:
+  """(shape, dtype, weak type, sharding) of one argument leaf; cheap, as it runs on every call."""
+  if isinstance(x, jax.Array):
+    return (x.shape, x.dtype, x.weak_type, x.sharding)
   aval = jax.typeof(x)
-  return (
-    tuple(aval.shape),
-    str(aval.dtype),
-    bool(getattr(aval, "weak_type", False)),
-    repr(getattr(x, "sharding", None)),
-  )
+  return (tuple(aval.shape), aval.dtype, bool(getattr(aval, "weak_type", False)), None)
 
 
 def _platform_key() -> dict:
@@ -129,7 +127,7 @@ class ExportedFunction:
 
   def __call__(self, *args):
     leaves, treedef = jax.tree.flatten(args)
-    sig = (str(treedef), tuple(_leaf_sig(x) for x in leaves))
+    sig = (treedef, tuple(_leaf_sig(x) for x in leaves))
     call = self._calls.get(sig)
     if call is None:
       with self._lock:
@@ -146,8 +144,8 @@ class ExportedFunction:
   def _full_key(self, sig, donated: list[int]) -> dict:
     key = {
       "key": self._key,
-      "in_tree": sig[0],
-      "leaves": [list(s) for s in sig[1]],
+      "in_tree": str(sig[0]),
+      "leaves": [[list(shape), str(dtype), weak, repr(sharding)] for shape, dtype, weak, sharding in sig[1]],
       "donated_leaves": donated,
       "out_like": self._out_like,
       "platform": _platform_key(),
