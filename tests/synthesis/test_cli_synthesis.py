@@ -146,7 +146,9 @@ def test_paths_prints_the_front_and_plots(capsys, reg, tmp_path):
   d = json.loads(out)
   assert code == 0 and d["hint"] == "fast_draft" and "corrected to 'fast_draft'" in err
   assert d["paths"] and all(r["front"] for r in d["paths"])
-  assert IDENTITY_SKIP in [r["path"] for r in d["paths"]]  # lossless and faster than the full path
+  # A lossless path faster than the plain full path is on the front: the identity skip, or the speculative
+  # plan when its measured decode factor makes it faster still.
+  assert any(r["path"] == IDENTITY_SKIP or r["kind"] == "speculative" for r in d["paths"])
 
 
 def test_registry_calibrate_latency_only_and_warm(capsys, tmp_path):

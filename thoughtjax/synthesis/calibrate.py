@@ -24,6 +24,10 @@ Steps (each reported to ``progress(stage, done, total, item)``):
    cost: every unit restored once from disk (bytes, ms). Compile cost: the first run of each program
    (layers run, ms) per prompt bucket. Synthesis overhead: planning time on the new calibration.
 
+5. **speculative**: :func:`speculative_candidates` adds the full path verifying the best prefix drafts
+   (kind ``speculative``, the full path's quality); :func:`measure_speculative` times each against the plain
+   full path on the first hint's calibration text and stores its decode factor in ``latency.corrections``.
+
 ``latency_only=True`` keeps a stored calibration's candidates and quality and re-measures step 4 on this
 machine (another fingerprint), well under two minutes for the default model.
 """
@@ -63,6 +67,11 @@ class LatencySettings:
   max_tokens: tuple[int, ...] = (6, 16)
   reps: int = 2
   plan_reps: int = 200
+  # Speculative candidates: greedy decode of this many tokens from each of this many prompts of the
+  # calibration text (each cut to speculative_prompt_tokens), plain and speculative interleaved, reps times.
+  speculative_prompts: int = 2
+  speculative_prompt_tokens: int = 32
+  speculative_tokens: int = 32
 
   def __post_init__(self):
     for f in ("prompt_tokens", "max_tokens"):
@@ -74,6 +83,39 @@ class LatencySettings:
         )
     if self.reps < 1 or self.plan_reps < 1:
       raise CalibrateError(f"LatencySettings reps and plan_reps: expected >= 1, got {self.reps}, {self.plan_reps}")
+    for f in ("speculative_prompts", "speculative_prompt_tokens", "speculative_tokens"):
+      v = getattr(self, f)
+      if isinstance(v, bool) or not isinstance(v, int) or v < (2 if f == "speculative_tokens" else 1):
+        raise CalibrateError(
+          f"LatencySettings.{f}: expected an integer >= {2 if f == 'speculative_tokens' else 1}, got {v!r}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeSettings:
+  """Which speculative candidates calibration adds (:func:`speculative_candidates`).
+
+  ``drafts``: how many drafts, chosen among the measured prefix candidates (early exits, bridged exits) by
+  top-1 agreement with the full path on the first hint's calibration split, highest first (a greedy draft
+  token is accepted exactly when it agrees); 0: none. ``draft_tokens``: K per verify pass; ``vocab``: the
+  draft head's truncated vocabulary (None: the whole one).
+  """
+
+  drafts: int = 1
+  draft_tokens: int = 4
+  vocab: int | None = None
+
+  def __post_init__(self):
+    if isinstance(self.drafts, bool) or not isinstance(self.drafts, int) or self.drafts < 0:
+      raise CalibrateError(f"SpeculativeSettings.drafts: expected an integer >= 0, got {self.drafts!r}")
+    if (
+      isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, int) or not 1 <= self.draft_tokens <= 64
+    ):
+      raise CalibrateError(
+        f"SpeculativeSettings.draft_tokens: expected an integer in [1, 64], got {self.draft_tokens!r}"
+      )
+    if self.vocab is not None and (isinstance(self.vocab, bool) or not isinstance(self.vocab, int) or self.vocab < 1):
+      raise CalibrateError(f"SpeculativeSettings.vocab: expected None or an integer >= 1, got {self.vocab!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +130,7 @@ class CalibrateSettings:
   hints: tuple[str, ...] | None = None
   manual: tuple[str, ...] = ()
   latency: LatencySettings = LatencySettings()
+  speculative: SpeculativeSettings = SpeculativeSettings()
 
 
 @dataclasses.dataclass
@@ -97,6 +140,8 @@ class CalibrateReport:
   seconds: dict[str, float] = dataclasses.field(default_factory=dict)
   refused: list[tuple[str, str]] = dataclasses.field(default_factory=list)
   latency_runs: list[dict] = dataclasses.field(default_factory=list)
+  # Per speculative candidate: draft, decode ms per token plain and speculative (medians), factor, acceptance.
+  speculative: list[dict] = dataclasses.field(default_factory=list)
 
   @property
   def total_seconds(self) -> float:
@@ -127,7 +172,7 @@ def cost_key(unit: Unit) -> str:
 
 
 def with_cost_keys(c: Candidate) -> Candidate:
-  return Candidate.build(c.path, c.kind, [dataclasses.replace(u, cost_key=cost_key(u)) for u in c.units])
+  return Candidate.build(c.path, c.kind, [dataclasses.replace(u, cost_key=cost_key(u)) for u in c.units], c.draft)
 
 
 def _nop(stage, done, total, item):
@@ -218,7 +263,9 @@ def calibrate(
   )
   report.seconds["quality"] = time.perf_counter() - t0
   del model
-  return _with_latency(registry, candidates, quality, settings.latency, progress, report, kernels)
+  spec = speculative_candidates(candidates, quality, hints[0], settings.speculative)
+  candidates += spec  # no quality entries of their own: Calibration.hint_quality gives them the full path's
+  return _with_latency(registry, candidates, quality, settings.latency, progress, report, kernels, corpora[hints[0]][0])
 
 
 def recalibrate_latency(
@@ -243,7 +290,157 @@ def recalibrate_latency(
   quality = {
     with_cost_keys(c).path_hash: stored.quality[c.path_hash] for c in stored.candidates if c.path_hash in stored.quality
   }
-  return _with_latency(registry, candidates, quality, settings, progress, report, kernels)
+  texts = None
+  if any(c.draft is not None for c in candidates):  # speculative factors are measured on calibration text
+    texts = _calibration_text(registry, stored.hints, settings)
+  return _with_latency(registry, candidates, quality, settings, progress, report, kernels, texts)
+
+
+def _calibration_text(registry, hints: Sequence[str], settings: LatencySettings) -> list[list[int]]:
+  """Token windows of the first calibrated hint's calibration split (the shipped dictionary's corpora)."""
+  from thoughtjax.synthesis.dictionary import load_dictionary
+  from thoughtjax.synthesis.quality import corpora_of
+
+  dictionary = load_dictionary()
+  hint = next((h for h in hints if h in dictionary), None)
+  if hint is None:
+    raise CalibrateError(
+      f"the stored calibration's hints {list(hints)} are not in the dictionary {dictionary.source}, so its "
+      f"speculative candidates cannot be timed on calibration text; run a full calibration instead"
+    )
+  cal, _ = corpora_of(dictionary, (hint,))[hint]
+  return _token_docs(registry.codec, cal, settings.speculative_prompt_tokens, settings.speculative_prompts)
+
+
+# ------------------------------------------------------------------------------ speculative
+def _is_prefix_draft(c: Candidate, full: Candidate) -> bool:
+  """``c`` runs embed, the full path's first blocks, then only bridges, then head: a draft that shares
+  the full path's leading blocks (and their KV cache)."""
+  if c.path_hash == full.path_hash or len(c.units) < 2 or c.units[0] != full.units[0] or c.units[-1] != full.units[-1]:
+    return False
+  mid, fmid = c.units[1:-1], full.units[1:-1]
+  k = 0
+  while k < len(mid) and not is_bridge(mid[k].name):
+    k += 1
+  return list(mid[:k]) == list(fmid[:k]) and all(is_bridge(u.name) for u in mid[k:]) and k < len(fmid)
+
+
+def speculative_candidates(
+  candidates: Sequence[Candidate],
+  quality: dict,
+  hint: str,
+  settings: SpeculativeSettings = SpeculativeSettings(),
+) -> list[Candidate]:
+  """Speculative candidates: the full path verifying each of the ``settings.drafts`` prefix candidates of
+  highest top-1 agreement on ``hint``'s calibration split (ties: fewer layers, then path hash); see
+  :class:`SpeculativeSettings`. Their quality is the full path's; their latency is measured
+  (:func:`measure_speculative`)."""
+  from thoughtjax.synthesis.calibration import DraftPlan
+
+  if settings.drafts == 0:
+    return []
+  full = next(c for c in candidates if c.kind is CandidateKind.FULL)
+  full_refs = {u.ref for u in full.units}
+  scored = []
+  for c in candidates:
+    q = quality.get(c.path_hash, {}).get(hint)
+    if q is not None and _is_prefix_draft(c, full):
+      scored.append((-q.calibration.top1_agreement, sum(u.layers for u in c.units), c.path_hash, c))
+  out = []
+  for *_, c in sorted(scored)[: settings.drafts]:
+    draft = DraftPlan(
+      ", ".join(u.ref for u in c.units),
+      settings.draft_tokens,
+      settings.vocab,
+      tuple(dict.fromkeys(u for u in c.units if u.ref not in full_refs)),
+      sum(u.layers for u in c.units),
+    )
+    out.append(Candidate.build(full.path, CandidateKind.SPECULATIVE, full.units, draft))
+  return out
+
+
+def measure_speculative(
+  registry,
+  candidates: Sequence[Candidate],
+  texts: Sequence[Sequence[int]],
+  settings: LatencySettings = LatencySettings(),
+  *,
+  progress: CalibrateProgress | None = None,
+  report: CalibrateReport | None = None,
+  kernels: str | None = None,
+) -> dict[str, float]:
+  """``{path hash: decode factor}`` of the speculative ``candidates``: the median decode ms per token of the
+  speculative program over the plain full path's, greedy on prompts of the calibration ``texts`` (so the
+  draft's acceptance on that text is in it), the two interleaved in one process after one warm-up run each.
+  Clipped to the latency model's factor bounds."""
+  from thoughtjax.compose import compose
+  from thoughtjax.speculative import Draft
+  from thoughtjax.synthesis.latency import FACTOR_BOUNDS
+
+  progress = progress or _nop
+  spec = [c for c in candidates if c.draft is not None]
+  if not spec:
+    return {}
+  full = next(c for c in candidates if c.kind is CandidateKind.FULL)
+  model = compose(", ".join(u.ref for u in full.units), registry, kernels=kernels)
+  n = settings.speculative_tokens
+  room = model.config.max_context - n - max(c.draft.draft_tokens for c in spec) - 1
+  prompts = [list(t)[: min(settings.speculative_prompt_tokens, room)] for t in texts if len(t) >= 2]
+  prompts = prompts[: settings.speculative_prompts]
+  if not prompts or room < 1:
+    raise CalibrateError(
+      f"speculative candidates need calibration text to time them on (prompts of >= 2 tokens within the context "
+      f"of {model.config.max_context} minus {n} new tokens), got {len(texts)} documents; give the first hint a "
+      f"calibration split, or set SpeculativeSettings(drafts=0)"
+    )
+
+  def per_token(c: Candidate | None) -> tuple[float, int, int]:
+    ms, drafted, accepted = [], 0, 0
+    for ids in prompts:
+      kw = (
+        {} if c is None else {"draft": Draft(c.draft.path, vocab=c.draft.vocab), "draft_tokens": c.draft.draft_tokens}
+      )
+      g = model.stream(ids, max_tokens=n, ignore_eos=True, **kw)
+      for _ in g:
+        pass
+      t = g.trace
+      ms.append((t.decode_s or 0.0) * 1e3 / max(t.tokens_out[0] - 1, 1))
+      drafted, accepted = drafted + t.drafted, accepted + t.accepted
+    return float(np.mean(ms)), drafted, accepted
+
+  total, done = (1 + len(spec)) * (1 + settings.reps), 0
+  runs: dict[str | None, list[float]] = {None: [], **{c.path_hash: [] for c in spec}}
+  counts = {c.path_hash: [0, 0] for c in spec}
+  for rep in range(1 + settings.reps):  # rep 0 compiles (not kept); then plain and each draft interleaved
+    for c in (None, *spec):
+      ms, drafted, accepted = per_token(c)
+      done += 1
+      progress("latency", done, total, "speculative " + ("plain" if c is None else c.draft.label))
+      if rep == 0:
+        continue
+      runs[None if c is None else c.path_hash].append(ms)
+      if c is not None:
+        counts[c.path_hash][0] += drafted
+        counts[c.path_hash][1] += accepted
+  lo, hi = FACTOR_BOUNDS
+  plain = float(np.median(runs[None]))
+  factors = {}
+  for c in spec:
+    mine = float(np.median(runs[c.path_hash]))
+    factors[c.path_hash] = min(hi, max(lo, mine / plain)) if plain > 0 else 1.0
+    if report is not None:
+      drafted, accepted = counts[c.path_hash]
+      report.speculative.append(
+        {
+          "path_hash": c.path_hash,
+          "draft": c.draft.label,
+          "plain_ms_per_token": plain,
+          "speculative_ms_per_token": mine,
+          "factor": factors[c.path_hash],
+          "acceptance": accepted / drafted if drafted else 0.0,
+        }
+      )
+  return factors
 
 
 # ------------------------------------------------------------------------------ latency
@@ -253,9 +450,14 @@ def _nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
   return nnls(A, y)[0]
 
 
-def _with_latency(registry, candidates, quality, settings: LatencySettings, progress, report, kernels):
+def _with_latency(registry, candidates, quality, settings: LatencySettings, progress, report, kernels, texts=None):
   t0 = time.perf_counter()
   params = measure_latency(registry, candidates, settings, progress=progress, report=report, kernels=kernels)
+  factors = measure_speculative(
+    registry, candidates, texts or [], settings, progress=progress, report=report, kernels=kernels
+  )
+  if factors:  # a speculative candidate's decode: the full path's times its measured factor
+    params = dataclasses.replace(params, corrections={"paths": {h: {"decode": f} for h, f in factors.items()}})
   draft = Calibration(registry.sequence, machine_fingerprint(), candidates, quality, params, registry.current)
   params = dataclasses.replace(params, synthesis_ms=_planning_ms(draft, settings.plan_reps))
   cal = Calibration(registry.sequence, draft.fingerprint, candidates, quality, params, registry.current)

@@ -9,7 +9,11 @@ machine (``fingerprint``). It holds
   calibration split and, separately, its held-out split (:class:`PathQuality`);
 * ``latency``: the fitted :class:`~thoughtjax.synthesis.latency.LatencyParams` of this machine.
 
-The full path is lossless by definition (agreement 1, KL 0, ΔNLL 0) and need not be measured.
+The full path is lossless by definition (agreement 1, KL 0, ΔNLL 0) and need not be measured. So is a
+*speculative* candidate (kind ``speculative``): the full path's units verifying what a :class:`DraftPlan`
+proposes, in one program (:mod:`thoughtjax.speculative`); greedy it gives the full path's tokens, sampled
+its distribution. Its quality is the full path's; its cost is the full path's with the decode factor
+calibration measured for it (``latency.corrections``), the draft's own units restored beside.
 
 JSON form (``to_json``): canonical (sorted keys, no spaces, UTF-8, no NaN) so the bytes can be hashed
 and signed like the registry index; ``{"format": "thoughtjax.calibration", "version": 1, ...}``.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
 import math
@@ -185,27 +190,90 @@ class Unit:
       raise CalibrationError(f"{where}: {e}") from None
 
 
-def path_hash_of(units: Sequence[Unit]) -> str:
-  """A path's identity: the same hash as :func:`thoughtjax.compose.path_hash` over its resolved units."""
-  return hashlib.sha3_256("\n".join(u.ref for u in units).encode()).hexdigest()[:16]
+@dataclasses.dataclass(frozen=True)
+class DraftPlan:
+  """What drafts for a speculative candidate.
+
+  ``path``: the draft's pinned refs as a path string (what :func:`thoughtjax.speculative.resolve_draft`
+  takes); ``draft_tokens``: K drafted per verify pass; ``vocab``: the size of a truncated draft head, or
+  None; ``units``: the thoughtlets the draft reads that the full path does not (bridges, weight variants):
+  restored with the candidate, and a failure of one blocks it; ``layers``: transformer layers the draft
+  runs (the program compiles them beside the full path's).
+  """
+
+  path: str
+  draft_tokens: int
+  vocab: int | None = None
+  units: tuple[Unit, ...] = ()
+  layers: int = 0
+
+  def __post_init__(self):
+    object.__setattr__(self, "units", tuple(self.units))
+    if not isinstance(self.path, str) or not self.path.strip():
+      raise CalibrationError(f"draft path: expected a path string, got {self.path!r}")
+    if isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, int) or self.draft_tokens < 1:
+      raise CalibrationError(f"draft {self.path!r} draft_tokens: expected an integer >= 1, got {self.draft_tokens!r}")
+    if self.vocab is not None and (isinstance(self.vocab, bool) or not isinstance(self.vocab, int) or self.vocab < 1):
+      raise CalibrationError(f"draft {self.path!r} vocab: expected None or an integer >= 1, got {self.vocab!r}")
+    _count(self.layers, f"draft {self.path!r} layers")
+
+  @property
+  def label(self) -> str:
+    """The draft as one line: path, K and the truncated head (what plans and traces show)."""
+    return f"{self.path} (k={self.draft_tokens}{'' if self.vocab is None else f', vocab={self.vocab}'})"
+
+  def to_json(self) -> dict:
+    return {
+      "path": self.path,
+      "draft_tokens": self.draft_tokens,
+      "vocab": self.vocab,
+      "units": [u.to_json() for u in self.units],
+      "layers": self.layers,
+    }
+
+  @classmethod
+  def from_json(cls, d: Any, where: str) -> DraftPlan:
+    d = _obj(d, where, {"path", "draft_tokens", "vocab", "units", "layers"})
+    if not isinstance(d["units"], list):
+      raise CalibrationError(f"{where}.units: expected a list, got {type(d['units']).__name__}")
+    units = tuple(Unit.from_json(u, f"{where}.units[{i}]") for i, u in enumerate(d["units"]))
+    try:
+      return cls(d["path"], d["draft_tokens"], d["vocab"], units, d["layers"])
+    except CalibrationError as e:
+      raise CalibrationError(f"{where}: {e}") from None
 
 
-def program_of(units: Sequence[Unit]) -> str:
+def _draft_line(draft: DraftPlan | None, ref: bool) -> str:
+  if draft is None:
+    return ""
+  path = draft.path if ref else ", ".join(p.strip().partition("@")[0] for p in draft.path.split(","))
+  return f"\ndraft:{path}|k={draft.draft_tokens}|vocab={draft.vocab}"
+
+
+def path_hash_of(units: Sequence[Unit], draft: DraftPlan | None = None) -> str:
+  """A path's identity: the same hash as :func:`thoughtjax.compose.path_hash` over its resolved units
+  (a speculative candidate's also covers its draft)."""
+  return hashlib.sha3_256(("\n".join(u.ref for u in units) + _draft_line(draft, True)).encode()).hexdigest()[:16]
+
+
+def program_of(units: Sequence[Unit], draft: DraftPlan | None = None) -> str:
   """A path's program layout: its unit names in order without versions (weights are program arguments,
-  so two versions of one layout share a compiled program)."""
-  return hashlib.sha3_256("\n".join(u.name for u in units).encode()).hexdigest()[:16]
+  so two versions of one layout share a compiled program); a speculative one's also its draft's layout."""
+  return hashlib.sha3_256(("\n".join(u.name for u in units) + _draft_line(draft, False)).encode()).hexdigest()[:16]
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
   """A path synthesis may choose. ``units`` are in execution order (a repeated span appears twice);
-  ``path_hash`` must equal :func:`path_hash_of` of them."""
+  ``path_hash`` must equal :func:`path_hash_of` of them (and of ``draft``). ``draft``: set exactly for a
+  speculative candidate, whose ``units`` are the full path's (they verify) and ``path`` the full path."""
 
   path: str
   kind: CandidateKind
   units: tuple[Unit, ...]
   path_hash: str
   program: str
+  draft: DraftPlan | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "units", tuple(self.units))
@@ -217,7 +285,12 @@ class Candidate:
       ) from None
     if not self.units:
       raise CalibrationError(f"candidate {self.path!r}: no units; a path runs at least embed and head")
-    want = path_hash_of(self.units)
+    if (self.kind is CandidateKind.SPECULATIVE) != (self.draft is not None):
+      raise CalibrationError(
+        f"candidate {self.path!r}: kind {self.kind.value!r} with draft {self.draft!r}; a draft is given exactly "
+        f"for kind 'speculative' (build it with thoughtjax.synthesis.calibrate.speculative_candidates)"
+      )
+    want = path_hash_of(self.units, self.draft)
     if self.path_hash != want:
       raise CalibrationError(
         f"candidate {self.path!r}: path_hash {self.path_hash!r} does not match its units "
@@ -226,27 +299,37 @@ class Candidate:
       )
 
   @classmethod
-  def build(cls, path: str, kind: CandidateKind | str, units: Sequence[Unit]) -> Candidate:
+  def build(
+    cls, path: str, kind: CandidateKind | str, units: Sequence[Unit], draft: DraftPlan | None = None
+  ) -> Candidate:
     units = tuple(units)
-    return cls(path, kind, units, path_hash_of(units), program_of(units))
+    return cls(path, kind, units, path_hash_of(units, draft), program_of(units, draft), draft)
+
+  @property
+  def all_units(self) -> tuple[Unit, ...]:
+    """Every unit it reads: its own, then its draft's."""
+    return self.units + (() if self.draft is None else self.draft.units)
 
   @property
   def refs(self) -> tuple[str, ...]:
-    """The distinct thoughtlets it needs, ``name@version``, in first-use order."""
-    return tuple(dict.fromkeys(u.ref for u in self.units))
+    """The distinct thoughtlets it needs (a draft's too), ``name@version``, in first-use order."""
+    return tuple(dict.fromkeys(u.ref for u in self.all_units))
 
   def to_json(self) -> dict:
-    return {
+    out = {
       "path": self.path,
       "kind": self.kind.value,
       "units": [u.to_json() for u in self.units],
       "path_hash": self.path_hash,
       "program": self.program,
     }
+    if self.draft is not None:  # absent otherwise: earlier calibrations keep their bytes and signatures
+      out["draft"] = self.draft.to_json()
+    return out
 
   @classmethod
   def from_json(cls, d: Any, where: str) -> Candidate:
-    d = _obj(d, where, {"path", "kind", "units", "path_hash", "program"})
+    d = _obj(d, where, {"path", "kind", "units", "path_hash", "program"}, {"draft"})
     if not isinstance(d["path"], str) or not d["path"].strip():
       raise CalibrationError(f"{where}.path: expected a path string, got {d['path']!r}")
     if not isinstance(d["units"], list):
@@ -255,8 +338,9 @@ class Candidate:
     for k in ("path_hash", "program"):
       if not isinstance(d[k], str):
         raise CalibrationError(f"{where}.{k}: expected a string, got {d[k]!r}")
+    draft = None if d.get("draft") is None else DraftPlan.from_json(d["draft"], f"{where}.draft")
     try:
-      return cls(d["path"], d["kind"], units, d["path_hash"], d["program"])
+      return cls(d["path"], d["kind"], units, d["path_hash"], d["program"], draft)
     except CalibrationError as e:
       raise CalibrationError(f"{where}: {e}") from None
 
@@ -304,8 +388,14 @@ class Calibration:
       for hint, q in per_hint.items():
         if not isinstance(q, HintQuality):
           raise CalibrationError(f"calibration quality[{h}][{hint}]: expected a HintQuality, got {q!r}")
+    full_refs = [u.ref for u in full[0].units]
     for c in self.candidates:
-      for u in c.units:
+      if c.draft is not None and [u.ref for u in c.units] != full_refs:
+        raise CalibrationError(
+          f"speculative candidate {c.path_hash} verifies with {[u.ref for u in c.units]}, not the full path "
+          f"{full_refs}: only the full path verifies losslessly; rebuild it from the full path's units"
+        )
+      for u in c.all_units:
         cur = self.current.get(u.name)
         if cur is not None and cur != u.version:
           raise CalibrationError(
@@ -325,9 +415,17 @@ class Calibration:
   def full(self) -> Candidate:
     return next(c for c in self.candidates if c.kind is CandidateKind.FULL)
 
+  @functools.cached_property
+  def lossless(self) -> frozenset[str]:
+    """Path hashes of the full path and the speculative candidates (the full path's quality by construction)."""
+    return frozenset(c.path_hash for c in self.candidates if c.kind in (CandidateKind.FULL, CandidateKind.SPECULATIVE))
+
   def hint_quality(self, path_hash: str, hint: str) -> HintQuality | None:
-    """Measured quality of a path on a hint; the full path is lossless; ``None``: not calibrated."""
+    """Measured quality of a path on a hint; ``None``: not calibrated. The full path is lossless, and a
+    speculative candidate has the full path's quality (measured or lossless)."""
     got = self.quality.get(path_hash, {}).get(hint)
+    if path_hash in self.lossless and path_hash != self.full.path_hash:
+      return self.hint_quality(self.full.path_hash, hint)
     if got is None and path_hash == self.full.path_hash:
       return LOSSLESS_HINT
     return got

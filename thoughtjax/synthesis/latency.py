@@ -31,7 +31,10 @@ zero (already resident, already compiled) carry no information and are not learn
 compiled its program teaches only restore and compile: its prefill and decode carry one-off first-run
 costs that a warm request never pays (``LatencyTrace.compiled``).
 A candidate whose cost is not the sum of its units (a speculative plan: draft and verify in one
-program) starts from a per-path factor that calibration measured, stored in ``corrections``.
+program) starts from a per-path factor that calibration measured, stored in ``corrections``: its units are
+the full path's, so its raw decode is the full path's, and its decode factor is its measured decode time per
+token over the full path's, on the calibration text (acceptance included). Its draft's own units add to
+restore, and the draft's layers to compile.
 """
 
 from __future__ import annotations
@@ -374,13 +377,15 @@ class LatencyModel:
         )
       pa, pb, da, db = pa + p.a, pb + p.b, da + d.a, db + d.b
     seen: dict[str, int] = {}
-    for u in c.units:
+    draft = getattr(c, "draft", None)
+    for u in (*c.units, *(() if draft is None else draft.units)):  # a draft's own units are restored too
       seen.setdefault(u.ref, u.nbytes)
     costs = _Costs(
       LinearCost(pa, pb),
       LinearCost(da + self.params.step_ms, db),
       tuple(seen.items()),
-      sum(u.layers for u in c.units),
+      # A speculative program compiles the draft's layers beside the full path's.
+      sum(u.layers for u in c.units) + (0 if draft is None else draft.layers),
       c.program,
     )
     self._costs[c.path_hash] = costs

@@ -8,7 +8,9 @@ Rule (DESIGN.md "GetOptimalPath", issue 8 item 5):
    lossless by definition and always eligible).
 2. *Best quality* across hints is lexicographic in hint priority order: higher top-1 agreement, then
    lower mean KL, on the calibration split (the split quality is selected on; held-out is only reported).
-   Ties go to the lower predicted latency, then the smaller path hash, so a plan is deterministic.
+   Ties go to the lower predicted latency, then the smaller path hash, so a plan is deterministic. A
+   speculative candidate has the full path's quality, so it is chosen exactly when it is the fastest of
+   the lossless choices that fit; its plan names the draft (``Plan.draft``).
 3. The plan is the best eligible candidate whose predicted total (synthesis + restore + compile +
    prefill + decode, given what is resident and compiled) is within ``max_latency_ms``.
 4. Degradation ladder, always ``degraded=True``, with the reason, and counted in :class:`PlannerCounters`:
@@ -36,7 +38,7 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from thoughtjax.errors import UserError
-from thoughtjax.synthesis.calibration import Calibration, PathQuality
+from thoughtjax.synthesis.calibration import Calibration, DraftPlan, PathQuality
 from thoughtjax.synthesis.latency import COLD, LatencyModel, Prediction, Residency
 
 MAX_HINTS = 3
@@ -174,6 +176,11 @@ class Plan:
   max_tokens: int
   tokens_that_fit: int | None = None
   notes: tuple[str, ...] = ()
+  draft: DraftPlan | None = None  # a speculative plan's draft: ``path`` verifies what it proposes
+
+  @property
+  def speculative(self) -> bool:
+    return self.draft is not None
 
   def to_json(self) -> dict:
     """The plan as the command line's ``--json`` object."""
@@ -182,6 +189,10 @@ class Plan:
       "refs": list(self.refs),
       "path_hash": self.path_hash,
       "kind": self.kind,
+      "speculative": self.speculative,
+      "draft": None
+      if self.draft is None
+      else {"path": self.draft.path, "draft_tokens": self.draft.draft_tokens, "vocab": self.draft.vocab},
       "hints": list(self.hints),
       "corrected_hints": dict(self.corrected_hints),
       "predicted_ms": self.predicted.to_json(),
@@ -420,6 +431,8 @@ class Planner:
 
     i, p = chosen
     c = cands[i]
+    if c.draft is not None:
+      notes.append(f"speculative: {c.path} verifies what {c.draft.label} drafts (the full path's tokens)")
     return Plan(
       path=c.path,
       refs=c.refs,
@@ -438,6 +451,7 @@ class Planner:
       max_tokens=n,
       tokens_that_fit=tokens_that_fit,
       notes=tuple(notes),
+      draft=c.draft,
     )
 
   def _no_path_message(self, request: PlanRequest, order: _Order, failed: dict[int, tuple[str, str]]) -> str:

@@ -22,6 +22,9 @@ composing the path; ``compile`` the program compile the first call of a new key 
 trace); ``prefill`` and ``decode`` from the engine's trace. ``total`` is the wall time from the request to
 the last token. ``compute_seconds`` is restore + compile + prefill + decode, in seconds.
 
+A speculative plan (``plan.draft``) runs the speculative program (:mod:`thoughtjax.speculative`): its draft
+proposes, the plan's path verifies; the trace names the draft and counts drafted and accepted tokens.
+
 Degradation: a thoughtlet of the plan that fails verification or restore is reported to the planner as
 unavailable and the request is planned again (the best path avoiding it, ``degraded=True``, counted);
 another version is never used in its place. With no hints, the registry's stored router picks the hint
@@ -67,6 +70,11 @@ class SynthesisTrace:
   tokens_out: int = 0
   finish_reason: str | None = None
   finished: bool = False
+  kind: str = ""
+  draft: str | None = None  # a speculative plan's draft (path, k, vocab); None: the path decoded alone
+  drafted: int = 0  # speculative: tokens drafted, drafts accepted, verify passes
+  accepted: int = 0
+  verify_passes: int = 0
 
   @property
   def compute_seconds(self) -> float:
@@ -86,6 +94,10 @@ class SynthesisTrace:
       "actual_ms": dict(self.actual_ms),
       "compute_seconds": self.compute_seconds,
       "finish_reason": self.finish_reason,
+      "kind": self.kind,
+      "draft": self.draft,
+      **({} if self.draft is None else {"drafted": self.drafted, "accepted": self.accepted}),
+      **({} if self.draft is None else {"verify_passes": self.verify_passes}),
     }
 
   def table(self) -> str:
@@ -98,6 +110,12 @@ class SynthesisTrace:
       a = self.actual_ms.get(s)
       lines.append(f"{s:<10}{self.predicted_ms.get(s, 0.0):>14.2f}{'-' if a is None else f'{a:.2f}':>12}")
     lines.append(f"tokens in {self.tokens_in}, out {self.tokens_out}; compute {self.compute_seconds:.3f} s")
+    if self.draft is not None:
+      rate = self.accepted / self.drafted if self.drafted else 0.0
+      lines.append(
+        f"speculative: draft {self.draft}; accepted {self.accepted} of {self.drafted} drafted ({rate:.0%}), "
+        f"{self.verify_passes} verify passes"
+      )
     return "\n".join(lines)
 
 
@@ -139,6 +157,8 @@ class SynthesisResult:
       }
     )
     self.trace.tokens_out = t.tokens_out[0] if t.tokens_out else 0
+    if self.trace.draft is not None:
+      self.trace.drafted, self.trace.accepted, self.trace.verify_passes = t.drafted, t.accepted, t.verify_passes
     self.trace.finished = True
     self._on_done(self)
 
@@ -233,25 +253,31 @@ class Synthesizer:
       return Residency(set(self.registry.stats().resident) | composed, set(self._compiled))
 
   def _model(self, candidate):
-    """The composed model of ``candidate`` (cached); each unit restored alone, so a failure names its ref."""
+    """The composed model of ``candidate``'s units (cached; a speculative candidate shares the full path's);
+    each unit, a draft's too, restored alone, so a failure names its ref."""
     from thoughtjax.compose import compose
     from thoughtjax.registry import IntegrityError, RegistryError
+    from thoughtjax.synthesis.calibration import path_hash_of
 
+    key = path_hash_of(candidate.units)
     with self._lock:
-      got = self._models.get(candidate.path_hash)
-      if got is not None:
-        self._models.move_to_end(candidate.path_hash)
-        return got
-    for u in dict.fromkeys(candidate.units):
+      got = self._models.get(key)
+    if got is not None and candidate.draft is None:
+      with self._lock:
+        self._models.move_to_end(key)
+      return got
+    for u in dict.fromkeys(candidate.all_units):
       try:
         self.registry.restore(u.name, u.version)
       except IntegrityError as e:
         raise _Unavailable(u.ref, f"verification ({e.reason})") from e
       except RegistryError as e:
         raise _Unavailable(u.ref, f"restore ({type(e).__name__})") from e
+    if got is not None:
+      return got
     model = compose(", ".join(u.ref for u in candidate.units), self.registry, kernels=self.kernels)
     with self._lock:
-      self._models[candidate.path_hash] = model
+      self._models[key] = model
       while len(self._models) > self.keep_paths:
         self._models.popitem(last=False)
     return model
@@ -359,7 +385,13 @@ class Synthesizer:
     with self._lock:
       self._compiled.add(plan.predicted.program_key)
     # ids already carry the chat template: the path runs them as token ids.
-    generation = model.stream_batch([ids], params)
+    if candidate.draft is None:
+      generation = model.stream_batch([ids], params)
+    else:  # the speculative program: the draft proposes, the full path verifies
+      from thoughtjax.speculative import Draft
+
+      d = candidate.draft
+      generation = model.stream_batch([ids], params, draft=Draft(d.path, vocab=d.vocab), draft_tokens=d.draft_tokens)
     trace = SynthesisTrace(
       plan.path,
       plan.path_hash,
@@ -370,6 +402,8 @@ class Synthesizer:
       len(ids),
       plan.predicted.to_json(),
       {"synthesis": synthesis_ms, "restore": restore_ms},
+      kind=plan.kind,
+      draft=None if plan.draft is None else plan.draft.label,
     )
     return SynthesisResult(plan, generation, trace, self._learn, t_request)
 
