@@ -156,8 +156,11 @@ class Attention(nnx.Module):
 
     x [B, T, D]; cos, sin [B, T, E/2]; cache_k, cache_v [B, K, S, E] (see kv_cache_shape);
     write_at: scalar index where the T new keys go in the cache;
-    mask [B, T, S] bool, True where a query may attend a cache slot.
+    mask [B, T, S] bool, True where a query may attend a cache slot (of the updated cache).
     Returns the output [B, T, D] and the updated caches.
+
+    A short write (2T <= S: decode, verification) attends over the cache as it was plus the new keys in
+    one softmax and writes the cache last, so a loop carrying the cache updates it in place.
     """
     cfg = self.cfg
     B, T, D = x.shape
