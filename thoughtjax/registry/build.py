@@ -24,7 +24,7 @@ from thoughtjax.mapping import load_mapping
 from thoughtjax.paths import VARIANTS
 from thoughtjax.registry.codec import codec_digest
 from thoughtjax.registry.errors import RegistryError
-from thoughtjax.registry.layout import check_format, index_format, is_older_format
+from thoughtjax.registry.layout import _writer_lock, check_format, index_format, is_older_format
 from thoughtjax.registry.lease import LEASE_DIR
 from thoughtjax.registry.publish import _publish
 from thoughtjax.registry.store import Registry
@@ -140,9 +140,11 @@ def build(
   if is_older_format(out):
     if not replace_old_format:
       check_format(index_format(out), Path(out))  # raises, naming the way out
-    report("replace", str(out), 0, 1)
-    _remove_registry(Path(out))
-    report("replace", str(out), 1, 1)
+    with _writer_lock(Path(out)):  # two processes replacing one cache: the second finds it replaced
+      if is_older_format(out):
+        report("replace", str(out), 0, 1)
+        _remove_registry(Path(out))
+        report("replace", str(out), 1, 1)
   if isinstance(model, (str, os.PathLike)):
     report("load", str(model), 0, 1)
     name = str(model)
