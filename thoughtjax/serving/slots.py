@@ -698,12 +698,15 @@ def _by_bucket(items: Sequence[tuple]) -> list[list[tuple]]:
 
 class SlotDriver:
   """A thread that runs one :class:`SlotEngine`: it prefills the requests waiting (``submit``), places them in
-  free slots and steps while any slot is in use (idle otherwise). Between two decode chunks it runs at most one
-  prefill call, taking every waiting request in the oldest one's prompt bucket, up to the free slots; waiting
-  requests beyond the free slots stay queued in order."""
+  free slots and steps while any slot is in use (idle otherwise). A prefill call takes every waiting request in
+  the oldest one's prompt bucket, up to the free slots; waiting requests beyond the free slots stay queued in
+  order. Between two decode chunks it runs at most ``prefills_between_chunks`` prefill calls while slots are in
+  use (a call when none is, e.g. the first of a burst, makes nobody wait)."""
 
-  def __init__(self, engine: SlotEngine):
-    self.engine = engine
+  def __init__(self, engine: SlotEngine, prefills_between_chunks: int = 1):
+    if prefills_between_chunks < 1:
+      raise SlotRequestError(f"prefills_between_chunks must be >= 1, got {prefills_between_chunks}")
+    self.engine, self.prefills_between_chunks = engine, int(prefills_between_chunks)
     self._cond = threading.Condition()
     self._closed = False
     self._pending: collections.deque[SlotRun] = collections.deque()
@@ -764,18 +767,19 @@ class SlotDriver:
     return dropped, batch
 
   def _loop(self) -> None:
-    prefilled = False  # the last thing done was a prefill call: decode before the next one
+    stalls = 0  # prefill calls since the last chunk that made slots in use wait
     while True:
       with self._cond:
         self._cond.wait_for(lambda: self._closed or self.engine.active > 0 or bool(self._pending))
         if self._closed:
           return
         dropped, batch = [], []
-        if not (prefilled and self.engine.active):
+        if stalls < self.prefills_between_chunks or not self.engine.active:
           dropped, batch = self._take()
       for run in dropped:
         self._end_unstarted(run, None)
       if batch:
+        stalls += self.engine.active > 0
         try:
           self._start(batch)
         except BaseException as e:  # the batch's requests get the error; those in slots go on
@@ -783,14 +787,13 @@ class SlotDriver:
           for run in batch:
             if not run.finished and run.slot is None:
               self._end_unstarted(run, e)
-        prefilled = True
       elif self.engine.active:
         try:
           self.engine.step()
         except BaseException as e:  # every request in a slot gets the error; the driver goes on
           self.error = e
           self.engine.fail(e)
-        prefilled = False
+        stalls = 0
 
   def _start(self, batch: list[SlotRun]) -> None:
     """One prefill call for ``batch``, each run's first token out, then each into a free slot."""
