@@ -292,3 +292,19 @@ def test_native_thoughtlets_are_profiled_and_reprofile_alike(ggufs, tmp_path):
   matrices = 2 * (2 * d * CFG.num_heads * e + 2 * d * CFG.num_kv_heads * e + 3 * d * CFG.ffn_dim)  # 2 layers
   assert m.profile.param_bytes == matrices * (1 + 8 / 32) + 2 * 2 * CFG.d_model * 4
   assert reg.verify_hardware(Tolerance(latency=None), FAST) == []
+
+
+@pytest.mark.parametrize("weights", ["native", "f32"])
+def test_packed_weights_restore_onto_a_mesh(ggufs, weights):
+  """Tensor-parallel restore: a native weight is split by output rows (q) or whole input blocks (o)."""
+  _, f32, _, root = ggufs["Q4_1"]
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+  reg = Registry.open(root, weights=weights)
+  attn = reg.restore("blocks[0:1)", mesh=mesh)["0"]["attn"]
+  if weights == "native":
+    assert attn["q"].q.sharding.spec == jax.sharding.PartitionSpec("model", None)
+    assert attn["o"].scale.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+  else:
+    assert attn["q"].sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
+  m = compose(PATH, reg, mesh=mesh, compile_cache=False)
+  np.testing.assert_allclose(m.logits(IDS), f32.logits(IDS), rtol=0, atol=1e-5)

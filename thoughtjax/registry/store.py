@@ -136,8 +136,8 @@ class Registry:
   """A registry directory opened for reading (and, with :meth:`publish`, writing).
 
   ``trust`` (a :class:`TrustPolicy`, default ``TrustPolicy()``) decides which keys are trusted and
-  how unsigned files are treated; ``weights`` is the form restores return by default (module docstring); every refusal is a named :class:`RegistryError`, counted in
-  :meth:`stats`. An open registry holds a reader lease (see :mod:`.lease`) until :meth:`close`
+  how unsigned files are treated; ``weights`` is the form restores return by default (module docstring);
+  every refusal is a named :class:`RegistryError`, counted in :meth:`stats`. An open registry holds a reader lease (see :mod:`.lease`) until :meth:`close`
   (or garbage collection), so ``gc`` keeps the versions it may restore; use it as a context manager.
   """
 
