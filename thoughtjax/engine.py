@@ -26,7 +26,6 @@ from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from thoughtjax import program as program_lib
@@ -43,6 +42,13 @@ from thoughtjax.template import Template
 
 class RequestError(UserError, ValueError):
   """A generation or scoring request this model cannot serve as given; the message says the fix."""
+
+
+def _to_device(a: np.ndarray) -> jax.Array:
+  """A host array on the default device. ``jnp.asarray`` of a numpy array traces, lowers and compiles (or
+  fetches from the persistent cache) a small ``stage`` program per shape and dtype in every new process;
+  ``jax.device_put`` copies without one."""
+  return jax.device_put(a)
 
 
 # Callback streaming: how many steps the device may run ahead of a consumer that is not reading.
@@ -670,7 +676,7 @@ class Model:
       tokens = np.zeros((B, T), np.int32)
       for r, row in enumerate(ids):
         tokens[r, T - len(row) :] = row
-      prompt = jnp.asarray(tokens)
+      prompt = _to_device(tokens)
     else:
       P1, P2 = key.template
       user_ids = np.zeros((B, T - P1 - P2), np.int32)
@@ -679,9 +685,9 @@ class Model:
       for r, u in enumerate(user):
         user_ids[r, : len(u)] = u
         lengths[r] = len(u)
-      prompt = TemplatePrompt(template.prefix_rows, template.suffix_rows, jnp.asarray(user_ids), jnp.asarray(lengths))
+      prompt = TemplatePrompt(template.prefix_rows, template.suffix_rows, _to_device(user_ids), _to_device(lengths))
     samp = sampling_arrays(params, B, self.config.vocab_size, key.stop_width, self.codec.eos_ids, key.has_bias)
-    req = _Request(prog, self._parts, prompt, jnp.asarray(pad), samp)
+    req = _Request(prog, self._parts, prompt, _to_device(pad), samp)
     trace = Trace(key, ids, start, tokens_out=[0] * len(ids))
     cancelled = threading.Event()
     runner = _run_chunks if stream_mode == "chunks" else _run_callback
@@ -739,7 +745,7 @@ class Model:
     T = bucket(ids.shape[1])
     padded = np.zeros((1, T), np.int32)
     padded[0, : ids.shape[1]] = ids
-    out = program_lib.score_logits(self._defs, self.layers, self._parts, jnp.asarray(padded))
+    out = program_lib.score_logits(self._defs, self.layers, self._parts, _to_device(padded))
     return np.asarray(out[0, : ids.shape[1]])
 
   def score(self, token_ids: Sequence[int] | str, top_k: int = 5) -> Score:

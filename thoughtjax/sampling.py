@@ -110,7 +110,9 @@ def sampling_arrays(
         raise SamplingError(f"logit_bias names token {tok}, outside the vocabulary [0, {vocab})")
       bias[i, int(tok)] += b
   return SamplingArrays(
-    *(jnp.asarray(a) for a in (temp, top_k, top_p, seed, max_new, stops)), None if bias is None else jnp.asarray(bias)
+    # device_put, not jnp.asarray: no small program traced and compiled per array in a new process.
+    *(jax.device_put(a) for a in (temp, top_k, top_p, seed, max_new, stops)),
+    None if bias is None else jax.device_put(bias),
   )
 
 
