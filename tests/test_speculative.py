@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 
+import jax
 import numpy as np
 import pytest
 from scipy import stats
@@ -49,6 +50,10 @@ DRAFTS = [
   ("exit1_recompute_k2", lambda cfg: Draft("embed, blocks[0:1), head", reuse=False), 2),
   ("exit1_bridge_k4", lambda cfg: Draft("embed, blocks[0:1), head", bridge=_bridge(cfg)), 4),
   ("full_truncated_vocab_k4", lambda cfg: Draft("embed, blocks[0:3), head", vocab=128), 4),
+  # Weight variants: blocks of other weights keep a KV cache of their own.
+  ("int8_full_k3", lambda cfg: "embed, blocks[0:3)@int8, head", 3),
+  ("exit1_then_int8_k4", lambda cfg: "embed, blocks[0:1), blocks[1:3)@int8, head", 4),
+  ("int8_exit2_truncated_vocab_k2", lambda cfg: Draft("embed, blocks[0:2)@int8, head", vocab=128), 2),
 ]
 
 
@@ -104,6 +109,42 @@ def test_cancel_ends_rows_at_the_next_chunk(engine):
   rest = list(g)
   assert rest[-1].finished and rest[-1].finish_reason == "cancelled" and g.trace.cancelled
   assert len(g.completions()[0].token_ids) < 40
+
+
+def test_an_int8_draft_has_caches_of_its_own_and_agrees_more_than_a_cut_path(engine):
+  d = speculative.resolve_draft(engine, "embed, blocks[0:3)@int8, head")
+  assert d.shared == 0 and d.own == 3 and not set(d.slots) & set(engine.layers)  # slots the full path does not use
+  mixed = speculative.resolve_draft(engine, "embed, blocks[0:1), blocks[1:3)@int8, head")
+  assert mixed.shared == 1 and mixed.own == 2 and mixed.slots[0] == engine.layers[0]
+  req = speculative.prepare(engine, [PROMPTS[0]], [SamplingParams(max_tokens=8)], [[]], "embed, blocks[0:3)@int8, head")
+  state = jax.eval_shape(req.program._init_impl)
+  assert len(state.draft_caches) == 3 and state.draft_caches[0][0].shape == state.caches[0][0].shape
+
+  def acceptance(draft):
+    t = engine.stream(PROMPTS[2], max_tokens=40, ignore_eos=True, draft=draft, draft_tokens=4)
+    t.completions()
+    return t.trace.accepted / t.trace.drafted
+
+  assert acceptance("embed, blocks[0:3)@int8, head") > acceptance("embed, blocks[0:2), head")
+
+
+def test_a_speculative_generation_compiles_its_program_once(engine, caplog):
+  """The prefill call compiles the program and every decode chunk reuses it: the first state is committed to
+  the device of the weights, like the states advance returns (an uncommitted one compiled it twice)."""
+  import logging
+
+  import jax
+
+  # Weights committed to one device, as a registry restores them; a key no other test uses (K=5, chunk 2).
+  model = engine.with_chunk(2)
+  model = model.with_path(model.layers, jax.device_put(model.parts, jax.devices()[0]))
+  with caplog.at_level(logging.WARNING), jax.log_compiles(True):
+    g = model.stream(PROMPTS[0], max_tokens=24, ignore_eos=True, draft="embed, blocks[0:2), head", draft_tokens=5)
+    tokens = g.completions()[0].token_ids
+  compiles = [r for r in caplog.records if "Compiling jit(_advance_impl)" in r.getMessage()]
+  assert len(tokens) == 24 and g.trace.decode_chunks >= 2 and g.trace.compile_s > 0
+  assert len(compiles) == 1, [r.getMessage()[:120] for r in compiles]
+  assert tokens == model.generate(PROMPTS[0], max_tokens=24, ignore_eos=True).token_ids
 
 
 @pytest.mark.parametrize(

@@ -2,11 +2,15 @@
 
 A *draft* is a prefix of the full path: ``embed, blocks[0:k)`` of it, optionally a bridge after them
 (``embed, blocks[0:10), bridge.10-30, head``), then the head, optionally over a truncated vocabulary
-(the ``vocab`` most frequent token ids). Each decode iteration of :class:`SpecProgram`, inside one
-``lax.while_loop`` of one compiled program,
+(the ``vocab`` most frequent token ids). After its shared prefix a draft may also run blocks of other
+weights, a weight variant of the full path (``embed, blocks[0:30)@int8, head``, ``embed, blocks[0:10),
+blocks[10:30)@int8, head``): those *own* blocks keep a KV cache of their own, filled by the prefill and by
+every draft step, since their keys are not the full path's. Each decode iteration of :class:`SpecProgram`,
+inside one ``lax.while_loop`` of one compiled program,
 
 1. runs the draft K times, one token at a time, proposing d_1..d_K after the last token d_0; its
-   shared blocks write the KV-cache entries the full path would write for the same tokens;
+   shared blocks write the KV-cache entries the full path would write for the same tokens (its own
+   blocks write their own cache, and once more for d_K, so the next iteration finds every accepted token);
 2. runs the full path once over the K+1 positions d_0..d_K, giving p_0..p_K (with ``reuse``, the
    verify pass starts at block k from the residuals the draft saved there, since blocks 0..k-1 already
    ran on those tokens);
@@ -81,7 +85,7 @@ class SpecKey:
   """Everything that changes a speculative program (see :class:`thoughtjax.program.ProgramKey`)."""
 
   layers: tuple[int, ...]  # full path slots
-  draft: tuple[int, ...]  # draft slots: layers[:shared], then bridge slots (< 0)
+  draft: tuple[int, ...]  # draft slots: layers[:shared], then ``own`` slots of its own weights, then bridges (< 0)
   shared: int  # leading full-path blocks the draft runs
   draft_tokens: int  # K
   batch: int  # B
@@ -95,6 +99,7 @@ class SpecKey:
   draft_vocab: int | None = None  # size of the truncated draft head (its ids come as data)
   reuse: bool = True
   accept: AcceptRule = "speculative"  # "always": a deliberately wrong rule, the statistical test's control
+  own: int = 0  # draft blocks after the shared ones with weights (and a KV cache) of their own
 
   @property
   def cache_len(self) -> int:  # S: a verify pass writes K positions past the last token
@@ -111,6 +116,7 @@ class SpecState(NamedTuple):
   drafted: jax.Array  # [B] i32
   accepted: jax.Array  # [B] i32
   passes: jax.Array  # [B] i32, verify passes
+  draft_caches: tuple[tuple[jax.Array, jax.Array], ...] = ()  # per own draft block
 
 
 def _is_stop(tokens, stop_ids):
@@ -171,10 +177,17 @@ class SpecProgram:
       zeros,
       zeros,
       zeros,
+      tuple((jnp.zeros(shape, jnp.float32),) * 2 for _ in range(k.own)),
     )
 
-  def init_state(self) -> SpecState:
-    return self._init()
+  def init_state(self, parts: PathParts | None = None) -> SpecState:
+    """The empty state, committed to the one device ``parts`` live on (as
+    :meth:`thoughtjax.program.Program.init_state`): ``advance`` returns a committed state, and an
+    uncommitted first one would make the first decode chunk compile the program a second time."""
+    state = self._init()
+    leaves = jax.tree.leaves(parts) if parts is not None else []
+    devices = {d for leaf in leaves if isinstance(leaf, jax.Array) for d in leaf.sharding.device_set}
+    return jax.device_put(state, next(iter(devices))) if len(devices) == 1 else state
 
   def advance(self, parts, prompt, pad, samp, vocab_ids, state) -> SpecState:
     return self._advance(parts, prompt, pad, samp, vocab_ids, state)
@@ -196,11 +209,25 @@ class SpecProgram:
     mask = ((s[None, None, :] >= pad[:, None, None]) & (s[None, None, :] <= t[None, :, None])) | (
       s[None, None, :] == t[None, :, None]
     )
-    logits, caches = run_path(embed, blocks, head, prompt, positions, st.caches, jnp.zeros((), jnp.int32), mask)
-    token, stop = sample(logits[:, -1], samp, jnp.zeros((), jnp.int32), k.mode, k.kernels)
+    zero = jnp.zeros((), jnp.int32)
+    logits, caches = run_path(embed, blocks, head, prompt, positions, st.caches, zero, mask)
+    draft_caches = st.draft_caches
+    if k.own:  # the draft's own blocks see the prompt too: from the residual after the shared blocks
+      _, draft_blocks, _ = merge_path(self.defs, parts, k.draft[: k.shared + k.own])
+      cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+      x = embed(prompt)
+      for block, (ck, cv) in zip(draft_blocks[: k.shared], caches[: k.shared], strict=True):
+        x, _, _ = block(x, cos, sin, ck, cv, zero, mask)  # the same entries the full path wrote: dropped
+      new = []
+      for block, (ck, cv) in zip(draft_blocks[k.shared :], draft_caches, strict=True):
+        x, ck, cv = block(x, cos, sin, ck, cv, zero, mask)
+        new.append((ck, cv))
+      draft_caches = tuple(new)
+    token, stop = sample(logits[:, -1], samp, zero, k.mode, k.kernels)
     count = jnp.ones_like(st.count)
     return st._replace(
       caches=tuple(caches),
+      draft_caches=draft_caches,
       token=token,
       count=count,
       done=stop | (count >= samp.max_new),
@@ -263,12 +290,17 @@ class SpecProgram:
       x, new = self._blocks(draft_blocks[: k.shared], k.draft[: k.shared], x, positions, caches[: k.shared], slot, mask)
       return x, tuple(new) + tuple(caches[k.shared :]), positions, mask
 
+    own_blocks, own_slots = draft_blocks[k.shared : k.shared + k.own], k.draft[k.shared : k.shared + k.own]
+
     def draft_step(j, c):
-      caches, toks, resid, qlog = c
+      caches, dcaches, toks, resid, qlog = c
       tok = jax.lax.dynamic_index_in_dim(toks, j, axis=1, keepdims=False)
       x, caches, positions, mask = shared_pass(caches, tok, j)
       resid = jax.lax.dynamic_update_slice_in_dim(resid, x, j, axis=1)
-      for bridge in draft_blocks[k.shared :]:  # position-wise: no rope, no cache
+      if k.own:
+        x, new = self._blocks(own_blocks, own_slots, x, positions, dcaches, slot0 + j, mask)
+        dcaches = tuple(new)
+      for bridge in draft_blocks[k.shared + k.own :]:  # position-wise: no rope, no cache
         x, _, _ = bridge(x, None, None, None, None, None, None)
       logits = self._draft_logits(embed, head, x, vocab_ids)[:, 0]  # [B, V or Vd]
       biased = logits if draft_bias is None else logits + draft_bias
@@ -281,22 +313,28 @@ class SpecProgram:
       if vocab_ids is not None:
         nxt = jnp.take(vocab_ids, nxt)
       toks = jax.lax.dynamic_update_slice_in_dim(toks, nxt[:, None], j + 1, axis=1)
-      return caches, toks, resid, qlog
+      return caches, dcaches, toks, resid, qlog
 
     D = self.cfg.d_model
     Vd = self.cfg.vocab_size if vocab_ids is None else k.draft_vocab
     toks = jnp.zeros((B, K + 1), jnp.int32).at[:, 0].set(st.token)
     resid = jnp.zeros((B, K + 1, D), jnp.float32)
     qlog = jnp.zeros((B, K if not greedy_only else 0, Vd), jnp.float32)  # the draft's raw logits per step
-    caches, toks, resid, qlog = jax.lax.fori_loop(0, K, draft_step, (st.caches, toks, resid, qlog))
+    caches, dcaches, toks, resid, qlog = jax.lax.fori_loop(
+      0, K, draft_step, (st.caches, st.draft_caches, toks, resid, qlog)
+    )
 
     # Verify the K + 1 positions d_0..d_K in one pass.
     slots = slot0[:, None] + jnp.arange(K + 1)[None, :]  # [B, K+1]
     positions = slots - pad[:, None]
     mask = (s[None, None, :] >= pad[:, None, None]) & (s[None, None, :] <= slots[:, :, None])
-    if k.reuse and k.shared > 0:
+    if (k.reuse and k.shared > 0) or k.own:
       # d_K has not been through the shared blocks yet; the draft's residuals stand for d_0..d_{K-1}.
-      last, caches, _, _ = shared_pass(caches, toks[:, K], K)
+      last, caches, lpos, lmask = shared_pass(caches, toks[:, K], K)
+    if k.own:  # the own blocks' cache takes d_K too: after K acceptances the next d_0 follows it
+      _, new = self._blocks(own_blocks, own_slots, last, lpos, dcaches, slot0 + K, lmask)
+      dcaches = tuple(new)
+    if k.reuse and k.shared > 0:
       x = jax.lax.dynamic_update_slice_in_dim(resid, last, K, axis=1)
       x, rest = self._blocks(
         full_blocks[k.shared :], k.layers[k.shared :], x, positions, caches[k.shared :], slot0, mask
@@ -345,6 +383,7 @@ class SpecProgram:
     live_i = live.astype(jnp.int32)
     return st._replace(
       caches=tuple(caches),
+      draft_caches=dcaches,
       token=jnp.where(take > 0, last, st.token),
       count=count,
       done=done,
@@ -377,10 +416,11 @@ class ResolvedDraft(NamedTuple):
 
   slots: tuple[int, ...]
   shared: int
-  parts: PathParts  # the full path's parts, plus the draft's bridges
+  parts: PathParts  # the full path's parts, plus the draft's own blocks and bridges
   vocab_ids: jax.Array | None  # [Vd] i32
   reuse: bool
   label: str
+  own: int = 0  # draft blocks of other weights after the shared ones (a KV cache of their own)
 
 
 def _prefix_error(model, label: str, why: str) -> DraftError:
@@ -410,30 +450,45 @@ def resolve_draft(model, draft: str | Sequence[int] | Draft) -> ResolvedDraft:
     refs = parse_path(spec.path)
     if refs[0].name != "embed" or refs[-1].name != "head":
       raise _prefix_error(model, label, f"it must start with embed and end with head, got {refs[0]} ... {refs[-1]}")
-    if all(r.span is not None for r in refs[1:-1]) and all(r.version is None for r in refs) and model.links is None:
+    plain = all(r.version is None and r.variant is None for r in refs)
+    if all(r.span is not None for r in refs[1:-1]) and plain and model.links is None:
       slots = [i for r in refs[1:-1] for i in r.layers(model.config.num_layers)]
       other = None
-    else:  # registry refs (bridges, versions): composed over the same source
-      other = model.with_path(spec.path)
+    else:  # registry refs (bridges, versions) or weight variants: composed over the same source
+      other = _composed(model, spec.path)
       slots = list(other.layers)
+      for part in ("embed", "head"):
+        if not _same_leaves(getattr(other.parts, part), getattr(model.parts, part)):
+          raise _prefix_error(model, label, f"its {part} holds other weights than the full path's")
   else:
     slots, other = [int(i) for i in spec.path], None
   full = [i for i in model.layers]
+
+  def same(j: int) -> bool:  # the draft's j-th block is the full path's j-th, weights and all
+    if j >= len(full) or slots[j] != full[j]:
+      return False
+    return other is None or _same_leaves(other.parts.blocks[slots[j]], blocks[full[j]])
+
   shared = 0
-  while shared < len(slots) and slots[shared] >= 0:
+  while shared < len(slots) and slots[shared] >= 0 and same(shared):
     shared += 1
-  if any(i >= 0 for i in slots[shared:]):
+  own = shared
+  while own < len(slots) and slots[own] >= 0:
+    # After the shared prefix only blocks of other weights (a variant: a cache of their own) may run.
+    if other is None or _same_leaves(other.parts.blocks[slots[own]], blocks.get(slots[own], {})):
+      mine, theirs = format_path(slots[: own + 1]), format_path(full)
+      raise _prefix_error(model, label, f"its blocks ({mine}) are not the first blocks of the full path ({theirs})")
+    own += 1
+  own -= shared
+  if any(i >= 0 for i in slots[shared + own :]):
     raise _prefix_error(model, label, f"only bridges may follow its shared blocks, got slots {slots}")
-  if slots[:shared] != full[:shared]:
-    mine, theirs = format_path(slots[:shared]), format_path(full)
-    raise _prefix_error(model, label, f"its blocks ({mine}) are not the first blocks of the full path ({theirs})")
-  if other is not None:
-    for i in slots[:shared]:
-      if not _same_leaves(other.parts.blocks[i], blocks[i]):
-        raise _prefix_error(model, label, f"its block slot {i} holds other weights than the full path's")
   draft_slots = list(slots[:shared])
+  top = max([-1, *blocks]) + 1
+  for j, i in enumerate(slots[shared : shared + own]):  # its own blocks, in slots the full path does not use
+    blocks[top + j] = other.parts.blocks[i]
+    draft_slots.append(top + j)
   free = min([0, *blocks]) - 1
-  for i in slots[shared:]:  # the draft's registry bridges, in slots the full path does not use
+  for i in slots[shared + own :]:  # the draft's registry bridges, in slots the full path does not use
     blocks[free] = other.parts.blocks[i]
     draft_slots.append(free)
     free -= 1
@@ -442,7 +497,7 @@ def resolve_draft(model, draft: str | Sequence[int] | Draft) -> ResolvedDraft:
     draft_slots.append(free)
   if any(i < 0 for i in full):
     raise _prefix_error(model, label, "the full path itself holds a bridge; verify with the uncut path")
-  if len(draft_slots) == len(full) and draft_slots == full and spec.vocab is None:
+  if own == 0 and len(draft_slots) == len(full) and draft_slots == full and spec.vocab is None:
     raise _prefix_error(model, label, "it is the full path itself, so it saves nothing; cut it or truncate its head")
   V = model.config.vocab_size
   vocab_ids = None
@@ -455,7 +510,24 @@ def resolve_draft(model, draft: str | Sequence[int] | Draft) -> ResolvedDraft:
       )
     vocab_ids = jnp.asarray(ids, jnp.int32)
   parts = PathParts(model.parts.embed, blocks, model.parts.head)
-  return ResolvedDraft(tuple(draft_slots), shared, parts, vocab_ids, spec.reuse, label)
+  return ResolvedDraft(tuple(draft_slots), shared, parts, vocab_ids, spec.reuse, label, own)
+
+
+_COMPOSED: dict = {}  # (id of the full path's parts, draft path) -> (those parts, the composed draft)
+
+
+def _composed(model, path: str):
+  """``model.with_path(path)``, kept for the last few (full parts, path): a variant draft of a loaded model is
+  quantized when composed, once, not on every call."""
+  key = (id(model.parts), path)
+  got = _COMPOSED.get(key)
+  if got is not None and got[0] is model.parts:
+    return got[1]
+  other = model.with_path(path)
+  while len(_COMPOSED) >= 4:
+    _COMPOSED.pop(next(iter(_COMPOSED)))
+  _COMPOSED[key] = (model.parts, other)
+  return other
 
 
 @functools.lru_cache(maxsize=16)
@@ -476,7 +548,7 @@ def _run(prog, parts, prompt, pad, samp, vocab_ids, rows, trace, cancelled: thre
       return
     trace.device_start = time.perf_counter()
     with COMPILE_CLOCK.measure() as compile_s:
-      state = prog.advance(parts, prompt, pad, samp, vocab_ids, prog.init_state())
+      state = prog.advance(parts, prompt, pad, samp, vocab_ids, prog.init_state(parts))
       out, done, count = jax.device_get((state.out, state.done, state.count))
     trace.compile_s = compile_s[0]
     trace.first_token = time.perf_counter()
@@ -552,6 +624,7 @@ def prepare(
     draft_vocab=None if d.vocab_ids is None else int(d.vocab_ids.shape[0]),
     reuse=d.reuse,
     accept=accept,
+    own=d.own,
   )
   prog = get_program(key, GraphDefs.from_model(model.module), model.config)
   B, T = key.batch, key.prompt_len
