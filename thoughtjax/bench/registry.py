@@ -220,17 +220,17 @@ def bench_decode(root: Path, tokens: int, repeats: int) -> list[dict]:
 
 # -------------------------------------------------------------------------------- main
 def _ensure_registry(args) -> Path:
-  from thoughtjax.registry import build, is_registry
+  from thoughtjax.registry import build, is_older_format, is_registry
 
   if args.registry:
     return Path(args.registry)
   from thoughtjax.fetch import cache_dir
 
   root = cache_dir() / "bench-registry"
-  if not is_registry(root):
+  if not is_registry(root) or is_older_format(root):  # this cache's own registry: an old one is rebuilt
     mapping = args.mapping or str(Path(__file__).resolve().parents[2] / "registry" / "semantic_mapping.yaml")
     t = time.perf_counter()
-    build(root, mapping, args.model or "smollm2-135m-instruct", settings=None)
+    build(root, mapping, args.model or "smollm2-135m-instruct", settings=None, replace_old_format=True)
     print(f"built {root} in {time.perf_counter() - t:.1f} s (unprofiled; pass --registry to use another)")
   return root
 
