@@ -393,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         ("peak RSS of a warm process, MiB", fmt(res["process_peak_rss_mb"], ".0f")),
       ],
       right=("thoughtjax",),
+      width=110,
     )
     if args.json:
       common.write_json(args.json, res)
