@@ -22,12 +22,12 @@ def test_bench_speculative_quick_writes_every_section(tmp_path, capsys):
   assert d["identical"] is True
   assert d["plain"]["tok_s_b1"] > 0 and d["plain"]["tok_s_bn"] > 0
   drafts = {(r["draft"], r["k"]): r for r in d["drafts"]}
-  assert set(drafts) == {("exit 2", 2), ("exit 2 + bridge", 2)}
+  assert set(drafts) == {("exit 2", 2), ("exit 2 + bridge", 2), ("int8 blocks[0:3)", 2)}
   for r in d["drafts"]:
     assert r["identical"] is True and 0 <= r["acceptance"] <= 1
     assert 1 <= r["tokens_per_pass"] <= r["k"] + 1 and r["tok_s_b1"] > 0 and r["tok_s_bn"] > 0
     assert math.isclose(r["speedup_b1"], r["tok_s_b1"] / d["plain"]["tok_s_b1"])
-    assert r["bridge"] == ("bridge" in r["draft"])
+    assert r["bridge"] == ("bridge" in r["draft"]) and r["weights"] == ("int8" if "int8" in r["draft"] else "f32")
   assert "healed here: 2 steps" in drafts[("exit 2 + bridge", 2)]["origin"]
   assert d["reuse"]["identical"] is True and d["reuse"]["tok_s_recompute"] > 0 and d["reuse"]["tok_s_reuse"] > 0
   for title in ("plain decode", "self-speculative decoding", "saved residual", "identical to plain decoding: yes"):

@@ -10,6 +10,9 @@ decodes ``--max-tokens``:
    head ``--draft-vocab``) and per K in ``--draft-tokens``: acceptance (drafts accepted / drafted),
    tokens per verify pass, decode tok/s and speedup over plain at batch 1 and batch B, and whether the
    tokens are identical to plain greedy decoding (they must be: the run fails otherwise);
+   Besides the exits, a **weight variant** of the whole full path drafts (``embed, blocks[0:L)@int8, head``:
+   per-row int8 weights, alone and with the truncated head; its blocks keep a KV cache of their own), unless
+   ``--no-int8``;
 3. **reuse**: for the first draft, verify starting from the draft's saved residual (the default) vs
    recomputing the shared blocks, batch 1.
 
@@ -131,6 +134,7 @@ def main(argv=None) -> int:
   p.add_argument("--registry", default=None, help="registry holding bridges bridge.d-L for the exits")
   p.add_argument("--heal-steps", type=int, default=0, help="train a bridge per exit here with this many steps")
   p.add_argument("--heal-rank", type=int, default=64)
+  p.add_argument("--no-int8", action="store_true", help="leave out the int8 weight-variant drafts")
   p.add_argument("--kernels", default=None, choices=("xla", "pallas"))
   p.add_argument("--json", default=None, type=common.json_path, help="write the results here")
   args = p.parse_args(argv)
@@ -180,6 +184,18 @@ def main(argv=None) -> int:
         (f"exit {d}, vocab {args.draft_vocab}", d, Draft(f"embed, blocks[0:{d}), head", vocab=args.draft_vocab), "raw")
       )
 
+  if not args.no_int8:  # the full path in int8 weights: cheaper per step, and it agrees far more than a cut
+    drafts.append((f"int8 blocks[0:{L})", L, Draft(f"embed, blocks[0:{L})@int8, head"), "int8"))
+    if args.draft_vocab:
+      drafts.append(
+        (
+          f"int8 blocks[0:{L}), vocab {args.draft_vocab}",
+          L,
+          Draft(f"embed, blocks[0:{L})@int8, head", vocab=args.draft_vocab),
+          "int8",
+        )
+      )
+
   rows, identical = [], True
   for label, d, draft, origin in drafts:
     for k in ks:
@@ -192,6 +208,7 @@ def main(argv=None) -> int:
           "draft": label,
           "depth": d,
           "bridge": draft.bridge is not None,
+          "weights": "int8" if "@int8" in str(draft.path) else "f32",
           "origin": origin,
           "vocab": draft.vocab,
           "k": k,
