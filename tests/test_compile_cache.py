@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -43,3 +44,38 @@ def test_second_process_hits_the_persistent_compile_cache(tiny_dir, tmp_path):
   first, second = (int(r.stdout.split("HITS")[1]) for r in runs)
   assert first == 0 and second >= 1
   assert any((tmp_path / "xla").iterdir())
+
+
+_EXPORT_PROBE = """
+import sys, json
+from jax._src import monitoring
+hits = []
+monitoring.register_event_listener(
+    lambda name, **kw: hits.append(name) if name == "/jax/compilation_cache/cache_hits" else None)
+import thoughtjax
+from thoughtjax import exported, program
+init = program.Program.__init__
+def hooked(self, *a, **k):  # the one-line hook program.py would carry
+  init(self, *a, **k)
+  exported.wrap_program(self)
+program.Program.__init__ = hooked
+m = thoughtjax.load(sys.argv[1])
+c = m.generate([5, 6, 7], max_tokens=6, ignore_eos=True)
+print(json.dumps({"stats": dict(exported.EXPORT_STATS), "hits": len(hits), "tokens": c.token_ids}))
+"""
+
+
+def test_second_process_loads_the_exported_program_and_its_compiled_executable(tiny_dir, tmp_path):
+  env = {**os.environ, "THOUGHTJAX_CACHE": str(tmp_path)}
+  out = []
+  for _ in range(2):
+    r = subprocess.run(
+      [sys.executable, "-c", _EXPORT_PROBE, str(tiny_dir)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert r.returncode == 0, r.stderr
+    out.append(json.loads(r.stdout.strip().splitlines()[-1]))
+  first, second = out
+  assert first["stats"] == {"exported": 1}
+  assert second["stats"] == {"loaded": 1} and second["hits"] >= 1
+  assert second["tokens"] == first["tokens"] and len(first["tokens"]) == 6
+  assert len(list((tmp_path / "exported").glob("*.jaxexp"))) == 1
