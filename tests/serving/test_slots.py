@@ -241,6 +241,17 @@ def test_the_driver_prefills_waiting_requests_together_and_a_stream_waits_at_mos
   assert engine.active == 0 and driver.waiting == 0
 
 
+def test_warm_compiles_the_prefill_of_every_batch_size(model, engine):
+  """After warm(), requests prefilled together (3 rows: batch bucket 4), with a logit bias, compile nothing."""
+  engine.warm(len(PROMPTS[3]))
+  params = SamplingParams(max_tokens=4, logit_bias={5: 1.0}, ignore_eos=True)
+  runs = engine.insert_batch([(PROMPTS[3], params), (PROMPTS[0], params), (PROMPTS[5], params)])
+  assert [r.trace.compile_s for r in runs] == [0.0] * 3 and [r.prefill_batch for r in runs] == [3] * 3
+  while engine.active:
+    engine.step()
+  assert runs[1].token_ids == alone(model, PROMPTS[0], **_kw(params)).token_ids
+
+
 def test_closing_the_driver_ends_the_requests_still_waiting(engine):
   """Requests submitted to a driver whose slots are all held stay queued; close() ends them with SlotsClosed."""
   driver = SlotDriver(engine)

@@ -468,15 +468,21 @@ class SlotEngine:
       out.append(Prefilled(r.ids, r.params, kv, token, bool(done[p]), 1, r.trace, r.rows, row=p, batch=n))
     return out
 
-  def warm(self, prompt_len: int, modes: Sequence[SamplingMode] = (SamplingMode.GREEDY,)) -> None:
+  def warm(
+    self,
+    prompt_len: int,
+    modes: Sequence[SamplingMode] = (SamplingMode.GREEDY,),
+    biases: Sequence[bool] = (False, True),
+  ) -> None:
     """Compile the prefill of every batch size (1, 2, 4, ... up to the slots) for prompts of ``prompt_len``
-    tokens (its bucket) in each mode, and the insert of their keys, so the first requests compile nothing."""
+    tokens (its bucket) in each mode, without and with a logit bias, and the insert of their keys, so the first
+    requests compile nothing."""
     T = bucket(prompt_len)
-    params = SamplingParams()  # the mode, not the settings, shapes the program
-    for mode in modes:
+    params = SamplingParams()  # the mode and the bias's presence, not the settings, shape the program
+    for mode, bias in ((m, b) for m in modes for b in biases):
       P = 1
       while True:
-        samp = sampling_arrays([params] * P, P, self.cfg.vocab_size, self.stop_width, self.model.codec.eos_ids, False)
+        samp = sampling_arrays([params] * P, P, self.cfg.vocab_size, self.stop_width, self.model.codec.eos_ids, bias)
         tokens, pad = jnp.zeros((P, T), jnp.int32), jnp.full((P,), T - 1, jnp.int32)
         kv, token, _ = self.program.prefill(self.parts, tokens, pad, samp, mode)
         with self._lock:
