@@ -193,3 +193,19 @@ def test_the_scheduler_refuses_late_requests_without_a_server():
 async def _until(cond):
   while not cond():
     await asyncio.sleep(0)
+
+
+def test_engines_per_ring_length_and_the_smallest_that_fits_past_max_engines():
+  """A short request gets a 64-token ring, a long one a 256-token ring; past max_engines a request joins the path's
+  smallest engine that fits it instead of making its own."""
+  from tests.tiny import tiny_engine
+
+  model = tiny_engine("llama_gqa", seed=3, chunk=4)
+  sched = ContinuousScheduler(2, 2, max_engines=2)
+  try:
+    short, long = sched._driver(model, 20), sched._driver(model, 200)
+    assert (short.engine.cache_len, long.engine.cache_len) == (64, 256)
+    assert sched._driver(model, 60) is short
+    assert sched._driver(model, 100) is long and sched.snapshot()["engines"] == 2  # no 128-token ring made
+  finally:
+    sched.close()
