@@ -270,7 +270,12 @@ def test_default_model_greedy_speculation_is_identical_to_plain_greedy(default_m
       else default_model.prompt_ids(text)
     )
     plain = default_model.generate(ids, max_tokens=32).token_ids
-    for draft, k in (("embed, blocks[0:24), head", 4), (Draft("embed, blocks[0:8), head", vocab=8192), 3)):
+    drafts = (
+      ("embed, blocks[0:24), head", 4),
+      (Draft("embed, blocks[0:8), head", vocab=8192), 3),
+      ("embed, blocks[0:30)@int8, head", 4),  # a weight variant: its own KV cache
+    )
+    for draft, k in drafts:
       got = default_model.generate(ids, max_tokens=32, draft=draft, draft_tokens=k).token_ids
       assert got == plain, f"{label}: draft {draft} K={k} gave {got}, plain greedy {plain}"
 
