@@ -289,25 +289,20 @@ def test_ties_go_to_lower_latency_then_path_hash_whatever_the_order():
 def test_a_lossless_faster_candidate_wins_the_tie_with_the_full_path():
   # A speculative plan: a bridged early exit drafts, the full path verifies; lossless. Its decode is not
   # the sum of its units: calibration stores its measured speed as a per-path factor.
+  from thoughtjax.synthesis.calibration import DraftPlan
+
   bridge = Unit("bridge[8]", "v1", 1 * MB, 0, "bridge")
-  spec = Candidate.build(
-    "speculative(draft: embed, blocks[0:8), bridge[8], head; verify: full)",
-    "speculative",
-    [EMBED, *(block(a, b) for a, b in SPANS), bridge, HEAD],
-  )
-  lat = latency_params()
-  lat = dataclasses.replace(
-    lat,
-    prefill={**lat.prefill, "bridge": LinearCost(0.1)},
-    decode={**lat.decode, "bridge": LinearCost(0.1)},
-    corrections={"paths": {spec.path_hash: {"decode": 0.5}}},
-  )
+  full = CANDIDATES["full"]
+  prefix = [u for u in full.units if u.layers][:1]
+  draft = DraftPlan(", ".join(u.ref for u in (EMBED, *prefix, bridge, HEAD)), 4, None, (bridge,), prefix[0].layers)
+  spec = Candidate.build(full.path, "speculative", full.units, draft)
+  lat = dataclasses.replace(latency_params(), corrections={"paths": {spec.path_hash: {"decode": 0.5}}})
   cands = {**CANDIDATES, "spec": spec}
   lossless = {h: HintQuality(q(1.0, 0.0, 0.0), q(1.0, 0.0, 0.0)) for h in FLOORS}
   cal = Calibration(SEQUENCE, "cpu:test", tuple(cands.values()), {spec.path_hash: lossless}, lat)
   p = Planner(cal, FLOORS).plan(PlanRequest(("legal_analysis",), 40, 64, 1e9))
-  assert p.path_hash == spec.path_hash and p.kind == "speculative" and not p.degraded
-  assert "bridge[8]@v1" in p.refs
+  assert p.path_hash == spec.path_hash and p.kind == "speculative" and not p.degraded and p.draft == draft
+  assert "bridge[8]@v1" in p.refs  # the draft's own units are the plan's too (restored, and a failure blocks it)
 
 
 def test_same_pin_same_plan_and_another_sequence_is_refused():
