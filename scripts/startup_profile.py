@@ -123,16 +123,8 @@ def child(opts: argparse.Namespace) -> dict:
   for v in spans.values():
     v.clear()
   cache.update(hits=0, fetch_s=0.0)
-  if opts.exported:
-    from thoughtjax import exported
-
-    init = program.Program.__init__
-
-    def hooked(self, *a, **k):  # the one-line hook program.py would carry
-      init(self, *a, **k)
-      exported.wrap_program(self)
-
-    program.Program.__init__ = hooked
+  if not opts.exported:  # Program loads exported programs unless the export cache is off
+    os.environ["THOUGHTJAX_EXPORT_CACHE"] = "off"
   mark("exported hook")
   g = model.stream_batch([PROMPT], engine.SamplingParams(max_tokens=8), chat=True)
   mark("request preparation")

@@ -53,12 +53,7 @@ hits = []
 monitoring.register_event_listener(
     lambda name, **kw: hits.append(name) if name == "/jax/compilation_cache/cache_hits" else None)
 import thoughtjax
-from thoughtjax import exported, program
-init = program.Program.__init__
-def hooked(self, *a, **k):  # the one-line hook program.py would carry
-  init(self, *a, **k)
-  exported.wrap_program(self)
-program.Program.__init__ = hooked
+from thoughtjax import exported
 m = thoughtjax.load(sys.argv[1])
 c = m.generate([5, 6, 7], max_tokens=6, ignore_eos=True)
 print(json.dumps({"stats": dict(exported.EXPORT_STATS), "hits": len(hits), "tokens": c.token_ids}))

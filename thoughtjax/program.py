@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from thoughtjax import exported
 from thoughtjax.kernels.template_embed import template_embed
 
 # GraphDefs, PathParts and merge_path live with the model; re-exported here for old imports.
@@ -139,6 +140,8 @@ class Program:
     self._advance = jax.jit(self._advance_impl, donate_argnums=(4,))
     self._init = jax.jit(self._init_impl)
     self._callback_run = jax.jit(self._callback_impl)
+    # A later process loads the exported program instead of tracing and lowering it again.
+    exported.wrap_program(self)
 
   # ---- traced code -------------------------------------------------------------
   def _modules(self, parts: PathParts) -> tuple[Embed, list[Block], Head]:
