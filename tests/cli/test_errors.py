@@ -250,7 +250,7 @@ def test_the_policy_is_what_the_registry_is_opened_with(tmp_path, monkeypatch):
   for argv in (["registry", "list", str(tmp_path)], ["generate", "--registry", str(tmp_path), "--prompt", "x"]):
     with pytest.raises(Stop):
       cli.main([*argv, "--public-key", str(key), "--require-signatures"])
-  assert opened == [(tmp_path, TrustPolicy(public_keys=(key,), require_signatures=True), {})] * 2
+  assert opened == [(tmp_path, TrustPolicy(public_keys=(key,), require_signatures=True), {"weights": "f32"})] * 2
 
 
 def test_build_and_gc_verify_the_index_under_the_policy(tmp_path, monkeypatch):

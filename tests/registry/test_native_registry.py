@@ -308,3 +308,19 @@ def test_packed_weights_restore_onto_a_mesh(ggufs, weights):
     assert attn["q"].sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
   m = compose(PATH, reg, mesh=mesh, compile_cache=False)
   np.testing.assert_allclose(m.logits(IDS), f32.logits(IDS), rtol=0, atol=1e-5)
+
+
+def test_cli_registry_route_takes_weights_native_and_names_int8_as_a_variant(ggufs):
+  import argparse
+
+  from thoughtjax.cli.args import CommandLineError
+  from thoughtjax.cli.model_commands import _load
+
+  _, _, native, root = ggufs["Q4_1"]
+  args = dict(registry=str(root), model=None, path=None, kernels=None, public_key=None, require_signatures=False)
+  m = _load(argparse.Namespace(**args, weights="native"))
+  leaves = [leaf for s in m.parts.blocks.values() for leaf in jax.tree.leaves(s, is_leaf=formats.is_packed)]
+  assert any(formats.is_packed(leaf) for leaf in leaves)
+  assert np.array_equal(m.logits(IDS), native.logits(IDS))
+  with pytest.raises(CommandLineError, match=r"@int8.*--variants int8"):
+    _load(argparse.Namespace(**args, weights="int8"))

@@ -76,8 +76,9 @@ def trust_policy(args):
   return TrustPolicy(public_keys=keys, require_signatures=bool(args.require_signatures))
 
 
-def open_registry(directory: str, args, flag: str = "registry directory"):
-  """``Registry.open(directory, trust=trust_policy(args))`` after checking that the directory exists."""
+def open_registry(directory: str, args, flag: str = "registry directory", *, weights: str = "f32"):
+  """``Registry.open(directory, trust=trust_policy(args), weights=weights)`` after checking that the directory
+  exists; ``weights`` is the form restores return (f32, or native: a quantized model's blocks kept packed)."""
   from thoughtjax.registry import Registry
 
-  return Registry.open(existing_path(directory, flag, kind="dir"), trust=trust_policy(args))
+  return Registry.open(existing_path(directory, flag, kind="dir"), trust=trust_policy(args), weights=weights)

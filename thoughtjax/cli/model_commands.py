@@ -30,7 +30,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     choices=("native", "f32", "int8"),
     default=None,
     help="native: the GGUF's quantized blocks, read packed and computed in float32 (same logits); "
-    "f32: dequantized float32 weights (the default); int8: per-row int8 quantized at load (lossy, faster)",
+    "f32: dequantized float32 weights (the default); int8: per-row int8 quantized at load (lossy; with --registry "
+    "name int8 variants in --path instead)",
   )
   add_kernels_arg(p)
   add_trust_args(p, keys_help="with --registry: trusted Ed25519 public key (repeatable)")
@@ -43,8 +44,11 @@ def _load(args):
   if args.registry:
     if args.model is not None:
       raise CommandLineError("--model and --registry both given: the registry holds the weights; drop one")
-    if args.weights is not None:
-      raise CommandLineError(f"--weights {args.weights} applies to --model; a registry holds its own weights: drop it")
+    if args.weights == "int8":
+      raise CommandLineError(
+        "--weights int8 applies to --model; a registry's int8 blocks are variants: name them in --path, "
+        "e.g. 'embed, blocks[0:30)@int8, head' (built with `registry build --variants int8`)"
+      )
     from thoughtjax.cli.registry import load_from_registry
 
     return load_from_registry(args)
