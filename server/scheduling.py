@@ -279,6 +279,7 @@ class ContinuousScheduler(SimpleScheduler):
     self.max_engines, self.cache_len = max_engines, cache_len
     self._engines: collections.OrderedDict[tuple, Any] = collections.OrderedDict()  # key -> SlotDriver
     self._engines_lock = threading.Lock()
+    self._freed_by_closed = 0  # slots freed by engines since closed (evicted), so the count survives them
     self.refused_deadline = 0
 
   def snapshot(self) -> dict:
@@ -289,6 +290,7 @@ class ContinuousScheduler(SimpleScheduler):
       "scheduler": "continuous",
       "engines": len(drivers),
       "slots_in_use": sum(d.engine.active for d in drivers),
+      "slots_freed": self._freed_by_closed + sum(d.engine.freed_total for d in drivers),
       "refused_deadline": self.refused_deadline,
     }
 
@@ -316,7 +318,9 @@ class ContinuousScheduler(SimpleScheduler):
             f"{len(self._engines)} paths are decoding at once (max_engines {self.max_engines}) and none is idle; "
             f"retry with backoff, or serve fewer distinct paths"
           )
-        self._engines.pop(idle).close()
+        evicted = self._engines.pop(idle)
+        self._freed_by_closed += evicted.engine.freed_total
+        evicted.close()
       driver = self._engines[key] = SlotDriver(SlotEngine(model, self.max_concurrent, cache_len=cache_len))
       return driver
 

@@ -614,8 +614,8 @@ class SlotEngine:
 
   def _free(self, b: int) -> None:
     run = self._runs[b]
+    self.freed_total += 1  # before the slot reads as free: whoever sees it free sees it counted
     self._runs[b] = None
-    self.freed_total += 1
     run.chunks_at_free = self.chunks
     run._end()
 
