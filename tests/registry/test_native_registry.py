@@ -159,8 +159,9 @@ def _flip_nibble(params):
   params["0"]["mlp"]["up"]["Q4_1"][7, 5] ^= np.uint8(0x01)
 
 
-@pytest.mark.parametrize("edit", [_flip_scale, _flip_nibble], ids=["scale", "q"])
-def test_a_changed_scale_or_q_byte_is_refused_loudly(ggufs, tmp_path, keypair, edit):
+def _plant_forged_checkpoint(ggufs, tmp_path, keypair, edit):
+  """A signed Q4_1 registry whose blocks[0:1) checkpoint is replaced by one with ``edit`` applied:
+  (root, version, version dir)."""
   root = _signed_copy(ggufs, tmp_path, keypair)
   reg = Registry.open(root)
   version = reg.resolve("blocks[0:1)")
@@ -168,6 +169,12 @@ def test_a_changed_scale_or_q_byte_is_refused_loudly(ggufs, tmp_path, keypair, e
   forged = _tampered_checkpoint(reg, "blocks[0:1)", edit, tmp_path)
   shutil.rmtree(vdir / "checkpoint")
   shutil.copytree(forged, vdir / "checkpoint")
+  return root, version, vdir
+
+
+@pytest.mark.parametrize("edit", [_flip_scale, _flip_nibble], ids=["scale", "q"])
+def test_a_changed_scale_or_q_byte_is_refused_loudly(ggufs, tmp_path, keypair, edit):
+  root, version, vdir = _plant_forged_checkpoint(ggufs, tmp_path, keypair, edit)
   fresh = Registry.open(root)
   with pytest.raises(IntegrityError, match=r"blocks\[0:1\)@" + version) as err:
     fresh.restore("blocks[0:1)")
@@ -183,13 +190,7 @@ def test_a_resigned_change_is_caught_by_the_versioned_hash(ggufs, tmp_path, keyp
   pass, the versioned hash over the packed bytes does not."""
   from thoughtjax.registry.layout import _files_under, _sha256_file
 
-  root = _signed_copy(ggufs, tmp_path, keypair)
-  reg = Registry.open(root)
-  version = reg.resolve("blocks[0:1)")
-  vdir = root / "thoughtlets" / dir_name("blocks[0:1)") / version
-  forged = _tampered_checkpoint(reg, "blocks[0:1)", edit, tmp_path)
-  shutil.rmtree(vdir / "checkpoint")
-  shutil.copytree(forged, vdir / "checkpoint")
+  root, version, vdir = _plant_forged_checkpoint(ggufs, tmp_path, keypair, edit)
   files = {
     str(p.relative_to(vdir)): {"sha256": _sha256_file(p), "bytes": p.stat().st_size}
     for p in _files_under(vdir / "checkpoint")
