@@ -549,7 +549,14 @@ class SynthesizerService:
       # Every current thoughtlet's manifest signature and file digests, before anything is switched.
       fresh.verify(deep=False)
       calibration, how, dropped, notes = calibration_for(fresh, old.syn.calibration)
-      syn = Synthesizer(fresh, calibration, old.syn.dictionary, kernels=old.syn.kernels, keep_paths=old.syn.keep_paths)
+      syn = Synthesizer(
+        fresh,
+        calibration,
+        old.syn.dictionary,
+        kernels=old.syn.kernels,
+        keep_paths=old.syn.keep_paths,
+        learn=old.syn.learn,
+      )
       w = self.config.warm
       warmed = syn.warm(w.hints, prompt_tokens=w.prompt_tokens, max_tokens=w.max_tokens) if w.hints else []
       return _Reload(_Serving.of(syn, owned=True), fresh.sequence, how, tuple(dropped), tuple(warmed), tuple(notes))

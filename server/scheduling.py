@@ -337,6 +337,7 @@ class ContinuousScheduler(SimpleScheduler):
       # The slot stands in for the run's own generation attribute (a wrapper forwarding it would iterate the old).
       own = getattr(run, "__dict__", {}).get("generation")
       inputs = getattr(own, "inputs", None)
+      self._refuse_late(run, request_id, deadline)  # a run that goes alone too (e.g. a speculative plan)
       if inputs is None or len(inputs[1]) != 1:
         yield run
         async for d in self._alone(run, box, request_id, deadline):
@@ -344,7 +345,6 @@ class ContinuousScheduler(SimpleScheduler):
         ended = "finished"
         return
       model, (ids,), (params,) = inputs
-      self._refuse_late(run, request_id, deadline)
       driver = await asyncio.wrap_future(self._executor.submit(self._driver, model, len(ids) + params.max_tokens))
       ready: asyncio.Queue = asyncio.Queue()
       # The driver prefills it with the others waiting then; its first token goes out as soon as that call ends.

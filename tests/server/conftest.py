@@ -21,7 +21,8 @@ def tiny_registry():
 def synthesizer(tiny_registry):
   from thoughtjax.synthesis.synthesize import Synthesizer
 
-  return Synthesizer.open(tiny_registry)
+  # learn=False: a request's plan does not depend on what other tests, run before on this worker, taught it.
+  return Synthesizer.open(tiny_registry, learn=False)
 
 
 def config(**changes) -> ServerConfig:

@@ -100,9 +100,27 @@ def test_a_cancelled_stream_frees_its_slot_within_one_chunk(batched):
   assert sched.snapshot()["slots_in_use"] == 0 and sched._turns._value == sched.max_concurrent
 
 
-def test_a_deadline_the_plan_cannot_meet_is_refused_before_a_slot(synthesizer):
+class _Forwarding:
+  """A run that forwards to another: it holds no generation of its own, so the scheduler runs it alone."""
+
+  def __init__(self, run):
+    self.__dict__["_run"] = run
+
+  def __getattr__(self, name):
+    return getattr(self._run, name)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    return next(self._run)
+
+
+@pytest.mark.parametrize("alone", [False, True], ids=["slot", "alone"])
+def test_a_deadline_the_plan_cannot_meet_is_refused_before_a_slot(synthesizer, alone):
   """The plan predicts an hour of decode; a 30 s deadline is refused with DEADLINE_EXCEEDED before the
-  request takes a slot (no engine, no slot, counted)."""
+  request takes a slot or, for a run that goes alone (as a speculative plan does), before it runs
+  (no engine, nothing decoded, counted)."""
 
   class Slow:
     def __getattr__(self, name):
@@ -111,7 +129,7 @@ def test_a_deadline_the_plan_cannot_meet_is_refused_before_a_slot(synthesizer):
     def synthesize(self, *a, **kw):
       r = synthesizer.synthesize(*a, **kw)
       r.plan = dataclasses.replace(r.plan, predicted=dataclasses.replace(r.plan.predicted, decode=3.6e6))
-      return r
+      return _Forwarding(r) if alone else r
 
   with BackgroundServer(Slow(), config(scheduler="continuous", max_concurrent=2, max_queue=2)) as srv:
     wait_ready(srv)

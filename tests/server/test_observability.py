@@ -87,6 +87,7 @@ def test_metrics_endpoint_series_move_after_requests(synthesizer, served):
       assert c.last_trailer.fields["degraded"] == "true" and c.last_trailer.fields["degraded-reason"] == "budget"
       with pytest.raises(Exception, match="INVALID_ARGUMENT"):
         c.plan("x", ["poetry_in_klingon"])
+    assert a.call(lambda: a.app.service.scheduler.wait_idle(60))  # a request counts as completed once released
     after = scrape(a.app.metrics_port)
     assert value(after, "thoughtjax_time_to_first_token_seconds_count") == 3
     assert value(after, "thoughtjax_token_latency_seconds_count") >= final.usage.tokens_out - 1

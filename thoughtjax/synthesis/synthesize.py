@@ -14,7 +14,8 @@ every finished request, and what is warm: composed paths (their thoughtlets rest
 keys it has run (compiled). Planning sees that residency, so a warm path predicts no restore or compile.
 What the latency model learns persists per machine and registry (:mod:`~thoughtjax.synthesis.corrections`):
 a new synthesizer starts from the corrections earlier ones learned; ``learned_corrections=False`` keeps them
-in process.
+in process. ``learn=False`` keeps the latency model as loaded: for a given residency, the same request gets
+the same plan (reproducible benchmarks and tests).
 
 Stages as measured (milliseconds), the same definitions calibration fitted:
 ``synthesis`` hint normalization + GetOptimalPath; ``restore`` reading the plan's missing thoughtlets and
@@ -209,6 +210,7 @@ class Synthesizer:
     kernels: str | None = None,
     keep_paths: int = 4,
     learned_corrections: bool = True,
+    learn: bool = True,
   ):
     from thoughtjax.synthesis import corrections as corr_lib
     from thoughtjax.synthesis.calibrate import machine_fingerprint
@@ -233,7 +235,7 @@ class Synthesizer:
     self.corrections_loaded = learned
     self._store = corr_lib.CorrectionsStore(self.corrections_key, self.latency, path)
     weakref.finalize(self, self._store.flush)  # what the last requests taught, saved at exit
-    self.kernels, self.keep_paths = kernels, keep_paths
+    self.kernels, self.keep_paths, self.learn = kernels, keep_paths, learn
     self._models: collections.OrderedDict[str, object] = collections.OrderedDict()
     self._compiled: set[str] = set()
     self._lock = threading.Lock()
@@ -408,11 +410,11 @@ class Synthesizer:
     return SynthesisResult(plan, generation, trace, self._learn, t_request)
 
   def _learn(self, result: SynthesisResult) -> None:
-    """Move the latency model toward what the finished request measured."""
+    """Move the latency model toward what the finished request measured (unless ``learn=False``); keep the trace."""
     actual = {s: result.trace.actual_ms[s] for s in STAGES if s in result.trace.actual_ms}
     tokens = result.trace.tokens_out
     gen = result.generation.trace
-    if tokens and not gen.cancelled:
+    if self.learn and tokens and not gen.cancelled:
       # compile_s > 0: this call traced or compiled its program (its first run in this process).
       self.latency.update(LatencyTrace(result.plan.predicted, actual, tokens, compiled=gen.compile_s > 0))
       self._store.learned()
