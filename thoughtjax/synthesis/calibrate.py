@@ -25,11 +25,15 @@ Steps (each reported to ``progress(stage, done, total, item)``):
    (layers run, ms) per prompt bucket. Synthesis overhead: planning time on the new calibration.
 
 5. **speculative**: :func:`speculative_candidates` adds the full path verifying the best prefix drafts
-   (kind ``speculative``, the full path's quality); :func:`measure_speculative` times each against the plain
-   full path on the first hint's calibration text and stores its decode factor in ``latency.corrections``.
+   and, when the registry holds a weight variant of every block (``registry build --variants int8``), the
+   full path in those weights (kind ``speculative``, the full path's quality); :func:`measure_speculative`
+   times each against the plain full path on the first hint's calibration text and stores its decode
+   factor in ``latency.corrections``.
 
-``latency_only=True`` keeps a stored calibration's candidates and quality and re-measures step 4 on this
-machine (another fingerprint), well under two minutes for the default model.
+:func:`recalibrate_latency` (``--latency-only``) keeps a stored calibration's candidates and quality and
+re-measures steps 4 and 5 on this machine (another fingerprint), well under two minutes for the default
+model. A stored calibration without speculative candidates (one made before they existed, like the
+shipped default table) gets them there: the drafts are chosen from its stored quality as step 5 does.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from thoughtjax.errors import UserError
-from thoughtjax.synthesis.calibration import Calibration, Candidate, CandidateKind, Unit
+from thoughtjax.paths import VARIANTS
+from thoughtjax.synthesis.calibration import Calibration, Candidate, CandidateKind, DraftPlan, Unit
 from thoughtjax.synthesis.candidates import CandidateSettings, bridge_slots, bridged_proposals, is_bridge, pin, propose
 from thoughtjax.synthesis.latency import LatencyModel, LatencyParams, LinearCost
 from thoughtjax.synthesis.quality import measure_candidates, windows
@@ -97,15 +102,25 @@ class SpeculativeSettings:
 
   ``drafts``: how many drafts, chosen among the measured prefix candidates (early exits, bridged exits) by
   top-1 agreement with the full path on the first hint's calibration split, highest first (a greedy draft
-  token is accepted exactly when it agrees); 0: none. ``draft_tokens``: K per verify pass; ``vocab``: the
-  draft head's truncated vocabulary (None: the whole one).
+  token is accepted exactly when it agrees); 0: none. ``variants``: weight variants whose full path drafts
+  too, each where the registry holds that variant of every block of the full path (the full path in int8
+  weights agrees far more than any raw exit; what it costs here is measured like any draft).
+  ``draft_tokens``: K per verify pass; ``vocab``: the draft head's truncated vocabulary (None: the whole one).
   """
 
   drafts: int = 1
   draft_tokens: int = 4
   vocab: int | None = None
+  variants: tuple[str, ...] = ("int8",)
 
   def __post_init__(self):
+    v = self.variants
+    if isinstance(v, str) or not isinstance(v, (tuple, list)) or any(x not in VARIANTS for x in v):
+      raise CalibrateError(
+        f"SpeculativeSettings.variants: expected a tuple of weight variants from {list(VARIANTS)}, got {v!r}; "
+        f"() for none"
+      )
+    object.__setattr__(self, "variants", tuple(dict.fromkeys(v)))
     if isinstance(self.drafts, bool) or not isinstance(self.drafts, int) or self.drafts < 0:
       raise CalibrateError(f"SpeculativeSettings.drafts: expected an integer >= 0, got {self.drafts!r}")
     if (
@@ -263,7 +278,7 @@ def calibrate(
   )
   report.seconds["quality"] = time.perf_counter() - t0
   del model
-  spec = speculative_candidates(candidates, quality, hints[0], settings.speculative)
+  spec = speculative_candidates(candidates, quality, hints[0], settings.speculative, registry=registry)
   candidates += spec  # no quality entries of their own: Calibration.hint_quality gives them the full path's
   return _with_latency(registry, candidates, quality, settings.latency, progress, report, kernels, corpora[hints[0]][0])
 
@@ -273,11 +288,16 @@ def recalibrate_latency(
   stored: Calibration,
   settings: LatencySettings = LatencySettings(),
   *,
+  speculative: SpeculativeSettings = SpeculativeSettings(),
   progress: CalibrateProgress | None = None,
   report: CalibrateReport | None = None,
   kernels: str | None = None,
 ) -> Calibration:
-  """``stored``'s candidates and quality with latency re-measured on this machine (``--latency-only``)."""
+  """``stored``'s candidates and quality with latency re-measured on this machine (``--latency-only``).
+
+  When ``stored`` has no speculative candidate, ``speculative`` chooses them as :func:`calibrate` does (the
+  drafts from the stored quality on the first calibrated hint of the dictionary) and they are measured
+  here; ``SpeculativeSettings(drafts=0, variants=())`` keeps the stored candidates only."""
   progress = progress or _nop
   report = report if report is not None else CalibrateReport()
   if stored.sequence != registry.sequence:
@@ -290,10 +310,22 @@ def recalibrate_latency(
   quality = {
     with_cost_keys(c).path_hash: stored.quality[c.path_hash] for c in stored.candidates if c.path_hash in stored.quality
   }
+  if not any(c.draft is not None for c in candidates):
+    hint = _first_hint(stored.hints)
+    if hint is not None:  # without a calibrated hint of the dictionary there is no text to time a draft on
+      candidates += speculative_candidates(candidates, quality, hint, speculative, registry=registry)
   texts = None
   if any(c.draft is not None for c in candidates):  # speculative factors are measured on calibration text
     texts = _calibration_text(registry, stored.hints, settings)
   return _with_latency(registry, candidates, quality, settings, progress, report, kernels, texts)
+
+
+def _first_hint(hints: Sequence[str]) -> str | None:
+  """The first hint of the shipped dictionary's order among ``hints`` (what :func:`calibrate` calls the first
+  hint when it calibrates every hint), or None."""
+  from thoughtjax.synthesis.dictionary import load_dictionary
+
+  return next((h for h in load_dictionary().names if h in set(hints)), None)
 
 
 def _calibration_text(registry, hints: Sequence[str], settings: LatencySettings) -> list[list[int]]:
@@ -302,7 +334,7 @@ def _calibration_text(registry, hints: Sequence[str], settings: LatencySettings)
   from thoughtjax.synthesis.quality import corpora_of
 
   dictionary = load_dictionary()
-  hint = next((h for h in hints if h in dictionary), None)
+  hint = _first_hint(hints)
   if hint is None:
     raise CalibrateError(
       f"the stored calibration's hints {list(hints)} are not in the dictionary {dictionary.source}, so its "
@@ -325,35 +357,63 @@ def _is_prefix_draft(c: Candidate, full: Candidate) -> bool:
   return list(mid[:k]) == list(fmid[:k]) and all(is_bridge(u.name) for u in mid[k:]) and k < len(fmid)
 
 
+def variant_units(registry, full: Candidate, variant: str) -> tuple[Unit, ...] | None:
+  """``full``'s units with every block in ``variant`` weights (the registry's current ``<block>@<variant>``
+  thoughtlets, covering the same layers), embed and head its own; None when the registry lacks one."""
+  names = set(registry.names)
+  out = []
+  for u in full.units:
+    if not u.layers:
+      out.append(u)
+      continue
+    name = f"{u.name}@{variant}"
+    if name not in names:
+      return None
+    m = registry.manifest(name)
+    layers = 0 if m.layers is None else m.layers[1] - m.layers[0]
+    if layers != u.layers:
+      raise CalibrateError(
+        f"{name} ({registry.root}) runs {layers} layers, but {u.ref} runs {u.layers}; a weight variant covers its "
+        f"block's layers exactly. Rebuild the registry (thoughtjax registry build ... --variants {variant})"
+      )
+    unit = Unit(name, m.version, m.param_bytes, layers)
+    out.append(dataclasses.replace(unit, cost_key=cost_key(unit)))
+  return tuple(out)
+
+
 def speculative_candidates(
   candidates: Sequence[Candidate],
   quality: dict,
   hint: str,
   settings: SpeculativeSettings = SpeculativeSettings(),
+  *,
+  registry=None,
 ) -> list[Candidate]:
   """Speculative candidates: the full path verifying each of the ``settings.drafts`` prefix candidates of
-  highest top-1 agreement on ``hint``'s calibration split (ties: fewer layers, then path hash); see
+  highest top-1 agreement on ``hint``'s calibration split (ties: fewer layers, then path hash), then, given
+  ``registry``, the full path in each of ``settings.variants`` that it holds for every block; see
   :class:`SpeculativeSettings`. Their quality is the full path's; their latency is measured
   (:func:`measure_speculative`)."""
-  from thoughtjax.synthesis.calibration import DraftPlan
-
-  if settings.drafts == 0:
-    return []
   full = next(c for c in candidates if c.kind is CandidateKind.FULL)
   full_refs = {u.ref for u in full.units}
   scored = []
   for c in candidates:
     q = quality.get(c.path_hash, {}).get(hint)
     if q is not None and _is_prefix_draft(c, full):
-      scored.append((-q.calibration.top1_agreement, sum(u.layers for u in c.units), c.path_hash, c))
+      scored.append((-q.calibration.top1_agreement, sum(u.layers for u in c.units), c.path_hash, c.units))
+  drafts = [units for *_, units in sorted(scored)[: settings.drafts]]
+  for variant in settings.variants if registry is not None else ():
+    units = variant_units(registry, full, variant)
+    if units is not None:
+      drafts.append(units)
   out = []
-  for *_, c in sorted(scored)[: settings.drafts]:
+  for units in drafts:
     draft = DraftPlan(
-      ", ".join(u.ref for u in c.units),
+      ", ".join(u.ref for u in units),
       settings.draft_tokens,
       settings.vocab,
-      tuple(dict.fromkeys(u for u in c.units if u.ref not in full_refs)),
-      sum(u.layers for u in c.units),
+      tuple(dict.fromkeys(u for u in units if u.ref not in full_refs)),
+      sum(u.layers for u in units),
     )
     out.append(Candidate.build(full.path, CandidateKind.SPECULATIVE, full.units, draft))
   return out

@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from thoughtjax.errors import UserError
+from thoughtjax.paths import VARIANTS, split_variant
 from thoughtjax.synthesis.latency import LatencyModel, LatencyModelError, LatencyParams
 from thoughtjax.thoughtlet import canonical_json
 
@@ -150,7 +151,8 @@ LOSSLESS_HINT = HintQuality(LOSSLESS, LOSSLESS)
 class Unit:
   """One thoughtlet a path runs, pinned: ``name@version``, its parameter bytes (restore cost), the
   number of transformer layers it runs (compile cost), and the key of its measured prefill/decode cost
-  (default: its ref; thoughtlets of identical shape and format may share one)."""
+  (default: its ref; thoughtlets of identical shape and format may share one). A weight variant is a
+  thoughtlet of its own whose name carries the variant (``blocks[0:2)@int8``, ref ``blocks[0:2)@int8@<version>``)."""
 
   name: str
   version: str
@@ -161,8 +163,14 @@ class Unit:
   def __post_init__(self):
     for f in ("name", "version"):
       v = getattr(self, f)
-      if not isinstance(v, str) or not v or "@" in v or "," in v:
-        raise CalibrationError(f"unit {f}: expected a non-empty string without '@' or ',', got {v!r}")
+      # A name may end in one variant suffix (its base is checked like any name); a version never has '@'.
+      base = split_variant(v)[0] if f == "name" and isinstance(v, str) else v
+      if not isinstance(v, str) or not base or "@" in base or "," in v:
+        raise CalibrationError(
+          f"unit {f}: expected a non-empty string without ',' or '@'"
+          + (f" (a name may end in one weight variant: @{', @'.join(VARIANTS)})" if f == "name" else "")
+          + f", got {v!r}"
+        )
     _count(self.nbytes, f"unit {self.ref} nbytes")
     _count(self.layers, f"unit {self.ref} layers")
     if not self.cost_key:
@@ -218,9 +226,16 @@ class DraftPlan:
     _count(self.layers, f"draft {self.path!r} layers")
 
   @property
+  def weights(self) -> tuple[str, ...]:
+    """The weight variants its path reads (``("int8",)`` for the full path in int8 weights); empty: the full
+    path's own weights."""
+    return tuple(dict.fromkeys(r.variant for r in _draft_refs(self.path) if r.variant is not None))
+
+  @property
   def label(self) -> str:
-    """The draft as one line: path, K and the truncated head (what plans and traces show)."""
-    return f"{self.path} (k={self.draft_tokens}{'' if self.vocab is None else f', vocab={self.vocab}'})"
+    """The draft as one line: path, K, its weight form and the truncated head (what plans and traces show)."""
+    extra = "".join(f", weights={w}" for w in self.weights) + ("" if self.vocab is None else f", vocab={self.vocab}")
+    return f"{self.path} (k={self.draft_tokens}{extra})"
 
   def to_json(self) -> dict:
     return {
@@ -243,10 +258,26 @@ class DraftPlan:
       raise CalibrationError(f"{where}: {e}") from None
 
 
+def _draft_refs(path: str):
+  from thoughtjax.paths import PathSyntaxError, parse_path
+
+  try:
+    return parse_path(path)
+  except PathSyntaxError:  # a label that is not a path names no variant; resolving it fails loudly later
+    return []
+
+
+def _layout_item(item: str) -> str:
+  """One ref of a draft path without its version: ``blocks[0:2)@int8@3fa2`` -> ``blocks[0:2)@int8`` (the
+  variant stays: int8 blocks compile another program than f32 ones)."""
+  base, at, last = item.strip().rpartition("@")
+  return item.strip() if not at or last in VARIANTS else _layout_item(base)
+
+
 def _draft_line(draft: DraftPlan | None, ref: bool) -> str:
   if draft is None:
     return ""
-  path = draft.path if ref else ", ".join(p.strip().partition("@")[0] for p in draft.path.split(","))
+  path = draft.path if ref else ", ".join(_layout_item(p) for p in draft.path.split(","))
   return f"\ndraft:{path}|k={draft.draft_tokens}|vocab={draft.vocab}"
 
 

@@ -38,6 +38,7 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from thoughtjax.errors import UserError
+from thoughtjax.paths import VARIANTS
 from thoughtjax.synthesis.calibration import Calibration, DraftPlan, PathQuality
 from thoughtjax.synthesis.latency import COLD, LatencyModel, Prediction, Residency
 
@@ -47,6 +48,13 @@ BUDGET = "budget"
 # A failed-thoughtlet report: refs (``name@version``, or a bare name for every version of it) that
 # failed, a mapping ref -> why ("verification: hash mismatch"), or a callback ref -> why or None.
 Unavailable = AbstractSet[str] | Mapping[str, str] | Callable[[str], str | None] | None
+
+
+def _name(ref: str) -> str:
+  """The thoughtlet name of a ref: ``blocks[0:2)@3fa2`` -> ``blocks[0:2)``, ``blocks[0:2)@int8@3fa2`` ->
+  ``blocks[0:2)@int8`` (a weight variant is a thoughtlet of its own: its failure blocks only its users)."""
+  base, at, last = ref.rpartition("@")
+  return ref if not at or last in VARIANTS else base
 
 
 class PlanError(UserError, ValueError):
@@ -277,7 +285,7 @@ class Planner:
     for i, c in enumerate(cands):
       for ref in c.refs:
         self._users[ref].append(i)
-        name = ref.partition("@")[0]
+        name = _name(ref)
         if ref != name and i not in self._users[name][-1:]:
           self._users[name].append(i)
     self._orders: dict[tuple[str, ...], _Order] = {}
@@ -316,7 +324,7 @@ class Planner:
     if callable(unavailable) and not isinstance(unavailable, Mapping):
       reports = {}
       for ref in self._users:
-        if "@" in ref:
+        if _name(ref) != ref:  # a pinned ref, not a bare name
           why = unavailable(ref)
           if why:
             reports[ref] = str(why)
@@ -327,7 +335,7 @@ class Planner:
     out: dict[int, tuple[str, str]] = {}
     for ref in sorted(reports):
       # Every version of a failed thoughtlet's name is blocked: another version is never used in its place.
-      for i in self._users.get(ref.partition("@")[0], ()):
+      for i in self._users.get(_name(ref), ()):
         out.setdefault(i, (ref, reports[ref]))
     return out
 
@@ -390,10 +398,10 @@ class Planner:
       if i not in order.eligible:
         continue
       ref, why = failed[i]
-      uses = next(r for r in cands[i].refs if r.partition("@")[0] == ref.partition("@")[0])
+      uses = next(r for r in cands[i].refs if _name(r) == _name(ref))
       detail = (
         f"needs {ref}, which failed {why}"
-        if uses == ref or "@" not in ref
+        if uses == ref or _name(ref) == ref
         else f"uses {uses} where the current {ref} failed {why}; another version is never used in its place"
       )
       rejected.append(Rejection(cands[i].path, cands[i].path_hash, "unavailable", detail))
