@@ -311,7 +311,7 @@ def recalibrate_latency(
     with_cost_keys(c).path_hash: stored.quality[c.path_hash] for c in stored.candidates if c.path_hash in stored.quality
   }
   if not any(c.draft is not None for c in candidates):
-    hint = _first_hint(stored.hints)
+    hint = first_hint(stored.hints)
     if hint is not None:  # without a calibrated hint of the dictionary there is no text to time a draft on
       candidates += speculative_candidates(candidates, quality, hint, speculative, registry=registry)
   texts = None
@@ -320,7 +320,7 @@ def recalibrate_latency(
   return _with_latency(registry, candidates, quality, settings, progress, report, kernels, texts)
 
 
-def _first_hint(hints: Sequence[str]) -> str | None:
+def first_hint(hints: Sequence[str]) -> str | None:
   """The first hint of the shipped dictionary's order among ``hints`` (what :func:`calibrate` calls the first
   hint when it calibrates every hint), or None."""
   from thoughtjax.synthesis.dictionary import load_dictionary
@@ -334,7 +334,7 @@ def _calibration_text(registry, hints: Sequence[str], settings: LatencySettings)
   from thoughtjax.synthesis.quality import corpora_of
 
   dictionary = load_dictionary()
-  hint = _first_hint(hints)
+  hint = first_hint(hints)
   if hint is None:
     raise CalibrateError(
       f"the stored calibration's hints {list(hints)} are not in the dictionary {dictionary.source}, so its "

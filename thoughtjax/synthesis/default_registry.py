@@ -10,11 +10,15 @@ built and calibrated on first use.
 2. **calibrate**: quality comes from the shipped table ``registry/default_calibration.json`` when its
    candidates pin to exactly this registry's current versions (versions are content hashes, so a build
    of the same model and mapping gives the same ones); latency is always measured here
-   (:func:`~thoughtjax.synthesis.calibrate.recalibrate_latency`, about a minute). Without a matching table
-   the full calibration runs (minutes). The result is stored in the registry.
+   (:func:`~thoughtjax.synthesis.calibrate.recalibrate_latency`, about a minute). The shipped table predates
+   speculative candidates: the recalibration adds them (the full path verifying the exit with the highest
+   top-1 agreement in the table, K from :class:`~thoughtjax.synthesis.calibrate.SpeculativeSettings`) and
+   times them against the plain full path here. Without a matching table the full calibration runs
+   (minutes). The result is stored in the registry.
 
 Later uses open it and check the stored calibration; a calibration measured on another machine
-(fingerprint) has its latency re-measured. Progress goes to ``progress(stage, done, total, item)``.
+(fingerprint), or one stored before speculative candidates existed, has its latency re-measured.
+Progress goes to ``progress(stage, done, total, item)``.
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ def ensure_default(progress: Progress | None = None, *, root: Path | None = None
   except MissingCalibrationError:
     stored = None
   fingerprint = cal_lib.machine_fingerprint()
-  if stored is not None and stored.fingerprint == fingerprint:
+  if stored is not None and stored.fingerprint == fingerprint and not _lacks_speculative(reg, stored):
     return reg
   base = stored or shipped_calibration(reg)
   if base is not None:
@@ -100,6 +104,17 @@ def ensure_default(progress: Progress | None = None, *, root: Path | None = None
     cal = cal_lib.calibrate(reg, progress=report)
   write_calibration(reg, cal)
   return reg
+
+
+def _lacks_speculative(reg, cal) -> bool:
+  """``cal`` has no speculative candidate, though a recalibration would add one (a calibration stored by a
+  thoughtjax before they existed)."""
+  from thoughtjax.synthesis import calibrate as cal_lib
+
+  if any(c.draft is not None for c in cal.candidates):
+    return False
+  hint = cal_lib.first_hint(cal.hints)
+  return hint is not None and bool(cal_lib.speculative_candidates(cal.candidates, cal.quality, hint, registry=reg))
 
 
 def open_default(progress: Progress | None = None, **kwargs):

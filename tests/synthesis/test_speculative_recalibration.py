@@ -1,0 +1,255 @@
+"""Speculative candidates where a calibration had none, and drafts in other weights.
+
+A latency-only recalibration of a table made before speculative candidates existed (like the shipped default
+table) adds them: the drafts are chosen from its stored quality as a full calibration chooses them, and timed
+here. The full path in a registry's int8 variant drafts as a candidate of its own: its draft names its weights,
+it round-trips through the signed calibration JSON, and the planner picks it exactly when its corrected latency
+is the lowest of the lossless choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from tests.synthesis.tiny_synthesis import FULL, HINTS, IDENTITY_SKIP, SETTINGS, registry_copy, tiny_setup
+from thoughtjax.compose import compose
+from thoughtjax.registry import Registry, build
+from thoughtjax.registry.calibration_store import read_calibration, write_calibration
+from thoughtjax.synthesis.calibrate import (
+  CalibrateError,
+  CalibrateReport,
+  SpeculativeSettings,
+  first_hint,
+  load,
+  recalibrate_latency,
+  speculative_candidates,
+)
+from thoughtjax.synthesis.calibration import Calibration, CalibrationError, Candidate, CandidateKind, Unit
+from thoughtjax.synthesis.latency import FACTOR_BOUNDS, STAGES, LatencyModel, Residency
+from thoughtjax.synthesis.planner import Floor, Planner, PlanRequest
+from thoughtjax.synthesis.synthesize import Synthesizer
+
+PROMPT = "The quick brown fox"
+
+
+def _without_speculative(cal: Calibration, sequence: int | None = None) -> Calibration:
+  """``cal`` as a calibration made before speculative candidates: its other candidates, quality and fits."""
+  return Calibration(
+    cal.sequence if sequence is None else sequence,
+    cal.fingerprint,
+    [c for c in cal.candidates if c.draft is None],
+    cal.quality,
+    dataclasses.replace(cal.latency, corrections={}),
+    cal.current,
+  )
+
+
+def _specs(cal: Calibration) -> list[Candidate]:
+  return [c for c in cal.candidates if c.kind is CandidateKind.SPECULATIVE]
+
+
+@pytest.fixture(scope="module")
+def original():
+  with Registry.open(tiny_setup().registry) as r:
+    return load(r)
+
+
+@pytest.fixture(scope="module")
+def int8(tmp_path_factory, original):
+  """The tiny registry with an int8 variant of every block published on top, its table without speculative
+  candidates recalibrated (latency only), stored signed: (registry root, calibration, report)."""
+  from tests.synthesis.test_quality import make_model
+
+  setup = tiny_setup()
+  root = registry_copy(tmp_path_factory.mktemp("int8") / "reg")
+  model = make_model(identity=2)  # the tiny registry's model: its blocks keep their versions
+  build(
+    root,
+    setup.root / "mapping.yaml",
+    model.module,
+    codec=model.codec,
+    sign_key=setup.key,
+    settings=None,
+    source="tiny-identity2",
+    variants=("int8",),
+  )
+  report = CalibrateReport()
+  with Registry.open(root) as reg:
+    assert reg.sequence > original.sequence and all(reg.current[n] == v for n, v in original.current.items())
+    cal = recalibrate_latency(reg, _without_speculative(original, reg.sequence), SETTINGS.latency, report=report)
+    write_calibration(reg, cal, sign_key=setup.key)
+  return root, cal, report
+
+
+def test_recalibrating_a_table_without_speculative_candidates_adds_the_one_calibration_chose(original, tmp_path):
+  stored = _without_speculative(original)
+  assert not _specs(stored) and first_hint(stored.hints) == HINTS[0]  # the dictionary's order, as calibrate
+  report = CalibrateReport()
+  with Registry.open(registry_copy(tmp_path / "reg")) as reg:
+    again = recalibrate_latency(reg, stored, SETTINGS.latency, report=report)
+    write_calibration(reg, again, sign_key=tiny_setup().key)
+    assert read_calibration(reg).digest() == again.digest()
+  # The stored candidates and quality are kept; the speculative candidate is the one the full calibration made.
+  (spec,) = _specs(again)
+  assert [c.path_hash for c in again.candidates] == [c.path_hash for c in stored.candidates] + [spec.path_hash]
+  assert again.quality == stored.quality
+  assert (spec.path_hash, spec.draft) == (_specs(original)[0].path_hash, _specs(original)[0].draft)
+  assert spec.draft.draft_tokens == SpeculativeSettings().draft_tokens
+  for hint in HINTS:
+    assert again.hint_quality(spec.path_hash, hint) == again.hint_quality(again.full.path_hash, hint)
+  # Timed here, against the plain full path on the calibration text (its acceptance in it).
+  factor = again.latency.corrections["paths"][spec.path_hash]["decode"]
+  assert FACTOR_BOUNDS[0] <= factor <= FACTOR_BOUNDS[1]
+  (row,) = report.speculative
+  assert row["path_hash"] == spec.path_hash and row["factor"] == pytest.approx(factor) and 0 < row["acceptance"] <= 1
+
+
+def test_the_full_path_in_int8_weights_drafts_as_a_candidate_of_its_own(int8):
+  root, cal, report = int8
+  with Registry.open(root) as reg:
+    current = reg.current
+  prefix, variant = _specs(cal)  # the prefix draft of highest agreement first, then the variant
+  assert prefix.draft.weights == () and variant.draft.weights == ("int8",) and "weights=int8" in variant.draft.label
+  assert variant.path == FULL and variant.units == cal.full.units
+  blocks = [u for u in cal.full.units if u.layers]
+  assert [u.name for u in variant.draft.units] == [f"{u.name}@int8" for u in blocks]
+  assert all(u.version == current[u.name] != current[u.name.removesuffix("@int8")] for u in variant.draft.units)
+  assert variant.draft.layers == sum(u.layers for u in blocks)
+  assert set(variant.refs) == {u.ref for u in cal.full.units} | {u.ref for u in variant.draft.units}
+  # Another compiled program than the full path's and the prefix draft's; the quality is the full path's.
+  assert len({variant.program, prefix.program, cal.full.program}) == 3
+  for hint in HINTS:
+    assert cal.hint_quality(variant.path_hash, hint) == cal.hint_quality(cal.full.path_hash, hint)
+  # Both timed in one run; the int8 full path agrees with the f32 one far more than a cut path does.
+  rows = {r["path_hash"]: r for r in report.speculative}
+  assert set(rows) == {prefix.path_hash, variant.path_hash}
+  assert rows[variant.path_hash]["acceptance"] > rows[prefix.path_hash]["acceptance"]
+  for c in (prefix, variant):
+    assert cal.latency.corrections["paths"][c.path_hash]["decode"] == pytest.approx(rows[c.path_hash]["factor"])
+
+
+def test_an_int8_draft_round_trips_through_the_signed_json_and_a_forged_one_is_refused(int8):
+  root, cal, _ = int8
+  with Registry.open(root) as reg:
+    stored = read_calibration(reg)
+  assert stored.digest() == cal.digest() and _specs(stored) == _specs(cal)
+  again = Calibration.from_json(cal.to_json())
+  assert again.digest() == cal.digest() and _specs(again)[1].draft.weights == ("int8",)
+  # The attack: the draft's int8 blocks swapped for the f32 ones under the same path hash.
+  doc = cal.to_dict()
+  i = next(i for i, c in enumerate(doc["candidates"]) if c.get("draft") and "@int8@" in c["draft"]["path"])
+  doc["candidates"][i]["draft"]["path"] = ", ".join(u.ref for u in cal.full.units)
+  with pytest.raises(CalibrationError, match="path_hash .* does not match its units"):
+    Calibration.from_json(doc)
+  # A weight form that does not exist is no unit name.
+  with pytest.raises(CalibrationError, match=r"a name may end in one weight variant: @int8"):
+    Unit("blocks[0:2)@fp4", "3fa2")
+  with pytest.raises(CalibrationError, match="unit version"):
+    Unit("blocks[0:2)@int8", "int8@3fa2")
+  with pytest.raises(CalibrateError, match="SpeculativeSettings.variants"):
+    SpeculativeSettings(variants=("fp4",))
+  with pytest.raises(CalibrateError, match="SpeculativeSettings.variants"):
+    SpeculativeSettings(variants="int8")
+
+
+def _factors(cal: Calibration, factors: dict[str, float]) -> Calibration:
+  """``cal`` with every stage of the given candidates corrected by the given factor (and nothing else)."""
+  paths = {h: {s: f for s in STAGES} for h, f in factors.items()}
+  return dataclasses.replace(cal, latency=dataclasses.replace(cal.latency, corrections={"paths": paths}))
+
+
+def _plan(cal: Calibration, unavailable=None):
+  """A lossless plan with every thoughtlet resident, and the fastest lossless candidate by prediction."""
+  planner = Planner(cal, {h: Floor(top1_agreement=1.0, mean_kl=0.0) for h in cal.hints})
+  model = LatencyModel(cal.latency)
+  warm = Residency({r for c in cal.candidates for r in c.refs}, set())
+  plan = planner.plan(PlanRequest((HINTS[0],), 8, 32, math.inf), model, warm, unavailable=unavailable)
+  lossless = [
+    c
+    for c in cal.candidates
+    if cal.hint_quality(c.path_hash, HINTS[0]).calibration.top1_agreement == 1.0
+    and cal.hint_quality(c.path_hash, HINTS[0]).calibration.mean_kl == 0.0
+  ]
+  fastest = min(lossless, key=lambda c: (model.predict(c, 8, 32, warm).total, c.path_hash))
+  return plan, fastest
+
+
+def test_the_planner_picks_the_int8_draft_exactly_when_its_corrected_latency_is_lowest(int8):
+  _, cal, _ = int8
+  prefix, variant = _specs(cal)
+  lo, hi = FACTOR_BOUNDS
+  plan, fastest = _plan(_factors(cal, {variant.path_hash: lo, prefix.path_hash: hi}))
+  assert fastest.path_hash == variant.path_hash  # the setup: this latency model makes it the fastest
+  assert plan.path_hash == variant.path_hash and plan.draft == variant.draft and not plan.degraded
+  assert plan.to_json()["draft"]["path"] == variant.draft.path
+  plan, fastest = _plan(_factors(cal, {variant.path_hash: hi, prefix.path_hash: lo}))
+  assert fastest.path_hash == prefix.path_hash and plan.path_hash == prefix.path_hash
+  plan, fastest = _plan(_factors(cal, {variant.path_hash: hi, prefix.path_hash: hi}))
+  assert plan.path_hash == fastest.path_hash and plan.draft is None
+  # A failed int8 block blocks the int8 draft only (a variant is a thoughtlet of its own), loudly.
+  fast = _factors(cal, {variant.path_hash: lo, prefix.path_hash: hi})
+  bad = variant.draft.units[0].ref
+  for failed in ({bad: "verification: hash mismatch"}, {variant.draft.units[0].name}):
+    plan, _ = _plan(fast, failed)
+    assert plan.path_hash != variant.path_hash and plan.degraded
+    assert plan.path_hash in {c.path_hash for c in cal.candidates if bad not in c.refs}
+    assert any(r.path_hash == variant.path_hash and r.why == "unavailable" for r in plan.rejected)
+  # A failed f32 block of the full path blocks every plan that verifies with it, the int8 one too: what is
+  # left is the lossless skip of the identity block.
+  skipped = next(u.ref for u in cal.full.units if u.name == "blocks[2:3)")
+  plan, _ = _plan(fast, {skipped: "restore (OSError)"})
+  assert plan.path == IDENTITY_SKIP and plan.degraded and skipped not in plan.refs
+
+
+def test_an_int8_speculative_plan_runs_and_streams_plain_greedy_tokens(int8):
+  root, cal, _ = int8
+  prefix, variant = _specs(cal)
+  with Registry.open(root) as reg:
+    syn = Synthesizer(
+      reg,
+      _factors(cal, {variant.path_hash: FACTOR_BOUNDS[0], prefix.path_hash: 1.0}),
+      learned_corrections=False,
+      learn=False,
+    )
+    r = syn.synthesize(PROMPT, [HINTS[0]], max_latency_ms=math.inf, max_tokens=12, ignore_eos=True)
+    assert r.plan.path_hash == variant.path_hash
+    r.finish()
+    plain = compose(FULL, reg).generate(syn.prompt_ids(PROMPT), max_tokens=12, ignore_eos=True)
+  assert r.token_ids == plain.token_ids
+  t = r.trace
+  assert t.draft == variant.draft.label and "weights=int8" in t.draft and t.verify_passes > 0
+  assert 0 < t.accepted <= t.drafted
+  assert set(t.refs) >= {u.ref for u in variant.draft.units}  # its int8 blocks were restored with the plan
+
+
+def test_speculative_candidates_are_derived_again_from_the_same_inputs(int8, original):
+  root, cal, _ = int8
+  plain = [c for c in cal.candidates if c.draft is None]
+  with Registry.open(root) as reg:
+    assert speculative_candidates(plain, cal.quality, HINTS[0], registry=reg) == _specs(cal)
+    assert speculative_candidates(plain, cal.quality, HINTS[0], SpeculativeSettings(variants=()), registry=reg) == [
+      _specs(cal)[0]
+    ]
+  # Without a registry (or one without variants) only prefix drafts: the tiny table keeps its one.
+  assert speculative_candidates(plain, cal.quality, HINTS[0]) == _specs(original)
+
+
+@pytest.mark.slow
+def test_the_default_registry_calibration_has_a_speculative_candidate():
+  """After ensure_default the default registry's calibration holds the full path verifying the exit the shipped
+  table rates best, with the full path's quality and a decode factor measured on this machine."""
+  from thoughtjax.synthesis.default_registry import ensure_default
+
+  with ensure_default() as reg:
+    cal = read_calibration(reg)
+  specs = _specs(cal)
+  assert specs and all(c.units == cal.full.units for c in specs)
+  for c in specs:
+    assert cal.hint_quality(c.path_hash, "general_purpose") == cal.hint_quality(cal.full.path_hash, "general_purpose")
+    assert FACTOR_BOUNDS[0] <= cal.latency.corrections["paths"][c.path_hash]["decode"] <= FACTOR_BOUNDS[1]
+  assert specs == speculative_candidates(
+    [c for c in cal.candidates if c.draft is None], cal.quality, first_hint(cal.hints), registry=reg
+  )
