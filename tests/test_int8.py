@@ -135,3 +135,108 @@ def test_default_model_int8_quality_against_f32():
   assert q.tokens > 200 and q.top1_agreement >= 0.9 and 0 < q.mean_kl < 0.02 and abs(q.delta_nll) < 0.05, q
   text = q8.generate("The capital of France is", max_tokens=8).text
   assert "Paris" in text, text
+
+
+# ---- int8a8: the same int8 weights, activations quantized per row (formats.RowInt8A8) -------------------
+
+
+def _x(rng, rows: int, cols: int = 96) -> np.ndarray:
+  x = rng.standard_normal((rows, cols)).astype(np.float32)
+  if rows > 1:
+    x[1] = 0.0  # an all-zero row: scale 0, output 0
+  if rows > 2:
+    x[2] *= 1000  # a row far larger than the others keeps its own scale
+  return x
+
+
+def test_quantize_rows_is_within_half_a_step_per_row(rng):
+  x = _x(rng, 8)
+  xq, scale = jax.jit(formats.quantize_rows)(jnp.asarray(x))
+  xq, scale = np.asarray(xq), np.asarray(scale)
+  assert xq.dtype == np.int8 and xq.shape == x.shape and scale.shape == (8,) and scale[1] == 0
+  assert np.all(xq[1] == 0) and np.all(np.abs(np.delete(xq, 1, axis=0).astype(np.int32)).max(axis=1) == 127)
+  assert np.all(np.abs(scale[:, None] * xq - x) <= scale[:, None] / 2 * (1 + 1e-5) + 1e-12)
+
+
+def _int8a8_reference(x: np.ndarray, w: formats.RowInt8) -> np.ndarray:
+  """The int8a8 product in numpy: per-row int8 x, an exact integer dot, then both scales."""
+  scale = np.max(np.abs(x), axis=1) / np.float32(127)
+  xq = np.clip(np.rint(x / np.where(scale > 0, scale, 1)[:, None]), -127, 127).astype(np.int64)
+  acc = (xq @ np.asarray(w.q).astype(np.int64).T).astype(np.float32)
+  return acc * scale[:, None] * np.asarray(w.scale)[None, :]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_int8a8_matmul_is_the_integer_product(rng, rows):
+  """Every row count gives the integer dot's result; a row's result does not depend on its batch; the
+  error against the float32 product stays within the worst case of rounding both operands."""
+  dense = _weights(rng)
+  w = formats.to_device(formats.int8_activations(formats.quantize_int8(dense)))
+  assert isinstance(w, formats.RowInt8A8) and w.kind == "int8a8" and formats.is_packed(w)
+  x = _x(rng, 8)[:rows]
+  mm = jax.jit(formats.matmul)
+  got = np.asarray(mm(jnp.asarray(x[None]), w))[0]
+  np.testing.assert_allclose(got, _int8a8_reference(x, w), rtol=1e-6, atol=0)
+  one_by_one = np.stack([np.asarray(mm(jnp.asarray(x[None, i : i + 1]), w))[0, 0] for i in range(rows)])
+  assert np.array_equal(got, one_by_one)  # exact integer sums at M = 1 (float32) and M > 1 (int32)
+  # |x w - xq wq| <= sum_i |x_i| dw + |w_i| dx + dx dw, each operand off by at most half its step.
+  dx, dw = np.max(np.abs(x), axis=1)[:, None] / 254, np.asarray(w.scale)[None, :] / 2
+  bound = np.abs(x) @ np.ones_like(dense.T) * dw + dx * (np.ones_like(x) @ np.abs(dense).T) + x.shape[1] * dx * dw
+  err = np.abs(got - x @ dense.T)
+  assert np.all(err <= bound * (1 + 1e-4) + 1e-6) and err.max() > 0, (err / np.maximum(bound, 1e-30)).max()
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="asserts XLA:CPU's code for the int8a8 dot")
+@pytest.mark.parametrize("rows", [1, 8])
+def test_int8a8_matmul_reads_the_int8_bytes_without_a_wide_copy(rng, rows):
+  """M = 1: the fused decode dot over q's s8 bytes, x quantized once (outside that fusion); M > 1: an
+  s8 x s8 -> s32 dot (XLA:CPU's integer GEMM) over the same bytes. Never an f32 or s32 copy of W."""
+  rows_w, cols = 1536, 576
+  w = formats.to_device(
+    formats.int8_activations(formats.quantize_int8(rng.standard_normal((rows_w, cols)).astype(np.float32)))
+  )
+  hlo = jax.jit(formats.matmul).lower(jnp.zeros((1, rows, cols)), w).compile().as_text()
+  assert not re.search(rf"(f32|s32)\[({rows_w},{cols}|{cols},{rows_w})\]", hlo[hlo.index("ENTRY") :]), hlo
+  bodies = [m.group(0) for m in re.finditer(r"\n%?[\w.]+ \(.*?\n}", hlo, re.S) if " dot(" in m.group(0)]
+  (dot,) = [b for b in bodies if f"s8[{rows_w},{cols}]" in b]
+  if rows == 1:
+    assert "convert(" in dot and "round-nearest" not in dot and "clamp(" not in dot, dot
+    assert " conditional(" in hlo  # what keeps the quantization out of the dot's fusion
+  else:
+    assert re.search(rf"s32\[{rows},{rows_w}\]\S* dot\(", dot) and f"s8[{rows},{cols}]" in dot, dot
+
+
+def test_int8a8_survives_the_stored_form_and_jit(rng):
+  """Stored (registry/cache) as the int8 form's arrays; int8_activations makes it int8a8 again."""
+  from thoughtjax.weights import to_stored
+
+  params = {"attn": {"q": formats.int8_activations(formats.quantize_int8(_weights(rng))), "bias": np.ones(3)}}
+  stored = to_stored(params)
+  assert set(stored["attn"]["q"]) == {"int8", "scale"}
+  back = formats.int8_activations(formats.from_stored(stored))
+  assert type(back["attn"]["q"]) is formats.RowInt8A8 and np.array_equal(back["attn"]["q"].q, params["attn"]["q"].q)
+  through = jax.jit(lambda t: t)(formats.to_device(back["attn"]["q"]))
+  assert type(through) is formats.RowInt8A8 and type(through.map(lambda a: a[:4])) is formats.RowInt8A8
+
+
+def test_tiny_model_with_int8_activations_stays_close(tmp_path, cache_dir):
+  """int8a8 against f32 on a tiny model, beside int8 (the same weights): the activation rounding is a
+  second error of the same size as the weights' (half a step of 1/127 of a row's largest value)."""
+  from thoughtjax.sampling import SamplingParams
+
+  cfg = TINY_CONFIGS["llama_gqa"]
+  path = write_gguf(tmp_path / "t.gguf", cfg, init_random(cfg, 1, scale=0.08))
+  f32 = thoughtjax.load(path, weights="f32", compile_cache=False)
+  q8 = thoughtjax.load(path, weights="int8", compile_cache=False)
+  a8 = q8.with_path(q8.layers, parts=formats.int8_activations(q8.parts))
+  assert {type(w) for w in jax.tree.leaves(a8.parts, is_leaf=formats.is_packed) if formats.is_packed(w)} == {
+    formats.RowInt8A8
+  }
+  ref, got, weight_only = f32.logits(IDS), a8.logits(IDS), q8.logits(IDS)
+  err, err8 = np.max(np.abs(got - ref)), np.max(np.abs(weight_only - ref))
+  assert 0 < err <= 0.05 * np.max(np.abs(ref)) and err <= 3 * err8, (err, err8, np.max(np.abs(ref)))
+  assert np.mean(np.argmax(ref, -1) == np.argmax(got, -1)) >= 0.8
+  # Batch 1 decodes what the same rows decode inside a batch (exact integer sums either way).
+  params = [SamplingParams(max_tokens=8, ignore_eos=True)] * 2
+  one = a8.generate_batch([IDS], params[:1])[0].token_ids
+  assert a8.generate_batch([IDS, IDS[:4]], params)[0].token_ids == one and len(one) == 8

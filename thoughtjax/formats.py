@@ -26,6 +26,12 @@ A :class:`RowInt8` is the lossy ``int8`` form: W [O, I] as int8 q and one float3
 row (symmetric, ``W[o, i] ~ scale[o] * q[o, i]``, q in [-127, 127]), quantized from float32 weights by
 :func:`quantize_int8`. Its matmul ``(x @ convert(q).T) * scale`` reads one byte per weight. It is not
 exact: its quality against the exact path is measured (``thoughtjax bench decode --weights int8``).
+
+A :class:`RowInt8A8` (``int8a8``) holds the same int8 weights and quantizes the activations too: each
+row of x to int8 with its own scale (:func:`quantize_rows`), the dot in integers, then both scales.
+With more than one row XLA:CPU runs that s8 x s8 -> s32 dot as an integer GEMM (an XNNPACK/YNNPACK
+fusion), which beats the float32 GEMM at 8 rows where the convert-inside-the-dot forms lose to it
+(``scripts/matmul_forms.py``). Lossy twice; its quality is measured like int8's.
 """
 
 from __future__ import annotations
@@ -118,12 +124,38 @@ class RowInt8:
     return RowInt8(fn(self.q), fn(self.scale))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowInt8A8(RowInt8):
+  """A :class:`RowInt8` W [O, I] whose matmul also quantizes x per row: ``(xq @ q.T) * xscale * scale``."""
+
+  kind = "int8a8"
+
+  def map(self, fn) -> RowInt8A8:
+    return RowInt8A8(fn(self.q), fn(self.scale))
+
+
 Packed = BlockQuant | RowInt8
 
 
 def is_packed(w) -> bool:
   """Whether ``w`` is a weight held in a narrow form ([O, I], computed by :func:`matmul`)."""
   return isinstance(w, (BlockQuant, RowInt8))
+
+
+def int8_activations(tree):
+  """``tree`` (any pytree, e.g. a model's parts) with every :class:`RowInt8` as a :class:`RowInt8A8`:
+  the same int8 weights, computed with int8 activations (the ``int8a8`` form of an ``int8`` model)."""
+
+  def one(w):
+    return RowInt8A8(w.q, w.scale) if isinstance(w, RowInt8) else w
+
+  return jax.tree.map(one, tree, is_leaf=is_packed)
+
+
+# Forms computed from a loadable form's weights by a transformation of a model's parts (``weights=`` of
+# ``thoughtjax.load`` does not take them yet; ``thoughtjax bench decode --weights`` does).
+DERIVED_FORMATS = {"int8a8": ("int8", int8_activations)}
 
 
 def check_format(weights: str) -> str:
@@ -146,6 +178,14 @@ def quantize_int8(w: ArrayLike) -> RowInt8:
   safe = np.where(scale > 0, scale, np.float32(1))[:, None]
   q = np.clip(np.rint(w / safe), -127, 127).astype(np.int8)
   return RowInt8(q, scale)
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """x [M, I] float32 -> (xq int8 [M, I], scale f32 [M]) in the traced program: per row symmetric,
+  scale = max_i |x[m, i]| / 127, xq = round(x / scale) in [-127, 127]; an all-zero row gets scale 0."""
+  scale = jnp.max(jnp.abs(x), axis=1) / jnp.float32(127)
+  safe = jnp.where(scale > 0, scale, jnp.float32(1))[:, None]
+  return jnp.clip(jnp.round(x / safe), -127, 127).astype(jnp.int8), scale
 
 
 def _type_size(kind: str) -> int:
@@ -235,6 +275,8 @@ def matmul(x: jax.Array, w: Packed) -> jax.Array:
   # the dot as one loop fusion that converts and scales q's bytes as it reads them. Contracting W's
   # dim 1 directly, or a [1, 1, I] operand, gets a materialized float32 W instead.
   x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+  if isinstance(w, RowInt8A8):  # quantizes x first, then ties W to the quantized x (as below)
+    return _int8a8_dot(x2, w).reshape(*x.shape[:-1], w.shape[0])
   # Tie W to x: inside a decode loop W is loop-invariant and XLA would hoist the dequantization out
   # of the loop, materializing float32 W once and then reading it through the slow elemental dot
   # (measured 6x slower than f32 weights). The barrier makes W's uses depend on this step's x.
@@ -247,6 +289,28 @@ def matmul(x: jax.Array, w: Packed) -> jax.Array:
   else:
     y = jax.lax.dot_general(x2, dequantize_jnp(w).T, (((1,), (0,)), ((), ())), precision=EXACT)
   return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def _int8a8_dot(x2: jax.Array, w: RowInt8A8) -> jax.Array:
+  """x2 [M, I] f32 -> [M, O]: x2 quantized per row, the dot in integers, both scales applied after."""
+  xq, xscale = quantize_rows(x2)
+  xq, w = jax.lax.optimization_barrier((xq, w))  # no hoisting of W's uses out of a decode loop (see matmul)
+  q = jnp.asarray(w.q)
+  if x2.shape[0] > 1:  # XLA:CPU: an integer GEMM (XNNPACK/YNNPACK fusion) that reads q's bytes
+    acc = jax.lax.dot_general(xq, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    return acc.astype(jnp.float32) * xscale[:, None] * jnp.asarray(w.scale)[None, :]
+  # At one row XLA:CPU gives the s8 x s8 dot a converted s32 copy of W (measured 5-12x slower); the
+  # float32 dot of the same integers is the fused decode form that reads q's bytes. Its sums are exact,
+  # hence the int32 dot's, while every partial sum stays below 2**24 (always for I <= 1040). xq passes
+  # through a conditional so that it is computed once: fused into the dot's operand (an optimization
+  # barrier does not stop that on CPU) it was recomputed for every output row (2.5x slower on the head).
+  xqf = jax.lax.cond(xscale[0] >= 0, _as_float, _as_float, xq)
+  acc = jax.lax.dot_general(xqf, q.astype(jnp.float32).T, (((1,), (0,)), ((), ())), precision=EXACT)
+  return acc * xscale[:, None] * jnp.asarray(w.scale)[None, :]
+
+
+def _as_float(a: jax.Array) -> jax.Array:
+  return a.astype(jnp.float32)
 
 
 def take_rows(w: Packed, ids) -> jax.Array:
