@@ -4,7 +4,7 @@ Everything is measured in one run so the figures can be compared side by side:
 thoughtjax (chunked streaming and callback streaming), the machine's copy bandwidth,
 and llama.cpp on the same GGUF when ``llama-cpp-python`` is installed.
 
-``--weights f32,native,int8`` also compares weight formats in this one process: each form's
+``--weights f32,native,int8,int8a8`` also compares weight formats in this one process: each form's
 decode rate at batch 1 and 8 and its prefill rate, runs interleaved across the forms (medians), and
 each form's quality against the exact float32 weights on held-out text (next-token top-1 agreement,
 mean KL(f32 || form), ΔNLL per token). ``--quick`` shrinks every section (CI runs it on a tiny model).
@@ -108,7 +108,7 @@ def bench_weights(args) -> dict:
   import thoughtjax
 
   forms = list(dict.fromkeys(args.weights))
-  models = {w: thoughtjax.load(args.model, weights=w) for w in forms}
+  models = load_forms(args.model, forms)
   reference = models.get("f32") or thoughtjax.load(args.model, weights="f32")
   any_model = next(iter(models.values()))
   chat_ids = any_model.prompt_ids(CHAT_PROMPT, chat=True)
@@ -135,6 +135,23 @@ def bench_weights(args) -> dict:
       "quality_vs_f32": q.to_json(),
     }
   return out
+
+
+def load_forms(model_arg, forms: list[str]) -> dict:
+  """{form: model} for each weight form; a derived form (``formats.DERIVED_FORMATS``, e.g. int8a8) is
+  its base form's model with the parts transformed, sharing the base's weight buffers when both run."""
+  import thoughtjax
+  from thoughtjax import formats
+
+  models = {}
+  for w in forms:
+    if w in formats.DERIVED_FORMATS:
+      base, transform = formats.DERIVED_FORMATS[w]
+      m = models.get(base) or thoughtjax.load(model_arg, weights=base)
+      models[w] = m.with_path(m.layers, parts=transform(m.parts))
+    else:
+      models[w] = thoughtjax.load(model_arg, weights=w)
+  return models
 
 
 def _process_first_token(model_arg: str, cache_dir: str | None, prompt: str, weights: str = "f32", rss=None) -> float:
@@ -355,8 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     "--weights",
     type=_weight_forms,
     default=["f32"],
-    help="weight forms, comma-separated (f32, native, int8): the first runs the main table; two or more "
-    "are also compared side by side (speed and quality against f32)",
+    help="weight forms, comma-separated (f32, native, int8, int8a8): the first (not int8a8) runs the main table; "
+    "two or more are also compared side by side (speed and quality against f32)",
   )
   p.add_argument(
     "--quick",
@@ -433,13 +450,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _weight_forms(text: str) -> list[str]:
-  from thoughtjax.formats import WEIGHT_FORMATS
+  from thoughtjax.formats import DERIVED_FORMATS, WEIGHT_FORMATS
 
+  known = (*WEIGHT_FORMATS, *DERIVED_FORMATS)
   forms = [t.strip() for t in text.split(",") if t.strip()]
-  bad = [f for f in forms if f not in WEIGHT_FORMATS]
+  bad = [f for f in forms if f not in known]
   if not forms or bad:
     raise argparse.ArgumentTypeError(
-      f"--weights {text!r}: expected comma-separated forms from {', '.join(WEIGHT_FORMATS)}, e.g. f32,native,int8"
+      f"--weights {text!r}: expected comma-separated forms from {', '.join(known)}, e.g. f32,native,int8"
+    )
+  if forms[0] in DERIVED_FORMATS:  # the main table and the start-up runs load the first form by name
+    raise argparse.ArgumentTypeError(
+      f"--weights {text!r}: {forms[0]} is compared in the weight-forms table only; put a loadable form "
+      f"({', '.join(WEIGHT_FORMATS)}) first, e.g. native,{forms[0]}"
     )
   return forms
 
