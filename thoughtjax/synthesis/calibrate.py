@@ -73,10 +73,13 @@ class LatencySettings:
   reps: int = 2
   plan_reps: int = 200
   # Speculative candidates: greedy decode of this many tokens from each of this many prompts of the
-  # calibration text (each cut to speculative_prompt_tokens), plain and speculative interleaved, reps times.
+  # calibration text (each cut to speculative_prompt_tokens), plain and speculative interleaved,
+  # speculative_reps times after one warm-up run per prompt bucket (a speculative step on the default model
+  # costs several plain ones on a CPU: each round adds tens of seconds to the default registry's first use).
   speculative_prompts: int = 2
   speculative_prompt_tokens: int = 32
   speculative_tokens: int = 32
+  speculative_reps: int = 1
 
   def __post_init__(self):
     for f in ("prompt_tokens", "max_tokens"):
@@ -88,7 +91,7 @@ class LatencySettings:
         )
     if self.reps < 1 or self.plan_reps < 1:
       raise CalibrateError(f"LatencySettings reps and plan_reps: expected >= 1, got {self.reps}, {self.plan_reps}")
-    for f in ("speculative_prompts", "speculative_prompt_tokens", "speculative_tokens"):
+    for f in ("speculative_prompts", "speculative_prompt_tokens", "speculative_tokens", "speculative_reps"):
       v = getattr(self, f)
       if isinstance(v, bool) or not isinstance(v, int) or v < (2 if f == "speculative_tokens" else 1):
         raise CalibrateError(
@@ -431,9 +434,11 @@ def measure_speculative(
 ) -> dict[str, float]:
   """``{path hash: decode factor}`` of the speculative ``candidates``: the median decode ms per token of the
   speculative program over the plain full path's, greedy on prompts of the calibration ``texts`` (so the
-  draft's acceptance on that text is in it), the two interleaved in one process after one warm-up run each.
-  Clipped to the latency model's factor bounds."""
+  draft's acceptance on that text is in it), the two interleaved in one process, ``speculative_reps`` rounds
+  after one warm-up call of each program per prompt bucket (its first device call, which compiles it). Clipped to the latency
+  model's factor bounds."""
   from thoughtjax.compose import compose
+  from thoughtjax.program import bucket
   from thoughtjax.speculative import Draft
   from thoughtjax.synthesis.latency import FACTOR_BOUNDS
 
@@ -454,26 +459,33 @@ def measure_speculative(
       f"calibration split, or set SpeculativeSettings(drafts=0)"
     )
 
-  def per_token(c: Candidate | None) -> tuple[float, int, int]:
+  # One prompt per prompt bucket compiles every program the rounds run.
+  warm = list({bucket(len(p)): p for p in prompts}.values())
+
+  def per_token(c: Candidate | None, prompts: list[list[int]], compile_only: bool = False) -> tuple[float, int, int]:
     ms, drafted, accepted = [], 0, 0
     for ids in prompts:
       kw = (
         {} if c is None else {"draft": Draft(c.draft.path, vocab=c.draft.vocab), "draft_tokens": c.draft.draft_tokens}
       )
       g = model.stream(ids, max_tokens=n, ignore_eos=True, **kw)
+      if compile_only:  # the first delta follows the first device call, which compiled the one program
+        next(g, None)
+        g.close()
+        continue
       for _ in g:
         pass
       t = g.trace
       ms.append((t.decode_s or 0.0) * 1e3 / max(t.tokens_out[0] - 1, 1))
       drafted, accepted = drafted + t.drafted, accepted + t.accepted
-    return float(np.mean(ms)), drafted, accepted
+    return float(np.mean(ms)) if ms else 0.0, drafted, accepted
 
-  total, done = (1 + len(spec)) * (1 + settings.reps), 0
+  total, done = (1 + len(spec)) * (1 + settings.speculative_reps), 0
   runs: dict[str | None, list[float]] = {None: [], **{c.path_hash: [] for c in spec}}
   counts = {c.path_hash: [0, 0] for c in spec}
-  for rep in range(1 + settings.reps):  # rep 0 compiles (not kept); then plain and each draft interleaved
+  for rep in range(1 + settings.speculative_reps):  # rep 0 compiles (not kept); then plain and each draft
     for c in (None, *spec):
-      ms, drafted, accepted = per_token(c)
+      ms, drafted, accepted = per_token(c, warm if rep == 0 else prompts, compile_only=rep == 0)
       done += 1
       progress("latency", done, total, "speculative " + ("plain" if c is None else c.draft.label))
       if rep == 0:
