@@ -14,7 +14,8 @@ load average is printed beside them because the machine is shared):
 * ``a8`` (M = 1, 8, 250): float32 weights (one GEMM), int8 weights (convert inside the dot) and int8a8
   (activations quantized per row, s8 x s8 -> s32 dot), with the HLO op that carries the dot.
 * ``step``: a decode step of the default model (profile_step's program: prompt 8, 64 new tokens) per form
-  and batch, with ``native`` and ``int8`` also built with the split matmul of ``split``.
+  and batch; at batch 1 each packed form also as it was before ``formats.computed_once`` (``x fused``:
+  the dot's operand recomputed inside its fusion) and, with ``--step-split``, with the split matmul.
 
 Shapes are the default model's (SmolLM2-135M): q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536,
 the tied head 49152x576; the block weights are Q4_1 and the head Q8_0, as in its GGUF.
@@ -161,6 +162,17 @@ def _split_matmuls(parts: int):
     formats.matmul = saved
 
 
+@contextlib.contextmanager
+def _x_fused():
+  """Trace programs as before ``formats.computed_once``: a one-row dot's operand fused into it."""
+  saved = formats.computed_once
+  formats.computed_once = lambda x: x
+  try:
+    yield
+  finally:
+    formats.computed_once = saved
+
+
 def section_step(args) -> list[dict]:
   sys.path.insert(0, str(Path(__file__).resolve().parent))
   import profile_step
@@ -175,9 +187,12 @@ def section_step(args) -> list[dict]:
     runs = {}
     for form, eng in engines.items():
       runs[form] = profile_step.build(eng, batch, 8, 64, "lean")[0]
-      if form in ("native", "int8") and batch == 1:
-        with _split_matmuls(args.parts):
-          runs[f"{form} split{args.parts}"] = profile_step.build(eng, batch, 8, 64, "lean")[0]
+      if form != "f32" and batch == 1:
+        with _x_fused():
+          runs[f"{form} x fused"] = profile_step.build(eng, batch, 8, 64, "lean")[0]
+        if args.step_split and form in ("native", "int8"):
+          with _split_matmuls(args.parts):
+            runs[f"{form} split{args.parts}"] = profile_step.build(eng, batch, 8, 64, "lean")[0]
     times = {f: [] for f in runs}
     for _ in range(args.repeats):
       for f, chunk_ms in runs.items():
@@ -198,6 +213,7 @@ def main(argv=None):
   ap.add_argument("--rows", default="1,8,250", help="activation rows M for the a8 section")
   ap.add_argument("--batches", default="1,8", help="decode batches for the step section")
   ap.add_argument("--model", default=None, help="model for the step section (default: the default model)")
+  ap.add_argument("--step-split", action="store_true", help="step section: also the split matmul (native, int8)")
   ap.add_argument("--repeats", type=int, default=7)
   ap.add_argument("--json", default=None)
   args = ap.parse_args(argv)

@@ -264,3 +264,35 @@ def test_cli_weights_flag(tmp_path, cache_dir):
     timeout=600,
   )
   assert bad.returncode != 0 and "--weights" in bad.stderr and "native" in bad.stderr
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="asserts XLA:CPU's fusion of the decode dot")
+@pytest.mark.parametrize("form", ["Q4_1", "Q8_0", "int8", "int8a8"])
+def test_decode_dot_takes_its_operand_computed_once(rng, form):
+  """x's producer (here an RMSNorm-like scaling) stays out of the one-row dot's fusion: fused, XLA:CPU
+  recomputed it for every output row (the head: 49152 times per step). XLA splits that fusion into
+  parallel tasks itself (outer_dimension_partitions), which is why splitting W's rows by hand did not pay."""
+  rows, cols = 1536, 576
+  w = _weights(rng, rows, cols)
+  if form.startswith("int8"):
+    p = formats.quantize_int8(w)
+    p = formats.int8_activations(p) if form == "int8a8" else p
+  else:
+    p = _packed(w, form)[0]
+  p = formats.to_device(p)
+
+  def step(x, g, w):
+    return formats.matmul(x * jax.lax.rsqrt(jnp.mean(x * x)) * g[None, None], w)
+
+  x, g = rng.standard_normal((2, 1, 1, cols)).astype(np.float32)
+  hlo = jax.jit(step).lower(jnp.asarray(x), jnp.asarray(g[0, 0]), p).compile().as_text()
+  entry = _entry_lines(hlo)
+  (dot_line,) = [ln for ln in entry if " fusion(" in ln and "dot" in ln.split("=")[0]]
+  name = re.search(r"calls=(%[\w.]+)", dot_line).group(1)
+  body = re.search(re.escape(name) + r" .*?\n}", hlo, re.S).group(0)
+  narrow = "u8" if form == "Q4_1" else "s8"
+  assert f"{narrow}[{rows},{cols}]" in body and " dot(" in body
+  operand = re.compile(rf"= f32\[(1,)*{cols}\]\S* (multiply|rsqrt|round-nearest-even|clamp)\(")
+  assert not operand.search(body), body  # x arrives as a buffer: no scaling or rounding of it inside
+  if (os.cpu_count() or 1) >= 2:
+    assert '"outer_dimension_partitions":["' in dot_line, dot_line

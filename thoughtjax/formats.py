@@ -281,6 +281,8 @@ def matmul(x: jax.Array, w: Packed) -> jax.Array:
   # of the loop, materializing float32 W once and then reading it through the slow elemental dot
   # (measured 6x slower than f32 weights). The barrier makes W's uses depend on this step's x.
   x2, w = jax.lax.optimization_barrier((x2, w))
+  if x2.shape[0] <= FUSED_ROWS_MAX:
+    x2 = computed_once(x2)
   if isinstance(w, RowInt8):  # (x @ convert(q).T) * scale: the per-row scale moves out of the sum
     y = jax.lax.dot_general(x2, jnp.asarray(w.q).astype(jnp.float32).T, (((1,), (0,)), ((), ())), precision=EXACT)
     y = y * jnp.asarray(w.scale)[None, :]
@@ -301,16 +303,28 @@ def _int8a8_dot(x2: jax.Array, w: RowInt8A8) -> jax.Array:
     return acc.astype(jnp.float32) * xscale[:, None] * jnp.asarray(w.scale)[None, :]
   # At one row XLA:CPU gives the s8 x s8 dot a converted s32 copy of W (measured 5-12x slower); the
   # float32 dot of the same integers is the fused decode form that reads q's bytes. Its sums are exact,
-  # hence the int32 dot's, while every partial sum stays below 2**24 (always for I <= 1040). xq passes
-  # through a conditional so that it is computed once: fused into the dot's operand (an optimization
-  # barrier does not stop that on CPU) it was recomputed for every output row (2.5x slower on the head).
-  xqf = jax.lax.cond(xscale[0] >= 0, _as_float, _as_float, xq)
+  # hence the int32 dot's, while every partial sum stays below 2**24 (always for I <= 1040).
+  xqf = computed_once(xq.astype(jnp.float32))
   acc = jax.lax.dot_general(xqf, q.astype(jnp.float32).T, (((1,), (0,)), ((), ())), precision=EXACT)
   return acc * xscale[:, None] * jnp.asarray(w.scale)[None, :]
 
 
-def _as_float(a: jax.Array) -> jax.Array:
-  return a.astype(jnp.float32)
+def computed_once(x: jax.Array) -> jax.Array:
+  """``x`` itself, as a buffer of its own: the operand of a fused decode dot.
+
+  XLA:CPU fuses x's producers (an RMSNorm's scaling, SiLU(gate) * up, a quantization) into the loop
+  fusion of a one-row dot, which then recomputes them for every output row: the head recomputed its
+  norm 49152 times per step (HLO of the decode loop). A conditional is not fused, so x is computed
+  once before it; an optimization barrier does not do it (XLA:CPU removes it before fusion). Its
+  branches reinterpret the bits (a branch that only returns its operand is simplified away with
+  the conditional); the values are unchanged.
+  """
+  bits = jax.lax.cond(jnp.isfinite(x.reshape(-1)[0]), _to_bits, _to_bits, x)
+  return jax.lax.bitcast_convert_type(bits, x.dtype)
+
+
+def _to_bits(a: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(a, jnp.uint32)
 
 
 def take_rows(w: Packed, ids) -> jax.Array:
