@@ -53,12 +53,18 @@ from thoughtjax.sources.errors import ModelNotFoundError, UnsupportedModelError,
 from thoughtjax.tokenizer import TextCodec
 from thoughtjax.weights import build_model, int8_params, params_from_hf, to_hf_tensors
 
-# 2: float32 weights in the model layout, memory-mapped on load; 3: + integrity record and eos_ids
-_CACHE_FORMAT = 3
+# 2: float32 weights in the model layout, memory-mapped on load; 3: + integrity record and eos_ids;
+# 4: every tensor starts on a 64-byte boundary (the mapped file becomes the device buffer, no copy).
+_CACHE_FORMAT = 4
 # Native entries (weights="native", ``<sha>-native-v<format>``): packed blocks as U8/I8 q plus F32 scale
-# and min under ``<param>@q`` etc., their block types in meta["packed"]. 1: first version.
-_NATIVE_FORMAT = 1
+# and min under ``<param>@q`` etc., their block types in meta["packed"]. 1: first version; 2: 64-byte aligned.
+_NATIVE_FORMAT = 2
 _DTYPES = {"F32": np.float32, "U8": np.uint8, "I8": np.int8}
+_DTYPE_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+# XLA:CPU adopts a host buffer as a device array without copying it only when the buffer is aligned
+# to this many bytes (and read-only); otherwise jax.device_put copies it (538 MB for the default model).
+ALIGN = 64
+_PAD_PREFIX = "__align__/"  # filler tensors that keep the next tensor aligned; never loaded
 _SAMPLED_BLOCKS, _BLOCK = 64, 1 << 16
 # Counted outcomes of cache checks: "sampled" and "full" passes, "refused" failures, "index_reset".
 CACHE_STATS: collections.Counter = collections.Counter()
@@ -211,7 +217,7 @@ def _map_safetensors(path: Path, dtypes: tuple[str, ...] = ("F32",)) -> dict[str
   data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + hsize)
   out = {}
   for name, info in header.items():
-    if name == "__metadata__":
+    if name == "__metadata__" or name.startswith(_PAD_PREFIX):
       continue
     if info["dtype"] not in dtypes:
       raise _cache_error(
@@ -220,6 +226,39 @@ def _map_safetensors(path: Path, dtypes: tuple[str, ...] = ("F32",)) -> dict[str
     a, b = info["data_offsets"]
     out[name] = data[a:b].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
   return out
+
+
+def save_aligned(tensors: dict[str, np.ndarray], path: Path) -> None:
+  """Write ``tensors`` as a safetensors file whose every tensor starts on an ``ALIGN``-byte boundary.
+
+  The header is padded with spaces (the format allows it) so the data starts aligned, and a tensor whose
+  size is not a multiple of ``ALIGN`` is followed by a small U8 filler (``__align__/<n>``) rather than a
+  hole, which the format forbids. Mapped by :func:`_map_safetensors`, each tensor is then a read-only
+  aligned array that ``jax.device_put`` adopts on the CPU without a copy.
+  """
+  header: dict = {}
+  order: list[tuple[str, np.ndarray]] = []
+  offset = 0
+  for name in sorted(tensors):
+    a = np.ascontiguousarray(tensors[name])
+    if a.dtype not in _DTYPE_NAMES:
+      raise ValueError(f"{name}: dtype {a.dtype} is not one of {', '.join(map(str, _DTYPE_NAMES))}")
+    header[name] = {"dtype": _DTYPE_NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+    order.append((name, a))
+    offset += a.nbytes
+    if offset % ALIGN:
+      pad = ALIGN - offset % ALIGN
+      filler = f"{_PAD_PREFIX}{len(order)}"
+      header[filler] = {"dtype": "U8", "shape": [pad], "data_offsets": [offset, offset + pad]}
+      order.append((filler, np.zeros(pad, np.uint8)))
+      offset += pad
+  text = json.dumps(header, separators=(",", ":")).encode()
+  text += b" " * (-(8 + len(text)) % ALIGN)
+  with open(path, "wb") as f:
+    f.write(len(text).to_bytes(8, "little"))
+    f.write(text)
+    for _, a in order:
+      f.write(memoryview(a.reshape(-1)).cast("B"))
 
 
 def _cache_error(path: Path, problem: str) -> WeightCacheError:
@@ -371,8 +410,6 @@ def _params_from_entry(entry: Path, meta: dict) -> dict:
 
 
 def _load_gguf_cached(path: Path, weights: str = "f32"):
-  from safetensors.numpy import save_file
-
   root = fetch_lib.cache_dir() / "weights"
   index_path = root / "index.json"
   index = _read_index(index_path)
@@ -422,7 +459,7 @@ def _load_gguf_cached(path: Path, weights: str = "f32"):
   staging = Path(tempfile.mkdtemp(dir=root, prefix=".staging-"))
   try:
     packed: dict[str, str] = {}
-    save_file(_flatten(params, packed=packed), str(staging / "weights.safetensors"))
+    save_aligned(_flatten(params, packed=packed), staging / "weights.safetensors")
     codec.tokenizer.save(str(staging / "tokenizer.json"))
     meta = {
       "config": ckpt.config.to_json(),

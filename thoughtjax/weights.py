@@ -167,9 +167,19 @@ def build_model(cfg: ModelConfig, params: dict, dtype=jnp.float32) -> Transforme
         f"parameter {'/'.join(map(str, path))}: expected shape {want} from the config, got "
         f"{tuple(arr.shape)} from the checkpoint; the checkpoint and its config do not belong together"
       )
-    var.set_value(formats.to_device(arr) if packed else jnp.asarray(arr, dtype=dtype))
+    var.set_value(arr.map(_to_device) if packed else _to_device(arr, dtype))
   nnx.update(model, nnx.from_flat_state(flat))
   return model
+
+
+def _to_device(arr, dtype=None) -> jax.Array:
+  """``arr`` as a device array of ``dtype`` (default: its own). A read-only, 64-byte aligned numpy array
+  already of that dtype (a tensor mapped from the weight cache) goes through ``jax.device_put``, which on
+  the CPU adopts the buffer instead of copying it: the weights stay the file's pages, counted once in
+  memory and never duplicated (538 MB for the default model in float32, 165 MB native)."""
+  if isinstance(arr, np.ndarray) and (dtype is None or arr.dtype == np.dtype(dtype)):
+    return jax.device_put(arr)
+  return jnp.asarray(arr, dtype=dtype)
 
 
 def model_params(model: Transformer) -> dict:
