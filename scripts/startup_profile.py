@@ -45,6 +45,17 @@ def _union(spans: list[tuple[float, float]]) -> float:
   return total
 
 
+def _vm_mib() -> tuple[float, float]:
+  """(VmRSS, VmHWM) of this process in MiB: resident now and the peak so far (XLA's buffers included,
+  which tracemalloc does not see)."""
+  out = {}
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(("VmRSS:", "VmHWM:")):
+        out[line.split(":")[0]] = int(line.split()[1]) / 1024
+  return out.get("VmRSS", 0.0), out.get("VmHWM", 0.0)
+
+
 def child(opts: argparse.Namespace) -> dict:
   """One start-up, timed: the dict of phase -> seconds (and the heavy modules imported)."""
   wall0 = time.time()
@@ -52,10 +63,13 @@ def child(opts: argparse.Namespace) -> dict:
   clock = time.perf_counter
   t = clock()
 
+  rss: dict[str, tuple[float, float]] = {}
+
   def mark(name: str) -> None:
     nonlocal t
     now = clock()
     marks[name] = marks.get(name, 0.0) + now - t
+    rss[name] = _vm_mib()
     t = now
 
   import thoughtjax  # noqa: F401 (the import is what is measured)
@@ -85,6 +99,9 @@ def child(opts: argparse.Namespace) -> dict:
   jax.monitoring.register_event_duration_secs_listener(on_duration)
   jax.monitoring.register_event_listener(on_event)
   jax.devices()
+  from thoughtjax.cli.model_commands import trim_heap_after_compiles
+
+  trim_heap_after_compiles()  # as `thoughtjax generate` does
   mark("JAX backend start")
   program.configure_compilation_cache()
   from thoughtjax.fetch import DEFAULT_MODEL
@@ -103,6 +120,7 @@ def child(opts: argparse.Namespace) -> dict:
         return fn(*a, **k)
       finally:
         timed[label] = timed.get(label, 0.0) + clock() - s
+        rss[f"  {label}"] = _vm_mib()
 
     setattr(mod, name, wrapper)
 
@@ -153,6 +171,7 @@ def child(opts: argparse.Namespace) -> dict:
   out["interpreter start"] = wall0 - opts.spawn_wall
   out["heavy modules imported"] = sorted(m for m in HEAVY if m in sys.modules)
   out["text"] = text
+  out["rss"] = {k: v for k, v in rss.items()}
   g.close()
   return out
 
@@ -230,6 +249,14 @@ def main() -> int:
       cells.append(f"{v:12.0f}" if k == "cache hits" else f"{v * 1000:12.0f}")
     print(f"{k:{width}s}{''.join(cells)}")
   first = runs[variants[0][0]][0]
+  print(f"\n{'memory after phase (MiB, median)':{width}s}" + "".join(f"{(n or ''):>12s}{'':>12s}" for n, _ in variants))
+  print(f"{'':{width}s}" + "".join(f"{'VmRSS':>12s}{'VmHWM':>12s}" for _ in variants))
+  for k in first["rss"]:
+    cells = []
+    for name, _ in variants:
+      for j in (0, 1):
+        cells.append(f"{statistics.median(r['rss'][k][j] for r in runs[name] if k in r['rss']):12.0f}")
+    print(f"{k:{width}s}{''.join(cells)}")
   print(f"heavy modules imported: {', '.join(first['heavy modules imported'])}")
   print(f"answer starts: {first['text']!r}   load average: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
   if opts.json:
