@@ -158,14 +158,15 @@ def _process_first_token(model_arg: str, cache_dir: str | None, prompt: str, wei
   """Seconds from spawning ``thoughtjax generate --chat --max-tokens 8`` to its first byte of answer text.
 
   ``cache_dir``: a compile cache of its own (exported programs in its ``exported/`` folder), e.g. an
-  empty one for a cold start; None: the user's caches. ``rss``: a list that gets the child's peak RSS (MiB).
+  empty one for a cold start; None: the user's caches. ``rss``: a list that gets the child's peak RSS (MiB,
+  ``ru_maxrss`` of the whole process: weights, compiled programs and their buffers, the interpreter).
   """
   env = dict(os.environ)
   if cache_dir:
     env["THOUGHTJAX_COMPILE_CACHE"] = cache_dir
     env["THOUGHTJAX_EXPORT_CACHE"] = os.path.join(cache_dir, "exported")
   cmd = [sys.executable, "-m", "thoughtjax.cli", "generate", "--chat", "--prompt", prompt, "--max-tokens", "8"]
-  cmd += (["--model", model_arg] if model_arg else []) + (["--weights", weights] if weights != "f32" else [])
+  cmd += (["--model", model_arg] if model_arg else []) + ["--weights", weights]
   fb = common.first_byte(cmd, env)
   if rss is not None:
     rss.append(fb.peak_rss_mib)
@@ -173,24 +174,63 @@ def _process_first_token(model_arg: str, cache_dir: str | None, prompt: str, wei
 
 
 def bench_startup(args) -> dict:
-  """Fresh ``thoughtjax generate`` processes to their first answer byte: each cold one with a new empty
-  compile cache, warm ones on the user's caches after one unmeasured run; runs interleaved, medians."""
-  cold, warm, rss = [], [], []
-  _process_first_token(args.model, None, CHAT_PROMPT, args.weights[0])  # the user's caches are warm now
+  """Fresh ``thoughtjax generate`` processes to their first answer byte, for each weight form in
+  ``args.weights``: cold ones with a new empty compile cache each, warm ones on the user's caches after one
+  unmeasured run per form; forms interleaved in every round, medians, and each form's peak RSS.
+
+  ``args.quick``: one round, and the warm process of a form runs on the caches its cold process just filled
+  (a temporary folder) instead of the user's, with no unmeasured run.
+  """
+  forms = {w: {"cold": [], "warm": [], "rss_cold": [], "rss_warm": []} for w in args.weights}
+  if not args.quick:
+    for w in forms:  # the user's caches are warm for every form now
+      _process_first_token(args.model, None, CHAT_PROMPT, w)
   for _ in range(args.repeats):
-    with tempfile.TemporaryDirectory() as d:
-      cold.append(_process_first_token(args.model, d, CHAT_PROMPT, args.weights[0]))
-    warm.append(_process_first_token(args.model, None, CHAT_PROMPT, args.weights[0], rss))
+    for w, f in forms.items():
+      with tempfile.TemporaryDirectory() as d:
+        f["cold"].append(_process_first_token(args.model, d, CHAT_PROMPT, w, f["rss_cold"]))
+        warm_cache = d if args.quick else None
+        f["warm"].append(_process_first_token(args.model, warm_cache, CHAT_PROMPT, w, f["rss_warm"]))
+  per_form = {
+    w: {
+      "process_first_token_cold_s": statistics.median(f["cold"]),
+      "process_first_token_warm_s": statistics.median(f["warm"]),
+      "process_peak_rss_mb": max(f["rss_warm"]),
+      "process_peak_rss_cold_mb": max(f["rss_cold"]),
+      "cold_runs_s": f["cold"],
+      "warm_runs_s": f["warm"],
+      "peak_rss_runs_mb": f["rss_warm"],
+    }
+    for w, f in forms.items()
+  }
+  first = per_form[args.weights[0]]
   return {
     "model": args.model or "smollm2-135m-instruct",
     "weights": args.weights[0],
-    "process_first_token_cold_s": statistics.median(cold),
-    "process_first_token_warm_s": statistics.median(warm),
-    "cold_runs_s": cold,
-    "warm_runs_s": warm,
-    "process_peak_rss_mb": max(rss),
+    "forms": per_form,
+    "quick": args.quick,
+    **{k: first[k] for k in ("process_first_token_cold_s", "process_first_token_warm_s", "cold_runs_s")},
+    **{k: first[k] for k in ("warm_runs_s", "process_peak_rss_mb")},
     "loadavg": list(os.getloadavg()),
   }
+
+
+def _print_startup(res: dict, repeats: int) -> None:
+  fmt = common.fmt
+  forms = res["forms"]
+  rows = [
+    ("process start -> first byte, empty compile cache, s", "process_first_token_cold_s", ".2f"),
+    ("process start -> first byte, warm caches, s", "process_first_token_warm_s", ".2f"),
+    ("peak RSS of a warm process, MiB", "process_peak_rss_mb", ".0f"),
+    ("peak RSS of a cold process, MiB", "process_peak_rss_cold_mb", ".0f"),
+  ]
+  common.print_table(
+    f"thoughtjax bench decode --startup ({res['model']}, medians of {repeats}; load average {res['loadavg'][0]:.2f})",
+    ["figure", *forms],
+    [(label, *(fmt(forms[w][key], spec) for w in forms)) for label, key, spec in rows],
+    right=tuple(forms),
+    width=110,
+  )
 
 
 def bench_thoughtjax(args) -> dict:
@@ -384,8 +424,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument(
     "--startup",
     action="store_true",
-    help="only the fresh-process start-up: generate --chat --max-tokens 8 to its first byte, cold (empty "
-    "compile cache) and warm, --repeats times each, interleaved",
+    help="only the fresh-process start-up: generate --chat --max-tokens 8 to its first byte and its peak RSS, "
+    "cold (empty compile cache) and warm, for each --weights form, --repeats times each, interleaved",
   )
   p.add_argument(
     "--stream-startup",
@@ -399,19 +439,7 @@ def main(argv: list[str] | None = None) -> int:
 
   if args.startup:
     res = bench_startup(args)
-    fmt = common.fmt
-    common.print_table(
-      f"thoughtjax bench decode --startup ({res['model']}, {res['weights']}, medians of {args.repeats}; "
-      f"load average {res['loadavg'][0]:.2f})",
-      ["figure", "thoughtjax"],
-      [
-        ("process start -> first byte, empty compile cache, s", fmt(res["process_first_token_cold_s"], ".2f")),
-        ("process start -> first byte, warm caches, s", fmt(res["process_first_token_warm_s"], ".2f")),
-        ("peak RSS of a warm process, MiB", fmt(res["process_peak_rss_mb"], ".0f")),
-      ],
-      right=("thoughtjax",),
-      width=110,
-    )
+    _print_startup(res, args.repeats)
     if args.json:
       common.write_json(args.json, res)
     return 0
