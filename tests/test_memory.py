@@ -1,0 +1,121 @@
+"""What a loaded model holds in memory: native weights hold no float32 copy of their blocks, and weights read
+from the cache are the cache file's own mapped pages (no host copy); the process runs XLA:CPU's
+memory-minimizing scheduler. Properties of the arrays and the files, never the host's RSS figures."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import thoughtjax
+from tests.tiny import TINY_CONFIGS, write_gguf
+from thoughtjax import formats, loading
+from thoughtjax.model import init_random
+from thoughtjax.weights import model_params, param_bytes
+
+CFG = TINY_CONFIGS["llama_gqa"]
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch) -> Path:
+  monkeypatch.setenv("THOUGHTJAX_CACHE", str(tmp_path / "cache"))
+  monkeypatch.delenv("THOUGHTJAX_VERIFY_CACHE", raising=False)
+  return tmp_path / "cache"
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path, cache_dir) -> Path:
+  return write_gguf(tmp_path / "t.gguf", CFG, init_random(CFG, 2, scale=0.08), "Q4_1")
+
+
+def _matrices(params) -> dict[str, object]:
+  """Every projection, the embedding table and an untied head, by path."""
+  flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=formats.is_packed)[0]
+  names = ("q", "k", "v", "o", "gate", "up", "down", "table", "unembed")
+  return {jax.tree_util.keystr(p): v for p, v in flat if str(getattr(p[-1], "key", "")) in names}
+
+
+@pytest.mark.parametrize("source", ["gguf", "cache"])
+def test_native_model_holds_no_float32_copy_of_its_blocks(tiny_gguf, source):
+  if source == "cache":
+    thoughtjax.load(str(tiny_gguf), weights="native", compile_cache=False)  # writes the cache entry
+  native = thoughtjax.load(str(tiny_gguf), weights="native", compile_cache=False)
+  f32 = thoughtjax.load(str(tiny_gguf), weights="f32", compile_cache=False)
+  params = model_params(native.module)
+  mats = _matrices(params)
+  assert mats and all(formats.is_packed(m) for m in mats.values()), {k: type(v) for k, v in mats.items()}
+  # No float32 leaf anywhere has a matrix's shape ([O, I] or the f32 model's [I, O] layout).
+  shapes = {tuple(m.shape) for m in mats.values()}
+  shapes |= {tuple(x.shape) for x in jax.tree.leaves(_matrices(model_params(f32.module)))}
+  f32_leaves = [x for x in jax.tree.leaves(params) if x.dtype == np.float32]
+  assert not [x.shape for x in f32_leaves if tuple(x.shape) in shapes]
+  # Q4_1: one byte per value plus a float32 scale and minimum per 32 values, against 4 bytes per value.
+  assert param_bytes(params) < 0.35 * param_bytes(model_params(f32.module))
+
+
+def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
+  """Address ranges of this process's mappings of ``path`` (from /proc/self/maps)."""
+  real, out = str(path.resolve()), []
+  with open("/proc/self/maps") as f:
+    for line in f:
+      fields = line.split(maxsplit=5)
+      if len(fields) == 6 and fields[5].strip() == real:
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        out.append((lo, hi))
+  return out
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu" or sys.platform != "linux", reason="host memory of XLA:CPU")
+@pytest.mark.parametrize("weights", ["native", "f32"])
+def test_cached_weights_are_the_mapped_file_not_a_copy(tiny_gguf, cache_dir, weights):
+  thoughtjax.load(str(tiny_gguf), weights=weights, compile_cache=False)  # writes the cache entry
+  model = thoughtjax.load(str(tiny_gguf), weights=weights, compile_cache=False)
+  (entry,) = (cache_dir / "weights").glob(f"*{'-native' if weights == 'native' else ''}-v*")
+  ranges = _mapped_ranges(entry / "weights.safetensors")
+  assert ranges, "the weight cache file is not mapped"
+  leaves = jax.tree.leaves(model_params(model.module))
+  copied = [x.shape for x in leaves if not any(lo <= x.unsafe_buffer_pointer() < hi for lo, hi in ranges)]
+  assert not copied, f"{len(copied)} of {len(leaves)} parameter arrays were copied out of the mapped cache"
+  # And they compute: the model still generates from them.
+  assert len(model.generate([5, 77, 130], max_tokens=4, ignore_eos=True).token_ids) == 4
+
+
+def test_aligned_file_is_valid_safetensors_with_every_tensor_aligned(tmp_path):
+  rng = np.random.default_rng(0)
+  tensors = {
+    "odd/f32": rng.standard_normal(7).astype(np.float32),  # 28 bytes: a filler follows it
+    "w@q": rng.integers(0, 16, (10, 32), dtype=np.uint8),
+    "w@scale": rng.standard_normal((10, 1)).astype(np.float32),
+    "z": rng.integers(-128, 127, (3, 64), dtype=np.int8),
+  }
+  path = tmp_path / "w.safetensors"
+  loading.save_aligned(tensors, path)
+  hsize = int.from_bytes(path.read_bytes()[:8], "little")
+  assert (8 + hsize) % loading.ALIGN == 0
+  mapped = loading._map_safetensors(path, ("F32", "U8", "I8"))
+  assert sorted(mapped) == sorted(tensors)  # fillers are never loaded
+  for name, a in mapped.items():
+    assert a.ctypes.data % loading.ALIGN == 0 and not a.flags.writeable, name
+    np.testing.assert_array_equal(a, tensors[name])
+  # The safetensors library reads it too: the fillers are ordinary tensors, the file has no holes.
+  read = load_file(str(path))
+  assert all(np.array_equal(read[k], v) for k, v in tensors.items())
+
+
+def test_import_selects_the_memory_minimizing_cpu_scheduler_unless_xla_flags_name_it():
+  flag = "xla_cpu_enable_concurrency_optimized_scheduler"
+  probe = "import os, thoughtjax; print(os.environ.get('XLA_FLAGS', ''))"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+  got = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+  assert got.stdout.split() == ["--xla_force_host_platform_device_count=2", thoughtjax.MEMORY_SCHEDULER_FLAG]
+  env["XLA_FLAGS"] = f"--{flag}=true"
+  got = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+  assert got.stdout.split() == [f"--{flag}=true"]  # the user's choice stands
