@@ -237,6 +237,24 @@ def test_speculative_candidates_are_derived_again_from_the_same_inputs(int8, ori
   assert speculative_candidates(plain, cal.quality, HINTS[0]) == _specs(original)
 
 
+def test_the_default_registry_recalibrates_a_stored_calibration_made_before_speculative_candidates(original):
+  from thoughtjax.synthesis.default_registry import _lacks_speculative
+
+  with Registry.open(tiny_setup().registry) as reg:
+    assert _lacks_speculative(reg, _without_speculative(original))
+    assert not _lacks_speculative(reg, original)
+    # One with no calibrated hint of the dictionary has no text to time a draft on: nothing to add.
+    foreign = Calibration(
+      original.sequence,
+      original.fingerprint,
+      [c for c in original.candidates if c.draft is None],
+      {h: {"not_a_hint": per[HINTS[0]]} for h, per in original.quality.items()},
+      dataclasses.replace(original.latency, corrections={}),
+      original.current,
+    )
+    assert not _lacks_speculative(reg, foreign)
+
+
 @pytest.mark.slow
 def test_the_default_registry_calibration_has_a_speculative_candidate():
   """After ensure_default the default registry's calibration holds the full path verifying the exit the shipped
