@@ -317,8 +317,11 @@ def computed_once(x: jax.Array) -> jax.Array:
   norm 49152 times per step (HLO of the decode loop). A conditional is not fused, so x is computed
   once before it; an optimization barrier does not do it (XLA:CPU removes it before fusion). Its
   branches reinterpret the bits (a branch that only returns its operand is simplified away with
-  the conditional); the values are unchanged.
+  the conditional); the values are unchanged. Other backends get x as it is: a conditional per
+  matmul would cost a GPU more than the fusion it prevents.
   """
+  if jax.default_backend() != "cpu":
+    return x
   bits = jax.lax.cond(jnp.isfinite(x.reshape(-1)[0]), _to_bits, _to_bits, x)
   return jax.lax.bitcast_convert_type(bits, x.dtype)
 
