@@ -99,9 +99,12 @@ def child(opts: argparse.Namespace) -> dict:
   jax.monitoring.register_event_duration_secs_listener(on_duration)
   jax.monitoring.register_event_listener(on_event)
   jax.devices()
-  from thoughtjax.cli.model_commands import trim_heap_after_compiles
-
-  trim_heap_after_compiles()  # as `thoughtjax generate` does
+  try:  # as `thoughtjax generate` does (absent from older trees this script may measure)
+    from thoughtjax.cli.model_commands import trim_heap_after_compiles
+  except ImportError:
+    pass
+  else:
+    trim_heap_after_compiles()
   mark("JAX backend start")
   program.configure_compilation_cache()
   from thoughtjax.fetch import DEFAULT_MODEL
