@@ -119,3 +119,30 @@ def test_import_selects_the_memory_minimizing_cpu_scheduler_unless_xla_flags_nam
   env["XLA_FLAGS"] = f"--{flag}=true"
   got = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
   assert got.stdout.split() == [f"--{flag}=true"]  # the user's choice stands
+
+
+def test_commands_trim_the_heap_once_after_each_long_compile(monkeypatch):
+  """The hook `generate`/`score` install: one listener per process, a trim after a long compile or executable
+  load only."""
+  import ctypes
+
+  from thoughtjax.cli import model_commands
+
+  listeners, trims = [], []
+
+  class Libc:
+    def malloc_trim(self, pad):
+      trims.append(pad)
+      return 1
+
+  monkeypatch.setattr(ctypes, "CDLL", lambda name: Libc())
+  monkeypatch.setattr(jax.monitoring, "register_event_duration_secs_listener", listeners.append)
+  monkeypatch.setattr(model_commands, "_TRIM_INSTALLED", False)
+  assert model_commands.trim_heap_after_compiles() and model_commands.trim_heap_after_compiles()
+  (listener,) = listeners
+  long_s = model_commands.TRIM_AFTER_COMPILE_S
+  listener("/jax/core/compile/backend_compile_duration", long_s / 10)
+  listener("/jax/core/compile/jaxpr_trace_duration", long_s * 10)
+  assert trims == []
+  listener("/jax/core/compile/backend_compile_duration", long_s)
+  assert trims == [0]

@@ -39,6 +39,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 # A compile or a compiled-executable load from the persistent cache this long (s) is followed by a heap trim.
 TRIM_AFTER_COMPILE_S = 0.25
+_TRIM_INSTALLED = False
 
 
 def trim_heap_after_compiles() -> bool:
@@ -49,6 +50,7 @@ def trim_heap_after_compiles() -> bool:
   which sets the process's peak. ``malloc_trim`` (~10 ms) returns those pages first. A process-level
   policy, so the commands install it and the library does not. False where libc has no ``malloc_trim``.
   """
+  global _TRIM_INSTALLED
   import ctypes
 
   import jax
@@ -57,6 +59,9 @@ def trim_heap_after_compiles() -> bool:
     trim = ctypes.CDLL("libc.so.6").malloc_trim
   except (OSError, AttributeError):  # not glibc: nothing to trim
     return False
+  if _TRIM_INSTALLED:  # once per process, however many commands run in it
+    return True
+  _TRIM_INSTALLED = True
 
   def on_duration(event: str, seconds: float, **_) -> None:
     if event == "/jax/core/compile/backend_compile_duration" and seconds >= TRIM_AFTER_COMPILE_S:
