@@ -146,3 +146,22 @@ def test_commands_trim_the_heap_once_after_each_long_compile(monkeypatch):
   assert trims == []
   listener("/jax/core/compile/backend_compile_duration", long_s)
   assert trims == [0]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(jax.default_backend() != "cpu" or sys.platform != "linux", reason="host memory of XLA:CPU")
+def test_default_model_native_is_packed_and_mapped_from_its_cache():
+  """The real default model, native: every matrix packed (Q4_1 blocks, the Q8_0 tied table), and every
+  parameter array the cache file's own pages."""
+  from thoughtjax.fetch import cache_dir
+
+  thoughtjax.load(weights="native", compile_cache=False)  # the cache entry exists after this
+  model = thoughtjax.load(weights="native", compile_cache=False)
+  params = model_params(model.module)
+  mats = _matrices(params)
+  assert len(mats) == 7 * model.config.num_layers + 1 and all(formats.is_packed(m) for m in mats.values())
+  assert {m.kind for m in mats.values()} == {"Q4_1", "Q8_0"}
+  (entry,) = (cache_dir() / "weights").glob(f"{model.loaded.source_hash[:24]}-native-v{loading._NATIVE_FORMAT}")
+  ranges = _mapped_ranges(entry / "weights.safetensors")
+  leaves = jax.tree.leaves(params)
+  assert ranges and all(any(lo <= x.unsafe_buffer_pointer() < hi for lo, hi in ranges) for x in leaves)
