@@ -10,6 +10,11 @@ With ``weights="native"`` an entry of its own (``weights/<sha256[:24]>-native-v<
 GGUF's quantized matrices packed (:mod:`thoughtjax.formats`: U8/I8 values, F32 block scales and
 minimums; 165 MB instead of 538 MB for the default model), mapped and checked the same way.
 
+Every tensor of an entry starts on a 64-byte boundary (:func:`save_aligned`), so on the CPU the mapped
+tensors become the model's device arrays as they are (``jax.device_put`` adopts an aligned read-only
+buffer): no copy of the weights is made, their pages are read from the file when first touched, and the
+page cache shares them between processes.
+
 Integrity of that derived cache. An entry holds ``weights.safetensors`` (float32, 538 MB for the
 default model), ``tokenizer.json`` and ``meta.json``; ``meta.json`` records each file's size,
 mtime and sha256, the sha256 of sampled blocks of the weights, and a hash of itself. A full
