@@ -7,6 +7,7 @@ int8 bytes; a model loaded with ``weights="int8"`` holds every matrix as int8 an
 
 from __future__ import annotations
 
+import json
 import re
 
 import jax
@@ -240,6 +241,27 @@ def test_tiny_model_with_int8_activations_stays_close(tmp_path, cache_dir):
   params = [SamplingParams(max_tokens=8, ignore_eos=True)] * 2
   one = a8.generate_batch([IDS], params[:1])[0].token_ids
   assert a8.generate_batch([IDS, IDS[:4]], params)[0].token_ids == one and len(one) == 8
+
+
+def test_load_and_generate_take_int8a8(tmp_path, cache_dir, capsys):
+  """``weights="int8a8"`` loads the int8 weights with int8 activations (the logits of the derived form built
+  by hand); ``generate --weights int8a8`` runs it; with --registry it is refused with the fix."""
+  from thoughtjax.cli import main
+
+  cfg = TINY_CONFIGS["llama_gqa"]
+  path = write_gguf(tmp_path / "t.gguf", cfg, init_random(cfg, 1, scale=0.08))
+  a8 = thoughtjax.load(path, weights="int8a8", compile_cache=False)
+  assert isinstance(a8.module.blocks[0].mlp.gate.get_value(), formats.RowInt8A8)
+  q8 = thoughtjax.load(path, weights="int8", compile_cache=False)
+  by_hand = q8.with_path(q8.layers, parts=formats.int8_activations(q8.parts))
+  np.testing.assert_array_equal(a8.logits(IDS), by_hand.logits(IDS))
+  argv = ["generate", "--model", str(path), "--prompt", "hello", "--max-tokens", "4", "--json"]
+  assert main([*argv, "--weights", "int8a8"]) == 0
+  assert len(json.loads(capsys.readouterr().out)["token_ids"]) >= 1
+  assert main(["generate", "--registry", str(tmp_path), "--prompt", "x", "--weights", "int8a8"]) == 2
+  assert "--weights int8a8 applies to --model" in capsys.readouterr().err
+  with pytest.raises(formats.WeightFormatError, match="int4"):
+    thoughtjax.load(path, weights="int4", compile_cache=False)
 
 
 @pytest.mark.slow

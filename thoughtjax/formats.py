@@ -153,8 +153,8 @@ def int8_activations(tree):
   return jax.tree.map(one, tree, is_leaf=is_packed)
 
 
-# Forms computed from a loadable form's weights by a transformation of a model's parts (``weights=`` of
-# ``thoughtjax.load`` does not take them yet; ``thoughtjax bench decode --weights`` does).
+# Forms computed from a loadable form's weights by a transformation of a model's parts or params
+# (``thoughtjax.load(weights=...)``, ``generate --weights``, ``thoughtjax bench decode --weights``).
 DERIVED_FORMATS = {"int8a8": ("int8", int8_activations)}
 
 

@@ -138,13 +138,18 @@ def load(
   """Load a model by known name or path into a Flax NNX :class:`Transformer`.
 
   ``weights``: ``"f32"`` (dequantized float32), ``"native"`` (a GGUF's quantized blocks, read packed
-  by every matmul and computed in float32: the same logits up to summation order) or ``"int8"``
-  (per-row int8 quantized from float32 at load; lossy).
+  by every matmul and computed in float32: the same logits up to summation order), ``"int8"``
+  (per-row int8 quantized from float32 at load; lossy) or ``"int8a8"`` (the int8 weights with each row of
+  activations quantized to int8 too, an integer GEMM at M > 1; lossier, see ``formats``).
   """
   source = resolve_source(name_or_path)
-  cfg, params, codec, digest = load_params(source, "f32" if formats.check_format(weights) == "int8" else weights)
-  if weights == "int8":  # lossy: quantized per output row from the float32 weights at load
+  derive = formats.DERIVED_FORMATS.get(weights)
+  base = derive[0] if derive else formats.check_format(weights)
+  cfg, params, codec, digest = load_params(source, "f32" if base == "int8" else base)
+  if base == "int8":  # lossy: quantized per output row from the float32 weights at load
     params = int8_params(params)
+  if derive:
+    params = derive[1](params)
   return LoadedModel(cfg, build_model(cfg, params, dtype), codec, str(name_or_path), digest)
 
 

@@ -113,6 +113,19 @@ def test_synthesize_json_contract(capsys, reg):
   assert 1 <= len(d["token_ids"]) <= 6 and isinstance(d["text"], str)
 
 
+def test_synthesize_weights_native_gives_the_f32_tokens(capsys, reg):
+  argv = ["synthesize", "--registry", reg, "--max-latency-ms", "1e6", "--prompt", "Once upon a time"]
+  got = {}
+  for w in ("native", "f32"):
+    code, out, _ = run(capsys, *argv, "--max-tokens", "6", "--json", "--weights", w)
+    assert code == 0
+    got[w] = json.loads(out)
+  assert got["native"]["token_ids"] == got["f32"]["token_ids"] and got["native"]["path"] == got["f32"]["path"]
+  with pytest.raises(SystemExit):
+    run(capsys, *argv, "--weights", "int8")
+  assert "invalid choice: 'int8'" in capsys.readouterr().err
+
+
 def test_synthesize_streams_the_answer_and_prints_the_trace_to_stderr(capsys, reg):
   code, out, err = run(
     capsys,

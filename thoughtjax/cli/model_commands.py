@@ -27,11 +27,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
   )
   p.add_argument(
     "--weights",
-    choices=("native", "f32", "int8"),
+    choices=("native", "f32", "int8", "int8a8"),
     default=None,
     help="native: the GGUF's quantized blocks, read packed and computed in float32 (same logits); "
     "f32: dequantized float32 weights (the default); int8: per-row int8 quantized at load (lossy; with --registry "
-    "name int8 variants in --path instead)",
+    "name int8 variants in --path instead); int8a8: int8 weights and int8 activations per row (lossier)",
   )
   add_kernels_arg(p)
   add_trust_args(p, keys_help="with --registry: trusted Ed25519 public key (repeatable)")
@@ -79,9 +79,9 @@ def _load(args):
   if args.registry:
     if args.model is not None:
       raise CommandLineError("--model and --registry both given: the registry holds the weights; drop one")
-    if args.weights == "int8":
+    if args.weights in ("int8", "int8a8"):
       raise CommandLineError(
-        "--weights int8 applies to --model; a registry's int8 blocks are variants: name them in --path, "
+        f"--weights {args.weights} applies to --model; a registry's int8 blocks are variants: name them in --path, "
         "e.g. 'embed, blocks[0:30)@int8, head' (built with `registry build --variants int8`)"
       )
     from thoughtjax.cli.registry import load_from_registry

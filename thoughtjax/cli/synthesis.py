@@ -51,8 +51,9 @@ def _progress_bars():
 
 def _registry(args):
   """The registry of ``--registry DIR`` (trust flags applied), else the default one (built on first use)."""
+  weights = getattr(args, "weights", None) or "f32"
   if getattr(args, "registry", None):
-    return open_registry(args.registry, args, "--registry")
+    return open_registry(args.registry, args, "--registry", weights=weights)
   if args.public_key or args.require_signatures:
     raise CommandLineError("--public-key and --require-signatures check a registry you name: add --registry DIR")
   from thoughtjax.synthesis.default_registry import default_registry_dir, ensure_default
@@ -60,7 +61,7 @@ def _registry(args):
   root = default_registry_dir()
   print(f"using the default registry {root}", file=sys.stderr)
   with _progress_bars() as progress:
-    return ensure_default(progress)
+    return ensure_default(progress, weights=weights)
 
 
 def _synthesizer(args, reg):
@@ -352,6 +353,13 @@ def _request_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--explain", action="store_true", help="also print the notes and the rejected alternatives")
   p.add_argument("--json", action="store_true", help="print one JSON object")
   add_trust_args(p, keys_help="with --registry: trusted Ed25519 public key (repeatable)")
+  p.add_argument(
+    "--weights",
+    choices=("native", "f32"),
+    default=None,
+    help="the form restores give: f32 (dequantized float32, the default) or native (a quantized model's blocks "
+    "kept packed, computed in float32: the same logits); int8 blocks are variants the plan names",
+  )
 
 
 def add_parsers(sub) -> None:

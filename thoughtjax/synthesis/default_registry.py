@@ -66,8 +66,9 @@ def shipped_calibration(registry):
   return cal
 
 
-def ensure_default(progress: Progress | None = None, *, root: Path | None = None):
-  """Build and calibrate the default registry if needed; returns it opened (:class:`Registry`)."""
+def ensure_default(progress: Progress | None = None, *, root: Path | None = None, weights: str = "f32"):
+  """Build and calibrate the default registry if needed; returns it opened (:class:`Registry`) with restores
+  in ``weights`` (f32, or native: the blocks kept packed). Calibration measures the f32 form."""
   from thoughtjax.fetch import DEFAULT_MODEL
   from thoughtjax.registry import Registry, build, is_older_format, is_registry
   from thoughtjax.registry.calibration_store import MissingCalibrationError, read_calibration, write_calibration
@@ -96,14 +97,25 @@ def ensure_default(progress: Progress | None = None, *, root: Path | None = None
     stored = None
   fingerprint = cal_lib.machine_fingerprint()
   if stored is not None and stored.fingerprint == fingerprint and not _lacks_speculative(reg, stored):
-    return reg
+    return _in_form(reg, weights)
   base = stored or shipped_calibration(reg)
   if base is not None:
     cal = cal_lib.recalibrate_latency(reg, base, progress=report)
   else:
     cal = cal_lib.calibrate(reg, progress=report)
   write_calibration(reg, cal)
-  return reg
+  return _in_form(reg, weights)
+
+
+def _in_form(reg, weights: str):
+  """``reg``, reopened so restores give ``weights`` when that is not f32."""
+  from thoughtjax.registry import Registry
+
+  if weights == "f32":
+    return reg
+  root = reg.root
+  reg.close()
+  return Registry.open(root, weights=weights)
 
 
 def _lacks_speculative(reg, cal) -> bool:
