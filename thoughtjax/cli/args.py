@@ -76,6 +76,17 @@ def trust_policy(args):
   return TrustPolicy(public_keys=keys, require_signatures=bool(args.require_signatures))
 
 
+def registry_weights(weights: str | None) -> str:
+  """The form a registry's restores take (``--weights``; default f32). int8 is not one: a registry's int8
+  blocks are variants named in a path, so ``--weights int8``/``int8a8`` with a registry is refused."""
+  if weights in ("int8", "int8a8"):
+    raise CommandLineError(
+      f"--weights {weights} applies to --model; a registry's int8 blocks are variants: name them in --path, "
+      "e.g. 'embed, blocks[0:30)@int8, head' (built with `registry build --variants int8`)"
+    )
+  return weights or "f32"
+
+
 def open_registry(directory: str, args, flag: str = "registry directory", *, weights: str = "f32"):
   """``Registry.open(directory, trust=trust_policy(args), weights=weights)`` after checking that the directory
   exists; ``weights`` is the form restores return (f32, or native: a quantized model's blocks kept packed)."""

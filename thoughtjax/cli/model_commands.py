@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from thoughtjax.cli.args import CommandLineError, add_kernels_arg, add_trust_args, model_source
+from thoughtjax.cli.args import CommandLineError, add_kernels_arg, add_trust_args, model_source, registry_weights
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -79,11 +79,7 @@ def _load(args):
   if args.registry:
     if args.model is not None:
       raise CommandLineError("--model and --registry both given: the registry holds the weights; drop one")
-    if args.weights in ("int8", "int8a8"):
-      raise CommandLineError(
-        f"--weights {args.weights} applies to --model; a registry's int8 blocks are variants: name them in --path, "
-        "e.g. 'embed, blocks[0:30)@int8, head' (built with `registry build --variants int8`)"
-      )
+    registry_weights(args.weights)
     from thoughtjax.cli.registry import load_from_registry
 
     return load_from_registry(args)

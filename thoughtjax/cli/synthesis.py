@@ -19,7 +19,14 @@ import json
 import sys
 import time
 
-from thoughtjax.cli.args import CommandLineError, add_kernels_arg, add_trust_args, existing_path, open_registry
+from thoughtjax.cli.args import (
+  CommandLineError,
+  add_kernels_arg,
+  add_trust_args,
+  existing_path,
+  open_registry,
+  registry_weights,
+)
 
 
 @contextlib.contextmanager
@@ -51,7 +58,7 @@ def _progress_bars():
 
 def _registry(args):
   """The registry of ``--registry DIR`` (trust flags applied), else the default one (built on first use)."""
-  weights = getattr(args, "weights", None) or "f32"
+  weights = registry_weights(getattr(args, "weights", None))
   if getattr(args, "registry", None):
     return open_registry(args.registry, args, "--registry", weights=weights)
   if args.public_key or args.require_signatures:
@@ -355,10 +362,10 @@ def _request_args(p: argparse.ArgumentParser) -> None:
   add_trust_args(p, keys_help="with --registry: trusted Ed25519 public key (repeatable)")
   p.add_argument(
     "--weights",
-    choices=("native", "f32"),
+    choices=("native", "f32", "int8"),
     default=None,
     help="the form restores give: f32 (dequantized float32, the default) or native (a quantized model's blocks "
-    "kept packed, computed in float32: the same logits); int8 blocks are variants the plan names",
+    "kept packed, computed in float32: the same logits); int8 is refused: int8 blocks are variants a path names",
   )
 
 
