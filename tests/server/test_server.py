@@ -173,23 +173,50 @@ def test_cancelling_a_stream_stops_the_generation_within_one_chunk_and_frees_its
   assert sched.running == 0 and sched.waiting == 0 and sched._turns._value == sched.max_concurrent
 
 
-def test_an_expired_deadline_is_deadline_exceeded_and_frees_the_turn(served):
-  ch, stub = stub_of(served)
-  with ch:
-    call = stub.Synthesize(
-      pb.SynthesizeRequest(prompt=PROMPT, max_tokens=120, request_id="late", logit_bias={0: 50.0}, max_latency_ms=1e9),
-      timeout=0.5,
-    )
-    with pytest.raises(grpc.RpcError) as e:
-      for _ in call:
-        pass
-    assert e.value.code() == C.DEADLINE_EXCEEDED
-  sched = served.app.service.scheduler
-  assert served.call(lambda: sched.wait_idle(60))
-  rec = next(r for r in sched.records if r.request_id == "late")
-  # A new program (its compile alone outlasts the deadline): stopped before its next chunk, never run out.
-  assert rec.closed and rec.tokens_out < 120
-  assert rec.decode_chunks_end - rec.decode_chunks_at_cancel <= 1
+def test_an_expired_deadline_is_deadline_exceeded_and_frees_the_turn(synthesizer):
+  """Each delta of the run waits for a gate that opens only after the client saw DEADLINE_EXCEEDED, so the
+  deadline passes mid-generation whatever the machine's speed; the run is then stopped, never run out."""
+  gate = threading.Event()
+
+  class Gated:  # a run that forwards to the synthesizer's (it holds no generation of its own: it runs alone)
+    def __init__(self, run):
+      self.__dict__["_run"] = run
+
+    def __getattr__(self, name):
+      return getattr(self._run, name)
+
+    def __iter__(self):
+      return self
+
+    def __next__(self):
+      gate.wait(60)
+      return next(self._run)
+
+  class Slow:
+    def __getattr__(self, name):
+      return getattr(synthesizer, name)
+
+    def synthesize(self, *a, **kw):
+      return Gated(synthesizer.synthesize(*a, **kw))
+
+  with BackgroundServer(Slow(), config(max_concurrent=2, max_queue=2)) as srv:
+    wait_ready(srv)
+    ch, stub = stub_of(srv)
+    with ch:
+      call = stub.Synthesize(
+        pb.SynthesizeRequest(prompt=PROMPT, max_tokens=120, request_id="late", max_latency_ms=1e9), timeout=0.5
+      )
+      with pytest.raises(grpc.RpcError) as e:
+        for _ in call:
+          pass
+      assert e.value.code() == C.DEADLINE_EXCEEDED
+    gate.set()
+    sched = srv.app.service.scheduler
+    assert srv.call(lambda: sched.wait_idle(60))
+    rec = next(r for r in sched.records if r.request_id == "late")
+    assert rec.closed and rec.ended_by == "cancelled" and rec.tokens_out < 120
+    assert rec.decode_chunks_end - rec.decode_chunks_at_cancel <= 1
+    assert sched.running == 0
 
 
 def test_health_not_serving_while_warming_serving_when_ready_not_serving_while_draining(synthesizer):
