@@ -58,7 +58,7 @@ def test_kth_largest_is_the_sorted_threshold_without_a_sort():
   import jax.numpy as jnp
   import numpy as np
 
-  from thoughtjax.sampling import kth_largest
+  from thoughtjax.kernels.sample_stop import kth_largest
 
   rng = np.random.default_rng(0)
   y = (rng.standard_normal((4, 300)) * 3).astype(np.float32)

@@ -112,6 +112,30 @@ def _order_key(y: jax.Array) -> jax.Array:
   return jnp.where(y == 0, np.int32(0), key)
 
 
+def kth_largest(y: jax.Array, k: jax.Array) -> jax.Array:
+  """The k-th largest value of each row: y [B, V] f32, k [B] i32 in [1, V] -> [B] f32.
+
+  Exact, without sorting the vocabulary: float32 values map to uint32 keys in the same order
+  (negative floats: all bits flipped; others: the sign bit set), and the largest key t with
+  ``count(key >= t) >= k`` is built one bit at a time from the top (32 passes that count over V,
+  vs a full sort per row: measured 1.2 vs 36 ms for one row of 49152 on XLA:CPU). That key is
+  the k-th largest's, so ``y >= kth_largest(y, k)`` keeps what a sort-based threshold keeps.
+  """
+  y = y.astype(jnp.float32)
+  bits = jax.lax.bitcast_convert_type(y, jnp.uint32)
+  key = jnp.where((bits >> 31) != 0, ~bits, bits | jnp.uint32(0x80000000))  # [B, V], monotone in y
+  k = k.astype(jnp.int32)
+
+  def bit(i, ans):  # ans [B]: the top i bits of the answer
+    cand = ans | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
+    enough = jnp.sum(key >= cand[:, None], axis=-1, dtype=jnp.int32) >= k
+    return jnp.where(enough, cand, ans)
+
+  ans = jax.lax.fori_loop(0, 32, bit, jnp.zeros(y.shape[:1], jnp.uint32))
+  back = jnp.where((ans >> 31) != 0, ans & jnp.uint32(0x7FFFFFFF), ~ans)
+  return jax.lax.bitcast_convert_type(back, jnp.float32)
+
+
 # ------------------------------------------------------------------------ validation
 class _Prepared(NamedTuple):
   """Validated inputs in the dtypes and shapes every implementation uses."""
@@ -223,13 +247,11 @@ def sample_stop_reference(
 
   use_top_k = args.top_k > 0  # [B]
 
-  def kth_largest(y):
-    from thoughtjax.sampling import kth_largest as search  # exact, no sort over V (module cycle: import here)
-
-    return search(y, jnp.clip(args.top_k, 1, vocab))
+  def top_k_threshold(y):  # exact, no sort over V
+    return kth_largest(y, jnp.clip(args.top_k, 1, vocab))
 
   # The threshold search is the expensive part of the reference; skip it when no row asks.
-  threshold = lax.cond(jnp.any(use_top_k), kth_largest, lambda y: jnp.full((num_rows,), -jnp.inf, jnp.float32), y)
+  threshold = lax.cond(jnp.any(use_top_k), top_k_threshold, lambda y: jnp.full((num_rows,), -jnp.inf, jnp.float32), y)
   keep = ~use_top_k[:, None] | (y >= threshold[:, None])
   y = jnp.where(keep, y, -jnp.inf)
 
