@@ -1,7 +1,8 @@
 """The Llama-family decoder as a tree of small Flax NNX parts.
 
 The parts line up with thoughtlet kinds: :class:`Embed` (tokens -> residual),
-:class:`Block` (residual -> residual, one layer), :class:`Head` (residual -> logits).
+:class:`Block` (residual -> residual, one layer), :class:`Head` (residual -> logits), and
+:class:`BridgeLayer` (residual -> residual, a bridge thoughtlet standing in a block's place).
 :class:`Transformer` holds them and runs any *layer path* (a sequence of layer
 indices, repeats allowed) so early exits, skips and repeated spans are the same code.
 
@@ -14,7 +15,7 @@ Model code never calls ``jax.jit``; :mod:`thoughtjax.program` owns that boundary
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import jax
@@ -347,12 +348,38 @@ class GraphDefs(NamedTuple):
     return cls(nnx.graphdef(model.embed), nnx.graphdef(model.blocks[0]), nnx.graphdef(model.head))
 
 
+BRIDGE_EPS = 1e-6  # the bridge's own RMSNorm epsilon (a property of the adapter, not of the model)
+
+
+def apply_bridge(params: Mapping, x: Array) -> Array:
+  """A bridge over residual x [B, T, D] -> [B, T, D] (x.dtype): ``x + up(silu(down(norm(x))))``.
+
+  ``params`` is ``{"norm": {"weight": [D]}, "down": [D, R], "up": [R, D]}`` (R, the rank, is their
+  shape); ``norm`` is an RMSNorm in float32 with its own weight. The bridge thoughtlet that holds
+  these params (initialised, cut, published) is :mod:`thoughtjax.thoughtlet.bridge`."""
+  x32 = x.astype(jnp.float32)
+  h = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + BRIDGE_EPS)
+  w = params["norm"]["weight"].astype(jnp.float32)
+  h = h * w.reshape((1,) * (h.ndim - 1) + w.shape)  # explicit broadcast over [...]
+  z = jax.nn.silu(jnp.einsum("btd,dr->btr", h, params["down"].astype(jnp.float32), precision=formats.EXACT))
+  return (x32 + jnp.einsum("btr,rd->btd", z, params["up"].astype(jnp.float32), precision=formats.EXACT)).astype(x.dtype)
+
+
+class BridgeLayer:
+  """A bridge in a block's place inside a path: same call, caches passed through untouched."""
+
+  def __init__(self, params: Mapping):
+    self.params = params
+
+  def __call__(self, x, cos, sin, cache_k, cache_v, write_at, mask):
+    del cos, sin, write_at, mask  # position-wise: no attention, no rope
+    return apply_bridge(self.params, x), cache_k, cache_v
+
+
 def merge_path(defs: GraphDefs, parts: PathParts, layers: Sequence[int]) -> tuple[Embed, list[Block], Head]:
   """Modules of a path from graph definitions and states (inside traced code).
 
-  A negative slot holds a bridge thoughtlet's params (:mod:`thoughtjax.thoughtlet.bridge`)."""
-  from thoughtjax.thoughtlet.bridge import BridgeLayer
-
+  A negative slot holds a bridge thoughtlet's params, run as a :class:`BridgeLayer`."""
   embed = nnx.merge(defs.embed, parts.embed)
   by_layer = {i: BridgeLayer(s) if i < 0 else nnx.merge(defs.block, s) for i, s in parts.blocks.items()}
   return embed, [by_layer[i] for i in layers], nnx.merge(defs.head, parts.head)

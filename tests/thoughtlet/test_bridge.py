@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tests.registry.helpers import FAST
+from thoughtjax import model as model_lib
 from thoughtjax import program as program_lib
 from thoughtjax.compose import PathTypeError, compose
 from thoughtjax.registry import Registry, SignatureDowngradeError
@@ -44,7 +45,7 @@ def test_untrained_bridge_is_the_identity(tiny):
   cfg = tiny[0]
   p = bridge_lib.init_params(cfg, rank=16, seed=3)
   x = jax.random.normal(jax.random.key(0), (2, 5, cfg.d_model)) * 3.0
-  np.testing.assert_array_equal(np.asarray(bridge_lib.apply(p, x)), np.asarray(x))
+  np.testing.assert_array_equal(np.asarray(model_lib.apply_bridge(p, x)), np.asarray(x))
   assert p["down"].shape == (cfg.d_model, 16) and p["up"].shape == (16, cfg.d_model)
 
 
@@ -95,20 +96,20 @@ def test_replay_bridge_inside_the_composed_path(reg_copy, monkeypatch):
   model = compose("embed, blocks[0:3), bridge.3-6, head", reg_copy, compile_cache=False)
   records = []
 
-  class Recording(bridge_lib.BridgeLayer):
+  class Recording(model_lib.BridgeLayer):
     def __call__(self, x, *rest):
       out = super().__call__(x, *rest)
       records.append((np.asarray(x), np.asarray(out[0])))
       return out
 
-  monkeypatch.setattr(bridge_lib, "BridgeLayer", Recording)
+  monkeypatch.setattr(model_lib, "BridgeLayer", Recording)
   tokens = jnp.asarray([PROMPT])
   logits = program_lib._full_sequence_logits(model._defs, model.layers, model.parts, tokens)  # not jitted
   monkeypatch.undo()
   assert len(records) == 1
   x, y = records[0]
   restored = reg_copy.restore("bridge.3-6")
-  alone = np.asarray(bridge_lib.apply(restored, jnp.asarray(x)))
+  alone = np.asarray(model_lib.apply_bridge(restored, jnp.asarray(x)))
   np.testing.assert_allclose(alone, y, rtol=0, atol=1e-6)
   # What was captured is what the compiled program computes.
   np.testing.assert_allclose(np.asarray(logits[0]), model.logits(PROMPT), rtol=1e-5, atol=1e-5)

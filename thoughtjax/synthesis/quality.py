@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from thoughtjax.errors import UserError
-from thoughtjax.model import GraphDefs, PathParts, Transformer
+from thoughtjax.model import GraphDefs, PathParts, Transformer, apply_bridge
 from thoughtjax.paths import PathSyntaxError, layers_of_path, parse_path
 from thoughtjax.program import bucket
 from thoughtjax.synthesis.calibration import HintQuality, PathQuality
@@ -160,9 +160,7 @@ def _compare(defs: GraphDefs, embed_state, head_state, x, full_logp, full_top, t
 
 @jax.jit
 def _bridge(params, x):  # [1, T, D] -> [1, T, D], position-wise
-  from thoughtjax.thoughtlet.bridge import apply
-
-  return apply(params, x)
+  return apply_bridge(params, x)
 
 
 @jax.jit

@@ -20,14 +20,16 @@ One concept per module:
 * :mod:`~thoughtjax.thoughtlet.hashing`  canonical_json, flat_params, param_spec, versioned_hash
 * :mod:`~thoughtjax.thoughtlet.slicing`  :func:`cut` (the one slicer), as_state, block_states
 * :mod:`~thoughtjax.thoughtlet.run`      run_embed, run_blocks, run_head, run_template (one alone)
-* :mod:`~thoughtjax.thoughtlet.profile`  ProfileSettings, ResourceProfile, fingerprint, measure_profile
+* :mod:`~thoughtjax.thoughtlet.resource_profile`  ResourceProfile (what a measurement records)
+* :mod:`~thoughtjax.thoughtlet.profile`  ProfileSettings, fingerprint, measure_profile (how it is measured)
 * :mod:`~thoughtjax.thoughtlet.isolate`  :func:`capture` and :func:`replay` (isolate and replay)
 """
 
 from thoughtjax.thoughtlet.errors import ThoughtletError
 from thoughtjax.thoughtlet.hashing import HASH_DOMAIN, canonical_json, flat_params, param_spec, versioned_hash
 from thoughtjax.thoughtlet.isolate import Capture, ReplayReport, capture, replay
-from thoughtjax.thoughtlet.profile import ProfileSettings, ResourceProfile, fingerprint, measure_profile
+from thoughtjax.thoughtlet.profile import ProfileSettings, fingerprint, measure_profile
+from thoughtjax.thoughtlet.resource_profile import ResourceProfile
 from thoughtjax.thoughtlet.run import causal_setup, run_blocks, run_embed, run_head, run_template
 from thoughtjax.thoughtlet.slicing import as_state, block_states, cut, defs_for, template_parts, unit_of
 from thoughtjax.thoughtlet.types import Kind, SemanticSignature, TensorType, Thoughtlet, residual_type, signature_for

@@ -10,8 +10,10 @@ Its params are a plain nested dict ``{"norm": {"weight": [D]}, "down": [D, R], "
 (``rank`` R is their shape; nothing else is configured), so one traced function serves every rank.
 
 In a path a bridge sits where the cut is (``embed, blocks[0:10), bridge.10-30, head``); the program
-runs it as a :class:`BridgeLayer` between the blocks, with a block's call signature and no KV cache of
-its own use. Training lives in :mod:`thoughtjax.synthesis.heal`.
+runs it as a :class:`thoughtjax.model.BridgeLayer` between the blocks, with a block's call signature and
+no KV cache of its own use; :func:`thoughtjax.model.apply_bridge` is its computation. This module holds
+the thoughtlet side: fresh params, where a cut is, the bridged path and the published unit. Training
+lives in :mod:`thoughtjax.synthesis.heal`.
 """
 
 from __future__ import annotations
@@ -23,12 +25,10 @@ import jax
 import jax.numpy as jnp
 
 from thoughtjax.config import ModelConfig
-from thoughtjax.formats import EXACT
 from thoughtjax.paths import parse_path
 from thoughtjax.thoughtlet.errors import ThoughtletError
 from thoughtjax.thoughtlet.types import Kind, Thoughtlet, signature_for
 
-BRIDGE_EPS = 1e-6  # the bridge's own RMSNorm epsilon (a property of the adapter, not of the model)
 DEFAULT_RANK = 64
 
 
@@ -43,27 +43,6 @@ def init_params(cfg: ModelConfig, rank: int = DEFAULT_RANK, seed: int = 0) -> di
 
 def rank_of(params: Mapping) -> int:
   return int(params["down"].shape[1])
-
-
-def apply(params: Mapping, x: jax.Array) -> jax.Array:
-  """The bridge over residual x [B, T, D] -> [B, T, D] (x.dtype)."""
-  x32 = x.astype(jnp.float32)
-  h = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + BRIDGE_EPS)
-  w = params["norm"]["weight"].astype(jnp.float32)
-  h = h * w.reshape((1,) * (h.ndim - 1) + w.shape)  # explicit broadcast over [...]
-  z = jax.nn.silu(jnp.einsum("btd,dr->btr", h, params["down"].astype(jnp.float32), precision=EXACT))
-  return (x32 + jnp.einsum("btr,rd->btd", z, params["up"].astype(jnp.float32), precision=EXACT)).astype(x.dtype)
-
-
-class BridgeLayer:
-  """A bridge in a block's place inside a path: same call, caches passed through untouched."""
-
-  def __init__(self, params: Mapping):
-    self.params = params
-
-  def __call__(self, x, cos, sin, cache_k, cache_v, write_at, mask):
-    del cos, sin, write_at, mask  # position-wise: no attention, no rope
-    return apply(self.params, x), cache_k, cache_v
 
 
 def is_bridge_slot(slot: int) -> bool:

@@ -13,16 +13,16 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from thoughtjax.formats import from_stored
-from thoughtjax.model import GraphDefs, abstract_model, kv_cache_shape
+from thoughtjax.model import GraphDefs, abstract_model, apply_bridge, kv_cache_shape
 from thoughtjax.thoughtlet.errors import ThoughtletError
+from thoughtjax.thoughtlet.resource_profile import ResourceProfile
 from thoughtjax.thoughtlet.run import run_blocks, run_embed, run_head, run_template
 from thoughtjax.thoughtlet.slicing import as_state
 from thoughtjax.thoughtlet.types import Kind, Thoughtlet
@@ -37,29 +37,6 @@ class ProfileSettings:
   context: int = 256
   reps: int = 20
   warmup: int = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class ResourceProfile:
-  param_bytes: int
-  flops_per_token: float
-  peak_memory_bytes: int
-  latency_mean_s: float
-  latency_std_s: float
-  latency_p99_s: float
-  samples: int
-  batch: int
-  context: int
-  fingerprint: Mapping[str, Any]
-
-  def to_json(self) -> dict:
-    d = dataclasses.asdict(self)
-    d["fingerprint"] = dict(self.fingerprint)
-    return d
-
-  @classmethod
-  def from_json(cls, d: Mapping) -> ResourceProfile:
-    return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
 
 
 def _cpu_name() -> str:
@@ -141,9 +118,7 @@ def _template_step(t: Thoughtlet, abstract, defs: GraphDefs, s: ProfileSettings,
 
 
 def _bridge_step(t: Thoughtlet, abstract, defs: GraphDefs, s: ProfileSettings, table, x) -> Step:
-  from thoughtjax.thoughtlet.bridge import apply
-
-  return apply, (dict(t.params), x), s.batch
+  return apply_bridge, (dict(t.params), x), s.batch
 
 
 _STEPS = {

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -20,9 +20,7 @@ import numpy as np
 from thoughtjax.config import ModelConfig
 from thoughtjax.thoughtlet.errors import ThoughtletError
 from thoughtjax.thoughtlet.hashing import param_spec, versioned_hash
-
-if TYPE_CHECKING:
-  from thoughtjax.thoughtlet.profile import ResourceProfile
+from thoughtjax.thoughtlet.resource_profile import ResourceProfile
 
 
 class Kind(enum.Enum):
