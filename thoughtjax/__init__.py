@@ -22,7 +22,8 @@ def _set_memory_scheduler() -> None:
 
 _set_memory_scheduler()
 
-from thoughtjax.engine import Completion, Delta, Generation, Model, Score, Trace, load  # noqa: E402
+from thoughtjax.decode.stream import Completion, Delta, Generation, Trace  # noqa: E402
+from thoughtjax.engine import Model, Score, load  # noqa: E402
 from thoughtjax.sampling import SamplingParams  # noqa: E402
 from thoughtjax.template import Template  # noqa: E402
 

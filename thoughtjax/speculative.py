@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from thoughtjax import formats
+from thoughtjax.decode.stream import Generation, Rows, Trace
 from thoughtjax.errors import UserError
 from thoughtjax.model import GraphDefs, PathParts, kv_cache_shape, merge_path, rope_tables, run_path
 from thoughtjax.program import COMPILE_CLOCK, DEFAULT_CHUNK, bucket
@@ -647,12 +648,11 @@ def stream_batch(
   draft_tokens: int = DEFAULT_DRAFT_TOKENS,
   accept: AcceptRule = "speculative",
 ):
-  """A speculative :class:`~thoughtjax.engine.Generation` of prompt ids (the engine's ``draft=`` path)."""
-  from thoughtjax.engine import Generation, Trace, _Rows
+  """A speculative :class:`~thoughtjax.decode.stream.Generation` of prompt ids (the engine's ``draft=`` path)."""
 
   req = prepare(model, ids, params, stops, draft, draft_tokens, accept)
   trace = Trace(req.program.key, [list(i) for i in ids], start, tokens_out=[0] * len(ids))
   cancelled = threading.Event()
-  rows = _Rows(model.codec, params, stops)
+  rows = Rows(model.codec, params, stops)
   run = _run(req.program, req.parts, req.prompt, req.pad, req.samp, req.vocab_ids, rows, trace, cancelled)
   return Generation(run, trace, cancelled)

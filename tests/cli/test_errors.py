@@ -85,7 +85,7 @@ def test_a_bug_keeps_its_traceback_in_a_real_process():
 
 
 def _user_facing_classes():
-  from thoughtjax.compose import PathTypeError
+  from thoughtjax.assembly import PathTypeError
   from thoughtjax.config import UnsupportedModelError
   from thoughtjax.fetch import FetchError
   from thoughtjax.kernels.dispatch import KernelChoiceError

@@ -11,7 +11,8 @@ import jax
 import numpy as np
 
 from tests.registry.helpers import REPO
-from thoughtjax.compose import compose, full_path
+from thoughtjax.assembly import full_path
+from thoughtjax.compose import compose
 from thoughtjax.registry import Registry, TrustPolicy
 
 IDS = [7, 70, 71, 72, 32, 73]

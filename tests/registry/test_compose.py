@@ -10,7 +10,8 @@ import pytest
 
 from tests.tiny import greedy_reference
 from thoughtjax import program as program_lib
-from thoughtjax.compose import PathTypeError, compose, full_path
+from thoughtjax.assembly import PathTypeError, full_path
+from thoughtjax.compose import compose
 from thoughtjax.engine import Model
 from thoughtjax.loading import LoadedModel
 from thoughtjax.paths import PathSyntaxError

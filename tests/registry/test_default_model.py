@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from tests.registry.helpers import REPO, run_python
-from thoughtjax.compose import compose, full_path
+from thoughtjax.assembly import full_path
+from thoughtjax.compose import compose
 from thoughtjax.registry import Registry, build
 
 pytestmark = pytest.mark.slow

@@ -22,7 +22,8 @@ import thoughtjax
 from tests.registry.helpers import mapping_text, read_index, rewrite_manifest, write_index
 from tests.tiny import TINY_CONFIGS, write_gguf
 from thoughtjax import formats
-from thoughtjax.compose import compose, full_path
+from thoughtjax.assembly import full_path
+from thoughtjax.compose import compose
 from thoughtjax.errors import UserError
 from thoughtjax.model import init_random
 from thoughtjax.registry import (

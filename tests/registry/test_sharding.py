@@ -15,7 +15,8 @@ import json, sys
 import jax, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from thoughtjax import program as program_lib
-from thoughtjax.compose import compose, full_path
+from thoughtjax.assembly import full_path
+from thoughtjax.compose import compose
 from thoughtjax.registry import Registry
 
 root = sys.argv[1] if len(sys.argv) > 1 else {root!r}

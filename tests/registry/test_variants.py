@@ -9,7 +9,8 @@ import pytest
 from tests.registry.helpers import FAST, TINY_SPANS
 from tests.registry.test_registry import _data_file
 from thoughtjax import formats
-from thoughtjax.compose import compose, full_path
+from thoughtjax.assembly import full_path
+from thoughtjax.compose import compose
 from thoughtjax.registry import IntegrityError, Registry, TrustPolicy, UnknownThoughtletError, build
 
 IDS = [5, 6, 7, 9, 11, 40, 3]

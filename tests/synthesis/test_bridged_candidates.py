@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from tests.synthesis.tiny_synthesis import HINTS, SETTINGS, registry_copy, tiny_setup
-from thoughtjax.compose import compose, full_path
+from thoughtjax.assembly import full_path
+from thoughtjax.compose import compose
 from thoughtjax.registry import Registry
 from thoughtjax.synthesis.calibrate import _token_docs, calibrate
 from thoughtjax.synthesis.calibration import CandidateKind

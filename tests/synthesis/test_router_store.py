@@ -11,7 +11,8 @@ import pytest
 
 from tests.synthesis.test_router import WORDS, synthetic
 from tests.synthesis.tiny_synthesis import HINTS, registry_copy, tiny_setup
-from thoughtjax.compose import PathTypeError, compose
+from thoughtjax.assembly import PathTypeError
+from thoughtjax.compose import compose
 from thoughtjax.registry import IntegrityError, Registry
 from thoughtjax.registry.calibration_store import read_calibration
 from thoughtjax.synthesis.router import train_router

@@ -13,7 +13,8 @@ import pytest
 from tests.registry.helpers import FAST
 from thoughtjax import model as model_lib
 from thoughtjax import program as program_lib
-from thoughtjax.compose import PathTypeError, compose
+from thoughtjax.assembly import PathTypeError
+from thoughtjax.compose import compose
 from thoughtjax.registry import Registry, SignatureDowngradeError
 from thoughtjax.thoughtlet import Kind, ThoughtletError
 from thoughtjax.thoughtlet import bridge as bridge_lib

@@ -37,7 +37,8 @@ PROMPT = "The history of the city spans many centuries, from its founding as a s
 
 # ---------------------------------------------------------------------------- restores
 def bench_restores(root: Path, repeats: int) -> tuple[list[dict], list[dict]]:
-  from thoughtjax.compose import compose, full_path
+  from thoughtjax.assembly import full_path
+  from thoughtjax.compose import compose
   from thoughtjax.registry import Registry
 
   per_thoughtlet = []
@@ -183,7 +184,8 @@ def _unit_layers(link, model):
 
 
 def bench_decode(root: Path, tokens: int, repeats: int) -> list[dict]:
-  from thoughtjax.compose import compose, full_path
+  from thoughtjax.assembly import full_path
+  from thoughtjax.compose import compose
   from thoughtjax.registry import Registry
   from thoughtjax.sampling import SamplingParams
 

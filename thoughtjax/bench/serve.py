@@ -227,8 +227,9 @@ def main(argv=None) -> int:
   from server.app import BackgroundServer
   from server.config import ServerConfig
   from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
+  from thoughtjax.assembly import full_path
   from thoughtjax.bench.synthesis import _prompt_ids
-  from thoughtjax.compose import compose, full_path
+  from thoughtjax.compose import compose
   from thoughtjax.sampling import SamplingParams
   from thoughtjax.synthesis.synthesize import Synthesizer
   from thoughtjax.thoughtlet import fingerprint

@@ -232,7 +232,8 @@ def cmd_gc(args) -> int:
 
 def load_from_registry(args):
   """The model of ``generate``/``score --registry DIR [--path P] [--public-key F] [--require-signatures]``."""
-  from thoughtjax.compose import compose, full_path
+  from thoughtjax.assembly import full_path
+  from thoughtjax.compose import compose
 
   reg = open_registry(args.registry, args, "--registry", weights=getattr(args, "weights", None) or "f32")
   return compose(args.path or full_path(reg), reg, kernels=args.kernels)

@@ -55,7 +55,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from thoughtjax.engine import Delta, Trace, _Rows
+from thoughtjax.decode.stream import Delta, Trace
+from thoughtjax.decode.stream import Rows as _Rows
 from thoughtjax.errors import UserError
 from thoughtjax.model import GraphDefs, kv_cache_shape, merge_path, path_config, rope_tables, run_path
 from thoughtjax.program import COMPILE_CLOCK, ProgramKey, bucket

@@ -205,7 +205,8 @@ def _token_docs(codec, documents: Sequence[str], window: int, max_windows: int |
 
 def full_model(registry, *, kernels: str | None = None):
   """The registry's full path, composed (restores every current block thoughtlet)."""
-  from thoughtjax.compose import compose, full_path
+  from thoughtjax.assembly import full_path
+  from thoughtjax.compose import compose
 
   return compose(full_path(registry), registry, kernels=kernels)
 

@@ -361,19 +361,19 @@ def bridged_proposals(registry, num_layers: int) -> list[Proposal]:
 def pin(proposals: Sequence[Proposal], registry) -> tuple[list[Candidate], list[tuple[Proposal, str]]]:
   """Resolve proposals in ``registry`` to its current versions: (candidates, refused with the reason).
 
-  Resolution and type checks are compose's own (:func:`thoughtjax.compose.resolve`), so each candidate's
+  Resolution and type checks are the path assembly's (:func:`thoughtjax.assembly.resolve`), so each candidate's
   ``path_hash`` is what ``compose(path, registry)`` reports; a proposal that does not compose (a range
   that does not start and end on the registry's block thoughtlets) is refused.
   """
-  from thoughtjax import compose as compose_lib
+  from thoughtjax import assembly
   from thoughtjax.registry import UnknownThoughtletError
 
   candidates, refused = [], []
   for p in proposals:
     try:
-      links = compose_lib.resolve(p.path, registry)
-      compose_lib.check_chain(links)
-    except (UnknownThoughtletError, PathSyntaxError, compose_lib.PathTypeError) as e:  # integrity failures stay loud
+      links = assembly.resolve(p.path, registry)
+      assembly.check_chain(links)
+    except (UnknownThoughtletError, PathSyntaxError, assembly.PathTypeError) as e:  # integrity failures stay loud
       refused.append((p, str(e)))
       continue
     units = []
@@ -382,7 +382,7 @@ def pin(proposals: Sequence[Proposal], registry) -> tuple[list[Candidate], list[
         m = registry.manifest(name, version)
         units.append(Unit(name, m.version, m.param_bytes, 0 if m.layers is None else m.layers[1] - m.layers[0]))
     c = Candidate.build(p.path, p.kind, units)
-    want = compose_lib.path_hash(links)
+    want = assembly.path_hash(links)
     if c.path_hash != want:  # pragma: no cover - both hash the same refs; a change in either must be loud
       raise RuntimeError(f"candidate {p.path!r}: path_hash {c.path_hash} differs from compose's {want}")
     candidates.append(c)

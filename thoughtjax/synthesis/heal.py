@@ -122,7 +122,8 @@ class HealReport:
 # ------------------------------------------------------------------------------ models and text
 def _models(source, path: str):
   """(full model, cut model) over the same weights: composed from a registry, or a loaded model's own."""
-  from thoughtjax.compose import compose, full_path
+  from thoughtjax.assembly import full_path
+  from thoughtjax.compose import compose
   from thoughtjax.engine import Model
   from thoughtjax.registry import Registry
 

@@ -1,0 +1,4 @@
+"""Decoding: what every way of generating tokens shares.
+
+* :mod:`~thoughtjax.decode.stream`  the host side of one call: Delta, Trace, Completion, Rows, Generation
+"""
