@@ -164,9 +164,3 @@ def test_every_cuda_file_is_shipped_as_package_data():
   sources = set(bench.CUDA_DIR.glob("*.cu")) | set(bench.CUDA_DIR.glob("*.cuh"))
   assert {bench.CUDA_DIR / f for f in bench.CUDA_FILES} | {bench.CUDA_DIR / "hash.cuh"} <= sources
   assert sources <= shipped
-
-
-def test_the_old_import_path_is_the_same_module():
-  from thoughtjax.kernels import bench as old
-
-  assert old is bench and old.main is bench.main

@@ -140,12 +140,11 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
 
   import thoughtjax
-  from thoughtjax.cli.args import model_source
   from thoughtjax.speculative import Draft
   from thoughtjax.thoughtlet import fingerprint
 
   quick = args.quick
-  model = thoughtjax.load(model_source(args.model), kernels=args.kernels)
+  model = thoughtjax.load(args.model, kernels=args.kernels)
   L = model.config.num_layers
   depths = args.depths or ([L - 1] if quick else [8, 16, 24, 28])
   bad = [d for d in depths if not 0 <= d < L]
