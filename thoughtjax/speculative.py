@@ -48,8 +48,17 @@ from thoughtjax import formats
 from thoughtjax.decode.stream import Generation, Rows, Trace
 from thoughtjax.errors import UserError
 from thoughtjax.model import GraphDefs, PathParts, kv_cache_shape, merge_path, rope_tables, run_path
+from thoughtjax.paths import format_path, parse_path
 from thoughtjax.program import COMPILE_CLOCK, DEFAULT_CHUNK, bucket
-from thoughtjax.sampling import SamplingArrays, SamplingMode, SamplingParams, program_mode, sampling_arrays, top_p_mask
+from thoughtjax.sampling import (
+  SamplingArrays,
+  SamplingMode,
+  SamplingParams,
+  program_mode,
+  sample,
+  sampling_arrays,
+  top_p_mask,
+)
 
 DEFAULT_DRAFT_TOKENS = 4
 AcceptRule = Literal["speculative", "always"]
@@ -199,8 +208,6 @@ class SpecProgram:
 
   # ---- traced code -------------------------------------------------------------
   def _prefill(self, parts, prompt, pad, samp, vocab_ids, st):
-    from thoughtjax.sampling import sample
-
     del vocab_ids
     k = self.key
     embed, blocks, head = merge_path(self.defs, parts, k.layers)
@@ -440,8 +447,6 @@ def _same_leaves(a, b) -> bool:
 
 def resolve_draft(model, draft: str | Sequence[int] | Draft) -> ResolvedDraft:
   """Check ``draft`` against ``model``'s path (a :class:`~thoughtjax.engine.Model`); see :class:`Draft`."""
-  from thoughtjax.paths import format_path, parse_path
-
   spec = draft if isinstance(draft, Draft) else Draft(draft)
   label = spec.path if isinstance(spec.path, str) else str(list(spec.path))
   if model.template is not None:

@@ -1,7 +1,7 @@
 """The host side of one generation call: its deltas, trace, completions and cancellation.
 
 Every way of decoding (plain chunks or a host callback, self-speculative, a slot of continuous batching)
-hands its tokens to the same objects: :class:`Rows` turns each row's new token ids into :class:`Delta` s
+hands its tokens to the same objects: :class:`Rows` turns each row's new token ids into :class:`Delta` pieces
 (incremental detokenising, stop strings, finish reasons), :class:`Trace` records what the call did and
 when, and :class:`Generation` is what the caller iterates, cancels and closes. Nothing here runs device
 work: a Generation pulls deltas from the runner it was given.

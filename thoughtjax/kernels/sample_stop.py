@@ -53,6 +53,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from thoughtjax.kernels import dispatch
+
 Implementation = Literal["pallas", "xla"]
 
 _IMPLEMENTATIONS = ("pallas", "xla")
@@ -459,7 +461,5 @@ def sample_stop(
 
 def resolve_dispatch(implementation: str | None, interpret: bool | None) -> tuple[str, bool]:
   """Resolves ``implementation``/``interpret`` defaults for the current backend (the rule: kernels/dispatch.py)."""
-  from thoughtjax.kernels import dispatch
-
   interpret = dispatch.interpret_default() if interpret is None else bool(interpret)
   return dispatch.resolve(implementation, name="implementation"), interpret
