@@ -13,7 +13,7 @@ from tests.synthesis.tiny_synthesis import HINTS, SETTINGS, registry_copy, tiny_
 from thoughtjax.compose import compose, full_path
 from thoughtjax.registry import Registry
 from thoughtjax.synthesis.calibrate import _token_docs, calibrate
-from thoughtjax.synthesis.calibration import CandidateKind
+from thoughtjax.synthesis.candidate import CandidateKind
 from thoughtjax.synthesis.candidates import bridged_proposals
 from thoughtjax.synthesis.dictionary import load_dictionary
 from thoughtjax.synthesis.heal import HealSettings, heal, publish_bridge

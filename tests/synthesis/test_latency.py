@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from thoughtjax.synthesis.calibration import Candidate, Unit
+from thoughtjax.synthesis.candidate import Candidate, Unit
 from thoughtjax.synthesis.latency import (
   COLD,
   FACTOR_BOUNDS,

@@ -51,7 +51,7 @@ from thoughtjax.errors import UserError
 from thoughtjax.program import bucket
 
 if TYPE_CHECKING:
-  from thoughtjax.synthesis.calibration import Candidate
+  from thoughtjax.synthesis.candidate import Candidate
 
 STAGES = ("synthesis", "restore", "compile", "prefill", "decode")
 FACTOR_BOUNDS = (0.25, 4.0)

@@ -39,7 +39,8 @@ from typing import Any
 
 from thoughtjax.errors import UserError
 from thoughtjax.paths import VARIANTS
-from thoughtjax.synthesis.calibration import Calibration, DraftPlan, PathQuality
+from thoughtjax.synthesis.calibration import Calibration, PathQuality
+from thoughtjax.synthesis.candidate import DraftPlan
 from thoughtjax.synthesis.latency import COLD, LatencyModel, Prediction, Residency
 
 MAX_HINTS = 3

@@ -259,7 +259,7 @@ class Synthesizer:
     each unit, a draft's too, restored alone, so a failure names its ref."""
     from thoughtjax.compose import compose
     from thoughtjax.registry import IntegrityError, RegistryError
-    from thoughtjax.synthesis.calibration import path_hash_of
+    from thoughtjax.synthesis.candidate import path_hash_of
 
     key = path_hash_of(candidate.units)
     with self._lock:
