@@ -12,9 +12,12 @@ A :class:`Synthesizer` holds one registry, its stored calibration (at the regist
 the synthesis dictionary's floors, a :class:`~thoughtjax.synthesis.latency.LatencyModel` that learns from
 every finished request, and what is warm: composed paths (their thoughtlets restored) and the program
 keys it has run (compiled). Planning sees that residency, so a warm path predicts no restore or compile.
-What the latency model learns persists per machine and registry (:mod:`~thoughtjax.synthesis.corrections`):
-a new synthesizer starts from the corrections earlier ones learned; ``learned_corrections=False`` keeps them
-in process. ``learn=False`` keeps the latency model as loaded: for a given residency, the same request gets
+What the latency model learns persists per machine and registry (:mod:`~thoughtjax.synthesis.corrections`),
+per execution context: a request teaches the context it ran in (its own plain or speculative program, or the
+slot engine a server's scheduler moved it into, :meth:`Synthesizer.ran_in`), and plans are predicted for
+``context`` (default: a plain program of this registry's weight form and kernels), with that context's
+corrections only. A new synthesizer starts from the corrections earlier ones learned; ``learned_corrections=False``
+keeps them in process. ``learn=False`` keeps the latency model as loaded: for a given residency, the same request gets
 the same plan (reproducible benchmarks and tests).
 
 Stages as measured (milliseconds), the same definitions calibration fitted:
@@ -44,7 +47,7 @@ from collections.abc import Iterator, Sequence
 
 from thoughtjax.errors import UserError
 from thoughtjax.synthesis.calibration import Calibration
-from thoughtjax.synthesis.latency import STAGES, LatencyModel, LatencyTrace, Residency
+from thoughtjax.synthesis.latency import STAGES, LatencyContext, LatencyModel, LatencyTrace, Residency
 from thoughtjax.synthesis.planner import Plan, Planner, PlanRequest, floors_of
 
 DEFAULT_HINT = "general_purpose"
@@ -211,7 +214,9 @@ class Synthesizer:
     keep_paths: int = 4,
     learned_corrections: bool = True,
     learn: bool = True,
+    context: LatencyContext | None = None,
   ):
+    from thoughtjax.kernels.dispatch import resolve as resolve_kernels
     from thoughtjax.synthesis import corrections as corr_lib
     from thoughtjax.synthesis.calibrate import machine_fingerprint
     from thoughtjax.synthesis.dictionary import load_dictionary
@@ -229,9 +234,11 @@ class Synthesizer:
     self.corrections_key = corr_lib.corrections_key(registry.registry_id, machine_fingerprint(), params)
     path = corr_lib.corrections_path() if learned_corrections else None
     learned = corr_lib.load_corrections(self.corrections_key, path) if path is not None else {}
-    if learned:
-      params = dataclasses.replace(params, corrections=_merged(params.corrections, learned))
-    self.latency = LatencyModel(params)
+    # Plans are predicted for this process's own programs unless told otherwise (a server's slot engines).
+    self.context = context or LatencyContext(
+      "plain", getattr(registry, "weights", None) or "f32", 1, resolve_kernels(kernels)
+    )
+    self.latency = LatencyModel(params, context=self.context, learned=learned)
     self.corrections_loaded = learned
     self._store = corr_lib.CorrectionsStore(self.corrections_key, self.latency, path)
     weakref.finalize(self, self._store.flush)  # what the last requests taught, saved at exit
@@ -410,28 +417,34 @@ class Synthesizer:
     return SynthesisResult(plan, generation, trace, self._learn, t_request)
 
   def _learn(self, result: SynthesisResult) -> None:
-    """Move the latency model toward what the finished request measured (unless ``learn=False``); keep the trace."""
+    """Move the latency model toward what the finished request measured, in the context it ran in (unless
+    ``learn=False``); keep the trace."""
     actual = {s: result.trace.actual_ms[s] for s in STAGES if s in result.trace.actual_ms}
     tokens = result.trace.tokens_out
     gen = result.generation.trace
     if self.learn and tokens and not gen.cancelled:
       # compile_s > 0: this call traced or compiled its program (its first run in this process).
-      self.latency.update(LatencyTrace(result.plan.predicted, actual, tokens, compiled=gen.compile_s > 0))
+      trace = LatencyTrace(
+        result.plan.predicted, actual, tokens, compiled=gen.compile_s > 0, context=self.ran_in(result)
+      )
+      self.latency.update(trace)
       self._store.learned()
     with self._lock:
       self.traces.append(result.trace)
 
+  def ran_in(self, result: SynthesisResult) -> LatencyContext:
+    """The context ``result`` ran in: the one its plan predicted for, or, when a server's scheduler moved it
+    into a slot engine (its generation is then that engine's run), that engine's."""
+    engine = getattr(result.generation, "engine", None)
+    slots = getattr(engine, "slots", None)
+    if isinstance(slots, int) and not isinstance(slots, bool) and slots >= 1:
+      kernels = getattr(engine, "kernels", None) or self.context.kernels
+      return LatencyContext("slots", self.context.weights, slots, kernels)
+    return result.plan.predicted.context
+
   def save_corrections(self) -> None:
     """Write the learned latency corrections now (otherwise at most once a second, and at exit)."""
     self._store.flush()
-
-
-def _merged(calibrated, learned) -> dict:
-  """Calibration's corrections (e.g. a speculative plan's measured factor) overlaid with learned ones."""
-  out = {"global": {**calibrated.get("global", {}), **learned.get("global", {})}, "paths": {}}
-  for h in (*calibrated.get("paths", {}), *learned.get("paths", {})):
-    out["paths"][h] = {**calibrated.get("paths", {}).get(h, {}), **learned.get("paths", {}).get(h, {})}
-  return {k: v for k, v in out.items() if v}
 
 
 class _Unavailable(Exception):
