@@ -7,6 +7,7 @@ Contracts (checked by tools that read the output):
   synthesize --json  one object: the plan's fields plus token_ids, text, actual_ms {total, restore, compile,
                      prefill, decode}
   paths DIR --hint H the hint's calibrated front; --plot FILE.png plots quality against predicted latency
+                     (matplotlib: the plot extra, pip install 'thoughtjax[plot]'; without it, exit 2)
 A misspelt hint is corrected and the correction printed to stderr; an unknown one exits 2 with the list.
 Without --registry, the default registry in the cache dir is used (built and calibrated on first use).
 """
@@ -230,7 +231,22 @@ def front_rows(cal, hint: str, floors, prompt_tokens: int = 32, max_tokens: int 
   return sorted(rows, key=lambda r: (r["predicted_ms"], r["path_hash"]))
 
 
+PLOT_EXTRA = "pip install 'thoughtjax[plot]'"
+
+
+def _require_matplotlib() -> None:
+  """Plotting is the ``plot`` extra: without it, a one-line error naming the install command."""
+  try:
+    import matplotlib  # noqa: F401
+  except ImportError:
+    raise CommandLineError(
+      f"--plot needs matplotlib, which is not installed; install the plot extra ({PLOT_EXTRA}) or drop --plot"
+    ) from None
+
+
 def cmd_paths(args) -> int:
+  if args.plot:  # refused before the registry is opened: nothing is half done
+    _require_matplotlib()
   from thoughtjax.registry.calibration_store import read_calibration
   from thoughtjax.synthesis.dictionary import load_dictionary
   from thoughtjax.synthesis.hints import normalize_hints
@@ -457,7 +473,12 @@ def add_parsers(sub) -> None:
   p = sub.add_parser("paths", help="a hint's calibrated paths: quality against predicted latency")
   p.add_argument("dir", help="registry with a stored calibration")
   p.add_argument("--hint", required=True)
-  p.add_argument("--plot", default=None, metavar="FILE.png", help="plot quality against predicted latency")
+  p.add_argument(
+    "--plot",
+    default=None,
+    metavar="FILE.png",
+    help=f"plot quality against predicted latency (needs the plot extra: {PLOT_EXTRA})",
+  )
   p.add_argument("--all", action="store_true", help="every calibrated path, not only the Pareto front")
   p.add_argument("--prompt-tokens", type=int, default=32)
   p.add_argument("--max-tokens", type=int, default=64)
