@@ -2,10 +2,13 @@
 
 Contracts (checked by tools that read the output):
   plan --json        one object with at least path, path_hash, hints, corrected_hints,
-                     predicted_ms {total, synthesis, restore, compile, prefill, decode}, quality, degraded, reason
+                     predicted_ms {total, synthesis, restore, compile, prefill, decode}, quality, degraded, reason;
+                     also corrections {stage: {factor, from, observations, context}} and latency_context
   synthesize         the answer streamed to stdout, the trace (predicted vs actual per stage) to stderr
   synthesize --json  one object: the plan's fields plus token_ids, text, actual_ms {total, restore, compile,
-                     prefill, decode}
+                     prefill, decode, synthesis, startup} (startup: the first request's one-off imports and
+                     tokenizer loading, not predicted)
+  corrections        the learned latency corrections per execution context; --reset forgets them
   paths DIR --hint H the hint's calibrated front; --plot FILE.png plots quality against predicted latency
                      (matplotlib: the plot extra, pip install 'thoughtjax[plot]'; without it, exit 2)
 A misspelt hint is corrected and the correction printed to stderr; an unknown one exits 2 with the list.
