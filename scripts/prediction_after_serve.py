@@ -54,7 +54,7 @@ def _free_port() -> int:
 
 
 def _cli(*argv: str) -> list[str]:
-  return [sys.executable, "-m", "thoughtjax", *argv]
+  return [sys.executable, "-m", "thoughtjax.cli", *argv]
 
 
 def serve_and_load(requests: int, max_tokens: int, env: dict, log: Path) -> list[dict]:
