@@ -1,5 +1,6 @@
 """Shared test set-up: a strict JAX, visible warnings, seeded randomness, several fake CPU devices,
-seeded tiny models and the real default model.
+seeded tiny models and the real default model, and a cache of the run's own (tests/isolation.py): no test
+reads or writes the user's cache, trust state, learned corrections, exported programs or compilation cache.
 
 Strictness (equinox/lineax style): an implicit rank promotion (``x[B, T] + y[T]``) raises instead
 of broadcasting silently, and pyproject's ``filterwarnings`` turns warnings into errors (third-party
@@ -17,8 +18,12 @@ import os
 _DEVICES_FLAG = "--xla_force_host_platform_device_count"
 if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}=8".strip()
-# Tests share the user cache (the default model is fetched once) unless CI points elsewhere.
-os.environ.setdefault("THOUGHTJAX_CACHE", os.path.expanduser("~/.cache/thoughtjax"))
+
+# Tests never touch the user's files (issue 21 item 2): the whole run, every xdist worker included, uses one
+# cache directory of its own outside the home directory (tests.isolation). Set before any thoughtjax import.
+from tests import isolation  # noqa: E402
+
+RUN = isolation.enter_run()
 
 import jax  # noqa: E402  (after XLA_FLAGS: the device count is read at import)
 import numpy as np  # noqa: E402
@@ -65,3 +70,8 @@ def hf_default_model():
   model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
   tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
   return model.eval(), tok
+
+
+def pytest_unconfigure(config):
+  """The process that made the run's cache removes it at the end (xdist workers end before it)."""
+  isolation.leave_run(RUN)

@@ -288,3 +288,22 @@ def test_a_missing_public_key_file_is_named(tmp_path, capsys):
 def test_trust_flags_without_a_registry_are_refused(capsys):
   assert cli.main(["generate", "--prompt", "x", "--require-signatures"]) == 2
   assert "--public-key and --require-signatures check a registry: add --registry DIR" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_names_the_extra_in_one_line(monkeypatch, capsys, tmp_path):
+  """matplotlib is the plot extra: its absence is one line naming the install command, exit 2, before any work
+  (here the registry directory does not even exist: the plot check comes first)."""
+  monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ModuleNotFoundError
+  png = tmp_path / "front.png"
+  assert cli.main(["paths", str(tmp_path / "registry"), "--hint", "general_purpose", "--plot", str(png)]) == 2
+  out, err = capsys.readouterr()
+  assert out == "" and err.count("\n") == 1
+  assert err.startswith("thoughtjax paths: error: CommandLineError: --plot needs matplotlib")
+  assert "pip install 'thoughtjax[plot]'" in err and not png.exists()
+
+
+def test_version_prints_the_package_version(capsys):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["--version"])
+  assert e.value.code == 0
+  assert capsys.readouterr().out.strip() == f"thoughtjax {cli.version()}" and cli.version()[0].isdigit()

@@ -14,7 +14,7 @@ from thoughtjax.assembly import full_path
 from thoughtjax.compose import compose
 from thoughtjax.registry import Registry
 from thoughtjax.synthesis.calibrate import _token_docs, calibrate
-from thoughtjax.synthesis.calibration import CandidateKind
+from thoughtjax.synthesis.candidate import CandidateKind
 from thoughtjax.synthesis.candidates import bridged_proposals
 from thoughtjax.synthesis.dictionary import load_dictionary
 from thoughtjax.synthesis.heal import HealSettings, heal, publish_bridge

@@ -27,7 +27,7 @@ from thoughtjax.synthesis.calibrate import (
   machine_fingerprint,
   recalibrate_latency,
 )
-from thoughtjax.synthesis.calibration import CandidateKind
+from thoughtjax.synthesis.candidate import CandidateKind
 from thoughtjax.synthesis.latency import LatencyModel
 
 

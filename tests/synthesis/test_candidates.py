@@ -21,7 +21,8 @@ from thoughtjax import program
 from thoughtjax.compose import compose
 from thoughtjax.model import GraphDefs
 from thoughtjax.paths import layers_of_path
-from thoughtjax.synthesis.calibration import Calibration, CandidateKind, PathQuality
+from thoughtjax.synthesis.calibration import Calibration, PathQuality
+from thoughtjax.synthesis.candidate import CandidateKind
 from thoughtjax.synthesis.candidates import (
   CandidateError,
   CandidateSettings,

@@ -163,13 +163,29 @@ def test_paths_prints_the_front_and_plots(capsys, reg, tmp_path):
   assert any(r["path"] == IDENTITY_SKIP or r["kind"] == "speculative" for r in d["paths"])
 
 
-def test_registry_calibrate_latency_only_and_warm(capsys, tmp_path):
+def test_registry_calibrate_latency_only_and_warm(capsys, tmp_path, monkeypatch):
+  import time
+
+  from thoughtjax.registry import Registry
+  from thoughtjax.synthesis import corrections as corr
+  from thoughtjax.synthesis.latency import Learned
+
   root = registry_copy(tmp_path / "reg")
+  with Registry.open(root) as reg:
+    rid = reg.registry_id
+  store = tmp_path / "latency-corrections.json"
+  monkeypatch.setenv(corr.ENV, str(store))
+  learned = Learned.from_json({"updated": time.time(), "global": {"decode": {"factor": 3.45, "observations": 9}}}, "t")
+  corr.save_corrections(f"{rid}|fp|d", {"slots|f32|b8|xla": learned}, 9, store)
+  corr.save_corrections("another|fp|d", {"plain|f32|b1|xla": learned}, 9, store)
   # A signed registry: a calibration without the key is refused before any measurement.
   code, _, err = run(capsys, "registry", "calibrate", root, "--latency-only")
   assert code == 2 and "--sign-key" in err
   code, out, err = run(capsys, "registry", "calibrate", root, "--latency-only", "--sign-key", tiny_setup().key)
   assert code == 0 and "signed" in out and "wall time" in out
+  # What requests taught refined the latency just re-measured: forgotten, other registries' kept.
+  assert "forgot 1 learned latency correction context(s)" in out
+  assert list(corr.read_entries(store)) == ["another|fp|d"]
   code, out, _ = run(
     capsys, "registry", "warm", root, "--hint", "fast_draft", "--prompt-tokens", "8", "--max-tokens", "8"
   )

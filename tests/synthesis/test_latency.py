@@ -8,14 +8,17 @@ import math
 import numpy as np
 import pytest
 
-from thoughtjax.synthesis.calibration import Candidate, Unit
+from thoughtjax.synthesis.candidate import Candidate, Unit
 from thoughtjax.synthesis.latency import (
   COLD,
   FACTOR_BOUNDS,
+  HALF_LIFE_S,
+  LatencyContext,
   LatencyModel,
   LatencyModelError,
   LatencyParams,
   LatencyTrace,
+  Learned,
   LinearCost,
   Measurements,
   Residency,
@@ -264,3 +267,101 @@ def test_malformed_params_are_refused(mutate, match):
   mutate(d)
   with pytest.raises(LatencyModelError, match=match):
     LatencyParams.from_json(d)
+
+
+# ----------------------------------------------------------------------------- execution contexts
+PLAIN = LatencyContext("plain", "f32", 1, "xla")
+SLOTS = LatencyContext("slots", "f32", 8, "xla")
+
+
+class Clock:
+  """Unix seconds that move only when a test says so."""
+
+  def __init__(self, t: float = 1_000_000.0):
+    self.t = t
+
+  def __call__(self) -> float:
+    return self.t
+
+
+def test_corrections_learned_in_one_context_never_move_another():
+  """A slot engine under load teaches its own context: the plain program's prediction stays as calibrated,
+  while a prediction for the slot engine carries what it learned."""
+  m = LatencyModel(params(), context=PLAIN)
+  c = candidate([(0, 2)])
+  warm = Residency(frozenset(c.refs))
+  calibrated = m.predict(c, 20, 8, warm)
+  for _ in range(20):
+    p = m.predict(c, 20, 8, warm, context=SLOTS)
+    m.update(LatencyTrace(p, {"decode": 3.5 * p.raw["decode"], "prefill": 2.0 * p.raw["prefill"]}))
+  plain = m.predict(c, 20, 8, warm)
+  assert (plain.decode, plain.prefill, plain.total) == (calibrated.decode, calibrated.prefill, calibrated.total)
+  assert not plain.corrections and plain.context == PLAIN
+  busy = m.predict(c, 20, 8, warm, context=SLOTS)
+  assert busy.decode == pytest.approx(3.5 * calibrated.decode, rel=0.02) and busy.context == SLOTS
+  assert busy.observations == {"prefill": 20, "decode": 20} and busy.corrections["decode"][1] == "path"
+  # A trace predicted for the plain program but run in a slot engine teaches the slot engine's context.
+  m.update(LatencyTrace(plain, {"decode": 4.0 * plain.raw["decode"]}, context=SLOTS))
+  assert m.predict(c, 20, 8, warm).decode == calibrated.decode
+  assert set(m.learned()) == {SLOTS.key} and m.learned()[SLOTS.key].observations == 21
+
+
+def test_a_speculative_candidate_is_predicted_in_its_own_context():
+  m = LatencyModel(params(), context=SLOTS)
+  full = candidate([(0, 4)])
+  from thoughtjax.synthesis.candidate import DraftPlan
+
+  spec = Candidate.build(full.path, "speculative", full.units, DraftPlan("embed, blocks[0:2), head", 3))
+  assert m.predict(spec, 20, 8).context == LatencyContext("speculative", "f32", 1, "xla")
+  assert m.predict(full, 20, 8).context == SLOTS
+
+
+def test_learned_corrections_decay_with_age_toward_the_calibration():
+  clock = Clock()
+  m = LatencyModel(params(), context=PLAIN, clock=clock)
+  c = candidate([(0, 2)])
+  for _ in range(40):
+    p = m.predict(c, 20, 8)
+    m.update(LatencyTrace(p, {"decode": 4.0 * p.raw["decode"]}))
+  learned = m.factor(c.path_hash, "decode")
+  assert learned == pytest.approx(4.0, rel=0.02)
+  clock.t += HALF_LIFE_S  # one half-life of silence: half the deviation (in log space) is gone
+  assert m.factor(c.path_hash, "decode") == pytest.approx(math.sqrt(learned), rel=1e-6)
+  clock.t += 10 * HALF_LIFE_S
+  assert m.factor(c.path_hash, "decode") == pytest.approx(1.0, abs=0.01)
+  # A new observation continues from the decayed factor, not from the old one.
+  p = m.predict(c, 20, 8)
+  m.update(LatencyTrace(p, {"decode": p.raw["decode"]}))
+  assert m.factor(c.path_hash, "decode") == pytest.approx(1.0, abs=0.01)
+
+
+def test_the_calibrations_own_factor_is_the_base_every_context_decays_to():
+  c = candidate([(0, 2)])
+  clock = Clock()
+  m = LatencyModel(params(corrections={"paths": {c.path_hash: {"decode": 0.5}}}), context=PLAIN, clock=clock)
+  p = m.predict(c, 20, 8)
+  assert p.corrections == {"decode": (0.5, "path")} and p.observations == {"decode": 0}
+  assert m.predict(c, 20, 8, context=SLOTS).decode_factor == 0.5  # a context with nothing learned
+  for _ in range(30):
+    p = m.predict(c, 20, 8)
+    m.update(LatencyTrace(p, {"decode": p.raw["decode"]}))  # runs at the raw speed: factor -> 1
+  assert m.factor(c.path_hash, "decode") == pytest.approx(1.0, rel=0.05)
+  clock.t += 20 * HALF_LIFE_S
+  assert m.factor(c.path_hash, "decode") == pytest.approx(0.5, rel=0.01)
+
+
+def test_learned_records_round_trip_and_malformed_ones_are_refused():
+  m = LatencyModel(params(), context=PLAIN)
+  c = candidate([(0, 2)])
+  p = m.predict(c, 20, 8)
+  m.update(LatencyTrace(p, {"decode": 2 * p.raw["decode"]}))
+  rec = m.learned()[PLAIN.key]
+  assert Learned.from_json(rec.to_json(), "x") == rec
+  again = LatencyModel(params(), context=PLAIN, learned={PLAIN.key: rec}, clock=lambda: rec.updated)
+  assert again.predict(c, 20, 8).decode == pytest.approx(m.predict(c, 20, 8).decode)
+  with pytest.raises(LatencyModelError, match=r"x\.global\.decode\.factor: expected a correction factor"):
+    Learned.from_json({"updated": 1.0, "global": {"decode": {"factor": 9.0, "observations": 1}}}, "x")
+  with pytest.raises(LatencyModelError, match="expected 'engine|weights|b<batch>|kernels'"):
+    LatencyModel(params(), learned={"plain": rec})
+  with pytest.raises(LatencyModelError, match="engine: expected one of"):
+    LatencyContext("turbo")

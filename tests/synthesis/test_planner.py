@@ -11,15 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from thoughtjax.synthesis.calibration import (
-  FORMAT_VERSION,
-  Calibration,
-  CalibrationError,
-  Candidate,
-  HintQuality,
-  PathQuality,
-  Unit,
-)
+from thoughtjax.synthesis.calibration import FORMAT_VERSION, Calibration, HintQuality, PathQuality
+from thoughtjax.synthesis.candidate import CalibrationError, Candidate, Unit
 from thoughtjax.synthesis.latency import COLD, LatencyModel, LatencyParams, LinearCost, Residency
 from thoughtjax.synthesis.planner import (
   Floor,
@@ -289,7 +282,7 @@ def test_ties_go_to_lower_latency_then_path_hash_whatever_the_order():
 def test_a_lossless_faster_candidate_wins_the_tie_with_the_full_path():
   # A speculative plan: a bridged early exit drafts, the full path verifies; lossless. Its decode is not
   # the sum of its units: calibration stores its measured speed as a per-path factor.
-  from thoughtjax.synthesis.calibration import DraftPlan
+  from thoughtjax.synthesis.candidate import DraftPlan
 
   bridge = Unit("bridge[8]", "v1", 1 * MB, 0, "bridge")
   full = CANDIDATES["full"]

@@ -13,7 +13,8 @@ from tests.synthesis.tiny_synthesis import FULL, HINTS, tiny_setup
 from thoughtjax.compose import compose
 from thoughtjax.registry import Registry
 from thoughtjax.synthesis.calibrate import load, speculative_candidates
-from thoughtjax.synthesis.calibration import Calibration, CalibrationError, Candidate, CandidateKind
+from thoughtjax.synthesis.calibration import Calibration
+from thoughtjax.synthesis.candidate import CalibrationError, Candidate, CandidateKind
 from thoughtjax.synthesis.latency import FACTOR_BOUNDS, STAGES, LatencyModel, Residency
 from thoughtjax.synthesis.planner import Floor, Planner, PlanRequest
 from thoughtjax.synthesis.synthesize import Synthesizer

@@ -27,7 +27,8 @@ from thoughtjax.synthesis.calibrate import (
   recalibrate_latency,
   speculative_candidates,
 )
-from thoughtjax.synthesis.calibration import Calibration, CalibrationError, Candidate, CandidateKind, Unit
+from thoughtjax.synthesis.calibration import Calibration
+from thoughtjax.synthesis.candidate import CalibrationError, Candidate, CandidateKind, Unit
 from thoughtjax.synthesis.latency import FACTOR_BOUNDS, STAGES, LatencyModel, Residency
 from thoughtjax.synthesis.planner import Floor, Planner, PlanRequest
 from thoughtjax.synthesis.synthesize import Synthesizer

@@ -44,7 +44,7 @@ def test_the_plan_is_the_lossless_skip_and_runs_as_that_path(syn, reg):
   assert r.token_ids == alone.token_ids and r.text == text == alone.text
   t = r.trace
   assert t.finished and t.tokens_in == len(ids) and t.tokens_out == 9 and t.path_hash == r.plan.path_hash
-  assert set(t.predicted_ms) == {"total", *STAGES} and set(t.actual_ms) == {"total", *STAGES}
+  assert set(t.predicted_ms) == {"total", *STAGES} and set(t.actual_ms) == {"total", "startup", *STAGES}
   assert t.actual_ms["total"] >= t.actual_ms["prefill"] + t.actual_ms["decode"]
   assert t.compute_seconds > 0
   j = r.to_json()
@@ -192,3 +192,15 @@ def test_plans_and_runs_on_the_default_model(tmp_path, monkeypatch):
   r.finish()
   assert r.trace.tokens_out >= 1 and r.text.strip()
   assert r.plan.refs and r.trace.actual_ms["total"] > 0
+
+
+def test_start_up_costs_are_their_own_stage_so_synthesis_measures_the_planner(reg):
+  """The first request of a synthesizer pays importing the planning modules and loading the tokenizer (and the
+  stored router without hints) once: traced as "startup", not inside "synthesis"; later requests pay none."""
+  fresh = Synthesizer.open(reg)
+  first = fresh.synthesize(PROMPT, None, max_latency_ms=math.inf, max_tokens=3, ignore_eos=True).finish()
+  assert first.trace.actual_ms["startup"] > 0 and fresh._started == {"planning", "router"}
+  again = fresh.synthesize(PROMPT, None, max_latency_ms=math.inf, max_tokens=3, ignore_eos=True).finish()
+  assert again.trace.actual_ms["startup"] == 0.0 and "synthesis" in again.trace.actual_ms
+  assert "startup" in first.trace.table() and "startup" not in again.trace.table()
+  assert "startup" not in first.trace.predicted_ms  # not predicted: a warm process never pays it

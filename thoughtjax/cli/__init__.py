@@ -19,11 +19,12 @@ from thoughtjax.cli import bench, model_commands, registry, serve, synthesis
 from thoughtjax.cli.registry import load_from_registry
 from thoughtjax.errors import UserError
 
-__all__ = ["build_parser", "command_name", "load_from_registry", "main"]
+__all__ = ["build_parser", "command_name", "load_from_registry", "main", "version"]
 
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="thoughtjax", description=__doc__.splitlines()[0])
+  parser.add_argument("--version", action="version", version=f"thoughtjax {version()}")
   sub = parser.add_subparsers(dest="command", required=True)
   model_commands.add_parsers(sub)
   bench.add_parser(sub)
@@ -52,6 +53,23 @@ def main(argv: Sequence[str] | None = None) -> int:
   except UserError as e:
     print(f"thoughtjax {command_name(args)}: error: {type(e).__name__}: {e}", file=sys.stderr)
     return 2
+
+
+def version() -> str:
+  """The installed distribution's version (the source tree's pyproject when run from a checkout)."""
+  from importlib import metadata
+
+  try:
+    return metadata.version("thoughtjax")
+  except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+    import tomllib
+    from pathlib import Path
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    try:
+      return tomllib.loads(pyproject.read_text())["project"]["version"]
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+      return "unknown"
 
 
 def command_name(args: argparse.Namespace) -> str:

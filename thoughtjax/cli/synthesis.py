@@ -1,12 +1,16 @@
-"""``thoughtjax plan``, ``synthesize``, ``paths`` and ``registry calibrate`` / ``registry warm``.
+"""``thoughtjax plan``, ``synthesize``, ``paths``, ``corrections`` and ``registry calibrate`` / ``registry warm``.
 
 Contracts (checked by tools that read the output):
   plan --json        one object with at least path, path_hash, hints, corrected_hints,
-                     predicted_ms {total, synthesis, restore, compile, prefill, decode}, quality, degraded, reason
+                     predicted_ms {total, synthesis, restore, compile, prefill, decode}, quality, degraded, reason;
+                     also corrections {stage: {factor, from, observations, context}} and latency_context
   synthesize         the answer streamed to stdout, the trace (predicted vs actual per stage) to stderr
   synthesize --json  one object: the plan's fields plus token_ids, text, actual_ms {total, restore, compile,
-                     prefill, decode}
+                     prefill, decode, synthesis, startup} (startup: the first request's one-off imports and
+                     tokenizer loading, not predicted)
+  corrections        the learned latency corrections per execution context; --reset forgets them
   paths DIR --hint H the hint's calibrated front; --plot FILE.png plots quality against predicted latency
+                     (matplotlib: the plot extra, pip install 'thoughtjax[plot]'; without it, exit 2)
 A misspelt hint is corrected and the correction printed to stderr; an unknown one exits 2 with the list.
 Without --registry, the default registry in the cache dir is used (built and calibrated on first use).
 """
@@ -92,7 +96,18 @@ def _budget(args) -> float:
   return b
 
 
-def _plan_text(plan, explain: bool) -> str:
+def _age(seconds: float | None) -> str:
+  if seconds is None:
+    return "never"
+  for unit, n in (("h", 3600), ("min", 60)):
+    if seconds >= n:
+      return f"{seconds / n:.0f} {unit} ago"
+  return f"{seconds:.0f} s ago"
+
+
+def _plan_text(plan, explain: bool, latency=None) -> str:
+  """The plan as the command line prints it; ``latency`` (the synthesizer's model), with ``explain``, also
+  names the corrections learned in other execution contexts, which this prediction does not use."""
   p = plan.predicted
   lines = [
     f"path        {plan.path}",
@@ -108,9 +123,22 @@ def _plan_text(plan, explain: bool) -> str:
     )
   if p.corrections:
     applied = ", ".join(
-      f"{s} x{f:.3g} ({'this path' if src == 'path' else 'all paths'})" for s, (f, src) in p.corrections.items()
+      f"{s} x{f:.3g} ({'this path' if src == 'path' else 'all paths'}, "
+      + (f"{p.observations.get(s, 0)} observations)" if p.observations.get(s, 0) else "measured by calibration)")
+      for s, (f, src) in p.corrections.items()
     )
-    lines.append(f"corrected   {applied}: learned from earlier requests on this machine")
+    learned = any(p.observations.get(s, 0) for s in p.corrections)
+    where = (
+      f"learned from earlier requests in this context, last {_age(p.correction_age_s)}" if learned else "calibration"
+    )
+    lines.append(f"corrected   {applied}: {where}")
+  if explain:
+    lines.append(f"context     {p.context.label()} ({p.context.key}); only corrections learned here apply")
+    others = {} if latency is None else {k: r for k, r in latency.learned().items() if k != p.context.key}
+    for key, rec in sorted(others.items()):
+      lines.append(
+        f"not applied corrections of {key}: {rec.observations} observations, last {_age(time.time() - rec.updated)}"
+      )
   lines.append(f"degraded    {str(plan.degraded).lower()}" + (f" ({plan.reason})" if plan.degraded else ""))
   lines.append(f"reason      {plan.reason}")
   if plan.tokens_that_fit is not None:
@@ -131,7 +159,7 @@ def cmd_plan(args) -> int:
   if args.json:
     print(json.dumps(plan.to_json()))
   else:
-    print(_plan_text(plan, args.explain))
+    print(_plan_text(plan, args.explain, syn.latency))
   return 0
 
 
@@ -152,7 +180,7 @@ def cmd_synthesize(args) -> int:
   )
   _print_corrections(result.plan)
   if args.explain and not args.json:
-    print(_plan_text(result.plan, True), file=sys.stderr)
+    print(_plan_text(result.plan, True, syn.latency), file=sys.stderr)
   # Leaving early (an interrupt, a closed stdout) abandons the generation: no more device work.
   with result:
     for d in result:
@@ -206,7 +234,22 @@ def front_rows(cal, hint: str, floors, prompt_tokens: int = 32, max_tokens: int 
   return sorted(rows, key=lambda r: (r["predicted_ms"], r["path_hash"]))
 
 
+PLOT_EXTRA = "pip install 'thoughtjax[plot]'"
+
+
+def _require_matplotlib() -> None:
+  """Plotting is the ``plot`` extra: without it, a one-line error naming the install command."""
+  try:
+    import matplotlib  # noqa: F401
+  except ImportError:
+    raise CommandLineError(
+      f"--plot needs matplotlib, which is not installed; install the plot extra ({PLOT_EXTRA}) or drop --plot"
+    ) from None
+
+
 def cmd_paths(args) -> int:
+  if args.plot:  # refused before the registry is opened: nothing is half done
+    _require_matplotlib()
   from thoughtjax.registry.calibration_store import read_calibration
   from thoughtjax.synthesis.dictionary import load_dictionary
   from thoughtjax.synthesis.hints import normalize_hints
@@ -311,6 +354,13 @@ def cmd_calibrate(args) -> int:
         reg, settings=dataclasses.replace(settings, **changes), progress=progress, report=report, kernels=args.kernels
       )
   path = write_calibration(reg, cal, sign_key=sign_key)
+  from thoughtjax.synthesis.corrections import CorrectionsFileError, forget_corrections
+
+  try:  # corrections refined the latency just replaced: they start again from the new one
+    forgot = sum(forget_corrections(reg.registry_id).values())
+  except CorrectionsFileError as e:
+    print(f"warning: {e}", file=sys.stderr)
+    forgot = 0
   wall = time.perf_counter() - t0
   stages = ", ".join(f"{k} {v:.1f} s" for k, v in report.seconds.items())
   print(
@@ -319,6 +369,8 @@ def cmd_calibrate(args) -> int:
     f"{', '.join(cal.hints)}; fingerprint {cal.fingerprint}"
   )
   print(f"wall time {wall:.1f} s ({stages})")
+  if forgot:
+    print(f"forgot {forgot} learned latency correction context(s) of this registry (they refined the old latency)")
   for p, why in report.refused:
     print(f"refused {p}: {why}", file=sys.stderr)
   return 0
@@ -335,6 +387,43 @@ def cmd_warm(args) -> int:
   )
   for p in warmed:
     print(f"  {p}")
+  return 0
+
+
+# ------------------------------------------------------------------------------ corrections
+def cmd_corrections(args) -> int:
+  from thoughtjax.synthesis import corrections as corr_lib
+
+  path = corr_lib.corrections_path()
+  if path is None:
+    print(f"learned latency corrections are kept in process only ({corr_lib.ENV}=off); nothing stored")
+    return 0
+  reg = open_registry(args.registry, args, "--registry") if args.registry else None
+  registry_id = corr_lib.EVERY_REGISTRY if reg is None else reg.registry_id
+  prefix = None if reg is None else f"{reg.registry_id or 'unnamed'}|"
+  if args.reset:
+    gone = corr_lib.forget_corrections(registry_id, path)
+    whose = "every registry" if reg is None else f"registry {reg.root}"
+    print(
+      f"forgot {sum(gone.values())} learned context(s) in {len(gone)} entr{'y' if len(gone) == 1 else 'ies'} of "
+      f"{whose} ({path}); predictions use the calibration until requests teach them again"
+    )
+    return 0
+  entries = {k: e for k, e in corr_lib.read_entries(path).items() if prefix is None or k.startswith(prefix)}
+  if args.json:
+    doc = {k: {c: r.to_json() for c, r in e["contexts"].items()} for k, e in entries.items()}
+    print(json.dumps({"file": str(path), "entries": doc}))
+    return 0
+  print(f"{path}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'} (registry|machine|latency model)")
+  now = time.time()
+  for key, e in entries.items():
+    print(key)
+    for ctx, rec in sorted(e["contexts"].items()):
+      factors = ", ".join(f"{s} x{f:.3g}" for s, f in rec.glob.items()) or "no machine-wide factor"
+      print(
+        f"  {ctx:<28} {rec.observations:>5} observations, last {_age(now - rec.updated)}; {factors}; "
+        f"{len(rec.paths)} path(s) with their own"
+      )
   return 0
 
 
@@ -387,13 +476,28 @@ def add_parsers(sub) -> None:
   p = sub.add_parser("paths", help="a hint's calibrated paths: quality against predicted latency")
   p.add_argument("dir", help="registry with a stored calibration")
   p.add_argument("--hint", required=True)
-  p.add_argument("--plot", default=None, metavar="FILE.png", help="plot quality against predicted latency")
+  p.add_argument(
+    "--plot",
+    default=None,
+    metavar="FILE.png",
+    help=f"plot quality against predicted latency (needs the plot extra: {PLOT_EXTRA})",
+  )
   p.add_argument("--all", action="store_true", help="every calibrated path, not only the Pareto front")
   p.add_argument("--prompt-tokens", type=int, default=32)
   p.add_argument("--max-tokens", type=int, default=64)
   p.add_argument("--json", action="store_true")
   add_trust_args(p)
   p.set_defaults(fn=cmd_paths)
+
+  p = sub.add_parser(
+    "corrections",
+    help="the latency corrections learned from requests on this machine, per execution context; --reset forgets",
+  )
+  p.add_argument("--registry", default=None, metavar="DIR", help="only this registry's (default: every registry's)")
+  p.add_argument("--reset", action="store_true", help="forget them: predictions use the calibration alone again")
+  p.add_argument("--json", action="store_true")
+  add_trust_args(p)
+  p.set_defaults(fn=cmd_corrections)
 
 
 def add_registry_parsers(sub) -> None:

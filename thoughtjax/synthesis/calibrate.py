@@ -47,7 +47,8 @@ import numpy as np
 
 from thoughtjax.errors import UserError
 from thoughtjax.paths import VARIANTS
-from thoughtjax.synthesis.calibration import Calibration, Candidate, CandidateKind, DraftPlan, Unit
+from thoughtjax.synthesis.calibration import Calibration
+from thoughtjax.synthesis.candidate import Candidate, CandidateKind, DraftPlan, Unit
 from thoughtjax.synthesis.candidates import CandidateSettings, bridge_slots, bridged_proposals, is_bridge, pin, propose
 from thoughtjax.synthesis.latency import LatencyModel, LatencyParams, LinearCost
 from thoughtjax.synthesis.quality import measure_candidates, windows

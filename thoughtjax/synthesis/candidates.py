@@ -25,7 +25,7 @@ Units: a skip or a removal takes out a whole unit, an exit or a repeat starts an
 boundaries. By default every layer is a unit; pass ``spans=registry.block_spans()`` so that every
 proposal composes from the registry's own block thoughtlets. :func:`pin` resolves proposals in a
 registry (refusing, with the reason, any that do not compose) into
-:class:`~thoughtjax.synthesis.calibration.Candidate`\\ s.
+:class:`~thoughtjax.synthesis.candidate.Candidate`\\ s.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import numpy as np
 
 from thoughtjax.errors import UserError
 from thoughtjax.paths import PathSyntaxError, format_path, hash_refs, layers_of_path, parse_path
-from thoughtjax.synthesis.calibration import Candidate, CandidateKind, Unit
+from thoughtjax.synthesis.candidate import Candidate, CandidateKind, Unit
 from thoughtjax.synthesis.quality import DEFAULT_WINDOW, Document, Progress, Runner, windows
 
 Span = tuple[int, int]

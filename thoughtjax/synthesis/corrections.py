@@ -8,23 +8,32 @@ learns. They are not part of the signed registry (they are per machine and chang
 Layout (``<cache dir>/latency-corrections.json``; ``THOUGHTJAX_LATENCY_CORRECTIONS`` names another file, or
 ``off`` to keep corrections in process only)::
 
-    {"format": "thoughtjax.latency-corrections", "version": 2,
+    {"format": "thoughtjax.latency-corrections", "version": 3,
      "entries": {"<registry id>|<machine fingerprint>|<latency digest>":
                    {"updated": unix seconds, "updates": n,
-                    "corrections": {"global": {stage: f}, "paths": {path_hash: {stage: f}}}}}}
+                    "contexts": {"<engine>|<weights>|b<batch>|<kernels>":
+                                   {"updated": unix seconds, "observations": n,
+                                    "global": {stage: {"factor": f, "observations": n}},
+                                    "paths": {path_hash: {stage: {"factor": f, "observations": n}}}}}}}}
 
 An entry is keyed by the registry, the machine fingerprint and a digest of the fitted latency parameters the
-factors correct, so a re-measured latency model (``calibrate --latency-only``) starts from fresh factors. The
-file is bounded: at most :data:`MAX_ENTRIES` entries (the least recently updated go first) and
-:data:`MAX_PATHS` per-path factor sets per entry. Writes are atomic (a temporary file in the same folder,
-fsynced, then one ``os.replace``) under an advisory lock, merging with what other processes wrote. A file that
-cannot be read or does not follow this format is named in a :class:`LatencyCorrectionsWarning` and ignored
-(and replaced at the next save), never an error: corrections only refine predictions.
+factors correct, so a re-measured latency model (``calibrate --latency-only``) starts from fresh factors. Inside
+an entry, corrections are kept per execution context (:class:`~thoughtjax.synthesis.latency.LatencyContext`):
+what a server's slot engine learned is never applied to a plain program's prediction. The file is bounded: at
+most :data:`MAX_ENTRIES` entries (the least recently updated go first), :data:`MAX_CONTEXTS` contexts per entry
+and :data:`MAX_PATHS` per-path factor sets per context; a context silent for
+:data:`~thoughtjax.synthesis.latency.MAX_AGE_S` is dropped (its factors have decayed to nothing). Writes are
+atomic (a temporary file in the same folder, fsynced, then one ``os.replace``) under an advisory lock, merging
+with what other processes wrote: a writer replaces only the contexts it learned in. A file that cannot be read
+or does not follow this format is named in a :class:`LatencyCorrectionsWarning` and ignored (and replaced at
+the next save), never an error: corrections only refine predictions. :func:`forget_corrections` (``thoughtjax
+corrections --reset``, and ``registry calibrate``) removes a registry's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -35,13 +44,16 @@ import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from thoughtjax.synthesis.latency import LatencyModelError, LatencyParams, _corrections_json
+from thoughtjax.errors import UserError
+from thoughtjax.synthesis.latency import MAX_AGE_S, LatencyContext, LatencyModelError, LatencyParams, Learned
 
 FORMAT = "thoughtjax.latency-corrections"
-# 2: a path's factor is relative to the global one (latency module docstring). A file of an older version
-# is not damaged, only incomparable: it is ignored without a warning and replaced at the next save.
-FORMAT_VERSION = 2
+# 2: a path's factor is relative to the global one (latency module docstring); 3: corrections per execution
+# context, with observation counts. A file of an older version is not damaged, only incomparable (version 2 mixed
+# every context's corrections): it is ignored without a warning and replaced at the next save.
+FORMAT_VERSION = 3
 MAX_ENTRIES = 16
+MAX_CONTEXTS = 16
 MAX_PATHS = 128
 ENV = "THOUGHTJAX_LATENCY_CORRECTIONS"
 
@@ -111,20 +123,35 @@ def _read(path: Path) -> dict:
         raise LatencyModelError(f"'updated': expected unix seconds, got {updated!r}")
       if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
         raise LatencyModelError(f"'updates': expected a count >= 0, got {updates!r}")
-      corr = _corrections_json(e.get("corrections", {}), f"entries[{key}].corrections")
+      contexts = e.get("contexts", {})
+      if not isinstance(contexts, dict):
+        raise LatencyModelError(f"'contexts': expected an object, got {type(contexts).__name__}")
+      learned = {}
+      for ctx, doc in contexts.items():
+        LatencyContext.from_key(ctx)
+        learned[ctx] = Learned.from_json(doc, f"contexts[{ctx}]")
     except LatencyModelError as err:
       _warn(path, f"entry {key!r}: {err}")
       continue
-    out[str(key)] = {"updated": float(updated), "updates": updates, "corrections": corr}
+    out[str(key)] = {"updated": float(updated), "updates": updates, "contexts": learned}
   return out
 
 
-def load_corrections(key: str, path: Path | None = None) -> dict:
-  """The learned corrections of entry ``key`` (``{}`` when none; a bad file is warned about and ignored)."""
+def read_entries(path: Path | None = None) -> dict:
+  """Every entry of the file: key -> ``{"updated", "updates", "contexts": {context key: Learned}}``."""
+  path = corrections_path() if path is None else path
+  return {} if path is None else _read(path)
+
+
+def load_corrections(key: str, path: Path | None = None) -> dict[str, Learned]:
+  """The learned corrections of entry ``key``, context key -> :class:`~thoughtjax.synthesis.latency.Learned`
+  (``{}`` when none; a bad file is warned about and ignored; contexts past their age are left out)."""
   path = corrections_path() if path is None else path
   if path is None:
     return {}
-  return _read(path).get(key, {}).get("corrections", {})
+  now = time.time()
+  contexts = _read(path).get(key, {}).get("contexts", {})
+  return {k: v for k, v in contexts.items() if now - v.updated <= MAX_AGE_S}
 
 
 @contextlib.contextmanager
@@ -144,46 +171,96 @@ def _locked(path: Path) -> Iterator[None]:
     os.close(fd)
 
 
-def _bounded(corrections: Mapping) -> dict:
+def _bounded(contexts: Mapping[str, Learned], now: float) -> dict[str, Learned]:
+  """At most MAX_CONTEXTS contexts (the most recently updated), none past its age, MAX_PATHS paths each."""
+  live = sorted((k for k, v in contexts.items() if now - v.updated <= MAX_AGE_S), key=lambda k: contexts[k].updated)
   out = {}
-  if corrections.get("global"):
-    out["global"] = dict(corrections["global"])
-  paths = list(corrections.get("paths", {}).items())[-MAX_PATHS:]  # the most recently added kept
-  if paths:
-    out["paths"] = {h: dict(f) for h, f in paths}
+  for k in live[-MAX_CONTEXTS:]:
+    rec = contexts[k]
+    keep = list(rec.paths)[-MAX_PATHS:]  # the most recently added kept
+    out[k] = dataclasses.replace(
+      rec, paths={h: rec.paths[h] for h in keep}, n_paths={h: rec.n_paths.get(h, {}) for h in keep}
+    )
   return out
 
 
-def save_corrections(key: str, corrections: Mapping, updates: int, path: Path | None = None) -> Path | None:
-  """Store ``corrections`` as entry ``key`` (merged with the other entries, bounded, atomic). Returns the
-  file written, or ``None`` when disabled or the write failed (warned)."""
+def _write(path: Path, entries: dict) -> None:
+  keep = sorted(entries, key=lambda k: entries[k]["updated"])[-MAX_ENTRIES:]
+  doc = {
+    "format": FORMAT,
+    "version": FORMAT_VERSION,
+    "entries": {
+      k: {
+        "updated": entries[k]["updated"],
+        "updates": entries[k]["updates"],
+        "contexts": {c: rec.to_json() for c, rec in entries[k]["contexts"].items()},
+      }
+      for k in keep
+    },
+  }
+  fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+  try:
+    with os.fdopen(fd, "w") as f:
+      json.dump(doc, f, sort_keys=True)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.unlink(tmp)
+    raise
+
+
+def save_corrections(key: str, contexts: Mapping[str, Learned], updates: int, path: Path | None = None) -> Path | None:
+  """Store the ``contexts`` (context key -> :class:`~thoughtjax.synthesis.latency.Learned`) this process
+  learned in under entry ``key``, keeping the entry's other contexts and the other entries (bounded, atomic).
+  Returns the file written, or ``None`` when disabled or the write failed (warned)."""
   path = corrections_path() if path is None else path
   if path is None:
     return None
-  corr = _bounded(_corrections_json(corrections, "corrections"))
   if not path.parent.is_dir():  # a folder since removed (a test's scratch dir at exit): nothing to keep
     return None
+  now = time.time()
   try:
     with _locked(path):
       entries = _read(path)
-      entries[key] = {"updated": time.time(), "updates": int(updates), "corrections": corr}
-      keep = sorted(entries, key=lambda k: entries[k]["updated"])[-MAX_ENTRIES:]
-      doc = {"format": FORMAT, "version": FORMAT_VERSION, "entries": {k: entries[k] for k in keep}}
-      fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-      try:
-        with os.fdopen(fd, "w") as f:
-          json.dump(doc, f, sort_keys=True)
-          f.flush()
-          os.fsync(f.fileno())
-        os.replace(tmp, path)
-      except BaseException:
-        with contextlib.suppress(OSError):
-          os.unlink(tmp)
-        raise
+      before = entries.get(key, {}).get("contexts", {})
+      entries[key] = {"updated": now, "updates": int(updates), "contexts": _bounded({**before, **contexts}, now)}
+      _write(path, entries)
   except OSError as e:
     _warn(path, f"cannot be written ({e.strerror or e})")
     return None
   return path
+
+
+EVERY_REGISTRY = "*"
+
+
+class CorrectionsFileError(UserError, OSError):
+  """The learned-corrections file could not be rewritten (e.g. it or its folder is read-only)."""
+
+
+def forget_corrections(registry_id: str | None, path: Path | None = None) -> dict[str, int]:
+  """Remove the learned corrections of ``registry_id`` (every machine and latency model it was learned with;
+  ``None``: an unnamed registry's; :data:`EVERY_REGISTRY`: all). Returns entry key -> contexts removed
+  (``{}``: nothing was learned)."""
+  path = corrections_path() if path is None else path
+  if path is None or not path.exists():
+    return {}
+  every = registry_id == EVERY_REGISTRY
+  prefix = f"{registry_id or 'unnamed'}|"
+  try:
+    with _locked(path):
+      entries = _read(path)
+      gone = {k: len(e["contexts"]) for k, e in entries.items() if every or k.startswith(prefix)}
+      if gone:
+        _write(path, {k: e for k, e in entries.items() if k not in gone})
+  except OSError as e:
+    raise CorrectionsFileError(
+      f"latency corrections file {path}: cannot be rewritten ({e.strerror or e}); make it and its folder "
+      f"writable, or delete the file to forget every correction"
+    ) from None
+  return gone
 
 
 class CorrectionsStore:
@@ -208,7 +285,7 @@ class CorrectionsStore:
       updates = self.model.updates
       if self.path is None or updates == self._saved_updates:
         return
-      corrections = self.model.to_params().corrections
+      changed = self.model.take_changed()
       self._saved_at, self._saved_updates = time.monotonic(), updates
-    if save_corrections(self.key, corrections, updates, self.path) is not None:
+    if changed and save_corrections(self.key, changed, updates, self.path) is not None:
       self.saves += 1

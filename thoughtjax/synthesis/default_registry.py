@@ -23,7 +23,9 @@ Progress goes to ``progress(stage, done, total, item)``.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -69,6 +71,22 @@ def shipped_calibration(registry):
 def ensure_default(progress: Progress | None = None, *, root: Path | None = None, weights: str = "f32"):
   """Build and calibrate the default registry if needed; returns it opened (:class:`Registry`) with restores
   in ``weights`` (f32, or native: the blocks kept packed). Calibration measures the f32 form."""
+  root = Path(root) if root is not None else default_registry_dir()
+  root.parent.mkdir(parents=True, exist_ok=True)
+  # Two processes on first use (two commands, two test workers): one builds and measures, the other waits for
+  # it and then finds the registry and its calibration (measuring twice at once would also skew both).
+  fd = os.open(root.with_name(root.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+  try:
+    with contextlib.suppress(ImportError):  # no flock (Windows): builds stay atomic, only not shared
+      import fcntl
+
+      fcntl.flock(fd, fcntl.LOCK_EX)
+    return _ensure_default(progress, root=root, weights=weights)
+  finally:
+    os.close(fd)
+
+
+def _ensure_default(progress: Progress | None, *, root: Path, weights: str):
   from thoughtjax.fetch import DEFAULT_MODEL
   from thoughtjax.registry import Registry, build, is_older_format, is_registry
   from thoughtjax.registry.calibration_store import MissingCalibrationError, read_calibration, write_calibration

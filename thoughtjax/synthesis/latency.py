@@ -21,15 +21,21 @@ restored once. Each linear cost is fitted by least squares from measurements at 
 number of tokens and "how many tokens fit the budget" is a monotone search.
 
 Learning from traces (:meth:`LatencyModel.update`): the model keeps multiplicative corrections per
-stage: a global factor g (how this machine runs now: load, clocks) and, per path hash, a relative factor r
-(how that path deviates from the rest); a path's factor is g * r (r = 1 for a path never traced). An
-observed ratio q = ``actual / raw`` moves g toward q (step ``global_alpha``) and the path's own factor
-g * r toward q (step ``alpha``), stored as r relative to the new g. Because load moves g for every path at once, a path that has run is not made to
-look slower than one that has not merely because the machine got busier. Ratios and factors are clipped
-to ``[1/4, 4]`` so one outlier cannot swing a plan by more than 4x. Stages predicted at
-zero (already resident, already compiled) carry no information and are not learned from, and a run that
-compiled its program teaches only restore and compile: its prefill and decode carry one-off first-run
-costs that a warm request never pays (``LatencyTrace.compiled``).
+stage, **per execution context** (:class:`LatencyContext`: engine — plain, speculative or a slot engine —,
+weight form, batch width, kernels). A correction belongs to the context that taught it and a prediction
+applies only its own context's: a server's slot engine, slower per stream and under load, never moves the
+prediction of a command line's plain program. Within a context: a global factor g (how this machine runs now:
+load, clocks) and, per path hash, a relative factor r (how that path deviates from the rest); a path's factor
+is g * r (r = 1 for a path never traced). An observed ratio q = ``actual / raw`` moves g toward q (step
+``global_alpha``) and the path's own factor g * r toward q (step ``alpha``), stored as r relative to the new
+g: an observation's weight halves after about 7 later ones (g) or 2 (a path's own). Because load moves g for
+every path at once, a path that has run is not made to look slower than one that has not merely because the
+machine got busier. Corrections also decay with age: a context's factors relax halfway back to the
+calibration's every :data:`HALF_LIFE_S` (6 hours) without an observation there, and a context silent for
+:data:`MAX_AGE_S` is dropped. Ratios and factors are clipped to ``[1/4, 4]`` so one outlier cannot swing a
+plan by more than 4x. Stages predicted at zero (already resident, already compiled) carry no information
+and are not learned from, and a run that compiled its program teaches only restore and compile: its prefill
+and decode carry one-off first-run costs that a warm request never pays (``LatencyTrace.compiled``).
 A candidate whose cost is not the sum of its units (a speculative plan: draft and verify in one
 program) starts from a per-path factor that calibration measured, stored in ``corrections``: its units are
 the full path's, so its raw decode is the full path's, and its decode factor is its measured decode time per
@@ -51,7 +57,7 @@ from thoughtjax.errors import UserError
 from thoughtjax.program import bucket
 
 if TYPE_CHECKING:
-  from thoughtjax.synthesis.calibration import Candidate
+  from thoughtjax.synthesis.candidate import Candidate
 
 STAGES = ("synthesis", "restore", "compile", "prefill", "decode")
 FACTOR_BOUNDS = (0.25, 4.0)
@@ -244,6 +250,127 @@ def _corrections_json(d: Any, where: str) -> dict:
   return out
 
 
+# ----------------------------------------------------------------------------- contexts
+ENGINES = ("plain", "speculative", "slots")
+# A context's learned factors relax halfway back to the calibration's every this many seconds without a new
+# observation there (the machine, its load and its software change; an old correction is a guess).
+HALF_LIFE_S = 6 * 3600.0
+# Past this age a context's corrections weigh under 1/256 of what they did: dropped, not kept around.
+MAX_AGE_S = 8 * HALF_LIFE_S
+
+
+@dataclasses.dataclass(frozen=True)
+class LatencyContext:
+  """Where a program runs, which is what a learned correction belongs to (a correction learned in one context
+  never moves a prediction in another).
+
+  ``engine``: ``plain`` (one request's own program), ``speculative`` (draft and verify in one program) or
+  ``slots`` (a slot engine's shared decode program: a server's continuous batching); ``weights``: the form
+  restores give (f32, native); ``batch``: the program's batch width (1 alone; a slot engine's slot count,
+  which it decodes whole every chunk whatever the rows in use); ``kernels``: the kernel implementation.
+  """
+
+  engine: str = "plain"
+  weights: str = "f32"
+  batch: int = 1
+  kernels: str = "xla"
+
+  def __post_init__(self):
+    if self.engine not in ENGINES:
+      raise LatencyModelError(f"latency context engine: expected one of {list(ENGINES)}, got {self.engine!r}")
+    if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
+      raise LatencyModelError(f"latency context batch: expected an integer >= 1, got {self.batch!r}")
+    for name in ("weights", "kernels"):
+      v = getattr(self, name)
+      if not isinstance(v, str) or not v or "|" in v:
+        raise LatencyModelError(f"latency context {name}: expected a non-empty name without '|', got {v!r}")
+
+  @property
+  def key(self) -> str:
+    """``engine|weights|b<batch>|kernels``: the context's name in the corrections file and in plans."""
+    return f"{self.engine}|{self.weights}|b{self.batch}|{self.kernels}"
+
+  @classmethod
+  def from_key(cls, key: Any) -> LatencyContext:
+    parts = key.split("|") if isinstance(key, str) else []
+    if len(parts) != 4 or not parts[2].startswith("b") or not parts[2][1:].isdigit():
+      raise LatencyModelError(f"latency context {key!r}: expected 'engine|weights|b<batch>|kernels'")
+    return cls(parts[0], parts[1], int(parts[2][1:]), parts[3])
+
+  def label(self) -> str:
+    """The context in words (what ``plan --explain`` prints)."""
+    engine = {
+      "plain": "plain program",
+      "speculative": "speculative program",
+      "slots": f"slot engine of {self.batch} slots",
+    }[self.engine]
+    batch = "" if self.engine == "slots" else f", batch {self.batch}"
+    return f"{engine}, {self.weights} weights{batch}, {self.kernels} kernels"
+
+
+def _count_json(v: Any, where: str) -> int:
+  if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+    raise LatencyModelError(f"{where}: expected a count >= 0, got {v!r}")
+  return v
+
+
+def _learned_stages(d: Any, where: str) -> tuple[dict[str, float], dict[str, int]]:
+  """``{stage: {"factor": f, "observations": n}}`` -> (factors, counts)."""
+  if not isinstance(d, Mapping) or set(d) - set(STAGES):
+    raise LatencyModelError(f"{where}: expected an object of stage -> {{factor, observations}}, got {d!r}")
+  factors, counts = {}, {}
+  for s, v in d.items():
+    if not isinstance(v, Mapping) or set(v) != {"factor", "observations"}:
+      raise LatencyModelError(f"{where}.{s}: expected {{\"factor\": f, \"observations\": n}}, got {v!r}")
+    factors[s] = _factor(v["factor"], f"{where}.{s}.factor")
+    counts[s] = _count_json(v["observations"], f"{where}.{s}.observations")
+  return factors, counts
+
+
+@dataclasses.dataclass(frozen=True)
+class Learned:
+  """What one context learned: the machine-wide factor per stage (``glob``), each path's factor relative to
+  it (``paths``), how many observations taught each (``n_glob``, ``n_paths``), how many runs in all
+  (``observations``) and when it last learned (``updated``, unix seconds). Replaced whole on every update."""
+
+  glob: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  paths: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
+  n_glob: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  n_paths: Mapping[str, Mapping[str, int]] = dataclasses.field(default_factory=dict)
+  observations: int = 0
+  updated: float = 0.0
+
+  def to_json(self) -> dict:
+    def stages(f, n):
+      return {s: {"factor": float(f[s]), "observations": int(n.get(s, 0))} for s in f}
+
+    out: dict = {"updated": float(self.updated), "observations": int(self.observations)}
+    if self.glob:
+      out["global"] = stages(self.glob, self.n_glob)
+    if self.paths:
+      out["paths"] = {h: stages(f, self.n_paths.get(h, {})) for h, f in self.paths.items() if f}
+    return out
+
+  @classmethod
+  def from_json(cls, d: Any, where: str) -> Learned:
+    if not isinstance(d, Mapping) or set(d) - {"updated", "observations", "global", "paths"}:
+      raise LatencyModelError(
+        f"{where}: expected {{updated, observations, global: {{stage: {{factor, observations}}}}, paths: "
+        f"{{path_hash: {{stage: ...}}}}}}, got {d!r}"
+      )
+    updated = d.get("updated")
+    if isinstance(updated, bool) or not isinstance(updated, (int, float)) or not math.isfinite(updated):
+      raise LatencyModelError(f"{where}.updated: expected unix seconds, got {updated!r}")
+    glob, n_glob = _learned_stages(d.get("global", {}), f"{where}.global")
+    paths = d.get("paths", {})
+    if not isinstance(paths, Mapping):
+      raise LatencyModelError(f"{where}.paths: expected an object, got {paths!r}")
+    pf, pn = {}, {}
+    for h, v in paths.items():
+      pf[str(h)], pn[str(h)] = _learned_stages(v, f"{where}.paths[{h}]")
+    return cls(glob, pf, n_glob, pn, _count_json(d.get("observations", 0), f"{where}.observations"), float(updated))
+
+
 # ----------------------------------------------------------------------------- predicting
 @dataclasses.dataclass(frozen=True)
 class Residency:
@@ -267,6 +394,10 @@ class Prediction:
   ``decode_terms = (A, B)``: one decode step over a cache of ``cache_len`` slots costs ``A + B * cache_len``
   raw ms, before the decode factor ``decode_factor``; this lets :meth:`tokens_within` and trace learning
   re-evaluate decode for another token count (the cache is that of the request's program).
+  ``context``: the execution context predicted for; ``corrections``: stage -> (factor, ``"path"`` or
+  ``"global"``) for every factor != 1 applied; ``observations``: stage -> how many runs in that context taught
+  it (0: measured by calibration, e.g. a speculative plan's decode); ``correction_age_s``: seconds since that
+  context last learned (None when it never did).
   """
 
   path_hash: str
@@ -282,8 +413,10 @@ class Prediction:
   decode_factor: float
   program_key: str
   cache_len: int = 0
-  # stage -> (factor, "path" or "global"): the learned corrections this prediction applied (factor != 1).
   corrections: Mapping[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
+  context: LatencyContext = LatencyContext()
+  observations: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  correction_age_s: float | None = None
 
   @property
   def total(self) -> float:
@@ -318,13 +451,15 @@ class Prediction:
 @dataclasses.dataclass(frozen=True)
 class LatencyTrace:
   """What a run measured, for :meth:`LatencyModel.update`: its prediction, actual ms per stage
-  (any subset of :data:`STAGES`), the tokens it produced (``None``: as predicted) and whether it compiled
-  its program (then its prefill and decode are not learned from)."""
+  (any subset of :data:`STAGES`), the tokens it produced (``None``: as predicted), whether it compiled
+  its program (then its prefill and decode are not learned from) and the context it ran in (``None``: the
+  one predicted; a server's slot engine is another)."""
 
   prediction: Prediction
   actual_ms: Mapping[str, float]
   tokens_out: int | None = None
   compiled: bool = False
+  context: LatencyContext | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,21 +473,53 @@ class _Costs:
   program: str
 
 
-class LatencyModel:
-  """Predicts stage latencies from :class:`LatencyParams` and learns corrections from traces.
+def _clip(v: float) -> float:
+  lo, hi = FACTOR_BOUNDS
+  return min(hi, max(lo, v))
 
-  Thread-safe for concurrent ``predict`` and ``update`` (updates replace factor dicts under a lock).
+
+class LatencyModel:
+  """Predicts stage latencies from :class:`LatencyParams` and learns corrections from traces, per
+  :class:`LatencyContext` (module docstring).
+
+  ``context``: the context a prediction is for when the caller names none (a speculative candidate is always
+  predicted in the speculative one); ``learned``: context key -> :class:`Learned` (what earlier processes
+  learned, e.g. from the corrections file); ``clock``: unix seconds (ages). Thread-safe for concurrent
+  ``predict`` and ``update`` (updates replace a context's record under a lock).
   """
 
-  def __init__(self, params: LatencyParams, *, alpha: float = 0.3, global_alpha: float = 0.1):
+  def __init__(
+    self,
+    params: LatencyParams,
+    *,
+    alpha: float = 0.3,
+    global_alpha: float = 0.1,
+    context: LatencyContext | None = None,
+    learned: Mapping[str, Learned] | None = None,
+    half_life_s: float = HALF_LIFE_S,
+    clock=None,
+  ):
+    import time
+
     for name, v in (("alpha", alpha), ("global_alpha", global_alpha)):
       if not 0 < v <= 1:
         raise LatencyModelError(f"LatencyModel {name}: expected a step in (0, 1], got {v!r}")
+    if not half_life_s > 0:
+      raise LatencyModelError(f"LatencyModel half_life_s: expected seconds > 0, got {half_life_s!r}")
     self.params = params
-    self.alpha, self.global_alpha = alpha, global_alpha
+    self.alpha, self.global_alpha, self.half_life_s = alpha, global_alpha, float(half_life_s)
+    self.context = context or LatencyContext()
+    self.clock = clock or time.time
+    # The calibration's own factors (a speculative plan's measured decode): the base of every context, what
+    # learned factors start from and decay back to.
     corr = _corrections_json(params.corrections, "latency.corrections")
-    self._global: dict[str, float] = dict(corr.get("global", {}))
-    self._paths: dict[str, dict[str, float]] = {h: dict(f) for h, f in corr.get("paths", {}).items()}
+    self._base_global: dict[str, float] = dict(corr.get("global", {}))
+    self._base_paths: dict[str, dict[str, float]] = {h: dict(f) for h, f in corr.get("paths", {}).items()}
+    self._learned: dict[str, Learned] = {}
+    for key, rec in (learned or {}).items():
+      LatencyContext.from_key(key)  # a malformed key is refused here, not at the first prediction
+      self._learned[key] = rec
+    self._dirty: set[str] = set()
     self._costs: dict[str, _Costs] = {}
     self._lock = threading.Lock()
     self.updates = 0
@@ -404,24 +571,62 @@ class LatencyModel:
     """The compiled-program key of a path layout at a request's shape buckets."""
     return f"{program}|T{bucket(prompt_tokens)}|N{bucket(max_tokens)}"
 
-  def factor(self, path_hash: str, stage: str) -> float:
-    return self._factor_from(path_hash, stage)[0]
+  # ---- contexts
+  def context_for(self, candidate: Candidate, context: LatencyContext | None = None) -> LatencyContext:
+    """The context ``candidate`` runs in: ``context`` (default: the model's), except that a speculative
+    candidate always runs its own speculative program, alone."""
+    ctx = context or self.context
+    if getattr(candidate, "draft", None) is not None and ctx.engine != "speculative":
+      ctx = dataclasses.replace(ctx, engine="speculative", batch=1)
+    return ctx
 
-  def _factor_from(self, path_hash: str, stage: str) -> tuple[float, str]:
-    """(g * r clipped, "path" when the path has a relative factor of its own, else "global")."""
-    g = self._global.get(stage, 1.0)
-    own = self._paths.get(path_hash)
-    if own is not None and stage in own:
-      lo, hi = FACTOR_BOUNDS
-      return min(hi, max(lo, g * own[stage])), "path"
-    return g, "global"
+  def learned(self) -> dict[str, Learned]:
+    """Context key -> what it has learned (records, as of the last update there)."""
+    return dict(self._learned)
+
+  def _weight(self, rec: Learned, now: float) -> float:
+    """How much of a context's learned deviation still counts: halves every ``half_life_s`` of silence."""
+    return 0.5 ** (max(0.0, now - rec.updated) / self.half_life_s)
+
+  def _bases(self, path_hash: str, stage: str) -> tuple[float, float]:
+    return self._base_global.get(stage, 1.0), self._base_paths.get(path_hash, {}).get(stage, 1.0)
+
+  def _factor_from(
+    self, path_hash: str, stage: str, ctx: LatencyContext, now: float | None = None
+  ) -> tuple[float, str, int]:
+    """(g * r clipped, "path" when the path has a factor of its own, else "global", observations behind it).
+
+    g and r decay toward the calibration's (1 unless calibration measured one) in log space: a factor
+    learned ``t`` seconds ago counts as ``base * (learned / base) ** 0.5 ** (t / half_life_s)``."""
+    base_g, base_r = self._bases(path_hash, stage)
+    own_base = stage in self._base_paths.get(path_hash, {})
+    rec = self._learned.get(ctx.key)
+    if rec is None:
+      return _clip(base_g * base_r), "path" if own_base else "global", 0
+    w = self._weight(rec, self.clock() if now is None else now)
+    g = base_g * (rec.glob.get(stage, base_g) / base_g) ** w
+    own = rec.paths.get(path_hash, {})
+    if stage in own:
+      r = base_r * (own[stage] / base_r) ** w
+      return _clip(g * r), "path", rec.n_paths.get(path_hash, {}).get(stage, 0)
+    return _clip(g * base_r), "path" if own_base else "global", rec.n_glob.get(stage, 0)
+
+  def factor(self, path_hash: str, stage: str, context: LatencyContext | None = None) -> float:
+    return self._factor_from(path_hash, stage, context or self.context)[0]
 
   def predict(
-    self, candidate: Candidate, prompt_tokens: int, max_tokens: int, residency: Residency = COLD
+    self,
+    candidate: Candidate,
+    prompt_tokens: int,
+    max_tokens: int,
+    residency: Residency = COLD,
+    context: LatencyContext | None = None,
   ) -> Prediction:
     """Stage latencies (ms) of ``candidate`` for a prompt of ``prompt_tokens`` and ``max_tokens`` decode
-    steps, given what ``residency`` says is already restored and compiled."""
+    steps, given what ``residency`` says is already restored and compiled, with the corrections learned in
+    the context it runs in (:meth:`context_for`) and no other."""
     c = self._candidate_costs(candidate)
+    ctx = self.context_for(candidate, context)
     T, n = prompt_tokens, max_tokens
     resident = residency.resident
     r = self.params.restore
@@ -438,40 +643,47 @@ class LatencyModel:
       "decode": max(n - 1, 0) * (A + B * S),
     }
     h = candidate.path_hash
-    fs = {s: self._factor_from(h, s) for s in STAGES}
-    f = {s: v[0] for s, v in fs.items()}
+    now = self.clock()
+    fs = {s: self._factor_from(h, s, ctx, now) for s in STAGES}
+    applied = [s for s in STAGES if fs[s][0] != 1.0 and raw[s] > 0]
+    rec = self._learned.get(ctx.key)
     return Prediction(
       h,
       T,
       n,
-      *(raw[s] * f[s] for s in STAGES),
+      *(raw[s] * fs[s][0] for s in STAGES),
       raw=raw,
       decode_terms=(A, B),
-      decode_factor=f["decode"],
+      decode_factor=fs["decode"][0],
       program_key=key,
       cache_len=S,
-      corrections={s: fs[s] for s in STAGES if fs[s][0] != 1.0 and raw[s] > 0},
+      corrections={s: fs[s][:2] for s in applied},
+      context=ctx,
+      observations={s: fs[s][2] for s in applied},
+      correction_age_s=None if rec is None else max(0.0, now - rec.updated),
     )
 
   # ---- learning
   def update(self, trace: Any) -> dict[str, float]:
-    """Move the correction factors toward what a run measured; returns the observed ratios used.
+    """Move the correction factors of the context the run ran in toward what it measured; returns the
+    observed ratios used.
 
     ``trace`` has ``prediction`` (:class:`Prediction`), ``actual_ms`` (stage -> ms) and optionally
-    ``tokens_out`` (tokens actually produced; the raw decode is re-evaluated for that count) and
-    ``compiled`` (the run compiled its program: its prefill and decode are not learned from).
+    ``tokens_out`` (tokens actually produced; the raw decode is re-evaluated for that count), ``compiled``
+    (the run compiled its program: its prefill and decode are not learned from) and ``context`` (where it
+    ran; default the prediction's).
     """
     p: Prediction = trace.prediction
     actual = trace.actual_ms
     unknown = set(actual) - set(STAGES)
     if unknown:
       raise LatencyModelError(f"trace actual_ms: unknown stages {sorted(unknown)}; expected some of {list(STAGES)}")
+    ctx = getattr(trace, "context", None) or p.context
     raw = dict(p.raw)
     tokens = getattr(trace, "tokens_out", None)
     if tokens is not None:
       raw["decode"] = p.raw_decode(int(tokens))
     first_run = bool(getattr(trace, "compiled", False))
-    lo, hi = FACTOR_BOUNDS
     ratios = {}
     for s, ms in actual.items():
       if ms is None or not math.isfinite(ms) or ms < 0:
@@ -479,26 +691,72 @@ class LatencyModel:
       if first_run and s in ("prefill", "decode"):
         continue  # a first run's device time includes one-off costs (allocation, first execution)
       if raw[s] > 0:
-        ratios[s] = min(hi, max(lo, ms / raw[s]))
+        ratios[s] = _clip(ms / raw[s])
+    h = p.path_hash
     with self._lock:
-      glob = dict(self._global)
-      own = dict(self._paths.get(p.path_hash, {}))
+      now = self.clock()
+      rec = self._learned.get(ctx.key) or Learned(updated=now)
+      w = self._weight(rec, now)
+      # What silence already took back is made permanent before this observation moves the factors on.
+      glob = {s: self._bases("", s)[0] * (f / self._bases("", s)[0]) ** w for s, f in rec.glob.items()}
+      paths = {
+        ph: {s: self._bases(ph, s)[1] * (f / self._bases(ph, s)[1]) ** w for s, f in fs.items()}
+        for ph, fs in rec.paths.items()
+      }
+      own = dict(paths.get(h, {}))
+      n_glob = dict(rec.n_glob)
+      n_own = dict(rec.n_paths.get(h, {}))
       for s, q in ratios.items():
-        g = glob.get(s, 1.0)
-        path_f = min(hi, max(lo, g * own.get(s, 1.0)))
-        path_f = min(hi, max(lo, (1 - self.alpha) * path_f + self.alpha * q))  # this path's factor, smoothed
-        glob[s] = min(hi, max(lo, (1 - self.global_alpha) * g + self.global_alpha * q))
-        own[s] = min(hi, max(lo, path_f / glob[s]))  # kept relative to the machine-wide factor
-      self._global = glob
-      self._paths = {**self._paths, p.path_hash: own}
+        base_g, base_r = self._bases(h, s)
+        g = glob.get(s, base_g)
+        path_f = _clip(g * own.get(s, base_r))
+        path_f = _clip((1 - self.alpha) * path_f + self.alpha * q)  # this path's factor, smoothed
+        glob[s] = _clip((1 - self.global_alpha) * g + self.global_alpha * q)
+        own[s] = _clip(path_f / glob[s])  # kept relative to the machine-wide factor
+        n_glob[s] = n_glob.get(s, 0) + 1
+        n_own[s] = n_own.get(s, 0) + 1
+      if ratios:
+        paths[h] = own
+      self._learned = {
+        **self._learned,
+        ctx.key: Learned(
+          glob,
+          paths,
+          n_glob,
+          {**rec.n_paths, h: n_own} if ratios else dict(rec.n_paths),
+          rec.observations + 1,
+          now,
+        ),
+      }
+      self._dirty.add(ctx.key)
       self.updates += 1
     return ratios
 
+  def take_changed(self) -> dict[str, Learned]:
+    """The contexts that learned since the last call (what a store must write), and forget that they did."""
+    with self._lock:
+      keys, self._dirty = self._dirty, set()
+      return {k: self._learned[k] for k in keys if k in self._learned}
+
   def to_params(self) -> LatencyParams:
-    """The parameters with the learned corrections, to store beside the calibration."""
+    """The parameters with the corrections the model's own context has now (calibration's and learned,
+    decayed to this moment), e.g. to store beside the calibration."""
+    now = self.clock()
+    rec = self._learned.get(self.context.key)
+    glob = dict(self._base_global)
+    paths = {h: dict(f) for h, f in self._base_paths.items()}
+    if rec is not None:
+      w = self._weight(rec, now)
+      for s, f in rec.glob.items():
+        base = self._base_global.get(s, 1.0)
+        glob[s] = _clip(base * (f / base) ** w)
+      for h, fs in rec.paths.items():
+        for s, f in fs.items():
+          base = self._base_paths.get(h, {}).get(s, 1.0)
+          paths.setdefault(h, {})[s] = _clip(base * (f / base) ** w)
     corrections = {}
-    if self._global:
-      corrections["global"] = dict(self._global)
-    if self._paths:
-      corrections["paths"] = {h: dict(f) for h, f in self._paths.items() if f}
+    if glob:
+      corrections["global"] = glob
+    if any(paths.values()):
+      corrections["paths"] = {h: f for h, f in paths.items() if f}
     return dataclasses.replace(self.params, corrections=corrections)

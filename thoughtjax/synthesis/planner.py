@@ -39,7 +39,8 @@ from typing import Any
 
 from thoughtjax.errors import UserError
 from thoughtjax.paths import VARIANTS
-from thoughtjax.synthesis.calibration import Calibration, DraftPlan, PathQuality
+from thoughtjax.synthesis.calibration import Calibration, PathQuality
+from thoughtjax.synthesis.candidate import DraftPlan
 from thoughtjax.synthesis.latency import COLD, LatencyModel, Prediction, Residency
 
 MAX_HINTS = 3
@@ -213,8 +214,18 @@ class Plan:
       "tokens_that_fit": self.tokens_that_fit,
       "max_latency_ms": None if math.isinf(self.max_latency_ms) else self.max_latency_ms,
       "rejected": [dataclasses.asdict(r) for r in self.rejected],
-      # Learned latency corrections the prediction applied: stage -> factor and whose (this path's or all).
-      "corrections": {s: {"factor": f, "from": src} for s, (f, src) in self.predicted.corrections.items()},
+      # Latency corrections the prediction applied: stage -> factor, whose (this path's or all paths'), how many
+      # runs in the prediction's execution context taught it (0: measured by calibration) and that context.
+      "corrections": {
+        s: {
+          "factor": f,
+          "from": src,
+          "observations": self.predicted.observations.get(s, 0),
+          "context": self.predicted.context.key,
+        }
+        for s, (f, src) in self.predicted.corrections.items()
+      },
+      "latency_context": self.predicted.context.key,
     }
 
 

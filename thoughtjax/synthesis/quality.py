@@ -373,7 +373,7 @@ def measure_candidates(
 ) -> dict[str, dict[str, HintQuality]]:
   """``quality[path_hash][hint]`` of every candidate on every hint's (calibration, held-out) documents.
 
-  ``candidates``: :class:`~thoughtjax.synthesis.calibration.Candidate`\\ s or
+  ``candidates``: :class:`~thoughtjax.synthesis.candidate.Candidate`\\ s or
   :class:`~thoughtjax.synthesis.candidates.Proposal`\\ s (anything with ``path`` and ``path_hash``);
   the result is what :class:`~thoughtjax.synthesis.calibration.Calibration` takes as ``quality``.
   The full path's logits are computed once per window of each corpus split and shared by all.

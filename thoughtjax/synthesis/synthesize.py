@@ -12,13 +12,18 @@ A :class:`Synthesizer` holds one registry, its stored calibration (at the regist
 the synthesis dictionary's floors, a :class:`~thoughtjax.synthesis.latency.LatencyModel` that learns from
 every finished request, and what is warm: composed paths (their thoughtlets restored) and the program
 keys it has run (compiled). Planning sees that residency, so a warm path predicts no restore or compile.
-What the latency model learns persists per machine and registry (:mod:`~thoughtjax.synthesis.corrections`):
-a new synthesizer starts from the corrections earlier ones learned; ``learned_corrections=False`` keeps them
-in process. ``learn=False`` keeps the latency model as loaded: for a given residency, the same request gets
+What the latency model learns persists per machine and registry (:mod:`~thoughtjax.synthesis.corrections`),
+per execution context: a request teaches the context it ran in (its own plain or speculative program, or the
+slot engine a server's scheduler moved it into, :meth:`Synthesizer.ran_in`), and plans are predicted for
+``context`` (default: a plain program of this registry's weight form and kernels), with that context's
+corrections only. A new synthesizer starts from the corrections earlier ones learned; ``learned_corrections=False``
+keeps them in process. ``learn=False`` keeps the latency model as loaded: for a given residency, the same request gets
 the same plan (reproducible benchmarks and tests).
 
 Stages as measured (milliseconds), the same definitions calibration fitted:
-``synthesis`` hint normalization + GetOptimalPath; ``restore`` reading the plan's missing thoughtlets and
+``startup`` (traced, not predicted) what the first request of a synthesizer pays once before planning:
+importing the planning modules, loading the tokenizer, restoring the stored router for a request without
+hints (0 afterwards); ``synthesis`` hint normalization + GetOptimalPath; ``restore`` reading the plan's missing thoughtlets and
 composing the path; ``compile`` the program compile the first call of a new key pays (the engine's
 trace); ``prefill`` and ``decode`` from the engine's trace. ``total`` is the wall time from the request to
 the last token. ``compute_seconds`` is restore + compile + prefill + decode, in seconds.
@@ -44,7 +49,7 @@ from collections.abc import Iterator, Sequence
 
 from thoughtjax.errors import UserError
 from thoughtjax.synthesis.calibration import Calibration
-from thoughtjax.synthesis.latency import STAGES, LatencyModel, LatencyTrace, Residency
+from thoughtjax.synthesis.latency import STAGES, LatencyContext, LatencyModel, LatencyTrace, Residency
 from thoughtjax.synthesis.planner import Plan, Planner, PlanRequest, floors_of
 
 DEFAULT_HINT = "general_purpose"
@@ -107,6 +112,8 @@ class SynthesisTrace:
       f"path {self.path} ({self.path_hash}){'  DEGRADED: ' + self.reason if self.degraded else ''}",
       f"{'stage':<10}{'predicted ms':>14}{'actual ms':>12}",
     ]
+    if self.actual_ms.get("startup"):  # one-off, not predicted: the first request of a process pays it
+      lines.append(f"{'startup':<10}{'-':>14}{self.actual_ms['startup']:>12.2f}")
     for s in ("synthesis", *STAGE_NAMES, "total"):
       a = self.actual_ms.get(s)
       lines.append(f"{s:<10}{self.predicted_ms.get(s, 0.0):>14.2f}{'-' if a is None else f'{a:.2f}':>12}")
@@ -211,7 +218,9 @@ class Synthesizer:
     keep_paths: int = 4,
     learned_corrections: bool = True,
     learn: bool = True,
+    context: LatencyContext | None = None,
   ):
+    from thoughtjax.kernels.dispatch import resolve as resolve_kernels
     from thoughtjax.synthesis import corrections as corr_lib
     from thoughtjax.synthesis.calibrate import machine_fingerprint
     from thoughtjax.synthesis.dictionary import load_dictionary
@@ -229,9 +238,11 @@ class Synthesizer:
     self.corrections_key = corr_lib.corrections_key(registry.registry_id, machine_fingerprint(), params)
     path = corr_lib.corrections_path() if learned_corrections else None
     learned = corr_lib.load_corrections(self.corrections_key, path) if path is not None else {}
-    if learned:
-      params = dataclasses.replace(params, corrections=_merged(params.corrections, learned))
-    self.latency = LatencyModel(params)
+    # Plans are predicted for this process's own programs unless told otherwise (a server's slot engines).
+    self.context = context or LatencyContext(
+      "plain", getattr(registry, "weights", None) or "f32", 1, resolve_kernels(kernels)
+    )
+    self.latency = LatencyModel(params, context=self.context, learned=learned)
     self.corrections_loaded = learned
     self._store = corr_lib.CorrectionsStore(self.corrections_key, self.latency, path)
     weakref.finalize(self, self._store.flush)  # what the last requests taught, saved at exit
@@ -240,6 +251,7 @@ class Synthesizer:
     self._compiled: set[str] = set()
     self._lock = threading.Lock()
     self.traces: list[SynthesisTrace] = []
+    self._started: set[str] = set()  # one-off start-up costs this synthesizer has paid ("planning", "router")
 
   @classmethod
   def open(cls, registry, dictionary=None, *, sequence: int | None = None, **kwargs) -> Synthesizer:
@@ -259,7 +271,7 @@ class Synthesizer:
     each unit, a draft's too, restored alone, so a failure names its ref."""
     from thoughtjax.compose import compose
     from thoughtjax.registry import IntegrityError, RegistryError
-    from thoughtjax.synthesis.calibration import path_hash_of
+    from thoughtjax.synthesis.candidate import path_hash_of
 
     key = path_hash_of(candidate.units)
     with self._lock:
@@ -325,7 +337,31 @@ class Synthesizer:
       raise SynthesisError("the prompt is empty after tokenization; give at least one token")
     return ids
 
+  def _startup(self, routing: bool) -> float:
+    """Milliseconds of the one-off costs the first request pays before planning: importing the planning
+    modules and loading the registry's tokenizer, and for a request without hints, restoring the stored router.
+    Traced as the ``startup`` stage, so ``synthesis`` measures hint normalization and GetOptimalPath, the
+    planning the latency model predicts (0.1 ms, where a first call used to show 100+ ms)."""
+    need = ({"planning"} | ({"router"} if routing else set())) - self._started
+    if not need:
+      return 0.0
+    t = time.perf_counter()
+    if "planning" in need:
+      # Imported here for start-up laziness (a plan needs them, opening a synthesizer does not); timed as start-up.
+      import thoughtjax.synthesis.hints
+      import thoughtjax.synthesis.router_store  # noqa: F401
+
+      self.registry.codec  # noqa: B018  (loads and checks the tokenizer on first access)
+    if "router" in need:
+      from thoughtjax.synthesis.router_store import stored_router
+
+      stored_router(self.registry)
+    self._started |= need
+    return (time.perf_counter() - t) * 1e3
+
   def _plan(self, prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, unavailable):
+    """(plan, prompt ids, synthesis ms, start-up ms)."""
+    startup = self._startup(routing=not hints)
     from thoughtjax.synthesis.hints import normalize_hints
     from thoughtjax.synthesis.router_store import route_hint
 
@@ -345,7 +381,7 @@ class Synthesizer:
     plan = self.planner.plan(req, self.latency, self.residency(), pin_sequence=pin_sequence, unavailable=unavailable)
     if routed:
       plan = dataclasses.replace(plan, notes=plan.notes + (routed[1],))
-    return plan, ids, (time.perf_counter() - t0) * 1e3
+    return plan, ids, (time.perf_counter() - t0) * 1e3, startup
 
   def synthesize(
     self,
@@ -366,12 +402,13 @@ class Synthesizer:
 
     t_request = time.perf_counter()
     unavailable: dict[str, str] = {}
-    synthesis_ms = 0.0
+    synthesis_ms = startup_ms = 0.0
     while True:
-      plan, ids, ms = self._plan(
+      plan, ids, ms, startup = self._plan(
         prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, dict(unavailable) or None
       )
       synthesis_ms += ms
+      startup_ms += startup
       candidate = next(c for c in self.calibration.candidates if c.path_hash == plan.path_hash)
       t = time.perf_counter()
       try:
@@ -403,35 +440,41 @@ class Synthesizer:
       plan.reason,
       len(ids),
       plan.predicted.to_json(),
-      {"synthesis": synthesis_ms, "restore": restore_ms},
+      {"startup": startup_ms, "synthesis": synthesis_ms, "restore": restore_ms},
       kind=plan.kind,
       draft=None if plan.draft is None else plan.draft.label,
     )
     return SynthesisResult(plan, generation, trace, self._learn, t_request)
 
   def _learn(self, result: SynthesisResult) -> None:
-    """Move the latency model toward what the finished request measured (unless ``learn=False``); keep the trace."""
+    """Move the latency model toward what the finished request measured, in the context it ran in (unless
+    ``learn=False``); keep the trace."""
     actual = {s: result.trace.actual_ms[s] for s in STAGES if s in result.trace.actual_ms}
     tokens = result.trace.tokens_out
     gen = result.generation.trace
     if self.learn and tokens and not gen.cancelled:
       # compile_s > 0: this call traced or compiled its program (its first run in this process).
-      self.latency.update(LatencyTrace(result.plan.predicted, actual, tokens, compiled=gen.compile_s > 0))
+      trace = LatencyTrace(
+        result.plan.predicted, actual, tokens, compiled=gen.compile_s > 0, context=self.ran_in(result)
+      )
+      self.latency.update(trace)
       self._store.learned()
     with self._lock:
       self.traces.append(result.trace)
 
+  def ran_in(self, result: SynthesisResult) -> LatencyContext:
+    """The context ``result`` ran in: the one its plan predicted for, or, when a server's scheduler moved it
+    into a slot engine (its generation is then that engine's run), that engine's."""
+    engine = getattr(result.generation, "engine", None)
+    slots = getattr(engine, "slots", None)
+    if isinstance(slots, int) and not isinstance(slots, bool) and slots >= 1:
+      kernels = getattr(engine, "kernels", None) or self.context.kernels
+      return LatencyContext("slots", self.context.weights, slots, kernels)
+    return result.plan.predicted.context
+
   def save_corrections(self) -> None:
     """Write the learned latency corrections now (otherwise at most once a second, and at exit)."""
     self._store.flush()
-
-
-def _merged(calibrated, learned) -> dict:
-  """Calibration's corrections (e.g. a speculative plan's measured factor) overlaid with learned ones."""
-  out = {"global": {**calibrated.get("global", {}), **learned.get("global", {})}, "paths": {}}
-  for h in (*calibrated.get("paths", {}), *learned.get("paths", {})):
-    out["paths"][h] = {**calibrated.get("paths", {}).get(h, {}), **learned.get("paths", {}).get(h, {})}
-  return {k: v for k, v in out.items() if v}
 
 
 class _Unavailable(Exception):
