@@ -94,9 +94,12 @@ class SignatureRecord:
   @classmethod
   def from_json(cls, d: dict) -> SignatureRecord:
     try:
-      return cls(d["key_id"], base64.b64decode(d["signature"], validate=True), d["algorithm"])
+      fields = d["key_id"], d["signature"], d["algorithm"]
+      if not all(isinstance(f, str) and len(f) <= 4096 for f in fields):
+        raise TypeError("key_id, signature and algorithm must be strings of at most 4096 characters")
+      return cls(fields[0], base64.b64decode(fields[1], validate=True), fields[2])
     except (KeyError, TypeError, ValueError) as e:
-      raise SignatureError(f"malformed signature record {d!r}: {e}") from None
+      raise SignatureError(f"malformed signature record {repr(d)[:200]}: {e}") from None
 
 
 def sign(private_key: Ed25519PrivateKey, message: bytes) -> SignatureRecord:

@@ -46,7 +46,9 @@ from thoughtjax.registry.errors import (
 )
 from thoughtjax.registry.layout import (
   FORMAT,
+  MAX_SIG_BYTES,
   VERSION_LEN,
+  UnsafeFile,
   _files_under,
   _fsync,
   _fsync_tree,
@@ -54,8 +56,10 @@ from thoughtjax.registry.layout import (
   _nest,
   _now,
   _read_index,
+  _read_regular,
   _sha256_bytes,
   _sha256_file,
+  _sha256_regular,
   _write_file,
   _writer_lock,
   dir_name,
@@ -266,10 +270,15 @@ def _check_existing(final: Path, name: str, version: str, vhash: str, key, publi
   its index switch, or put there by someone else: it is reused only if signed by this publish's key
   (unsigned for an unsigned publish) and its files and weights hash to the version."""
   ref = f"{name}@{version}"
-  data = (final / "manifest.json").read_bytes() if (final / "manifest.json").exists() else b""
+  try:
+    data = _read_regular(final, "manifest.json")
+  except (OSError, UnsafeFile):
+    data = b""
   try:
     raw = json.loads(data)
-  except (json.JSONDecodeError, UnicodeDecodeError):
+  except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+    raw = {}
+  if not isinstance(raw, dict):
     raw = {}
   if published:
     if raw.get("versioned_hash") != vhash:
@@ -289,11 +298,11 @@ def _check_existing(final: Path, name: str, version: str, vhash: str, key, publi
     problem = f"it is signed (by key {raw.get('signed_by')}) but this publish is unsigned"
   elif key is not None:
     try:
-      record = signing.SignatureRecord.from_json(json.loads(sig.read_bytes()))
+      record = signing.SignatureRecord.from_json(json.loads(_read_regular(final, "manifest.sig", MAX_SIG_BYTES)))
       signing.verify({key_id: key.public_key()}, canonical_json(raw), record, f"{final / 'manifest.json'}")
     except FileNotFoundError:
       problem = f"it is unsigned, but this publish signs with key {key_id}"
-    except (json.JSONDecodeError, UnicodeDecodeError, signing.SignatureError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, UnsafeFile, signing.SignatureError) as e:
       problem = f"its signature is not this publish's (key {key_id}): {e}"
   if problem:
     count(WRITER, ref, str(final), problem)
@@ -304,7 +313,7 @@ def _check_existing(final: Path, name: str, version: str, vhash: str, key, publi
     )
   try:
     _verify_version_dir(final, name, version, {} if key is None else {key_id: key.public_key()})
-  except (RegistryError, signing.SignatureError, OSError, KeyError, ValueError) as e:
+  except (RegistryError, signing.SignatureError, OSError, KeyError, ValueError, TypeError, UnsafeFile) as e:
     count(INTEGRITY, ref, str(final), f"left-over version directory fails verification: {e}")
     raise IntegrityError(
       name,
@@ -363,18 +372,18 @@ def _next_index(
 
 def _verify_version_dir(vdir: Path, name: str, version: str, keys: dict) -> None:
   """Staged-version check: digests, signature, and the versioned hash of a fresh restore."""
-  raw = json.loads((vdir / "manifest.json").read_bytes())
-  sig = vdir / "manifest.sig"
+  raw = json.loads(_read_regular(vdir, "manifest.json"))
   if keys:
     signing.verify(
       keys,
       canonical_json(raw),
-      signing.SignatureRecord.from_json(json.loads(sig.read_bytes())),
+      signing.SignatureRecord.from_json(json.loads(_read_regular(vdir, "manifest.sig", MAX_SIG_BYTES))),
       f"{name}@{version} manifest.json (staged)",
     )
-  m = Manifest.from_json(raw)
+  m = Manifest.from_json(raw)  # checks the file list: relative paths below checkpoint/ only
   for rel, spec in m.files.items():
-    if _sha256_file(vdir / rel) != spec["sha256"]:
+    got, n = _sha256_regular(vdir, rel, spec["bytes"])
+    if got != spec["sha256"] or n != spec["bytes"]:
       raise IntegrityError(name, version, str(vdir / rel), "staged file changed before commit")
   target = _nest({p: jax.ShapeDtypeStruct(tuple(s["shape"]), np.dtype(s["dtype"])) for p, s in m.params.items()})
   params = _restore_checkpoint(_checkpointer(), vdir / "checkpoint", target)

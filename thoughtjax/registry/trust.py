@@ -40,7 +40,14 @@ from thoughtjax.registry.errors import (
   SignatureDowngradeError,
   SignatureError,
 )
-from thoughtjax.registry.layout import VERSION_RE, _sha256_bytes
+from thoughtjax.registry.layout import (
+  MAX_JSON_BYTES,
+  MAX_SIG_BYTES,
+  VERSION_RE,
+  UnsafeFile,
+  _read_regular,
+  _sha256_bytes,
+)
 from thoughtjax.thoughtlet import canonical_json
 
 STATE_FORMAT = "thoughtjax.trust-state/1"
@@ -111,8 +118,8 @@ def recorded_keys(root: Path) -> dict:
   keys = {}
   for p in sorted((root / "keys").glob("*.pub")):
     try:
-      k = signing.load_public_key(p)
-    except signing.SignatureError as e:
+      k = signing.load_public_key(_read_regular(root, Path("keys") / p.name, MAX_SIG_BYTES))
+    except (UnsafeFile, signing.SignatureError) as e:
       raise SignatureError(
         f"{p}: {e}; a registry's keys directory holds only the PEM public keys of its "
         f"signers. Restore the file from a backup or remove it"
@@ -237,6 +244,10 @@ class Verifier:
     self._extra = dict(extra_keys or {})
     self._keys: dict | None = None
     self.signed = False  # the registry is signed: every file must carry a valid signature
+
+  def _read(self, path: Path, limit: int) -> bytes:
+    """A registry file's bytes: a regular file below the root reached without links, at most ``limit``."""
+    return _read_regular(self.root, Path(path).relative_to(self.root), limit)
 
   def fail(self, kind: str, exc: Exception, thoughtlet: str, file: str) -> Exception:
     self._on_failure(kind, thoughtlet, file, str(exc))
@@ -382,10 +393,14 @@ class Verifier:
     ref = f"{name}@{version}"
     path = vdir / "manifest.json"
     try:
-      raw_bytes = path.read_bytes()
+      raw_bytes = self._read(vdir / "manifest.json", MAX_JSON_BYTES)
     except FileNotFoundError:
       raise self.fail(
         INTEGRITY, IntegrityError(name, version, str(path), "the file is missing"), ref, "manifest.json"
+      ) from None
+    except UnsafeFile as e:
+      raise self.fail(
+        INTEGRITY, IntegrityError(name, version, str(path), f"{e}; a manifest is a plain file"), ref, "manifest.json"
       ) from None
     digest_ok = index_digest is None or _sha256_bytes(raw_bytes) == index_digest
 
@@ -407,7 +422,7 @@ class Verifier:
       raw = json.loads(raw_bytes)
       if not isinstance(raw, dict):
         raise ValueError(f"a JSON {type(raw).__name__}, not an object")
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError, RecursionError) as e:
       if not digest_ok:
         raise digest_error() from None
       raise self.fail(
@@ -425,9 +440,16 @@ class Verifier:
     sig_path = vdir / "manifest.sig"
     what = f"{ref} manifest.json ({vdir / 'manifest.json'})"
     try:
-      sig_bytes = sig_path.read_bytes()
+      sig_bytes = self._read(sig_path, MAX_SIG_BYTES)
     except FileNotFoundError:
       sig_bytes = None
+    except UnsafeFile as e:
+      raise self.fail(
+        SIGNATURE,
+        SignatureError(f"{what}: {e}; a signature is a plain file. Republish the thoughtlet"),
+        ref,
+        "manifest.sig",
+      ) from None
     if sig_bytes is None:
       if bound:
         return
@@ -455,7 +477,7 @@ class Verifier:
       return
     try:
       record = signing.SignatureRecord.from_json(json.loads(sig_bytes))
-    except (json.JSONDecodeError, UnicodeDecodeError, signing.SignatureError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, signing.SignatureError) as e:
       raise self.fail(
         SIGNATURE,
         SignatureError(f"{what}: {sig_path} is not a signature record ({e}); restore it or republish the thoughtlet"),
