@@ -40,6 +40,7 @@ from thoughtjax.registry.errors import (
   IntegrityError,
   RegistryError,
   ReusedVersionError,
+  RevokedKeyError,
   RollbackError,
   SignatureDowngradeError,
   UntrustedIndexError,
@@ -72,8 +73,8 @@ from thoughtjax.registry.trust import (
   RollbackState,
   TrustPolicy,
   Verifier,
+  locations,
   sequence_of,
-  state_key,
 )
 from thoughtjax.thoughtlet import Thoughtlet, canonical_json, versioned_hash
 from thoughtjax.thoughtlet.stored import to_stored
@@ -93,9 +94,11 @@ def _publish(
   mapping_text: str | None = None,
   trust: TrustPolicy | None = None,
   on_failure=None,
+  revoke: Sequence[str] = (),
 ) -> dict[str, str]:
   """Verify the base, stage, verify, fsync, rename into place, then switch the index (module docstring).
-  ``on_failure(kind, thoughtlet, file, reason)`` is told of every refusal before it is raised."""
+  ``on_failure(kind, thoughtlet, file, reason)`` is told of every refusal before it is raised. ``revoke``:
+  key ids the new index drops from its signing keys and lists as revoked (module docstring, keys)."""
   step = on_step or (lambda event, name: None)
   # Packed weights (native blocks, int8 variants) are checkpointed as the arrays their hash covers.
   thoughtlets = [dataclasses.replace(t, params=to_stored(t.params)) for t in thoughtlets]
@@ -113,13 +116,14 @@ def _publish(
       old, old_record = _read_index(root) if (root / "index.json").exists() else (None, None)
       if old is None and (model is None or codec is None):
         raise RegistryError(f"{root} is not a registry yet; build it first")
-      signed_base = False
+      signed_base, revoked = False, set()
       if old is not None:
-        signed_base = _verify_base(root, old, old_record, trust, key, count)
+        signed_base, revoked = _verify_base(root, old, old_record, trust, key, count)
         if old["model"]["config"] != (model or old["model"])["config"]:
           raise RegistryError(
             f"{root} holds thoughtlets of another model ({old['model']['config']}); build into an empty directory"
           )
+      _check_keys(root, old, key_id, set(revoke), revoked)
       if signed_base and key is None:
         path = str(root / "index.json")
         count(DOWNGRADE, "index", path, "publish without a key into a signed registry")
@@ -203,7 +207,7 @@ def _publish(
           _fsync(final.parent)
         step("commit:version", t.name)
 
-      body = _next_index(old, staged, model, codec_entry, order, mapping_text, key_id, digests)
+      body = _next_index(old, staged, model, codec_entry, order, mapping_text, key_id, digests, set(revoke))
       doc = {"index": body, "signature": None if key is None else signing.sign(key, canonical_json(body)).to_json()}
       tmp = staging / "index.json"
       _write_file(tmp, json.dumps(doc, indent=1, sort_keys=True).encode())
@@ -213,8 +217,16 @@ def _publish(
       step("commit:index", None)
       shutil.rmtree(staging_root, ignore_errors=True)
       try:  # the writer has seen its own sequence; a reader records it on open anyway
+        # A new registry (no index before) is the writer's deliberate rebuild of this location: it replaces
+        # whatever registry this user saw here before.
         RollbackState(trust.state_path()).record(
-          state_key(body["registry_id"], root), body["sequence"], key is not None
+          locations(root),
+          body["sequence"],
+          key is not None,
+          registry_id=body["registry_id"],
+          signing_keys=body.get("signing_keys") or [],
+          revoked=body.get("revoked_keys") or [],
+          replace=old is None,
         )
       except RegistryError:
         pass  # the publish is complete; an unwritable state file is reported by the next open
@@ -224,8 +236,26 @@ def _publish(
   return versions
 
 
-def _verify_base(root: Path, body: dict, record, trust: TrustPolicy, key, count) -> bool:
-  """Verify the index a writer builds on and every version it names; True if the registry is signed.
+def _check_keys(root: Path, old: dict | None, key_id: str | None, revoke: set, revoked: set) -> None:
+  """A writer never signs with a revoked key, and revokes only signing keys of the registry, never its own."""
+  if key_id is not None and key_id in revoked | set((old or {}).get("revoked_keys") or []):
+    raise RevokedKeyError(
+      f"{root}: key {key_id} was revoked for this registry; a writer does not sign with it. Sign with a current "
+      f"key (registry/README.md, Key rotation)"
+    )
+  if not revoke:
+    return
+  signing_keys = set((old or {}).get("signing_keys") or [])
+  if key_id is None or key_id in revoke or not revoke <= signing_keys:
+    raise RegistryError(
+      f"{root}: revoking keys {sorted(revoke)} needs a signing key that is not revoked (got "
+      f"{key_id or 'none'}), and only signing keys of the registry can be revoked (it has {sorted(signing_keys)})"
+    )
+
+
+def _verify_base(root: Path, body: dict, record, trust: TrustPolicy, key, count) -> tuple[bool, set]:
+  """Verify the index a writer builds on and every version it names; (whether the registry is signed, the key
+  ids revoked there).
   A writer never opts out of signatures (``allow_unsigned``): it would sign what it cannot vouch for."""
   extra = {} if key is None else {signing.key_id(key.public_key()): key.public_key()}
   verifier = Verifier(root, dataclasses.replace(trust, allow_unsigned=False), count, extra_keys=extra)
@@ -260,7 +290,7 @@ def _verify_base(root: Path, body: dict, record, trust: TrustPolicy, key, count)
       f"it must verify first; restore the changed files from a backup (or rebuild the registry) and publish "
       f"again"
     ) from e
-  return verifier.signed
+  return verifier.signed, set(verifier.revoked)
 
 
 def _check_existing(final: Path, name: str, version: str, vhash: str, key, published: bool, count) -> str:
@@ -325,7 +355,15 @@ def _check_existing(final: Path, name: str, version: str, vhash: str, key, publi
 
 
 def _next_index(
-  old: dict | None, staged, model, codec_entry, order, mapping_text, key_id: str | None, digests: dict
+  old: dict | None,
+  staged,
+  model,
+  codec_entry,
+  order,
+  mapping_text,
+  key_id: str | None,
+  digests: dict,
+  revoke: set = frozenset(),
 ) -> dict:
   if old is None:
     body = {
@@ -346,10 +384,13 @@ def _next_index(
     if codec_entry is not None:
       body["codec"] = codec_entry
   body["sequence"] = int(body["sequence"]) + 1
+  revoked = set(body.get("revoked_keys") or []) | set(revoke)
   if key_id is not None:
-    body["signing_keys"] = sorted(set(body.get("signing_keys") or []) | {key_id})
+    body["signing_keys"] = sorted((set(body.get("signing_keys") or []) | {key_id}) - revoked)
   else:
     body.setdefault("signing_keys", [])
+  if revoked:
+    body["revoked_keys"] = sorted(revoked)
   body.setdefault("manifest_sha256", {}).update(digests)
   for t, version, _ in staged:
     body["current"][t.name] = {

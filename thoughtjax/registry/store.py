@@ -660,12 +660,16 @@ class Registry:
     sign_key=None,
     on_step: StepHook | None = None,
     settings: ProfileSettings | None = ProfileSettings(),
+    revoke_keys: Sequence[str] = (),
   ) -> dict[str, str]:
     """Publish new versions atomically and make them current; returns name -> version.
 
     Thoughtlets without a profile are measured first (``settings``; None publishes them
     unprofiled). Each replaces the current version of its name; its input and output
-    types must stay those of the current version.
+    types must stay those of the current version. ``revoke_keys`` (key ids; needs ``sign_key``, another
+    key): the new index drops them from its signing keys and lists them as revoked, and readers then refuse
+    what only they signed (registry/README.md, Key rotation); ``publish([], sign_key=new, revoke_keys=[old])``
+    publishes nothing else.
     """
     thoughtlets = list(thoughtlets)
     for t in thoughtlets:
@@ -702,6 +706,7 @@ class Registry:
       codec=None,
       trust=self.trust,
       on_failure=self._count,
+      revoke=tuple(revoke_keys),
     )
     self.refresh()
     return versions
