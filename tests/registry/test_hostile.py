@@ -380,3 +380,28 @@ def test_a_path_of_many_repeated_pieces_checks_each_manifest_once(reg_dir, monke
   with pytest.raises(IntegrityError, match="does not match"):
     reg.manifest(NAME)
   assert calls.count(NAME) == 2
+
+
+def test_a_fifo_in_place_of_a_calibration_is_refused(reg_dir):
+  from thoughtjax.registry.calibration_store import calibration_path, read_calibration
+
+  reg = Registry.open(reg_dir)
+  path = calibration_path(reg_dir, reg.sequence)
+  path.parent.mkdir()
+  os.mkfifo(path)
+  err = _bounded(lambda: read_calibration(reg))
+  assert isinstance(err, IntegrityError) and "not a regular file" in str(err)
+  assert reg.stats().integrity_failures == 1
+
+
+def test_a_linked_staging_directory_is_not_written_through(reg_dir, tmp_path):
+  import jax
+
+  outside = tmp_path / "elsewhere"
+  outside.mkdir()
+  (reg_dir / ".staging").symlink_to(outside)
+  with Registry.open(reg_dir) as reg:
+    base = reg.thoughtlet(NAME)
+    reg.publish([base.with_params(jax.tree.map(lambda x: x * 1.01, dict(base.params)))], settings=None)
+  assert list(outside.iterdir()) == []
+  Registry.open(reg_dir).verify(deep=False)

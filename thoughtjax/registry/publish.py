@@ -109,6 +109,8 @@ def _publish(
   root = Path(root).absolute()  # Orbax takes absolute paths only
   with _writer_lock(root):
     staging_root = root / ".staging"
+    if staging_root.is_symlink():
+      staging_root.unlink()  # a planted link: staged files never go through it out of the registry
     shutil.rmtree(staging_root, ignore_errors=True)  # only a dead writer leaves anything here
     staging = staging_root / uuid.uuid4().hex
     staging.mkdir(parents=True)
