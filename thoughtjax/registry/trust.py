@@ -263,16 +263,6 @@ class RollbackState:
     except OSError as e:
       raise self._unusable(e) from e
 
-  def forget(self, keys: Iterable[str]) -> None:
-    """Drop the entries of ``keys``."""
-    try:
-      with self._locked():
-        entries = self._read()
-        if any(k in entries for k in keys):
-          self._write({k: v for k, v in entries.items() if k not in set(keys)})
-    except OSError as e:
-      raise self._unusable(e) from e
-
   def _record(self, keys, sequence, signed, registry_id, signing_keys, revoked, replace) -> dict:
     with self._locked():
       entries = self._read()
