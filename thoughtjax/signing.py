@@ -12,6 +12,7 @@ import base64
 import dataclasses
 import hashlib
 import os
+import secrets
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
@@ -36,24 +37,47 @@ def public_pem(public_key: Ed25519PublicKey) -> bytes:
   return public_key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
+def _write_new(path: Path, data: bytes, mode: int) -> None:
+  """Put ``data`` at ``path`` as a new file of exactly ``mode``: written to a temporary file beside it (created
+  new, never through a link), fsynced, renamed over ``path`` (a link or an old file there is replaced itself,
+  never what a link points to, and an old file's wider mode is not kept), then the directory fsynced."""
+  tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+  fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+  try:
+    os.fchmod(fd, mode)  # exactly ``mode``, whatever the umask
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    tmp.unlink(missing_ok=True)
+    raise
+  dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+  try:
+    os.fsync(dfd)
+  finally:
+    os.close(dfd)
+
+
 def keygen(path: str | os.PathLike, overwrite: bool = False) -> tuple[Path, Path]:
-  """Write ``PATH.key`` and ``PATH.pub``; returns both paths. ``PATH`` is a name, not a file name
-  to re-suffix: ``keys/team.v2`` writes ``keys/team.v2.key`` (a trailing ``.key``/``.pub`` is dropped)."""
+  """Write ``PATH.key`` (mode 0600) and ``PATH.pub`` (0644); returns both paths. ``PATH`` is a name, not a file
+  name to re-suffix: ``keys/team.v2`` writes ``keys/team.v2.key`` (a trailing ``.key``/``.pub`` is dropped).
+  Each file is written durably and new (see :func:`_write_new`): ``overwrite`` replaces an existing file or a
+  link there, never writes through it, and the private key is 0600 even where an old file was wider."""
   base = Path(path)
   if base.suffix in (".key", ".pub"):
     base = base.with_suffix("")
   priv_path, pub_path = base.with_name(base.name + ".key"), base.with_name(base.name + ".pub")
-  if not overwrite and (priv_path.exists() or pub_path.exists()):
+  if not overwrite and (os.path.lexists(priv_path) or os.path.lexists(pub_path)):
     raise FileExistsError(
       f"{priv_path} or {pub_path} already exists; pass overwrite=True (CLI: --force) to replace the key pair"
     )
   base.parent.mkdir(parents=True, exist_ok=True)
   key = Ed25519PrivateKey.generate()
   pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-  fd = os.open(priv_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-  with os.fdopen(fd, "wb") as f:
-    f.write(pem)
-  pub_path.write_bytes(public_pem(key.public_key()))
+  _write_new(priv_path, pem, 0o600)
+  _write_new(pub_path, public_pem(key.public_key()), 0o644)
   return priv_path, pub_path
 
 
@@ -94,9 +118,12 @@ class SignatureRecord:
   @classmethod
   def from_json(cls, d: dict) -> SignatureRecord:
     try:
-      return cls(d["key_id"], base64.b64decode(d["signature"], validate=True), d["algorithm"])
+      fields = d["key_id"], d["signature"], d["algorithm"]
+      if not all(isinstance(f, str) and len(f) <= 4096 for f in fields):
+        raise TypeError("key_id, signature and algorithm must be strings of at most 4096 characters")
+      return cls(fields[0], base64.b64decode(fields[1], validate=True), fields[2])
     except (KeyError, TypeError, ValueError) as e:
-      raise SignatureError(f"malformed signature record {d!r}: {e}") from None
+      raise SignatureError(f"malformed signature record {repr(d)[:200]}: {e}") from None
 
 
 def sign(private_key: Ed25519PrivateKey, message: bytes) -> SignatureRecord:

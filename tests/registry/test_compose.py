@@ -77,10 +77,10 @@ def test_type_errors_name_the_first_broken_link(built, path, link, expected, rec
 def test_versions_pin_one_thoughtlet(built):
   reg = Registry.open(built)
   v = reg.current["blocks[0:2)"]
-  m = compose(f"embed, blocks[0:2)@{v[:6]}, blocks[2:6), head", reg)
+  m = compose(f"embed, blocks[0:2)@{v[:12]}, blocks[2:6), head", reg)
   assert m.refs[1] == f"blocks[0:2)@{v}" and m.layers == tuple(range(6))
   with pytest.raises(PathSyntaxError, match="a version pins one thoughtlet"):
-    compose(f"embed, blocks[0:3)@{v[:6]}, head", reg)
+    compose(f"embed, blocks[0:3)@{v[:12]}, head", reg)
 
 
 def test_early_exit_keeps_at_most_45_percent_resident(deep):

@@ -139,8 +139,10 @@ def test_unknown_refs_are_named(built):
     UnknownThoughtletError, match="layer 4 falls inside thoughtlet blocks\\[3:5\\); .* boundaries \\(0, 2, 3, 5, 6\\)"
   ):
     compose("embed, blocks[0:4), head", reg)
-  with pytest.raises(UnknownThoughtletError, match="embed@ffff: no published version"):
+  with pytest.raises(UnknownThoughtletError, match="embed@'ffff': name a version by its 16 .* at least 12"):
     compose("embed@ffff, blocks[0:2), head", reg)
+  with pytest.raises(UnknownThoughtletError, match="embed@ffffffffffff: no published version"):
+    compose("embed@ffffffffffff, blocks[0:2), head", reg)
 
 
 def test_verify_hardware_reports_declared_and_measured(registry_copy, keypair):

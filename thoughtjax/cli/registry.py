@@ -1,4 +1,4 @@
-"""``thoughtjax registry ...``: build, verify, keygen, validate, list, show, gc, heal.
+"""``thoughtjax registry ...``: build, verify, keygen, validate, list, show, gc, accept, revoke-key, heal.
 
 ``thoughtjax generate`` and ``thoughtjax score`` take ``--registry DIR`` too: the
 ``--path`` is then composed from that registry (versions, templates and type checks
@@ -230,6 +230,31 @@ def cmd_gc(args) -> int:
   return 0
 
 
+def cmd_accept(args) -> int:
+  from thoughtjax.registry import accept
+
+  root = existing_path(args.dir, "registry directory", kind="dir")
+  entry = accept(root, trust_policy(args))
+  print(
+    f"accepted {root} as registry {entry['registry_id']} at sequence {entry['sequence']} "
+    f"({'signed by ' + ', '.join(entry['keys']) if entry['keys'] else 'unsigned'}); readers of this user now "
+    f"refuse anything older than it there"
+    + (f"; revoked keys {entry['revoked']} stay revoked" if entry["revoked"] else "")
+  )
+  return 0
+
+
+def cmd_revoke_key(args) -> int:
+  reg = _open(args)
+  before = reg.sequence
+  reg.publish([], sign_key=existing_path(args.sign_key, "--sign-key"), settings=None, revoke_keys=args.key_id)
+  print(
+    f"{reg.root}: sequence {before} -> {reg.sequence}; revoked keys {', '.join(args.key_id)} (signing keys now "
+    f"{', '.join(reg.signing_keys)}); readers that open it refuse what only a revoked key signed"
+  )
+  return 0
+
+
 def load_from_registry(args):
   """The model of ``generate``/``score --registry DIR [--path P] [--public-key F] [--require-signatures]``."""
   from thoughtjax.assembly import full_path
@@ -330,6 +355,23 @@ def add_parser(subparsers) -> None:
   g.add_argument("--dry-run", action="store_true")
   add_trust_args(g, keys_help="trusted public key (repeatable); gc verifies the index before it removes anything")
   g.set_defaults(fn=cmd_gc)
+
+  a = sub.add_parser(
+    "accept",
+    help="accept a deliberately rebuilt or replaced registry at DIR (readers refuse a swap or rollback until then)",
+  )
+  a.add_argument("dir")
+  add_trust_args(
+    a, keys_help="trusted public key (repeatable); the registry is verified under it before it is accepted"
+  )
+  a.set_defaults(fn=cmd_accept)
+
+  r = sub.add_parser("revoke-key", help="publish an index that revokes signing keys (key rotation)")
+  r.add_argument("dir")
+  r.add_argument("key_id", nargs="+", help="id of a signing key to revoke (`registry verify --json` lists them)")
+  r.add_argument("--sign-key", required=True, help="private key (PEM) that signs the new index; not a revoked one")
+  add_trust_args(r)
+  r.set_defaults(fn=cmd_revoke_key)
 
   from thoughtjax.cli.heal import add_heal_parser  # registry heal
 

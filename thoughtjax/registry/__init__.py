@@ -15,9 +15,11 @@ from thoughtjax.registry.errors import (
   Mismatch,
   RegistryError,
   RegistryFormatError,
+  RegistrySwapError,
   ResourceProfileMismatch,
   RestoreError,
   ReusedVersionError,
+  RevokedKeyError,
   RollbackError,
   SignatureDowngradeError,
   SignatureError,
@@ -39,7 +41,7 @@ from thoughtjax.registry.publish import StepHook
 from thoughtjax.registry.resident import RegistryStats, ResidentSet
 from thoughtjax.registry.sharding import param_partition
 from thoughtjax.registry.store import Registry
-from thoughtjax.registry.trust import TrustPolicy
+from thoughtjax.registry.trust import TrustPolicy, accept
 from thoughtjax.registry.verify import Tolerance, VerifyReport
 
 __all__ = [
@@ -56,10 +58,12 @@ __all__ = [
   "RegistryError",
   "RegistryFormatError",
   "RegistryStats",
+  "RegistrySwapError",
   "ResidentSet",
   "ResourceProfileMismatch",
   "RestoreError",
   "ReusedVersionError",
+  "RevokedKeyError",
   "RollbackError",
   "SignatureDowngradeError",
   "SignatureError",
@@ -69,6 +73,7 @@ __all__ = [
   "UnknownThoughtletError",
   "UntrustedIndexError",
   "VerifyReport",
+  "accept",
   "build",
   "codec_digest",
   "collect_garbage",

@@ -26,7 +26,16 @@ from pathlib import Path
 
 from thoughtjax import signing
 from thoughtjax.registry.errors import IntegrityError, RegistryError, SignatureDowngradeError, SignatureError
-from thoughtjax.registry.layout import _fsync, _mkdir_durable, _write_file, _writer_lock
+from thoughtjax.registry.layout import (
+  MAX_JSON_BYTES,
+  MAX_SIG_BYTES,
+  UnsafeFile,
+  _fsync,
+  _mkdir_durable,
+  _read_regular,
+  _write_file,
+  _writer_lock,
+)
 from thoughtjax.registry.trust import DOWNGRADE, INTEGRITY, SIGNATURE
 from thoughtjax.thoughtlet import canonical_json
 
@@ -110,8 +119,10 @@ def read_calibration(registry, sequence: int | None = None):
     count(INTEGRITY, "calibration", str(path), reason)
     return IntegrityError("calibration", str(seq), str(path), reason)
 
-  try:
-    data = path.read_bytes()
+  try:  # a regular file reached without links, bounded (a FIFO or a link to /dev/zero never hangs a reload)
+    data = _read_regular(root, path.relative_to(root), MAX_JSON_BYTES)
+  except UnsafeFile as e:
+    raise integrity(f"{e}; a calibration is a plain file") from None
   except FileNotFoundError:
     have = stored_sequences(root)
     raise MissingCalibrationError(
@@ -121,11 +132,13 @@ def read_calibration(registry, sequence: int | None = None):
     ) from None
   sig_path = path.with_suffix(".sig")
   signed_registry = registry.signed or bool(registry.signing_keys)
-  if sig_path.exists():
+  if os.path.lexists(sig_path):
     try:
-      record = signing.SignatureRecord.from_json(json.loads(sig_path.read_bytes()))
+      record = signing.SignatureRecord.from_json(
+        json.loads(_read_regular(root, sig_path.relative_to(root), MAX_SIG_BYTES))
+      )
       signing.verify(registry._verifier.keys(), data, record, what)
-    except (json.JSONDecodeError, UnicodeDecodeError, signing.SignatureError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, UnsafeFile, signing.SignatureError) as e:
       count(SIGNATURE, "calibration", str(sig_path), str(e))
       raise SignatureError(
         f"{e}. The calibration was changed after it was signed; recalibrate "
@@ -142,7 +155,7 @@ def read_calibration(registry, sequence: int | None = None):
     doc = json.loads(data)
     body = canonical_json(doc["calibration"])
     want = doc["sha3_256"]
-  except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+  except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, KeyError, TypeError, ValueError) as e:
     raise integrity(f"not a calibration document ({type(e).__name__}: {e})") from None
   got = hashlib.sha3_256(body).hexdigest()
   if got != want:

@@ -13,6 +13,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from thoughtjax.registry.errors import RegistryError
+from thoughtjax.registry.layout import UnsafeFile, _open_regular, _read_chunks
+from thoughtjax.registry.manifest import check_files
+
 
 def _checkpointer():
   """A synchronous Orbax PyTree checkpointer (OCDBT). Uncompressed: weights barely compress,
@@ -50,30 +54,57 @@ def _scratch_dir(nbytes: int) -> str | None:
 
 
 def verified_copy(
-  vdir: Path, files: Mapping[str, Mapping], fail: Callable[[str, str], Exception], workers: int = 8
+  vdir: Path,
+  files: Mapping[str, Mapping],
+  fail: Callable[[str, str], Exception],
+  workers: int = 8,
+  *,
+  root: Path | None = None,
 ) -> Path:
-  """Copy the ``files`` (relative path -> {sha256}) of ``vdir`` into a private temporary directory,
+  """Copy the ``files`` (relative path -> {sha256, bytes}) of ``vdir`` into a private temporary directory,
   hashing exactly the bytes written there, and return that directory.
 
   Orbax then restores from the copy, so what is restored is what was checked: a file changed in
   ``vdir`` after its check is never read (check-then-read closed). ``fail(rel, reason)`` builds the
-  exception raised on a missing or mismatching file; the copy is removed then. The caller removes
+  exception raised on a missing, mismatching or unsafe file; the copy is removed then. The caller removes
   the directory after the restore.
+
+  Hostile manifests: the whole file list is checked (:func:`~.manifest.check_files`: normalised relative
+  paths below ``checkpoint/``) before anything is written; a source is read only as a regular file reached
+  from ``root`` (default ``vdir``) without following a link, never more than its listed size plus one byte;
+  a destination is created new (``O_EXCL | O_NOFOLLOW``) inside the private directory.
   """
-  total = sum(int(spec.get("bytes", 0)) for spec in files.values())
+  try:
+    files = check_files(files)
+  except RegistryError as e:
+    raise fail("manifest.json", str(e)) from None
+  base = Path(root) if root is not None else Path(vdir)
+  prefix = Path(vdir).relative_to(base)
+  total = sum(spec["bytes"] for spec in files.values())
   tmp = Path(tempfile.mkdtemp(prefix="thoughtjax-restore-", dir=_scratch_dir(total)))  # mode 0700
 
   def copy(rel: str) -> tuple[str, str | None]:
-    src, dst = vdir / rel, tmp / rel
+    limit = files[rel]["bytes"]
+    dst = tmp / rel
     dst.parent.mkdir(parents=True, exist_ok=True)
-    h = hashlib.sha256()
+    h, n = hashlib.sha256(), 0
     try:
-      with open(src, "rb") as f, open(dst, "wb") as g:
-        while block := f.read(1 << 22):
-          h.update(block)
-          g.write(block)
+      src = _open_regular(base, prefix / rel)
     except FileNotFoundError:
       return rel, None
+    except UnsafeFile as e:
+      return rel, f"unsafe: {e}"
+    try:
+      out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+      with os.fdopen(out, "wb") as g:
+        for block in _read_chunks(src, limit):
+          h.update(block)
+          n += len(block)
+          g.write(block)
+    finally:
+      os.close(src)
+    if n > limit:
+      return rel, f"size: holds more than the {limit} bytes the manifest lists"
     return rel, h.hexdigest()
 
   try:
@@ -83,6 +114,10 @@ def verified_copy(
       got, want = results[rel], files[rel]["sha256"]
       if got is None:
         raise fail(rel, "the file is missing")
+      if got.startswith("unsafe: "):
+        raise fail(rel, f"{got[8:]}; a checkpoint file is a plain file inside the version directory")
+      if got.startswith("size: "):
+        raise fail(rel, got[6:])
       if got != want:
         raise fail(rel, f"sha256 {got[:16]}... does not match the manifest's {want[:16]}...")
   except BaseException:

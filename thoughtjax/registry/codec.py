@@ -8,7 +8,15 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from thoughtjax.registry.layout import _files_under, _sha256_bytes, _sha256_file, _write_file
+from thoughtjax.registry.layout import (
+  MAX_JSON_BYTES,
+  UnsafeFile,
+  _files_under,
+  _read_regular,
+  _sha256_bytes,
+  _sha256_file,
+  _write_file,
+)
 from thoughtjax.thoughtlet import canonical_json
 
 
@@ -52,32 +60,33 @@ def _stage_codec(staging: Path, codec) -> tuple[str, dict]:
   return digest, {p.name: _sha256_file(p) for p in _files_under(cdir)}
 
 
-def load_codec(cdir: Path, files: dict, fail: Callable[[str, str], Exception]):
-  """The :class:`~thoughtjax.tokenizer.TextCodec` stored in ``cdir``; each file is read once and
-  its bytes are checked against ``files`` (name -> sha256, from the verified index) before use."""
+def load_codec(cdir: Path, files: dict, fail: Callable[[str, str], Exception], root: Path | None = None):
+  """The :class:`~thoughtjax.tokenizer.TextCodec` stored in ``cdir``; each file is read once (a regular file
+  reached from ``root``, default ``cdir``, without links, at most :data:`MAX_JSON_BYTES`) and its bytes are
+  checked against ``files`` (name -> sha256, from the verified index) before use."""
   from tokenizers import Tokenizer
 
   from thoughtjax.tokenizer import TextCodec
 
+  base = Path(root) if root is not None else Path(cdir)
   data = {}
   for rel in ("tokenizer.json", "codec.json"):
-    if rel not in files:
+    if not isinstance(files, dict) or not isinstance(files.get(rel), str):
       raise fail(rel, "the index lists no digest for it")
     try:
-      data[rel] = (cdir / rel).read_bytes()
+      data[rel] = _read_regular(base, Path(cdir).relative_to(base) / rel, MAX_JSON_BYTES)
     except FileNotFoundError:
       raise fail(rel, "the file is missing") from None
+    except UnsafeFile as e:
+      raise fail(rel, f"{e}; a codec file is a plain file") from None
     if _sha256_bytes(data[rel]) != files[rel]:
       raise fail(rel, "sha256 does not match the digest in the index")
-  meta = json.loads(data["codec.json"])
-  kwargs = {}
-  if meta.get("eos_ids") and "eos_ids" in inspect.signature(TextCodec).parameters:
-    kwargs["eos_ids"] = tuple(meta["eos_ids"])
-  return TextCodec(
-    Tokenizer.from_str(data["tokenizer.json"].decode()),
-    meta["chat_template"],
-    meta["bos_id"],
-    meta["eos_id"],
-    meta["add_bos"],
-    **kwargs,
-  )
+  try:
+    meta = json.loads(data["codec.json"])
+    kwargs = {}
+    if meta.get("eos_ids") and "eos_ids" in inspect.signature(TextCodec).parameters:
+      kwargs["eos_ids"] = tuple(int(i) for i in meta["eos_ids"])
+    tokenizer = Tokenizer.from_str(data["tokenizer.json"].decode())
+    return TextCodec(tokenizer, meta["chat_template"], meta["bos_id"], meta["eos_id"], meta["add_bos"], **kwargs)
+  except Exception as e:  # noqa: BLE001 - parsers of content the index vouches for; any failure is a bad file
+    raise fail("codec.json", f"not a codec ({type(e).__name__}: {str(e)[:200]})") from None

@@ -29,6 +29,15 @@ class RollbackError(RegistryError):
   """An index's sequence number is lower than one already seen for the same registry."""
 
 
+class RegistrySwapError(RollbackError):
+  """Another registry (another registry id) was put where this user read one: refused like a rollback until
+  accepted as a deliberate rebuild (``thoughtjax registry accept DIR``)."""
+
+
+class RevokedKeyError(SignatureError):
+  """Something is signed only by a key that the registry revoked (a published index dropped it)."""
+
+
 class UntrustedIndexError(RegistryError):
   """A writer refuses to build on an index (or a version it names) that fails verification."""
 

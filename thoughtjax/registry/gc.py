@@ -8,8 +8,9 @@ import shutil
 import uuid
 from pathlib import Path
 
+from thoughtjax.registry.errors import RegistryError
 from thoughtjax.registry.layout import _read_index, _writer_lock, dir_name
-from thoughtjax.registry.lease import HOLDS_ALL, held_versions
+from thoughtjax.registry.lease import HOLDS_ALL, LEASE_DIR, held_versions
 from thoughtjax.registry.trust import RollbackState, TrustPolicy, Verifier
 
 
@@ -40,6 +41,10 @@ def collect_garbage(
   never removed, with the reason in ``GcReport.skipped``. The index is verified first as a reader
   with ``trust`` would (signature, structure, sequence), so an edited or rolled-back index cannot make
   gc delete live versions.
+
+  gc never follows a symbolic link out of the registry: a linked directory under ``thoughtlets/`` (a thoughtlet
+  or a version) is skipped and reported, never descended into; a linked ``.readers`` (whose stale leases gc
+  removes) or ``thoughtlets`` is a :class:`RegistryError` naming it; a linked ``.staging`` is removed (the link).
   """
   if keep < 1:
     raise ValueError(f"keep must be >= 1 (the current version always stays), got {keep}")
@@ -55,8 +60,14 @@ def collect_garbage(
     for name, hist in body["history"].items():
       live.update((dir_name(name), v) for v in hist[-keep:])
       live.add((dir_name(name), body["current"][name]["version"]))
+    for special in (LEASE_DIR, "thoughtlets"):
+      if (root / special).is_symlink():
+        raise RegistryError(
+          f"{root / special} is a symbolic link; gc never follows links out of the registry (it removes files "
+          f"there). Remove the link (rm {root / special}) and run gc again"
+        )
     held = held_versions(root)
-    for vdir in sorted((root / "thoughtlets").glob("*/*")):
+    for vdir in _version_dirs(root, report):
       key = (vdir.parent.name, vdir.name)
       if key in live:
         continue
@@ -68,7 +79,29 @@ def collect_garbage(
       if not dry_run:
         # Rename first so a half-deleted directory is never mistaken for a version.
         doomed = root / ".staging" / f"gc-{uuid.uuid4().hex}"
+        if doomed.parent.is_symlink():
+          doomed.parent.unlink()  # the link, never what it points to
         doomed.parent.mkdir(exist_ok=True)
         os.rename(vdir, doomed)
         shutil.rmtree(doomed)
   return report
+
+
+def _version_dirs(root: Path, report: GcReport) -> list[Path]:
+  """``thoughtlets/<name>/<version>`` directories, found without following a link; links are reported."""
+  out = []
+  base = root / "thoughtlets"
+  if not base.is_dir():
+    return out
+  for tdir in sorted(base.iterdir()):
+    if tdir.is_symlink():
+      report.skipped.append((tdir, "a symbolic link; gc never follows links out of the registry"))
+      continue
+    if not tdir.is_dir():
+      continue
+    for vdir in sorted(tdir.iterdir()):
+      if vdir.is_symlink():
+        report.skipped.append((vdir, "a symbolic link; gc never follows links out of the registry"))
+      elif vdir.is_dir():
+        out.append(vdir)
+  return out

@@ -6,16 +6,24 @@ A lease is two files under ``DIR/.readers/``: ``<id>.lock``, on which the reader
 every refresh). The kernel drops the lock when the reader closes or its process dies, so a lease whose
 lock can be taken is stale and is removed. A live lease whose version list cannot be read (being
 written) holds everything.
+
+Nothing here follows a link: a reader takes no lease when ``DIR/.readers`` is a symbolic link (and gc refuses to
+run, see :mod:`.gc`), lease files are created new with ``O_NOFOLLOW``, and only regular files in the real
+directory are read or removed as stale.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import stat
 import uuid
 import weakref
 from pathlib import Path
+
+from thoughtjax.registry.layout import UnsafeFile, _read_regular
 
 LEASE_DIR = ".readers"
 HOLDS_ALL = "*"
@@ -48,9 +56,11 @@ class ReaderLease:
     lock = d / f"{os.getpid()}-{uuid.uuid4().hex[:12]}.lock"
     if not (Path(root) / "index.json").is_file():
       return None  # not a registry (the open fails next): leave the directory as it was
+    if d.is_symlink():
+      return None  # never through a link out of the registry (gc refuses to run meanwhile)
     try:
       d.mkdir(exist_ok=True)
-      fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+      fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     except OSError:
       return None
     fcntl.flock(fd, fcntl.LOCK_EX)  # a fresh file: nobody else holds it
@@ -60,7 +70,10 @@ class ReaderLease:
     """Replace the held versions ((thoughtlet directory name, version) pairs)."""
     tmp = self.data.with_name(self.data.name + ".tmp")
     try:
-      tmp.write_text(json.dumps({"pid": os.getpid(), "versions": sorted(map(list, versions))}))
+      tmp.unlink(missing_ok=True)  # whatever is there (a planted link too) is replaced, never written through
+      fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+      with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({"pid": os.getpid(), "versions": sorted(map(list, versions))}))
       os.replace(tmp, self.data)
     except OSError:
       pass  # the lock alone still marks a live reader, which then holds everything
@@ -78,20 +91,26 @@ def held_versions(root: Path) -> dict:
   description when a live reader's list is unreadable. Stale leases are removed."""
   held: dict = {}
   d = Path(root) / LEASE_DIR
-  for lock in sorted(d.glob("*.lock")) if d.is_dir() else []:
+  for lock in sorted(d.glob("*.lock")) if d.is_dir() and not d.is_symlink() else []:
     try:
-      fd = os.open(lock, os.O_RDWR)
-    except OSError:
+      fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+      if e.errno == errno.ELOOP:
+        lock.unlink(missing_ok=True)  # a link planted among the leases: the link goes, not its target
+      continue
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+      os.close(fd)
       continue
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:  # a live reader
       who = f"an open reader (lease {lock}, pid {lock.name.split('-')[0]})"
       try:
-        versions = json.loads(lock.with_suffix(".json").read_text())["versions"]
+        data = _read_regular(Path(root), Path(LEASE_DIR) / lock.with_suffix(".json").name, 16 << 20)
+        versions = json.loads(data)["versions"]
         for dname, version in versions:
-          held.setdefault((dname, version), who)
-      except (OSError, ValueError, KeyError, TypeError):
+          held.setdefault((str(dname), str(version)), who)
+      except (OSError, ValueError, KeyError, TypeError, UnsafeFile, RecursionError):
         held[HOLDS_ALL] = who
       os.close(fd)
       continue

@@ -40,13 +40,16 @@ from thoughtjax.registry.errors import (
   IntegrityError,
   RegistryError,
   ReusedVersionError,
+  RevokedKeyError,
   RollbackError,
   SignatureDowngradeError,
   UntrustedIndexError,
 )
 from thoughtjax.registry.layout import (
   FORMAT,
+  MAX_SIG_BYTES,
   VERSION_LEN,
+  UnsafeFile,
   _files_under,
   _fsync,
   _fsync_tree,
@@ -54,8 +57,10 @@ from thoughtjax.registry.layout import (
   _nest,
   _now,
   _read_index,
+  _read_regular,
   _sha256_bytes,
   _sha256_file,
+  _sha256_regular,
   _write_file,
   _writer_lock,
   dir_name,
@@ -68,8 +73,8 @@ from thoughtjax.registry.trust import (
   RollbackState,
   TrustPolicy,
   Verifier,
+  locations,
   sequence_of,
-  state_key,
 )
 from thoughtjax.thoughtlet import Thoughtlet, canonical_json, versioned_hash
 from thoughtjax.thoughtlet.stored import to_stored
@@ -89,9 +94,11 @@ def _publish(
   mapping_text: str | None = None,
   trust: TrustPolicy | None = None,
   on_failure=None,
+  revoke: Sequence[str] = (),
 ) -> dict[str, str]:
   """Verify the base, stage, verify, fsync, rename into place, then switch the index (module docstring).
-  ``on_failure(kind, thoughtlet, file, reason)`` is told of every refusal before it is raised."""
+  ``on_failure(kind, thoughtlet, file, reason)`` is told of every refusal before it is raised. ``revoke``:
+  key ids the new index drops from its signing keys and lists as revoked (module docstring, keys)."""
   step = on_step or (lambda event, name: None)
   # Packed weights (native blocks, int8 variants) are checkpointed as the arrays their hash covers.
   thoughtlets = [dataclasses.replace(t, params=to_stored(t.params)) for t in thoughtlets]
@@ -102,6 +109,8 @@ def _publish(
   root = Path(root).absolute()  # Orbax takes absolute paths only
   with _writer_lock(root):
     staging_root = root / ".staging"
+    if staging_root.is_symlink():
+      staging_root.unlink()  # a planted link: staged files never go through it out of the registry
     shutil.rmtree(staging_root, ignore_errors=True)  # only a dead writer leaves anything here
     staging = staging_root / uuid.uuid4().hex
     staging.mkdir(parents=True)
@@ -109,13 +118,14 @@ def _publish(
       old, old_record = _read_index(root) if (root / "index.json").exists() else (None, None)
       if old is None and (model is None or codec is None):
         raise RegistryError(f"{root} is not a registry yet; build it first")
-      signed_base = False
+      signed_base, revoked = False, set()
       if old is not None:
-        signed_base = _verify_base(root, old, old_record, trust, key, count)
+        signed_base, revoked = _verify_base(root, old, old_record, trust, key, count)
         if old["model"]["config"] != (model or old["model"])["config"]:
           raise RegistryError(
             f"{root} holds thoughtlets of another model ({old['model']['config']}); build into an empty directory"
           )
+      _check_keys(root, old, key_id, set(revoke), revoked)
       if signed_base and key is None:
         path = str(root / "index.json")
         count(DOWNGRADE, "index", path, "publish without a key into a signed registry")
@@ -199,7 +209,7 @@ def _publish(
           _fsync(final.parent)
         step("commit:version", t.name)
 
-      body = _next_index(old, staged, model, codec_entry, order, mapping_text, key_id, digests)
+      body = _next_index(old, staged, model, codec_entry, order, mapping_text, key_id, digests, set(revoke))
       doc = {"index": body, "signature": None if key is None else signing.sign(key, canonical_json(body)).to_json()}
       tmp = staging / "index.json"
       _write_file(tmp, json.dumps(doc, indent=1, sort_keys=True).encode())
@@ -209,8 +219,16 @@ def _publish(
       step("commit:index", None)
       shutil.rmtree(staging_root, ignore_errors=True)
       try:  # the writer has seen its own sequence; a reader records it on open anyway
+        # A new registry (no index before) is the writer's deliberate rebuild of this location: it replaces
+        # whatever registry this user saw here before.
         RollbackState(trust.state_path()).record(
-          state_key(body["registry_id"], root), body["sequence"], key is not None
+          locations(root),
+          body["sequence"],
+          key is not None,
+          registry_id=body["registry_id"],
+          signing_keys=body.get("signing_keys") or [],
+          revoked=body.get("revoked_keys") or [],
+          replace=old is None,
         )
       except RegistryError:
         pass  # the publish is complete; an unwritable state file is reported by the next open
@@ -220,8 +238,26 @@ def _publish(
   return versions
 
 
-def _verify_base(root: Path, body: dict, record, trust: TrustPolicy, key, count) -> bool:
-  """Verify the index a writer builds on and every version it names; True if the registry is signed.
+def _check_keys(root: Path, old: dict | None, key_id: str | None, revoke: set, revoked: set) -> None:
+  """A writer never signs with a revoked key, and revokes only signing keys of the registry, never its own."""
+  if key_id is not None and key_id in revoked | set((old or {}).get("revoked_keys") or []):
+    raise RevokedKeyError(
+      f"{root}: key {key_id} was revoked for this registry; a writer does not sign with it. Sign with a current "
+      f"key (registry/README.md, Key rotation)"
+    )
+  if not revoke:
+    return
+  signing_keys = set((old or {}).get("signing_keys") or [])
+  if key_id is None or key_id in revoke or not revoke <= signing_keys:
+    raise RegistryError(
+      f"{root}: revoking keys {sorted(revoke)} needs a signing key that is not revoked (got "
+      f"{key_id or 'none'}), and only signing keys of the registry can be revoked (it has {sorted(signing_keys)})"
+    )
+
+
+def _verify_base(root: Path, body: dict, record, trust: TrustPolicy, key, count) -> tuple[bool, set]:
+  """Verify the index a writer builds on and every version it names; (whether the registry is signed, the key
+  ids revoked there).
   A writer never opts out of signatures (``allow_unsigned``): it would sign what it cannot vouch for."""
   extra = {} if key is None else {signing.key_id(key.public_key()): key.public_key()}
   verifier = Verifier(root, dataclasses.replace(trust, allow_unsigned=False), count, extra_keys=extra)
@@ -256,7 +292,7 @@ def _verify_base(root: Path, body: dict, record, trust: TrustPolicy, key, count)
       f"it must verify first; restore the changed files from a backup (or rebuild the registry) and publish "
       f"again"
     ) from e
-  return verifier.signed
+  return verifier.signed, set(verifier.revoked)
 
 
 def _check_existing(final: Path, name: str, version: str, vhash: str, key, published: bool, count) -> str:
@@ -266,10 +302,15 @@ def _check_existing(final: Path, name: str, version: str, vhash: str, key, publi
   its index switch, or put there by someone else: it is reused only if signed by this publish's key
   (unsigned for an unsigned publish) and its files and weights hash to the version."""
   ref = f"{name}@{version}"
-  data = (final / "manifest.json").read_bytes() if (final / "manifest.json").exists() else b""
+  try:
+    data = _read_regular(final, "manifest.json")
+  except (OSError, UnsafeFile):
+    data = b""
   try:
     raw = json.loads(data)
-  except (json.JSONDecodeError, UnicodeDecodeError):
+  except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+    raw = {}
+  if not isinstance(raw, dict):
     raw = {}
   if published:
     if raw.get("versioned_hash") != vhash:
@@ -289,11 +330,11 @@ def _check_existing(final: Path, name: str, version: str, vhash: str, key, publi
     problem = f"it is signed (by key {raw.get('signed_by')}) but this publish is unsigned"
   elif key is not None:
     try:
-      record = signing.SignatureRecord.from_json(json.loads(sig.read_bytes()))
+      record = signing.SignatureRecord.from_json(json.loads(_read_regular(final, "manifest.sig", MAX_SIG_BYTES)))
       signing.verify({key_id: key.public_key()}, canonical_json(raw), record, f"{final / 'manifest.json'}")
     except FileNotFoundError:
       problem = f"it is unsigned, but this publish signs with key {key_id}"
-    except (json.JSONDecodeError, UnicodeDecodeError, signing.SignatureError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, UnsafeFile, signing.SignatureError) as e:
       problem = f"its signature is not this publish's (key {key_id}): {e}"
   if problem:
     count(WRITER, ref, str(final), problem)
@@ -304,7 +345,7 @@ def _check_existing(final: Path, name: str, version: str, vhash: str, key, publi
     )
   try:
     _verify_version_dir(final, name, version, {} if key is None else {key_id: key.public_key()})
-  except (RegistryError, signing.SignatureError, OSError, KeyError, ValueError) as e:
+  except (RegistryError, signing.SignatureError, OSError, KeyError, ValueError, TypeError, UnsafeFile) as e:
     count(INTEGRITY, ref, str(final), f"left-over version directory fails verification: {e}")
     raise IntegrityError(
       name,
@@ -316,7 +357,15 @@ def _check_existing(final: Path, name: str, version: str, vhash: str, key, publi
 
 
 def _next_index(
-  old: dict | None, staged, model, codec_entry, order, mapping_text, key_id: str | None, digests: dict
+  old: dict | None,
+  staged,
+  model,
+  codec_entry,
+  order,
+  mapping_text,
+  key_id: str | None,
+  digests: dict,
+  revoke: set = frozenset(),
 ) -> dict:
   if old is None:
     body = {
@@ -337,10 +386,13 @@ def _next_index(
     if codec_entry is not None:
       body["codec"] = codec_entry
   body["sequence"] = int(body["sequence"]) + 1
+  revoked = set(body.get("revoked_keys") or []) | set(revoke)
   if key_id is not None:
-    body["signing_keys"] = sorted(set(body.get("signing_keys") or []) | {key_id})
+    body["signing_keys"] = sorted((set(body.get("signing_keys") or []) | {key_id}) - revoked)
   else:
     body.setdefault("signing_keys", [])
+  if revoked:
+    body["revoked_keys"] = sorted(revoked)
   body.setdefault("manifest_sha256", {}).update(digests)
   for t, version, _ in staged:
     body["current"][t.name] = {
@@ -363,18 +415,18 @@ def _next_index(
 
 def _verify_version_dir(vdir: Path, name: str, version: str, keys: dict) -> None:
   """Staged-version check: digests, signature, and the versioned hash of a fresh restore."""
-  raw = json.loads((vdir / "manifest.json").read_bytes())
-  sig = vdir / "manifest.sig"
+  raw = json.loads(_read_regular(vdir, "manifest.json"))
   if keys:
     signing.verify(
       keys,
       canonical_json(raw),
-      signing.SignatureRecord.from_json(json.loads(sig.read_bytes())),
+      signing.SignatureRecord.from_json(json.loads(_read_regular(vdir, "manifest.sig", MAX_SIG_BYTES))),
       f"{name}@{version} manifest.json (staged)",
     )
-  m = Manifest.from_json(raw)
+  m = Manifest.from_json(raw)  # checks the file list: relative paths below checkpoint/ only
   for rel, spec in m.files.items():
-    if _sha256_file(vdir / rel) != spec["sha256"]:
+    got, n = _sha256_regular(vdir, rel, spec["bytes"])
+    if got != spec["sha256"] or n != spec["bytes"]:
       raise IntegrityError(name, version, str(vdir / rel), "staged file changed before commit")
   target = _nest({p: jax.ShapeDtypeStruct(tuple(s["shape"]), np.dtype(s["dtype"])) for p, s in m.params.items()})
   params = _restore_checkpoint(_checkpointer(), vdir / "checkpoint", target)

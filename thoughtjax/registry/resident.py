@@ -23,7 +23,10 @@ class RegistryStats:
   rollback_refusals: int = 0  # an index sequence lower than one seen
   restore_failures: int = 0  # Orbax failed on files that passed their checks (memory, sharding, I/O)
   writer_refusals: int = 0  # a publish refused to build on an index or version that failed verification
-  failures: list = dataclasses.field(default_factory=list)  # {"kind", "thoughtlet", "file", "reason"}
+  # The last FAILURE_DETAILS refusals, {"kind", "thoughtlet", "file", "reason"}; the counters above count all,
+  # failures_dropped those whose details were dropped (a client repeating a refused request cannot grow it).
+  failures: list = dataclasses.field(default_factory=list)
+  failures_dropped: int = 0
   restore_seconds: dict = dataclasses.field(default_factory=dict)  # "name@version" -> s
   resident: list = dataclasses.field(default_factory=list)  # "name@version", LRU first
 
@@ -34,8 +37,15 @@ class RegistryStats:
     """Count one refusal of ``kind`` (see :data:`FAILURE_COUNTERS`)."""
     for name in FAILURE_COUNTERS[kind]:
       setattr(self, name, getattr(self, name) + 1)
-    self.failures.append({"kind": kind, "thoughtlet": thoughtlet, "file": file, "reason": reason})
+    self.failures.append({"kind": kind, "thoughtlet": thoughtlet[:200], "file": file[:1000], "reason": reason[:2000]})
+    if len(self.failures) > FAILURE_DETAILS:
+      drop = len(self.failures) - FAILURE_DETAILS
+      del self.failures[:drop]
+      self.failures_dropped += drop
 
+
+# Refusals whose details RegistryStats keeps (the most recent); counters count every one.
+FAILURE_DETAILS = 100
 
 # Failure kind -> the counters it increments.
 FAILURE_COUNTERS = {

@@ -13,6 +13,11 @@ into the requested dtype and sharding (Orbax restores into ``jax.ShapeDtypeStruc
 carry both). Restored weights stay in a resident set, an LRU under an optional byte budget,
 with hit/miss/eviction counts.
 
+**Manifest cache.** A checked manifest is kept per open registry, keyed by the index sequence and the
+``stat`` of ``manifest.json`` and ``manifest.sig`` (device, inode, size, modification and change time): a path
+naming one thoughtlet many times costs one read and one signature check, and a file changed in any way is
+read and checked again. :meth:`refresh` drops the cache.
+
 **Weight forms.** A registry built from a quantized GGUF stores its matrices packed
 (:mod:`thoughtjax.thoughtlet.stored`). ``weights`` (per registry, or per :meth:`Registry.restore`) says
 what a restore returns: ``"f32"`` (default) dequantizes them at restore into the model's float32 layout,
@@ -36,6 +41,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import os
+import re
 import shutil
 import threading
 import time
@@ -50,7 +56,7 @@ from thoughtjax.config import ModelConfig
 from thoughtjax.registry.checkpoint import _checkpointer, _restore_checkpoint, verified_copy
 from thoughtjax.registry.codec import load_codec
 from thoughtjax.registry.errors import IntegrityError, Mismatch, RegistryError, RestoreError, UnknownThoughtletError
-from thoughtjax.registry.layout import _files_under, _nest, _read_index, _sha256_file, dir_name
+from thoughtjax.registry.layout import VERSION_LEN, UnsafeFile, _nest, _read_index, _sha256_regular, _tree, dir_name
 from thoughtjax.registry.lease import ReaderLease
 from thoughtjax.registry.manifest import Manifest
 from thoughtjax.registry.publish import StepHook, _publish
@@ -60,6 +66,13 @@ from thoughtjax.registry.trust import INTEGRITY, RESTORE, SIGNATURE, RollbackSta
 from thoughtjax.registry.verify import Tolerance, VerifyReport, verify_hardware, verify_registry
 from thoughtjax.thoughtlet import Kind, ProfileSettings, Thoughtlet, measure_profile
 from thoughtjax.thoughtlet.stored import block_from_stored, in_dims, model_layout, stored_kind
+
+# A version named in a path or a call: the full 16 hex digits or a prefix this long (a client cannot pick
+# an arbitrary old version with one character, and a prefix stays unambiguous as history grows).
+MIN_VERSION_PREFIX = 12
+_VERSION_PREFIX_RE = re.compile(f"[0-9a-f]{{{MIN_VERSION_PREFIX},{VERSION_LEN}}}")
+# Checked manifests kept per open registry (module docstring, "Manifest cache").
+MANIFEST_CACHE = 4096
 
 # What a restore returns (module docstring): f32 and native are the weight formats a path runs in.
 RESTORE_FORMS = ("f32", "native", "stored")
@@ -124,6 +137,16 @@ def _packed_bytes(params: dict, parent: str, kind: str, weights: str, dtype) -> 
   )
 
 
+def _stat_key(path: Path) -> tuple | None:
+  """What identifies a file's content without reading it: inode, size, modification and change times (the
+  change time cannot be set back by the writer). None when it cannot be stat'ed (never a cache hit)."""
+  try:
+    st = os.stat(path, follow_symlinks=False)
+  except OSError:
+    return None
+  return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
+
+
 def _counter(stats: RegistryStats, lock) -> Callable[[str, str, str, str], None]:
   def count(kind: str, thoughtlet: str, file: str, reason: str) -> None:
     with lock:
@@ -170,6 +193,7 @@ class Registry:
     self._codec = None
     self._index: dict | None = None
     self._held: set[tuple[str, str]] = set()  # (dir name, version) resolved explicitly
+    self._manifests: dict[tuple, tuple] = {}  # (name, version, check) -> (stamp, Manifest): see manifest()
     self._verifier = Verifier(self.root, self.trust, self._count)
     self._lease = ReaderLease.acquire(self.root)  # before the index is read: gc then sees this reader
     try:
@@ -207,6 +231,7 @@ class Registry:
     with self._lock:
       self._verifier, self._index, self._index_record = verifier, body, sig
       self.config = ModelConfig.from_json(body["model"]["config"])
+      self._manifests.clear()
     self._hold_lease()
 
   def _hold_lease(self, also: tuple[str, str] | None = None) -> None:
@@ -270,17 +295,33 @@ class Registry:
       )
 
   def resolve(self, name: str, version: str | None = None) -> str:
-    """The full version of ``name`` for ``version`` (a unique prefix), or the current one."""
+    """The full version of ``name`` for ``version``, or the current one. ``version`` is the full version
+    or a prefix of at least :data:`MIN_VERSION_PREFIX` hex digits that names one published version still
+    present in the registry (one that gc removed is listed in the history only: :class:`UnknownThoughtletError`)."""
     self._known(name)
+    current = self._index["current"][name]["version"]
     if version is None:
-      return self._index["current"][name]["version"]
-    found = [v for v in self._index["history"][name] if v.startswith(version)]
+      return current
+    history = self._index["history"][name]
+    recent = ", ".join(history[-8:]) + (f" (and {len(history) - 8} older)" if len(history) > 8 else "")
+    if not (isinstance(version, str) and _VERSION_PREFIX_RE.fullmatch(version)):
+      raise UnknownThoughtletError(
+        f"{name}@{repr(version)[:40]}: name a version by its {VERSION_LEN} lowercase hex digits or a prefix of at "
+        f"least {MIN_VERSION_PREFIX} of them; versions of {name}: {recent}"
+      )
+    found = [v for v in history if v.startswith(version)]
     if len(found) != 1:
       raise UnknownThoughtletError(
         f"{name}@{version}: {'no' if not found else 'more than one'} published version matches; "
-        f"versions of {name}: {', '.join(self._index['history'][name])}"
+        f"versions of {name}: {recent}"
       )
     self._hold_lease((dir_name(name), found[0]))  # before anything is read: gc keeps it from now on
+    vdir = self.version_dir(name, found[0])
+    if found[0] != current and not (vdir.is_dir() and not vdir.is_symlink()):
+      raise UnknownThoughtletError(
+        f"{name}@{found[0]} was removed from {self.root} (by `thoughtjax registry gc`); the index lists it in "
+        f"the history only. Use the current version {current}, or publish that version again"
+      )
     return found[0]
 
   def version_dir(self, name: str, version: str) -> Path:
@@ -293,9 +334,24 @@ class Registry:
   # ---- manifests ------------------------------------------------------------------------
   def manifest(self, name: str, version: str | None = None, *, check: bool = True) -> Manifest:
     """The manifest of a version: read once, checked against the digest the index records and
-    against its detached signature (``check=False`` skips the signature)."""
+    against its detached signature (``check=False`` skips the signature). A checked manifest is kept
+    while its files stay the same (module docstring, "Manifest cache")."""
     version = self.resolve(name, version)
     vdir = self.version_dir(name, version)
+    key = (name, version, check)
+    stamp = (id(self._verifier), self.sequence, _stat_key(vdir / "manifest.json"), _stat_key(vdir / "manifest.sig"))
+    with self._lock:
+      hit = self._manifests.get(key)
+    if hit is not None and hit[0] == stamp and stamp[2] is not None:
+      return hit[1]
+    m = self._check_manifest(name, version, vdir, check)
+    with self._lock:
+      if len(self._manifests) >= MANIFEST_CACHE:
+        self._manifests.clear()
+      self._manifests[key] = (stamp, m)
+    return m
+
+  def _check_manifest(self, name: str, version: str, vdir: Path, check: bool) -> Manifest:
     ref = f"{name}@{version}"
     digest = (self._index.get("manifest_sha256") or {}).get(ref)
     _, raw = self._verifier.check_manifest(name, version, vdir, digest, check_signature=check, index_signed=self.signed)
@@ -313,26 +369,54 @@ class Registry:
     return [self.manifest(n) for n in self.names]
 
   def _check_unlisted(self, m: Manifest, vdir: Path) -> None:
-    present = {str(p.relative_to(vdir)) for p in _files_under(vdir / "checkpoint")}
-    for rel in sorted(present - set(m.files)):
-      self._count_failure(m.ref, rel, "not listed in the manifest")
-      raise IntegrityError(m.name, m.version, str(vdir / rel), "the file is not listed in the signed manifest")
+    """Every entry under the checkpoint directory is a plain file or directory the manifest lists; a link,
+    a FIFO or a device there (or a linked directory on the way) is refused before anything is read."""
+    rel_dir = vdir.relative_to(self.root) / "checkpoint"
+    try:
+      entries = _tree(self.root, rel_dir)
+    except FileNotFoundError:
+      entries = {}
+    except UnsafeFile as e:
+      self._count_failure(m.ref, "checkpoint", str(e))
+      raise IntegrityError(
+        m.name, m.version, str(vdir / "checkpoint"), f"{e}; nothing is read through a link"
+      ) from None
+    for rel, kind in sorted(entries.items()):
+      key = f"checkpoint/{rel}"
+      if kind in ("link", "special"):
+        what = "a symbolic link" if kind == "link" else "not a regular file (a FIFO, socket or device)"
+        self._count_failure(m.ref, key, what)
+        raise IntegrityError(
+          m.name, m.version, str(vdir / key), f"{what}; a checkpoint holds plain files only, and none is read"
+        )
+      if kind == "file" and key not in m.files:
+        self._count_failure(m.ref, key, "not listed in the manifest")
+        raise IntegrityError(m.name, m.version, str(vdir / key), "the file is not listed in the signed manifest")
 
   def _check_files(self, m: Manifest, vdir: Path) -> None:
     listed = {rel: spec for rel, spec in m.files.items()}
     self._check_unlisted(m, vdir)
+    base = vdir.relative_to(self.root)
 
     def digest(rel):
-      p = vdir / rel
-      if not p.exists():
-        return rel, None
-      return rel, _sha256_file(p)
+      try:
+        got, n = _sha256_regular(self.root, base / rel, int(listed[rel]["bytes"]))
+      except FileNotFoundError:
+        return rel, None, None
+      except UnsafeFile as e:
+        return rel, None, f"{e}; a checkpoint file is a plain file inside the version directory"
+      if n > int(listed[rel]["bytes"]):
+        return rel, None, f"holds more than the {listed[rel]['bytes']} bytes the manifest lists"
+      return rel, got, None
 
     workers = min(8, max(1, len(listed)))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-      results = dict(pool.map(digest, sorted(listed)))
+      results = {rel: (got, why) for rel, got, why in pool.map(digest, sorted(listed))}
     for rel in sorted(listed):
-      got = results[rel]
+      got, why = results[rel]
+      if why is not None:
+        self._count_failure(m.ref, rel, why)
+        raise IntegrityError(m.name, m.version, str(vdir / rel), why)
       if got is None:
         self._count_failure(m.ref, rel, "missing")
         raise IntegrityError(m.name, m.version, str(vdir / rel), "the file is missing")
@@ -483,7 +567,7 @@ class Registry:
         self._count_failure(m.ref, rel, reason)
         return IntegrityError(m.name, m.version, str(vdir / rel), reason)
 
-      copy = verified_copy(vdir, m.files, fail)
+      copy = verified_copy(vdir, m.files, fail, root=self.root)
     try:
       params = jax.block_until_ready(_restore_checkpoint(_checkpointer(), (copy or vdir) / "checkpoint", target))
     except Exception as e:
@@ -565,7 +649,7 @@ class Registry:
         self._count_failure("codec", rel, reason)
         return IntegrityError("codec", None, str(cdir / rel), f"{reason} (checked against the index)")
 
-      self._codec = load_codec(cdir, entry["files"], fail)
+      self._codec = load_codec(cdir, entry["files"], fail, root=self.root)
     return self._codec
 
   # ---- publishing -------------------------------------------------------------------------
@@ -576,12 +660,16 @@ class Registry:
     sign_key=None,
     on_step: StepHook | None = None,
     settings: ProfileSettings | None = ProfileSettings(),
+    revoke_keys: Sequence[str] = (),
   ) -> dict[str, str]:
     """Publish new versions atomically and make them current; returns name -> version.
 
     Thoughtlets without a profile are measured first (``settings``; None publishes them
     unprofiled). Each replaces the current version of its name; its input and output
-    types must stay those of the current version.
+    types must stay those of the current version. ``revoke_keys`` (key ids; needs ``sign_key``, another
+    key): the new index drops them from its signing keys and lists them as revoked, and readers then refuse
+    what only they signed (registry/README.md, Key rotation); ``publish([], sign_key=new, revoke_keys=[old])``
+    publishes nothing else.
     """
     thoughtlets = list(thoughtlets)
     for t in thoughtlets:
@@ -618,6 +706,7 @@ class Registry:
       codec=None,
       trust=self.trust,
       on_failure=self._count,
+      revoke=tuple(revoke_keys),
     )
     self.refresh()
     return versions
