@@ -111,7 +111,9 @@ def _finish(proc: subprocess.Popen, point: str, nth: int) -> None:
 
 
 def _temporaries(directory: Path) -> list[str]:
-  return sorted(p.name for p in directory.iterdir() if p.name.startswith((durable.STAGING_PREFIX, durable.TEMP_PREFIX)))
+  return sorted(
+    p.name for p in directory.iterdir() if p.name.startswith((durable.PARTIAL_PREFIX, ".staging-", ".tmp-"))
+  )
 
 
 def _same_params(model, params) -> None:

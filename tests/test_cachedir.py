@@ -9,7 +9,7 @@ import stat
 
 import pytest
 
-from thoughtjax import cachedir, fetch
+from thoughtjax import cachedir, durable, fetch
 from thoughtjax.errors import UserError
 
 
@@ -130,7 +130,9 @@ def test_the_secret_is_made_once_0600_and_kept(tmp_path, monkeypatch):
   assert cachedir.secret() == key
   # A second creator that lost the race keeps the first one's secret.
   os.close(cachedir._create_secret(tmp_path / "cache", path))
-  assert path.read_bytes() == key and not [p for p in path.parent.iterdir() if p.name.startswith(".tmp-")]
+  assert path.read_bytes() == key and not [
+    p for p in path.parent.iterdir() if p.name.startswith(durable.PARTIAL_PREFIX)
+  ]
 
 
 @pytest.mark.parametrize("damage", ["readable_by_others", "link", "short", "fifo"])

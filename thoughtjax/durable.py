@@ -5,11 +5,13 @@ POSIX leaves durability to the writer: a file renamed into place without an fsyn
 after a power loss under its new name with no or partial content, and a rename whose directory was not synced
 can come back undone. So a file is written under a temporary name in its final directory, fsynced, renamed
 over the final name, and the directory is fsynced (:func:`write_atomic`, :func:`replace`); a directory built
-elsewhere is synced file by file before its rename (:func:`fsync_tree`).
+beside its final name is synced file by file before its rename (:func:`fsync_tree`).
 
 A writer killed half-way leaves its temporary behind. Writers hold :func:`writing` on the directory they stage
 in (a shared ``flock`` on ``.writers.lock``); whoever finds no other writer there removes what dead writers
-left (names starting with ``.staging-`` or ``.tmp-``), so a crash costs disk space only until the next write.
+left (names starting with ``.partial-``), so a crash costs disk space only until the next write. The prefix is
+this module's own: temporaries of writers that do not take the lock (older thoughtjax versions sharing the
+cache) are never touched.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-STAGING_PREFIX = ".staging-"  # a directory being built, renamed into place when whole
-TEMP_PREFIX = ".tmp-"  # a file being written by write_atomic
+PARTIAL_PREFIX = ".partial-"  # every temporary below; what remove_abandoned removes
+STAGING_PREFIX = ".partial-dir-"  # a directory being built, renamed into place when whole
+TEMP_PREFIX = ".partial-file-"  # a file being written by write_atomic
 LOCK_NAME = ".writers.lock"
 
 
@@ -68,7 +71,7 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 @contextlib.contextmanager
 def writing(directory: Path) -> Iterator[None]:
-  """Held while this process stages files or directories in ``directory`` (``.staging-*``, ``.tmp-*``).
+  """Held while this process stages files or directories in ``directory`` (``.partial-*``).
 
   On entry, when no other writer holds it, the temporaries of writers that died are removed. The lock is an
   ``flock`` on ``directory/.writers.lock``: the kernel drops it when its holder dies, so nothing is stale.
@@ -91,7 +94,7 @@ def remove_abandoned(directory: Path) -> list[str]:
   """Remove the temporaries in ``directory`` (call with :func:`writing`'s exclusive lock); returns their names."""
   removed = []
   for entry in os.scandir(directory):
-    if not entry.name.startswith((STAGING_PREFIX, TEMP_PREFIX)):
+    if not entry.name.startswith(PARTIAL_PREFIX):
       continue
     mode = entry.stat(follow_symlinks=False).st_mode
     if stat.S_ISDIR(mode):

@@ -6,7 +6,7 @@ extract the GGUF, check its sha256 and keep it in the cache directory
 (``$THOUGHTJAX_CACHE``, else ``$XDG_CACHE_HOME/thoughtjax``, else ``~/.cache/thoughtjax``; created with mode
 0700 and refused when others may write it, see :mod:`thoughtjax.cachedir`).
 
-The download is staged in ``models/<name>/.staging-*``, checked, fsynced and renamed over the final name, and the
+The download is staged in ``models/<name>/.partial-dir-*``, checked, fsynced and renamed over the final name, and the
 directory is fsynced (:mod:`thoughtjax.durable`): a fetch killed at any point leaves the previous file or none,
 and the next fetch removes what the killed one staged.
 

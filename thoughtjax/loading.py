@@ -34,7 +34,7 @@ never repaired silently: it raises :class:`~thoughtjax.sources.errors.WeightCach
 file, what was expected and found, and the fix (delete the entry; the next load rebuilds it from
 the GGUF, which is itself checked). Refusals and checks are counted in :data:`CACHE_STATS`.
 
-Durability. An entry is built in ``weights/.staging-*``; every file in it and the directory itself are fsynced
+Durability. An entry is built in ``weights/.partial-dir-*``; every file in it and the directory itself are fsynced
 before the one rename that makes it the entry, and ``weights/`` is fsynced after it; ``meta.json`` and
 ``index.json`` are replaced the same way (:mod:`thoughtjax.durable`). A load killed at any point leaves no
 entry or a whole one; the next build removes what a killed one staged.
