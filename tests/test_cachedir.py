@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from thoughtjax import cachedir, durable, fetch
 from thoughtjax.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _mode(path) -> int:
@@ -162,3 +167,16 @@ def test_a_secret_others_could_read_or_swap_is_refused(tmp_path, monkeypatch, da
     cachedir.secret()
   assert f"rm '{path}'" in str(err.value) or "delete it" in str(err.value)
   assert outside.read_bytes() == b"k" * cachedir.SECRET_BYTES
+
+
+def test_the_command_line_refuses_an_unsafe_cache_in_one_line_before_any_download(tmp_path):
+  root = tmp_path / "cache"
+  root.mkdir()
+  os.chmod(root, 0o777)
+  env = {**os.environ, "THOUGHTJAX_CACHE": str(root), "PYTHONPATH": str(REPO), "PIP_INDEX_URL": "http://127.0.0.1:9/"}
+  r = subprocess.run(
+    [sys.executable, "-m", "thoughtjax.cli", "fetch"], capture_output=True, text=True, env=env, cwd=REPO, timeout=300
+  )
+  assert r.returncode == 2, r.stderr
+  assert "is writable by its group and others (mode 0777)" in r.stderr and f"chmod 700 '{root}'" in r.stderr
+  assert "Traceback" not in r.stderr and not list(root.iterdir())
