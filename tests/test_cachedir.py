@@ -103,6 +103,16 @@ def test_a_cache_under_a_directory_others_may_write_is_refused(tmp_path, monkeyp
   assert cachedir.cache_dir() == root
 
 
+def test_nothing_is_created_under_a_directory_others_may_write(tmp_path, monkeypatch):
+  shared = tmp_path / "shared"
+  shared.mkdir()
+  os.chmod(shared, 0o777)
+  monkeypatch.setenv("THOUGHTJAX_CACHE", str(shared / "a" / "cache"))
+  with pytest.raises(cachedir.UnsafeCacheError, match=rf"the directory above it, {shared}, is writable by others"):
+    cachedir.cache_dir()
+  assert not list(shared.iterdir())
+
+
 def test_a_cache_that_is_a_file_is_refused(tmp_path, monkeypatch):
   (tmp_path / "cache").write_text("not a directory")
   monkeypatch.setenv("THOUGHTJAX_CACHE", str(tmp_path / "cache"))

@@ -75,6 +75,9 @@ def private_dir(path: str | os.PathLike, what: str = "a cache directory") -> Pat
   while not os.path.lexists(p):
     missing.append(p)
     p = p.parent
+  if missing:  # nothing is created under a directory others could swap
+    existing = p.resolve()
+    _check_above([existing, *existing.parents], what, path)
   for d in reversed(missing):
     try:
       d.mkdir(mode=0o700)  # the umask only removes bits, so this is 0700 or less
@@ -101,7 +104,13 @@ def private_dir(path: str | os.PathLike, what: str = "a cache directory") -> Pat
       f"compiled programs this process runs, so only its owner may write it. Run `chmod 700 '{real}'` "
       f"(and remove what you did not put there), {ELSEWHERE}"
     )
-  for parent in real.parents:
+  _check_above(real.parents, what, path)
+  return path
+
+
+def _check_above(parents, what: str, path: Path) -> None:
+  """Refuse when one of ``parents`` lets others rename what is in it: writable by group or others, no sticky bit."""
+  for parent in parents:
     pst = os.stat(parent)
     if pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX:
       raise UnsafeCacheError(
@@ -109,7 +118,6 @@ def private_dir(path: str | os.PathLike, what: str = "a cache directory") -> Pat
         f"{stat.S_IMODE(pst.st_mode):04o}, no sticky bit), who could replace the cache. Run "
         f"`chmod go-w '{parent}'` (or `chmod +t '{parent}'`), {ELSEWHERE}"
       )
-  return path
 
 
 def secret() -> bytes:
