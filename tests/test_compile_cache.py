@@ -1,15 +1,19 @@
-"""The persistent compilation cache: a second process running the same program compiles nothing."""
+"""The persistent compilation cache: a second process running the same program compiles nothing; a directory
+others may write (JAX would run the compiled programs it finds there unchecked) is refused before JAX sees it."""
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from tests.tiny import tiny_model, write_safetensors_dir
+from thoughtjax import cachedir, program
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +78,41 @@ def test_second_process_loads_the_exported_program_and_its_compiled_executable(t
   assert second["stats"] == {"loaded": 1} and second["hits"] >= 1
   assert second["tokens"] == first["tokens"] and len(first["tokens"]) == 6
   assert len(list((tmp_path / "exported").glob("*.jaxexp"))) == 1
+
+
+def _planted(directory):
+  """A file an attacker left in ``directory`` (e.g. a compiled CPU program under a key JAX will ask for)."""
+  path = directory / "planted"
+  path.write_bytes(b"attacker bytes")
+  return path, path.read_bytes(), path.stat().st_mtime_ns
+
+
+def _untouched(planted) -> None:
+  path, data, mtime = planted
+  assert path.read_bytes() == data and path.stat().st_mtime_ns == mtime
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_an_xla_cache_others_may_write_is_refused_before_jax_is_pointed_at_it(tmp_path, monkeypatch, how):
+  xla = tmp_path / "xla"
+  xla.mkdir()
+  planted = _planted(xla)  # e.g. a compiled CPU program under a key JAX will ask for
+  os.chmod(xla, 0o777)
+  before = jax.config.jax_compilation_cache_dir
+  with pytest.raises(cachedir.UnsafeCacheError, match=rf"XLA compilation cache {xla} is writable by .*chmod 700"):
+    if how == "argument":
+      program.configure_compilation_cache(xla)
+    else:
+      monkeypatch.setenv("THOUGHTJAX_COMPILE_CACHE", str(xla))
+      program.configure_compilation_cache()
+  assert jax.config.jax_compilation_cache_dir == before  # JAX never saw the directory
+  _untouched(planted)
+
+
+def test_the_default_xla_cache_is_made_private(tmp_path, monkeypatch):
+  monkeypatch.setenv("THOUGHTJAX_CACHE", str(tmp_path / "cache"))
+  monkeypatch.delenv("THOUGHTJAX_COMPILE_CACHE", raising=False)
+  monkeypatch.setattr(jax.config, "update", lambda name, value: None)  # leave this process's JAX as it is
+  path = program.configure_compilation_cache()
+  assert path == str(tmp_path / "cache" / "xla") and stat.S_IMODE(os.stat(path).st_mode) == 0o700
+  assert stat.S_IMODE((tmp_path / "cache").stat().st_mode) == 0o700

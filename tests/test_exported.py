@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import stat
 from typing import NamedTuple
 
 import jax
@@ -11,7 +15,8 @@ import pytest
 from jax.experimental import io_callback
 
 from tests.tiny import tiny_engine
-from thoughtjax import exported, program
+from thoughtjax import cachedir, exported, program
+from thoughtjax.errors import UserError
 
 
 class State(NamedTuple):
@@ -35,7 +40,9 @@ def _wrapped(tmp_path, fn=_step, key="step"):
 
 
 @pytest.fixture(autouse=True)
-def _stats():
+def _stats(tmp_path, monkeypatch):
+  # This test's own cache directory: its secret keys the artifacts' HMAC.
+  monkeypatch.setenv("THOUGHTJAX_CACHE", str(tmp_path / "cache"))
   exported.EXPORT_STATS.clear()
   yield
   exported.EXPORT_STATS.clear()
@@ -103,7 +110,7 @@ def test_a_damaged_artifact_is_refused_loudly_counted_and_rebuilt(tmp_path, capf
   assert exported.EXPORT_STATS["refused"] == 1
   assert f"exported program {path} refused" in err
   expected = {
-    "flip_payload": "differs from the recorded",
+    "flip_payload": "HMAC does not match",
     "truncate": "truncated",
     "bad_magic": "expected it to start with",
     "bad_header": "header is unreadable",
@@ -151,3 +158,132 @@ def test_a_tiny_models_program_from_its_artifact_gives_the_same_tokens(tmp_path,
     got = tiny_engine("llama_gqa", seed=3).generate([5, 6, 7, 8], max_tokens=12, ignore_eos=True).token_ids
     assert got == plain
     assert exported.EXPORT_STATS[expect] == 1
+
+
+# ---- attacks on the cache: planted, forged, linked artifacts and directories others may write ------------------
+
+
+def _evil(params, x, state):
+  """What an attacker would rather have run: the same signature, other numbers."""
+  return State(state.acc + 1000.0, state.step + 7)
+
+
+def _sentinel(tmp_path):
+  """A file outside the cache whose bytes and mtime must survive every attack."""
+  path = tmp_path / "outside" / "sentinel.bin"
+  path.parent.mkdir(mode=0o700)
+  path.write_bytes(b"keep me")
+  return path, path.stat().st_mtime_ns
+
+
+def _untouched(sentinel):
+  path, mtime = sentinel
+  assert path.read_bytes() == b"keep me" and path.stat().st_mtime_ns == mtime
+
+
+@pytest.mark.parametrize("forge", ["another_users_secret", "plain_sha256"])
+def test_a_planted_program_is_refused_and_the_real_one_runs(tmp_path, monkeypatch, capfd, forge):
+  victim = tmp_path / "victim"
+  _wrapped(victim)(*_args())  # the victim's own artifact: its name and key are what the attacker targets
+  (path,) = _files(victim)
+  # The attacker exports their program under the same key and argument signature (so the same file name and
+  # header key) with their own cache secret, then writes it over the victim's artifact.
+  monkeypatch.setenv("THOUGHTJAX_CACHE", str(tmp_path / "attacker-cache"))
+  attacker = tmp_path / "attacker"
+  _wrapped(attacker, fn=_evil)(*_args())
+  (planted,) = _files(attacker)
+  assert planted.name == path.name
+  data = planted.read_bytes()
+  if forge == "plain_sha256":  # the best a writer without the secret can do: a hash anyone can compute
+    end = data.index(b"\n", len(exported.MAGIC))
+    header = json.loads(data[len(exported.MAGIC) : end])
+    payload = data[end + 1 :]
+    header["hmac_sha256"] = hashlib.sha256(payload).hexdigest()
+    data = exported.MAGIC + json.dumps(header).encode() + b"\n" + payload
+  path.write_bytes(data)
+  monkeypatch.setenv("THOUGHTJAX_CACHE", str(tmp_path / "cache"))  # the victim again
+  exported.EXPORT_STATS.clear()
+  capfd.readouterr()
+  out = _wrapped(victim)(*_args())
+  err = capfd.readouterr().err
+  assert exported.EXPORT_STATS == {"refused": 1, "exported": 1}
+  assert f"exported program {path} refused" in err and "HMAC does not match" in err
+  want = jax.jit(_step)(*_args())
+  np.testing.assert_array_equal(out.acc, want.acc)  # the victim's program ran, not the planted one
+  assert int(out.step) == 1
+  assert path.read_bytes() != data  # replaced by the victim's own artifact, which now loads
+  np.testing.assert_array_equal(_wrapped(victim)(*_args()).acc, want.acc)
+  assert exported.EXPORT_STATS["loaded"] == 1
+
+
+@pytest.mark.parametrize("target", ["file_outside", "fifo"])
+def test_a_link_or_fifo_planted_as_an_artifact_is_not_followed(tmp_path, capfd, target):
+  sentinel = _sentinel(tmp_path)
+  directory = tmp_path / "exported"
+  _wrapped(directory)(*_args())
+  (path,) = _files(directory)
+  path.unlink()
+  if target == "fifo":
+    os.mkfifo(path)  # reading it would block for ever
+  else:
+    path.symlink_to(sentinel[0])
+  exported.EXPORT_STATS.clear()
+  capfd.readouterr()
+  out = _wrapped(directory)(*_args())
+  err = capfd.readouterr().err
+  assert exported.EXPORT_STATS == {"refused": 1, "exported": 1}
+  assert "not a regular file" in err if target == "fifo" else "unreadable as a plain file" in err
+  np.testing.assert_array_equal(out.acc, jax.jit(_step)(*_args()).acc)
+  assert path.is_file() and not path.is_symlink()  # the link itself was replaced, not its target
+  _untouched(sentinel)
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o707, 0o777])
+def test_an_export_directory_others_may_write_is_refused_before_anything_is_read(tmp_path, mode):
+  directory = tmp_path / "shared"
+  _wrapped(directory)(*_args())  # a valid artifact: refused all the same, the directory is not trustworthy
+  (path,) = _files(directory)
+  before = path.read_bytes(), path.stat().st_mtime_ns
+  os.chmod(directory, mode)
+  exported.EXPORT_STATS.clear()
+  with pytest.raises(cachedir.UnsafeCacheError, match=r"is writable by .*chmod 700") as err:
+    _wrapped(directory)(*_args())
+  assert isinstance(err.value, UserError) and str(directory) in str(err.value)
+  assert not exported.EXPORT_STATS  # neither loaded nor exported
+  assert (path.read_bytes(), path.stat().st_mtime_ns) == before and _files(directory) == [path]
+
+
+def test_an_export_directory_owned_by_someone_else_is_refused(tmp_path, monkeypatch):
+  directory = tmp_path / "theirs"
+  directory.mkdir(mode=0o700)
+  monkeypatch.setattr(os, "getuid", lambda: directory.stat().st_uid + 1)  # as another user sees it
+  with pytest.raises(cachedir.UnsafeCacheError, match=r"is owned by uid \d+, not by you"):
+    _wrapped(directory)(*_args())
+  assert not exported.EXPORT_STATS and not list(directory.iterdir())
+
+
+def test_a_new_export_directory_is_made_private(tmp_path):
+  old = os.umask(0)  # even a permissive umask: the mode is set explicitly
+  try:
+    _wrapped(tmp_path / "new" / "exported")(*_args())
+  finally:
+    os.umask(old)
+  for d in (tmp_path / "new", tmp_path / "new" / "exported", tmp_path / "cache"):
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+  secret = tmp_path / "cache" / cachedir.SECRET_NAME
+  assert stat.S_IMODE(secret.stat().st_mode) == 0o600 and secret.stat().st_size == cachedir.SECRET_BYTES
+
+
+def test_an_artifact_is_synced_before_and_after_its_rename(tmp_path, monkeypatch):
+  events: list = []
+  real_fsync, real_replace = os.fsync, os.replace
+  monkeypatch.setattr(
+    os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))), real_fsync(fd))[1]
+  )
+  monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", str(a), str(b))), real_replace(a, b))[1])
+  directory = tmp_path / "exported"
+  _wrapped(directory)(*_args())
+  (path,) = _files(directory)
+  (r,) = [i for i, e in enumerate(events) if e[0] == "rename" and e[2] == str(path)]
+  assert ("fsync", events[r][1]) in events[:r]  # the data, under its temporary name
+  assert ("fsync", str(directory)) in events[r:]  # the rename

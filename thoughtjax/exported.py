@@ -20,14 +20,23 @@ An artifact is keyed by everything that determines the program: the caller's ``k
 program key, graph definitions and model config), the argument signature, the donated arguments,
 the jax and jaxlib versions, the backend and its devices, and a hash of the thoughtjax sources (a
 code change makes a new program). It is stored as ``<cache>/exported/<sha256 of the key>.jaxexp``:
-a magic line, a JSON header holding the whole key and the payload's sha256, then the payload;
-written to a temporary file, fsynced and renamed into place, so a reader sees a whole file or none.
-A file that does not check out (bad magic, unreadable header, another key under the same name,
-payload hash mismatch, deserialization failure) is refused: a warning names the file and the
+a magic line, a JSON header holding the whole key, the payload's size and its HMAC, then the payload;
+written to a temporary file, fsynced and renamed into place, and the directory fsynced
+(:mod:`thoughtjax.durable`), so a reader sees a whole file or none.
+
+Trust. An artifact is a program this process will run, so its check must not be computable by whoever can
+write the file: the HMAC-SHA256 covers the key and the payload under this user's cache secret
+(:func:`thoughtjax.cachedir.secret`, a 0600 file in the cache directory, not in the export directory). An
+artifact written by another user or machine, copied in from elsewhere, or edited is refused. The export
+directory itself must be writable by this user alone (created 0700; one that is not is refused with
+:class:`~thoughtjax.cachedir.UnsafeCacheError`, see :mod:`thoughtjax.cachedir`).
+
+A file that does not check out (bad magic, not a regular file, unreadable header, another key under the same
+name, wrong size, HMAC mismatch, deserialization failure) is refused: a warning names the file and the
 problem, :data:`EXPORT_STATS` counts it under ``"refused"``, and the program is exported again and
-the file replaced (it is derived data, like the compilation cache). A function ``jax.export``
-cannot serialize (host callbacks, custom calls it does not allow) runs as plain ``jax.jit``,
-counted under ``"unexportable"``.
+the file replaced (it is derived data, like the compilation cache); nothing of the refused file runs. A
+function ``jax.export`` cannot serialize (host callbacks, custom calls it does not allow) runs as plain
+``jax.jit``, counted under ``"unexportable"``.
 
 ``THOUGHTJAX_EXPORT_CACHE``: a directory for the artifacts (default ``<thoughtjax cache>/exported``),
 or ``off`` to make :func:`wrap` return the jitted function unchanged.
@@ -37,10 +46,11 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import hmac
 import json
 import os
+import stat
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -48,7 +58,10 @@ from pathlib import Path
 import jax
 import jaxlib
 
-MAGIC = b"thoughtjax-exported 1\n"
+from thoughtjax import cachedir, durable
+
+# 2: the header holds an HMAC under the user's cache secret instead of a plain sha256.
+MAGIC = b"thoughtjax-exported 2\n"
 SUFFIX = ".jaxexp"
 # Outcomes: "loaded" (artifact used), "exported" (written), "refused" (a bad file, rebuilt),
 # "unexportable" (plain jit used), "write_failed" (could not store; plain export used in process).
@@ -68,9 +81,7 @@ def export_dir() -> Path | None:
     return None
   if env:
     return Path(env).expanduser()
-  from thoughtjax.fetch import cache_dir
-
-  return cache_dir() / "exported"
+  return cachedir.cache_root() / "exported"
 
 
 def source_hash() -> str:
@@ -161,9 +172,10 @@ class ExportedFunction:
     directory = self._dir if self._dir is not None else export_dir()
     path = None
     if directory is not None:
+      directory = cachedir.private_dir(directory, "the exported-program cache")  # refused unless ours alone
       digest = hashlib.sha256(json.dumps(full_key, sort_keys=True).encode()).hexdigest()
       path = directory / f"{digest}{SUFFIX}"
-      if path.exists():
+      if os.path.lexists(path):  # a planted link is refused below, not followed
         try:
           exp = _read(path, full_key)
           EXPORT_STATS["loaded"] += 1
@@ -206,50 +218,55 @@ class ExportedFunction:
     return jax.jit(exp.call, donate_argnums=tuple(donated))
 
 
+def _mac(full_key: dict, payload: bytes) -> str:
+  """HMAC-SHA256 of the key and the payload under this user's cache secret."""
+  mac = hmac.new(cachedir.secret(), json.dumps(full_key, sort_keys=True).encode() + b"\0", hashlib.sha256)
+  mac.update(payload)
+  return mac.hexdigest()
+
+
 def _write(path: Path, full_key: dict, payload: bytes) -> None:
-  """Store atomically: temporary file in the same directory, fsync, rename."""
-  path.parent.mkdir(parents=True, exist_ok=True)
-  header = json.dumps({"key": full_key, "payload_sha256": hashlib.sha256(payload).hexdigest(), "size": len(payload)})
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=SUFFIX)
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(MAGIC)
-      f.write(header.encode() + b"\n")
-      f.write(payload)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    Path(tmp).unlink(missing_ok=True)
-    raise
+  """Store atomically and durably: temporary file in the same directory, fsync, rename, fsync the directory."""
+  header = json.dumps({"key": full_key, "size": len(payload), "hmac_sha256": _mac(full_key, payload)})
+  with durable.writing(path.parent):
+    durable.write_atomic(path, MAGIC + header.encode() + b"\n" + payload)
 
 
 def _read(path: Path, full_key: dict) -> jax.export.Exported:
-  """The artifact at ``path`` if it is whole and holds ``full_key``'s program; else ExportedArtifactError."""
+  """The artifact at ``path`` if it is whole, holds ``full_key``'s program and carries this user's HMAC;
+  else ExportedArtifactError."""
   try:
-    data = path.read_bytes()
-  except OSError as e:
-    raise ExportedArtifactError(f"unreadable ({e})") from None
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+  except OSError as e:  # ELOOP: a symbolic link, planted
+    raise ExportedArtifactError(f"unreadable as a plain file ({e})") from None
+  with os.fdopen(fd, "rb") as f:
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or a device would hang or never end
+      raise ExportedArtifactError("it is not a regular file")
+    data = f.read()
   if not data.startswith(MAGIC):
     raise ExportedArtifactError(f"expected it to start with {MAGIC!r}, found {data[: len(MAGIC)]!r}")
   end = data.find(b"\n", len(MAGIC))
   try:
     header = json.loads(data[len(MAGIC) : end])
-    stored_key, want_sha, size = header["key"], header["payload_sha256"], header["size"]
+    stored_key, want_mac, size = header["key"], header["hmac_sha256"], header["size"]
   except (ValueError, KeyError, TypeError) as e:
     raise ExportedArtifactError(f"its header is unreadable ({e})") from None
+  if not isinstance(stored_key, dict) or not isinstance(want_mac, str):
+    raise ExportedArtifactError("its header is unreadable (key or hmac_sha256 of the wrong type)")
   if stored_key != full_key:
     diff = sorted(k for k in set(stored_key) | set(full_key) if stored_key.get(k) != full_key.get(k))
     raise ExportedArtifactError(f"it holds another program (key fields differ: {', '.join(diff)})")
   payload = data[end + 1 :]
   if len(payload) != size:
     raise ExportedArtifactError(f"expected a {size}-byte payload, found {len(payload)} bytes (truncated?)")
-  got = hashlib.sha256(payload).hexdigest()
-  if got != want_sha:
-    raise ExportedArtifactError(f"payload sha256 {got} differs from the recorded {want_sha} (edited or corrupt)")
+  if not hmac.compare_digest(_mac(full_key, payload), want_mac):
+    raise ExportedArtifactError(
+      f"its HMAC does not match under this user's cache secret ({cachedir.cache_dir() / cachedir.SECRET_NAME}): "
+      f"edited, corrupt, or written by another user or machine"
+    )
   try:
     return jax.export.deserialize(bytearray(payload))
-  except Exception as e:  # noqa: BLE001 (a payload that passed its hash but does not parse: another jax?)
+  except Exception as e:  # noqa: BLE001 (a payload that passed its HMAC but does not parse: another jax?)
     raise ExportedArtifactError(f"it does not deserialize ({type(e).__name__}: {e})") from None
 
 

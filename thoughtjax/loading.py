@@ -33,6 +33,11 @@ An edit that keeps size and mtime and misses the sampled blocks is caught only b
 never repaired silently: it raises :class:`~thoughtjax.sources.errors.WeightCacheError` naming the
 file, what was expected and found, and the fix (delete the entry; the next load rebuilds it from
 the GGUF, which is itself checked). Refusals and checks are counted in :data:`CACHE_STATS`.
+
+Durability. An entry is built in ``weights/.partial-dir-*``; every file in it and the directory itself are fsynced
+before the one rename that makes it the entry, and ``weights/`` is fsynced after it; ``meta.json`` and
+``index.json`` are replaced the same way (:mod:`thoughtjax.durable`). A load killed at any point leaves no
+entry or a whole one; the next build removes what a killed one staged.
 """
 
 from __future__ import annotations
@@ -50,8 +55,9 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
+from thoughtjax import durable, formats
 from thoughtjax import fetch as fetch_lib
-from thoughtjax import formats
+from thoughtjax.cachedir import cache_subdir
 from thoughtjax.config import ModelConfig
 from thoughtjax.model import Transformer
 from thoughtjax.sources.errors import ModelNotFoundError, UnsupportedModelError, WeightCacheError
@@ -309,9 +315,7 @@ def _meta_digest(meta: dict) -> str:
 
 def _write_meta(entry: Path, meta: dict) -> None:
   meta = dict(meta, meta_sha256=_meta_digest(meta))
-  tmp = entry / f".meta-{os.getpid()}.json"
-  tmp.write_text(json.dumps(meta))
-  os.replace(tmp, entry / "meta.json")
+  durable.write_atomic(entry / "meta.json", json.dumps(meta).encode())
 
 
 def _read_meta(entry: Path) -> dict:
@@ -362,7 +366,7 @@ def verify_weight_cache(root: Path | None = None) -> dict[str, str]:
 
   Never raises for a bad entry and never deletes one; the caller decides (the fix is in the message).
   """
-  root = root or fetch_lib.cache_dir() / "weights"
+  root = root or cache_subdir("weights")
   report = {}
   for entry in sorted({*root.glob(f"*-v{_CACHE_FORMAT}"), *root.glob(f"*-native-v{_NATIVE_FORMAT}")}):
     try:
@@ -420,7 +424,7 @@ def _params_from_entry(entry: Path, meta: dict) -> dict:
 
 
 def _load_gguf_cached(path: Path, weights: str = "f32"):
-  root = fetch_lib.cache_dir() / "weights"
+  root = cache_subdir("weights")
   index_path = root / "index.json"
   index = _read_index(index_path)
   digest = index.get(_stat_key(path))
@@ -465,8 +469,16 @@ def _load_gguf_cached(path: Path, weights: str = "f32"):
   ckpt = load_gguf(path, weights)
   params = params_from_hf(ckpt.config, ckpt.tensors)
   codec = TextCodec.from_gguf(ckpt.tokenizer)
-  root.mkdir(parents=True, exist_ok=True)
-  staging = Path(tempfile.mkdtemp(dir=root, prefix=".staging-"))
+  with durable.writing(root):
+    _store_entry(root, entry, path, digest, weights, ckpt, params, codec)
+  index[_stat_key(path)] = digest
+  _write_index(root, index_path, index)
+  return ckpt.config, params, codec, digest
+
+
+def _store_entry(root: Path, entry: Path, path: Path, digest: str, weights: str, ckpt, params, codec) -> None:
+  """Build the entry in a staging directory, sync it whole, rename it into place (call under ``writing``)."""
+  staging = Path(tempfile.mkdtemp(dir=root, prefix=durable.STAGING_PREFIX))
   try:
     packed: dict[str, str] = {}
     save_aligned(_flatten(params, packed=packed), staging / "weights.safetensors")
@@ -488,10 +500,13 @@ def _load_gguf_cached(path: Path, weights: str = "f32"):
       "files": {n: _file_record(staging / n) for n in ("weights.safetensors", "tokenizer.json")},
     }
     _write_meta(staging, meta)
+    durable.fsync_tree(staging)  # every byte on disk before the rename makes it the entry
     try:
       os.rename(staging, entry)
     except OSError:  # another process won the race; its copy is identical
       shutil.rmtree(staging, ignore_errors=True)
+    else:
+      durable.fsync_path(root)
     stale_glob = f"{digest[:24]}-native-v*" if weights == "native" else f"{digest[:24]}-v*"
     for stale in root.glob(stale_glob):  # entries of older cache formats
       if stale != entry:
@@ -499,12 +514,8 @@ def _load_gguf_cached(path: Path, weights: str = "f32"):
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
     raise
-  index[_stat_key(path)] = digest
-  _write_index(root, index_path, index)
-  return ckpt.config, params, codec, digest
 
 
 def _write_index(root: Path, index_path: Path, index: dict) -> None:
-  tmp_index = root / f".index-{os.getpid()}.json"
-  tmp_index.write_text(json.dumps(index))
-  os.replace(tmp_index, index_path)
+  with durable.writing(root):
+    durable.write_atomic(index_path, json.dumps(index).encode())

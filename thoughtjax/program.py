@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from thoughtjax import exported
+from thoughtjax import cachedir, exported
 from thoughtjax.kernels.template_embed import template_embed
 
 # GraphDefs, PathParts and merge_path live with the model; re-exported here for old imports.
@@ -56,10 +56,12 @@ DEFAULT_CHUNK = 8
 
 
 def configure_compilation_cache(directory: str | os.PathLike | None = None) -> str:
-  """Turn on JAX's persistent compilation cache, small programs included."""
-  from thoughtjax.fetch import cache_dir
+  """Turn on JAX's persistent compilation cache, small programs included.
 
-  path = str(directory or os.environ.get("THOUGHTJAX_COMPILE_CACHE") or cache_dir() / "xla")
+  JAX loads the compiled programs it finds there and runs them unchecked, so the directory must be writable by
+  this user alone: created 0700, else refused with :class:`~thoughtjax.cachedir.UnsafeCacheError`."""
+  where = directory or os.environ.get("THOUGHTJAX_COMPILE_CACHE")
+  path = str(cachedir.private_dir(where, "the XLA compilation cache") if where else cachedir.cache_subdir("xla"))
   jax.config.update("jax_compilation_cache_dir", path)
   # JAX skips programs that compile in under 1 s unless told otherwise.
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from thoughtjax.bench import common
+from thoughtjax.shipped import shipped_file
 
 EARLY = "embed, blocks[0:12), head"
 PATHS = {
@@ -230,7 +231,7 @@ def _ensure_registry(args) -> Path:
 
   root = cache_dir() / "bench-registry"
   if not is_registry(root) or is_older_format(root):  # this cache's own registry: an old one is rebuilt
-    mapping = args.mapping or str(Path(__file__).resolve().parents[2] / "registry" / "semantic_mapping.yaml")
+    mapping = args.mapping or str(shipped_file("semantic_mapping.yaml"))
     t = time.perf_counter()
     build(root, mapping, args.model or "smollm2-135m-instruct", settings=None, replace_old_format=True)
     print(f"built {root} in {time.perf_counter() - t:.1f} s (unprofiled; pass --registry to use another)")

@@ -104,7 +104,7 @@ def add_heal_parser(sub) -> None:
   h.add_argument("--generated", type=int, default=32, help="continuations the model generates to train on")
   h.add_argument("--seed", type=int, default=0)
   h.add_argument(
-    "--dictionary", default=None, help="synthesis_dict.yaml whose corpora to use (default: this checkout's)"
+    "--dictionary", default=None, help="synthesis_dict.yaml whose corpora to use (default: the package's own)"
   )
   h.add_argument("--no-corpora", action="store_true", help="train and hold out only self-generated text")
   h.add_argument("--sign-key", default=None, help="Ed25519 private key (PEM) of the registry")

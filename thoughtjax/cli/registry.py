@@ -20,6 +20,7 @@ from thoughtjax.cli.args import (
   output_dir,
   trust_policy,
 )
+from thoughtjax.shipped import shipped_file
 
 
 def _profile_settings(args):
@@ -96,8 +97,8 @@ def cmd_build(args) -> int:
 
 
 def _default_mapping() -> Path:
-  here = Path("registry/semantic_mapping.yaml")
-  return here if here.exists() else Path(__file__).resolve().parents[2] / "registry" / "semantic_mapping.yaml"
+  """The package's mapping; a mapping of the working directory is used only when named with --mapping."""
+  return shipped_file("semantic_mapping.yaml")
 
 
 def _print_table(reg) -> None:
@@ -271,7 +272,9 @@ def add_parser(subparsers) -> None:
   b = sub.add_parser("build", help="cut a model into thoughtlets along a mapping and publish them")
   b.add_argument("--model", default=None, help="known model name or path (default: smollm2-135m-instruct)")
   b.add_argument(
-    "--mapping", default=None, help="semantic_mapping.yaml (default: registry/semantic_mapping.yaml of this checkout)"
+    "--mapping",
+    default=None,
+    help="semantic_mapping.yaml (default: the package's own, registry/semantic_mapping.yaml of its checkout)",
   )
   b.add_argument("--out", required=True, help="registry directory (created, or updated atomically)")
   b.add_argument("--sign-key", default=None, help="Ed25519 private key (PEM) from `registry keygen`")

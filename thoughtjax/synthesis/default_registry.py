@@ -1,5 +1,5 @@
-"""The default registry: the default model cut along ``registry/semantic_mapping.yaml``, under the cache dir,
-built and calibrated on first use.
+"""The default registry: the default model cut along the package's ``semantic_mapping.yaml``, under the cache
+dir, built and calibrated on first use.
 
 ``<cache dir>/registry/default`` (``THOUGHTJAX_CACHE``, else ``~/.cache/thoughtjax``). First use:
 
@@ -7,7 +7,7 @@ built and calibrated on first use.
    not read and which would double the first use; versions do not depend on them, so
    ``thoughtjax registry build --out DIR`` later adds them without changing a version): fetch the default
    model if needed, cut, publish;
-2. **calibrate**: quality comes from the shipped table ``registry/default_calibration.json`` when its
+2. **calibrate**: quality comes from the shipped table ``default_calibration.json`` when its
    candidates pin to exactly this registry's current versions (versions are content hashes, so a build
    of the same model and mapping gives the same ones); latency is always measured here
    (:func:`~thoughtjax.synthesis.calibrate.recalibrate_latency`, about a minute). The shipped table predates
@@ -15,6 +15,9 @@ built and calibrated on first use.
    top-1 agreement in the table, K from :class:`~thoughtjax.synthesis.calibrate.SpeculativeSettings`) and
    times them against the plain full path here. Without a matching table the full calibration runs
    (minutes). The result is stored in the registry.
+
+Both files are the package's own (:mod:`thoughtjax.shipped`), wherever the process runs: a ``registry/``
+folder in the working directory changes nothing.
 
 Later uses open it and check the stored calibration; a calibration measured on another machine
 (fingerprint), or one stored before speculative candidates existed, has its latency re-measured.
@@ -29,6 +32,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from thoughtjax.shipped import shipped_file
+
 Progress = Callable[[str, int, int, str], None]
 
 
@@ -39,13 +44,13 @@ def default_registry_dir() -> Path:
 
 
 def shipped_table_path() -> Path:
-  here = Path("registry/default_calibration.json")
-  return here if here.exists() else Path(__file__).resolve().parents[2] / "registry" / "default_calibration.json"
+  """The package's quality table of the default registry."""
+  return shipped_file("default_calibration.json")
 
 
 def _mapping_path() -> Path:
-  here = Path("registry/semantic_mapping.yaml")
-  return here if here.exists() else Path(__file__).resolve().parents[2] / "registry" / "semantic_mapping.yaml"
+  """The package's semantic mapping of the default model."""
+  return shipped_file("semantic_mapping.yaml")
 
 
 def shipped_calibration(registry):

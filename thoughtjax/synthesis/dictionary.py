@@ -38,6 +38,7 @@ import yaml
 
 from thoughtjax import yamlnodes
 from thoughtjax.errors import UserError
+from thoughtjax.shipped import shipped_file
 
 DOC_SEPARATOR = "%%% document %%%"
 SPLITS = ("calibration", "heldout")
@@ -160,10 +161,9 @@ class SynthesisDictionary:
 
 
 def default_dictionary_path() -> Path:
-  """``registry/synthesis_dict.yaml`` of the working directory if there is one, else of this checkout
-  (the same rule as the default semantic mapping)."""
-  here = Path("registry/synthesis_dict.yaml")
-  return here if here.exists() else Path(__file__).resolve().parents[2] / "registry" / "synthesis_dict.yaml"
+  """The package's ``synthesis_dict.yaml`` (:mod:`thoughtjax.shipped`), never one of the working directory:
+  another dictionary is used only when named (an argument, ``--dictionary``)."""
+  return shipped_file("synthesis_dict.yaml")
 
 
 def split_documents(text: str) -> list[str]:
