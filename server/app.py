@@ -13,15 +13,24 @@ protobuf (including a string field that is not UTF-8) is INVALID_ARGUMENT, not I
 
 Status of each failure:
   INVALID_ARGUMENT     malformed message, empty prompt, prompt and messages both or neither, > 3 hints,
-                       unknown hint (the valid list in the message), bad sampling value, bad token id,
-                       invalid or unknown explicit path, bad request_id
+                       unknown hint (the valid list in the message), a sampling value past its type, the model
+                       (top_k above the vocabulary, token ids outside it) or non-finite, too many or too long
+                       stop strings (max_stop_strings, max_stop_chars), invalid, unknown or too long explicit
+                       path (max_path_layers), bad request_id
   OUT_OF_RANGE         prompt tokens + max_tokens beyond the model's context
-  RESOURCE_EXHAUSTED   every turn taken and the waiting queue full (at once, before any work)
-  UNAVAILABLE          warming up (health NOT_SERVING) or draining
+  RESOURCE_EXHAUSTED   every turn taken and the waiting queue full (at once, before any work); a ReloadRegistry
+                       within admin.reload_interval_s of the last
+  UNAVAILABLE          loading the registry or warming up (health NOT_SERVING), or draining
+  UNAUTHENTICATED      an admin call (ReloadRegistry, RegistryStats) with no credential
+  PERMISSION_DENIED    an admin call with a wrong token or a client certificate not in admin.identities
   FAILED_PRECONDITION  a pinned registry sequence that is not the one served; no path left after a needed
                        thoughtlet failed verification; a ReloadRegistry whose new sequence fails verification
                        or has no calibration that can serve it (the old sequence keeps serving)
   DEADLINE_EXCEEDED    the deadline passed while waiting or generating (the generation stops at the next chunk)
+  INTERNAL             a bug: "internal error" and the request id, nothing else
+
+Messages name the field, the limit and the fix, end with the request id, and carry no filesystem path
+(replaced by ``<path>``), exception class name or traceback; the server log has the full detail under the id.
 
 Request fields: ``prompt`` is plain text; ``messages`` go through the registry tokenizer's chat template.
 ``max_latency_ms`` unset: the call's remaining deadline is the budget (no deadline: no budget).
@@ -45,9 +54,11 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import hmac
 import json
 import logging
 import math
+import re
 import threading
 import time
 import uuid
@@ -105,6 +116,16 @@ def status_of(e: BaseException) -> grpc.StatusCode | None:
   return None
 
 
+# An absolute or home-relative filesystem path (not a URL's path, not blocks[a:b) or a/b words).
+_ABS_PATH = re.compile(r"(?<![\w:/.~-])~?/[^\s'\"`,;()\[\]{}<>]+")
+
+
+def public_message(text: str, limit: int = 2000) -> str:
+  """``text`` as a client may read it: filesystem paths replaced by ``<path>``, at most ``limit`` characters."""
+  text = _ABS_PATH.sub("<path>", text)
+  return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
   """A validated SynthesizeRequest, in the library's terms."""
@@ -129,6 +150,7 @@ class _Serving:
   registry: Any
   max_context: int
   vocab: int
+  num_layers: int
   owned: bool = False
   paths: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)  # path -> Model
   paths_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -136,7 +158,8 @@ class _Serving:
   @classmethod
   def of(cls, syn, owned: bool = False) -> _Serving:
     reg = syn.registry
-    return cls(syn, reg, int(reg.config.max_context), int(reg.config.vocab_size), owned)
+    cfg = reg.config
+    return cls(syn, reg, int(cfg.max_context), int(cfg.vocab_size), int(cfg.num_layers), owned)
 
   @property
   def sequence(self) -> int:
@@ -155,20 +178,19 @@ class _Reload:
   notes: tuple[str, ...] = ()
 
 
-def _finite(value: float, name: str, fix: str) -> float:
-  if not math.isfinite(value):
-    raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: expected a finite number, got {value}; {fix}")
-  return float(value)
-
-
 class SynthesizerService:
   """The servicer: one synthesizer, one scheduler, the server's readiness (see the module docstring)."""
 
   def __init__(
-    self, synthesizer, config: ServerConfig, scheduler: Scheduler | None = None, metrics: ServerMetrics | None = None
+    self,
+    synthesizer,
+    config: ServerConfig,
+    scheduler: Scheduler | None = None,
+    metrics: ServerMetrics | None = None,
   ):
     self.config = config
-    self.serving = _Serving.of(synthesizer)
+    # None until the registry is loaded (``install``): the server listens first and answers UNAVAILABLE.
+    self.serving: _Serving | None = None if synthesizer is None else _Serving.of(synthesizer)
     self.scheduler = scheduler or make_scheduler(config)  # config.scheduler: continuous (slot engines) or simple
     self.ready = False
     self.draining = False
@@ -178,9 +200,16 @@ class SynthesizerService:
     self._retired: list[_Serving] = []
     self._refused_failures: collections.Counter[str] = collections.Counter()
     self._reload_lock = asyncio.Lock()
+    self._last_reload: float | None = None  # time.monotonic() of the last reload taken
     self._count_lock = threading.Lock()
     self.metrics = metrics or ServerMetrics()
-    self.metrics.bind(self.scheduler.snapshot, self.failure_totals, lambda: self.serving.sequence)
+    self.metrics.bind(
+      self.scheduler.snapshot, self.failure_totals, lambda: 0 if self.serving is None else self.serving.sequence
+    )
+
+  def install(self, synthesizer) -> None:
+    """Serve ``synthesizer`` (the registry a server started without has been loaded)."""
+    self.serving = _Serving.of(synthesizer)
 
   @property
   def syn(self):
@@ -195,11 +224,12 @@ class SynthesizerService:
     and the new sequences a reload refused."""
     with self._count_lock:
       refused = dict(self._refused_failures)
-    return failure_totals(self.registry.stats(), *(s.registry.stats() for s in self._retired), refused)
+    current = () if self.serving is None else (self.serving.registry.stats(),)
+    return failure_totals(*current, *(s.registry.stats() for s in self._retired), refused)
 
   def close(self) -> None:
     """Release the registries the server opened itself (reloads)."""
-    for s in [*self._retired, self.serving]:
+    for s in [*self._retired, *([] if self.serving is None else [self.serving])]:
       if s.owned:
         s.registry.close()
 
@@ -224,13 +254,75 @@ class SynthesizerService:
     self.statuses[code] += 1
     self.metrics.answered(method, code)
 
-  async def _abort(self, context, e: BaseException, method: str = ""):
+  async def _abort(self, context, e: BaseException, method: str = "", request_id: str | None = None):
+    """Answer ``e``'s status with a short message and the request id; the full detail (exception class,
+    paths, traceback) goes to the server log under that id only."""
+    rid = request_id or uuid.uuid4().hex
     code = status_of(e)
-    if code is None:
-      self._answered(method, "UNKNOWN")
-      raise e
+    if code is None:  # a bug: the client learns only that it happened and where to look
+      log.error("request %s: %s failed", rid, method or "call", exc_info=e)
+      self._answered(method, "INTERNAL")
+      await context.abort(
+        grpc.StatusCode.INTERNAL, f"internal error; the server log has the details under request id {rid}"
+      )
+    log.info("request %s: %s answered %s: %s: %s", rid, method or "call", code.name, type(e).__name__, e)
     self._answered(method, code.name)
-    await context.abort(code, f"{type(e).__name__}: {e}" if not isinstance(e, _Refused) else str(e))
+    await context.abort(code, f"{public_message(str(e))} (request id {rid})")
+
+  def _authorize(self, context, method: str) -> None:
+    """Admin calls (ReloadRegistry, RegistryStats): the configured bearer token or an allowed client
+    certificate identity, else UNAUTHENTICATED (no credential) or PERMISSION_DENIED."""
+    a = self.config.admin
+    if a.open:
+      return
+    try:
+      token = a.bearer()
+    except UserError as e:  # an unreadable token file: the operator's to fix, not the client's
+      log.error("admin token: %s", e)
+      raise _Refused(
+        grpc.StatusCode.PERMISSION_DENIED,
+        f"{method} is an admin call and the server cannot read its admin token; the server log says why",
+      ) from None
+    if token is None and not a.identities:
+      raise _Refused(
+        grpc.StatusCode.PERMISSION_DENIED,
+        f"{method} is an admin call and this server allows no admin client; set admin.token, admin.token_file "
+        f"or admin.identities in the server config",
+      )
+    given = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+    identities = [i.decode(errors="replace") for i in context.peer_identities() or ()]
+    if given is not None:
+      if token is not None and hmac.compare_digest(str(given).encode(), f"Bearer {token}".encode()):
+        return
+      raise _Refused(
+        grpc.StatusCode.PERMISSION_DENIED,
+        f"{method} is an admin call and the authorization metadata is not this server's admin token; send "
+        f"'authorization: Bearer TOKEN' with the token of admin.token in the server config",
+      )
+    if any(i in a.identities for i in identities):
+      return
+    if not identities:
+      raise _Refused(
+        grpc.StatusCode.UNAUTHENTICATED,
+        f"{method} is an admin call: send 'authorization: Bearer TOKEN' (the server's admin.token) or connect "
+        f"with a client certificate the server allows (admin.identities)",
+      )
+    raise _Refused(
+      grpc.StatusCode.PERMISSION_DENIED,
+      f"{method} is an admin call and this client certificate is not in the server's admin.identities; use an "
+      f"allowed certificate or the admin bearer token",
+    )
+
+  def _limit_reload(self) -> None:
+    """RESOURCE_EXHAUSTED within ``admin.reload_interval_s`` of the last reload (each re-hashes the registry)."""
+    now, interval = time.monotonic(), self.config.admin.reload_interval_s
+    if self._last_reload is not None and now - self._last_reload < interval:
+      raise _Refused(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"ReloadRegistry: the last reload was {now - self._last_reload:.1f} s ago and the server takes one per "
+        f"{interval:g} s (admin.reload_interval_s); retry in {interval - (now - self._last_reload):.1f} s",
+      )
+    self._last_reload = now
 
   # ---- validation ---------------------------------------------------------------------
   @staticmethod
@@ -247,12 +339,20 @@ class SynthesizerService:
       ) from None
     return msg
 
+  def _check_loaded(self) -> None:
+    if self.serving is None:
+      raise _Refused(
+        grpc.StatusCode.UNAVAILABLE,
+        "the server is still loading its registry (health NOT_SERVING); retry when grpc.health.v1 reports SERVING",
+      )
+
   def _check_serving(self) -> None:
     if self.draining:
       raise _Refused(
         grpc.StatusCode.UNAVAILABLE,
         "the server is draining (shutting down); send the request to another replica or retry after it restarts",
       )
+    self._check_loaded()
     if not self.ready:
       raise _Refused(
         grpc.StatusCode.UNAVAILABLE,
@@ -262,7 +362,6 @@ class SynthesizerService:
   def validate(self, m: pb.SynthesizeRequest, deadline_s: float | None, serving: _Serving | None = None) -> Request:
     """A :class:`Request` on ``serving`` (default: the current one), or :class:`_Refused` naming the field
     (no model work; tokenization only)."""
-    from thoughtjax.paths import parse_path
     from thoughtjax.sampling import SamplingParams
     from thoughtjax.synthesis.hints import normalize_hints
 
@@ -309,43 +408,45 @@ class SynthesizerService:
       )
     if m.HasField("max_latency_ms"):
       budget = m.max_latency_ms
-      if math.isnan(budget) or budget <= 0:
+      if not math.isfinite(budget) or budget <= 0:
         raise bad(
-          f"max_latency_ms: expected a number of milliseconds > 0, got {budget}; leave it unset for the call's deadline"
+          f"max_latency_ms: expected a finite number of milliseconds > 0, got {budget}; leave it unset for the "
+          f"call's deadline"
         )
     else:
       budget = math.inf if deadline_s is None else max(deadline_s * 1e3, 1e-3)
-    fix = "send a finite value"
-    temperature = _finite(m.temperature, "temperature", fix) if m.HasField("temperature") else 0.0
-    top_p = _finite(m.top_p, "top_p", fix) if m.HasField("top_p") else 1.0
-    for tok in list(m.stop_token_ids) + list(m.logit_bias):
-      if not 0 <= tok < s.vocab:
+    stops = list(m.stop_strings)
+    cfg = self.config
+    if len(stops) > cfg.max_stop_strings:
+      raise bad(
+        f"stop_strings: {len(stops)} given, the server takes at most {cfg.max_stop_strings} (max_stop_strings); "
+        f"send fewer"
+      )
+    for i, stop in enumerate(stops):
+      if not stop:
+        raise bad(f"stop_strings[{i}]: an empty stop string would stop at once; drop it")
+      if len(stop) > cfg.max_stop_chars:
         raise bad(
-          f"token id {tok} (stop_token_ids or logit_bias) is outside the vocabulary [0, {s.vocab}); "
-          f"send ids the registry's tokenizer produces"
+          f"stop_strings[{i}]: {len(stop)} characters, the server takes at most {cfg.max_stop_chars} per stop "
+          f"string (max_stop_chars); send a shorter one"
         )
-    bias = {int(k): _finite(v, f"logit_bias[{k}]", fix) for k, v in m.logit_bias.items()}
-    if any(not s for s in m.stop_strings):
-      raise bad("stop_strings: an empty stop string would stop at once; drop it")
     sampling = dict(
-      temperature=temperature,
+      temperature=float(m.temperature) if m.HasField("temperature") else 0.0,
       top_k=int(m.top_k),
-      top_p=top_p,
+      top_p=float(m.top_p) if m.HasField("top_p") else 1.0,
       seed=int(m.seed),
-      logit_bias=bias or None,
+      logit_bias={int(k): float(v) for k, v in m.logit_bias.items()} or None,
       stop_token_ids=tuple(m.stop_token_ids),
-      stop_strings=tuple(m.stop_strings),
+      stop_strings=tuple(stops),
     )
     try:
-      SamplingParams(max_tokens=n, **sampling)
+      # The library's one check of every numeric field (types' ranges, finiteness, the vocabulary).
+      SamplingParams(max_tokens=n, **sampling).check_model(s.vocab)
     except UserError as e:
       raise bad(f"sampling: {e}") from None
     path = m.path or None
     if path is not None:
-      try:
-        parse_path(path)
-      except UserError as e:
-        raise bad(f"path: {e}") from None
+      self._check_path(path, s)
     pin = int(m.registry_sequence) if m.HasField("registry_sequence") else None
     served = s.sequence
     if pin is not None and pin != served:
@@ -355,6 +456,29 @@ class SynthesizerService:
         f"{served}, or send it to a server of sequence {pin}",
       )
     return Request(rid, tuple(ids), tuple(m.hints), float(budget), n, sampling, path, pin, s)
+
+  def _check_path(self, path: str, s: _Serving) -> None:
+    """An explicit path's syntax and size: at most ``max_path_layers`` pieces and layers (default twice the
+    model's layers), counted before anything is parsed or read, so a huge path costs no manifest reads."""
+    from thoughtjax.paths import parse_path
+
+    limit = self.config.max_path_layers or 2 * s.num_layers
+    why = f"the server's limit is {limit} (max_path_layers; default twice the model's {s.num_layers} layers)"
+    pieces = path.count(",") + 1
+    if pieces > limit:
+      raise _Refused(
+        grpc.StatusCode.INVALID_ARGUMENT, f"path: {pieces} pieces; {why}. Send a shorter path or let the server plan"
+      )
+    try:
+      refs = parse_path(path)
+    except UserError as e:
+      raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"path: {e}") from None
+    layers = sum(b - a for a, b in (r.span for r in refs if r.span is not None))
+    if layers > limit:
+      raise _Refused(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"path: runs {layers} layers; {why}. Send a shorter path or let the server plan",
+      )
 
   # ---- the library calls (on worker threads) ----------------------------------------------
   def _plan(self, r: Request):
@@ -382,6 +506,21 @@ class SynthesizerService:
         s.paths.popitem(last=False)
     return model
 
+  @staticmethod
+  def _path_types(path: str, s: _Serving) -> _PathShape:
+    """An explicit path resolved and type-checked against ``s``'s manifests, no weights restored (a path
+    already composed for a Synthesize is reused)."""
+    from thoughtjax.compose import check_chain, path_hash, resolve
+
+    with s.paths_lock:
+      got = s.paths.get(path)
+    if got is not None:
+      return _PathShape(got.path, tuple(got.refs), got.path_hash)
+    links = resolve(path, s.registry)
+    check_chain(links)
+    refs = tuple(n if v is None else f"{n}@{v}" for link in links for n, v in link.units)
+    return _PathShape(", ".join(str(link.ref) for link in links), refs, path_hash(links))
+
   def _start(self, r: Request):
     if r.path is not None:
       return _PathRun(self._path_model(r.path, r.serving), r, r.serving.registry.sequence)
@@ -402,15 +541,17 @@ class SynthesizerService:
     return await asyncio.get_running_loop().run_in_executor(None, self.validate, m, context.time_remaining())
 
   async def GetOptimalPath(self, raw: bytes, context) -> pb.Plan:
+    r = None
     try:
       r = await self._request(raw, context)
       if r.path is not None:
-        model = await asyncio.get_running_loop().run_in_executor(None, self._path_model, r.path, r.serving)
+        # Resolved and type-checked from manifests only: a plan restores nothing.
+        model = await asyncio.get_running_loop().run_in_executor(None, self._path_types, r.path, r.serving)
         plan = _explicit_plan(model, r, r.serving.registry.sequence)
       else:
         plan = _plan_message(await asyncio.get_running_loop().run_in_executor(None, self._plan, r), r.request_id)
     except Exception as e:
-      await self._abort(context, e, "GetOptimalPath")
+      await self._abort(context, e, "GetOptimalPath", r and r.request_id)
     self._answered("GetOptimalPath", "OK")
     return plan
 
@@ -420,6 +561,7 @@ class SynthesizerService:
       r = await self._request(raw, context)
     except Exception as e:
       await self._abort(context, e, "Synthesize")
+      return
     remaining = context.time_remaining()
     deadline = None if remaining is None else time.monotonic() + remaining
     t_admit, started = time.perf_counter(), []
@@ -446,7 +588,7 @@ class SynthesizerService:
           t_prev = now
           yield pb.SynthesizeResponse(request_id=r.request_id, delta=pb.Delta(token_ids=item.token_ids, text=item.text))
     except Exception as e:
-      await self._abort(context, e, "Synthesize")
+      await self._abort(context, e, "Synthesize", r.request_id)
     finally:
       await stream.aclose()
     final = _final(run, last, (started[0] - t_admit) * 1e3 if started else None)
@@ -459,6 +601,7 @@ class SynthesizerService:
   async def ListThoughtlets(self, raw: bytes, context) -> pb.ListThoughtletsResponse:
     try:
       self._parse(raw, pb.ListThoughtletsRequest)
+      self._check_loaded()
       reg = self.serving.registry
       out = pb.ListThoughtletsResponse(registry_sequence=reg.sequence)
       for name in reg.names:
@@ -484,6 +627,8 @@ class SynthesizerService:
   async def RegistryStats(self, raw: bytes, context) -> pb.RegistryStatsResponse:
     try:
       self._parse(raw, pb.RegistryStatsRequest)
+      self._check_loaded()
+      self._authorize(context, "RegistryStats")
     except Exception as e:
       await self._abort(context, e, "RegistryStats")
     s = self.serving
@@ -506,6 +651,9 @@ class SynthesizerService:
   async def ReloadRegistry(self, raw: bytes, context) -> pb.ReloadRegistryResponse:
     try:
       self._parse(raw, pb.ReloadRegistryRequest)
+      self._check_loaded()
+      self._authorize(context, "ReloadRegistry")
+      self._limit_reload()
       async with self._reload_lock:  # one reload at a time; requests keep flowing meanwhile
         old = self.serving
         got = await asyncio.get_running_loop().run_in_executor(None, self._prepare_reload, old)
@@ -566,7 +714,7 @@ class SynthesizerService:
         e.args[0]
         if isinstance(e, _Refused)
         else (
-          f"ReloadRegistry: the registry at {old.registry.root}{seq} was refused: {type(e).__name__}: {e}. "
+          f"ReloadRegistry: the registry{seq} was refused: {e}. "
           f"Still serving sequence {old.sequence}; republish the failed thoughtlet (or restore the registry "
           f"from a backup), check it with thoughtjax registry verify, then call ReloadRegistry again"
         )
@@ -578,9 +726,9 @@ class SynthesizerService:
         elif (field := _failure_field(e)) is not None:  # refused while opening: its counters went with it
           self._refused_failures[field] += 1
         self.reloads["refused"] += 1
-        self.reloads["last_refusal"] = message
+        self.reloads["last_refusal"] = public_message(message)
       self.metrics.reloads.labels("refused").inc()
-      log.error("%s", message)
+      log.error("ReloadRegistry of %s refused (%s): %s", old.registry.root, type(e).__name__, message)
       if fresh is not None:
         fresh.close()
       if status_of(e) is None:
@@ -704,10 +852,19 @@ def _plan_message(plan, request_id: str) -> pb.Plan:
   return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _PathShape:
+  """What a plan says of an explicit path (a composed Model has the same three attributes)."""
+
+  path: str
+  refs: tuple[str, ...]
+  path_hash: str
+
+
 def _explicit_plan(model, r: Request, sequence: int) -> pb.Plan:
   return pb.Plan(
     path=model.path,
-    refs=model.refs,
+    refs=list(model.refs),
     path_hash=model.path_hash,
     kind="explicit",
     reason="explicit path from the request (not planned)",
@@ -816,19 +973,27 @@ class ServerApp:
   """One server: the servicer, grpc.health.v1 (NOT_SERVING while warming, SERVING when ready, NOT_SERVING
   while draining) and reflection, on ``config.address`` with TLS/mTLS by config.
 
-  ``warm``: called on a worker thread after the port is bound and before SERVING (default: warm the
-  configured hints' plans). ``start()`` returns the bound port; ``drain()`` is what SIGTERM runs."""
+  ``load``: with ``synthesizer`` None, called on a worker thread after the port is bound to make the
+  synthesizer (open, build or calibrate the registry: minutes on a first start); until it returns health says
+  NOT_SERVING and every call is UNAVAILABLE. ``warm``: called on a worker thread after that and before
+  SERVING (default: warm the configured hints' plans). ``start()`` returns the bound port; ``drain()`` is
+  what SIGTERM runs."""
 
   def __init__(
     self,
     synthesizer,
     config: ServerConfig | None = None,
     *,
+    load: Callable[[], Any] | None = None,
     warm: Callable[[], Any] | None = None,
     scheduler: Scheduler | None = None,
   ):
+    if (synthesizer is None) == (load is None):
+      raise ValueError("ServerApp: give a synthesizer or a load function that makes one, not both or neither")
     self.config = config or ServerConfig()
     self.service = SynthesizerService(synthesizer, self.config, scheduler)
+    self._load = load
+    self.load_error: BaseException | None = None
     self.health = health.aio.HealthServicer()
     self._warm_fn = warm if warm is not None else self._default_warm
     self.server: grpc.aio.Server | None = None
@@ -888,8 +1053,18 @@ class ServerApp:
     return port
 
   async def _warm(self) -> None:
+    loop = asyncio.get_running_loop()
+    if self.service.serving is None:
+      try:
+        syn = await _on_daemon_thread(self._load)
+      except Exception as e:  # stays NOT_SERVING; serve() stops the server with it
+        self.load_error = self.warm_error = e
+        log.error("loading the registry failed, health stays NOT_SERVING: %s: %s", type(e).__name__, e)
+        return
+      self.service.install(syn)
+      log.info("registry sequence %d loaded", self.service.serving.sequence)
     try:
-      await asyncio.get_running_loop().run_in_executor(None, self._warm_fn)
+      await loop.run_in_executor(None, self._warm_fn)
     except Exception as e:  # stays NOT_SERVING; the error is logged and kept
       self.warm_error = e
       log.error("warming failed, health stays NOT_SERVING: %s: %s", type(e).__name__, e)
@@ -933,17 +1108,44 @@ class ServerApp:
     await self._stopped.wait()
 
 
+async def _on_daemon_thread(fn: Callable[[], Any]) -> Any:
+  """``fn()`` on a thread of its own that does not hold up the process's exit (a registry build may take
+  minutes; a SIGTERM meanwhile must not wait for it, as it would for the loop's default executor)."""
+  loop = asyncio.get_running_loop()
+  done = loop.create_future()
+
+  def settle(result, error):
+    if not done.done():
+      done.set_exception(error) if error is not None else done.set_result(result)
+
+  def run():
+    try:
+      result, error = fn(), None
+    except BaseException as e:
+      result, error = None, e
+    try:
+      loop.call_soon_threadsafe(settle, result, error)
+    except RuntimeError:  # the loop has ended (the server stopped meanwhile)
+      pass
+
+  threading.Thread(target=run, name="thoughtjax-load", daemon=True).start()
+  return await done
+
+
 async def serve(
   synthesizer,
   config: ServerConfig,
   *,
+  load: Callable[[], Any] | None = None,
   on_port: Callable[[int], None] | None = None,
   on_metrics_port: Callable[[int], None] | None = None,
 ) -> None:
-  """Run until SIGTERM or SIGINT (then drain, see :meth:`ServerApp.drain`)."""
+  """Run until SIGTERM or SIGINT (then drain, see :meth:`ServerApp.drain`). With ``load`` (and no
+  ``synthesizer``) the port is bound first and the registry loaded behind NOT_SERVING; a load that fails
+  stops the server and raises its error."""
   import signal
 
-  app = ServerApp(synthesizer, config)
+  app = ServerApp(synthesizer, config, load=load)
   port = await app.start()
   if on_port is not None:
     on_port(port)
@@ -952,7 +1154,17 @@ async def serve(
   loop = asyncio.get_running_loop()
   for sig in (signal.SIGTERM, signal.SIGINT):
     loop.add_signal_handler(sig, lambda: loop.create_task(app.drain()))
+
+  async def stop_if_load_fails():
+    await app.wait_ready()
+    if app.load_error is not None:
+      await app.stop(0)
+
+  watch = loop.create_task(stop_if_load_fails())
   await app.wait()
+  watch.cancel()
+  if app.load_error is not None:
+    raise app.load_error
 
 
 class BackgroundServer:
@@ -964,12 +1176,13 @@ class BackgroundServer:
     synthesizer,
     config: ServerConfig | None = None,
     *,
+    load: Callable[[], Any] | None = None,
     warm: Callable[[], Any] | None = None,
     scheduler: Scheduler | None = None,
     timeout: float = 60.0,
   ):
     self._args = (synthesizer, config or ServerConfig(port=0))
-    self._kwargs = dict(warm=warm, scheduler=scheduler)
+    self._kwargs = dict(load=load, warm=warm, scheduler=scheduler)
     self.timeout = timeout
     self.loop: asyncio.AbstractEventLoop | None = None
     self.app: ServerApp | None = None

@@ -55,6 +55,43 @@ class WarmConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class AdminConfig:
+  """Who may call ReloadRegistry and RegistryStats: a client certificate identity (mTLS; a subject alternative
+  name or the common name) in ``identities``, or the bearer ``token`` (metadata ``authorization: Bearer ...``;
+  ``token_file``: read from that file). Nothing set: admin calls are refused unless ``open`` (a loopback
+  development server). A reload is refused within ``reload_interval_s`` of the last one."""
+
+  identities: tuple[str, ...] = ()
+  token: str | None = None
+  token_file: Path | None = None
+  open: bool = False
+  reload_interval_s: float = 10.0
+
+  def __post_init__(self):
+    if self.token is not None and self.token_file is not None:
+      raise ConfigError("admin: set token or token_file, not both")
+    if self.token is not None and (not isinstance(self.token, str) or len(self.token) < 16):
+      raise ConfigError("admin.token: expected a secret string of at least 16 characters; generate a long random one")
+    if not isinstance(self.open, bool):
+      raise ConfigError(f"admin.open: expected true or false, got {self.open!r}")
+    r = self.reload_interval_s
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r < 0:
+      raise ConfigError(f"admin.reload_interval_s: expected a finite number of seconds >= 0, got {r!r}")
+
+  def bearer(self) -> str | None:
+    """The configured token (read from ``token_file`` each call, so a rotated file takes effect)."""
+    if self.token_file is None:
+      return self.token
+    try:
+      token = self.token_file.read_text().strip()
+    except OSError as e:
+      raise ConfigError(f"admin.token_file {self.token_file}: cannot read it ({e.strerror}); fix the path") from None
+    if len(token) < 16:
+      raise ConfigError(f"admin.token_file {self.token_file}: expected a secret of at least 16 characters")
+    return token
+
+
+@dataclasses.dataclass(frozen=True)
 class ServerConfig:
   bind: str = "127.0.0.1"
   port: int = 50051
@@ -69,11 +106,15 @@ class ServerConfig:
   metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: any free port
   metrics_bind: str = "127.0.0.1"
   scheduler: str = "continuous"  # "continuous" (slot engines, server/scheduling.py) or "simple" (one generation each)
+  admin: AdminConfig = AdminConfig()
+  max_stop_strings: int = 16  # stop strings per request
+  max_stop_chars: int = 256  # characters per stop string
+  max_path_layers: int | None = None  # pieces and layers of an explicit path; None: twice the model's layers
 
   def __post_init__(self):
     if self.scheduler not in SCHEDULERS:
       raise ConfigError(f"scheduler: expected one of {list(SCHEDULERS)}, got {self.scheduler!r}")
-    for name in ("max_message_bytes", "max_concurrent", "max_tokens_limit"):
+    for name in ("max_message_bytes", "max_concurrent", "max_tokens_limit", "max_stop_strings", "max_stop_chars"):
       _positive_int(getattr(self, name), name)
     if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
       raise ConfigError(f"max_queue: expected an integer >= 0, got {self.max_queue!r}")
@@ -88,6 +129,8 @@ class ServerConfig:
         f"metrics_port: expected null (no metrics endpoint) or an integer in [0, 65535] (0: any free port), "
         f"got {self.metrics_port!r}"
       )
+    if self.max_path_layers is not None:
+      _positive_int(self.max_path_layers, "max_path_layers")
     if not isinstance(self.metrics_bind, str) or not self.metrics_bind:
       raise ConfigError(f"metrics_bind: expected an address such as 127.0.0.1, got {self.metrics_bind!r}")
     if not isinstance(self.grace_s, (int, float)) or not math.isfinite(self.grace_s) or self.grace_s < 0:
@@ -170,6 +213,18 @@ def _strs(v, where):
   return tuple(v)
 
 
+def _names(v, where):
+  if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) and x for x in v):
+    raise ConfigError(f"{where}: expected a list of client certificate identities (names), got {v!r}")
+  return tuple(v)
+
+
+def _number(v, where):
+  if isinstance(v, bool) or not isinstance(v, (int, float)):
+    raise ConfigError(f"{where}: expected a number, got {v!r}")
+  return float(v)
+
+
 def _int(v, where):
   if isinstance(v, bool) or not isinstance(v, int):
     raise ConfigError(f"{where}: expected an integer, got {v!r}")
@@ -192,8 +247,14 @@ def from_mapping(data: Mapping | None, where: str = "server config", base: Path 
   warm = _section(
     WarmConfig, data.pop("warm", None), f"{where}: warm", {"hints": _strs, "prompt_tokens": _ints, "max_tokens": _ints}
   )
+  admin = _section(
+    AdminConfig,
+    data.pop("admin", None),
+    f"{where}: admin",
+    {"identities": _names, "token_file": _path(base), "reload_interval_s": _number},
+  )
   top = _section(ServerConfig, data, where)
-  return dataclasses.replace(top, tls=tls, keepalive=keep, warm=warm)
+  return dataclasses.replace(top, tls=tls, keepalive=keep, warm=warm, admin=admin)
 
 
 def load_config(path: str | os.PathLike | None = None) -> ServerConfig:

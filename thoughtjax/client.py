@@ -130,10 +130,13 @@ class Client:
     key=None,
     timeout: float | None = None,
     options: Sequence[tuple[str, object]] = (),
+    token: str | None = None,
   ):
     from server.proto.thoughtjax.v1 import synthesis_pb2_grpc as rpc
 
     self.target, self.timeout = target, timeout
+    # The server's admin bearer token (ReloadRegistry, RegistryStats); send it over TLS only.
+    self.metadata = () if token is None else (("authorization", f"Bearer {token}"),)
     if ca is not None or cert is not None:
       creds = grpc.ssl_channel_credentials(_pem(ca), _pem(key), _pem(cert))
       self.channel = grpc.secure_channel(target, creds, options=list(options))
@@ -146,7 +149,9 @@ class Client:
 
   def _call(self, method: str, *args, **kwargs):
     try:
-      return getattr(self.stub, method)(*args, timeout=kwargs.pop("timeout", self.timeout), **kwargs)
+      return getattr(self.stub, method)(
+        *args, timeout=kwargs.pop("timeout", self.timeout), metadata=self.metadata, **kwargs
+      )
     except grpc.RpcError as e:
       raise ClientError(e.code(), e.details(), method) from None
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -52,22 +53,63 @@ class SamplingParams:
   ignore_eos: bool = False  # keep generating past the end-of-sequence token (benchmarks)
 
   def __post_init__(self):
-    if self.max_tokens < 1:
-      raise SamplingError(f"max_tokens must be >= 1, got {self.max_tokens}")
-    if self.temperature < 0:
-      raise SamplingError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-    if self.top_k < 0:
-      raise SamplingError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-    if not 0.0 < self.top_p <= 1.0:
+    # Every numeric setting is checked for its type's range here, so a value past int32 or a NaN is a
+    # SamplingError naming it, never an overflow (or a silent garbage row) when the arrays are built.
+    _int_in("max_tokens", self.max_tokens, 1, INT32_MAX, "ask for at least one token")
+    if not _finite(self.temperature) or self.temperature < 0:
+      raise SamplingError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+    _int_in("top_k", self.top_k, 0, INT32_MAX, "0 turns top-k off")
+    if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
       raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
-    if not 0 <= self.seed < 2**32:
-      raise SamplingError(f"seed must be in [0, 2**32), got {self.seed}")
+    _int_in("seed", self.seed, 0, 2**32 - 1, "seeds are 32-bit")
+    for tok in self.stop_token_ids:
+      _int_in("stop_token_ids", tok, 0, INT32_MAX, "send token ids of the model's vocabulary")
+    for tok, bias in (self.logit_bias or {}).items():
+      _int_in("logit_bias token", tok, 0, INT32_MAX, "send token ids of the model's vocabulary")
+      if not _finite(bias):
+        raise SamplingError(f"logit_bias[{tok}] must be a finite number, got {bias}; send a finite bias")
+    if isinstance(self.stop_strings, str):
+      raise SamplingError(f"stop_strings must be a sequence of strings, got the string {self.stop_strings[:40]!r}")
+    for s in self.stop_strings:
+      if not isinstance(s, str):
+        raise SamplingError(f"stop_strings: each must be a string, got {s!r}")
+
+  def check_model(self, vocab_size: int, max_context: int | None = None, prompt_tokens: int = 0) -> None:
+    """Raise :class:`SamplingError` unless every id and count fits a model of ``vocab_size`` tokens and
+    ``max_context`` positions (``prompt_tokens`` + ``max_tokens``). One check for the server, CLI and API."""
+    if self.top_k > vocab_size:
+      raise SamplingError(
+        f"top_k must be at most the vocabulary size {vocab_size} (0 = off), got {self.top_k}; send a smaller top_k"
+      )
+    bad = [t for t in (*self.stop_token_ids, *(self.logit_bias or {})) if not 0 <= int(t) < vocab_size]
+    if bad:
+      raise SamplingError(
+        f"token id {bad[0]} (stop_token_ids or logit_bias) is outside the vocabulary [0, {vocab_size}); "
+        f"send ids the model's tokenizer produces"
+      )
+    if max_context is not None and prompt_tokens + self.max_tokens > max_context:
+      raise SamplingError(
+        f"prompt ({prompt_tokens} tokens) + max_tokens ({self.max_tokens}) = {prompt_tokens + self.max_tokens} "
+        f"exceeds the model's context of {max_context} tokens; shorten the prompt or lower max_tokens"
+      )
 
   @property
   def mode(self) -> SamplingMode:
     if self.temperature == 0:
       return SamplingMode.GREEDY
     return SamplingMode.SAMPLE_TOP_P if self.top_p < 1.0 else SamplingMode.SAMPLE
+
+
+INT32_MAX = 2**31 - 1  # the sampler's arrays are int32
+
+
+def _finite(v) -> bool:
+  return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int_in(name: str, v, lo: int, hi: int, fix: str) -> None:
+  if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
+    raise SamplingError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}; {fix}")
 
 
 def program_mode(params: Sequence[SamplingParams]) -> SamplingMode:

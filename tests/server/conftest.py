@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from server.app import BackgroundServer
-from server.config import ServerConfig
+from server.config import AdminConfig, ServerConfig
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +26,9 @@ def synthesizer(tiny_registry):
 
 
 def config(**changes) -> ServerConfig:
-  return ServerConfig(port=0, grace_s=20.0).replace(**changes)
+  """A loopback test server's settings; admin calls open and reloads unthrottled unless ``admin`` is given
+  (tests/server/test_hostile.py attacks the admin gate itself)."""
+  return ServerConfig(port=0, grace_s=20.0, admin=AdminConfig(open=True, reload_interval_s=0)).replace(**changes)
 
 
 def wait_ready(srv: BackgroundServer) -> None:

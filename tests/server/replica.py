@@ -17,6 +17,7 @@ import asyncio
 import threading
 
 HOLD_SEED = 4242
+ADMIN_TOKEN = "failover-test-admin-token"  # RegistryStats is an admin call
 
 
 class _Holding:
@@ -40,7 +41,7 @@ class _Holding:
 
 def main() -> None:
   from server.app import serve
-  from server.config import ServerConfig
+  from server.config import AdminConfig, ServerConfig
   from thoughtjax.registry import Registry
   from thoughtjax.synthesis.synthesize import Synthesizer
 
@@ -50,7 +51,7 @@ def main() -> None:
   args = p.parse_args()
   registry = Registry.open(args.registry)
   syn = Synthesizer.open(registry)
-  config = ServerConfig(port=0)
+  config = ServerConfig(port=0, admin=AdminConfig(token=ADMIN_TOKEN))
   asyncio.run(
     serve(
       _Holding(syn) if args.hold else syn,

@@ -17,6 +17,19 @@ from thoughtjax.cli import main
 from thoughtjax.client import Client
 
 
+def wait_serving(target: str) -> bool:
+  """Until grpc.health.v1 reports SERVING (the server listens before its registry is loaded): a Watch stream,
+  which sends each status change, not a poll."""
+  import grpc
+  from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+  with grpc.insecure_channel(target) as ch:
+    for r in health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=300):
+      if r.status == health_pb2.HealthCheckResponse.SERVING:
+        return True
+  return False
+
+
 @pytest.fixture
 def serve_process(tiny_registry):
   proc = subprocess.Popen(
@@ -42,7 +55,9 @@ def serve_process(tiny_registry):
     assert line.startswith("serving on 127.0.0.1:"), (line, proc.stderr.read() if proc.poll() is not None else "")
     metrics = proc.stdout.readline()
     assert metrics.startswith("metrics on http://127.0.0.1:"), metrics
-    yield proc, line.split()[-1], metrics.split()[-1]
+    target = line.split()[-1]
+    assert wait_serving(target), "the server never reported SERVING"
+    yield proc, target, metrics.split()[-1]
   finally:
     if proc.poll() is None:
       proc.kill()

@@ -22,7 +22,7 @@ from server.app import BackgroundServer
 from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
 from server.proto.thoughtjax.v1 import synthesis_pb2_grpc as rpc
 from tests.server.conftest import config, wait_ready
-from tests.server.replica import HOLD_SEED
+from tests.server.replica import ADMIN_TOKEN, HOLD_SEED
 
 DEADLINE_S = 120  # every call's deadline: a hang fails the test instead of stalling it
 PROMPT = "The quick brown fox"
@@ -66,7 +66,9 @@ def wait_serving(port: int) -> None:
 def completed(port: int) -> tuple[int, int]:
   """(requests the replica completed, requests in flight on it), from its RegistryStats."""
   with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-    stats = rpc.SynthesizerStub(ch).RegistryStats(pb.RegistryStatsRequest(), timeout=DEADLINE_S)
+    stats = rpc.SynthesizerStub(ch).RegistryStats(
+      pb.RegistryStatsRequest(), timeout=DEADLINE_S, metadata=[("authorization", f"Bearer {ADMIN_TOKEN}")]
+    )
   return json.loads(stats.planner_json)["scheduler"]["completed"], stats.in_flight
 
 
@@ -79,8 +81,10 @@ def finish(call) -> tuple[grpc.StatusCode, list]:
 
 def test_round_robin_over_two_replicas_survives_killing_one_mid_load(tiny_registry, tmp_path):
   cli = ["-c", "from thoughtjax.cli import main; raise SystemExit(main())", "serve"]
+  (tmp_path / "server.yaml").write_text(f"admin:\n  token: {ADMIN_TOKEN}\n")  # RegistryStats is an admin call
+  serve = [*cli, "--registry", str(tiny_registry.root), "--port", "0", "--config", str(tmp_path / "server.yaml")]
   with (
-    process([*cli, "--registry", str(tiny_registry.root), "--port", "0"], tmp_path / "b.log") as (_, port_b),
+    process(serve, tmp_path / "b.log") as (_, port_b),
     process(["-m", "tests.server.replica", "--registry", str(tiny_registry.root), "--hold"], tmp_path / "a.log") as (
       victim,
       port_a,

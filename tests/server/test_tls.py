@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from server.app import BackgroundServer
-from server.config import TlsConfig
+from server.config import AdminConfig, TlsConfig
 from tests.server.conftest import config, wait_ready
 from thoughtjax.client import Client, ClientError
 
@@ -58,7 +58,7 @@ def pki(tmp_path_factory):
     k = ec.generate_private_key(ec.SECP256R1())
     out[ca_name] = (k, _cert(ca_name, k, _name(ca_name), k, ca=True))
   ca_key, ca = out["ca"]
-  for who, server in (("server", True), ("client", False)):
+  for who, server in (("server", True), ("client", False), ("operator", False)):
     k = ec.generate_private_key(ec.SECP256R1())
     (d / f"{who}.key").write_bytes(_pem_key(k))
     (d / f"{who}.pem").write_bytes(_pem(_cert(who, k, ca.subject, ca_key, server=server)))
@@ -101,6 +101,25 @@ def test_mtls_requires_a_client_certificate_signed_by_the_client_ca(synthesizer,
       with pytest.raises(ClientError) as e:
         _health(srv.port, **creds)
       assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_admin_calls_take_an_allowed_client_certificate_or_the_token(synthesizer, pki):
+  tls = TlsConfig(cert=pki / "server.pem", key=pki / "server.key", client_ca=pki / "ca.pem")
+  token = "a-long-admin-token-for-the-test"
+  admin = AdminConfig(identities=("operator",), token=token, reload_interval_s=0)
+  with BackgroundServer(synthesizer, config(tls=tls, admin=admin)) as srv:
+    wait_ready(srv)
+    target, ca = f"localhost:{srv.port}", pki / "ca.pem"
+    with Client(target, timeout=60, ca=ca, cert=pki / "operator.pem", key=pki / "operator.key") as c:
+      assert c.registry_stats().registry_sequence >= 1 and c.reload_registry().switched is False
+    with Client(target, timeout=60, ca=ca, cert=pki / "client.pem", key=pki / "client.key") as c:
+      for method in (c.registry_stats, c.reload_registry):  # signed by the client CA, not an admin
+        with pytest.raises(ClientError) as e:
+          method()
+        assert e.value.code == grpc.StatusCode.PERMISSION_DENIED and "admin.identities" in e.value.details
+      assert c.generate("The quick brown fox", max_tokens=2).usage.tokens_out >= 1  # still served
+    with Client(target, timeout=60, ca=ca, cert=pki / "client.pem", key=pki / "client.key", token=token) as c:
+      assert c.registry_stats().registry_sequence >= 1
 
 
 def test_unreadable_or_non_pem_tls_files_are_named(synthesizer, pki, tmp_path):

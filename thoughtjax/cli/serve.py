@@ -1,8 +1,9 @@
 """``thoughtjax serve`` (the gRPC server of ``server/``) and ``thoughtjax client`` (stream one request).
 
 ``serve`` prints one line ``serving on HOST:PORT`` once the port is bound (and ``metrics on URL`` when the
-Prometheus endpoint is on) (health then says NOT_SERVING
-until the configured fronts are warm), and drains on SIGTERM. ``client`` streams the text to stdout and
+Prometheus endpoint is on), before the registry is loaded: health says NOT_SERVING (and calls are UNAVAILABLE)
+until the registry is loaded (built and calibrated on a first start of the default one) and the configured
+fronts are warm. It drains on SIGTERM. ``client`` streams the text to stdout and
 prints the plan and the trace to stderr (``--json``: one JSON object on stdout instead, with the trailing
 metadata's ``x-thoughtjax-*`` fields under ``trailer``).
 """
@@ -72,14 +73,18 @@ def cmd_serve(args) -> int:
   }
   config = dataclasses.replace(config, **changes) if changes else config
   if args.registry:
-    registry = open_registry(args.registry, args, "--registry")
+    registry = open_registry(args.registry, args, "--registry")  # a bad --registry fails before listening
+  elif args.public_key or args.require_signatures:
+    raise CommandLineError("--public-key/--require-signatures check a given registry: add --registry DIR")
   else:
-    if args.public_key or args.require_signatures:
-      raise CommandLineError("--public-key/--require-signatures check a given registry: add --registry DIR")
+    registry = None
+
+  def load():
+    # Building and calibrating the default registry takes minutes on a first start: the server listens
+    # first (health NOT_SERVING, calls UNAVAILABLE) and serves once this returns.
     from thoughtjax.synthesis.default_registry import ensure_default
 
-    registry = ensure_default()
-  synthesizer = Synthesizer.open(registry, kernels=args.kernels)
+    return Synthesizer.open(registry if registry is not None else ensure_default(), kernels=args.kernels)
 
   def on_port(port: int) -> None:
     print(f"serving on {config.bind}:{port}", flush=True)
@@ -87,7 +92,7 @@ def cmd_serve(args) -> int:
   def on_metrics_port(port: int) -> None:
     print(f"metrics on http://{config.metrics_bind}:{port}/metrics", flush=True)
 
-  asyncio.run(serve(synthesizer, config, on_port=on_port, on_metrics_port=on_metrics_port))
+  asyncio.run(serve(None, config, load=load, on_port=on_port, on_metrics_port=on_metrics_port))
   return 0
 
 

@@ -110,38 +110,89 @@ class Completion:
     return self.trace.as_dict()
 
 
-class _RowText:
-  """Incremental detokenization and stop-string detection for one row."""
+class RowText:
+  """Incremental detokenization and stop-string detection for one row.
+
+  Each push searches for stop strings only in what is new since the last push plus the ``len(stop) - 1``
+  characters before it (a match wholly in the older text would have stopped the row), and finds the tail
+  to hold back with a KMP automaton over at most ``len(stop) - 1`` characters: per chunk the work grows with
+  the new text and the stop strings' total length, not with the whole text or a stop string's square."""
 
   def __init__(self, codec, stop_strings: Sequence[str]):
     self.codec, self.stop_strings = codec, tuple(s for s in stop_strings if s)
     self.ids: list[int] = []
     self.emitted = ""
     self.stopped = False
+    self._searched = ""  # the text of the last push, searched whole (no stop string in it)
+    self._fail: dict[int, list[int]] = {}  # stop string index -> its KMP failure table (made when first needed)
 
   def push(self, new_ids: list[int], final: bool) -> tuple[str, bool]:
     self.ids.extend(new_ids)
     text = self.codec.decode(self.ids)
+    # Decoding the longer id list may rewrite the end of the old text (a completed UTF-8 sequence
+    # replaces its replacement characters): search from where the two first differ.
+    prev = self._searched
+    same = len(prev) if text.startswith(prev) else _common_prefix(prev, text)
     for s in self.stop_strings:
-      at = text.find(s)
+      at = text.find(s, max(0, same - len(s) + 1))
       if at >= 0:
         self.stopped = True
         text = text[:at]
         break
+    self._searched = text
     # Hold back an incomplete UTF-8 sequence and any tail that may start a stop string.
     hold = 0
     if not (final or self.stopped):
       if text.endswith("\ufffd"):
         return "", False
-      for s in self.stop_strings:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):
-          if text.endswith(s[:n]):
-            hold = max(hold, n)
-            break
+      for i, s in enumerate(self.stop_strings):
+        if len(s) > 1 and len(text) > hold:
+          hold = max(hold, self._overlap(i, text[-(len(s) - 1) :]))
     visible = text[: len(text) - hold]
     delta = visible[len(self.emitted) :] if visible.startswith(self.emitted) else visible
     self.emitted = visible if visible.startswith(self.emitted) else self.emitted + delta
     return delta, self.stopped
+
+  def _overlap(self, i: int, tail: str) -> int:
+    """The length of the longest suffix of ``tail`` (shorter than stop string ``i``) that begins it."""
+    s = self.stop_strings[i]
+    first = tail.find(s[0])
+    if first < 0:
+      return 0
+    fail = self._fail.get(i)
+    if fail is None:
+      fail = self._fail[i] = _kmp_failure(s)
+    k = 0
+    for ch in tail[first:]:
+      while k and s[k] != ch:
+        k = fail[k - 1]
+      if s[k] == ch:
+        k += 1
+    return k
+
+
+def _kmp_failure(s: str) -> list[int]:
+  """``fail[j]``: the length of the longest proper prefix of ``s[: j + 1]`` that is also its suffix."""
+  fail, k = [0] * len(s), 0
+  for j in range(1, len(s)):
+    while k and s[k] != s[j]:
+      k = fail[k - 1]
+    if s[k] == s[j]:
+      k += 1
+    fail[j] = k
+  return fail
+
+
+def _common_prefix(a: str, b: str) -> int:
+  """The length of the common prefix of ``a`` and ``b`` (a binary search over C-speed comparisons)."""
+  lo, hi = 0, min(len(a), len(b))
+  while lo < hi:
+    mid = (lo + hi + 1) // 2
+    if a[:mid] == b[:mid]:
+      lo = mid
+    else:
+      hi = mid - 1
+  return lo
 
 
 class Rows:
@@ -149,7 +200,7 @@ class Rows:
 
   def __init__(self, codec, params: Sequence[SamplingParams], stops: Sequence[Sequence[int]]):
     self.params, self.stops = list(params), [list(s) for s in stops]
-    self.text = [_RowText(codec, p.stop_strings) for p in params]
+    self.text = [RowText(codec, p.stop_strings) for p in params]
     self.finished = [False] * len(params)
     self.counts = [0] * len(params)
 
