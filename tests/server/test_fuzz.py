@@ -2,7 +2,11 @@
 precise status (never UNKNOWN or INTERNAL), and the server stays healthy and idle afterwards.
 
 Requests go in batches of 25 concurrent calls: GetOptimalPath with random fields (planning only), Synthesize
-with fields that fail validation (no model work), and random bytes that may or may not parse."""
+with fields that fail validation (no model work), and random bytes that may or may not parse.
+
+Then valid-shaped Synthesize requests with random sampling values (edges of their types included), stop sets,
+explicit paths and hint lists reach the model (a few hundred, a few tokens each): each stream ends OK or with
+a documented status, never UNKNOWN or INTERNAL, and the server serves afterwards."""
 
 from __future__ import annotations
 
@@ -11,8 +15,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from server.app import BackgroundServer
 from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
 from server.proto.thoughtjax.v1 import synthesis_pb2_grpc as rpc
+from tests.server.conftest import config, wait_ready
+from tests.synthesis.tiny_synthesis import FULL, IDENTITY_SKIP
 
 C = grpc.StatusCode
 BATCH, EXAMPLES = 25, 404
@@ -140,3 +147,137 @@ def test_ten_thousand_random_and_malformed_requests_each_get_a_status(served):
   assert statuses.get("INVALID_ARGUMENT", 0) > 0 and statuses.get("OK", 0) > 0
   assert served.call(lambda: served.app.service.scheduler.wait_idle(60))
   assert "UNKNOWN" not in served.app.service.statuses
+
+
+# ---------------------------------------------------------------------------------- requests that reach the model
+RUN_BATCH, RUN_EXAMPLES = 8, 30
+# What a valid-shaped request may be answered besides OK (server/app.py's module docstring lists each).
+RUN_ALLOWED = {
+  C.OK,
+  C.INVALID_ARGUMENT,
+  C.OUT_OF_RANGE,
+  C.FAILED_PRECONDITION,
+  C.RESOURCE_EXHAUSTED,
+  C.DEADLINE_EXCEEDED,
+}
+VOCAB = 264  # the tiny model's vocabulary (tests/synthesis/tiny_synthesis.py)
+PATHS = [
+  IDENTITY_SKIP,
+  FULL,
+  "embed, blocks[0:2), head",
+  "embed, blocks[0:2), blocks[0:2), blocks[2:3), head",  # a repeated span
+]
+BAD_PATHS = [
+  "embed, " + "blocks[0:2), " * 7 + "head",  # past twice the model's layers
+  "embed, blocks[0:3), head",  # ends inside a thoughtlet
+  "head, embed",
+  "embed, blocks[0:2)@int8, head",  # no such variant in the registry
+  "embed, blocks[0:100000), head",
+]
+token_ids = st.integers(0, VOCAB - 1)
+stop_sets = st.lists(
+  st.one_of(
+    st.sampled_from([" ", "e", "the", "\n", ".", "fox", "é", "\ufffd", "x" * 256]), st.text(min_size=1, max_size=6)
+  ),
+  max_size=5,
+)
+# Each sets a field to a value past its type, the model or the config (refused with INVALID_ARGUMENT).
+HOSTILE = {
+  "temperature": st.sampled_from([-1.0, float("inf"), float("nan")]),
+  "top_p": st.sampled_from([0.0, 1.5, float("nan"), float("-inf")]),
+  "top_k": st.sampled_from([VOCAB + 1, 2**31 - 1, 2**31, 2**32 - 1]),
+  "seed": st.sampled_from([2**32, 2**64 - 1]),
+  "max_latency_ms": st.sampled_from([0.0, -1.0, float("inf"), float("nan")]),
+  "path": st.sampled_from(BAD_PATHS),
+}
+
+
+@st.composite
+def runnable(draw) -> pb.SynthesizeRequest:
+  """A well-formed request meant to run (a short prompt, a few tokens, random sampling values, stop sets, an
+  explicit path or hints), then none, one or two fields set past their type, the model or the config."""
+  m = pb.SynthesizeRequest(
+    prompt=draw(st.sampled_from(["The quick brown fox", "a", "Once upon a time there was"])),
+    max_tokens=draw(st.integers(1, 6)),
+    hints=draw(st.lists(st.sampled_from(HINTS[:3]), max_size=3)),
+    stop_strings=draw(stop_sets),
+  )
+  for name, strat in (
+    ("temperature", st.floats(0, 3, width=32) | st.sampled_from([1e-30, 1e30, 3.4e38])),
+    ("top_p", st.floats(2**-10, 1, width=32)),
+    ("top_k", st.integers(0, VOCAB)),
+    ("seed", st.integers(0, 2**32 - 1)),
+    ("max_latency_ms", st.sampled_from([1e-3, 5.0, 1e4, 1e12])),
+    ("path", st.sampled_from(PATHS)),
+  ):
+    if draw(st.booleans()):
+      setattr(m, name, draw(strat))
+  m.stop_token_ids.extend(draw(st.lists(token_ids, max_size=2)))
+  m.logit_bias.update(draw(st.dictionaries(token_ids, st.floats(-100, 100, width=32), max_size=2)))
+  for _ in range(draw(st.sampled_from([0, 0, 0, 1, 2]))):
+    hostile = draw(
+      st.sampled_from([*HOSTILE, "stop_strings", "stop_token_ids", "logit_bias", "hints", "prompt_too_long"])
+    )
+    if hostile in HOSTILE:
+      setattr(m, hostile, draw(HOSTILE[hostile]))
+    elif hostile == "stop_strings":
+      m.stop_strings.extend(draw(st.sampled_from([[""], ["y" * 257], ["z"] * 17])))
+    elif hostile == "stop_token_ids":
+      m.stop_token_ids.append(draw(st.sampled_from([-1, VOCAB, 2**31 - 1])))
+    elif hostile == "logit_bias":
+      m.logit_bias[draw(st.sampled_from([-1, 0, VOCAB]))] = draw(st.sampled_from([float("inf"), float("nan"), 1.0]))
+    elif hostile == "hints":
+      m.hints.extend(draw(st.sampled_from([HINTS[3:], ["klingon"], ["", " "], ["x" * 300]])))
+    else:
+      m.prompt, m.max_tokens = "x " * 300, 6  # prompt + max_tokens past the context: OUT_OF_RANGE
+  return m
+
+
+def test_valid_shaped_requests_with_random_values_reach_the_model_and_get_a_documented_status(synthesizer):
+  counts = {"requests": 0, "crashes": 0, "wrong": 0, "tokens": 0, "ran_explicit_path": 0, "ran_with_stops": 0}
+  statuses: dict = {}
+  with BackgroundServer(synthesizer, config(max_concurrent=4, max_queue=8)) as srv:
+    wait_ready(srv)
+    ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+    stub = rpc.SynthesizerStub(ch)
+
+    @settings(
+      max_examples=RUN_EXAMPLES,
+      deadline=None,
+      database=None,
+      derandomize=True,
+      suppress_health_check=list(HealthCheck),
+    )
+    @given(st.lists(runnable(), min_size=RUN_BATCH, max_size=RUN_BATCH))
+    def batch(items):
+      calls = [(m, stub.Synthesize(m, timeout=60)) for m in items]
+      for m, call in calls:
+        try:
+          out = list(call)
+          code = C.OK
+          counts["tokens"] += out[-1].final.usage.tokens_out
+          counts["ran_explicit_path"] += bool(m.path)
+          counts["ran_with_stops"] += bool(m.stop_strings)
+        except grpc.RpcError as e:
+          code = e.code()
+          assert e.details(), m
+        counts["requests"] += 1
+        counts["crashes"] += code in (C.UNKNOWN, C.INTERNAL)
+        counts["wrong"] += code not in RUN_ALLOWED
+        statuses[code.name] = statuses.get(code.name, 0) + 1
+        assert code in RUN_ALLOWED, (code, m)
+
+    with ch:
+      batch()
+      health = health_pb2_grpc.HealthStub(ch)
+      assert health.Check(health_pb2.HealthCheckRequest(), timeout=30).status == health_pb2.HealthCheckResponse.SERVING
+      final = list(stub.Synthesize(pb.SynthesizeRequest(prompt="The quick brown fox", max_tokens=4), timeout=120))
+      assert final[-1].final.usage.tokens_out >= 1
+    assert srv.call(lambda: srv.app.service.scheduler.wait_idle(60))
+    service_statuses = dict(srv.app.service.statuses)
+  print(f"fuzz (model): {counts}, statuses {statuses}")
+  assert counts["requests"] == RUN_BATCH * RUN_EXAMPLES and counts["crashes"] == counts["wrong"] == 0
+  assert statuses.get("OK", 0) >= counts["requests"] // 3 and counts["tokens"] > 0, statuses  # the model ran
+  assert counts["ran_explicit_path"] > 0 and counts["ran_with_stops"] > 0, counts
+  assert statuses.get("INVALID_ARGUMENT", 0) > 0  # and the hostile values were refused
+  assert "UNKNOWN" not in service_statuses and "INTERNAL" not in service_statuses, service_statuses
