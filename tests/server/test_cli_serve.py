@@ -101,3 +101,17 @@ def test_client_streams_from_serve_and_sigterm_drains(serve_process, capsys):
     rest = list(stream)
   assert rest[-1].final.finish_reason == "length" and rest[-1].final.usage.tokens_out == 40
   assert proc.wait(120) == 0
+
+
+def test_the_server_predicts_in_its_slot_engines_context():
+  """A continuous-batching server predicts with what its slot engines learned (the context its requests teach),
+  never with a one-shot program's corrections; the simple scheduler runs each request as a plain program."""
+  import types
+
+  from server.config import ServerConfig
+  from thoughtjax.cli.serve import serving_context
+
+  registry = types.SimpleNamespace(weights="native")
+  ctx = serving_context(ServerConfig(max_concurrent=6), registry, "xla")
+  assert (ctx.engine, ctx.weights, ctx.batch, ctx.kernels) == ("slots", "native", 6, "xla")
+  assert serving_context(ServerConfig(scheduler="simple"), registry, "xla") is None

@@ -84,7 +84,8 @@ def cmd_serve(args) -> int:
     # first (health NOT_SERVING, calls UNAVAILABLE) and serves once this returns.
     from thoughtjax.synthesis.default_registry import ensure_default
 
-    return Synthesizer.open(registry if registry is not None else ensure_default(), kernels=args.kernels)
+    reg = registry if registry is not None else ensure_default()
+    return Synthesizer.open(reg, kernels=args.kernels, context=serving_context(config, reg, args.kernels))
 
   def on_port(port: int) -> None:
     print(f"serving on {config.bind}:{port}", flush=True)
@@ -94,6 +95,20 @@ def cmd_serve(args) -> int:
 
   asyncio.run(serve(None, config, load=load, on_port=on_port, on_metrics_port=on_metrics_port))
   return 0
+
+
+def serving_context(config, registry, kernels: str | None):
+  """The latency context a server's plans are predicted in: its slot engines' (continuous batching decodes
+  ``max_concurrent`` slots every chunk), so the server predicts with what those engines taught and never
+  with a one-shot program's corrections; ``None`` (a plain program per request) for the simple scheduler."""
+  # Imported here: the command line starts without JAX and the synthesis stack.
+  from thoughtjax.kernels.dispatch import resolve as resolve_kernels
+  from thoughtjax.synthesis.latency import LatencyContext
+
+  if config.scheduler != "continuous":
+    return None
+  weights = getattr(registry, "weights", None) or "f32"
+  return LatencyContext("slots", weights, int(config.max_concurrent), resolve_kernels(kernels))
 
 
 def cmd_client(args) -> int:
