@@ -10,9 +10,9 @@ Grammar (whitespace-insensitive)::
 ``blocks[a:b)`` is always half-open. A *variant* names a lossy weight form of the same thoughtlet
 (``int8``: per-row int8, see :mod:`thoughtjax.formats`); it is one of :data:`VARIANTS`, a closed set of
 words, so ``@int8`` is never read as a version. A version is any other text without commas or ``@``
-(in a registry a prefix of the hex versioned hash, e.g. ``3fa2``; hex never spells a variant); no
+(in a registry a prefix of the hex versioned hash, e.g. ``3fa2c01b9e4d`` (at least 12 hex digits); hex never spells a variant); no
 version means the registry's current one. ``blocks[0:10)@int8`` runs layers 0..9 from their int8
-variant, ``blocks[0:10)@int8@3fa2`` pins a version of it, and a path may mix variants:
+variant, ``blocks[0:10)@int8@3fa2c01b9e4d`` pins a version of it, and a path may mix variants:
 ``embed, blocks[0:10)@int8, blocks[10:30), head``. In a registry the variant is a thoughtlet of its
 own, named with its suffix (``blocks[0:10)@int8``, see :attr:`Ref.unit`).
 """
@@ -84,7 +84,7 @@ def parse_path(text: str) -> list[Ref]:
     if len(suffixes) > 1:
       raise PathSyntaxError(
         f"item {i} {item!r}: expected name[@variant][@version] with variant one of {', '.join(VARIANTS)} "
-        f"(e.g. blocks[0:10)@int8 or blocks[0:10)@int8@3fa2); {suffixes[0]!r} is not a variant, so only one "
+        f"(e.g. blocks[0:10)@int8 or blocks[0:10)@int8@3fa2c01b9e4d); {suffixes[0]!r} is not a variant, so only one "
         f"version may follow"
       )
     version = (suffixes[0] if suffixes else "") or None
