@@ -55,8 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from thoughtjax.decode.stream import Delta, Trace
-from thoughtjax.decode.stream import Rows as _Rows
+from thoughtjax.decode.stream import Delta, Rows, Trace
 from thoughtjax.errors import UserError
 from thoughtjax.model import GraphDefs, kv_cache_shape, merge_path, path_config, rope_tables, run_path
 from thoughtjax.program import COMPILE_CLOCK, ProgramKey, bucket
@@ -111,7 +110,7 @@ class Prefilled:
   done: bool
   count: int
   trace: Trace
-  rows: _Rows
+  rows: Rows
   row: int = 0
   batch: int = 1  # requests prefilled in the same call (padding rows not counted)
 
@@ -122,11 +121,11 @@ class _Request(NamedTuple):
   ids: list[int]
   params: SamplingParams
   trace: Trace
-  rows: _Rows
+  rows: Rows
 
 
 class SlotRun:
-  """One request in a slot engine: iterate for :class:`~thoughtjax.engine.Delta`s (blocking until the
+  """One request in a slot engine: iterate for :class:`~thoughtjax.decode.stream.Delta`s (blocking until the
   engine produced them), ``cancel()`` from any thread, ``trace`` as a Generation's.
 
   ``slot`` is the slot it held (None when it finished at its prefill); ``chunks_at_cancel`` and
@@ -430,7 +429,7 @@ class SlotEngine:
     key: ProgramKey = gen.trace.program
     gen.close()
     trace = Trace(key, [ids], time.perf_counter(), tokens_out=[0])
-    return _Request(ids, params, trace, _Rows(self.model.codec, [params], [stops]))
+    return _Request(ids, params, trace, Rows(self.model.codec, [params], [stops]))
 
   def prefill(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Prefilled:
     """Run one request's prefill; takes no slot. Any thread."""

@@ -197,7 +197,7 @@ def _draft_line(draft: DraftPlan | None, ref: bool) -> str:
 
 
 def path_hash_of(units: Sequence[Unit], draft: DraftPlan | None = None) -> str:
-  """A path's identity: the same hash as :func:`thoughtjax.compose.path_hash` over its resolved units
+  """A path's identity: the same hash as :func:`thoughtjax.assembly.path_hash` over its resolved units
   (a speculative candidate's also covers its draft)."""
   return hashlib.sha3_256(("\n".join(u.ref for u in units) + _draft_line(draft, True)).encode()).hexdigest()[:16]
 

@@ -129,7 +129,7 @@ class SynthesisTrace:
 
 class SynthesisResult:
   """One synthesized request: ``plan``, a stream of deltas (iterate it), ``trace`` (filled in as it runs;
-  complete once the stream ends), ``cancel()``/``close()`` like a :class:`~thoughtjax.engine.Generation`."""
+  complete once the stream ends), ``cancel()``/``close()`` like a :class:`~thoughtjax.decode.stream.Generation`."""
 
   def __init__(self, plan: Plan, generation, trace: SynthesisTrace, on_done, t_request: float):
     self.plan, self.generation, self.trace = plan, generation, trace
