@@ -510,7 +510,7 @@ class SynthesizerService:
   def _path_types(path: str, s: _Serving) -> _PathShape:
     """An explicit path resolved and type-checked against ``s``'s manifests, no weights restored (a path
     already composed for a Synthesize is reused)."""
-    from thoughtjax.compose import check_chain, path_hash, resolve
+    from thoughtjax.assembly import check_chain, path_hash, resolve
 
     with s.paths_lock:
       got = s.paths.get(path)

@@ -76,17 +76,20 @@ def test_a_run_leaves_the_users_home_and_cache_byte_identical(tmp_path):
   assert after == before
 
 
-def test_this_run_uses_a_cache_of_its_own_outside_the_home_directory():
+def test_this_run_uses_a_cache_of_its_own_outside_the_home_directory(monkeypatch):
   from thoughtjax.fetch import cache_dir
   from thoughtjax.program import configure_compilation_cache
-  from thoughtjax.synthesis.corrections import corrections_path
+  from thoughtjax.synthesis.corrections import ENV, corrections_path
+
+  monkeypatch.delenv(ENV, raising=False)  # the tiny synthesis tests turn learning off for their worker
 
   home = Path(os.path.expanduser("~")).resolve()
   run = Path(os.environ[isolation.RUN_ENV]).resolve()
   for p in (cache_dir(), corrections_path(), Path(configure_compilation_cache())):
     assert home not in p.resolve().parents and p.resolve() != home
   assert run in cache_dir().resolve().parents or os.environ.get(isolation.KEEP_ENV)
-  for name in isolation.OVERRIDES:
-    assert name not in os.environ
+  for name in isolation.OVERRIDES:  # unset by the run; a test module may name a file of its own, never home's
+    v = os.environ.get(name)
+    assert v is None or v == "off" or home not in Path(v).resolve().parents, (name, v)
   for name in isolation.TOOL_DIRS:
     assert Path(os.environ[name]).resolve().is_relative_to(run)

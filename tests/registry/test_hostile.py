@@ -303,7 +303,7 @@ def test_writer_lock_refuses_a_linked_lock_file(reg_dir, sentinel):
 
 
 def test_a_short_version_prefix_is_refused_with_the_rule(reg_dir):
-  from thoughtjax.compose import resolve
+  from thoughtjax.assembly import resolve
   from thoughtjax.registry import UnknownThoughtletError
 
   reg = Registry.open(reg_dir)
@@ -356,7 +356,7 @@ def test_the_failure_record_keeps_counts_and_the_last_details(reg_dir):
 
 
 def test_a_path_of_many_repeated_pieces_checks_each_manifest_once(reg_dir, monkeypatch):
-  from thoughtjax.compose import resolve
+  from thoughtjax.assembly import resolve
   from thoughtjax.registry import trust
 
   calls = []
