@@ -76,7 +76,7 @@ def test_a_new_synthesizer_predicts_with_what_an_earlier_one_learned(reg, store)
   assert all(v["context"] == j["latency_context"] for v in j["corrections"].values())
   assert {s: v["observations"] for s, v in j["corrections"].items()} == dict(plan.predicted.observations)
   if plan.predicted.context == first.context:
-    assert j["corrections"]["decode"]["observations"] == 1
+    assert j["corrections"]["decode"]["observations"] == again.observations["decode"]
   # Without the file, the calibration alone.
   fresh = Synthesizer.open(reg, learned_corrections=False).latency.predict(ran, 12, 9)
   assert not fresh.corrections and fresh.decode != pytest.approx(learned.decode)
