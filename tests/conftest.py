@@ -75,3 +75,28 @@ def hf_default_model():
 def pytest_unconfigure(config):
   """The process that made the run's cache removes it at the end (xdist workers end before it)."""
   isolation.leave_run(RUN)
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+  """Durable writes, observed: events in call order, ``("fsync", path)`` / ``("rename", src, dst)``; an fsync's
+  path is read back from its fd."""
+  events: list = []
+  real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+
+  def fsync(fd):
+    events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+    return real_fsync(fd)
+
+  def rename(src, dst, *a, **kw):
+    events.append(("rename", str(src), str(dst)))
+    return real_rename(src, dst, *a, **kw)
+
+  def replace(src, dst, *a, **kw):
+    events.append(("rename", str(src), str(dst)))
+    return real_replace(src, dst, *a, **kw)
+
+  monkeypatch.setattr(os, "fsync", fsync)
+  monkeypatch.setattr(os, "rename", rename)
+  monkeypatch.setattr(os, "replace", replace)
+  return events

@@ -156,11 +156,11 @@ def test_a_weight_cache_writer_killed_at_any_step_leaves_no_entry_or_a_whole_one
     assert set(loading.verify_weight_cache(root).values()) == {"ok"} and len(loading.verify_weight_cache(root)) == 2
 
 
-def test_a_weight_cache_entry_is_synced_before_its_rename_and_its_directory_after(tmp_path, monkeypatch):
+def test_a_weight_cache_entry_is_synced_before_its_rename_and_its_directory_after(tmp_path, monkeypatch, recorded):
   monkeypatch.setenv("THOUGHTJAX_CACHE", str(tmp_path / "cache"))
   cfg, model = tiny_model("llama_gqa")
   gguf = write_gguf(tmp_path / "tiny.gguf", cfg, model, "F32")
-  events = _record(monkeypatch)
+  events = recorded
   loading.load_params(gguf)
   root = tmp_path / "cache" / "weights"
   (entry,) = root.glob(f"*-v{loading._CACHE_FORMAT}")
@@ -235,35 +235,12 @@ def test_a_fetch_killed_at_any_step_leaves_the_old_file_or_none(known, tmp_path,
     assert _temporaries(target.parent) == [], (point, nth, mode)
 
 
-def test_a_fetched_model_is_synced_before_its_rename_and_its_directory_after(known, tmp_path, monkeypatch):
+def test_a_fetched_model_is_synced_before_its_rename_and_its_directory_after(known, tmp_path, monkeypatch, recorded):
   name, _, _ = known
   monkeypatch.setenv("THOUGHTJAX_CACHE", str(tmp_path / "cache"))
-  events = _record(monkeypatch)
+  events = recorded
   target = fetch_lib.fetch(name, progress=False)
   for final in (target, target.with_name(target.name + ".verified.json")):
     (r,) = [i for i, e in enumerate(events) if e[0] == "rename" and e[2] == str(final)]
     assert ("fsync", events[r][1]) in events[:r], final
     assert ("fsync", str(target.parent)) in events[r:], final
-
-
-def _record(monkeypatch) -> list:
-  """Events in call order: ("fsync", path) / ("rename", src, dst); fsync paths read back from the fd."""
-  events: list = []
-  real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
-
-  def fsync(fd):
-    events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
-    return real_fsync(fd)
-
-  def rename(src, dst, *a, **kw):
-    events.append(("rename", str(src), str(dst)))
-    return real_rename(src, dst, *a, **kw)
-
-  def replace(src, dst, *a, **kw):
-    events.append(("rename", str(src), str(dst)))
-    return real_replace(src, dst, *a, **kw)
-
-  monkeypatch.setattr(os, "fsync", fsync)
-  monkeypatch.setattr(os, "rename", rename)
-  monkeypatch.setattr(os, "replace", replace)
-  return events

@@ -4,40 +4,14 @@ fsync and rename calls of a real publish and a real build."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import jax
-import pytest
 
 from tests.registry.helpers import TINY_SPANS, mapping_text
 from thoughtjax.registry import Registry, build, dir_name
 
 UPDATED = ("blocks[0:2)", "head")
-
-
-@pytest.fixture
-def recorded(monkeypatch):
-  """Events in call order: ("fsync", path) / ("rename", src, dst); fsync paths read back from the fd."""
-  events: list = []
-  real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
-
-  def fsync(fd):
-    events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
-    return real_fsync(fd)
-
-  def rename(src, dst, *a, **kw):
-    events.append(("rename", str(src), str(dst)))
-    return real_rename(src, dst, *a, **kw)
-
-  def replace(src, dst, *a, **kw):
-    events.append(("rename", str(src), str(dst)))
-    return real_replace(src, dst, *a, **kw)
-
-  monkeypatch.setattr(os, "fsync", fsync)
-  monkeypatch.setattr(os, "rename", rename)
-  monkeypatch.setattr(os, "replace", replace)
-  return events
 
 
 def _first(events, pred) -> int:
