@@ -427,7 +427,8 @@ class ContinuousScheduler(SimpleScheduler):
           s.cancel()
           s.freed.wait()
           if s.cancelled_at is not None:
-            record.cancel_to_free_s = s.freed_at - s.cancelled_at
+            # A run that ended on its own while cancel() was being called was free before the cancel: 0.
+            record.cancel_to_free_s = max(0.0, s.freed_at - s.cancelled_at)
           record.decode_chunks_end = s.trace.decode_chunks
           record.tokens_out = sum(s.trace.tokens_out)
         else:
