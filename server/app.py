@@ -362,6 +362,7 @@ class SynthesizerService:
   def validate(self, m: pb.SynthesizeRequest, deadline_s: float | None, serving: _Serving | None = None) -> Request:
     """A :class:`Request` on ``serving`` (default: the current one), or :class:`_Refused` naming the field
     (no model work; tokenization only)."""
+    from thoughtjax.decode.masks import grammars_for
     from thoughtjax.sampling import SamplingParams
     from thoughtjax.synthesis.hints import normalize_hints
 
@@ -439,11 +440,20 @@ class SynthesizerService:
       stop_token_ids=tuple(m.stop_token_ids),
       stop_strings=tuple(stops),
     )
+    for field in ("json_schema", "regex", "grammar"):
+      if getattr(m, field):
+        sampling[field] = getattr(m, field)
     try:
       # The library's one check of every numeric field (types' ranges, finiteness, the vocabulary).
-      SamplingParams(max_tokens=n, **sampling).check_model(s.vocab)
+      params = SamplingParams(max_tokens=n, **sampling)
+      params.check_model(s.vocab)
     except UserError as e:
       raise bad(f"sampling: {e}") from None
+    if params.constraint is not None:
+      try:  # compiled against the tokenizer now (then cached), so a bad one is refused before any model work
+        grammars_for(codec, s.vocab).check(params.constraint)
+      except UserError as e:
+        raise bad(str(e)) from None
     path = m.path or None
     if path is not None:
       self._check_path(path, s)
@@ -482,12 +492,15 @@ class SynthesizerService:
 
   # ---- the library calls (on worker threads) ----------------------------------------------
   def _plan(self, r: Request):
+    from thoughtjax.sampling import SamplingParams
+
     return r.serving.syn.plan(
       list(r.prompt_ids),
       list(r.hints) or None,
       max_latency_ms=r.max_latency_ms,
       max_tokens=r.max_tokens,
       pin_sequence=r.pin_sequence,
+      constraint=SamplingParams(max_tokens=r.max_tokens, **r.sampling).constraint,
     )
 
   @staticmethod

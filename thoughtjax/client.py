@@ -17,6 +17,7 @@ TLS: ``ca`` (PEM bytes or path) verifies the server; ``cert``/``key`` add a clie
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -88,8 +89,12 @@ def request(
   path: str | None = None,
   registry_sequence: int | None = None,
   request_id: str = "",
+  json_schema: str | dict | None = None,
+  regex: str | None = None,
+  grammar: str | None = None,
 ):
-  """A ``thoughtjax.v1.SynthesizeRequest`` (unset optional fields take the server's defaults)."""
+  """A ``thoughtjax.v1.SynthesizeRequest`` (unset optional fields take the server's defaults); ``json_schema``
+  (JSON text or a dict), ``regex`` or ``grammar``: the output constraint, at most one."""
   from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
 
   m = pb.SynthesizeRequest(
@@ -112,6 +117,9 @@ def request(
     ("top_p", top_p),
     ("seed", seed),
     ("registry_sequence", registry_sequence),
+    ("json_schema", json_schema if json_schema is None or isinstance(json_schema, str) else json.dumps(json_schema)),
+    ("regex", regex),
+    ("grammar", grammar),
   ):
     if v is not None:
       setattr(m, name, v)

@@ -30,6 +30,7 @@ import numpy as np
 
 from thoughtjax import assembly, speculative
 from thoughtjax import program as program_lib
+from thoughtjax.decode.masks import RowMasks, grammars_for
 from thoughtjax.decode.stream import Completion, Delta, Generation, RequestError, Rows, Trace
 from thoughtjax.kernels.dispatch import resolve as resolve_kernels
 from thoughtjax.loading import LoadedModel
@@ -72,9 +73,15 @@ class _Request(NamedTuple):
   samp: SamplingArrays
 
 
-def _run_chunks(req: _Request, rows: Rows, trace: Trace, cancelled: threading.Event) -> Iterator[Delta]:
-  """Prefill, then one decode chunk per round, each only after the previous deltas were taken."""
+def _run_chunks(
+  req: _Request, rows: Rows, trace: Trace, cancelled: threading.Event, masks: RowMasks | None = None
+) -> Iterator[Delta]:
+  """Prefill, then one decode chunk per round, each only after the previous deltas were taken.
+
+  With ``masks`` (a constrained batch; the program decodes one step per call) each call gets every row's
+  allowed-token mask from its matcher, and the matchers advance by the tokens the call sampled."""
   prog = req.program
+  samp = (lambda: req.samp) if masks is None else (lambda: req.samp._replace(allowed=masks.device()))
   try:
     if cancelled.is_set():  # cancelled before it started: no device work at all
       trace.cancelled = True
@@ -82,12 +89,14 @@ def _run_chunks(req: _Request, rows: Rows, trace: Trace, cancelled: threading.Ev
       return
     trace.device_start = time.perf_counter()
     with COMPILE_CLOCK.measure() as compile_s:
-      state = prog.advance(req.parts, req.prompt, req.pad, req.samp, prog.init_state(req.parts))
+      state = prog.advance(req.parts, req.prompt, req.pad, samp(), prog.init_state(req.parts))
       step, done, out, count = jax.device_get((state.step, state.done, state.out, state.count))
     trace.compile_s = compile_s[0]
     trace.first_token = time.perf_counter()
     seen = 0
     while True:
+      if masks is not None:
+        masks.advance(out, done, seen, int(step))
       yield from rows.chunk(out, done, count, seen, int(step))
       seen = int(step)
       if rows.all_finished or seen >= prog.key.max_new:
@@ -96,7 +105,7 @@ def _run_chunks(req: _Request, rows: Rows, trace: Trace, cancelled: threading.Ev
         trace.cancelled = True
         yield from rows.cancel()
         return
-      state = prog.advance(req.parts, req.prompt, req.pad, req.samp, state)
+      state = prog.advance(req.parts, req.prompt, req.pad, samp(), state)
       trace.decode_chunks += 1
       step, done, out, count = jax.device_get((state.step, state.done, state.out, state.count))
   finally:
@@ -440,6 +449,16 @@ class Model:
         f"shorten the prompt or lower max_tokens"
       )
     stops = [stop_ids_for(p, self.codec.eos_ids) for p in params]
+    constraints = [p.constraint for p in params]
+    masks = None
+    if RowMasks.needed(constraints):
+      if draft is not None or stream_mode != "chunks":
+        raise RequestError(
+          "json_schema / regex / grammar decode one step per call in chunks; drop draft= and stream_mode="
+          "'callback', or drop the constraint"
+        )
+      # Compiled (or refused with a ConstraintError) before any device work.
+      masks = RowMasks(grammars_for(self.codec, self.config.vocab_size), constraints, bucket(len(ids), 1))
     if draft is not None:
       if stream_mode != "chunks":
         raise RequestError(f"draft= streams in chunks; got stream_mode={stream_mode!r}, drop it or drop draft=")
@@ -452,9 +471,10 @@ class Model:
       stop_width=bucket(max(len(s) for s in stops), 4),
       mode=program_mode(params),
       has_bias=any(p.logit_bias for p in params),
-      chunk=self.chunk,
+      chunk=1 if masks else self.chunk,  # each step's mask depends on the token before it
       kernels=self.kernels,
       template=None if template is None else template.widths,
+      masked=masks is not None,
     )
     prog = program_lib.PROGRAMS.get(key, self._defs, self.config)
     B, T = key.batch, key.prompt_len
@@ -481,7 +501,8 @@ class Model:
     cancelled = threading.Event()
     runner = _run_chunks if stream_mode == "chunks" else _run_callback
     rows = Rows(self.codec, params, stops)
-    return Generation(runner(req, rows, trace, cancelled), trace, cancelled, inputs=(self, ids, list(params)))
+    run = runner(req, rows, trace, cancelled) if masks is None else _run_chunks(req, rows, trace, cancelled, masks)
+    return Generation(run, trace, cancelled, inputs=(self, ids, list(params)))
 
   def stream(
     self,

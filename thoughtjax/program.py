@@ -5,7 +5,7 @@ Model code never calls ``jax.jit``: generation (:class:`Program`) and scoring
 thoughtlet profiling (one thoughtlet alone) and the benchmarks.
 
 A program serves one key: (path, batch bucket, prompt bucket, new-token bucket,
-stop-set width, sampling mode, bias on/off, decode chunk, kernels, template widths), and the
+stop-set width, sampling mode, bias on/off, decode chunk, kernels, template widths, masked), and the
 graph definitions and model config it was built for. Its single entry point
 ``advance(parts, prompt, pad, sampling, state)`` runs, inside XLA,
 
@@ -89,6 +89,7 @@ class ProgramKey:
   chunk: int = DEFAULT_CHUNK
   kernels: str | None = None  # implementation of both kernels (sampler, template embed); None = per backend
   template: tuple[int, int] | None = None  # (P1, P2): prompts arrive as TemplatePrompt
+  masked: bool = False  # sampling takes per-row allowed-token bitmasks (constrained decoding; chunk 1)
 
   @property
   def cache_len(self) -> int:  # S

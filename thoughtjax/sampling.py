@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from thoughtjax.decode.constraint import Constraint
 from thoughtjax.errors import UserError
-from thoughtjax.kernels.sample_stop import sample_stop
+from thoughtjax.kernels.sample_stop import sample_stop, unpack_allowed
 
 
 class SamplingError(UserError, ValueError):
@@ -51,6 +52,12 @@ class SamplingParams:
   stop_token_ids: Sequence[int] = ()
   stop_strings: Sequence[str] = ()
   ignore_eos: bool = False  # keep generating past the end-of-sequence token (benchmarks)
+  # Constrained decoding, at most one: a JSON Schema (JSON text or a dict), a regular expression the whole
+  # output matches, or a grammar (see :mod:`thoughtjax.decode.constraint`). Each step samples only tokens
+  # that keep the output a prefix of that language; end-of-sequence only once the output is complete.
+  json_schema: str | Mapping | None = None
+  regex: str | None = None
+  grammar: str | None = None
 
   def __post_init__(self):
     # Every numeric setting is checked for its type's range here, so a value past int32 or a NaN is a
@@ -73,6 +80,14 @@ class SamplingParams:
     for s in self.stop_strings:
       if not isinstance(s, str):
         raise SamplingError(f"stop_strings: each must be a string, got {s!r}")
+    # At most one constraint, each well-formed text (ConstraintError names which); compiling it against a
+    # tokenizer happens where the model is known.
+    object.__setattr__(self, "_constraint", Constraint.of(self.json_schema, self.regex, self.grammar))
+
+  @property
+  def constraint(self) -> Constraint | None:
+    """The request's output constraint, or None."""
+    return self._constraint
 
   def check_model(self, vocab_size: int, max_context: int | None = None, prompt_tokens: int = 0) -> None:
     """Raise :class:`SamplingError` unless every id and count fits a model of ``vocab_size`` tokens and
@@ -131,6 +146,7 @@ class SamplingArrays(NamedTuple):
   max_new: jax.Array  # [B] i32
   stop_ids: jax.Array  # [B, M] i32, -1 padded
   logit_bias: jax.Array | None  # [B, V] f32
+  allowed: jax.Array | None = None  # [B, ceil(V / 32)] u32 bitmask of the tokens each row may take (constraints)
 
 
 def sampling_arrays(
@@ -177,6 +193,8 @@ def top_p_mask(logits: jax.Array, s: SamplingArrays) -> jax.Array:
   x = logits.astype(jnp.float32)
   if s.logit_bias is not None:
     x = x + s.logit_bias
+  if s.allowed is not None:  # the nucleus of what the constraint allows, as the fused sampler sees it
+    x = jnp.where(unpack_allowed(s.allowed, x.shape[-1]), x, -jnp.inf)
   x = x / jnp.maximum(s.temperature, 1e-6)[:, None]
   order = jnp.sort(x, axis=-1)[:, ::-1]  # [B, V] descending
   V = x.shape[-1]
@@ -206,5 +224,6 @@ def sample(
     step=step,
     stop_ids=s.stop_ids,
     logit_bias=s.logit_bias,
+    allowed=s.allowed,
     implementation=implementation,
   )

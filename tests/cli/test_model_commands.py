@@ -88,3 +88,51 @@ def test_chat_answer_on_the_default_model():
   r = _cli("generate", "--chat", "--prompt", "What is the capital of France?", "--temperature", "0")
   assert r.returncode == 0, r.stderr
   assert r.stdout.strip() == "The capital of France is Paris."
+
+
+def test_generate_with_a_regex_prints_text_in_the_language(tiny_dir, tmp_path):
+  import re
+
+  r = _cli(
+    "generate",
+    "--model",
+    str(tiny_dir),
+    "--prompt",
+    "hello",
+    "--max-tokens",
+    "12",
+    "--regex",
+    "(yes|no)[0-9]{1,3}",
+    "--json",
+    env={"THOUGHTJAX_CACHE": str(tmp_path)},
+  )
+  assert r.returncode == 0, r.stderr
+  out = json.loads(r.stdout)
+  assert out["finish_reason"] == "stop" and re.fullmatch("(yes|no)[0-9]{1,3}", out["text"])
+
+
+@pytest.mark.parametrize(
+  ("flags", "says"),
+  [
+    (["--regex", "(unclosed"], "regex"),
+    (["--json-schema", "{schema}"], "json_schema"),
+    (["--json-schema", "{missing}"], "--json-schema"),
+  ],
+)
+def test_a_bad_constraint_is_one_line_and_exit_2(tiny_dir, tmp_path, capsys, flags, says):
+  from thoughtjax import cli
+
+  schema = tmp_path / "schema.json"
+  schema.write_text('{"type": "object", "properties": {"a": {"type": "nope"}}}')
+  argv = [f.format(schema=schema, missing=tmp_path / "missing.json") for f in flags]
+  assert cli.main(["generate", "--model", str(tiny_dir), "--prompt", "hi", "--max-tokens", "2", *argv]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and says in err[0] and "error" in err[0]
+
+
+def test_two_constraints_are_a_usage_error(tiny_dir, capsys):
+  from thoughtjax import cli
+
+  with pytest.raises(SystemExit) as e:
+    cli.main(["generate", "--model", str(tiny_dir), "--prompt", "hi", "--regex", "a", "--grammar", "g.lark"])
+  assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err

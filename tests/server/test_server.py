@@ -97,6 +97,10 @@ def test_plan_list_stats_reload_and_an_explicit_path(served, tiny_registry):
     ({"prompt": "x", "request_id": "\x00" * 3}, C.INVALID_ARGUMENT, "request_id"),
     ({"prompt": "x " * 3000, "max_tokens": 2000}, C.OUT_OF_RANGE, "exceeds the model's context"),
     ({"prompt": "x", "registry_sequence": 999}, C.FAILED_PRECONDITION, "pins 999"),
+    ({"prompt": "x", "json_schema": "{not json"}, C.INVALID_ARGUMENT, "json_schema"),
+    ({"prompt": "x", "regex": "(unclosed"}, C.INVALID_ARGUMENT, "regex"),
+    ({"prompt": "x", "grammar": "start: ???"}, C.INVALID_ARGUMENT, "grammar"),
+    ({"prompt": "x", "regex": "a+", "json_schema": '{"type": "object"}'}, C.INVALID_ARGUMENT, "at most one"),
   ],
 )
 def test_each_bad_request_gets_its_status_and_a_fix(served, fields, code, match):
@@ -105,6 +109,17 @@ def test_each_bad_request_gets_its_status_and_a_fix(served, fields, code, match)
     for method in (stub.GetOptimalPath, stub.Synthesize):
       got, details = code_of(method, pb.SynthesizeRequest(**fields), timeout=60)
       assert got == code and match in details, (method, got, details)
+
+
+def test_a_constrained_request_streams_text_in_its_language_and_the_plan_says_so(served):
+  import re
+
+  pattern = "(yes|no), [0-9]{1,3}"
+  with Client(f"127.0.0.1:{served.port}", timeout=120) as c:
+    responses = list(c.synthesize(PROMPT, ["general_purpose"], max_tokens=16, regex=pattern))
+  plan, final = responses[0].plan, responses[-1].final
+  assert final.finish_reason == "stop" and re.fullmatch(pattern, final.text), final.text
+  assert any("constrained by a regular expression" in n for n in plan.notes), list(plan.notes)
 
 
 def test_malformed_bytes_and_invalid_utf8_are_invalid_argument(served):

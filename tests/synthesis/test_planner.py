@@ -298,6 +298,33 @@ def test_a_lossless_faster_candidate_wins_the_tie_with_the_full_path():
   assert "bridge[8]@v1" in p.refs  # the draft's own units are the plan's too (restored, and a failure blocks it)
 
 
+def test_a_constrained_request_is_planned_without_speculation_in_the_masked_context():
+  """A draft never sees the grammar's masks: a constrained request gets the best plan without one, predicted one
+  step per call (its own latency context, with the mask's cost), and the plan says the output is constrained."""
+  from thoughtjax.synthesis.candidate import DraftPlan
+  from thoughtjax.synthesis.latency import MASKED_STEP_MS
+
+  bridge = Unit("bridge[8]", "v1", 1 * MB, 0, "bridge")
+  full = CANDIDATES["full"]
+  prefix = [u for u in full.units if u.layers][:1]
+  draft = DraftPlan(", ".join(u.ref for u in (EMBED, *prefix, bridge, HEAD)), 4, None, (bridge,), prefix[0].layers)
+  spec = Candidate.build(full.path, "speculative", full.units, draft)
+  lat = dataclasses.replace(latency_params(), corrections={"paths": {spec.path_hash: {"decode": 0.5}}})
+  cands = {**CANDIDATES, "spec": spec}
+  lossless = {h: HintQuality(q(1.0, 0.0, 0.0), q(1.0, 0.0, 0.0)) for h in FLOORS}
+  cal = Calibration(SEQUENCE, "cpu:test", tuple(cands.values()), {spec.path_hash: lossless}, lat)
+  planner = Planner(cal, FLOORS)
+  free = planner.plan(PlanRequest(("legal_analysis",), 40, 64, 1e9))
+  assert free.kind == "speculative" and free.predicted.context.engine == "plain"
+  bound = planner.plan(PlanRequest(("legal_analysis",), 40, 64, 1e9, constraint="JSON schema (120 characters)"))
+  assert bound.draft is None and bound.path_hash == full.path_hash and not bound.degraded
+  assert bound.predicted.context.engine == "masked" and bound.predicted.context.batch == 1
+  assert any("constrained by a JSON schema (120 characters)" in n for n in bound.notes)
+  assert [r.why for r in bound.rejected if r.path_hash == spec.path_hash] == ["unavailable"]
+  alone = LatencyModel(cal.latency).predict(full, 40, 64)
+  assert bound.predicted.decode == pytest.approx(alone.decode + 63 * MASKED_STEP_MS)
+
+
 def test_same_pin_same_plan_and_another_sequence_is_refused():
   cal = calibration()
   r = PlanRequest(("general_purpose", "fast_draft"), 100, 32, 800.0, corrections={"genral_purpose": "general_purpose"})

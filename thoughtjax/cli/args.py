@@ -57,6 +57,32 @@ def add_kernels_arg(p: argparse.ArgumentParser) -> None:
   )
 
 
+def add_constraint_args(p: argparse.ArgumentParser) -> None:
+  """``--json-schema FILE``, ``--regex PATTERN``, ``--grammar FILE``: at most one (argparse refuses two)."""
+  g = p.add_mutually_exclusive_group()
+  g.add_argument("--json-schema", default=None, metavar="FILE", help="the output is JSON that validates against it")
+  g.add_argument("--regex", default=None, metavar="PATTERN", help="the whole output matches this regular expression")
+  g.add_argument(
+    "--grammar", default=None, metavar="FILE", help="the output is a sentence of this grammar (Lark or GBNF)"
+  )
+
+
+def constraint_kwargs(args) -> dict:
+  """The SamplingParams fields of the constraint flags, files read (a missing one: :class:`CommandLineError`)."""
+  out = {}
+  for flag, field in (("--json-schema", "json_schema"), ("--grammar", "grammar")):
+    given = getattr(args, field, None)
+    if given is not None:
+      path = existing_path(given, flag)
+      try:
+        out[field] = path.read_text(encoding="utf-8")
+      except UnicodeDecodeError:
+        raise CommandLineError(f"{flag} {given}: expected UTF-8 text; save it as UTF-8") from None
+  if getattr(args, "regex", None) is not None:
+    out["regex"] = args.regex
+  return out
+
+
 def add_trust_args(p: argparse.ArgumentParser, *, keys_help: str | None = None) -> None:
   p.add_argument(
     "--public-key",

@@ -6,7 +6,15 @@ import argparse
 import json
 import sys
 
-from thoughtjax.cli.args import CommandLineError, add_kernels_arg, add_trust_args, model_source, registry_weights
+from thoughtjax.cli.args import (
+  CommandLineError,
+  add_constraint_args,
+  add_kernels_arg,
+  add_trust_args,
+  constraint_kwargs,
+  model_source,
+  registry_weights,
+)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -112,6 +120,7 @@ def cmd_generate(args) -> int:
     top_p=args.top_p,
     seed=args.seed,
     stop_strings=tuple(args.stop or ()),
+    **constraint_kwargs(args),
   )
   ids: list[int] = []
   text, reason = "", None
@@ -211,6 +220,7 @@ def add_parsers(sub) -> None:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--stop", action="append", help="stop string (repeatable)")
   p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+  add_constraint_args(p)
   p.add_argument(
     "--draft",
     default=None,

@@ -25,8 +25,10 @@ import time
 
 from thoughtjax.cli.args import (
   CommandLineError,
+  add_constraint_args,
   add_kernels_arg,
   add_trust_args,
+  constraint_kwargs,
   existing_path,
   open_registry,
   registry_weights,
@@ -152,9 +154,23 @@ def _plan_text(plan, explain: bool, latency=None) -> str:
 
 
 def cmd_plan(args) -> int:
+  from thoughtjax.sampling import SamplingParams
+
   reg = _registry(args)
   syn = _synthesizer(args, reg)
-  plan = syn.plan(args.prompt, args.hint, max_latency_ms=_budget(args), max_tokens=args.max_tokens, chat=args.chat)
+  constraint = SamplingParams(**constraint_kwargs(args)).constraint  # checked as synthesize would
+  if constraint is not None:
+    from thoughtjax.decode.masks import grammars_for
+
+    grammars_for(reg.codec, int(reg.config.vocab_size)).check(constraint)
+  plan = syn.plan(
+    args.prompt,
+    args.hint,
+    max_latency_ms=_budget(args),
+    max_tokens=args.max_tokens,
+    chat=args.chat,
+    constraint=constraint,
+  )
   _print_corrections(plan)
   if args.json:
     print(json.dumps(plan.to_json()))
@@ -177,6 +193,7 @@ def cmd_synthesize(args) -> int:
     top_p=args.top_p,
     seed=args.seed,
     stop_strings=tuple(args.stop or ()),
+    **constraint_kwargs(args),
   )
   _print_corrections(result.plan)
   if args.explain and not args.json:
@@ -461,6 +478,7 @@ def _request_args(p: argparse.ArgumentParser) -> None:
 def add_parsers(sub) -> None:
   p = sub.add_parser("plan", help="the path GetOptimalPath chooses for hints, a prompt and a latency budget")
   _request_args(p)
+  add_constraint_args(p)
   p.set_defaults(fn=cmd_plan)
 
   p = sub.add_parser("synthesize", help="plan, then run the chosen path: the answer streamed, the trace on stderr")
@@ -471,6 +489,7 @@ def add_parsers(sub) -> None:
   p.add_argument("--top-p", type=float, default=1.0)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--stop", action="append", help="stop string (repeatable)")
+  add_constraint_args(p)
   p.set_defaults(fn=cmd_synthesize)
 
   p = sub.add_parser("paths", help="a hint's calibrated paths: quality against predicted latency")

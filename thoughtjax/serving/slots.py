@@ -24,7 +24,9 @@ bucket, up to the free slots), so a running stream waits for at most one prefill
 
 Decode: one program per (mode, bias on/off), compiled once per slot layout (:func:`slot_program`): up to ``chunk`` steps over all N slots
 (inactive slots compute and are ignored), ending early when every active row has stopped. Per-slot sampling
-settings are arrays (:class:`~thoughtjax.sampling.SamplingArrays`, [N] rows). A slot is freed at the end of
+settings are arrays (:class:`~thoughtjax.sampling.SamplingArrays`, [N] rows). While any slot holds a constrained
+request (json_schema, regex, grammar) the engine runs the one-step program of the same layout, each slot's
+allowed-token mask written from its grammar matcher before the step; the others allow every token. A slot is freed at the end of
 the chunk in which its row stopped (stop ids, EOS, max_tokens, a stop string found on the host) or at the
 end of the chunk running when ``cancel`` came (at once if none runs), and is reused.
 
@@ -55,6 +57,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from thoughtjax.decode.constraint import Matcher
+from thoughtjax.decode.masks import ALL, grammars_for
 from thoughtjax.decode.stream import Delta, Rows, Trace
 from thoughtjax.errors import UserError
 from thoughtjax.model import GraphDefs, kv_cache_shape, merge_path, path_config, rope_tables, run_path
@@ -113,6 +117,7 @@ class Prefilled:
   rows: Rows
   row: int = 0
   batch: int = 1  # requests prefilled in the same call (padding rows not counted)
+  matcher: Matcher | None = None  # a constrained request's grammar state, past its first token
 
 
 class _Request(NamedTuple):
@@ -122,6 +127,7 @@ class _Request(NamedTuple):
   params: SamplingParams
   trace: Trace
   rows: Rows
+  matcher: Matcher | None = None  # a constrained request's grammar state
 
 
 class SlotRun:
@@ -392,6 +398,10 @@ class SlotEngine:
     self._has_bias = [False] * N
     self._samp: tuple | None = None  # (has_bias, SamplingArrays) on the device, rebuilt after an insert
     self.program = slot_program(self.defs, self.cfg, self.layers, self.slots, self.cache_len, self.chunk, self.kernels)
+    # Constrained slots: their grammar matchers, and the allowed-token masks of every slot. While any slot
+    # holds a constrained request the engine steps one token per call (each mask depends on the token before).
+    self._matchers: list[Matcher | None] = [None] * N
+    self._words: np.ndarray | None = None
     self._state = self.program.init()
 
   # ---- host API ----------------------------------------------------------------------
@@ -429,7 +439,13 @@ class SlotEngine:
     key: ProgramKey = gen.trace.program
     gen.close()
     trace = Trace(key, [ids], time.perf_counter(), tokens_out=[0])
-    return _Request(ids, params, trace, Rows(self.model.codec, [params], [stops]))
+    c = params.constraint
+    matcher = None if c is None else self._grammars.matcher(c)
+    return _Request(ids, params, trace, Rows(self.model.codec, [params], [stops]), matcher)
+
+  @property
+  def _grammars(self):
+    return grammars_for(self.model.codec, self.cfg.vocab_size)
 
   def prefill(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Prefilled:
     """Run one request's prefill; takes no slot. Any thread."""
@@ -452,12 +468,22 @@ class SlotEngine:
     params = [r.params for r in reqs]
     has_bias = any(p.logit_bias for p in params)
     samp = sampling_arrays(params, P, self.cfg.vocab_size, self.stop_width, self.model.codec.eos_ids, has_bias)
+    masked = [p for p, r in enumerate(reqs) if r.matcher is not None]
+    if masked:
+      words = np.full((P, self._grammars.words), ALL, np.uint32)
+      for p in masked:
+        reqs[p].matcher.fill(words[p])
+      samp = samp._replace(allowed=jax.device_put(words))
     started = time.perf_counter()
     with COMPILE_CLOCK.measure() as compile_s:
       kv, token, done = self.program.prefill(
         self.parts, jnp.asarray(tokens), jnp.asarray(pad), samp, program_mode(params)
       )
       done = jax.device_get(done)
+    if masked:
+      first_tokens = jax.device_get(token)
+      for p in masked:
+        reqs[p].matcher.consume(int(first_tokens[p]))
     first = time.perf_counter()
     with self._stats_lock:
       self.prefill_calls += 1
@@ -465,7 +491,9 @@ class SlotEngine:
     out = []
     for p, r in enumerate(reqs):
       r.trace.device_start, r.trace.first_token, r.trace.compile_s = started, first, compile_s[0]
-      out.append(Prefilled(r.ids, r.params, kv, token, bool(done[p]), 1, r.trace, r.rows, row=p, batch=n))
+      out.append(
+        Prefilled(r.ids, r.params, kv, token, bool(done[p]), 1, r.trace, r.rows, row=p, batch=n, matcher=r.matcher)
+      )
     return out
 
   def warm(
@@ -578,6 +606,7 @@ class SlotEngine:
       for tok, bias in (p.logit_bias or {}).items():
         self._bias[b, int(tok)] += bias
       self._modes[b], self._has_bias[b] = p.mode, bool(p.logit_bias)
+      self._matchers[b] = pre.matcher
       self._samp = None
       self._state = self.program.insert(
         self._state,
@@ -616,6 +645,7 @@ class SlotEngine:
     run = self._runs[b]
     self.freed_total += 1  # before the slot reads as free: whoever sees it free sees it counted
     self._runs[b] = None
+    self._matchers[b] = None
     run.chunks_at_free = self.chunks
     run._end()
 
@@ -654,9 +684,15 @@ class SlotEngine:
       mode, samp = self._sampling()
       active = np.zeros(self.slots, bool)
       active[live] = True
+      program, constrained = self.program, [b for b in live if self._matchers[b] is not None]
+      if constrained:
+        program, samp = self._masked_step(samp, constrained)
       t0 = time.perf_counter()
-      self._state, out, steps = self.program.chunk(self.parts, samp, self._state, jnp.asarray(active), mode)
+      self._state, out, steps = program.chunk(self.parts, samp, self._state, jnp.asarray(active), mode)
       out, done, count, steps = jax.device_get((out, self._state.done, self._state.count, steps))
+      for b in constrained:  # out holds -1 where a slot sampled nothing (it had stopped)
+        for t in out[b][out[b] >= 0]:
+          self._matchers[b].consume(int(t))
       self.chunk_seconds.append(time.perf_counter() - t0)
       self.chunks += 1
       self.steps += int(steps)
@@ -675,6 +711,17 @@ class SlotEngine:
           self._free(b)
       self._free_cancelled()
       return new
+
+  def _masked_step(self, samp: SamplingArrays, constrained: list[int]) -> tuple[SlotProgram, SamplingArrays]:
+    """The one-step program and sampling arrays carrying every slot's allowed-token mask (unconstrained slots
+    allow everything)."""
+    if self._words is None:
+      self._words = np.full((self.slots, self._grammars.words), ALL, np.uint32)
+    self._words[:] = ALL
+    for b in constrained:
+      self._matchers[b].fill(self._words[b])
+    program = slot_program(self.defs, self.cfg, self.layers, self.slots, self.cache_len, 1, self.kernels)
+    return program, samp._replace(allowed=jax.device_put(self._words))
 
   def fail(self, error: BaseException) -> None:
     """End every run in a slot with ``error`` (a device failure): their iterators raise it."""

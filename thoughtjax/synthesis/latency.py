@@ -251,7 +251,11 @@ def _corrections_json(d: Any, where: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- contexts
-ENGINES = ("plain", "speculative", "slots")
+ENGINES = ("plain", "speculative", "slots", "masked")
+# What a constrained request's decode step costs beyond a plain one, before any correction is learned: the
+# program steps once per call instead of once per chunk, and the host fills the row's allowed-token mask
+# from its grammar matcher. Measured on the default model (BENCHMARKS.md, "Structured output").
+MASKED_STEP_MS = 1.0
 # A context's learned factors relax halfway back to the calibration's every this many seconds without a new
 # observation there (the machine, its load and its software change; an old correction is a guess).
 HALF_LIFE_S = 6 * 3600.0
@@ -265,7 +269,8 @@ class LatencyContext:
   never moves a prediction in another).
 
   ``engine``: ``plain`` (one request's own program), ``speculative`` (draft and verify in one program) or
-  ``slots`` (a slot engine's shared decode program: a server's continuous batching); ``weights``: the form
+  ``slots`` (a slot engine's shared decode program: a server's continuous batching) or ``masked`` (one
+  request's own program stepping once per call under an output constraint); ``weights``: the form
   restores give (f32, native); ``batch``: the program's batch width (1 alone; a slot engine's slot count,
   which it decodes whole every chunk whatever the rows in use); ``kernels``: the kernel implementation.
   """
@@ -303,6 +308,7 @@ class LatencyContext:
       "plain": "plain program",
       "speculative": "speculative program",
       "slots": f"slot engine of {self.batch} slots",
+      "masked": "constrained program (one step per call)",
     }[self.engine]
     batch = "" if self.engine == "slots" else f", batch {self.batch}"
     return f"{engine}, {self.weights} weights{batch}, {self.kernels} kernels"
@@ -634,6 +640,8 @@ class LatencyModel:
     key = self.program_key(c.program, T, n)
     compile_ = 0.0 if key in residency.compiled else self._compile_fit(bucket(T))(c.layers)
     A, B = c.decode.a, c.decode.b
+    if ctx.engine == "masked":
+      A += MASKED_STEP_MS
     S = bucket(T) + bucket(n)
     raw = {
       "synthesis": self.params.synthesis_ms,

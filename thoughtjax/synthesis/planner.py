@@ -129,6 +129,10 @@ class PlanRequest:
   max_tokens: int
   max_latency_ms: float
   corrections: tuple[tuple[str, str], ...] = ()
+  # The output constraint in words (e.g. "JSON schema (412 characters)"), or None. A constrained request
+  # decodes one step per call (its mask depends on the token before), so it is predicted in the ``masked``
+  # latency context and never planned speculatively (a drafted run would not see the grammar's masks).
+  constraint: str | None = None
 
   def __post_init__(self):
     hints = (self.hints,) if isinstance(self.hints, str) else tuple(self.hints)
@@ -384,6 +388,10 @@ class Planner:
     order = self._order(hints)
     failed = self._failed(unavailable)
     cands = self._cands
+    context, drafted = None, set()
+    if request.constraint is not None:
+      context = dataclasses.replace(latency_model.context, engine="masked", batch=1)
+      drafted = {i for i, c in enumerate(cands) if c.draft is not None}
 
     rejected: list[Rejection] = []
     seen: list[tuple[float, str, int, Prediction]] = []  # eligible, available, predicted
@@ -391,9 +399,13 @@ class Planner:
     best_ignoring_failures: int | None = None  # the choice had nothing failed
     for group in order.groups:
       preds = sorted(
-        (p.total, cands[i].path_hash, i, p) for i in group for p in (latency_model.predict(cands[i], T, n, residency),)
+        (p.total, cands[i].path_hash, i, p)
+        for i in group
+        for p in (latency_model.predict(cands[i], T, n, residency, context),)
       )
       for total, h, i, p in preds:
+        if i in drafted:
+          continue
         if i in failed:
           if best_ignoring_failures is None and total <= budget:
             best_ignoring_failures = i
@@ -405,6 +417,9 @@ class Planner:
         rejected.append(Rejection(cands[i].path, h, BUDGET, f"predicted {total:.4g} ms > budget {budget:.4g} ms"))
       if chosen:
         break
+    for i in sorted(drafted & order.eligible, key=lambda i: cands[i].path_hash):
+      detail = "speculative: its draft would not see the output constraint's masks; constrained output decodes alone"
+      rejected.append(Rejection(cands[i].path, cands[i].path_hash, "unavailable", detail))
     for i in sorted(failed, key=lambda i: cands[i].path_hash):
       if i not in order.eligible:
         continue
@@ -452,6 +467,11 @@ class Planner:
     c = cands[i]
     if c.draft is not None:
       notes.append(f"speculative: {c.path} verifies what {c.draft.label} drafts (the full path's tokens)")
+    if request.constraint is not None:
+      notes.append(
+        f"output constrained by a {request.constraint}: every sampled token keeps it a prefix of the language; "
+        f"decoded one step per call, each with its allowed-token mask"
+      )
     return Plan(
       path=c.path,
       refs=c.refs,

@@ -47,6 +47,7 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 
+from thoughtjax.decode.constraint import Constraint
 from thoughtjax.errors import UserError
 from thoughtjax.synthesis.calibration import Calibration
 from thoughtjax.synthesis.latency import STAGES, LatencyContext, LatencyModel, LatencyTrace, Residency
@@ -323,9 +324,11 @@ class Synthesizer:
     chat: bool = False,
     pin_sequence: int | None = None,
     unavailable=None,
+    constraint: Constraint | None = None,
   ) -> Plan:
-    """GetOptimalPath for this request (hints normalized and corrected against the dictionary)."""
-    return self._plan(prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, unavailable)[0]
+    """GetOptimalPath for this request (hints normalized and corrected against the dictionary); ``constraint``:
+    the request's output constraint (planned without speculation, predicted one step per call)."""
+    return self._plan(prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, unavailable, constraint)[0]
 
   def prompt_ids(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
     if not isinstance(prompt, str):
@@ -359,7 +362,7 @@ class Synthesizer:
     self._started |= need
     return (time.perf_counter() - t) * 1e3
 
-  def _plan(self, prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, unavailable):
+  def _plan(self, prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, unavailable, constraint=None):
     """(plan, prompt ids, synthesis ms, start-up ms)."""
     startup = self._startup(routing=not hints)
     from thoughtjax.synthesis.hints import normalize_hints
@@ -377,6 +380,7 @@ class Synthesizer:
       int(max_tokens),
       float(max_latency_ms),
       tuple((c.given, c.corrected) for c in res.corrections),
+      constraint=None if constraint is None else constraint.describe(),
     )
     plan = self.planner.plan(req, self.latency, self.residency(), pin_sequence=pin_sequence, unavailable=unavailable)
     if routed:
@@ -401,11 +405,12 @@ class Synthesizer:
     from thoughtjax.sampling import SamplingParams
 
     t_request = time.perf_counter()
+    params = SamplingParams(max_tokens=int(max_tokens), **sampling)  # refused before any planning
     unavailable: dict[str, str] = {}
     synthesis_ms = startup_ms = 0.0
     while True:
       plan, ids, ms, startup = self._plan(
-        prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, dict(unavailable) or None
+        prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, dict(unavailable) or None, params.constraint
       )
       synthesis_ms += ms
       startup_ms += startup
@@ -420,7 +425,6 @@ class Synthesizer:
         continue
       restore_ms = (time.perf_counter() - t) * 1e3
       break
-    params = SamplingParams(max_tokens=int(max_tokens), **sampling)
     with self._lock:
       self._compiled.add(plan.predicted.program_key)
     # ids already carry the chat template: the path runs them as token ids.

@@ -1,0 +1,135 @@
+"""Constrained decoding on tiny models: greedy under a constraint equals greedy of the unconstrained model with
+the disallowed logits at -inf (an independent full-forward loop), every output is in the language, rows of one
+batch and slots of one engine carry different constraints or none, and bad constraints are refused by name."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+
+from tests.tiny import tiny_engine
+from thoughtjax.decode.constraint import ConstraintError
+from thoughtjax.decode.masks import grammars_for
+from thoughtjax.decode.stream import RequestError
+from thoughtjax.kernels.sample_stop import unpack_allowed
+from thoughtjax.sampling import SamplingParams
+from thoughtjax.serving import SlotEngine, generate_in_slots
+
+REGEX = r"(ab|ba)[a-c]{1,4}x"
+SCHEMA = {
+  "type": "object",
+  "properties": {"k": {"enum": ["yes", "no"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+  "required": ["k", "n"],
+  "additionalProperties": False,
+}
+PROMPTS = [[7, 8, 9], list(range(40, 52)), [100, 101]]
+
+
+@pytest.fixture(scope="module")
+def model():
+  return tiny_engine("llama_gqa", seed=5, chunk=4)
+
+
+def masked_greedy(model, ids, params: SamplingParams, n: int) -> list[int]:
+  """The reference: re-run the full forward each step, set what the matcher disallows to -inf, take the argmax;
+  stop after an end-of-sequence id."""
+  matcher = grammars_for(model.codec, model.config.vocab_size).matcher(params.constraint)
+  words = np.zeros(matcher_words(model), np.uint32)
+  ids, out = list(ids), []
+  for _ in range(n):
+    matcher.fill(words)
+    allowed = np.asarray(unpack_allowed(words[None], model.config.vocab_size))[0]
+    logits = np.where(allowed, model.logits(ids)[-1], -np.inf)
+    tok = int(np.argmax(logits))
+    out.append(tok)
+    if tok in model.codec.eos_ids:
+      break
+    matcher.consume(tok)
+    ids.append(tok)
+  return out
+
+
+def matcher_words(model) -> int:
+  return grammars_for(model.codec, model.config.vocab_size).words
+
+
+@pytest.mark.parametrize("kind", ["regex", "json_schema"])
+def test_greedy_under_a_constraint_equals_the_masked_reference(model, kind):
+  spec = {"regex": REGEX} if kind == "regex" else {"json_schema": SCHEMA}
+  params = SamplingParams(max_tokens=40, **spec)
+  got = model.generate(PROMPTS[0], max_tokens=40, **spec)
+  assert got.token_ids == masked_greedy(model, PROMPTS[0], params, 40)
+  if got.finish_reason == "stop":  # the language was completed and the end-of-sequence id taken
+    if kind == "regex":
+      assert re.fullmatch(REGEX, got.text)
+    else:
+      jsonschema.validate(json.loads(got.text), SCHEMA)
+
+
+def test_a_bounded_language_always_finishes_in_it(model):
+  """The regex admits at most 7 characters: the grammar must end the row with an end-of-sequence id."""
+  for seed in range(6):
+    got = model.generate(PROMPTS[seed % 3], max_tokens=16, regex=REGEX, temperature=1.3, seed=seed)
+    assert got.finish_reason == "stop" and re.fullmatch(REGEX, got.text), (seed, got.text)
+
+
+def test_unconstrained_output_leaves_the_language(model):
+  """The check above is not vacuous: without the constraint the same requests do not match."""
+  texts = [model.generate(p, max_tokens=16, temperature=1.3, seed=s).text for s, p in enumerate(PROMPTS)]
+  assert not any(re.fullmatch(REGEX, t) for t in texts)
+
+
+def test_rows_of_one_batch_carry_different_constraints_or_none(model):
+  params = [
+    SamplingParams(max_tokens=24, regex=REGEX),
+    SamplingParams(max_tokens=24, ignore_eos=True),
+    SamplingParams(max_tokens=24, json_schema=SCHEMA),
+  ]
+  batch = model.generate_batch(PROMPTS, params)
+  for p, sp, got in zip(PROMPTS, params, batch, strict=True):
+    alone = model.stream_batch([p], sp).result()
+    assert got.token_ids == alone.token_ids
+  assert batch[1].token_ids == model.generate(PROMPTS[1], max_tokens=24, ignore_eos=True).token_ids
+
+
+def test_slots_carry_constraints_beside_unconstrained_neighbours(model):
+  engine = SlotEngine(model, slots=3, cache_len=64)
+  reqs = [
+    (PROMPTS[0], SamplingParams(max_tokens=20, regex=REGEX)),
+    (PROMPTS[1], SamplingParams(max_tokens=20, ignore_eos=True)),
+    (PROMPTS[2], SamplingParams(max_tokens=20, json_schema=SCHEMA)),
+    (PROMPTS[0], SamplingParams(max_tokens=12, ignore_eos=True)),
+  ]
+  runs = generate_in_slots(engine, reqs, arrivals=[0, 0, 1, 3])
+  for (p, sp), run in zip(reqs, runs, strict=True):
+    assert run.token_ids == model.stream_batch([p], sp).result().token_ids
+  assert engine.active == 0
+
+
+def test_two_constraints_at_once_are_refused_by_name():
+  with pytest.raises(ConstraintError, match="regex") as e:
+    SamplingParams(json_schema=SCHEMA, regex=REGEX)
+  assert "json_schema" in str(e.value)
+
+
+@pytest.mark.parametrize(
+  ("spec", "named"),
+  [
+    ({"json_schema": "{not json"}, "json_schema"),
+    ({"json_schema": "[1, 2]"}, "json_schema"),
+    ({"regex": "(unclosed"}, "regex"),
+    ({"grammar": "start: ???"}, "grammar"),
+  ],
+)
+def test_a_constraint_that_cannot_compile_is_refused_before_any_device_work(model, spec, named):
+  with pytest.raises(ConstraintError, match=named):
+    model.stream_batch([PROMPTS[0]], SamplingParams(max_tokens=4, **spec))
+
+
+def test_speculation_with_a_constraint_is_refused(model):
+  with pytest.raises(RequestError, match="draft"):
+    model.stream_batch([PROMPTS[0]], SamplingParams(max_tokens=4, regex=REGEX), draft="embed, blocks[0:1), head")
