@@ -13,7 +13,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import pytest
 
-from thoughtjax.kernels.sample_stop import sample_stop
+from thoughtjax.kernels.sample_stop import mask_words, sample_stop
 from thoughtjax.kernels.template_embed import template_embed
 
 B, V, T, U = 64, 49152, 256, 200
@@ -22,8 +22,8 @@ TRITON_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi")
 FORBIDDEN = {"gather", "scatter", "reduce_or", "reduce_and", "sort", "argsort"}
 
 
-def _sample_stop_case(dtype, num_stop, with_bias, num_rows=B):
-  def f(logits, temperature, top_k, seed, step, stop_ids, bias):
+def _sample_stop_case(dtype, num_stop, with_bias, num_rows=B, vocab=V, with_allowed=False):
+  def f(logits, temperature, top_k, seed, step, stop_ids, bias, allowed):
     return sample_stop(
       logits,
       temperature=temperature,
@@ -32,19 +32,21 @@ def _sample_stop_case(dtype, num_stop, with_bias, num_rows=B):
       step=step,
       stop_ids=stop_ids,
       logit_bias=bias if with_bias else None,
+      allowed=allowed if with_allowed else None,
       implementation="pallas",
       interpret=False,
     )
 
   sds = jax.ShapeDtypeStruct
   return f, (
-    sds((num_rows, V), dtype),
+    sds((num_rows, vocab), dtype),
     sds((num_rows,), jnp.float32),
     sds((num_rows,), jnp.int32),
     sds((num_rows,), jnp.uint32),
     sds((), jnp.int32),
     sds((num_rows, num_stop), jnp.int32),
-    sds((num_rows, V), jnp.float32),
+    sds((num_rows, vocab), jnp.float32),
+    sds((num_rows, mask_words(vocab)), jnp.uint32),
   )
 
 
@@ -68,6 +70,9 @@ CASES = {
   "sample_stop-f32-bias-stop8": _sample_stop_case(jnp.float32, 8, True),
   "sample_stop-bf16-nostop-B1": _sample_stop_case(jnp.bfloat16, 0, False, num_rows=1),
   "sample_stop-f32-stop256": _sample_stop_case(jnp.float32, 256, False),
+  # The allowed-token mask: the words of a 2048-token block, and a block (V=12) inside one word.
+  "sample_stop-f32-bias-mask-stop8": _sample_stop_case(jnp.float32, 8, True, with_allowed=True),
+  "sample_stop-bf16-mask-B1-V12": _sample_stop_case(jnp.bfloat16, 0, False, num_rows=1, vocab=12, with_allowed=True),
   "template_embed-576-f32": _template_embed_case(576, jnp.float32, 16, False),
   "template_embed-4096-bf16-leftpad-noprefix": _template_embed_case(4096, jnp.bfloat16, 0, True),
 }

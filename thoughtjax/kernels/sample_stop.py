@@ -1,7 +1,7 @@
 """Fused sampling with stop-token detection: logits [B, V] -> (token [B], stop [B]).
 
-One kernel does logit bias, temperature, top-k, Gumbel-max sampling (or argmax
-for greedy rows) and the stop-set lookup, one program per row. Without top-k it
+One kernel does logit bias, an allowed-token mask, temperature, top-k, Gumbel-max
+sampling (or argmax for greedy rows) and the stop-set lookup, one program per row. Without top-k it
 reads each row once; with top-k it first finds the k-th largest value by a binary
 search over float order keys (about 32 counting passes over the row, which stays
 in cache), then does the sampling pass. Three implementations of one contract
@@ -15,6 +15,7 @@ live here:
 Contract, per row ``b`` (all arithmetic in float32):
 
     s[v]   = float32(logits[b, v]) + logit_bias[b, v]            # bias optional
+    s[v]   = -inf where token v is not allowed                   # mask optional
     greedy = temperature[b] <= 0
     y[v]   = s[v] * (1 / temperature[b])      (y = s when greedy)
     top-k  : when 0 < top_k[b] < V and not greedy, keep v iff y[v] >= the
@@ -27,6 +28,17 @@ Contract, per row ``b`` (all arithmetic in float32):
     token  = argmax(score), ties -> lowest index, exactly like ``jnp.argmax``
              (a row whose scores are all -inf gives token 0)
     stop   = token is in stop_ids[b, :] (entries < 0 are padding)
+
+The allowed-token mask (``allowed``, optional) is a bitmask, uint32 [B, W] with
+``W = mask_words(V) = ceil(V / 32)``: bit ``v & 31`` of word ``v >> 5`` set means
+token ``v`` may be sampled; bits past V are ignored. ``pack_allowed`` builds it from
+a bool mask on the host, ``unpack_allowed`` turns it back into bool [B, V] in jnp.
+A disallowed token is -inf before temperature and top-k, exactly like a -inf
+logit: top-k's k-th largest is taken among the allowed tokens, greedy rows take
+the argmax of the allowed ones and sampled rows draw only allowed ones. A row with
+no allowed token (or whose allowed tokens are all -inf) gives token 0, whether
+token 0 is allowed or not: callers that can produce an empty mask must check for
+it. ``allowed=None`` allows every token and adds no work to the program.
 
 ``gumbel[v] = -log(-log(u))`` with ``u`` in (0, 1) built from 23 bits of a
 counter-based uint32 hash of ``(seed[b], step, b, v)``: no ``jax.random`` key, so
@@ -53,6 +65,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from thoughtjax.errors import UserError
 from thoughtjax.kernels import dispatch
 
 Implementation = Literal["pallas", "xla"]
@@ -60,6 +73,7 @@ Implementation = Literal["pallas", "xla"]
 _IMPLEMENTATIONS = ("pallas", "xla")
 _MAX_BLOCK_V = 2048
 _MAX_BLOCK_M = 256
+_WORD_BITS = 32  # tokens per word of the allowed-token mask
 
 # murmur3's 32-bit finalizer constants and a few odd constants (pi, golden
 # ratio) to separate the inputs absorbed into the row key.
@@ -138,6 +152,62 @@ def kth_largest(y: jax.Array, k: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(back, jnp.float32)
 
 
+# ------------------------------------------------------------------ allowed-token mask
+class AllowedMaskError(UserError, ValueError, TypeError):
+  """An allowed-token mask of the wrong shape or dtype (a ValueError and a TypeError both)."""
+
+
+def mask_words(vocab: int) -> int:
+  """W, the number of uint32 words of one row's allowed-token mask: ceil(vocab / 32)."""
+  if vocab < 0:
+    raise ValueError(f"mask_words: vocab must be >= 0, got {vocab}.")
+  return -(-vocab // _WORD_BITS)
+
+
+def pack_allowed(allowed_bool: np.ndarray) -> np.ndarray:
+  """Packs a bool mask [B, V] or [V] (True = may be sampled) into uint32 words [..., W].
+
+  Host side (numpy). Bit ``v & 31`` of word ``v >> 5`` is token ``v``; bits past V are 0.
+  """
+  allowed_bool = np.asarray(allowed_bool)
+  if allowed_bool.dtype != np.bool_ or allowed_bool.ndim not in (1, 2):
+    raise AllowedMaskError(
+      f"pack_allowed: allowed_bool must be a bool array [B, V] or [V], got shape {allowed_bool.shape} "
+      f"dtype {allowed_bool.dtype}; build it with e.g. `ids == token` or np.zeros(V, bool)."
+    )
+  vocab = allowed_bool.shape[-1]
+  num_bytes = 4 * mask_words(vocab)
+  packed = np.packbits(allowed_bool, axis=-1, bitorder="little")  # [..., ceil(V / 8)] uint8
+  padding = [(0, 0)] * (packed.ndim - 1) + [(0, num_bytes - packed.shape[-1])]
+  # Little-endian words: byte j of a word holds bits 8j..8j+7, whatever the host's byte order.
+  return np.ascontiguousarray(np.pad(packed, padding)).view("<u4").astype(np.uint32)
+
+
+def unpack_allowed(words: jax.Array, vocab: int) -> jax.Array:
+  """Unpacks uint32 words [..., W] into the bool mask [..., vocab] (jnp, traceable)."""
+  words = jnp.asarray(words)
+  if words.dtype != jnp.uint32 or words.ndim < 1 or words.shape[-1] != mask_words(vocab):
+    raise AllowedMaskError(
+      f"unpack_allowed: words must be uint32 [..., W] with W = ceil({vocab} / 32) = {mask_words(vocab)}, "
+      f"got shape {words.shape} dtype {words.dtype}; pack a bool mask with pack_allowed."
+    )
+  bits = (words[..., None] >> jnp.arange(_WORD_BITS, dtype=jnp.uint32)) & np.uint32(1)  # [..., W, 32]
+  return bits.reshape(*words.shape[:-1], -1)[..., :vocab] != 0
+
+
+def _check_allowed(allowed, num_rows: int, vocab: int) -> jax.Array:
+  """``allowed`` as uint32 [B, W], or a named error: no broadcasting, no casting."""
+  allowed = jnp.asarray(allowed)
+  expected = (num_rows, mask_words(vocab))
+  if allowed.dtype != jnp.uint32 or allowed.shape != expected:
+    raise AllowedMaskError(
+      f"sample_stop: allowed must be uint32 [B, W]={list(expected)} (W = ceil(V / 32) words for V={vocab}, "
+      f"one bit per token), got shape {allowed.shape} dtype {allowed.dtype}; pack a bool [B, V] mask "
+      f"with pack_allowed, or pass None to allow every token."
+    )
+  return allowed
+
+
 # ------------------------------------------------------------------------ validation
 class _Prepared(NamedTuple):
   """Validated inputs in the dtypes and shapes every implementation uses."""
@@ -150,9 +220,10 @@ class _Prepared(NamedTuple):
   seed: jax.Array  # [B] u32
   step: jax.Array  # [1] i32
   stop_ids: jax.Array  # [B, M] i32
+  allowed: jax.Array | None = None  # [B, W] u32 bitmask, None = every token
 
 
-def prepare_inputs(logits, temperature, top_k, seed, step, stop_ids, logit_bias) -> _Prepared:
+def prepare_inputs(logits, temperature, top_k, seed, step, stop_ids, logit_bias, allowed=None) -> _Prepared:
   """Validates the arguments and puts them in the canonical form every
   implementation (reference, Pallas, the benchmark's CUDA C) consumes."""
   logits = jnp.asarray(logits)
@@ -206,6 +277,8 @@ def prepare_inputs(logits, temperature, top_k, seed, step, stop_ids, logit_bias)
         f"shape {logit_bias.shape}; pass None for no bias."
       )
     logit_bias = logit_bias.astype(jnp.float32)
+  if allowed is not None:
+    allowed = _check_allowed(allowed, num_rows, vocab)
 
   greedy = temperature <= 0
   # 1/T is computed here, outside the kernel, so every implementation scales by
@@ -222,6 +295,7 @@ def prepare_inputs(logits, temperature, top_k, seed, step, stop_ids, logit_bias)
     seed=seed,
     step=step.astype(jnp.int32).reshape(1),
     stop_ids=stop_ids.astype(jnp.int32),
+    allowed=allowed,
   )
 
 
@@ -235,16 +309,19 @@ def sample_stop_reference(
   step: jax.Array | int,  # [] i32
   stop_ids: jax.Array,  # [B, M] i32, padded with -1
   logit_bias: jax.Array | None = None,  # [B, V] f32
+  allowed: jax.Array | None = None,  # [B, W] u32
 ) -> tuple[jax.Array, jax.Array]:
   """Pure-jnp reference of ``sample_stop`` (see the module docstring).
 
   Returns ``(tokens [B] int32, stop [B] bool)``.
   """
-  args = prepare_inputs(logits, temperature, top_k, seed, step, stop_ids, logit_bias)
+  args = prepare_inputs(logits, temperature, top_k, seed, step, stop_ids, logit_bias, allowed)
   num_rows, vocab = logits.shape
   s = args.logits.astype(jnp.float32)
   if args.logit_bias is not None:
     s = s + args.logit_bias
+  if args.allowed is not None:
+    s = jnp.where(unpack_allowed(args.allowed, vocab), s, -jnp.inf)
   y = s * args.inv_temperature[:, None]  # [B, V]
 
   use_top_k = args.top_k > 0  # [B]
@@ -273,11 +350,14 @@ def sample_stop_reference(
 
 
 # ---------------------------------------------------------------------------- kernel
-def _sample_stop_kernel(*refs, vocab: int, block_v: int, num_stop: int, block_m: int, has_bias: bool):
+def _sample_stop_kernel(
+  *refs, vocab: int, block_v: int, num_stop: int, block_m: int, has_bias: bool, has_allowed: bool
+):
   """One program per row: [top-k threshold search], argmax pass, stop lookup."""
   refs = list(refs)
   logits_ref = refs.pop(0)  # [B, V]
   bias_ref = refs.pop(0) if has_bias else None  # [B, V]
+  allowed_ref = refs.pop(0) if has_allowed else None  # [B, W] u32
   inv_t_ref, greedy_ref, top_k_ref, seed_ref, step_ref = refs[:5]  # [B] x4, [1]
   refs = refs[5:]
   stop_ids_ref = refs.pop(0) if num_stop else None  # [B, M]
@@ -287,6 +367,21 @@ def _sample_stop_kernel(*refs, vocab: int, block_v: int, num_stop: int, block_m:
   inv_t = inv_t_ref[row]
   top_k = top_k_ref[row]
   num_blocks = pl.cdiv(vocab, block_v)
+  num_words = pl.cdiv(vocab, _WORD_BITS)
+
+  def load_allowed(i, cols):
+    """Bool [block_v]: which tokens of vocab block i are allowed, from the block's mask words."""
+    if block_v >= _WORD_BITS:
+      # The block's block_v / 32 words, one load; each word's 32 bits spread along a new
+      # minor axis whose row-major flattening is the block's token order.
+      words_per_block = block_v // _WORD_BITS
+      word_cols = i * words_per_block + jnp.arange(words_per_block, dtype=jnp.int32)
+      words = pltriton.load(allowed_ref.at[row, word_cols], mask=word_cols < num_words, other=0)
+      bits = words[:, None] >> jnp.arange(_WORD_BITS, dtype=jnp.uint32)[None, :]
+      return (bits & np.uint32(1)).reshape(block_v) != 0
+    # A block smaller than a word (tiny vocabularies) lies inside one word: blocks are aligned.
+    word = allowed_ref[row, (i * block_v) // _WORD_BITS]
+    return ((word >> (cols & (_WORD_BITS - 1)).astype(jnp.uint32)) & np.uint32(1)) != 0
 
   def load_y(i):
     """y for vocab block i (float32 [block_v]) and its in-vocabulary mask."""
@@ -295,6 +390,8 @@ def _sample_stop_kernel(*refs, vocab: int, block_v: int, num_stop: int, block_m:
     s = pltriton.load(logits_ref.at[row, cols], mask=in_vocab, other=0).astype(jnp.float32)
     if bias_ref is not None:
       s = s + pltriton.load(bias_ref.at[row, cols], mask=in_vocab, other=0.0)
+    if allowed_ref is not None:
+      s = jnp.where(load_allowed(i, cols), s, -jnp.inf)
     return cols, in_vocab, s * inv_t
 
   def count_at_least(threshold):
@@ -390,10 +487,13 @@ def _sample_stop_pallas(args: _Prepared, *, interpret: bool, block_v: int | None
     num_stop=num_stop,
     block_m=block_m,
     has_bias=args.logit_bias is not None,
+    has_allowed=args.allowed is not None,
   )
   inputs = [args.logits]
   if args.logit_bias is not None:
     inputs.append(args.logit_bias)
+  if args.allowed is not None:
+    inputs.append(args.allowed)
   inputs += [args.inv_temperature, args.greedy, args.top_k, args.seed, args.step]
   if num_stop:
     inputs.append(args.stop_ids)
@@ -420,6 +520,7 @@ def sample_stop(
   step: jax.Array | int,  # [] i32
   stop_ids: jax.Array,  # [B, M] i32, padded with -1
   logit_bias: jax.Array | None = None,  # [B, V] f32
+  allowed: jax.Array | None = None,  # [B, W] u32
   implementation: Implementation | None = None,
   interpret: bool | None = None,
   block_v: int | None = None,
@@ -437,6 +538,10 @@ def sample_stop(
     step: scalar int32, the decode step.
     stop_ids: [B, M] int32 padded with -1; M may be 0.
     logit_bias: optional [B, V] float32, added before temperature.
+    allowed: optional uint32 [B, W] bitmask, W = mask_words(V): bit v & 31 of word v >> 5 set
+      means token v may be sampled (build it with pack_allowed). Disallowed tokens are -inf
+      after the bias, before temperature and top-k; a row with none allowed gives token 0.
+      None allows every token at no cost. Another shape or dtype raises AllowedMaskError.
     implementation: "pallas", "xla" or None (the default of kernels/dispatch.py).
     interpret: run the Pallas kernel interpreted; None means "unless on GPU".
     block_v: vocabulary block of the kernel, a power of two (default
@@ -448,14 +553,21 @@ def sample_stop(
   implementation, interpret = resolve_dispatch(implementation, interpret)
   if implementation == "xla":
     return sample_stop_reference(
-      logits, temperature=temperature, top_k=top_k, seed=seed, step=step, stop_ids=stop_ids, logit_bias=logit_bias
+      logits,
+      temperature=temperature,
+      top_k=top_k,
+      seed=seed,
+      step=step,
+      stop_ids=stop_ids,
+      logit_bias=logit_bias,
+      allowed=allowed,
     )
   if block_v is not None and (block_v < 1 or block_v & (block_v - 1)):
     raise ValueError(
       f"sample_stop: block_v must be a power of two (Triton block shapes are), "
       f"got {block_v}; pass e.g. {pl.next_power_of_2(max(block_v, 1))} or None."
     )
-  args = prepare_inputs(logits, temperature, top_k, seed, step, stop_ids, logit_bias)
+  args = prepare_inputs(logits, temperature, top_k, seed, step, stop_ids, logit_bias, allowed)
   return _sample_stop_pallas(args, interpret=interpret, block_v=block_v)
 
 
