@@ -1,4 +1,5 @@
 """Decoding: what every way of generating tokens shares.
 
 * :mod:`~thoughtjax.decode.stream`  the host side of one call: Delta, Trace, Completion, Rows, Generation
+* :mod:`~thoughtjax.decode.constraint`  JSON schema / regex / grammar constraints -> per-row allowed-token bitmasks
 """
