@@ -1,0 +1,279 @@
+"""``thoughtjax bench structured``: do extraction outputs parse and validate, with and without a JSON schema?
+
+The extraction set (``thoughtjax/data/structured/extraction.jsonl``) holds 50 prompts: a short text, an instruction,
+the JSON schema the answer must follow and a reference answer. Each prompt is generated with the chat template,
+greedily, up to ``--max-tokens``, once unconstrained and once constrained by its schema
+(``Model.generate(..., json_schema=schema)``). Every output is parsed as JSON (the whole text, surrounding blanks
+aside: a fenced or commented answer does not count) and validated against the schema with ``jsonschema``; the
+table gives per mode how many parse, how many validate, how many of the reference answer's top-level fields the
+output got right, and tokens per second.
+
+The seam for another server: :func:`run` takes a *generate* callable ``(item, constrained, max_tokens) ->
+Output``. :func:`model_generator` makes one from a thoughtjax Model; an OpenAI-compatible peer (llama-server with
+``response_format: {"type": "json_schema", ...}``) plugs in as another such callable, and its rows come out in the
+same report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from thoughtjax.bench import common
+from thoughtjax.errors import UserError
+
+MODES = ("unconstrained", "constrained")
+DEFAULT_MAX_TOKENS = 256
+
+
+class ExtractionSetError(UserError, ValueError):
+  """An extraction set file that is not what the benchmark reads; the message names the file and line."""
+
+
+class BenchStructuredError(UserError, ValueError):
+  """An argument of ``bench structured`` that cannot be honoured."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Extraction:
+  """One prompt of the set: ``prompt`` is the user message (text + instruction); ``answer`` validates."""
+
+  id: str
+  prompt: str
+  schema: dict
+  answer: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+  """What a generator returns for one prompt: the text, tokens generated, wall seconds of the call and, when the
+  generator knows it, the seconds from the first token to the last (decode alone)."""
+
+  text: str
+  tokens: int
+  seconds: float
+  decode_seconds: float | None = None
+
+
+Generate = Callable[[Extraction, bool, int], Output]
+
+
+def default_set_path() -> Path:
+  from thoughtjax.shipped import shipped_file
+
+  return shipped_file("structured", "extraction.jsonl")
+
+
+def load_extraction_set(path: str | Path | None = None) -> list[Extraction]:
+  """The prompts of ``path`` (default: the shipped set), one JSON object per line with id, prompt, schema and
+  answer; the answer must validate against the schema."""
+  import jsonschema
+
+  path = Path(path) if path is not None else default_set_path()
+  items, seen = [], set()
+  for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    if not line.strip():
+      continue
+    where = f"{path}:{n}"
+    try:
+      d = json.loads(line)
+    except ValueError as e:
+      raise ExtractionSetError(f"{where}: not a JSON object ({e}); write one object per line") from None
+    if not isinstance(d, dict) or {"id", "prompt", "schema", "answer"} - set(d):
+      raise ExtractionSetError(f"{where}: expected an object with id, prompt, schema and answer, got {line[:80]!r}")
+    if d["id"] in seen:
+      raise ExtractionSetError(f"{where}: id {d['id']!r} is used twice; ids must be unique")
+    seen.add(d["id"])
+    try:
+      jsonschema.validate(d["answer"], d["schema"])
+    except jsonschema.exceptions.SchemaError as e:
+      raise ExtractionSetError(f"{where}: the schema is not a valid JSON Schema ({e.message})") from None
+    except jsonschema.ValidationError as e:
+      raise ExtractionSetError(f"{where}: the reference answer does not follow the schema ({e.message})") from None
+    items.append(Extraction(str(d["id"]), str(d["prompt"]), d["schema"], d["answer"]))
+  return items
+
+
+# ---- scoring ------------------------------------------------------------------------------------------------------
+def score(item: Extraction, text: str) -> dict:
+  """``parsed`` (the whole text is one JSON value), ``valid`` (it follows the schema), ``fields`` (the share of
+  the reference answer's top-level fields it has equal, strings compared trimmed and case-blind) and ``error``."""
+  import jsonschema
+
+  try:
+    value = json.loads(text.strip())
+  except ValueError as e:
+    return {"parsed": False, "valid": False, "fields": 0.0, "error": f"not JSON: {e}"}
+  try:
+    jsonschema.validate(value, item.schema)
+    valid, error = True, None
+  except jsonschema.ValidationError as e:
+    valid, error = False, f"invalid: {e.message}"
+  return {"parsed": True, "valid": valid, "fields": field_agreement(item.answer, value), "error": error}
+
+
+def field_agreement(answer, value) -> float:
+  if not isinstance(answer, dict):
+    return float(_same(answer, value))
+  if not answer:
+    return 1.0
+  got = value if isinstance(value, dict) else {}
+  return sum(_same(v, got.get(k)) for k, v in answer.items()) / len(answer)
+
+
+def _same(a, b) -> bool:
+  if isinstance(a, str) and isinstance(b, str):
+    return a.strip().casefold() == b.strip().casefold()
+  if isinstance(a, list) and isinstance(b, list):
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+  if isinstance(a, dict) and isinstance(b, dict):
+    return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+  if isinstance(a, bool) or isinstance(b, bool):
+    return a is b
+  return a == b
+
+
+# ---- running ------------------------------------------------------------------------------------------------------
+def model_generator(model) -> Generate:
+  """A :data:`Generate` over a thoughtjax Model: chat template, greedy, the schema as ``json_schema`` when
+  constrained."""
+
+  def generate(item: Extraction, constrained: bool, max_tokens: int) -> Output:
+    kw = {"json_schema": item.schema} if constrained else {}
+    start = time.perf_counter()
+    try:
+      c = model.generate(item.prompt, chat=True, max_tokens=max_tokens, temperature=0.0, **kw)
+    except TypeError as e:
+      if constrained and "json_schema" in str(e):
+        raise BenchStructuredError(
+          "constrained mode needs Model.generate(json_schema=...), which this build does not take yet; "
+          "run with --modes unconstrained"
+        ) from None
+      raise
+    seconds = time.perf_counter() - start
+    t = c.timings
+    decode = t["end"] - t["first_token"] if "end" in t and "first_token" in t else None
+    return Output(c.text, len(c.token_ids), seconds, decode)
+
+  return generate
+
+
+def run(
+  items: Sequence[Extraction],
+  generate: Generate,
+  *,
+  modes: Sequence[str] = MODES,
+  max_tokens: int = DEFAULT_MAX_TOKENS,
+  warmup: bool = True,
+) -> dict:
+  """Generate every item in every mode with ``generate``; per mode the rows and a summary.
+
+  ``warmup``: one untimed call per mode first, so compiling a program is not counted in tokens per second."""
+  report = {"max_tokens": max_tokens, "prompts": len(items), "modes": {}}
+  for mode in modes:
+    if mode not in MODES:
+      raise BenchStructuredError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+    constrained = mode == "constrained"
+    if warmup and items:
+      generate(items[0], constrained, max_tokens)
+    rows = []
+    for item in items:
+      out = generate(item, constrained, max_tokens)
+      rows.append(
+        {"id": item.id, "tokens": out.tokens, "seconds": out.seconds, "decode_seconds": out.decode_seconds}
+        | score(item, out.text)
+        | {"text": out.text}
+      )
+    report["modes"][mode] = {"summary": summarize(rows), "rows": rows}
+  return report
+
+
+def summarize(rows: Sequence[dict]) -> dict:
+  n = len(rows)
+  tokens = sum(r["tokens"] for r in rows)
+  seconds = sum(r["seconds"] for r in rows)
+  decoded = [r for r in rows if r["decode_seconds"]]
+  decode_s = sum(r["decode_seconds"] for r in decoded)
+  return {
+    "prompts": n,
+    "parsed": sum(r["parsed"] for r in rows),
+    "valid": sum(r["valid"] for r in rows),
+    "fields": sum(r["fields"] for r in rows) / n if n else float("nan"),
+    "tokens": tokens,
+    "seconds": seconds,
+    "tok_s": tokens / seconds if seconds > 0 else None,
+    # Decode alone: tokens after the first over the time from the first to the last.
+    "decode_tok_s": sum(r["tokens"] - 1 for r in decoded) / decode_s if decode_s > 0 else None,
+  }
+
+
+def print_report(report: dict, title: str) -> None:
+  rows = []
+  for mode, m in report["modes"].items():
+    s = m["summary"]
+    n = s["prompts"]
+    rows.append(
+      [
+        mode,
+        n,
+        f"{s['parsed']} ({100 * s['parsed'] / max(n, 1):.0f} %)",
+        f"{s['valid']} ({100 * s['valid'] / max(n, 1):.0f} %)",
+        common.fmt(s["fields"], ".2f"),
+        s["tokens"],
+        common.fmt(s["tok_s"], ".1f"),
+        common.fmt(s["decode_tok_s"], ".1f"),
+      ]
+    )
+  cols = ["mode", "prompts", "parsed", "valid", "fields right", "tokens", "tok/s (call)", "tok/s (decode)"]
+  common.print_table(title, cols, rows, right=cols[1:], width=120, no_wrap=True)
+
+
+def _positive(text: str) -> int:
+  try:
+    n = int(text)
+  except ValueError:
+    n = 0
+  if n < 1:
+    raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+  return n
+
+
+def _modes(text: str) -> list[str]:
+  modes = [m.strip() for m in text.split(",") if m.strip()]
+  bad = [m for m in modes if m not in MODES]
+  if bad or not modes:
+    raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(MODES)}, got {text!r}")
+  return list(dict.fromkeys(modes))
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="thoughtjax bench structured", description=__doc__.splitlines()[0])
+  p.add_argument("--model", default=None, help="known model name or path (default: smollm2-135m-instruct)")
+  p.add_argument("--weights", default="f32", help="weight form: f32, native, int8, int8a8 (default f32)")
+  p.add_argument("--prompts", type=_positive, default=None, help="the first N prompts of the set (default: all)")
+  p.add_argument("--max-tokens", type=_positive, default=DEFAULT_MAX_TOKENS, help="tokens per output (default 256)")
+  p.add_argument("--modes", type=_modes, default=list(MODES), help="unconstrained,constrained (default both)")
+  p.add_argument("--set", default=None, help="an extraction set file (default: the shipped 50 prompts)")
+  p.add_argument("--json", default=None, type=common.json_path, help="write the report (with every output) here")
+  args = p.parse_args(argv)
+
+  import thoughtjax
+  from thoughtjax.thoughtlet import fingerprint
+
+  items = load_extraction_set(args.set)
+  if args.prompts is not None:
+    if args.prompts > len(items):
+      raise BenchStructuredError(f"--prompts {args.prompts}: the set has {len(items)} prompts; ask for at most that")
+    items = items[: args.prompts]
+  model = thoughtjax.load(args.model, weights=args.weights)
+  report = run(items, model_generator(model), modes=args.modes, max_tokens=args.max_tokens)
+  report |= {"model": model.loaded.source, "weights": args.weights, "fingerprint": fingerprint()}
+  print_report(report, f"structured output: {len(items)} extraction prompts, greedy, max {args.max_tokens} tokens")
+  if args.json:
+    common.write_json(args.json, report)
+  return 0
