@@ -17,7 +17,7 @@ from thoughtjax.decode.masks import grammars_for
 from thoughtjax.decode.stream import RequestError
 from thoughtjax.kernels.sample_stop import unpack_allowed
 from thoughtjax.sampling import SamplingParams
-from thoughtjax.serving import SlotEngine, generate_in_slots
+from thoughtjax.serving import SlotDriver, SlotEngine, generate_in_slots
 
 REGEX = r"(ab|ba)[a-c]{1,4}x"
 SCHEMA = {
@@ -108,6 +108,23 @@ def test_slots_carry_constraints_beside_unconstrained_neighbours(model):
   for (p, sp), run in zip(reqs, runs, strict=True):
     assert run.token_ids == model.stream_batch([p], sp).result().token_ids
   assert engine.active == 0
+
+
+def test_a_slot_driver_prefills_constrained_requests_with_their_masks(model):
+  """The server's path: requests submitted to a driver, prefilled together on its thread."""
+  engine = SlotEngine(model, slots=2, cache_len=64)
+  reqs = [
+    (PROMPTS[2], SamplingParams(max_tokens=20, regex=REGEX)),
+    (PROMPTS[1], SamplingParams(max_tokens=20, json_schema=SCHEMA)),
+  ]
+  driver = SlotDriver(engine)
+  try:
+    runs = [driver.submit(p, sp) for p, sp in reqs]
+    got = [[t for d in run for t in d.token_ids] for run in runs]
+  finally:
+    driver.close()
+  for (p, sp), ids in zip(reqs, got, strict=True):
+    assert ids == model.stream_batch([p], sp).result().token_ids
 
 
 def test_two_constraints_at_once_are_refused_by_name():

@@ -315,7 +315,7 @@ def test_a_constrained_request_is_planned_without_speculation_in_the_masked_cont
   cal = Calibration(SEQUENCE, "cpu:test", tuple(cands.values()), {spec.path_hash: lossless}, lat)
   planner = Planner(cal, FLOORS)
   free = planner.plan(PlanRequest(("legal_analysis",), 40, 64, 1e9))
-  assert free.kind == "speculative" and free.predicted.context.engine == "plain"
+  assert free.kind == "speculative" and free.predicted.context.engine == "speculative"
   bound = planner.plan(PlanRequest(("legal_analysis",), 40, 64, 1e9, constraint="JSON schema (120 characters)"))
   assert bound.draft is None and bound.path_hash == full.path_hash and not bound.degraded
   assert bound.predicted.context.engine == "masked" and bound.predicted.context.batch == 1

@@ -142,6 +142,7 @@ class SlotRun:
 
   def __init__(self, engine: SlotEngine, req: _Request | Prefilled, on_delta: Callable[[Delta | None], None] | None):
     self.engine, self.ids, self.params, self.trace, self.rows = engine, req.ids, req.params, req.trace, req.rows
+    self.matcher = req.matcher  # a constrained request's grammar state (the driver prefills it from the run)
     self.slot: int | None = None
     self.prefill_batch: int | None = None  # requests prefilled in the same program call as this one
     self.max_prefills_between_chunks = 0  # most prefill calls run between two of its decode chunks
@@ -851,7 +852,7 @@ class SlotDriver:
   def _start(self, batch: list[SlotRun]) -> None:
     """One prefill call for ``batch``, each run's first token out, then each into a free slot."""
     engine = self.engine
-    pres = engine._prefill([_Request(r.ids, r.params, r.trace, r.rows) for r in batch])
+    pres = engine._prefill([_Request(r.ids, r.params, r.trace, r.rows, r.matcher) for r in batch])
     for run, pre in zip(batch, pres, strict=True):
       engine._deliver(run, pre)
     for run, pre in zip(batch, pres, strict=True):
