@@ -191,7 +191,9 @@ def unpack_allowed(words: jax.Array, vocab: int) -> jax.Array:
       f"unpack_allowed: words must be uint32 [..., W] with W = ceil({vocab} / 32) = {mask_words(vocab)}, "
       f"got shape {words.shape} dtype {words.dtype}; pack a bool mask with pack_allowed."
     )
-  bits = (words[..., None] >> jnp.arange(_WORD_BITS, dtype=jnp.uint32)) & np.uint32(1)  # [..., W, 32]
+  # Explicit ranks: callers may run with jax_numpy_rank_promotion="raise".
+  shifts = jnp.arange(_WORD_BITS, dtype=jnp.uint32).reshape((1,) * words.ndim + (_WORD_BITS,))
+  bits = (words[..., None] >> shifts) & np.uint32(1)  # [..., W, 32]
   return bits.reshape(*words.shape[:-1], -1)[..., :vocab] != 0
 
 
