@@ -1,10 +1,10 @@
 """Fused sampling with stop-token detection: logits [B, V] -> (token [B], stop [B]).
 
 One kernel does logit bias, an allowed-token mask, temperature, top-k, Gumbel-max
-sampling (or argmax for greedy rows) and the stop-set lookup, one program per row. Without top-k it
-reads each row once; with top-k it first finds the k-th largest value by a binary
-search over float order keys (about 32 counting passes over the row, which stays
-in cache), then does the sampling pass. Three implementations of one contract
+sampling (or argmax for greedy rows) and the stop-set lookup, one program per row.
+Without top-k it reads each row (and its mask words) once; with top-k it first finds
+the k-th largest value by a binary search over float order keys (about 32 counting
+passes over the row, which stays in cache), then does the sampling pass. Three implementations of one contract
 live here:
 
 - ``sample_stop_reference``: pure ``jnp``, the CPU default and the ground truth;
