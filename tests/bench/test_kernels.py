@@ -51,6 +51,28 @@ def test_quick_run_writes_a_consistent_report(tmp_path, capsys):
     assert any("interpreted" in note for note in report["notes"])
     assert all(r["note"].startswith("skipped") for r in rows if r["implementation"] == "cuda")
   assert "sample_stop" in capsys.readouterr().out
+  _check_masked_rows([r for r in rows if r["op"] == "sample_stop"])
+
+
+def _check_masked_rows(rows):
+  """Each masked sample_stop shape follows its unmasked shape, agrees with the reference and counts its mask words."""
+  shapes = list(dict.fromkeys(r["shape"] for r in rows))
+  for num_rows in bench.MASK_BATCHES:
+    for base in (f"B={num_rows} V=4096 no top-k", f"B={num_rows} V=4096 top_k={bench.TOP_K} +bias"):
+      at = shapes.index(base)
+      assert shapes[at + 1 : at + 1 + len(bench.MASK_FRACTIONS)] == [
+        f"{base} mask={fraction:.0%}" for fraction in bench.MASK_FRACTIONS
+      ]
+  masked = [r for r in rows if "mask=" in r["shape"]]
+  assert {r["implementation"] for r in masked} >= {"xla", "cuda"}
+  # The masked Pallas kernel is timed too (on CPU interpreted, B=1 only) and agrees with the reference.
+  assert any(r["implementation"].startswith("pallas") and r["agrees_with_reference"] for r in masked)
+  assert all(r["agrees_with_reference"] for r in masked if r["median_ms"] is not None)
+  assert all(r["note"].startswith("skipped") for r in masked if r["implementation"] == "cuda")
+  unmasked_bytes = {r["shape"]: r["bytes"] for r in rows if "mask=" not in r["shape"]}
+  for r in masked:
+    num_rows = int(r["shape"].split()[0][2:])
+    assert r["bytes"] == unmasked_bytes[r["shape"].rsplit(" mask=", 1)[0]] + num_rows * (4096 // 32) * 4
 
 
 def test_peak_table_matches_device_names():

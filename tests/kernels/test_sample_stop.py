@@ -2,7 +2,8 @@
 
 Shapes stay small (interpret mode runs the kernel as XLA loops on CPU) and the
 kernel uses small vocabulary blocks so that several blocks and a ragged last block
-are exercised; one case uses the real vocabulary size with the default block.
+are exercised; cases use the real vocabulary size with the default block, with and
+without an allowed-token mask.
 """
 
 import functools
@@ -14,14 +15,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thoughtjax.kernels.sample_stop import sample_stop, sample_stop_reference
+from thoughtjax.errors import UserError
+from thoughtjax.kernels.sample_stop import (
+  AllowedMaskError,
+  mask_words,
+  pack_allowed,
+  sample_stop,
+  sample_stop_reference,
+  unpack_allowed,
+)
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
 
 @functools.cache
 def _compiled(implementation: str, block_v: int | None):
-  def run(logits, temperature, top_k, seed, step, stop_ids, logit_bias):
+  def run(logits, temperature, top_k, seed, step, stop_ids, logit_bias, allowed):
     return sample_stop(
       logits,
       temperature=temperature,
@@ -30,6 +39,7 @@ def _compiled(implementation: str, block_v: int | None):
       step=step,
       stop_ids=stop_ids,
       logit_bias=logit_bias,
+      allowed=allowed,
       implementation=implementation,
       block_v=block_v,
     )
@@ -37,8 +47,20 @@ def _compiled(implementation: str, block_v: int | None):
   return jax.jit(run)
 
 
-def run(implementation, logits, *, temperature, top_k=0, seed=0, step=0, stop_ids=None, logit_bias=None, block_v=64):
-  """Calls sample_stop under jit with per-row arguments broadcast to [B]."""
+def run(
+  implementation,
+  logits,
+  *,
+  temperature,
+  top_k=0,
+  seed=0,
+  step=0,
+  stop_ids=None,
+  logit_bias=None,
+  allowed=None,
+  block_v=64,
+):
+  """Calls sample_stop under jit with per-row arguments broadcast to [B]; ``allowed`` is packed words."""
   num_rows = logits.shape[0]
   per_row = lambda x, dtype: jnp.broadcast_to(jnp.asarray(x, dtype), (num_rows,))
   if stop_ids is None:
@@ -51,6 +73,7 @@ def run(implementation, logits, *, temperature, top_k=0, seed=0, step=0, stop_id
     jnp.int32(step),
     jnp.asarray(stop_ids, jnp.int32),
     logit_bias,
+    None if allowed is None else jnp.asarray(allowed),
   )
   return np.asarray(tokens), np.asarray(stop)
 
@@ -306,6 +329,308 @@ def test_traceable_inside_while_loop_with_traced_step(rng):
   assert len(np.unique(np.asarray(kernel))) > num_steps  # steps draw fresh noise
 
 
+# ------------------------------------------------------------------- allowed-token mask
+def random_allowed(rng, num_rows, vocab, density):
+  """A bool [B, V] mask with about ``density`` of the tokens allowed; "one" allows exactly one per row."""
+  if density == "one":
+    allowed = np.zeros((num_rows, vocab), bool)
+    allowed[np.arange(num_rows), rng.integers(0, vocab, num_rows)] = True
+    return allowed
+  return rng.random((num_rows, vocab)) < density
+
+
+def masked_argmax(logits, allowed, bias=None):
+  """Greedy under a mask from first principles (numpy): argmax of the allowed scores, ties lowest."""
+  scores = np.asarray(jnp.asarray(logits, jnp.float32)).astype(np.float32)
+  if bias is not None:
+    scores = scores + np.asarray(bias, np.float32)
+  return np.argmax(np.where(allowed, scores, -np.inf), axis=-1)
+
+
+# Vocabularies not a multiple of 32 nor of the kernel's block, one smaller than a word, one exact.
+MASK_SHAPES = [(3, 100, 64), (2, 257, 32), (4, 13, 8), (2, 200, None), (3, 96, 16), (1, 1000, 128)]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+  st.sampled_from(MASK_SHAPES),
+  st.sampled_from(["one", 0.05, 0.3, 0.9, 1.0]),
+  st.integers(0, 2**32 - 1),
+  st.integers(0, 50),
+  st.booleans(),
+)
+def test_masked_kernel_equals_reference(shape, density, seed, top_k, with_bias):
+  """Greedy and sampled rows, top-k, bias and stops under random masks: bit-identical tokens."""
+  num_rows, vocab, block_v = shape
+  rng = np.random.default_rng(seed)
+  logits = random_logits(rng, num_rows, vocab)
+  allowed = random_allowed(rng, num_rows, vocab, density)
+  bias = jnp.asarray(rng.normal(size=(num_rows, vocab)), jnp.float32) if with_bias else None
+  temperature = rng.choice([0.0, 0.5, 1.0, 2.0], num_rows).astype(np.float32)
+  stop_ids = rng.integers(-1, vocab, (num_rows, 3)).astype(np.int32)
+  tokens, _ = run_both(
+    logits,
+    temperature=temperature,
+    top_k=top_k,
+    seed=rng.integers(0, 2**32, num_rows),
+    step=int(rng.integers(0, 100)),
+    stop_ids=stop_ids,
+    logit_bias=bias,
+    allowed=pack_allowed(allowed),
+    block_v=block_v,
+  )
+  empty = ~allowed.any(axis=-1)  # sparse masks on small vocabularies leave rows empty: token 0
+  np.testing.assert_array_equal(tokens[empty], 0)
+  assert allowed[np.arange(num_rows), tokens][~empty].all()
+  greedy = temperature <= 0
+  np.testing.assert_array_equal(tokens[greedy], masked_argmax(logits, allowed, bias)[greedy])
+
+
+@pytest.mark.parametrize("num_rows, vocab, block_v", MASK_SHAPES)
+@pytest.mark.parametrize("density", ["one", 0.05, 0.5])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_masked_greedy_is_argmax_of_allowed_logits(rng, num_rows, vocab, block_v, density, dtype):
+  logits = random_logits(rng, num_rows, vocab, dtype)
+  allowed = random_allowed(rng, num_rows, vocab, density)
+  allowed[0, 0] = False  # the unmasked fallback token is not an answer
+  allowed[0, rng.integers(1, vocab)] = True
+  tokens, _ = run_both(logits, temperature=0.0, allowed=pack_allowed(allowed), block_v=block_v)
+  np.testing.assert_array_equal(tokens, masked_argmax(logits, allowed))
+
+
+def test_the_single_allowed_token_wins_even_when_it_is_the_least_likely(rng):
+  vocab = 300
+  logits = random_logits(rng, 8, vocab)
+  worst = np.asarray(jnp.argmin(logits, axis=-1))
+  allowed = np.zeros((8, vocab), bool)
+  allowed[np.arange(8), worst] = True
+  for temperature, top_k in [(0.0, 0), (1.0, 0), (3.0, 1), (1.0, 5)]:
+    tokens, _ = run_both(
+      logits, temperature=temperature, top_k=top_k, seed=np.arange(8), step=3, allowed=pack_allowed(allowed)
+    )
+    np.testing.assert_array_equal(tokens, worst)
+
+
+def test_sampled_tokens_are_always_allowed(rng):
+  """Nearly flat logits over many seeds and steps: sampling roams, and only over allowed tokens."""
+  num_rows, vocab = 64, 203
+  logits = random_logits(rng, num_rows, vocab, scale=0.1)
+  allowed = random_allowed(rng, num_rows, vocab, 0.1)
+  bias = jnp.asarray(np.where(allowed, 0.0, 50.0), jnp.float32)  # disallowed tokens would win unmasked
+  seen = set()
+  for step in range(4):
+    tokens, _ = run_both(
+      logits,
+      temperature=1.5,
+      seed=rng.integers(0, 2**32, num_rows),
+      step=step,
+      logit_bias=bias,
+      allowed=pack_allowed(allowed),
+    )
+    assert allowed[np.arange(num_rows), tokens].all()
+    seen |= {(row, int(token)) for row, token in enumerate(tokens)}
+  assert len(seen) > 2 * num_rows  # it does sample, not only take the max
+
+
+def test_top_k_under_a_mask_counts_only_allowed_tokens():
+  """The k-th largest is taken among the allowed tokens: the top-k of all tokens are disallowed here."""
+  num_rows, vocab, k = 128, 150, 3
+  logits = np.full((num_rows, vocab), -4.0, np.float32)
+  logits[:, 140:] = 10.0  # the 10 largest, all disallowed
+  allowed = np.ones((num_rows, vocab), bool)
+  allowed[:, 140:] = False
+  favourites = [7, 64, 139]  # the 3 largest allowed, one per block of 64, nearly tied
+  logits[:, favourites] = [1.0, 1.1, 0.9]
+  logits[:, 100] = 0.5  # the 4th allowed: outside the top 3, never drawn
+  tokens, _ = run_both(
+    jnp.asarray(logits), temperature=1.0, top_k=k, seed=np.arange(num_rows), step=2, allowed=pack_allowed(allowed)
+  )
+  assert set(tokens.tolist()) == set(favourites)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_allowed_none_equals_an_all_ones_mask(rng, dtype):
+  num_rows, vocab = 8, 333
+  logits = random_logits(rng, num_rows, vocab, dtype)
+  kwargs = dict(
+    temperature=np.array([0.0, 0.3, 0.7, 1.0, 1.0, 1.5, 2.0, 0.0], np.float32),
+    top_k=np.array([0, 0, 3, 40, 0, 332, 333, 7], np.int32),
+    seed=rng.integers(0, 2**32, num_rows),
+    step=5,
+    stop_ids=rng.integers(0, vocab, (num_rows, 2)),
+    logit_bias=jnp.asarray(rng.normal(size=(num_rows, vocab)), jnp.float32),
+  )
+  ones = pack_allowed(np.ones((num_rows, vocab), bool))
+  for implementation in ("pallas", "xla"):
+    unmasked = run(implementation, logits, **kwargs)
+    masked = run(implementation, logits, allowed=ones, **kwargs)
+    np.testing.assert_array_equal(unmasked[0], masked[0])
+    np.testing.assert_array_equal(unmasked[1], masked[1])
+
+
+def test_a_row_with_nothing_allowed_gives_token_zero(rng):
+  """Documented: an empty mask behaves like an all -inf row, token 0 (even though 0 is not allowed)."""
+  logits = random_logits(rng, 4, 130)
+  allowed = np.zeros((4, 130), bool)
+  allowed[3, 77] = True  # one normal row beside the empty ones
+  tokens, stop = run_both(
+    logits,
+    temperature=[0.0, 1.0, 1.0, 1.0],
+    top_k=[0, 0, 4, 4],
+    seed=1,
+    stop_ids=[[0], [-1], [0], [0]],
+    allowed=pack_allowed(allowed),
+  )
+  np.testing.assert_array_equal(tokens, [0, 0, 0, 77])
+  np.testing.assert_array_equal(stop, [True, False, True, False])
+
+
+def test_bits_past_the_vocabulary_are_ignored(rng):
+  num_rows, vocab = 3, 70  # 3 words, 26 spare bits
+  logits = random_logits(rng, num_rows, vocab)
+  allowed = random_allowed(rng, num_rows, vocab, 0.2)
+  allowed[:, 5] = True
+  words = pack_allowed(allowed)
+  words[:, -1] |= np.uint32(0xFFFFFFFF) << np.uint32(vocab % 32)
+  for temperature in (0.0, 1.0):
+    clean = run_both(logits, temperature=temperature, seed=np.arange(3), allowed=pack_allowed(allowed))
+    dirty = run_both(logits, temperature=temperature, seed=np.arange(3), allowed=words)
+    np.testing.assert_array_equal(clean[0], dirty[0])
+    assert (clean[0] < vocab).all()
+
+
+def test_masked_real_vocabulary_default_block(rng):
+  """V = 49152 with the default block (2048 tokens = 64 mask words), 5 % allowed, as constrained decoding runs."""
+  num_rows, vocab = 4, 49152
+  logits = random_logits(rng, num_rows, vocab)
+  allowed = random_allowed(rng, num_rows, vocab, 0.05)
+  temperature = np.array([0, 1, 0.7, 0], np.float32)
+  top_k = np.array([0, 0, 50, 3], np.int32)
+  tokens, _ = run_both(
+    logits,
+    temperature=temperature,
+    top_k=top_k,
+    seed=np.arange(num_rows) * 7919,
+    step=11,
+    allowed=pack_allowed(allowed),
+    block_v=None,
+  )
+  assert allowed[np.arange(num_rows), tokens].all()
+  np.testing.assert_array_equal(tokens[[0, 3]], masked_argmax(logits, allowed)[[0, 3]])
+
+
+def test_traceable_with_a_mask_inside_while_loop(rng):
+  """A constraint's mask changes each step: it is an ordinary traced input of the loop body."""
+  num_rows, vocab, num_steps = 3, 90, 4
+  logits = random_logits(rng, num_rows, vocab, scale=0.5)
+  masks = jnp.asarray(
+    pack_allowed(random_allowed(rng, num_steps * num_rows, vocab, 0.2)).reshape(num_steps, num_rows, -1)
+  )
+
+  def loop(implementation):
+    def body(carry):
+      step, tokens = carry
+      token, _ = sample_stop(
+        logits,
+        temperature=jnp.ones(num_rows),
+        top_k=jnp.full(num_rows, 5, jnp.int32),
+        seed=jnp.arange(num_rows, dtype=jnp.uint32),
+        step=step,
+        stop_ids=jnp.zeros((num_rows, 0), jnp.int32),
+        allowed=masks[step],
+        implementation=implementation,
+        block_v=32 if implementation == "pallas" else None,
+      )
+      return step + 1, tokens.at[:, step].set(token)
+
+    init = (jnp.int32(0), jnp.zeros((num_rows, num_steps), jnp.int32))
+    return np.asarray(jax.jit(lambda: jax.lax.while_loop(lambda c: c[0] < num_steps, body, init)[1])())
+
+  kernel, reference = loop("pallas"), loop("xla")
+  np.testing.assert_array_equal(kernel, reference)
+  unpacked = np.asarray(unpack_allowed(masks.reshape(num_steps * num_rows, -1), vocab)).reshape(num_steps, num_rows, -1)
+  for step in range(num_steps):
+    assert unpacked[step, np.arange(num_rows), kernel[:, step]].all()
+
+
+# ------------------------------------------------------------------------ mask packing
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 200), st.integers(0, 3), st.integers(0, 2**32 - 1), st.floats(0.0, 1.0))
+def test_pack_unpack_round_trip(vocab, num_rows, seed, density):
+  rng = np.random.default_rng(seed)
+  shape = (num_rows, vocab) if num_rows else (vocab,)  # num_rows 0: one unbatched row [V]
+  allowed = rng.random(shape) < density
+  words = pack_allowed(allowed)
+  assert words.dtype == np.uint32 and words.shape == (*shape[:-1], mask_words(vocab))
+  # The layout, from first principles: token v is bit v & 31 of word v >> 5, bits past V are 0.
+  for v in range(mask_words(vocab) * 32):
+    bit = (words[..., v >> 5] >> np.uint32(v & 31)) & np.uint32(1)
+    np.testing.assert_array_equal(bit.astype(bool), allowed[..., v] if v < vocab else False)
+  np.testing.assert_array_equal(np.asarray(unpack_allowed(jnp.asarray(words), vocab)), allowed)
+  np.testing.assert_array_equal(np.asarray(jax.jit(unpack_allowed, static_argnums=1)(words, vocab)), allowed)
+
+
+@pytest.mark.parametrize("vocab, words", [(0, 0), (1, 1), (31, 1), (32, 1), (33, 2), (49152, 1536), (151_936, 4748)])
+def test_mask_words(vocab, words):
+  assert mask_words(vocab) == words
+
+
+# ------------------------------------------------------------------------------- mask errors
+@pytest.mark.parametrize(
+  "allowed, given",
+  [
+    (np.ones((2, 10), bool), "shape \\(2, 10\\) dtype bool"),  # the unpacked mask
+    (np.ones((2, 1), np.int32), "shape \\(2, 1\\) dtype int32"),  # right shape, wrong dtype
+    (np.ones((2, 1), np.uint8), "shape \\(2, 1\\) dtype uint8"),
+    (np.ones((1,), np.uint32), "shape \\(1,\\) dtype uint32"),  # one row for all: no broadcasting
+    (np.ones((1, 1), np.uint32), "shape \\(1, 1\\) dtype uint32"),
+    (np.ones((3, 1), np.uint32), "shape \\(3, 1\\) dtype uint32"),
+    (np.ones((2, 2), np.uint32), "shape \\(2, 2\\) dtype uint32"),
+    (np.ones((2, 1, 1), np.uint32), "shape \\(2, 1, 1\\) dtype uint32"),
+  ],
+)
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+def test_a_wrong_mask_is_refused_at_trace_time(allowed, given, implementation):
+  """No silent broadcast or cast: the error names allowed, the expected [B, W] uint32, and what came."""
+  args = _valid_args()  # B = 2, V = 10: W = 1
+  traced = []
+
+  def f(allowed):
+    traced.append(True)
+    return sample_stop(
+      args["logits"], **{k: v for k, v in args.items() if k != "logits"}, allowed=allowed, implementation=implementation
+    )
+
+  with pytest.raises(AllowedMaskError, match="allowed must be uint32 \\[B, W\\]=\\[2, 1\\]") as raised:
+    jax.eval_shape(f, jax.ShapeDtypeStruct(allowed.shape, allowed.dtype))  # no data: refused while tracing
+  assert traced
+  assert all(isinstance(raised.value, kind) for kind in (UserError, ValueError, TypeError))
+  assert raised.match(given) and raised.match("pack_allowed")
+  with pytest.raises(AllowedMaskError, match=given):
+    f(jnp.asarray(allowed))
+
+
+@pytest.mark.parametrize(
+  "allowed_bool, given",
+  [
+    (np.ones(10, np.uint8), "shape \\(10,\\) dtype uint8"),
+    (np.ones((2, 10), np.float32), "dtype float32"),
+    (np.ones((2, 3, 10), bool), "shape \\(2, 3, 10\\)"),
+    (np.array(True), "shape \\(\\)"),
+  ],
+)
+def test_pack_allowed_refuses_what_is_not_a_bool_mask(allowed_bool, given):
+  with pytest.raises(AllowedMaskError, match="allowed_bool must be a bool array \\[B, V\\] or \\[V\\]") as raised:
+    pack_allowed(allowed_bool)
+  assert raised.match(given)
+
+
+@pytest.mark.parametrize("words", [np.ones((2, 3), np.uint32), np.ones((2, 1), np.int32)])
+def test_unpack_allowed_refuses_the_wrong_word_count_or_dtype(words):
+  with pytest.raises(AllowedMaskError, match="W = ceil\\(10 / 32\\) = 1"):
+    unpack_allowed(jnp.asarray(words), 10)
+
+
 # ------------------------------------------------------------------------- statistics
 def _chi_square_p_value(tokens: np.ndarray, probs: np.ndarray) -> float:
   """p-value of the sampled counts against probs, over the tokens with p > 0."""
@@ -316,17 +641,21 @@ def _chi_square_p_value(tokens: np.ndarray, probs: np.ndarray) -> float:
   return float(scipy_stats.chisquare(counts[support], expected).pvalue)
 
 
-def _expected_probs(logits, temperature, top_k):
+def _expected_probs(logits, temperature, top_k, allowed=None):
   y = np.asarray(logits, np.float64) / temperature
+  if allowed is not None:  # before top-k: the k largest allowed survive
+    y = np.where(allowed, y, -np.inf)
   if top_k:
     y = np.where(y >= np.sort(y)[-top_k], y, -np.inf)
   p = np.exp(y - y.max())
   return p / p.sum()
 
 
-def _draws(implementation, row_logits, *, temperature, top_k, num_rows, num_steps, seed0):
-  """Samples num_rows * num_steps tokens of one distribution: seeds x steps."""
+def _draws(implementation, row_logits, *, temperature, top_k, num_rows, num_steps, seed0, allowed=None):
+  """Samples num_rows * num_steps tokens of one distribution: seeds x steps (``allowed``: bool [V])."""
   logits = jnp.broadcast_to(jnp.asarray(row_logits, jnp.float32), (num_rows, len(row_logits)))
+  if allowed is not None:
+    allowed = jnp.asarray(np.broadcast_to(pack_allowed(allowed), (num_rows, mask_words(len(row_logits)))))
   seeds = jnp.arange(num_rows, dtype=jnp.uint32) + jnp.uint32(seed0)
 
   def one_step(step):
@@ -337,6 +666,7 @@ def _draws(implementation, row_logits, *, temperature, top_k, num_rows, num_step
       seed=seeds,
       step=step,
       stop_ids=jnp.zeros((num_rows, 0), jnp.int32),
+      allowed=allowed,
       implementation=implementation,
     )[0]
 
@@ -358,6 +688,28 @@ def test_kernel_sampling_follows_softmax(temperature, top_k):
   assert _chi_square_p_value(tokens, _expected_probs(STAT_LOGITS, temperature, top_k)) > 1e-3
   again = _draws("pallas", STAT_LOGITS, temperature=temperature, top_k=top_k, num_rows=64, num_steps=32, seed0=777)
   np.testing.assert_array_equal(tokens, again)
+
+
+# The largest logit (token 0) is disallowed: the draws follow the softmax of what is left.
+STAT_ALLOWED = np.array([False, True, True, False, True, True, True, True])
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.7, 3)])
+def test_masked_sampling_follows_the_softmax_of_the_allowed_tokens(implementation, temperature, top_k):
+  num_rows, num_steps = (256, 64) if implementation == "xla" else (64, 32)
+  tokens = _draws(
+    implementation,
+    STAT_LOGITS,
+    temperature=temperature,
+    top_k=top_k,
+    num_rows=num_rows,
+    num_steps=num_steps,
+    seed0=4242,
+    allowed=STAT_ALLOWED,
+  )
+  probs = _expected_probs(STAT_LOGITS, temperature, top_k, STAT_ALLOWED)
+  assert _chi_square_p_value(tokens, probs) > 1e-3
 
 
 # ---------------------------------------------------------------------------- errors

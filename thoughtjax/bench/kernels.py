@@ -13,6 +13,10 @@ the outputs agree with the XLA reference.
   interpreted on CPU (an XLA loop over the grid, not a kernel), so it is timed on
   the B = 1 shapes only and labelled ``pallas (interpret)``.
 
+``sample_stop`` also runs under an allowed-token mask (constrained decoding's bitmask, a
+random ``mask=P%`` of the vocabulary allowed) at B = 1 and 8, in rows beside the unmasked ones
+of the same shape; the CUDA C kernel takes no mask and is skipped there.
+
 Times are hot-cache throughput: ``inner`` back-to-back calls on the same inputs,
 then one sync, divided by ``inner``; the median over ``--repeats`` such rounds.
 Small cases can therefore run from the GPU's L2 and exceed HBM bandwidth.
@@ -40,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from thoughtjax.bench import common
-from thoughtjax.kernels.sample_stop import prepare_inputs, sample_stop
+from thoughtjax.kernels.sample_stop import pack_allowed, prepare_inputs, sample_stop
 from thoughtjax.kernels.template_embed import template_embed
 
 BATCHES = (1, 8, 64)
@@ -49,6 +53,10 @@ DIMS = (576, 4096)
 # A chat template's fixed parts: system + user header before, assistant header after.
 PREFIX_LEN, SUFFIX_LEN, MAX_USER, TOTAL_LEN = 24, 5, 200, 256
 NUM_STOP, TOP_K = 4, 50
+# Allowed-token masks: the batches and the fractions of the vocabulary allowed (a JSON value's
+# next token is often one of a few structural tokens; free text inside a string allows about half).
+MASK_BATCHES = (1, 8)
+MASK_FRACTIONS = (0.05, 0.5)
 
 # Datasheet HBM bandwidth, GB/s, matched as substrings of jax's device_kind in
 # this order (GH200 before H200, H100 variants before H100).
@@ -115,7 +123,10 @@ def table_peak_gbps(device_kind: str) -> float | None:
 
 
 # ------------------------------------------------------------------------------- cases
-def sample_stop_case(num_rows: int, vocab: int, *, top_k: int, with_bias: bool) -> Case:
+def sample_stop_case(
+  num_rows: int, vocab: int, *, top_k: int, with_bias: bool, allowed_fraction: float | None = None
+) -> Case:
+  """One sample_stop shape; ``allowed_fraction`` adds a random allowed-token mask with that share allowed."""
   keys = jax.random.split(jax.random.key(num_rows * 7 + top_k), 3)
   logits = jax.random.normal(keys[0], (num_rows, vocab), jnp.float32) * 3
   bias = jax.random.normal(keys[1], (num_rows, vocab), jnp.float32) if with_bias else None
@@ -124,9 +135,15 @@ def sample_stop_case(num_rows: int, vocab: int, *, top_k: int, with_bias: bool) 
   seed = jnp.arange(num_rows, dtype=jnp.uint32) * jnp.uint32(2654435761)
   stop_ids = jax.random.randint(keys[2], (num_rows, NUM_STOP), 0, vocab, jnp.int32)
   args = (logits, temperature, top_k_arr, seed, 3, stop_ids, bias)
+  allowed_bytes = 0
+  if allowed_fraction is not None:
+    mask_rng = np.random.default_rng(num_rows * 7 + top_k + int(allowed_fraction * 1000))
+    allowed = jnp.asarray(pack_allowed(mask_rng.random((num_rows, vocab)) < allowed_fraction))
+    args += (allowed,)  # unmasked cases keep their 7 arguments and their program
+    allowed_bytes = allowed.nbytes
 
   def make(implementation):
-    def run(logits, temperature, top_k, seed, step, stop_ids, bias):
+    def run(logits, temperature, top_k, seed, step, stop_ids, bias, allowed=None):
       return sample_stop(
         logits,
         temperature=temperature,
@@ -135,13 +152,23 @@ def sample_stop_case(num_rows: int, vocab: int, *, top_k: int, with_bias: bool) 
         step=step,
         stop_ids=stop_ids,
         logit_bias=bias,
+        allowed=allowed,
         implementation=implementation,
       )
 
     return jax.jit(run)
 
-  num_bytes = logits.nbytes + (bias.nbytes if with_bias else 0) + stop_ids.nbytes + 4 * 4 * num_rows + 8 * num_rows
+  num_bytes = (
+    logits.nbytes
+    + (bias.nbytes if with_bias else 0)
+    + allowed_bytes
+    + stop_ids.nbytes
+    + 4 * 4 * num_rows
+    + 8 * num_rows
+  )
   label = f"B={num_rows} V={vocab} " + (f"top_k={top_k}" if top_k else "no top-k") + (" +bias" if with_bias else "")
+  if allowed_fraction is not None:
+    label += f" mask={allowed_fraction:.0%}"
   compare = lambda a, b: bool(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]))
   return Case(
     "sample_stop",
@@ -187,8 +214,11 @@ def build_cases(quick: bool) -> list[Case]:
   batches, vocab, dims = ((1, 8), 4096, (64,)) if quick else (BATCHES, VOCAB, DIMS)
   cases = []
   for num_rows in batches:
-    cases.append(sample_stop_case(num_rows, vocab, top_k=0, with_bias=False))
-    cases.append(sample_stop_case(num_rows, vocab, top_k=TOP_K, with_bias=True))
+    for top_k, with_bias in ((0, False), (TOP_K, True)):
+      cases.append(sample_stop_case(num_rows, vocab, top_k=top_k, with_bias=with_bias))
+      if num_rows in MASK_BATCHES:  # the masked rows right after the unmasked one of their shape
+        for fraction in MASK_FRACTIONS:
+          cases.append(sample_stop_case(num_rows, vocab, top_k=top_k, with_bias=with_bias, allowed_fraction=fraction))
   for dim in dims:
     for num_rows in batches:
       cases.append(template_embed_case(num_rows, vocab, dim))
@@ -227,9 +257,12 @@ def _cuda_module():
 def _cuda_sample_stop(args):
   """(run, fetch) for the CUDA C sample_stop on a case's inputs (zero-copy via DLPack):
   ``run()`` launches and returns device outputs, ``fetch`` brings them to the host."""
+  p = prepare_inputs(*args)  # the canonical inputs the Pallas kernel gets too
+  if p.allowed is not None:
+    raise NotImplementedError("the CUDA C sample_stop takes no allowed-token mask")
+
   import cupy
 
-  p = prepare_inputs(*args)  # the canonical inputs the Pallas kernel gets too
   num_rows, vocab = p.logits.shape
   if p.logits.dtype != jnp.float32:
     raise NotImplementedError("the CUDA C sample_stop takes float32 logits")
@@ -406,6 +439,8 @@ def run_case(
       run, fetch = case.cuda()
       median, minimum, out = _time_cuda(run, repeats)
       record("cuda", median, minimum, case.compare(fetch(out), reference), "CuPy RawKernel")
+    except NotImplementedError as e:  # a case the CUDA C kernel does not cover
+      results.append(Result(case.op, case.shape, "cuda", bytes=case.bytes, note=f"skipped: {e}"))
     except Exception as e:  # report, do not abort the other cases
       results.append(
         Result(case.op, case.shape, "cuda", bytes=case.bytes, note=f"failed: {type(e).__name__}: {e}"[:300])
@@ -493,7 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     "times: hot-cache throughput (back-to-back calls, one sync), median over rounds",
     "bytes: unique bytes the op must move; sample_stop with top-k re-reads each row "
     "~32 times (binary search for the k-th value) from cache, not counted",
-    "sample_stop cases: temperature 0.8, 4 stop ids; template_embed: left padding, "
+    "sample_stop cases: temperature 0.8, 4 stop ids; mask=P%: a random allowed-token bitmask "
+    "(uint32 [B, V/32]) with P% of the vocabulary allowed; template_embed: left padding, "
     f"prefix {PREFIX_LEN} rows, suffix {SUFFIX_LEN}, user lengths in [{MAX_USER // 2}, "
     f"{MAX_USER}]",
   ]

@@ -1,10 +1,10 @@
 """Fused sampling with stop-token detection: logits [B, V] -> (token [B], stop [B]).
 
 One kernel does logit bias, an allowed-token mask, temperature, top-k, Gumbel-max
-sampling (or argmax for greedy rows) and the stop-set lookup, one program per row. Without top-k it
-reads each row once; with top-k it first finds the k-th largest value by a binary
-search over float order keys (about 32 counting passes over the row, which stays
-in cache), then does the sampling pass. Three implementations of one contract
+sampling (or argmax for greedy rows) and the stop-set lookup, one program per row.
+Without top-k it reads each row (and its mask words) once; with top-k it first finds
+the k-th largest value by a binary search over float order keys (about 32 counting
+passes over the row, which stays in cache), then does the sampling pass. Three implementations of one contract
 live here:
 
 - ``sample_stop_reference``: pure ``jnp``, the CPU default and the ground truth;
@@ -191,6 +191,7 @@ def unpack_allowed(words: jax.Array, vocab: int) -> jax.Array:
       f"unpack_allowed: words must be uint32 [..., W] with W = ceil({vocab} / 32) = {mask_words(vocab)}, "
       f"got shape {words.shape} dtype {words.dtype}; pack a bool mask with pack_allowed."
     )
+  # Explicit ranks: callers may run with jax_numpy_rank_promotion="raise".
   shifts = jnp.arange(_WORD_BITS, dtype=jnp.uint32).reshape((1,) * words.ndim + (_WORD_BITS,))
   bits = (words[..., None] >> shifts) & np.uint32(1)  # [..., W, 32]
   return bits.reshape(*words.shape[:-1], -1)[..., :vocab] != 0
