@@ -5,6 +5,7 @@ disconnects mid-stream freeing its slot, and hostile bodies refused by name whil
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import threading
@@ -361,6 +362,61 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot_within_one_chunk(ht
   assert rec.decode_chunks_end - rec.decode_chunks_at_cancel <= 1
   assert sched.running == 0 and sched.waiting == 0 and sched.snapshot().get("slots_in_use", 0) == 0
   assert_serves(srv)
+
+
+def test_a_client_that_leaves_a_non_streaming_request_frees_its_turn(synthesizer):
+  """Each delta of the run waits for a gate the test opens only after the client's socket is closed, so the
+  client leaves mid-generation whatever the machine's speed; the run is then stopped, never run out."""
+  import socket
+
+  gate, generating = threading.Event(), threading.Event()
+
+  class Gated:  # a run that forwards to the synthesizer's (it holds no generation of its own: it runs alone)
+    def __init__(self, run):
+      self.__dict__["_run"] = run
+
+    def __getattr__(self, name):
+      return getattr(self._run, name)
+
+    def __iter__(self):
+      return self
+
+    def __next__(self):
+      generating.set()
+      gate.wait(60)
+      return next(self._run)
+
+  class Slow:
+    def __getattr__(self, name):
+      return getattr(synthesizer, name)
+
+    def synthesize(self, *a, **kw):
+      return Gated(synthesizer.synthesize(*a, **kw))
+
+  with BackgroundServer(Slow(), config(http_port=0)) as srv:
+    wait_ready(srv)
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 120}).encode()
+    with socket.create_connection(("127.0.0.1", srv.app.http_port), timeout=60) as sock:
+      head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+      sock.sendall(f"{head}X-Request-Id: http-gone\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+      assert generating.wait(60)  # the run is generating, nothing answered yet
+    sched = srv.app.service.scheduler
+    assert srv.call(
+      lambda: _until(lambda: sched.running == 0)  # the server saw the client leave: the call ended, the chunk runs on
+    )
+    gate.set()
+    assert srv.call(lambda: sched.wait_idle(60))
+    rec = next(r for r in sched.records if r.request_id == "http-gone")
+    assert rec.ended_by == "cancelled" and rec.closed and rec.tokens_out < 120
+    assert rec.decode_chunks_end - rec.decode_chunks_at_cancel <= 1
+    assert sched.running == 0
+    assert_serves(srv)
+
+
+async def _until(cond):
+  while not cond():
+    await asyncio.sleep(0)  # yield to the loop (the server's own bookkeeping), not a timed wait
+  return True
 
 
 # ---- attacks: each refused by name, and the server still serves -------------------------------------------------
