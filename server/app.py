@@ -21,7 +21,8 @@ Status of each failure:
   RESOURCE_EXHAUSTED   every turn taken and the waiting queue full (at once, before any work); a ReloadRegistry
                        within admin.reload_interval_s of the last
   UNAVAILABLE          loading the registry or warming up (health NOT_SERVING), or draining
-  UNAUTHENTICATED      an admin call (ReloadRegistry, RegistryStats) with no credential
+  UNAUTHENTICATED      an admin call (ReloadRegistry, RegistryStats) with no credential; any other call without
+                       the configured client token (clients.token), or with another
   PERMISSION_DENIED    an admin call with a wrong token or a client certificate not in admin.identities
   FAILED_PRECONDITION  a pinned registry sequence that is not the one served; no path left after a needed
                        thoughtlet failed verification; a ReloadRegistry whose new sequence fails verification
@@ -40,6 +41,10 @@ lowercase keys, ``-bin`` for binary): ``thoughtjax-trace-bin`` and ``thoughtjax-
 compute seconds, degraded, finish reason, program cache) that proxies and access logs can read without the
 proto. :func:`thoughtjax.client.read_trailer` reads them back.
 
+The OpenAI-compatible HTTP endpoint (server/http.py) runs on the same loop through the same steps
+(:meth:`SynthesizerService.check_client`, :meth:`~SynthesizerService.admit`,
+:meth:`~SynthesizerService.responses`, :meth:`~SynthesizerService.failure`).
+
 Reload: everything one registry sequence serves with (registry, synthesizer, composed explicit paths) is one
 :class:`_Serving`; a request takes the current one when it arrives and keeps it to its end, and
 ``ReloadRegistry`` builds the next one off the event loop (open under the serving trust policy, verify every
@@ -53,6 +58,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -62,7 +68,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -254,20 +260,46 @@ class SynthesizerService:
     self.statuses[code] += 1
     self.metrics.answered(method, code)
 
-  async def _abort(self, context, e: BaseException, method: str = "", request_id: str | None = None):
-    """Answer ``e``'s status with a short message and the request id; the full detail (exception class,
-    paths, traceback) goes to the server log under that id only."""
+  def failure(self, e: BaseException, method: str = "", request_id: str | None = None) -> tuple[grpc.StatusCode, str]:
+    """``e``'s status and a short message with the request id, counted; the full detail (exception class,
+    paths, traceback) goes to the server log under that id only. Every transport answers failures with it."""
     rid = request_id or uuid.uuid4().hex
     code = status_of(e)
     if code is None:  # a bug: the client learns only that it happened and where to look
       log.error("request %s: %s failed", rid, method or "call", exc_info=e)
       self._answered(method, "INTERNAL")
-      await context.abort(
-        grpc.StatusCode.INTERNAL, f"internal error; the server log has the details under request id {rid}"
-      )
+      return grpc.StatusCode.INTERNAL, f"internal error; the server log has the details under request id {rid}"
     log.info("request %s: %s answered %s: %s: %s", rid, method or "call", code.name, type(e).__name__, e)
     self._answered(method, code.name)
-    await context.abort(code, f"{public_message(str(e))} (request id {rid})")
+    return code, f"{public_message(str(e))} (request id {rid})"
+
+  async def _abort(self, context, e: BaseException, method: str = "", request_id: str | None = None):
+    await context.abort(*self.failure(e, method, request_id))
+
+  def check_client(self, authorization: str | None, method: str) -> None:
+    """Non-admin calls: the ``clients`` bearer token when one is configured, else UNAUTHENTICATED (a missing
+    and a wrong token alike: neither names a client). ``authorization``: the header's value as sent."""
+    try:
+      token = self.config.clients.bearer()
+    except UserError as e:  # an unreadable token file: the operator's to fix, not the client's
+      log.error("clients token: %s", e)
+      raise _Refused(
+        grpc.StatusCode.UNAVAILABLE, f"{method}: the server cannot read its client token; the server log says why"
+      ) from None
+    if token is None:
+      return
+    if authorization is None:
+      raise _Refused(
+        grpc.StatusCode.UNAUTHENTICATED,
+        f"{method}: this server needs a client token; send 'authorization: Bearer TOKEN' (clients.token in the "
+        f"server config)",
+      )
+    if not hmac.compare_digest(str(authorization).encode(), f"Bearer {token}".encode()):
+      raise _Refused(
+        grpc.StatusCode.UNAUTHENTICATED,
+        f"{method}: the authorization is not this server's client token; send 'authorization: Bearer TOKEN' with "
+        f"the token of clients.token in the server config",
+      )
 
   def _authorize(self, context, method: str) -> None:
     """Admin calls (ReloadRegistry, RegistryStats): the configured bearer token or an allowed client
@@ -547,16 +579,22 @@ class SynthesizerService:
     )
 
   # ---- methods ------------------------------------------------------------------------
-  async def _request(self, raw: bytes, context) -> Request:
-    m = self._parse(raw, pb.SynthesizeRequest)
+  async def admit(self, m: pb.SynthesizeRequest, time_remaining: float | None) -> Request:
+    """The server serving and ``m`` validated: the first step of a request on either transport (after its
+    credential is checked). ``time_remaining``: the call's deadline in seconds (None: none)."""
     self._check_serving()
     # Tokenizing a prompt up to max_message_bytes long must not hold the event loop.
-    return await asyncio.get_running_loop().run_in_executor(None, self.validate, m, context.time_remaining())
+    return await asyncio.get_running_loop().run_in_executor(None, self.validate, m, time_remaining)
+
+  async def _request(self, raw: bytes, context, method: str) -> Request:
+    self.check_client(_metadata(context, "authorization"), method)
+    m = self._parse(raw, pb.SynthesizeRequest)
+    return await self.admit(m, context.time_remaining())
 
   async def GetOptimalPath(self, raw: bytes, context) -> pb.Plan:
     r = None
     try:
-      r = await self._request(raw, context)
+      r = await self._request(raw, context, "GetOptimalPath")
       if r.path is not None:
         # Resolved and type-checked from manifests only: a plan restores nothing.
         model = await asyncio.get_running_loop().run_in_executor(None, self._path_types, r.path, r.serving)
@@ -571,12 +609,29 @@ class SynthesizerService:
   async def Synthesize(self, raw: bytes, context):
     t_arrival = time.perf_counter()
     try:
-      r = await self._request(raw, context)
+      r = await self._request(raw, context, "Synthesize")
     except Exception as e:
       await self._abort(context, e, "Synthesize")
       return
-    remaining = context.time_remaining()
-    deadline = None if remaining is None else time.monotonic() + remaining
+    # Closed however the call ends (a cancelled call included): that releases the request's turn.
+    async with contextlib.aclosing(self.responses(r, context.time_remaining(), t_arrival)) as out:
+      try:
+        async for response in out:
+          if response.WhichOneof("kind") == "final":
+            self._answered("Synthesize", "OK")
+            context.set_trailing_metadata(trailer(response.final, r.request_id))
+          yield response
+      except Exception as e:
+        await self._abort(context, e, "Synthesize", r.request_id)
+
+  async def responses(
+    self, r: Request, time_remaining: float | None, t_arrival: float
+  ) -> AsyncIterator[pb.SynthesizeResponse]:
+    """Schedule ``r`` (admission, queue, deadline) and yield its plan, its deltas and its final message,
+    with the latency metrics; the one run path of every transport. A failure raises (:func:`status_of` gives
+    its status); the caller answers it and counts the OK. Closing the iterator early cancels the run: its
+    slot is free at the end of the decode chunk running then."""
+    deadline = None if time_remaining is None else time.monotonic() + time_remaining
     t_admit, started = time.perf_counter(), []
 
     def start():
@@ -600,19 +655,16 @@ class SynthesizerService:
             self.metrics.tokens(now - t_prev, len(item.token_ids))
           t_prev = now
           yield pb.SynthesizeResponse(request_id=r.request_id, delta=pb.Delta(token_ids=item.token_ids, text=item.text))
-    except Exception as e:
-      await self._abort(context, e, "Synthesize", r.request_id)
     finally:
       await stream.aclose()
     final = _final(run, last, (started[0] - t_admit) * 1e3 if started else None)
-    self._answered("Synthesize", "OK")
     ran = run.generation.trace.first_token is not None
     self.metrics.finished(final.trace, final.usage, final.trace.program_cache_hit if ran else None)
-    context.set_trailing_metadata(trailer(final, r.request_id))
     yield pb.SynthesizeResponse(request_id=r.request_id, final=final)
 
   async def ListThoughtlets(self, raw: bytes, context) -> pb.ListThoughtletsResponse:
     try:
+      self.check_client(_metadata(context, "authorization"), "ListThoughtlets")
       self._parse(raw, pb.ListThoughtletsRequest)
       self._check_loaded()
       reg = self.serving.registry
@@ -755,6 +807,11 @@ class SynthesizerService:
     if old.owned:
       old.registry.evict_all()
     old.paths.clear()
+
+
+def _metadata(context, key: str) -> str | None:
+  """The value of the call's metadata ``key`` (lowercase), or None."""
+  return next((v for k, v in context.invocation_metadata() or () if k == key), None)
 
 
 def _failure_field(e: BaseException) -> str | None:
@@ -1012,6 +1069,8 @@ class ServerApp:
     self.server: grpc.aio.Server | None = None
     self.port: int | None = None
     self.metrics_port: int | None = None  # the Prometheus endpoint's port (config metrics_port; None: off)
+    self.http = None  # the OpenAI-compatible endpoint (server/http.py; config http_port)
+    self.http_port: int | None = None
     self.warm_error: BaseException | None = None
     self._warm_task: asyncio.Task | None = None
     self._stopped = asyncio.Event()
@@ -1055,6 +1114,18 @@ class ServerApp:
         raise ConfigError(
           f"cannot serve metrics on {cfg.metrics_bind}:{cfg.metrics_port} ({e}); pick a free metrics_port "
           f"(0: any free port) or set it to null"
+        ) from None
+    if cfg.http_port is not None:
+      from server.http import OpenAIHttp  # imported here: aiohttp is loaded only when the endpoint is on
+
+      self.http = OpenAIHttp(self.service)
+      try:
+        self.http_port = await self.http.start(cfg.bind, cfg.http_port)
+      except OSError as e:
+        await self.stop(0)
+        raise ConfigError(
+          f"cannot serve HTTP on {cfg.bind}:{cfg.http_port} ({e}); pick a free http_port (0: any free port) or "
+          f"set it to null"
         ) from None
     self._warm_task = asyncio.get_running_loop().create_task(self._warm())
     log.info(
@@ -1108,6 +1179,8 @@ class ServerApp:
   async def stop(self, grace: float | None = 0) -> None:
     if self._warm_task is not None and not self._warm_task.done():
       self._warm_task.cancel()
+    if self.http is not None:
+      await self.http.stop()
     if self.server is not None:
       await self.server.stop(grace)
     close = getattr(self.service.scheduler, "close", None)
@@ -1152,6 +1225,7 @@ async def serve(
   load: Callable[[], Any] | None = None,
   on_port: Callable[[int], None] | None = None,
   on_metrics_port: Callable[[int], None] | None = None,
+  on_http_port: Callable[[int], None] | None = None,
 ) -> None:
   """Run until SIGTERM or SIGINT (then drain, see :meth:`ServerApp.drain`). With ``load`` (and no
   ``synthesizer``) the port is bound first and the registry loaded behind NOT_SERVING; a load that fails
@@ -1164,6 +1238,8 @@ async def serve(
     on_port(port)
   if on_metrics_port is not None and app.metrics_port is not None:
     on_metrics_port(app.metrics_port)
+  if on_http_port is not None and app.http_port is not None:
+    on_http_port(app.http_port)
   loop = asyncio.get_running_loop()
   for sig in (signal.SIGTERM, signal.SIGINT):
     loop.add_signal_handler(sig, lambda: loop.create_task(app.drain()))

@@ -54,6 +54,42 @@ class WarmConfig:
   max_tokens: tuple[int, ...] = (64,)
 
 
+def _bearer(token: str | None, token_file: Path | None, where: str) -> str | None:
+  """``token``, or the secret in ``token_file`` (read each call, so a rotated file takes effect)."""
+  if token_file is None:
+    return token
+  try:
+    token = token_file.read_text().strip()
+  except OSError as e:
+    raise ConfigError(f"{where}.token_file {token_file}: cannot read it ({e.strerror}); fix the path") from None
+  if len(token) < 16:
+    raise ConfigError(f"{where}.token_file {token_file}: expected a secret of at least 16 characters")
+  return token
+
+
+def _check_token(token, token_file, where: str) -> None:
+  if token is not None and token_file is not None:
+    raise ConfigError(f"{where}: set token or token_file, not both")
+  if token is not None and (not isinstance(token, str) or len(token) < 16):
+    raise ConfigError(f"{where}.token: expected a secret string of at least 16 characters; generate a long random one")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientsConfig:
+  """The bearer every non-admin call carries (gRPC metadata ``authorization: Bearer ...``, HTTP header
+  ``Authorization: Bearer ...``); ``token_file``: read from that file. Nothing set: clients need no token
+  (with ``tls.client_ca`` they still need a certificate)."""
+
+  token: str | None = None
+  token_file: Path | None = None
+
+  def __post_init__(self):
+    _check_token(self.token, self.token_file, "clients")
+
+  def bearer(self) -> str | None:
+    return _bearer(self.token, self.token_file, "clients")
+
+
 @dataclasses.dataclass(frozen=True)
 class AdminConfig:
   """Who may call ReloadRegistry and RegistryStats: a client certificate identity (mTLS; a subject alternative
@@ -68,10 +104,7 @@ class AdminConfig:
   reload_interval_s: float = 10.0
 
   def __post_init__(self):
-    if self.token is not None and self.token_file is not None:
-      raise ConfigError("admin: set token or token_file, not both")
-    if self.token is not None and (not isinstance(self.token, str) or len(self.token) < 16):
-      raise ConfigError("admin.token: expected a secret string of at least 16 characters; generate a long random one")
+    _check_token(self.token, self.token_file, "admin")
     if not isinstance(self.open, bool):
       raise ConfigError(f"admin.open: expected true or false, got {self.open!r}")
     r = self.reload_interval_s
@@ -80,15 +113,7 @@ class AdminConfig:
 
   def bearer(self) -> str | None:
     """The configured token (read from ``token_file`` each call, so a rotated file takes effect)."""
-    if self.token_file is None:
-      return self.token
-    try:
-      token = self.token_file.read_text().strip()
-    except OSError as e:
-      raise ConfigError(f"admin.token_file {self.token_file}: cannot read it ({e.strerror}); fix the path") from None
-    if len(token) < 16:
-      raise ConfigError(f"admin.token_file {self.token_file}: expected a secret of at least 16 characters")
-    return token
+    return _bearer(self.token, self.token_file, "admin")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +132,10 @@ class ServerConfig:
   metrics_bind: str = "127.0.0.1"
   scheduler: str = "continuous"  # "continuous" (slot engines, server/scheduling.py) or "simple" (one generation each)
   admin: AdminConfig = AdminConfig()
+  clients: ClientsConfig = ClientsConfig()
+  http_port: int | None = None  # OpenAI-compatible HTTP (server/http.py) on ``bind``; None: off, 0: any free port
+  http_max_body_bytes: int = 1024 * 1024  # a larger request body is refused (413) before it is parsed
+  model_name: str | None = None  # the model id /v1/models lists and requests name; None: the registry's folder
   max_stop_strings: int = 16  # stop strings per request
   max_stop_chars: int = 256  # characters per stop string
   max_path_layers: int | None = None  # pieces and layers of an explicit path; None: twice the model's layers
@@ -114,7 +143,14 @@ class ServerConfig:
   def __post_init__(self):
     if self.scheduler not in SCHEDULERS:
       raise ConfigError(f"scheduler: expected one of {list(SCHEDULERS)}, got {self.scheduler!r}")
-    for name in ("max_message_bytes", "max_concurrent", "max_tokens_limit", "max_stop_strings", "max_stop_chars"):
+    for name in (
+      "max_message_bytes",
+      "max_concurrent",
+      "max_tokens_limit",
+      "max_stop_strings",
+      "max_stop_chars",
+      "http_max_body_bytes",
+    ):
       _positive_int(getattr(self, name), name)
     if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
       raise ConfigError(f"max_queue: expected an integer >= 0, got {self.max_queue!r}")
@@ -128,6 +164,17 @@ class ServerConfig:
       raise ConfigError(
         f"metrics_port: expected null (no metrics endpoint) or an integer in [0, 65535] (0: any free port), "
         f"got {self.metrics_port!r}"
+      )
+    if self.http_port is not None and (
+      isinstance(self.http_port, bool) or not isinstance(self.http_port, int) or not 0 <= self.http_port < 65536
+    ):
+      raise ConfigError(
+        f"http_port: expected null (no HTTP endpoint) or an integer in [0, 65535] (0: any free port), "
+        f"got {self.http_port!r}"
+      )
+    if self.model_name is not None and (not isinstance(self.model_name, str) or not self.model_name.strip()):
+      raise ConfigError(
+        f"model_name: expected a non-empty model id or null (the registry's folder name), got {self.model_name!r}"
       )
     if self.max_path_layers is not None:
       _positive_int(self.max_path_layers, "max_path_layers")
@@ -253,8 +300,9 @@ def from_mapping(data: Mapping | None, where: str = "server config", base: Path 
     f"{where}: admin",
     {"identities": _names, "token_file": _path(base), "reload_interval_s": _number},
   )
+  clients = _section(ClientsConfig, data.pop("clients", None), f"{where}: clients", {"token_file": _path(base)})
   top = _section(ServerConfig, data, where)
-  return dataclasses.replace(top, tls=tls, keepalive=keep, warm=warm, admin=admin)
+  return dataclasses.replace(top, tls=tls, keepalive=keep, warm=warm, admin=admin, clients=clients)
 
 
 def load_config(path: str | os.PathLike | None = None) -> ServerConfig:

@@ -9,7 +9,8 @@ Series (``thoughtjax_`` prefix):
   prediction_error_ratio           histogram  actual / predicted total latency of a planned request
   program_cache_total{result}      counter    hit: the request's program was compiled already; miss
   degraded_total{reason}           counter    requests run on a degraded plan (reason: budget, unavailable)
-  requests_total{method,code}      counter    answers by gRPC status
+  requests_total{method,code}      counter    answers by gRPC status; method: the gRPC method or the HTTP
+                                              endpoint's path (server/http.py), so each protocol is counted
   queue_depth, slots_in_use        gauge      the scheduler's ``snapshot()`` at scrape time
   scheduler{field}                 gauge      every numeric field of that snapshot
   registry_failures_total{kind}    counter    integrity, signature, downgrade, rollback and restore

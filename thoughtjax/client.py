@@ -143,7 +143,8 @@ class Client:
     from server.proto.thoughtjax.v1 import synthesis_pb2_grpc as rpc
 
     self.target, self.timeout = target, timeout
-    # The server's admin bearer token (ReloadRegistry, RegistryStats); send it over TLS only.
+    # The server's bearer token (admin.token for ReloadRegistry and RegistryStats, clients.token for the other
+    # calls when the server asks for one); send it over TLS only.
     self.metadata = () if token is None else (("authorization", f"Bearer {token}"),)
     if ca is not None or cert is not None:
       creds = grpc.ssl_channel_credentials(_pem(ca), _pem(key), _pem(cert))
@@ -172,7 +173,7 @@ class Client:
     """Synthesize: every ``SynthesizeResponse`` (the plan, the deltas, the final message) as it arrives; once
     the stream ends, its trailing metadata is on ``last_trailer``."""
     timeout = kwargs.pop("timeout", self.timeout)
-    call = self.stub.Synthesize(request(prompt, hints, **kwargs), timeout=timeout)
+    call = self.stub.Synthesize(request(prompt, hints, **kwargs), timeout=timeout, metadata=self.metadata)
     self.last_trailer = None
     try:
       for r in call:

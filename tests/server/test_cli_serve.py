@@ -1,6 +1,6 @@
 """``thoughtjax serve`` as a process over the tiny registry: ``thoughtjax client`` streams from it, and SIGTERM
 drains it: a stream in flight finishes, then the process exits 0. ``--metrics-port`` serves its Prometheus
-endpoint."""
+endpoint, ``--http-port`` the OpenAI-compatible one."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import subprocess
 import sys
 import urllib.request
 
+import openai
 import pytest
 
 from thoughtjax.cli import main
@@ -44,6 +45,8 @@ def serve_process(tiny_registry):
       "0",
       "--metrics-port",
       "0",
+      "--http-port",
+      "0",
     ],
     stdout=subprocess.PIPE,
     stderr=subprocess.PIPE,
@@ -55,9 +58,11 @@ def serve_process(tiny_registry):
     assert line.startswith("serving on 127.0.0.1:"), (line, proc.stderr.read() if proc.poll() is not None else "")
     metrics = proc.stdout.readline()
     assert metrics.startswith("metrics on http://127.0.0.1:"), metrics
+    openai_line = proc.stdout.readline()
+    assert openai_line.startswith("openai http on http://127.0.0.1:") and openai_line.endswith("/v1\n"), openai_line
     target = line.split()[-1]
     assert wait_serving(target), "the server never reported SERVING"
-    yield proc, target, metrics.split()[-1]
+    yield proc, target, metrics.split()[-1], openai_line.split()[-1]
   finally:
     if proc.poll() is None:
       proc.kill()
@@ -67,7 +72,7 @@ def serve_process(tiny_registry):
 
 
 def test_client_streams_from_serve_and_sigterm_drains(serve_process, capsys):
-  proc, target, metrics_url = serve_process
+  proc, target, metrics_url, openai_url = serve_process
   assert (
     main(
       [
@@ -88,8 +93,16 @@ def test_client_streams_from_serve_and_sigterm_drains(serve_process, capsys):
   out = json.loads(capsys.readouterr().out)
   assert out["plan"]["path"] and out["final"]["usage"]["tokensOut"] >= 1
   assert out["trailer"]["tokens-out"] == str(out["final"]["usage"]["tokensOut"])
+  with openai.OpenAI(base_url=openai_url, api_key="unused", max_retries=0) as oa:  # the same engines over HTTP
+    model = oa.models.list().data[0].id
+    got = oa.completions.create(model=model, prompt="The quick brown fox", max_tokens=5)
+  assert (
+    got.choices[0].text == out["final"]["text"] and got.usage.completion_tokens == out["final"]["usage"]["tokensOut"]
+  )
   with urllib.request.urlopen(metrics_url, timeout=30) as r:  # the process's Prometheus endpoint
-    assert 'thoughtjax_requests_total{code="OK",method="Synthesize"} 1.0' in r.read().decode()
+    text = r.read().decode()
+  assert 'thoughtjax_requests_total{code="OK",method="Synthesize"} 1.0' in text
+  assert 'thoughtjax_requests_total{code="OK",method="/v1/completions"} 1.0' in text
   assert main(["client", "--target", target, "--prompt", "x", "--hint", "poetry_in_klingon", "--timeout", "60"]) == 2
   assert "INVALID_ARGUMENT" in capsys.readouterr().err
 

@@ -133,3 +133,30 @@ def test_unreadable_or_non_pem_tls_files_are_named(synthesizer, pki, tmp_path):
     with pytest.raises(ConfigError, match=match):
       with BackgroundServer(synthesizer, config(tls=tls)):
         pass
+
+
+def test_the_http_endpoint_takes_the_same_tls_and_client_certificates(synthesizer, pki):
+  """The OpenAI-compatible endpoint is never a plaintext way around mTLS: HTTPS with the server's certificate,
+  and a client certificate signed by the client CA, or no answer."""
+  import ssl
+
+  import openai
+
+  tls = TlsConfig(cert=pki / "server.pem", key=pki / "server.key", client_ca=pki / "ca.pem")
+
+  def models(port, scheme="https", cert=None):
+    ctx = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    if cert is not None:
+      ctx.load_cert_chain(pki / f"{cert}.pem", pki / f"{cert}.key")
+    with openai.DefaultHttpxClient(verify=ctx, timeout=60) as h:  # the client's own HTTP library
+      oa = openai.OpenAI(base_url=f"{scheme}://localhost:{port}/v1", api_key="unused", http_client=h, max_retries=0)
+      return [m.id for m in oa.models.list().data]
+
+  with BackgroundServer(synthesizer, config(tls=tls, http_port=0)) as srv:
+    wait_ready(srv)
+    port = srv.app.http_port
+    assert models(port, cert="client") == [srv.app.http.model_id()]
+    for kw in ({}, {"cert": "stranger"}, {"scheme": "http", "cert": "client"}):
+      with pytest.raises(openai.APIConnectionError):
+        models(port, **kw)
+    assert models(port, cert="client")  # still serves

@@ -1,7 +1,7 @@
 """``thoughtjax serve`` (the gRPC server of ``server/``) and ``thoughtjax client`` (stream one request).
 
 ``serve`` prints one line ``serving on HOST:PORT`` once the port is bound (and ``metrics on URL`` when the
-Prometheus endpoint is on), before the registry is loaded: health says NOT_SERVING (and calls are UNAVAILABLE)
+Prometheus endpoint is on, then ``openai http on URL`` when the OpenAI-compatible endpoint is), before the registry is loaded: health says NOT_SERVING (and calls are UNAVAILABLE)
 until the registry is loaded (built and calibrated on a first start of the default one) and the configured
 fronts are warm. It drains on SIGTERM. ``client`` streams the text to stdout and
 prints the plan and the trace to stderr (``--json``: one JSON object on stdout instead, with the trailing
@@ -32,6 +32,13 @@ def add_parsers(sub) -> None:
     type=int,
     default=None,
     help="serve Prometheus metrics on the config's metrics_bind (default 127.0.0.1) at this port (0: any free port)",
+  )
+  p.add_argument(
+    "--http-port",
+    type=int,
+    default=None,
+    help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models) on the "
+    "bind address at this port, on the same engines (0: any free port)",
   )
   add_kernels_arg(p)
   add_trust_args(p)
@@ -69,7 +76,14 @@ def cmd_serve(args) -> int:
 
   config = load_config(existing_path(args.config, "--config") if args.config else None)
   changes = {
-    k: v for k, v in (("port", args.port), ("bind", args.bind), ("metrics_port", args.metrics_port)) if v is not None
+    k: v
+    for k, v in (
+      ("port", args.port),
+      ("bind", args.bind),
+      ("metrics_port", args.metrics_port),
+      ("http_port", args.http_port),
+    )
+    if v is not None
   }
   config = dataclasses.replace(config, **changes) if changes else config
   if args.registry:
@@ -93,7 +107,13 @@ def cmd_serve(args) -> int:
   def on_metrics_port(port: int) -> None:
     print(f"metrics on http://{config.metrics_bind}:{port}/metrics", flush=True)
 
-  asyncio.run(serve(None, config, load=load, on_port=on_port, on_metrics_port=on_metrics_port))
+  def on_http_port(port: int) -> None:
+    scheme = "https" if config.tls.enabled else "http"
+    print(f"openai http on {scheme}://{config.bind}:{port}/v1", flush=True)
+
+  asyncio.run(
+    serve(None, config, load=load, on_port=on_port, on_metrics_port=on_metrics_port, on_http_port=on_http_port)
+  )
   return 0
 
 
