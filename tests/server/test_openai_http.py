@@ -219,6 +219,27 @@ def test_chat_and_completion_give_what_grpc_gives_for_the_same_greedy_request(ht
   assert m.sample("thoughtjax_requests_total", {"method": "/v1/completions", "code": "OK"}) >= 1
 
 
+def test_a_json_schema_response_format_gives_json_that_validates(http_served):
+  import jsonschema
+
+  schema = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "score": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["answer", "score"],
+    "additionalProperties": False,
+  }
+  chat = client_of(http_served).chat.completions.create(
+    model=model_of(http_served),
+    messages=CHAT,
+    max_tokens=190,  # the grammar bounds it: whitespace between tokens is at most a newline and 20 indents
+    response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema, "strict": True}},
+  )
+  choice = chat.choices[0]
+  assert choice.finish_reason == "stop", choice.message.content
+  jsonschema.validate(json.loads(choice.message.content), schema)
+  assert any("constrained by a JSON schema" in n for n in chat.model_extra["thoughtjax"]["plan"]["notes"])
+
+
 def test_a_stream_sends_role_deltas_finish_usage_and_done(http_served):
   srv = http_served
   c = client_of(srv)
