@@ -75,6 +75,28 @@ def test_other_shapes_other_code_other_key_are_other_artifacts(tmp_path, monkeyp
   assert len(_files(tmp_path)) == 4
 
 
+def test_the_same_weights_passed_again_are_not_signed_again_but_changed_ones_are(tmp_path, monkeypatch):
+  """Weights passed call after call as the same arrays reuse their signature; a leaf swapped for another array
+  (same shape or not) is signed again, so a new shape gets its own program and the values are the new ones."""
+  f = _wrapped(tmp_path)
+  params, x, state = _args()
+  signed = []
+  real = exported._leaf_sig
+  monkeypatch.setattr(exported, "_leaf_sig", lambda leaf: signed.append(leaf) or real(leaf))
+  state = f(params, x, state)
+  first = len(signed)
+  state = f(params, x, state)
+  assert len(signed) - first == len(jax.tree.leaves(state))  # weights and input: the same arrays, not signed again
+  params["b"] = jnp.full(4, 10.0)
+  before = np.asarray(state.acc)
+  state = f(params, x, state)
+  want = before + np.asarray(jnp.dot(x, params["w"], precision=jax.lax.Precision.HIGHEST)) + 10.0
+  np.testing.assert_allclose(np.asarray(state.acc), want, rtol=1e-6)
+  wide = {"w": jnp.ones((3, 4)), "b": jnp.ones((1, 4))}  # another shape: another program, not a stale one
+  out = f(wide, x, State(jnp.zeros((1, 4)), jnp.zeros((), jnp.int32)))
+  assert out.acc.shape == (1, 4)
+
+
 def test_donated_state_is_donated(tmp_path):
   params, x, state = _args()
   _wrapped(tmp_path)(params, x, state)

@@ -52,6 +52,7 @@ import os
 import stat
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -116,6 +117,22 @@ def _platform_key() -> dict:
   }
 
 
+class _Sig:
+  """One argument's (tree, leaf signatures), hashed once: a call looks its program up by these, and a path's
+  weights are hundreds of leaves."""
+
+  __slots__ = ("value", "_hash")
+
+  def __init__(self, value: tuple):
+    self.value, self._hash = value, hash(value)
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __eq__(self, other) -> bool:
+    return self is other or (isinstance(other, _Sig) and self._hash == other._hash and self.value == other.value)
+
+
 class ExportedFunction:
   """A jitted function whose lowered programs are stored and loaded by :mod:`thoughtjax.exported`."""
 
@@ -132,17 +149,34 @@ class ExportedFunction:
     self._out_like, self._dir = out_like, directory
     self._calls: dict[tuple, Callable] = {}
     self._lock = threading.Lock()
+    # Per argument position: (weak refs to the leaves last seen there, their signature). An argument passed
+    # again as the same arrays (a path's weights, call after call) is not signed again: signing and hashing its
+    # hundreds of leaves cost milliseconds per call, paid on every decode chunk.
+    self._seen: dict[int, tuple[list, tuple]] = {}
 
   def __getattr__(self, name):  # .trace, .lower, ... are the jitted function's
     return getattr(self._jitted, name)
 
+  def _arg_sig(self, i: int, leaves: list, treedef) -> _Sig:
+    seen = self._seen.get(i)
+    if seen is not None and len(seen[0]) == len(leaves) and seen[1].value[0] == treedef:
+      if all(r() is x for r, x in zip(seen[0], leaves, strict=True)):
+        return seen[1]
+    sig = _Sig((treedef, tuple(_leaf_sig(x) for x in leaves)))
+    try:
+      self._seen[i] = ([weakref.ref(x) for x in leaves], sig)
+    except TypeError:  # a leaf that takes no weak reference (a Python scalar): signed on every call
+      self._seen.pop(i, None)
+    return sig
+
   def __call__(self, *args):
-    leaves, treedef = jax.tree.flatten(args)
-    sig = (treedef, tuple(_leaf_sig(x) for x in leaves))
+    parts = [jax.tree.flatten(a) for a in args]
+    leaves = [x for lv, _ in parts for x in lv]
+    sig = tuple(self._arg_sig(i, lv, td) for i, (lv, td) in enumerate(parts))
     call = self._calls.get(sig)
     if call is None:
       with self._lock:
-        call = self._calls.get(sig) or self._build(args, leaves, treedef, sig)
+        call = self._calls.get(sig) or self._build(args, leaves, jax.tree.structure(args), sig)
         self._calls[sig] = call
     if call is self._jitted:  # not exportable: the plain jitted function on the arguments as given
       return call(*args)
@@ -152,11 +186,13 @@ class ExportedFunction:
     return jax.tree.unflatten(jax.tree.structure(args[self._out_like]), out)
 
   # ---- building ---------------------------------------------------------------------
-  def _full_key(self, sig, donated: list[int]) -> dict:
+  def _full_key(self, args, sig, donated: list[int]) -> dict:
     key = {
       "key": self._key,
-      "in_tree": str(sig[0]),
-      "leaves": [[list(shape), str(dtype), weak, repr(sharding)] for shape, dtype, weak, sharding in sig[1]],
+      "in_tree": str(jax.tree.structure(args)),
+      "leaves": [
+        [list(shape), str(dtype), weak, repr(sharding)] for arg in sig for shape, dtype, weak, sharding in arg.value[1]
+      ],
       "donated_leaves": donated,
       "out_like": self._out_like,
       "platform": _platform_key(),
@@ -168,7 +204,7 @@ class ExportedFunction:
     counts = [len(jax.tree.leaves(a)) for a in args]
     starts = [sum(counts[:i]) for i in range(len(counts))]
     donated = [j for i in self._donate for j in range(starts[i], starts[i] + counts[i])]
-    full_key = self._full_key(sig, donated)
+    full_key = self._full_key(args, sig, donated)
     directory = self._dir if self._dir is not None else export_dir()
     path = None
     if directory is not None:
