@@ -92,9 +92,9 @@ def test_the_same_weights_passed_again_are_not_signed_again_but_changed_ones_are
   state = f(params, x, state)
   want = before + np.asarray(jnp.dot(x, params["w"], precision=jax.lax.Precision.HIGHEST)) + 10.0
   np.testing.assert_allclose(np.asarray(state.acc), want, rtol=1e-6)
-  wide = {"w": jnp.ones((3, 4)), "b": jnp.ones((1, 4))}  # another shape: another program, not a stale one
-  out = f(wide, x, State(jnp.zeros((1, 4)), jnp.zeros((), jnp.int32)))
-  assert out.acc.shape == (1, 4)
+  wide = {"w": jnp.ones((3, 5)), "b": jnp.ones(5)}  # another shape: another program, not a stale one
+  out = f(wide, x, State(jnp.zeros(5), jnp.zeros((), jnp.int32)))
+  np.testing.assert_allclose(np.asarray(out.acc), np.full(5, 4.0))
 
 
 def test_donated_state_is_donated(tmp_path):
