@@ -119,6 +119,15 @@ def test_a_schema_dict_keeps_its_property_order_and_text_is_kept_as_written():
   assert Constraint.of(json_schema=text).source == text
   assert Constraint.of(json_schema=text).describe() == f"JSON schema ({len(text)} characters)"
   assert Constraint.of(regex="a+").describe() == "regular expression (2 characters)"
+  assert Constraint.of(grammar='start: "a"').describe() == "grammar (Lark, 10 characters)"
+  assert Constraint.of(grammar='root ::= "a"').describe() == "grammar (GBNF, 12 characters)"
+
+
+def test_a_lark_grammar_without_a_start_rule_is_read_as_gbnf_and_the_error_says_so(grammars):
+  with pytest.raises(
+    ConstraintError, match=r"^grammar: cannot be compiled \(read as GBNF: a Lark grammar needs a line"
+  ):
+    grammars.check(Constraint.of(grammar='root: "a"'))
 
 
 @pytest.mark.parametrize(
@@ -182,7 +191,7 @@ def test_what_cannot_be_compiled_is_a_one_line_error_naming_the_kind(grammars, k
     with pytest.raises(ConstraintError) as e:
       call(c)
     text = str(e.value)
-    assert text.startswith(f"{kind}: cannot be compiled: ") and message in text and "\n" not in text, text
+    assert text.startswith(f"{kind}: cannot be compiled") and message in text and "\n" not in text, text
 
 
 def test_the_compiled_cache_is_bounded_and_shared_by_threads():
@@ -243,6 +252,18 @@ def test_a_walk_under_a_regex_fully_matches_it(grammars, seed):
 def test_a_walk_under_a_grammar_is_a_sentence_of_it_in_both_dialects(grammars, grammar, seed):
   text, _ = walk(grammars, Constraint.of(grammar=grammar), seeded(seed))
   assert re.fullmatch(r"(yes|no|[0-9]{1,3}) (kg|m)", text), text
+
+
+@pytest.mark.parametrize(
+  "pattern",
+  [r"(a|b)*a(a|b){12}", r"((ab){1,50}){1,50}c", r"[a-c]{0,3}x{1000}|y"],
+  ids=["dfa-blowup", "nested-repeats", "long"],
+)
+def test_constraints_that_explode_when_compiled_eagerly_still_walk(grammars, pattern):
+  """An eager DFA of the first has 2**13 states and the second a million paths: the lexer builds what a walk
+  reaches, so they compile and every step's mask is exact."""
+  text, _ = walk(grammars, Constraint.of(regex=pattern), seeded(5), max_steps=1200)
+  assert re.fullmatch(pattern, text), text
 
 
 def test_whitespace_runs_in_json_are_bounded(grammars):

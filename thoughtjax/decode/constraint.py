@@ -2,8 +2,10 @@
 
 The masks come from llguidance (``llguidance`` on PyPI): it compiles the constraint against the model's
 tokenizer and, at each step, writes one bit per vocabulary id into a numpy buffer — the packed layout the fused
-sampler reads (``bit (v & 31) of word (v >> 5)``). It was chosen over xgrammar because it needs no torch,
-fills a numpy bitmask directly and rolls back consumed tokens (``scripts/compare_grammar_libraries.py``).
+sampler reads (``bit (v & 31) of word (v >> 5)``). Chosen over xgrammar (``scripts/compare_grammar_libraries.py``
+on the default model's tokenizer): no torch (7 MiB installed against 4.4 GiB with xgrammar's dependencies),
+imported in 0.05 s (4.3 s), a schema compiled in under 1 ms (6-16 ms) and both Lark and GBNF grammars; xgrammar's
+per-token mask is faster (median 3 us against 13 us), both far below a decode step; both roll back and handle eos.
 
 Layers:
 - :class:`Constraint` is the request's value: which kind and its source text. Building one checks only what
@@ -39,6 +41,7 @@ from typing import Literal
 
 import llguidance
 import numpy as np
+from llguidance.gbnf_to_lark import is_lark_syntax
 
 from thoughtjax.errors import UserError
 
@@ -93,7 +96,9 @@ class Constraint:
     return Constraint(kind, value)
 
   def describe(self) -> str:
-    """Short, for plans and logs: e.g. ``JSON schema (412 characters)``."""
+    """Short, for plans and logs: e.g. ``JSON schema (412 characters)``, ``grammar (GBNF, 80 characters)``."""
+    if self.kind == "grammar":
+      return f"grammar ({'Lark' if is_lark(self.source) else 'GBNF'}, {len(self.source)} characters)"
     return f"{_DESCRIPTION[self.kind]} ({len(self.source)} characters)"
 
 
@@ -184,7 +189,9 @@ class Grammars:
   def matcher(self, c: Constraint) -> Matcher:
     """A fresh matcher at the start of the output, for one row."""
     template = self._template(c)
-    return Matcher(self, c, template.deep_copy())
+    with self._lock:  # the template is shared; copies are made one at a time (microseconds)
+      ll = template.deep_copy()
+    return Matcher(self, c, ll)
 
   def _template(self, c: Constraint) -> llguidance.LLMatcher:
     key = (c.kind, c.source)
@@ -212,9 +219,17 @@ def _grammar_text(c: Constraint) -> str:
       return llguidance.LLMatcher.grammar_from_json_schema(c.source, defaults=_JSON_DEFAULTS)
     if c.kind == "regex":
       return llguidance.LLMatcher.grammar_from_regex(c.source)
-    return llguidance.grammar_from("grammar", c.source)  # Lark as is; GBNF converted
+    if is_lark(c.source):
+      return llguidance.LLMatcher.grammar_from_lark(c.source)
+    return llguidance.grammar_from("grammar", c.source)  # GBNF, converted to Lark
   except Exception as e:  # the GBNF converter raises plain Exceptions
-    raise ConstraintError(f"{c.kind}: cannot be compiled: {_short(c.kind, str(e))}") from None
+    hint = " (read as GBNF: a Lark grammar needs a line 'start: ...')" if c.kind == "grammar" else ""
+    raise ConstraintError(f"{c.kind}: cannot be compiled{hint}: {_short(c.kind, str(e))}") from None
+
+
+def is_lark(grammar: str) -> bool:
+  """Whether a ``grammar`` text is read as Lark (a line ``start: ...`` or ``%llguidance``) rather than GBNF."""
+  return is_lark_syntax(grammar)
 
 
 class Matcher:
