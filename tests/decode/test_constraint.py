@@ -381,6 +381,37 @@ def test_a_model_vocabulary_narrower_than_the_tokenizer_cuts_the_mask():
     m.consume(250)
 
 
+@pytest.mark.parametrize("vocab", [300, 259, 200])
+def test_a_batch_fill_equals_filling_row_by_row(vocab):
+  """Rows of one batch carry different constraints or none; some are finished, one has ended with eos."""
+  g = Grammars(tiny_codec(eos_ids=(0,)), vocab)
+  constraints = [Constraint.of(json_schema=PERSON), Constraint.of(regex="[0-9]+"), Constraint.of(regex="ab")]
+  rows = [g.matcher(c) for c in constraints + constraints[:2]]
+  for t in g.codec.encode('{"name":"x'):
+    rows[0].consume(t)
+  for t in g.codec.encode("12"):
+    rows[1].consume(t)
+  for t in g.codec.encode("ab"):  # finished: only eos may follow
+    rows[2].consume(t)
+  rows[4].consume(g.codec.encode("7")[0])
+  rows[4].consume(0)  # ended
+  batch = rows[:2] + [None] + rows[2:]
+  out = np.full((len(batch) + 1, g.words), 0x5A5A5A5A, np.uint32)  # one spare row, left as it was
+  g.fill_rows(batch, out)
+  one = np.zeros(g.words, np.uint32)
+  for i, m in enumerate(batch):
+    if m is None:
+      assert allowed(out[i]).tolist() == list(range(vocab)), "an unconstrained row allows every id of the logits"
+    else:
+      m.fill(one)
+      np.testing.assert_array_equal(out[i], one, err_msg=f"row {i}")
+  assert (out[-1] == 0x5A5A5A5A).all()
+  with pytest.raises(ValueError, match="rows do not fit"):
+    g.fill_rows(batch, out[:2])
+  with pytest.raises(ValueError, match=f"shape \\(B, {g.words}\\)"):
+    g.fill_rows(batch, np.zeros((8, g.words + 1), np.uint32))
+
+
 def test_the_mask_buffer_must_have_the_model_width(grammars):
   m = grammars.matcher(Constraint.of(regex="a"))
   for bad in (np.zeros(grammars.words - 1, np.uint32), np.zeros(grammars.words, np.int64)):

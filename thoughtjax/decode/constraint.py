@@ -36,7 +36,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import llguidance
@@ -167,6 +167,7 @@ class Grammars:
     self._lock = threading.Lock()
     self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
     self._ll_tokenizer: llguidance.LLTokenizer | None = None
+    self._executor: llguidance.LLExecutor | None = None
 
   def _tokenizer(self) -> llguidance.LLTokenizer:
     # Built on first use: about a second for a 49k vocabulary, paid only by models that get a constraint.
@@ -211,6 +212,39 @@ class Grammars:
       while len(self._compiled) > self._cache_size:
         self._compiled.popitem(last=False)
     return compiled
+
+  def fill_rows(self, rows: Sequence[Matcher | None], out: np.ndarray) -> None:
+    """Masks of a batch at once: row ``i`` of ``out`` (uint32 [B, words], C-contiguous) gets ``rows[i].fill``'s
+    mask, or every id below ``vocab_size`` when ``rows[i]`` is None (an unconstrained row). The rows' masks are
+    computed in parallel on llguidance's thread pool (the same bits as filling them one by one)."""
+    if out.dtype != np.uint32 or out.ndim != 2 or out.shape[1] != self.words or not out.flags.c_contiguous:
+      raise ValueError(
+        f"mask buffer: expected a C-contiguous uint32 array of shape (B, {self.words}), got {out.dtype} {out.shape}"
+      )
+    if len(rows) > out.shape[0]:
+      raise ValueError(f"mask buffer: {len(rows)} rows do not fit its {out.shape[0]}")
+    live = [(m, i) for i, m in enumerate(rows) if m is not None and not m.stopped]
+    if live:
+      lib_words = live[0][0]._lib_words
+      target = out if lib_words == self.words else np.zeros((len(rows), lib_words), np.uint32)
+      with self._lock:
+        if self._executor is None:
+          self._executor = llguidance.LLExecutor()
+        executor = self._executor
+      executor.unsafe_compute_mask_ptr([(m._ll, i) for m, i in live], target.ctypes.data, lib_words * 4, len(rows))
+    for i, m in enumerate(rows):
+      if m is None:
+        out[i] = 0xFFFFFFFF
+        if self.vocab_size % 32:
+          out[i, -1] = (1 << (self.vocab_size % 32)) - 1
+      elif m.stopped:
+        m.fill(out[i])
+      else:
+        if target is not out:
+          n = min(lib_words, self.words)
+          out[i, :n] = target[i, :n]
+          out[i, n:] = 0
+        m._finish(out[i])
 
 
 def _grammar_text(c: Constraint) -> str:
@@ -274,6 +308,10 @@ class Matcher:
     else:
       self._ll.unsafe_compute_mask_ptr(self._scratch.ctypes.data, self._scratch.nbytes)
       out[:] = self._scratch[: self._words]
+    self._finish(out)
+
+  def _finish(self, out: np.ndarray) -> None:
+    """Clear ids past the tokenizer and the logits, set or clear the eos ids by ``accepting``."""
     if self._limit % 32 and self._limit // 32 < self._words:  # ids past the tokenizer or the logits, same word
       out[self._limit // 32] &= np.uint32((1 << (self._limit % 32)) - 1)
     accepting = self._ll.is_accepting()
