@@ -161,6 +161,33 @@ def test_a_huge_constraint_is_refused_before_it_is_parsed(kind):
     Constraint.of(json_schema={"description": "é" * MAX_SOURCE_BYTES})
 
 
+@pytest.mark.parametrize(
+  "kind, source, message",
+  [
+    ("json_schema", '{"type":"object","properties":{"a":' * 200 + "{}" + "}}" * 200, "recursion limit"),
+    ("json_schema", "[" * 20000 + "]" * 20000, "nested too deeply to parse"),
+    ("regex", "(" * 5000 + "a" + ")" * 5000, "regex"),
+    ("grammar", "start: " + "(" * 5000 + '"a"' + ")" * 5000, "grammar"),
+    ("grammar", "root ::= " + "(" * 5000 + '"a"' + ")" * 5000, "GBNF"),
+  ],
+  ids=["schema", "json-text", "regex", "lark", "gbnf"],
+)
+def test_deep_nesting_within_the_size_limit_is_a_named_refusal_not_a_crash(grammars, kind, source, message):
+  """Deep nesting overflows recursive parsers (Python's json, the GBNF converter, Rust's stack): each is refused
+  in one line, and the grammars object keeps working."""
+  assert len(source.encode()) <= MAX_SOURCE_BYTES
+  with pytest.raises(ConstraintError, match=f"^{kind}: ") as e:
+    grammars.check(Constraint.of(**{kind: source}))
+  assert message in str(e.value) and "\n" not in str(e.value)
+  deep = {}
+  for _ in range(5000):
+    deep = {"not": deep}
+  with pytest.raises(ConstraintError, match="^json_schema: the dict is nested too deeply"):
+    Constraint.of(json_schema=deep)
+  text, _ = walk(grammars, Constraint.of(regex="ok"), lowest)
+  assert text == "ok"
+
+
 def test_a_constraint_built_directly_is_checked_too():
   with pytest.raises(ConstraintError, match="kind must be one of json_schema, regex, grammar, got 'lark'"):
     Constraint("lark", 'start: "a"')

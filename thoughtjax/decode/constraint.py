@@ -120,6 +120,8 @@ def _schema_text(value) -> str:
       text = json.dumps(value, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as e:
       raise ConstraintError(f"json_schema: the dict is not JSON-serializable ({e})") from None
+    except RecursionError:
+      raise ConstraintError("json_schema: the dict is nested too deeply to serialize; flatten it") from None
     _check_size("json_schema", text)
     return text
   if not isinstance(value, str):
@@ -129,6 +131,8 @@ def _schema_text(value) -> str:
     parsed = json.loads(value)
   except ValueError as e:
     raise ConstraintError(f"json_schema: not valid JSON ({e})") from None
+  except RecursionError:
+    raise ConstraintError("json_schema: nested too deeply to parse; flatten it") from None
   if not isinstance(parsed, dict):
     raise ConstraintError(
       f"json_schema: expected a JSON object, got {type(parsed).__name__} (e.g. {{\"type\": \"object\"}})"
