@@ -9,7 +9,9 @@ table gives per mode how many parse, how many validate, how many of the referenc
 output got right, and tokens per second.
 
 The seam for another server: :func:`run` takes a *generate* callable ``(item, constrained, max_tokens) ->
-Output``. :func:`model_generator` makes one from a thoughtjax Model; an OpenAI-compatible peer (llama-server with
+Output``. :func:`model_generator` makes one from a thoughtjax Model (``--generator engine``),
+:func:`masked_greedy_generator` the host-side reference (``--generator reference``: a full forward per token, the
+mask applied to the logits in numpy); an OpenAI-compatible peer (llama-server with
 ``response_format: {"type": "json_schema", ...}``) plugs in as another such callable, and its rows come out in the
 same report.
 """
@@ -163,6 +165,44 @@ def model_generator(model) -> Generate:
   return generate
 
 
+def masked_greedy_generator(model) -> Generate:
+  """A :data:`Generate` that decodes outside the engine: every step scores the whole sequence
+  (``model.logits``), sets the ids the constraint's mask refuses to -inf and takes the argmax. A full forward per
+  token, so slow; it is the reference a constrained engine's greedy output must equal, and it runs on a build
+  whose engine does not take ``json_schema`` yet."""
+  import numpy as np
+
+  from thoughtjax.decode.constraint import Constraint, Grammars
+
+  grammars = Grammars(model.codec, model.config.vocab_size)
+  eos = set(model.codec.eos_ids)
+  mask = np.zeros(grammars.words, np.uint32)
+
+  def generate(item: Extraction, constrained: bool, max_tokens: int) -> Output:
+    start = time.perf_counter()
+    ids = list(model.prompt_ids(item.prompt, chat=True))
+    matcher = grammars.matcher(Constraint.of(json_schema=item.schema)) if constrained else None
+    out, first = [], None
+    for _ in range(max_tokens):
+      logits = model.logits(ids)[-1]
+      if matcher is not None:
+        matcher.fill(mask)
+        allowed = np.unpackbits(mask.view(np.uint8), bitorder="little")[: logits.shape[-1]].astype(bool)
+        logits = np.where(allowed, logits, -np.inf)
+      token = int(np.argmax(logits))
+      first = first or time.perf_counter()
+      if matcher is not None:
+        matcher.consume(token)
+      out.append(token)
+      if token in eos:
+        break
+      ids.append(token)
+    end = time.perf_counter()
+    return Output(model.codec.decode(out), len(out), end - start, end - first if first else None)
+
+  return generate
+
+
 def run(
   items: Sequence[Extraction],
   generate: Generate,
@@ -259,6 +299,12 @@ def main(argv=None) -> int:
   p.add_argument("--max-tokens", type=_positive, default=DEFAULT_MAX_TOKENS, help="tokens per output (default 256)")
   p.add_argument("--modes", type=_modes, default=list(MODES), help="unconstrained,constrained (default both)")
   p.add_argument("--set", default=None, help="an extraction set file (default: the shipped 50 prompts)")
+  p.add_argument(
+    "--generator",
+    choices=("engine", "reference"),
+    default="engine",
+    help="engine: Model.generate (default); reference: a full forward per token with the mask applied on the host",
+  )
   p.add_argument("--json", default=None, type=common.json_path, help="write the report (with every output) here")
   args = p.parse_args(argv)
 
@@ -271,9 +317,16 @@ def main(argv=None) -> int:
       raise BenchStructuredError(f"--prompts {args.prompts}: the set has {len(items)} prompts; ask for at most that")
     items = items[: args.prompts]
   model = thoughtjax.load(args.model, weights=args.weights)
-  report = run(items, model_generator(model), modes=args.modes, max_tokens=args.max_tokens)
-  report |= {"model": model.loaded.source, "weights": args.weights, "fingerprint": fingerprint()}
-  print_report(report, f"structured output: {len(items)} extraction prompts, greedy, max {args.max_tokens} tokens")
+  generate = model_generator(model) if args.generator == "engine" else masked_greedy_generator(model)
+  report = run(items, generate, modes=args.modes, max_tokens=args.max_tokens)
+  report |= {
+    "model": model.loaded.source,
+    "weights": args.weights,
+    "generator": args.generator,
+    "fingerprint": fingerprint(),
+  }
+  title = f"structured output: {len(items)} extraction prompts, greedy, max {args.max_tokens} tokens"
+  print_report(report, title + (" (reference decoder)" if args.generator == "reference" else ""))
   if args.json:
     common.write_json(args.json, report)
   return 0

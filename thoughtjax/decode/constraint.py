@@ -19,9 +19,9 @@ Layers:
 What each kind accepts:
 - ``json_schema``: a JSON Schema (draft 2020-12 subset that llguidance implements: objects with properties and
   required, arrays with items/minItems/maxItems, enum/const, string length/pattern, integer and number ranges,
-  anyOf/oneOf/allOf, local ``$ref``). Properties come out in the schema's order; whitespace between JSON tokens
-  is allowed in runs of at most 24 characters so a model cannot stall in blank space (a schema's own
-  ``x-guidance`` options override this).
+  anyOf/oneOf/allOf, local ``$ref``). Properties come out in the schema's order. Between JSON tokens at most one
+  space, or a newline and up to 20 spaces or tabs (llama.cpp's rule), so a model cannot stall in blank space; a
+  schema's own ``x-guidance`` options override this (``{"whitespace_pattern": ""}``: compact JSON only).
 - ``regex``: a Rust ``regex`` crate pattern; the whole output must match it (implicitly anchored).
 - ``grammar``: either a Lark-style grammar in llguidance's dialect (``start: ...`` rules, ``"literals"``,
   ``/regex/`` terminals, ``%json {...}``), or a GBNF grammar as llama.cpp's server takes (``root ::= ...``).
@@ -50,9 +50,9 @@ KINDS: tuple[str, ...] = ("json_schema", "regex", "grammar")
 # A constraint's text is held per request and compiled on the request path: refuse a huge one before parsing it.
 MAX_SOURCE_BYTES = 64 * 1024
 _DESCRIPTION = {"json_schema": "JSON schema", "regex": "regular expression", "grammar": "grammar"}
-# llama.cpp's json_schema grammar allows one space or a newline plus up to 20 indent characters; a bounded run
-# keeps a weak model from filling max_tokens with blanks while still allowing pretty-printed output.
-_JSON_DEFAULTS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{1,24}"}
+# Between JSON tokens: one space, or a newline and up to 20 spaces or tabs of indent (llama.cpp's json_schema rule).
+# Pretty-printed output stays possible; a weak model cannot fill max_tokens with blank lines.
+_JSON_DEFAULTS = {"whitespace_pattern": r"(\x20|\x0A[\x20\x09]{0,20})"}
 _CACHE_SIZE = 64
 
 
