@@ -116,6 +116,8 @@ def test_score(text, parsed, valid, fields):
   s = score(ITEM, text)
   assert (s["parsed"], s["valid"], s["fields"]) == (parsed, valid, fields)
   assert (s["error"] is None) == valid
+  fenced = text.startswith("```")
+  assert s["parsed_fenced"] == (parsed or fenced) and s["valid_fenced"] == (valid or fenced)
 
 
 def test_the_harness_counts_per_mode_through_the_generate_seam():
@@ -144,6 +146,8 @@ def test_the_harness_counts_per_mode_through_the_generate_seam():
     "prompts": 2,
     "parsed": 0,
     "valid": 0,
+    "parsed_fenced": 0,
+    "valid_fenced": 0,
     "fields": 0.0,
     "tokens": 18,
     "seconds": 2.0,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -104,19 +105,44 @@ def load_extraction_set(path: str | Path | None = None) -> list[Extraction]:
 # ---- scoring ------------------------------------------------------------------------------------------------------
 def score(item: Extraction, text: str) -> dict:
   """``parsed`` (the whole text is one JSON value), ``valid`` (it follows the schema), ``fields`` (the share of
-  the reference answer's top-level fields it has equal, strings compared trimmed and case-blind) and ``error``."""
+  the reference answer's top-level fields it has equal, strings compared trimmed and case-blind) and ``error``;
+  ``parsed_fenced`` / ``valid_fenced``: the same, leniently, for the body of a markdown code fence."""
   import jsonschema
 
+  fenced = _unfence(text)
+  lenient = {"parsed_fenced": False, "valid_fenced": False}
+  if fenced is not None:
+    try:
+      value = json.loads(fenced)
+      lenient = {"parsed_fenced": True, "valid_fenced": _validates(value, item.schema)}
+    except ValueError:
+      pass
   try:
     value = json.loads(text.strip())
   except ValueError as e:
-    return {"parsed": False, "valid": False, "fields": 0.0, "error": f"not JSON: {e}"}
+    return {"parsed": False, "valid": False, "fields": 0.0, "error": f"not JSON: {e}"} | lenient
   try:
     jsonschema.validate(value, item.schema)
     valid, error = True, None
   except jsonschema.ValidationError as e:
     valid, error = False, f"invalid: {e.message}"
-  return {"parsed": True, "valid": valid, "fields": field_agreement(item.answer, value), "error": error}
+  result = {"parsed": True, "valid": valid, "fields": field_agreement(item.answer, value), "error": error}
+  return result | {"parsed_fenced": True, "valid_fenced": valid}
+
+
+_FENCE = re.compile(r"```[A-Za-z]*\s*\n(.*?)\n?```", re.S)
+
+
+def _unfence(text: str) -> str | None:
+  """The body of the first markdown code fence, or the text itself when it is bare."""
+  m = _FENCE.search(text)
+  return m.group(1) if m else text.strip()
+
+
+def _validates(value, schema) -> bool:
+  import jsonschema
+
+  return jsonschema.Draft202012Validator(schema).is_valid(value)
 
 
 def field_agreement(answer, value) -> float:
@@ -243,6 +269,8 @@ def summarize(rows: Sequence[dict]) -> dict:
     "prompts": n,
     "parsed": sum(r["parsed"] for r in rows),
     "valid": sum(r["valid"] for r in rows),
+    "parsed_fenced": sum(r["parsed_fenced"] for r in rows),
+    "valid_fenced": sum(r["valid_fenced"] for r in rows),
     "fields": sum(r["fields"] for r in rows) / n if n else float("nan"),
     "tokens": tokens,
     "seconds": seconds,
@@ -263,13 +291,24 @@ def print_report(report: dict, title: str) -> None:
         n,
         f"{s['parsed']} ({100 * s['parsed'] / max(n, 1):.0f} %)",
         f"{s['valid']} ({100 * s['valid'] / max(n, 1):.0f} %)",
+        f"{s['parsed_fenced']} / {s['valid_fenced']}",
         common.fmt(s["fields"], ".2f"),
         s["tokens"],
         common.fmt(s["tok_s"], ".1f"),
         common.fmt(s["decode_tok_s"], ".1f"),
       ]
     )
-  cols = ["mode", "prompts", "parsed", "valid", "fields right", "tokens", "tok/s (call)", "tok/s (decode)"]
+  cols = [
+    "mode",
+    "prompts",
+    "parsed",
+    "valid",
+    "fenced: parsed / valid",
+    "fields right",
+    "tokens",
+    "tok/s (call)",
+    "tok/s (decode)",
+  ]
   common.print_table(title, cols, rows, right=cols[1:], width=120, no_wrap=True)
 
 
