@@ -8,7 +8,7 @@ import json
 import jsonschema
 import pytest
 
-from tests.tiny import tiny_model, write_safetensors_dir
+from tests.tiny import tiny_engine, tiny_model, write_safetensors_dir
 from thoughtjax.bench import structured
 from thoughtjax.bench.structured import Extraction, ExtractionSetError, Output, load_extraction_set, run, score
 from thoughtjax.cli import main
@@ -116,6 +116,8 @@ def test_score(text, parsed, valid, fields):
   s = score(ITEM, text)
   assert (s["parsed"], s["valid"], s["fields"]) == (parsed, valid, fields)
   assert (s["error"] is None) == valid
+  fenced = text.startswith("```")
+  assert s["parsed_fenced"] == (parsed or fenced) and s["valid_fenced"] == (valid or fenced)
 
 
 def test_the_harness_counts_per_mode_through_the_generate_seam():
@@ -144,6 +146,8 @@ def test_the_harness_counts_per_mode_through_the_generate_seam():
     "prompts": 2,
     "parsed": 0,
     "valid": 0,
+    "parsed_fenced": 0,
+    "valid_fenced": 0,
     "fields": 0.0,
     "tokens": 18,
     "seconds": 2.0,
@@ -186,6 +190,33 @@ def test_a_model_without_json_schema_says_to_run_unconstrained():
     structured.model_generator(OldModel())(ITEM, True, 3)
   with pytest.raises(TypeError):  # any other TypeError is a bug and keeps its traceback
     structured.model_generator(OldModel())(ITEM, False, 3)
+
+
+def test_the_reference_decoder_gives_valid_json_under_the_schema_and_greedy_tokens_without(capsys):
+  """On a random tiny model the unconstrained output is noise, the constrained one validates; unconstrained, the
+  reference decoder's tokens are the engine's greedy tokens."""
+  model = tiny_engine("llama_gqa", seed=4, chat=True)
+  schema = {
+    "type": "object",
+    "properties": {
+      "name": {"type": "string", "maxLength": 8},
+      "age": {"type": "integer", "minimum": 0, "maximum": 120},
+      "role": {"enum": ["admin", "user"]},
+      "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+    },
+    "required": ["name", "age", "role", "tags"],
+    "additionalProperties": False,
+    # Compact JSON: a random model would spend its 256-token context on the allowed blanks between tokens.
+    "x-guidance": {"whitespace_pattern": ""},
+  }
+  item = Extraction("t", "Extract JSON.", schema, {"name": "a", "age": 1, "role": "user", "tags": []})
+  report = run([item], structured.masked_greedy_generator(model), max_tokens=120, warmup=False)
+  row = report["modes"]["constrained"]["rows"][0]
+  assert row["parsed"] and row["valid"], row
+  jsonschema.validate(json.loads(row["text"]), schema)
+  ref = structured.masked_greedy_generator(model)(item, False, 12)
+  engine = model.generate(item.prompt, chat=True, max_tokens=12)
+  assert ref.text == engine.text and ref.tokens == len(engine.token_ids)
 
 
 def test_bench_structured_unconstrained_end_to_end_on_a_tiny_model(tmp_path, capsys):

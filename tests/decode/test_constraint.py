@@ -119,6 +119,15 @@ def test_a_schema_dict_keeps_its_property_order_and_text_is_kept_as_written():
   assert Constraint.of(json_schema=text).source == text
   assert Constraint.of(json_schema=text).describe() == f"JSON schema ({len(text)} characters)"
   assert Constraint.of(regex="a+").describe() == "regular expression (2 characters)"
+  assert Constraint.of(grammar='start: "a"').describe() == "grammar (Lark, 10 characters)"
+  assert Constraint.of(grammar='root ::= "a"').describe() == "grammar (GBNF, 12 characters)"
+
+
+def test_a_lark_grammar_without_a_start_rule_is_read_as_gbnf_and_the_error_says_so(grammars):
+  with pytest.raises(
+    ConstraintError, match=r"^grammar: cannot be compiled \(read as GBNF: a Lark grammar needs a line"
+  ):
+    grammars.check(Constraint.of(grammar='root: "a"'))
 
 
 @pytest.mark.parametrize(
@@ -152,6 +161,33 @@ def test_a_huge_constraint_is_refused_before_it_is_parsed(kind):
     Constraint.of(json_schema={"description": "é" * MAX_SOURCE_BYTES})
 
 
+@pytest.mark.parametrize(
+  "kind, source, message",
+  [
+    ("json_schema", '{"type":"object","properties":{"a":' * 200 + "{}" + "}}" * 200, "recursion limit"),
+    ("json_schema", "[" * 20000 + "]" * 20000, "nested too deeply to parse"),
+    ("regex", "(" * 5000 + "a" + ")" * 5000, "regex"),
+    ("grammar", "start: " + "(" * 5000 + '"a"' + ")" * 5000, "grammar"),
+    ("grammar", "root ::= " + "(" * 5000 + '"a"' + ")" * 5000, "GBNF"),
+  ],
+  ids=["schema", "json-text", "regex", "lark", "gbnf"],
+)
+def test_deep_nesting_within_the_size_limit_is_a_named_refusal_not_a_crash(grammars, kind, source, message):
+  """Deep nesting overflows recursive parsers (Python's json, the GBNF converter, Rust's stack): each is refused
+  in one line, and the grammars object keeps working."""
+  assert len(source.encode()) <= MAX_SOURCE_BYTES
+  with pytest.raises(ConstraintError, match=f"^{kind}: ") as e:
+    grammars.check(Constraint.of(**{kind: source}))
+  assert message in str(e.value) and "\n" not in str(e.value)
+  deep = {}
+  for _ in range(5000):
+    deep = {"not": deep}
+  with pytest.raises(ConstraintError, match="^json_schema: the dict is nested too deeply"):
+    Constraint.of(json_schema=deep)
+  text, _ = walk(grammars, Constraint.of(regex="ok"), lowest)
+  assert text == "ok"
+
+
 def test_a_constraint_built_directly_is_checked_too():
   with pytest.raises(ConstraintError, match="kind must be one of json_schema, regex, grammar, got 'lark'"):
     Constraint("lark", 'start: "a"')
@@ -182,7 +218,7 @@ def test_what_cannot_be_compiled_is_a_one_line_error_naming_the_kind(grammars, k
     with pytest.raises(ConstraintError) as e:
       call(c)
     text = str(e.value)
-    assert text.startswith(f"{kind}: cannot be compiled: ") and message in text and "\n" not in text, text
+    assert text.startswith(f"{kind}: cannot be compiled") and message in text and "\n" not in text, text
 
 
 def test_the_compiled_cache_is_bounded_and_shared_by_threads():
@@ -245,19 +281,36 @@ def test_a_walk_under_a_grammar_is_a_sentence_of_it_in_both_dialects(grammars, g
   assert re.fullmatch(r"(yes|no|[0-9]{1,3}) (kg|m)", text), text
 
 
-def test_whitespace_runs_in_json_are_bounded(grammars):
-  c = Constraint.of(json_schema={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+@pytest.mark.parametrize(
+  "pattern",
+  [r"(a|b)*a(a|b){12}", r"((ab){1,50}){1,50}c", r"[a-c]{0,3}x{1000}|y"],
+  ids=["dfa-blowup", "nested-repeats", "long"],
+)
+def test_constraints_that_explode_when_compiled_eagerly_still_walk(grammars, pattern):
+  """An eager DFA of the first has 2**13 states and the second a million paths: the lexer builds what a walk
+  reaches, so they compile and every step's mask is exact."""
+  text, _ = walk(grammars, Constraint.of(regex=pattern), seeded(5), max_steps=1200)
+  assert re.fullmatch(pattern, text), text
+
+
+def test_whitespace_in_json_is_one_space_or_a_newline_and_indent(grammars):
+  schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
   codec = grammars.codec
-  pretty = codec.encode('{\n  "a": 1\n}')
-  m = grammars.matcher(c)
-  for t in pretty:
-    m.consume(t)
-  assert m.accepting
-  m = grammars.matcher(c)
-  for t in codec.encode('{"a":' + " " * 24):
-    m.consume(t)
-  with pytest.raises(ConstraintError, match="not allowed here"):
-    m.consume(codec.encode(" ")[0])
+  flexible = Constraint.of(json_schema=schema)
+
+  def takes(text, c=flexible):
+    m = grammars.matcher(c)
+    try:
+      for t in codec.encode(text):
+        m.consume(t)
+    except ConstraintError:
+      return False
+    return m.accepting
+
+  assert takes('{"a":1}') and takes('{"a": 1}') and takes('{\n  "a": 1\n}') and takes('{"a":\n' + " " * 20 + "1}")
+  assert not takes('{"a":  1}') and not takes('{"a":\n\n1}') and not takes('{"a":\n' + " " * 21 + "1}")
+  compact = Constraint.of(json_schema=schema | {"x-guidance": {"whitespace_pattern": ""}})
+  assert takes('{"a":1}', compact) and not takes('{"a": 1}', compact), "a schema's x-guidance overrides the default"
 
 
 # ---- state: eos, rollback, refusals ------------------------------------------------------------------------------
@@ -358,6 +411,37 @@ def test_a_model_vocabulary_narrower_than_the_tokenizer_cuts_the_mask():
   assert ok.max() < 200 and ok.size > 100
   with pytest.raises(ConstraintError, match=r"outside the vocabulary \[0, 200\)"):
     m.consume(250)
+
+
+@pytest.mark.parametrize("vocab", [300, 259, 200])
+def test_a_batch_fill_equals_filling_row_by_row(vocab):
+  """Rows of one batch carry different constraints or none; some are finished, one has ended with eos."""
+  g = Grammars(tiny_codec(eos_ids=(0,)), vocab)
+  constraints = [Constraint.of(json_schema=PERSON), Constraint.of(regex="[0-9]+"), Constraint.of(regex="ab")]
+  rows = [g.matcher(c) for c in constraints + constraints[:2]]
+  for t in g.codec.encode('{"name":"x'):
+    rows[0].consume(t)
+  for t in g.codec.encode("12"):
+    rows[1].consume(t)
+  for t in g.codec.encode("ab"):  # finished: only eos may follow
+    rows[2].consume(t)
+  rows[4].consume(g.codec.encode("7")[0])
+  rows[4].consume(0)  # ended
+  batch = rows[:2] + [None] + rows[2:]
+  out = np.full((len(batch) + 1, g.words), 0x5A5A5A5A, np.uint32)  # one spare row, left as it was
+  g.fill_rows(batch, out)
+  one = np.zeros(g.words, np.uint32)
+  for i, m in enumerate(batch):
+    if m is None:
+      assert allowed(out[i]).tolist() == list(range(vocab)), "an unconstrained row allows every id of the logits"
+    else:
+      m.fill(one)
+      np.testing.assert_array_equal(out[i], one, err_msg=f"row {i}")
+  assert (out[-1] == 0x5A5A5A5A).all()
+  with pytest.raises(ValueError, match="rows do not fit"):
+    g.fill_rows(batch, out[:2])
+  with pytest.raises(ValueError, match=f"shape \\(B, {g.words}\\)"):
+    g.fill_rows(batch, np.zeros((8, g.words + 1), np.uint32))
 
 
 def test_the_mask_buffer_must_have_the_model_width(grammars):

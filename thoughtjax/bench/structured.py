@@ -9,7 +9,9 @@ table gives per mode how many parse, how many validate, how many of the referenc
 output got right, and tokens per second.
 
 The seam for another server: :func:`run` takes a *generate* callable ``(item, constrained, max_tokens) ->
-Output``. :func:`model_generator` makes one from a thoughtjax Model; an OpenAI-compatible peer (llama-server with
+Output``. :func:`model_generator` makes one from a thoughtjax Model (``--generator engine``),
+:func:`masked_greedy_generator` the host-side reference (``--generator reference``: a full forward per token, the
+mask applied to the logits in numpy); an OpenAI-compatible peer (llama-server with
 ``response_format: {"type": "json_schema", ...}``) plugs in as another such callable, and its rows come out in the
 same report.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -102,19 +105,44 @@ def load_extraction_set(path: str | Path | None = None) -> list[Extraction]:
 # ---- scoring ------------------------------------------------------------------------------------------------------
 def score(item: Extraction, text: str) -> dict:
   """``parsed`` (the whole text is one JSON value), ``valid`` (it follows the schema), ``fields`` (the share of
-  the reference answer's top-level fields it has equal, strings compared trimmed and case-blind) and ``error``."""
+  the reference answer's top-level fields it has equal, strings compared trimmed and case-blind) and ``error``;
+  ``parsed_fenced`` / ``valid_fenced``: the same, leniently, for the body of a markdown code fence."""
   import jsonschema
 
+  fenced = _unfence(text)
+  lenient = {"parsed_fenced": False, "valid_fenced": False}
+  if fenced is not None:
+    try:
+      value = json.loads(fenced)
+      lenient = {"parsed_fenced": True, "valid_fenced": _validates(value, item.schema)}
+    except ValueError:
+      pass
   try:
     value = json.loads(text.strip())
   except ValueError as e:
-    return {"parsed": False, "valid": False, "fields": 0.0, "error": f"not JSON: {e}"}
+    return {"parsed": False, "valid": False, "fields": 0.0, "error": f"not JSON: {e}"} | lenient
   try:
     jsonschema.validate(value, item.schema)
     valid, error = True, None
   except jsonschema.ValidationError as e:
     valid, error = False, f"invalid: {e.message}"
-  return {"parsed": True, "valid": valid, "fields": field_agreement(item.answer, value), "error": error}
+  result = {"parsed": True, "valid": valid, "fields": field_agreement(item.answer, value), "error": error}
+  return result | {"parsed_fenced": True, "valid_fenced": valid}
+
+
+_FENCE = re.compile(r"```[A-Za-z]*\s*\n(.*?)\n?```", re.S)
+
+
+def _unfence(text: str) -> str | None:
+  """The body of the first markdown code fence, or the text itself when it is bare."""
+  m = _FENCE.search(text)
+  return m.group(1) if m else text.strip()
+
+
+def _validates(value, schema) -> bool:
+  import jsonschema
+
+  return jsonschema.Draft202012Validator(schema).is_valid(value)
 
 
 def field_agreement(answer, value) -> float:
@@ -163,6 +191,44 @@ def model_generator(model) -> Generate:
   return generate
 
 
+def masked_greedy_generator(model) -> Generate:
+  """A :data:`Generate` that decodes outside the engine: every step scores the whole sequence
+  (``model.logits``), sets the ids the constraint's mask refuses to -inf and takes the argmax. A full forward per
+  token, so slow; it is the reference a constrained engine's greedy output must equal, and it runs on a build
+  whose engine does not take ``json_schema`` yet."""
+  import numpy as np
+
+  from thoughtjax.decode.constraint import Constraint, Grammars
+
+  grammars = Grammars(model.codec, model.config.vocab_size)
+  eos = set(model.codec.eos_ids)
+  mask = np.zeros(grammars.words, np.uint32)
+
+  def generate(item: Extraction, constrained: bool, max_tokens: int) -> Output:
+    start = time.perf_counter()
+    ids = list(model.prompt_ids(item.prompt, chat=True))
+    matcher = grammars.matcher(Constraint.of(json_schema=item.schema)) if constrained else None
+    out, first = [], None
+    for _ in range(max_tokens):
+      logits = model.logits(ids)[-1]
+      if matcher is not None:
+        matcher.fill(mask)
+        allowed = np.unpackbits(mask.view(np.uint8), bitorder="little")[: logits.shape[-1]].astype(bool)
+        logits = np.where(allowed, logits, -np.inf)
+      token = int(np.argmax(logits))
+      first = first or time.perf_counter()
+      if matcher is not None:
+        matcher.consume(token)
+      out.append(token)
+      if token in eos:
+        break
+      ids.append(token)
+    end = time.perf_counter()
+    return Output(model.codec.decode(out), len(out), end - start, end - first if first else None)
+
+  return generate
+
+
 def run(
   items: Sequence[Extraction],
   generate: Generate,
@@ -203,6 +269,8 @@ def summarize(rows: Sequence[dict]) -> dict:
     "prompts": n,
     "parsed": sum(r["parsed"] for r in rows),
     "valid": sum(r["valid"] for r in rows),
+    "parsed_fenced": sum(r["parsed_fenced"] for r in rows),
+    "valid_fenced": sum(r["valid_fenced"] for r in rows),
     "fields": sum(r["fields"] for r in rows) / n if n else float("nan"),
     "tokens": tokens,
     "seconds": seconds,
@@ -223,13 +291,24 @@ def print_report(report: dict, title: str) -> None:
         n,
         f"{s['parsed']} ({100 * s['parsed'] / max(n, 1):.0f} %)",
         f"{s['valid']} ({100 * s['valid'] / max(n, 1):.0f} %)",
+        f"{s['parsed_fenced']} / {s['valid_fenced']}",
         common.fmt(s["fields"], ".2f"),
         s["tokens"],
         common.fmt(s["tok_s"], ".1f"),
         common.fmt(s["decode_tok_s"], ".1f"),
       ]
     )
-  cols = ["mode", "prompts", "parsed", "valid", "fields right", "tokens", "tok/s (call)", "tok/s (decode)"]
+  cols = [
+    "mode",
+    "prompts",
+    "parsed",
+    "valid",
+    "fenced: parsed / valid",
+    "fields right",
+    "tokens",
+    "tok/s (call)",
+    "tok/s (decode)",
+  ]
   common.print_table(title, cols, rows, right=cols[1:], width=120, no_wrap=True)
 
 
@@ -259,6 +338,12 @@ def main(argv=None) -> int:
   p.add_argument("--max-tokens", type=_positive, default=DEFAULT_MAX_TOKENS, help="tokens per output (default 256)")
   p.add_argument("--modes", type=_modes, default=list(MODES), help="unconstrained,constrained (default both)")
   p.add_argument("--set", default=None, help="an extraction set file (default: the shipped 50 prompts)")
+  p.add_argument(
+    "--generator",
+    choices=("engine", "reference"),
+    default="engine",
+    help="engine: Model.generate (default); reference: a full forward per token with the mask applied on the host",
+  )
   p.add_argument("--json", default=None, type=common.json_path, help="write the report (with every output) here")
   args = p.parse_args(argv)
 
@@ -271,9 +356,16 @@ def main(argv=None) -> int:
       raise BenchStructuredError(f"--prompts {args.prompts}: the set has {len(items)} prompts; ask for at most that")
     items = items[: args.prompts]
   model = thoughtjax.load(args.model, weights=args.weights)
-  report = run(items, model_generator(model), modes=args.modes, max_tokens=args.max_tokens)
-  report |= {"model": model.loaded.source, "weights": args.weights, "fingerprint": fingerprint()}
-  print_report(report, f"structured output: {len(items)} extraction prompts, greedy, max {args.max_tokens} tokens")
+  generate = model_generator(model) if args.generator == "engine" else masked_greedy_generator(model)
+  report = run(items, generate, modes=args.modes, max_tokens=args.max_tokens)
+  report |= {
+    "model": model.loaded.source,
+    "weights": args.weights,
+    "generator": args.generator,
+    "fingerprint": fingerprint(),
+  }
+  title = f"structured output: {len(items)} extraction prompts, greedy, max {args.max_tokens} tokens"
+  print_report(report, title + (" (reference decoder)" if args.generator == "reference" else ""))
   if args.json:
     common.write_json(args.json, report)
   return 0
