@@ -298,18 +298,8 @@ def print_report(report: dict, title: str) -> None:
         common.fmt(s["decode_tok_s"], ".1f"),
       ]
     )
-  cols = [
-    "mode",
-    "prompts",
-    "parsed",
-    "valid",
-    "fenced: parsed / valid",
-    "fields right",
-    "tokens",
-    "tok/s (call)",
-    "tok/s (decode)",
-  ]
-  common.print_table(title, cols, rows, right=cols[1:], width=120, no_wrap=True)
+  cols = ["mode", "prompts", "parsed", "valid", "fenced p/v", "fields", "tokens", "tok/s call", "tok/s decode"]
+  common.print_table(title, cols, rows, right=cols[1:], width=150, no_wrap=True)
 
 
 def _positive(text: str) -> int:
