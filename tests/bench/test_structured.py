@@ -4,6 +4,7 @@ seam a peer server plugs into), and the unconstrained branch end to end on a tin
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -253,3 +254,83 @@ def test_bench_structured_refuses_bad_arguments(tmp_path, capsys, extra, message
     code = e.code
   _, err = capsys.readouterr()
   assert code == 2 and message in err
+
+
+def test_the_engine_under_a_schema_gives_the_reference_decoders_tokens():
+  """Greedy under a constraint equals greedy of the unconstrained model with the refused ids at -inf."""
+  model = tiny_engine("llama_gqa", seed=4, chat=True)
+  schema = {
+    "type": "object",
+    "properties": {"role": {"enum": ["admin", "user"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["role", "n"],
+    "additionalProperties": False,
+    "x-guidance": {"whitespace_pattern": ""},
+  }
+  item = Extraction("t", "Extract JSON.", schema, {"role": "user", "n": 1})
+  ref = structured.masked_greedy_generator(model)(item, True, 60)
+  engine = structured.model_generator(model)(item, True, 60)
+  assert engine.text == ref.text and engine.tokens == ref.tokens
+  jsonschema.validate(json.loads(engine.text), schema)
+
+
+STUB_SERVER = """
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+port = int(sys.argv[sys.argv.index("--port") + 1])
+log = open(sys.argv[sys.argv.index("-m") + 1] + ".requests", "a")
+
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def _send(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200); self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
+    def do_GET(self):
+        self._send({"status": "ok"})
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        log.write(json.dumps(body) + "\\n"); log.flush()
+        text = '{"city": "Paris"}' if "response_format" in body else "Sure! The city is Paris."
+        self._send({"choices": [{"message": {"role": "assistant", "content": text}}],
+                    "usage": {"completion_tokens": 7}, "timings": {"predicted_ms": 70.0}})
+
+HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def test_bench_structured_runs_the_prompts_through_a_llama_server_peer(tmp_path, capsys):
+  """A stub llama-server (same command line, same HTTP API) stands in for llama.cpp's: the peer gets the same
+  chat message, greedy, with the schema as response_format only when constrained, and its rows are scored."""
+  import sys
+
+  stub = tmp_path / "llama-server"
+  stub.write_text(f"#!{sys.executable}\n{STUB_SERVER}")
+  stub.chmod(0o755)
+  cfg, model = tiny_model("llama_gqa", seed=3)
+  directory = write_safetensors_dir(tmp_path / "model", cfg, model)
+  out = tmp_path / "structured.json"
+  argv = ["bench", "structured", "--model", str(directory), "--prompts", "2", "--max-tokens", "4"]
+  assert main(argv + ["--modes", "unconstrained", "--peer", "llama-server", "--llama-server", str(stub)]) == 0
+  assert main(argv + ["--peer", "llama-server", "--llama-server", str(stub), "--json", str(out)]) == 0
+  peer = json.loads(out.read_text())["peer"]
+  assert peer["name"] == "llama-server" and set(peer["modes"]) == {"unconstrained", "constrained"}
+  assert peer["modes"]["unconstrained"]["summary"]["parsed"] == 0
+  assert peer["modes"]["constrained"]["summary"]["tokens"] == 14
+  assert "llama-server (same GGUF)" in capsys.readouterr().out
+  items = {i.prompt: i for i in load_extraction_set()[:2]}
+  sent = [json.loads(x) for x in Path(f"{directory}.requests").read_text().splitlines()]
+  assert len(sent) == 3 + 6  # per mode one warm-up request, then the 2 prompts
+  for body in sent:
+    item = items[body["messages"][0]["content"]]
+    assert body["temperature"] == 0.0 and body["max_tokens"] == 4 and body["messages"][0]["role"] == "user"
+    if "response_format" in body:
+      assert body["response_format"]["json_schema"]["schema"] == item.schema
+  assert sum("response_format" in b for b in sent) == 3
+
+
+def test_a_missing_llama_server_binary_is_a_named_error(tmp_path):
+  from thoughtjax.bench.llama_server import LlamaServerError, find_binary
+
+  with pytest.raises(LlamaServerError, match="not found"):
+    find_binary(str(tmp_path / "nowhere" / "llama-server"))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -229,6 +230,34 @@ def masked_greedy_generator(model) -> Generate:
   return generate
 
 
+def llama_server_generator(server) -> Generate:
+  """A :data:`Generate` over a running :class:`~thoughtjax.bench.llama_server.LlamaServer`: the same chat message,
+  greedy, the schema as OpenAI's ``response_format`` (llama.cpp turns it into a grammar) when constrained."""
+
+  def generate(item: Extraction, constrained: bool, max_tokens: int) -> Output:
+    body = {
+      "messages": [{"role": "user", "content": item.prompt}],
+      "max_tokens": max_tokens,
+      "temperature": 0.0,
+      "cache_prompt": False,  # every request prefills, as the engine's do
+    }
+    if constrained:
+      body["response_format"] = {"type": "json_schema", "json_schema": {"name": item.id, "schema": item.schema}}
+    start = time.perf_counter()
+    r = server.post("/v1/chat/completions", body)
+    seconds = time.perf_counter() - start
+    t = r.get("timings") or {}
+    decode = t.get("predicted_ms")
+    return Output(
+      r["choices"][0]["message"]["content"] or "",
+      int(r["usage"]["completion_tokens"]),
+      seconds,
+      None if decode is None else decode / 1e3,
+    )
+
+  return generate
+
+
 def run(
   items: Sequence[Extraction],
   generate: Generate,
@@ -334,6 +363,13 @@ def main(argv=None) -> int:
     default="engine",
     help="engine: Model.generate (default); reference: a full forward per token with the mask applied on the host",
   )
+  p.add_argument(
+    "--peer",
+    choices=("llama-server",),
+    default=None,
+    help="also run the prompts through llama.cpp's llama-server on the same GGUF (response_format json_schema)",
+  )
+  p.add_argument("--llama-server", default=None, metavar="BIN", help="the llama-server binary (default: on PATH)")
   p.add_argument("--json", default=None, type=common.json_path, help="write the report (with every output) here")
   args = p.parse_args(argv)
 
@@ -356,6 +392,14 @@ def main(argv=None) -> int:
   }
   title = f"structured output: {len(items)} extraction prompts, greedy, max {args.max_tokens} tokens"
   print_report(report, title + (" (reference decoder)" if args.generator == "reference" else ""))
+  if args.peer == "llama-server":
+    from thoughtjax.bench.llama_server import LlamaServer, find_binary
+
+    binary = find_binary(args.llama_server)
+    with LlamaServer(binary, model.loaded.source, threads=os.cpu_count()) as server:
+      peer = run(items, llama_server_generator(server), modes=args.modes, max_tokens=args.max_tokens)
+    report["peer"] = peer | {"name": "llama-server", "binary": str(binary)}
+    print_report(peer, f"{title}, llama-server (same GGUF)")
   if args.json:
     common.write_json(args.json, report)
   return 0
