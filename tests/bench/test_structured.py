@@ -334,3 +334,22 @@ def test_a_missing_llama_server_binary_is_a_named_error(tmp_path):
 
   with pytest.raises(LlamaServerError, match="not found"):
     find_binary(str(tmp_path / "nowhere" / "llama-server"))
+
+
+def test_mask_overhead_times_a_free_and_a_constrained_batch_of_different_schemas():
+  model = tiny_engine("llama_gqa", seed=4, chat=True)
+  items = [
+    Extraction(
+      str(i),
+      f"Give item {i} as JSON.",
+      {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]},
+      {f"k{i}": i},
+    )
+    for i in range(8)
+  ]
+  for batch in (1, 8):
+    o = structured.mask_overhead(model, items, batch, max_tokens=6, repeats=1)
+    assert o["batch"] == batch and o["plain_ms_per_step"] > 0 and o["masked_ms_per_step"] > 0
+    assert o["overhead"] == pytest.approx(o["masked_ms_per_step"] / o["plain_ms_per_step"] - 1)
+  with pytest.raises(structured.BenchStructuredError, match="needs 8 prompts"):
+    structured.mask_overhead(model, items[:3], 8)

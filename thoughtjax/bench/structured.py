@@ -258,6 +258,39 @@ def llama_server_generator(server) -> Generate:
   return generate
 
 
+def mask_overhead(model, items: Sequence[Extraction], batch: int, *, max_tokens: int = 48, repeats: int = 3) -> dict:
+  """What a constrained batch pays per decode step: ``batch`` prompts (chat template) decoded together, once free
+  (``ignore_eos``, so every row runs ``max_tokens``) and once each row under its own schema; the median over
+  ``repeats`` interleaved runs (after one untimed run each, which compiles) of wall ms from the first token to the
+  last, per step. The constrained batch decodes one step per program call and fills its masks on the host."""
+  import statistics
+
+  from thoughtjax.sampling import SamplingParams
+
+  if len(items) < batch:
+    raise BenchStructuredError(f"a batch of {batch} needs {batch} prompts, the set has {len(items)}")
+  rows = items[:batch]
+  prompts = [it.prompt for it in rows]
+  free = [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * batch
+  bound = [SamplingParams(max_tokens=max_tokens, json_schema=it.schema) for it in rows]
+
+  def per_step(params) -> float | None:
+    g = model.stream_batch(prompts, params, chat=True)
+    done = g.completions()
+    steps = max(len(c.token_ids) for c in done) - 1
+    t = g.trace
+    return (t.end - t.first_token) / steps * 1e3 if steps > 0 else None
+
+  per_step(free), per_step(bound)
+  plain, masked = [], []
+  for _ in range(repeats):
+    plain.append(per_step(free))
+    masked.append(per_step(bound))
+  p = statistics.median(x for x in plain if x is not None)
+  m = statistics.median(x for x in masked if x is not None)
+  return {"batch": batch, "plain_ms_per_step": p, "masked_ms_per_step": m, "overhead": m / p - 1}
+
+
 def run(
   items: Sequence[Extraction],
   generate: Generate,
@@ -370,6 +403,11 @@ def main(argv=None) -> int:
     help="also run the prompts through llama.cpp's llama-server on the same GGUF (response_format json_schema)",
   )
   p.add_argument("--llama-server", default=None, metavar="BIN", help="the llama-server binary (default: on PATH)")
+  p.add_argument(
+    "--overhead",
+    action="store_true",
+    help="also time a decode step with and without per-row schemas at batch 1 and 8 (the mask's cost)",
+  )
   p.add_argument("--json", default=None, type=common.json_path, help="write the report (with every output) here")
   args = p.parse_args(argv)
 
@@ -392,6 +430,17 @@ def main(argv=None) -> int:
   }
   title = f"structured output: {len(items)} extraction prompts, greedy, max {args.max_tokens} tokens"
   print_report(report, title + (" (reference decoder)" if args.generator == "reference" else ""))
+  if args.overhead:
+    report["overhead"] = [mask_overhead(model, items, b) for b in (1, 8) if b <= len(items)]
+    common.print_table(
+      "constrained decode step against a free one (each row its own schema)",
+      ["batch", "free ms/step", "constrained ms/step", "overhead"],
+      [
+        [o["batch"], f"{o['plain_ms_per_step']:.2f}", f"{o['masked_ms_per_step']:.2f}", f"{100 * o['overhead']:+.1f} %"]
+        for o in report["overhead"]
+      ],
+      right=["free ms/step", "constrained ms/step", "overhead"],
+    )
   if args.peer == "llama-server":
     from thoughtjax.bench.llama_server import LlamaServer, find_binary
 
