@@ -353,3 +353,17 @@ def test_mask_overhead_times_a_free_and_a_constrained_batch_of_different_schemas
     assert o["overhead"] == pytest.approx(o["masked_ms_per_step"] / o["plain_ms_per_step"] - 1)
   with pytest.raises(structured.BenchStructuredError, match="needs 8 prompts"):
     structured.mask_overhead(model, items[:3], 8)
+
+
+def test_a_peer_that_dies_while_starting_is_a_named_error_quoting_its_output(tmp_path):
+  import sys
+
+  from thoughtjax.bench.llama_server import LlamaServer, LlamaServerError
+
+  stub = tmp_path / "llama-server"
+  stub.write_text(f"#!{sys.executable}\nimport sys\nprint('error: unknown argument --jinja')\nsys.exit(1)\n")
+  stub.chmod(0o755)
+  with pytest.raises(LlamaServerError, match="exited with 1 while starting") as e:
+    with LlamaServer(stub, tmp_path / "model.gguf"):
+      pass
+  assert "unknown argument --jinja" in str(e.value)

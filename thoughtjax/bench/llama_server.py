@@ -13,6 +13,7 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -66,12 +67,13 @@ class LlamaServer:
     argv += ["--parallel", str(parallel), "-c", str(context * parallel), "--jinja", "--no-webui"]
     argv += ["-t", str(threads or os.cpu_count() or 1)]
     self.argv = argv
-    self._log_path = Path(log) if log else None
+    self._log_path = Path(log) if log else None  # None: a temporary file
     self._proc: subprocess.Popen | None = None
     self._out = None
 
   def __enter__(self) -> LlamaServer:
-    out = open(self._log_path, "wb") if self._log_path else subprocess.DEVNULL  # noqa: SIM115 (closed in __exit__)
+    # Its output goes to a file (a full pipe would stall it); on a failed start the error quotes the end of it.
+    out = open(self._log_path, "wb") if self._log_path else tempfile.TemporaryFile()  # noqa: SIM115 (closed in __exit__)
     self._out = out
     try:
       self._proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
@@ -80,7 +82,9 @@ class LlamaServer:
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:  # /health answers 503 while the model loads, 200 once it serves
       if self._proc.poll() is not None:
-        raise LlamaServerError(f"{self.binary} exited with {self._proc.returncode} while starting; see its log")
+        raise LlamaServerError(
+          f"{self.binary} exited with {self._proc.returncode} while starting; its last output:\n{self._tail()}"
+        )
       try:
         with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
           if r.status == 200:
@@ -100,8 +104,13 @@ class LlamaServer:
       except subprocess.TimeoutExpired:
         self._proc.kill()
         self._proc.wait()
-    if self._out not in (None, subprocess.DEVNULL):
+    if self._out is not None:
       self._out.close()
+
+  def _tail(self, lines: int = 12) -> str:
+    self._out.flush()
+    self._out.seek(0)
+    return b"\n".join(self._out.read().splitlines()[-lines:]).decode(errors="replace")
 
   @property
   def pid(self) -> int | None:

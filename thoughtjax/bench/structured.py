@@ -441,11 +441,14 @@ def main(argv=None) -> int:
       ],
       right=["free ms/step", "constrained ms/step", "overhead"],
     )
+  if args.json:  # written now and again with the peer's rows: a peer that fails to start loses nothing
+    common.write_json(args.json, report)
   if args.peer == "llama-server":
     from thoughtjax.bench.llama_server import LlamaServer, find_binary
+    from thoughtjax.loading import resolve_source
 
     binary = find_binary(args.llama_server)
-    with LlamaServer(binary, model.loaded.source, threads=os.cpu_count()) as server:
+    with LlamaServer(binary, resolve_source(model.loaded.source), threads=os.cpu_count()) as server:
       peer = run(items, llama_server_generator(server), modes=args.modes, max_tokens=args.max_tokens)
     report["peer"] = peer | {"name": "llama-server", "binary": str(binary)}
     print_report(peer, f"{title}, llama-server (same GGUF)")
