@@ -78,12 +78,15 @@ class LlamaServer:
     try:
       self._proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
     except OSError as e:
+      self.__exit__()
       raise LlamaServerError(f"could not start {self.binary}: {e}") from None
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:  # /health answers 503 while the model loads, 200 once it serves
       if self._proc.poll() is not None:
+        tail = self._tail()
+        self.__exit__()
         raise LlamaServerError(
-          f"{self.binary} exited with {self._proc.returncode} while starting; its last output:\n{self._tail()}"
+          f"{self.binary} exited with {self._proc.returncode} while starting; its last output:\n{tail}"
         )
       try:
         with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
