@@ -301,6 +301,22 @@ def _edit_envoy_health(docs, proxy):
   _envoy_cluster(proxy, "thoughtjax_grpc")["health_checks"][0]["grpc_health_check"]["service_name"] = "grpc.health"
 
 
+def _edit_panic(docs, proxy):
+  del _envoy_cluster(proxy, "thoughtjax_http")["common_lb_config"]
+
+
+def _edit_annotation(docs, proxy):
+  find(docs, "Deployment", DEPLOYMENT)["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] = "9090"
+
+
+def _edit_selector(docs, proxy):
+  find(docs, "Service", HEADLESS)["spec"]["selector"] = {"app": "thoughtjax"}
+
+
+def _edit_http_check(docs, proxy):
+  _envoy_cluster(proxy, "thoughtjax_http")["health_checks"][0]["http_health_check"]["path"] = "/healthz"
+
+
 MUTATIONS = {
   "wrong gRPC port in the config": (_set_config("port", 50052), "containerPort grpc is 50051, the server binds 50052"),
   "wrong HTTP port in the config": (_set_config("http_port", 8080), "the server listens on 8080"),
@@ -324,6 +340,10 @@ MUTATIONS = {
   "Envoy retrying started streams": (_edit_envoy_retry, "retries on ['5xx', 'reset']"),
   "Envoy route timeout": (_edit_envoy_timeout, "timeout 15s cuts streams short"),
   "Envoy health of another service": (_edit_envoy_health, "expected gRPC health of thoughtjax.v1.Synthesizer"),
+  "Envoy panic mode left on": (_edit_panic, "panic mode would send calls to NOT_SERVING replicas"),
+  "Envoy HTTP check on a route the server lacks": (_edit_http_check, "expected GET /v1/models"),
+  "scrape annotation on another port": (_edit_annotation, "prometheus.io/port is 9090, metrics_port 9100"),
+  "Service selecting no pod": (_edit_selector, "Service thoughtjax-headless selects"),
 }
 
 
