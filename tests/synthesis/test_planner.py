@@ -302,7 +302,7 @@ def test_a_constrained_request_is_planned_without_speculation_in_the_masked_cont
   """A draft never sees the grammar's masks: a constrained request gets the best plan without one, predicted one
   step per call (its own latency context, with the mask's cost), and the plan says the output is constrained."""
   from thoughtjax.synthesis.candidate import DraftPlan
-  from thoughtjax.synthesis.latency import MASKED_STEP_MS
+  from thoughtjax.synthesis.latency import MASKED_STEP_MS, LatencyContext
 
   bridge = Unit("bridge[8]", "v1", 1 * MB, 0, "bridge")
   full = CANDIDATES["full"]
@@ -323,6 +323,15 @@ def test_a_constrained_request_is_planned_without_speculation_in_the_masked_cont
   assert [r.why for r in bound.rejected if r.path_hash == spec.path_hash] == ["unavailable"]
   alone = LatencyModel(cal.latency).predict(full, 40, 64)
   assert bound.predicted.decode == pytest.approx(alone.decode + 63 * MASKED_STEP_MS)
+  # In a server's slot engine the request stays in the engine's context (it runs, and teaches, there).
+  slots = LatencyContext("slots", "f32", 4, "xla")
+  served = planner.plan(
+    PlanRequest(("legal_analysis",), 40, 64, 1e9, constraint="regular expression (9 characters)"),
+    LatencyModel(cal.latency, context=slots),
+  )
+  assert served.draft is None and served.predicted.context == slots
+  free = LatencyModel(cal.latency, context=slots).predict(full, 40, 64)
+  assert served.predicted.decode == pytest.approx(free.decode + 63 * MASKED_STEP_MS)
 
 
 def test_same_pin_same_plan_and_another_sequence_is_refused():

@@ -628,10 +628,13 @@ class LatencyModel:
     max_tokens: int,
     residency: Residency = COLD,
     context: LatencyContext | None = None,
+    constrained: bool = False,
   ) -> Prediction:
     """Stage latencies (ms) of ``candidate`` for a prompt of ``prompt_tokens`` and ``max_tokens`` decode
     steps, given what ``residency`` says is already restored and compiled, with the corrections learned in
-    the context it runs in (:meth:`context_for`) and no other."""
+    the context it runs in (:meth:`context_for`) and no other. ``constrained``: the request decodes one step
+    per call under an output constraint, each step :data:`MASKED_STEP_MS` dearer (a ``masked`` context always
+    is)."""
     c = self._candidate_costs(candidate)
     ctx = self.context_for(candidate, context)
     T, n = prompt_tokens, max_tokens
@@ -641,7 +644,7 @@ class LatencyModel:
     key = self.program_key(c.program, T, n)
     compile_ = 0.0 if key in residency.compiled else self._compile_fit(bucket(T))(c.layers)
     A, B = c.decode.a, c.decode.b
-    if ctx.engine == "masked":
+    if constrained or ctx.engine == "masked":
       A += MASKED_STEP_MS
     S = bucket(T) + bucket(n)
     raw = {

@@ -130,8 +130,9 @@ class PlanRequest:
   max_latency_ms: float
   corrections: tuple[tuple[str, str], ...] = ()
   # The output constraint in words (e.g. "JSON schema (412 characters)"), or None. A constrained request
-  # decodes one step per call (its mask depends on the token before), so it is predicted in the ``masked``
-  # latency context and never planned speculatively (a drafted run would not see the grammar's masks).
+  # decodes one step per call (its mask depends on the token before), so it is predicted so (alone: in the
+  # ``masked`` latency context; in a server's slot engine: in the engine's) and never planned speculatively
+  # (a drafted run would not see the grammar's masks).
   constraint: str | None = None
 
   def __post_init__(self):
@@ -390,7 +391,10 @@ class Planner:
     cands = self._cands
     context, drafted = None, set()
     if request.constraint is not None:
-      context = dataclasses.replace(latency_model.context, engine="masked", batch=1)
+      # Alone, a constrained request runs the plain program one step per call (its own ``masked`` context); in
+      # a server's slot engine it stays in the engine's context, each step dearer by the mask's cost.
+      if latency_model.context.engine != "slots":
+        context = dataclasses.replace(latency_model.context, engine="masked", batch=1)
       drafted = {i for i, c in enumerate(cands) if c.draft is not None}
 
     rejected: list[Rejection] = []
@@ -401,7 +405,7 @@ class Planner:
       preds = sorted(
         (p.total, cands[i].path_hash, i, p)
         for i in group
-        for p in (latency_model.predict(cands[i], T, n, residency, context),)
+        for p in (latency_model.predict(cands[i], T, n, residency, context, request.constraint is not None),)
       )
       for total, h, i, p in preds:
         if i in drafted:
