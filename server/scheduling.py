@@ -83,6 +83,17 @@ def _next(run: Run):
     return _END
 
 
+def _hand_back(loop: asyncio.AbstractEventLoop, scheduler: SimpleScheduler, record: RequestRecord) -> None:
+  """Give a drained request's turn back on the serving loop (from its release thread). Once that loop is closed
+  (the server stopped while the request drained) nothing waits for the turn, so only the counters move."""
+  try:
+    loop.call_soon_threadsafe(scheduler._freed, record)
+  except RuntimeError:
+    if not loop.is_closed():
+      raise
+    scheduler._count(record)
+
+
 class SimpleScheduler:
   """``max_concurrent`` requests generating at once, ``max_queue`` waiting (see the module docstring)."""
 
@@ -225,13 +236,18 @@ class SimpleScheduler:
           record.decode_chunks_end = r.generation.trace.decode_chunks
           record.tokens_out = sum(r.generation.trace.tokens_out)
       finally:
-        loop.call_soon_threadsafe(self._freed, record)
+        _hand_back(loop, self, record)
 
     threading.Thread(target=finish, name=f"thoughtjax-release-{record.request_id}", daemon=True).start()
 
   def _freed(self, record: RequestRecord) -> None:
-    self.draining -= 1
     self._turns.release()
+    self._count(record)
+    self._notify()
+
+  def _count(self, record: RequestRecord) -> None:
+    """The request's ending in the counters (on the loop, or in its release thread once the loop is closed)."""
+    self.draining -= 1
     self.records.append(record)
     if record.ended_by == "finished":
       self.completed += 1
@@ -239,7 +255,6 @@ class SimpleScheduler:
       self.failed += 1
     else:
       self.cancelled += 1
-    self._notify()
 
   def close(self) -> None:
     self._executor.shutdown(wait=False, cancel_futures=True)
@@ -448,7 +463,7 @@ class ContinuousScheduler(SimpleScheduler):
             record.tokens_out = sum(t.tokens_out)
         record.closed = True
       finally:
-        loop.call_soon_threadsafe(self._freed, record)
+        _hand_back(loop, self, record)
 
     threading.Thread(target=finish, name=f"thoughtjax-release-{record.request_id}", daemon=True).start()
 

@@ -227,3 +227,45 @@ def test_engines_per_ring_length_and_the_smallest_that_fits_past_max_engines():
     assert sched._driver(model, 100) is long and sched.snapshot()["engines"] == 2  # no 128-token ring made
   finally:
     sched.close()
+
+
+def test_a_request_draining_when_the_serving_loop_stops_is_still_counted():
+  """Attack: the server's loop closes while a cancelled request's run is still closing on its release thread.
+  The thread must not raise (posting to a closed loop); the request is still counted as cancelled."""
+  closing, may_close = threading.Event(), threading.Event()
+
+  class Gen:
+    trace = types.SimpleNamespace(decode_chunks=0, tokens_out=[0])
+
+  class Run:
+    generation = Gen()
+    cancelled = False
+
+    def __next__(self):
+      if self.cancelled:
+        raise StopIteration
+      return "token"
+
+    def cancel(self):
+      self.cancelled = True
+
+    def close(self):
+      closing.set()
+      may_close.wait(30)
+
+  sched = SimpleScheduler(1, 1)
+
+  async def go():
+    stream = sched.stream(Run, request_id="draining")
+    async for _ in stream:
+      break
+    await stream.aclose()  # the caller leaves early: the run is cancelled and closed on a release thread
+
+  asyncio.run(go())  # returns (and closes its loop) while the release thread is inside close()
+  assert closing.wait(30)
+  release = next(t for t in threading.enumerate() if t.name == "thoughtjax-release-draining")
+  may_close.set()
+  release.join(30)
+  assert not release.is_alive()
+  assert sched.cancelled == 1 and sched.draining == 0 and sched.records[-1].closed
+  sched.close()
