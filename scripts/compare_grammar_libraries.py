@@ -1,4 +1,4 @@
-"""Compare llguidance and xgrammar on this model's tokenizer: the figures behind thoughtjax.decode.constraint's choice.
+"""Compare llguidance and xgrammar on this model's tokenizer: the figures behind thoughtjax.constraint's choice.
 
 For three JSON schemas of the extraction set (thoughtjax/data/structured/extraction.jsonl) each library
 - prepares the tokenizer (once), compiles each schema (median of fresh compiles),
@@ -247,11 +247,11 @@ def prepare(folder: Path) -> Path:
 
 
 def module_figures(case_path: Path, repeats: int) -> dict:
-  """thoughtjax.decode.constraint's own Matcher.fill (llguidance plus the eos and vocabulary fix-ups) on the same
+  """thoughtjax.constraint's own Matcher.fill (llguidance plus the eos and vocabulary fix-ups) on the same
   walks, in this process."""
   import numpy as np
 
-  from thoughtjax.decode.constraint import Constraint, Grammars
+  from thoughtjax.constraint import Constraint, Grammars
   from thoughtjax.tokenizer import TextCodec
 
   case = json.loads(case_path.read_text())
@@ -362,7 +362,7 @@ def main(argv=None) -> int:
     module = module_figures(case, args.repeats)
   print_table(results)
   print(
-    f"thoughtjax.decode.constraint Matcher.fill (llguidance + eos/vocabulary fix-ups): median "
+    f"thoughtjax.constraint Matcher.fill (llguidance + eos/vocabulary fix-ups): median "
     f"{module['fill_median_us']:.0f} us, p90 {module['fill_p90_us']:.0f} us per token; Grammars.check (first, "
     f"tokenizer prep included in the first): {', '.join(f'{x:.1f}' for x in module['first_check_ms'])} ms; "
     f"Grammars.fill_rows, batch 8 with 8 schemas: median {module['fill_rows_batch8_median_us']:.0f} us per step"

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from thoughtjax.decode.constraint import Constraint
+from thoughtjax.constraint import Constraint
 from thoughtjax.errors import UserError
 from thoughtjax.kernels.sample_stop import sample_stop, unpack_allowed
 
@@ -53,7 +53,7 @@ class SamplingParams:
   stop_strings: Sequence[str] = ()
   ignore_eos: bool = False  # keep generating past the end-of-sequence token (benchmarks)
   # Constrained decoding, at most one: a JSON Schema (JSON text or a dict), a regular expression the whole
-  # output matches, or a grammar (see :mod:`thoughtjax.decode.constraint`). Each step samples only tokens
+  # output matches, or a grammar (see :mod:`thoughtjax.constraint`). Each step samples only tokens
   # that keep the output a prefix of that language; end-of-sequence only once the output is complete.
   json_schema: str | Mapping | None = None
   regex: str | None = None

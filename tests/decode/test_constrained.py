@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.tiny import tiny_engine
-from thoughtjax.decode.constraint import ConstraintError
+from thoughtjax.constraint import ConstraintError
 from thoughtjax.decode.masks import grammars_for
 from thoughtjax.decode.stream import RequestError
 from thoughtjax.kernels.sample_stop import unpack_allowed

@@ -199,7 +199,7 @@ def masked_greedy_generator(model) -> Generate:
   whose engine does not take ``json_schema`` yet."""
   import numpy as np
 
-  from thoughtjax.decode.constraint import Constraint, Grammars
+  from thoughtjax.constraint import Constraint, Grammars
 
   grammars = Grammars(model.codec, model.config.vocab_size)
   eos = set(model.codec.eos_ids)

@@ -1,6 +1,6 @@
 """Per-row allowed-token masks for constrained decoding, kept in step with each row's grammar matcher.
 
-A batch's rows each carry a :class:`~thoughtjax.decode.constraint.Constraint` or none. Before every
+A batch's rows each carry a :class:`~thoughtjax.constraint.Constraint` or none. Before every
 program call the host writes each constrained row's bitmask of allowed next tokens (one bit per vocabulary
 id, uint32 words, the layout :func:`~thoughtjax.kernels.sample_stop.pack_allowed` makes); unconstrained and
 padding rows allow everything. The fused sampler applies the mask before bias, temperature, top-k and top-p,
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from thoughtjax.decode.constraint import Constraint, Grammars, Matcher
+from thoughtjax.constraint import Constraint, Grammars, Matcher
 
 ALL = np.uint32(0xFFFFFFFF)
 

@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from thoughtjax.decode.constraint import Matcher
+from thoughtjax.constraint import Matcher
 from thoughtjax.decode.masks import ALL, grammars_for
 from thoughtjax.decode.stream import Delta, Rows, Trace
 from thoughtjax.errors import UserError

@@ -47,7 +47,7 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 
-from thoughtjax.decode.constraint import Constraint
+from thoughtjax.constraint import Constraint
 from thoughtjax.errors import UserError
 from thoughtjax.synthesis.calibration import Calibration
 from thoughtjax.synthesis.latency import STAGES, LatencyContext, LatencyModel, LatencyTrace, Residency

@@ -1,4 +1,4 @@
-"""Constraints -> per-row allowed-token bitmasks (thoughtjax.decode.constraint).
+"""Constraints -> per-row allowed-token bitmasks (thoughtjax.constraint).
 
 Walks drive a matcher the way the sampler will: fill the mask, pick an allowed id (the lowest, or a seeded random
 one), consume it, until eos. What comes out must parse and validate (JSON Schema), fully match (regex), or be a
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.tiny import CHAT_TEMPLATE, tiny_tokenizer
-from thoughtjax.decode.constraint import MAX_SOURCE_BYTES, Constraint, ConstraintError, Grammars
+from thoughtjax.constraint import MAX_SOURCE_BYTES, Constraint, ConstraintError, Grammars
 from thoughtjax.errors import UserError
 from thoughtjax.tokenizer import TextCodec
 
