@@ -834,7 +834,7 @@ def calibration_for(registry, previous) -> tuple[Any, str, list[str], list[str]]
   older sequence) restricted to the paths whose thoughtlet versions are all still current (``"derived"``,
   with the dropped paths and a note saying so). Refused (FAILED_PRECONDITION naming ``thoughtjax registry
   calibrate``) when the full path changed: then no path's quality or latency is known at the new sequence."""
-  from thoughtjax.registry.calibration_store import MissingCalibrationError, read_calibration
+  from thoughtjax.synthesis.calibration_store import MissingCalibrationError, read_calibration
   from thoughtjax.synthesis.calibration import Calibration
 
   try:

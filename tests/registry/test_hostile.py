@@ -383,7 +383,7 @@ def test_a_path_of_many_repeated_pieces_checks_each_manifest_once(reg_dir, monke
 
 
 def test_a_fifo_in_place_of_a_calibration_is_refused(reg_dir):
-  from thoughtjax.registry.calibration_store import calibration_path, read_calibration
+  from thoughtjax.synthesis.calibration_store import calibration_path, read_calibration
 
   reg = Registry.open(reg_dir)
   path = calibration_path(reg_dir, reg.sequence)

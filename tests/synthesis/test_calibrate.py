@@ -14,18 +14,18 @@ import pytest
 
 from tests.synthesis.tiny_synthesis import FULL, HINTS, IDENTITY_SKIP, registry_copy, tiny_setup
 from thoughtjax.registry import IntegrityError, Registry, SignatureDowngradeError, SignatureError
-from thoughtjax.registry.calibration_store import (
-  MissingCalibrationError,
-  calibration_path,
-  read_calibration,
-  write_calibration,
-)
 from thoughtjax.synthesis.calibrate import (
   CalibrateError,
   LatencySettings,
   load,
   machine_fingerprint,
   recalibrate_latency,
+)
+from thoughtjax.synthesis.calibration_store import (
+  MissingCalibrationError,
+  calibration_path,
+  read_calibration,
+  write_calibration,
 )
 from thoughtjax.synthesis.candidate import CandidateKind
 from thoughtjax.synthesis.latency import LatencyModel

@@ -180,7 +180,7 @@ def test_a_writer_replaces_only_the_contexts_it_learned_in(store):
 def test_re_measured_latency_starts_from_fresh_factors(reg):
   import dataclasses
 
-  from thoughtjax.registry.calibration_store import read_calibration
+  from thoughtjax.synthesis.calibration_store import read_calibration
   from thoughtjax.synthesis.latency import LinearCost
 
   cal = read_calibration(reg)

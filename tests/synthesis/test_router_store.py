@@ -14,7 +14,7 @@ from tests.synthesis.tiny_synthesis import HINTS, registry_copy, tiny_setup
 from thoughtjax.assembly import PathTypeError
 from thoughtjax.compose import compose
 from thoughtjax.registry import IntegrityError, Registry
-from thoughtjax.registry.calibration_store import read_calibration
+from thoughtjax.synthesis.calibration_store import read_calibration
 from thoughtjax.synthesis.router import train_router
 from thoughtjax.synthesis.router_store import (
   ROUTER_NAME,

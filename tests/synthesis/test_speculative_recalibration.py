@@ -17,7 +17,6 @@ import pytest
 from tests.synthesis.tiny_synthesis import FULL, HINTS, IDENTITY_SKIP, SETTINGS, registry_copy, tiny_setup
 from thoughtjax.compose import compose
 from thoughtjax.registry import Registry, build
-from thoughtjax.registry.calibration_store import read_calibration, write_calibration
 from thoughtjax.synthesis.calibrate import (
   CalibrateError,
   CalibrateReport,
@@ -28,6 +27,7 @@ from thoughtjax.synthesis.calibrate import (
   speculative_candidates,
 )
 from thoughtjax.synthesis.calibration import Calibration
+from thoughtjax.synthesis.calibration_store import read_calibration, write_calibration
 from thoughtjax.synthesis.candidate import CalibrationError, Candidate, CandidateKind, Unit
 from thoughtjax.synthesis.latency import FACTOR_BOUNDS, STAGES, LatencyModel, Residency
 from thoughtjax.synthesis.planner import Floor, Planner, PlanRequest

@@ -238,7 +238,7 @@ def bench_calibrate(reg, quick: bool) -> dict:
 
 
 def _calibrated(reg) -> tuple[str, ...]:
-  from thoughtjax.registry.calibration_store import read_calibration
+  from thoughtjax.synthesis.calibration_store import read_calibration
 
   return read_calibration(reg).hints
 

@@ -267,7 +267,7 @@ def _require_matplotlib() -> None:
 def cmd_paths(args) -> int:
   if args.plot:  # refused before the registry is opened: nothing is half done
     _require_matplotlib()
-  from thoughtjax.registry.calibration_store import read_calibration
+  from thoughtjax.synthesis.calibration_store import read_calibration
   from thoughtjax.synthesis.dictionary import load_dictionary
   from thoughtjax.synthesis.hints import normalize_hints
   from thoughtjax.synthesis.planner import floors_of
@@ -336,8 +336,8 @@ def _plot(rows, hint: str, floor, out: str) -> None:
 
 # ------------------------------------------------------------------------------ registry calibrate / warm
 def cmd_calibrate(args) -> int:
-  from thoughtjax.registry.calibration_store import read_calibration, write_calibration
   from thoughtjax.synthesis import calibrate as cal_lib
+  from thoughtjax.synthesis.calibration_store import read_calibration, write_calibration
 
   reg = open_registry(args.dir, args)
   sign_key = existing_path(args.sign_key, "--sign-key") if args.sign_key else None

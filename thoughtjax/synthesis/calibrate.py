@@ -689,13 +689,13 @@ def measure_latency(
 
 def store(registry, calibration: Calibration, *, sign_key=None):
   """Write ``calibration`` into ``registry`` (hashed, signed with ``sign_key`` when given)."""
-  from thoughtjax.registry.calibration_store import write_calibration
+  from thoughtjax.synthesis.calibration_store import write_calibration
 
   return write_calibration(registry, calibration, sign_key=sign_key)
 
 
 def load(registry, sequence: int | None = None) -> Calibration:
   """The stored calibration of ``registry`` at ``sequence`` (default: current), verified."""
-  from thoughtjax.registry.calibration_store import read_calibration
+  from thoughtjax.synthesis.calibration_store import read_calibration
 
   return read_calibration(registry, sequence)

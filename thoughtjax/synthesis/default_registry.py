@@ -94,9 +94,9 @@ def ensure_default(progress: Progress | None = None, *, root: Path | None = None
 def _ensure_default(progress: Progress | None, *, root: Path, weights: str):
   from thoughtjax.fetch import DEFAULT_MODEL
   from thoughtjax.registry import Registry, build, is_older_format, is_registry
-  from thoughtjax.registry.calibration_store import MissingCalibrationError, read_calibration, write_calibration
   from thoughtjax.registry.layout import index_format
   from thoughtjax.synthesis import calibrate as cal_lib
+  from thoughtjax.synthesis.calibration_store import MissingCalibrationError, read_calibration, write_calibration
 
   report = progress or (lambda stage, done, total, item: None)
   root = Path(root) if root is not None else default_registry_dir()

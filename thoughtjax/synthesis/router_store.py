@@ -153,8 +153,8 @@ def publish_router(
   ``carry_calibration``, the calibration of the previous sequence moves to the new one (module docstring).
   """
   from thoughtjax.registry import RegistryError
-  from thoughtjax.registry.calibration_store import MissingCalibrationError, read_calibration, write_calibration
   from thoughtjax.registry.publish import _publish
+  from thoughtjax.synthesis.calibration_store import MissingCalibrationError, read_calibration, write_calibration
   from thoughtjax.thoughtlet import ProfileSettings, measure_profile
 
   if name in registry.names and registry.manifest(name).kind is not Kind.ROUTER:

@@ -257,7 +257,7 @@ class Synthesizer:
   @classmethod
   def open(cls, registry, dictionary=None, *, sequence: int | None = None, **kwargs) -> Synthesizer:
     """A synthesizer over ``registry``'s stored calibration (verified; refused loudly when tampered)."""
-    from thoughtjax.registry.calibration_store import read_calibration
+    from thoughtjax.synthesis.calibration_store import read_calibration
 
     return cls(registry, read_calibration(registry, sequence), dictionary, **kwargs)
 

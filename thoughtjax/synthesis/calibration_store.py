@@ -37,6 +37,7 @@ from thoughtjax.registry.layout import (
   _writer_lock,
 )
 from thoughtjax.registry.trust import DOWNGRADE, INTEGRITY, SIGNATURE
+from thoughtjax.synthesis.calibration import Calibration, CalibrationError
 from thoughtjax.thoughtlet import canonical_json
 
 DIRNAME = "calibration"
@@ -59,8 +60,6 @@ def stored_sequences(root: str | os.PathLike) -> list[int]:
 def write_calibration(registry, calibration, *, sign_key=None) -> Path:
   """Store ``calibration`` (made at ``registry.sequence``) in ``registry``, signed with ``sign_key``
   (a private key or its PEM path). A signed registry needs a key: its calibration must be signed too."""
-  from thoughtjax.synthesis.calibration import Calibration
-
   if not isinstance(calibration, Calibration):
     raise TypeError(f"write_calibration takes a Calibration, got {type(calibration).__name__}")
   if calibration.sequence != registry.sequence:
@@ -107,8 +106,6 @@ def write_calibration(registry, calibration, *, sign_key=None) -> Path:
 def read_calibration(registry, sequence: int | None = None):
   """The stored :class:`~thoughtjax.synthesis.calibration.Calibration` of ``registry`` at ``sequence``
   (default: its current sequence), its digest and signature checked under the registry's trust policy."""
-  from thoughtjax.synthesis.calibration import Calibration, CalibrationError
-
   seq = registry.sequence if sequence is None else int(sequence)
   root = Path(registry.root)
   path = calibration_path(root, seq)
