@@ -20,8 +20,8 @@ finished ``--requests-per-user`` requests (requests in flight then finish; the w
 one chat message each, mixed 30 % short (about 20 prompt tokens of SmolLM2's tokenizer), 50 % medium (about 100)
 and 20 % long (about 300), drawn by a seeded generator, so the k-th request of a level is the same on both servers;
 each opens with its own request number, so only the chat template's system part is a shared prefix. Before the
-levels each server is warmed: one request of each length class per max tokens, one by one, then one request per
-user at the highest level (its compiles and caches are not measured; the warm-up's wall time is reported).
+levels each server is warmed: one request of each length class per max tokens, one by one, then per max tokens one
+request per user at the highest level (compiles are not measured; the warm-up's wall time is reported).
 
 Reported per server, max tokens and level: requests, aggregate tokens/s (completion tokens of the requests that
 succeeded / the level's wall time), TTFT p50 and p95, end-to-end p95, the share of requests with TTFT <= 1 s (a
@@ -65,6 +65,7 @@ QUICK_WORDS = {"short": 0, "medium": 4, "long": 9}
 TTFT_GOOD_S = 1.0
 RSS_PERIOD_S = 0.1
 START_TIMEOUT_S = 1800.0  # the default registry is built and calibrated on a first start: minutes
+TABLE_WIDTH = 140  # wide enough for every column, also when stdout is not a terminal
 PLOT_EXTRA = "pip install 'thoughtjax[plot]'"
 
 QUESTIONS = (
@@ -127,7 +128,7 @@ class PromptSet:
       if u < acc:
         kind = name
         break
-    return kind, self.text(kind, rng, f"{'Warm-up' if cell < 0 else 'Request'} {max(cell, 0)}-{k}")
+    return kind, self.text(kind, rng, f"{'Warm-up' if cell < 0 else 'Request'} {abs(cell)}-{k}")
 
   def text(self, kind: str, rng: np.random.Generator, tag: str, question: str | None = None) -> str:
     """A prompt of the class ``kind``, opening with ``tag`` (unique per request)."""
@@ -313,7 +314,9 @@ async def closed_loop(
 
   async def sample(stop: asyncio.Event):
     while not stop.is_set():
-      peak[0] = np.nanmax([peak[0], rss_mib(pid)])
+      now = rss_mib(pid)
+      if not math.isnan(now) and not now <= peak[0]:  # NaN: unreadable (the process has gone)
+        peak[0] = now
       try:
         await asyncio.wait_for(stop.wait(), RSS_PERIOD_S)
       except TimeoutError:
@@ -409,10 +412,10 @@ def drive(name: str, base_url: str, pid: int | None, load: Load, log: Callable[[
     warm += asyncio.run(closed_loop(url, 1, bodies.__getitem__, seconds=0, per_user=len(bodies), timeout=load.timeout))[
       0
     ]
-  top = max(load.levels)
-  warm += asyncio.run(
-    closed_loop(url, top, load.request(-1, min(load.max_tokens)), seconds=0, per_user=1, timeout=load.timeout)
-  )[0]
+  for m in load.max_tokens:  # then all users at once: the batched shapes of each max tokens
+    warm += asyncio.run(
+      closed_loop(url, max(load.levels), load.request(-1 - m, m), seconds=0, per_user=1, timeout=load.timeout)
+    )[0]
   report: dict = {
     "name": name,
     "url": base_url,
@@ -493,6 +496,7 @@ def print_report(report: dict) -> None:
     cols,
     rows,
     right=cols[1:],
+    width=TABLE_WIDTH,
   )
   if report.get("ratios"):
     common.print_table(
@@ -500,6 +504,7 @@ def print_report(report: dict) -> None:
       ["max tokens", "users", "tok/s ratio", "TTFT p95 ratio"],
       [[r["max_tokens"], r["users"], _f(r["tok_s"], ".2f"), _f(r["ttft_p95"], ".2f")] for r in report["ratios"]],
       right=["max tokens", "users", "tok/s ratio", "TTFT p95 ratio"],
+      width=TABLE_WIDTH,
     )
 
 
