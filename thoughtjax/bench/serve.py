@@ -227,9 +227,15 @@ def _positive_list(text: str) -> list[int]:
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="thoughtjax bench serve", description=__doc__.splitlines()[0])
-  p.add_argument("--registry", default=None, help="registry to serve (default: the default registry)")
+  p.add_argument(
+    "--registry", default=None, help="registry to serve (default: the default registry); with --peer, also needs --gguf"
+  )
   p.add_argument("--path", default=None, help="the path every request runs (default: the registry's full path)")
-  p.add_argument("--quick", action="store_true", help="small sizes everywhere (CI)")
+  p.add_argument(
+    "--quick",
+    action="store_true",
+    help="small sizes everywhere (CI); with --peer: prompts of a few words, 8 tokens, --seconds 0",
+  )
   p.add_argument(
     "--concurrency",
     "--levels",
