@@ -285,7 +285,7 @@ def main(argv=None) -> int:
     "--seconds",
     type=float,
     default=None,
-    help="each level runs at least this long; requests in flight then finish (default 30; quick 0)",
+    help="each level runs at least this long; requests in flight then finish (default 25; quick 0)",
   )
   peer.add_argument(
     "--requests-per-user",
@@ -312,7 +312,7 @@ def main(argv=None) -> int:
     from thoughtjax.bench import serve_peer
 
     args.max_tokens = args.max_tokens or ([8] if args.quick else [32, 128])
-    args.seconds = args.seconds if args.seconds is not None else (0.0 if args.quick else 30.0)
+    args.seconds = args.seconds if args.seconds is not None else (0.0 if args.quick else 25.0)
     return serve_peer.run(args, list(argv or []))
   args.slots = 8 if args.slots is None else args.slots
   args.level_seconds = 120.0 if args.level_seconds is None else args.level_seconds

@@ -29,6 +29,11 @@ failed request counts as not), errors by kind, and the server process's peak RSS
 every 100 ms; its VmHWM over the whole run too); and the ratios thoughtjax / llama-server of tokens/s and TTFT
 p95. A table on stdout, ``--json FILE`` with every field (and every request), ``--plot FILE`` (matplotlib).
 ``--quick`` shrinks the prompts to a few words (a tiny test registry and a stub peer).
+
+The defaults (levels 1, 4, 8, 16; max tokens 32 and 128; 25 s per level and at least one request per user) take
+about 15 minutes on a quiet 2-core machine: 16 levels of 25 s plus each level's last requests, two warm-ups and
+two starts, most of it in thoughtjax's half. A noisy machine (other processes on the cores) stretches it and
+hurts llama-server most: its threads wait for each other at every step.
 """
 
 from __future__ import annotations
@@ -406,16 +411,17 @@ def drive(name: str, base_url: str, pid: int | None, load: Load, log: Callable[[
   t = time.perf_counter()
   warm: list[Outcome] = []
   for i, m in enumerate(load.max_tokens):  # each length class once per max tokens, one at a time
-    bodies = [
-      (kind, load.body(load.prompts.text(kind, np.random.default_rng(i), f"Warm-up {i}-{kind}"), m)) for kind, _ in MIX
-    ]
-    warm += asyncio.run(closed_loop(url, 1, bodies.__getitem__, seconds=0, per_user=len(bodies), timeout=load.timeout))[
-      0
-    ]
+    rng = np.random.default_rng(i)
+    bodies = [(kind, load.body(load.prompts.text(kind, rng, f"Warm-up {i}-{kind}"), m)) for kind, _ in MIX]
+    done, _, _ = asyncio.run(
+      closed_loop(url, 1, bodies.__getitem__, seconds=0, per_user=len(bodies), timeout=load.timeout)
+    )
+    warm += done
   for m in load.max_tokens:  # then all users at once: the batched shapes of each max tokens
-    warm += asyncio.run(
+    done, _, _ = asyncio.run(
       closed_loop(url, max(load.levels), load.request(-1 - m, m), seconds=0, per_user=1, timeout=load.timeout)
-    )[0]
+    )
+    warm += done
   report: dict = {
     "name": name,
     "url": base_url,
