@@ -60,7 +60,12 @@ def test_both_servers_get_the_same_requests_and_every_field_is_reported(tmp_path
   assert d["eos_ids_biased"] == [2] and d["mix"] == {"short": 0.3, "medium": 0.5, "long": 0.2}
   for name in ("thoughtjax", "llama-server"):
     s = d["servers"][name]
-    assert s["warmup_errors"] == 0 and s["warmup_requests"] == 3 * 2 + 2 * 2 and s["peak_rss_hwm_mib"] > 0
+    assert (
+      s["warmup_errors"] == 0
+      and s["warmup_error_kinds"] == {}
+      and s["warmup_requests"] == 3 * 2 + 2 * 2
+      and s["peak_rss_hwm_mib"] > 0
+    )
     assert [(c["max_tokens"], c["users"]) for c in s["cells"]] == [(3, 1), (3, 2), (5, 1), (5, 2)]
     for c in s["cells"]:
       assert set(c) == CELL_FIELDS

@@ -8,7 +8,7 @@ equal to the highest level and a per-slot context that holds the longest prompt 
 ``--max-tokens``. llama-server is measured first: a peer that cannot start fails the run within seconds, not
 after the thoughtjax half. Each server is stopped before the other starts.
 
-Client. ``POST /v1/chat/completions`` over aiohttp (one session per level), ``stream: true`` with
+Client. ``POST /v1/chat/completions`` over aiohttp (a new connection per request), ``stream: true`` with
 ``stream_options.include_usage``, temperature 0 (greedy), and the served model's end-of-sequence ids biased by
 -100 (``logit_bias``) so every request decodes exactly its max tokens on both servers. Time to first token (TTFT)
 is the time to the first chunk with non-empty content; completion tokens are the ``usage`` of the stream's last
@@ -329,7 +329,9 @@ async def closed_loop(
 
   stop = asyncio.Event()
   sampler = asyncio.create_task(sample(stop)) if pid is not None else None
-  async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+  # A connection per request (force_close): llama-server's HTTP library closes kept-alive connections on its own
+  # schedule, and a request sent on one it just closed fails at once; both servers get the same fresh connections.
+  async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True)) as session:
     await asyncio.gather(*(user(session) for _ in range(users)))
   wall = time.perf_counter() - t0
   stop.set()
@@ -429,6 +431,7 @@ def drive(name: str, base_url: str, pid: int | None, load: Load, log: Callable[[
     "warmup_s": time.perf_counter() - t,
     "warmup_requests": len(warm),
     "warmup_errors": sum(o.error is not None for o in warm),
+    "warmup_error_kinds": summarize(warm, 1.0)["error_kinds"],
     "cells": [],
   }
   log(f"{name}: warmed in {report['warmup_s']:.1f} s ({report['warmup_errors']} errors)")
