@@ -40,6 +40,13 @@ def find_binary(given: str | None) -> Path:
   return Path(found)
 
 
+def one_line_tail(output: bytes, lines: int = 4) -> str:
+  """The last ``lines`` non-empty lines of a process's output joined into one line (at most 600 characters), for
+  an error message that stays one line."""
+  kept = [x.strip() for x in output.decode(errors="replace").splitlines() if x.strip()][-lines:]
+  return (" | ".join(kept) or "(nothing)")[-600:]
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -48,7 +55,8 @@ def _free_port() -> int:
 
 class LlamaServer:
   """A running ``llama-server`` on ``gguf`` (a context manager). ``parallel`` slots, ``threads`` CPU threads,
-  ``context`` tokens in all (llama.cpp splits them across the slots); its output goes to ``log``."""
+  ``context`` tokens per slot (``-c parallel * context``: llama.cpp splits it across the slots); its output goes
+  to ``log``."""
 
   def __init__(
     self,
@@ -86,7 +94,7 @@ class LlamaServer:
         tail = self._tail()
         self.__exit__()
         raise LlamaServerError(
-          f"{self.binary} exited with {self._proc.returncode} while starting; its last output:\n{tail}"
+          f"{self.binary} exited with {self._proc.returncode} while starting; its last output: {tail}"
         )
       try:
         with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
@@ -110,10 +118,10 @@ class LlamaServer:
     if self._out is not None:
       self._out.close()
 
-  def _tail(self, lines: int = 12) -> str:
+  def _tail(self) -> str:
     self._out.flush()
     self._out.seek(0)
-    return b"\n".join(self._out.read().splitlines()[-lines:]).decode(errors="replace")
+    return one_line_tail(self._out.read())
 
   @property
   def pid(self) -> int | None:

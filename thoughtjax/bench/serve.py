@@ -16,6 +16,10 @@ path of a registry (default: the default registry's full path), every stream dec
 
 Prints tables; ``--json FILE`` writes every number. ``--quick`` shrinks everything (short prompts and decodes,
 one round) so a test can run it on a tiny registry.
+
+``--peer llama-server`` runs the other benchmark of this command instead: ``thoughtjax serve`` (its own process,
+default config) against llama.cpp's ``llama-server`` on the same GGUF through one OpenAI-compatible streaming
+client; :mod:`thoughtjax.bench.serve_peer` states what it measures.
 """
 
 from __future__ import annotations
@@ -206,23 +210,112 @@ def _f(x, spec: str) -> str:
   return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+PEER_ONLY = ("llama_server", "gguf", "seconds", "requests_per_user", "plot")
+GRPC_ONLY = ("path", "slots", "rounds", "level_seconds", "prompt_tokens", "static_reps", "cancels", "soak")
+
+
+def _positive_list(text: str) -> list[int]:
+  """argparse ``type=`` of a comma list of positive integers (``1,4,8,16``)."""
+  try:
+    values = [int(x) for x in text.split(",") if x.strip()]
+  except ValueError:
+    values = []
+  if not values or min(values) < 1:
+    raise argparse.ArgumentTypeError(f"expected a comma list of positive integers such as 1,4,8,16, got {text!r}")
+  return values
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="thoughtjax bench serve", description=__doc__.splitlines()[0])
-  p.add_argument("--registry", default=None, help="registry to serve (default: the default registry)")
+  p.add_argument(
+    "--registry", default=None, help="registry to serve (default: the default registry); with --peer, also needs --gguf"
+  )
   p.add_argument("--path", default=None, help="the path every request runs (default: the registry's full path)")
-  p.add_argument("--quick", action="store_true", help="small sizes everywhere (CI)")
-  p.add_argument("--concurrency", default="1,4,8,16", help="comma-separated stream counts (default 1,4,8,16)")
-  p.add_argument("--slots", type=int, default=8, help="slots per path engine (the server's max_concurrent)")
+  p.add_argument(
+    "--quick",
+    action="store_true",
+    help="small sizes everywhere (CI); with --peer: prompts of a few words, 8 tokens, --seconds 0",
+  )
+  p.add_argument(
+    "--concurrency",
+    "--levels",
+    dest="levels",
+    type=_positive_list,
+    default=[1, 4, 8, 16],
+    help="comma-separated stream counts; with --peer, closed-loop users per level (default 1,4,8,16)",
+  )
+  p.add_argument(
+    "--slots", type=int, default=None, help="slots per path engine (the server's max_concurrent; default 8)"
+  )
   p.add_argument("--rounds", type=int, default=None, help="streams per client per level (default 4; quick 1)")
-  p.add_argument("--level-seconds", type=float, default=120.0, help="at most this long per level")
+  p.add_argument("--level-seconds", type=float, default=None, help="at most this long per level (default 120)")
   p.add_argument("--prompt-tokens", type=int, default=None, help="prompt length in tokens (default 32; quick 8)")
-  p.add_argument("--max-tokens", type=int, default=None, help="tokens per stream (default 64; quick 8)")
+  p.add_argument(
+    "--max-tokens",
+    type=_positive_list,
+    default=None,
+    help="tokens per stream (default 64; quick 8); with --peer a comma list, each run at every level "
+    "(default 32,128; quick 8)",
+  )
   p.add_argument("--static-reps", type=int, default=None, help="static batch-8 calls timed (default 5; quick 1)")
   p.add_argument("--cancels", type=int, default=None, help="streams cancelled after a delta (default 8; quick 2)")
   p.add_argument("--soak", type=float, default=None, metavar="SECONDS", help="also soak 16 streams this long")
   p.add_argument("--timeout", type=float, default=600.0, help="deadline of each call in seconds")
   p.add_argument("--json", default=None, type=common.json_path, help="write the results here")
+  peer = p.add_argument_group(
+    "peer benchmark (--peer llama-server)",
+    "thoughtjax serve (default config, its own process) against llama.cpp's llama-server on the same GGUF, one "
+    "at a time, both through the same OpenAI-compatible streaming client (thoughtjax/bench/serve_peer.py). "
+    "The default run takes about 15 minutes on a 2-core machine.",
+  )
+  peer.add_argument(
+    "--peer",
+    choices=("llama-server",),
+    default=None,
+    help="compare thoughtjax serve's OpenAI-compatible HTTP endpoint with this server instead of the gRPC benchmark",
+  )
+  peer.add_argument("--llama-server", default=None, metavar="BIN", help="the llama-server binary (default: on PATH)")
+  peer.add_argument(
+    "--gguf",
+    default=None,
+    metavar="FILE",
+    help="the GGUF llama-server loads (default: the default model's; required with --registry)",
+  )
+  peer.add_argument(
+    "--seconds",
+    type=float,
+    default=None,
+    help="each level runs at least this long; requests in flight then finish (default 25; quick 0)",
+  )
+  peer.add_argument(
+    "--requests-per-user",
+    type=int,
+    default=None,
+    help="and until every user finished this many requests (default 1)",
+  )
+  peer.add_argument(
+    "--plot", default=None, metavar="FILE", help="plot tokens/s and TTFT p95 against users (matplotlib)"
+  )
   args = p.parse_args(argv)
+  given = lambda names: [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) is not None]
+  if args.peer is None:
+    if given(PEER_ONLY):
+      p.error(f"{', '.join(given(PEER_ONLY))}: only with --peer llama-server")
+    if args.max_tokens is not None and len(args.max_tokens) != 1:
+      p.error(f"--max-tokens: one number without --peer, got {args.max_tokens}")
+  else:
+    if given(GRPC_ONLY):
+      p.error(f"{', '.join(given(GRPC_ONLY))}: not with --peer (thoughtjax serve runs its default config)")
+    args.requests_per_user = 1 if args.requests_per_user is None else args.requests_per_user
+    if args.requests_per_user < 1:
+      p.error(f"--requests-per-user: expected at least 1, got {args.requests_per_user}")
+    from thoughtjax.bench import serve_peer
+
+    args.max_tokens = args.max_tokens or ([8] if args.quick else [32, 128])
+    args.seconds = args.seconds if args.seconds is not None else (0.0 if args.quick else 25.0)
+    return serve_peer.run(args, list(argv or []))
+  args.slots = 8 if args.slots is None else args.slots
+  args.level_seconds = 120.0 if args.level_seconds is None else args.level_seconds
 
   from server.app import BackgroundServer
   from server.config import ServerConfig
@@ -235,10 +328,10 @@ def main(argv=None) -> int:
   from thoughtjax.thoughtlet import fingerprint
 
   quick = args.quick
-  levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+  levels = args.levels
   rounds = args.rounds or (1 if quick else 4)
   T = args.prompt_tokens or (8 if quick else 32)
-  n = args.max_tokens or (8 if quick else 64)
+  n = args.max_tokens[0] if args.max_tokens else (8 if quick else 64)
   reg = _open(args)
   syn = Synthesizer.open(reg)
   path = args.path or full_path(reg)
