@@ -203,3 +203,29 @@ def test_a_flood_of_distinct_prompts_keeps_the_engine_s_cache_bounded_and_it_sti
   assert (
     generate_in_slots(cached, [(ids, GREEDY)])[0].token_ids == generate_in_slots(plain, [(ids, GREEDY)])[0].token_ids
   )
+
+
+def test_a_constrained_request_on_a_reused_prefix_gets_its_alone_tokens(model):
+  """The grammar mask of the first token is applied in the program that prefills only the rest."""
+  _, cached = _engines(model)
+  generate_in_slots(cached, [(SYSTEM + [1], GREEDY)])
+  ids, params = SYSTEM + [2, 3], SamplingParams(max_tokens=12, regex=r"(ab|ba)[a-c]{1,4}x")
+  run = generate_in_slots(cached, [(ids, params)])[0]
+  assert run.trace.prefix_cache_tokens == 32
+  assert run.token_ids == model.stream_batch([ids], params).result().token_ids
+
+
+@pytest.mark.slow
+def test_the_default_model_with_a_shared_system_prompt_gives_the_tokens_it_gives_without(default_model):
+  """The real model (30 layers, 3 KV heads), chat prompts sharing a system prompt: greedy tokens with the cache
+  equal those without, and the later prompts reuse the system prompt's blocks."""
+  system = "You are a helpful assistant for a library. Answer briefly and politely, and cite the shelf number."
+  questions = ["Where are the atlases?", "Can I renew a book online?", "Where are the atlases?"]
+  ids = [default_model.prompt_ids(q, chat=True, system=system) for q in questions]
+  params = SamplingParams(max_tokens=12)
+  plain = SlotEngine(default_model, slots=2, cache_len=128)
+  cached = SlotEngine(default_model, slots=2, cache_len=128, prefix_cache=PrefixCache())
+  want = _one_by_one(plain, [(i, params) for i in ids])
+  got = _one_by_one(cached, [(i, params) for i in ids])
+  assert [r.token_ids for r in got] == [r.token_ids for r in want]
+  assert got[0].trace.prefix_cache_tokens == 0 and all(r.trace.prefix_cache_tokens >= 16 for r in got[1:])
