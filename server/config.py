@@ -123,7 +123,7 @@ class PrefixCacheConfig:
   rest: ``max_mb`` MiB at most (least recently used blocks evicted first; 0: off), in blocks of ``block_tokens``
   tokens (a prefix is reused in whole blocks)."""
 
-  max_mb: int = 256
+  max_mb: int = 128
   block_tokens: int = 16
 
   def __post_init__(self):

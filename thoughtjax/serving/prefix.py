@@ -1,7 +1,7 @@
 """Prefix cache: the prompt keys of one path, kept per block of tokens so requests that share a prefix (a system
 prompt, a chat template's fixed rows, a few-shot block, earlier turns) skip its prefill.
 
->>> cache = PrefixCache(block_tokens=16, max_bytes=256 << 20)
+>>> cache = PrefixCache(block_tokens=16, max_bytes=128 << 20)
 >>> chain = cache.lookup(ids, limit=len(ids) - 1)        # the cached blocks of ids' longest cached prefix
 >>> first = cache.first_missing(ids)                      # index of ids' first full block not cached yet
 >>> cache.add(ids, first, arrays)                         # arrays[j]: block first + j's keys
@@ -30,7 +30,7 @@ from typing import Any
 from thoughtjax.errors import UserError
 
 DEFAULT_BLOCK_TOKENS = 16
-DEFAULT_MAX_BYTES = 256 << 20
+DEFAULT_MAX_BYTES = 128 << 20
 
 
 class PrefixCacheError(UserError, ValueError):
