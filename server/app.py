@@ -957,6 +957,9 @@ def _final(run, last, queue_ms: float | None = None) -> pb.Final:
     out.trace.actual_ms["queue"] = queue_ms
   gt = run.generation.trace
   out.trace.program_cache_hit = gt.first_token is not None and gt.compile_s == 0.0
+  reused = getattr(gt, "prefix_cache_tokens", None)  # set by a slot engine that has a prefix cache
+  if reused is not None:
+    out.trace.prefix_cache_tokens = reused
   return out
 
 
@@ -973,6 +976,7 @@ def trailer(final: pb.Final, request_id: str) -> tuple[tuple[str, str | bytes], 
     "registry-sequence": str(t.registry_sequence),
     "degraded": "true" if t.degraded else "false",
     "program-cache": "hit" if t.program_cache_hit else "miss",
+    **({"prefix-cache-tokens": str(t.prefix_cache_tokens)} if t.HasField("prefix_cache_tokens") else {}),
     "tokens-in": str(u.tokens_in),
     "tokens-out": str(u.tokens_out),
     "compute-seconds": f"{u.compute_seconds:.6f}",

@@ -117,6 +117,24 @@ class AdminConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PrefixCacheConfig:
+  """Per slot engine (continuous scheduler), the prompt keys of recent prompts by token prefix, so a request that
+  starts like an earlier one (system prompt, chat template rows, few-shot block, earlier turns) prefills only the
+  rest: ``max_mb`` MiB at most (least recently used blocks evicted first; 0: off), in blocks of ``block_tokens``
+  tokens (a prefix is reused in whole blocks)."""
+
+  max_mb: int = 128
+  block_tokens: int = 16
+
+  def __post_init__(self):
+    if isinstance(self.max_mb, bool) or not isinstance(self.max_mb, int) or self.max_mb < 0:
+      raise ConfigError(f"prefix_cache.max_mb: expected an integer >= 0 (MiB per engine; 0: off), got {self.max_mb!r}")
+    b = self.block_tokens
+    if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 1024:
+      raise ConfigError(f"prefix_cache.block_tokens: expected an integer in [1, 1024] (16 suits most), got {b!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class ServerConfig:
   bind: str = "127.0.0.1"
   port: int = 50051
@@ -139,6 +157,7 @@ class ServerConfig:
   max_stop_strings: int = 16  # stop strings per request
   max_stop_chars: int = 256  # characters per stop string
   max_path_layers: int | None = None  # pieces and layers of an explicit path; None: twice the model's layers
+  prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
 
   def __post_init__(self):
     if self.scheduler not in SCHEDULERS:
@@ -301,8 +320,9 @@ def from_mapping(data: Mapping | None, where: str = "server config", base: Path 
     {"identities": _names, "token_file": _path(base), "reload_interval_s": _number},
   )
   clients = _section(ClientsConfig, data.pop("clients", None), f"{where}: clients", {"token_file": _path(base)})
+  prefix = _section(PrefixCacheConfig, data.pop("prefix_cache", None), f"{where}: prefix_cache")
   top = _section(ServerConfig, data, where)
-  return dataclasses.replace(top, tls=tls, keepalive=keep, warm=warm, admin=admin, clients=clients)
+  return dataclasses.replace(top, tls=tls, keepalive=keep, warm=warm, admin=admin, clients=clients, prefix_cache=prefix)
 
 
 def load_config(path: str | os.PathLike | None = None) -> ServerConfig:

@@ -8,11 +8,15 @@ Series (``thoughtjax_`` prefix):
   synthesis_overhead_seconds       histogram  hint normalization + GetOptimalPath of a request
   prediction_error_ratio           histogram  actual / predicted total latency of a planned request
   program_cache_total{result}      counter    hit: the request's program was compiled already; miss
+  prefix_cache_total{result}       counter    hit: a slot engine reused the keys of the request's prompt prefix
+                                              (prefix_cache in the config); miss: it looked and found none
+  prefix_cache_tokens_total        counter    prompt tokens whose prefill the prefix cache saved
   degraded_total{reason}           counter    requests run on a degraded plan (reason: budget, unavailable)
   requests_total{method,code}      counter    answers by gRPC status; method: the gRPC method or the HTTP
                                               endpoint's path (server/http.py), so each protocol is counted
   queue_depth, slots_in_use        gauge      the scheduler's ``snapshot()`` at scrape time
-  scheduler{field}                 gauge      every numeric field of that snapshot
+  scheduler{field}                 gauge      every numeric field of that snapshot (the continuous scheduler's
+                                              prefix_cache_bytes, _blocks, _evictions, _hits, ... over its engines)
   registry_failures_total{kind}    counter    integrity, signature, downgrade, rollback and restore
                                               refusals over the server's life (reloads included)
   registry_sequence                gauge      the sequence served
@@ -105,6 +109,12 @@ class ServerMetrics:
     self.program_cache = Counter(
       "thoughtjax_program_cache", "requests whose program was compiled already (hit) or not", ["result"], registry=r
     )
+    self.prefix_cache = Counter(
+      "thoughtjax_prefix_cache", "requests whose prompt prefix's keys were reused (hit) or not", ["result"], registry=r
+    )
+    self.prefix_tokens = Counter(
+      "thoughtjax_prefix_cache_tokens", "prompt tokens whose prefill the prefix cache saved", registry=r
+    )
     self.degraded = Counter("thoughtjax_degraded", "requests run on a degraded plan", ["reason"], registry=r)
     self.requests = Counter("thoughtjax_requests", "answers by method and gRPC status", ["method", "code"], registry=r)
     self.reloads = Counter("thoughtjax_reloads", "ReloadRegistry calls by result", ["result"], registry=r)
@@ -135,6 +145,9 @@ class ServerMetrics:
       self.synthesis.observe(trace.actual_ms["synthesis"] / 1e3)
     if program_cache_hit is not None:
       self.program_cache.labels("hit" if program_cache_hit else "miss").inc()
+    if trace.HasField("prefix_cache_tokens"):
+      self.prefix_cache.labels("hit" if trace.prefix_cache_tokens else "miss").inc()
+      self.prefix_tokens.inc(trace.prefix_cache_tokens)
     if trace.degraded:
       self.degraded.labels(trace.reason.split(":", 1)[0].strip() or "unknown").inc()
     predicted, actual = trace.predicted_ms.get("total", 0.0), trace.actual_ms.get("total", 0.0)

@@ -279,6 +279,9 @@ class ContinuousScheduler(SimpleScheduler):
   request joins the path's smallest engine that fits it, else an idle engine is evicted for it (all busy:
   :class:`QueueFull`). A run that does not hold its own generation carrying its inputs (``Generation.inputs``;
   e.g. a wrapper that forwards it) runs alone, as in :class:`SimpleScheduler`.
+
+  Each engine keeps a prefix cache (:class:`~thoughtjax.serving.prefix.PrefixCache`) of ``prefix_cache_bytes``
+  (0: none) in blocks of ``prefix_block_tokens``; it goes with its engine. ``snapshot()`` adds up their counters.
   """
 
   def __init__(
@@ -289,9 +292,12 @@ class ContinuousScheduler(SimpleScheduler):
     max_engines: int = 4,
     cache_len: int = 64,
     keep_records: int = 256,
+    prefix_cache_bytes: int = 0,
+    prefix_block_tokens: int = 16,
   ):
     super().__init__(max_concurrent, max_queue, keep_records=keep_records)
     self.max_engines, self.cache_len = max_engines, cache_len
+    self.prefix_cache_bytes, self.prefix_block_tokens = prefix_cache_bytes, prefix_block_tokens
     self._engines: collections.OrderedDict[tuple, Any] = collections.OrderedDict()  # key -> SlotDriver
     self._engines_lock = threading.Lock()
     self._freed_by_closed = 0  # slots freed by engines since closed (evicted), so the count survives them
@@ -307,6 +313,7 @@ class ContinuousScheduler(SimpleScheduler):
       "slots_in_use": sum(d.engine.active for d in drivers),
       "slots_freed": self._freed_by_closed + sum(d.engine.freed_total for d in drivers),
       "refused_deadline": self.refused_deadline,
+      **_prefix_totals(drivers),
     }
 
   def _driver(self, model, tokens: int):
@@ -336,7 +343,13 @@ class ContinuousScheduler(SimpleScheduler):
         evicted = self._engines.pop(idle)
         self._freed_by_closed += evicted.engine.freed_total
         evicted.close()
-      driver = self._engines[key] = SlotDriver(SlotEngine(model, self.max_concurrent, cache_len=cache_len))
+      prefix = None
+      if self.prefix_cache_bytes > 0:
+        from thoughtjax.serving.prefix import PrefixCache
+
+        prefix = PrefixCache(self.prefix_block_tokens, self.prefix_cache_bytes)
+      engine = SlotEngine(model, self.max_concurrent, cache_len=cache_len, prefix_cache=prefix)
+      driver = self._engines[key] = SlotDriver(engine)
       return driver
 
   async def stream(
@@ -475,9 +488,24 @@ class ContinuousScheduler(SimpleScheduler):
     super().close()
 
 
+def _prefix_totals(drivers) -> dict:
+  """The prefix caches' counters of ``drivers``' engines, added (the engines alive now)."""
+  out: collections.Counter = collections.Counter()
+  for d in drivers:
+    if d.engine.prefix_cache is not None:
+      out.update(d.engine.prefix_cache.stats())
+  return dict(out)
+
+
 def make_scheduler(config) -> Scheduler:
   """The scheduler a server config names (``scheduler: continuous|simple``)."""
   kind = getattr(config, "scheduler", "simple")
   if kind == "continuous":
-    return ContinuousScheduler(config.max_concurrent, config.max_queue)
+    prefix = getattr(config, "prefix_cache", None)
+    return ContinuousScheduler(
+      config.max_concurrent,
+      config.max_queue,
+      prefix_cache_bytes=prefix.max_mb << 20 if prefix is not None else 0,
+      prefix_block_tokens=prefix.block_tokens if prefix is not None else 16,
+    )
   return SimpleScheduler(config.max_concurrent, config.max_queue)

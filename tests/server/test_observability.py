@@ -10,6 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.app import BackgroundServer
+from server.config import PrefixCacheConfig
 from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
 from server.proto.thoughtjax.v1 import synthesis_pb2_grpc as rpc
 from tests.server.conftest import config, wait_ready
@@ -70,9 +71,12 @@ def value(samples: dict, name: str, **labels) -> float:
 
 def test_metrics_endpoint_series_move_after_requests(synthesizer, served):
   """A second server with its own metrics registry beside ``served`` (no clash over global collectors)."""
+  # No prefix cache: the second run of the same prompt would reuse its prefix through another program (compiled
+  # on that first reuse), and this test counts program cache hits (tests/server/test_prefix_cache.py counts reuse).
+  off = PrefixCacheConfig(max_mb=0)
   with (
-    BackgroundServer(synthesizer, config(metrics_port=0)) as a,
-    BackgroundServer(synthesizer, config(metrics_port=0)) as b,
+    BackgroundServer(synthesizer, config(metrics_port=0, prefix_cache=off)) as a,
+    BackgroundServer(synthesizer, config(metrics_port=0, prefix_cache=off)) as b,
   ):
     wait_ready(a)
     wait_ready(b)

@@ -57,6 +57,8 @@ class Trace:
   drafted: int = 0
   accepted: int = 0
   verify_passes: int = 0
+  # A slot engine with a prefix cache: prompt tokens whose keys came from it (0: a miss); None: no cache looked.
+  prefix_cache_tokens: int | None = None
 
   @property
   def tokens_in(self) -> list[int]:
@@ -94,6 +96,7 @@ class Trace:
       "drafted": self.drafted,
       "accepted": self.accepted,
       "verify_passes": self.verify_passes,
+      "prefix_cache_tokens": self.prefix_cache_tokens,
     }
 
 

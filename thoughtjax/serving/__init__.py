@@ -1,5 +1,7 @@
-"""What a server needs that is not transport: the slot engine of continuous batching (:mod:`.slots`)."""
+"""What a server needs that is not transport: the slot engine of continuous batching (:mod:`.slots`) and its
+prefix cache (:mod:`.prefix`)."""
 
+from thoughtjax.serving.prefix import PrefixCache, PrefixCacheError
 from thoughtjax.serving.slots import (
   Prefilled,
   SlotDriver,
@@ -13,6 +15,8 @@ from thoughtjax.serving.slots import (
 
 __all__ = [
   "Prefilled",
+  "PrefixCache",
+  "PrefixCacheError",
   "SlotDriver",
   "SlotEngine",
   "SlotRequestError",

@@ -22,6 +22,15 @@ decode chunks the driver runs at most one prefill call (every request waiting in
 bucket, up to the free slots), so a running stream waits for at most one prefill between its chunks
 (``SlotRun.max_prefills_between_chunks``).
 
+Prefix cache (``prefix_cache=``, a :class:`~thoughtjax.serving.prefix.PrefixCache`; off by default, on in the
+server): after each prefill the prompt's full blocks of keys are kept by token prefix; a later prompt that starts
+with cached blocks (at most its length - 1 tokens: the first token still comes from a forward over the prompt's
+last token) prefills only the rest (:meth:`SlotProgram._prefill_after_impl`: the cached keys stay where the
+prefill would have put them, the rest attends to them at the positions that follow), one program per (rows,
+prefix bucket, rest bucket) like the whole prompt's. Requests waiting together are grouped by the program they
+need (:meth:`SlotEngine.prefill_group`); the trace's ``prefix_cache_tokens`` says how many tokens were reused.
+Only prompt keys are cached, never generated ones.
+
 Decode: one program per (mode, bias on/off), compiled once per slot layout (:func:`slot_program`): up to ``chunk`` steps over all N slots
 (inactive slots compute and are ignored), ending early when every active row has stopped. Per-slot sampling
 settings are arrays (:class:`~thoughtjax.sampling.SamplingArrays`, [N] rows). While any slot holds a constrained
@@ -40,7 +49,10 @@ every slot (the number of decode steps the engine has run): each step writes all
 
 Exactness: greedy tokens of a request in a slot equal those of the request alone through ``Model.generate``
 (tested with staggered arrivals, different lengths and cancelled neighbours); sampled tokens follow the
-same distribution, keyed by (seed, engine step, slot) rather than the alone run's (seed, step, row 0).
+same distribution, keyed by (seed, engine step, slot) rather than the alone run's (seed, step, row 0). With the
+prefix cache the keys of a cached prefix were computed by an earlier prefill of the same tokens at the same
+positions: equal to the alone run's up to float rounding (tested: greedy and seeded tokens equal those without
+the cache).
 """
 
 from __future__ import annotations
@@ -72,6 +84,7 @@ from thoughtjax.sampling import (
   sampling_arrays,
   stop_ids_for,
 )
+from thoughtjax.serving.prefix import PrefixCache
 
 DEFAULT_SLOTS = 8
 DEFAULT_CACHE_LEN = 512
@@ -239,6 +252,8 @@ class SlotProgram:
     self.init = jax.jit(self._init_impl)
     self.chunk = jax.jit(self._chunk_impl, static_argnums=(4,), donate_argnums=(2,))
     self.prefill = jax.jit(self._prefill_impl, static_argnums=(4,))
+    self.prefill_after = jax.jit(self._prefill_after_impl, static_argnums=(6,))
+    self.blocks = jax.jit(self._blocks_impl, static_argnums=(2,))
     self.insert = jax.jit(self._insert_impl, donate_argnums=(0,))
 
   # ---- traced code (under jit) -------------------------------------------------------------------
@@ -307,6 +322,67 @@ class SlotProgram:
     token, stop = sample(logits[:, -1], samp, jnp.zeros((), jnp.int32), mode, self.kernels)
     return tuple(out), token, stop | (samp.max_new <= 1)
 
+  def _prefill_after_impl(self, parts, prefix, tokens, pad, have, samp: SamplingArrays, mode: SamplingMode):
+    """The prefill of P prompts whose first ``have[p]`` tokens' keys are given: only the rest is computed.
+
+    prefix: P * NB block arrays [L, 2, K, B, E] (L: the path's blocks with keys), row p's NB blocks in a row,
+    its cached prefix right-aligned (zero blocks before it); tokens [P, Ts] the rest of each prompt, left-padded
+    (row p's in [pad[p], Ts)). The prefix keys sit at [Sp - have, Sp) of a [P, K, Sp + Ts, E] cache (Sp = NB * B)
+    and the rest is written at [Sp, Sp + Ts), at RoPE positions have, have + 1, ...; each query sees its row's
+    prefix and its own tokens up to itself. Returns what :meth:`_prefill_impl` returns, the keys moved to its
+    layout (each row's whole prompt left-padded, ending at Sp + Ts), so :meth:`_insert_impl` takes them as they are.
+    """
+    embed, blocks, head = merge_path(self.defs, parts, self.layers)
+    P, Ts = tokens.shape
+    NB = len(prefix) // P
+    L, _, K, B, E = prefix[0].shape
+    Sp = NB * B
+    S = Sp + Ts
+    # [P * NB, L, 2, K, B, E] -> [L, 2, P, K, Sp, E]
+    pre = jnp.stack(prefix).reshape(P, NB, L, 2, K, B, E).transpose(2, 3, 0, 4, 1, 5, 6).reshape(L, 2, P, K, Sp, E)
+    rest = jnp.zeros((P, K, Ts, E), pre.dtype)
+    caches, i = [], 0
+    for layer in self.layers:
+      if layer < 0:  # a bridge keeps no keys
+        caches.append((jnp.zeros((P, 1, 1, 1)),) * 2)
+        continue
+      caches.append((jnp.concatenate([pre[i, 0], rest], axis=2), jnp.concatenate([pre[i, 1], rest], axis=2)))
+      i += 1
+    t, s = jnp.arange(Ts), jnp.arange(S)
+    positions = have[:, None] + jnp.maximum(t[None, :] - pad[:, None], 0)
+    q = (Sp + t)[None, :, None]  # each query's cache index
+    kept = (s[None, None, :] >= (Sp - have)[:, None, None]) & (s[None, None, :] < Sp)
+    own = (s[None, None, :] >= (Sp + pad)[:, None, None]) & (s[None, None, :] <= q)
+    mask = kept | own | (s[None, None, :] == q)  # padded queries see themselves: no NaN rows
+    x = embed(tokens)
+    cfg = path_config(blocks)
+    cos, sin = (None, None) if cfg is None else rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    out = []
+    # Cache index t of the prefill layout holds the rest's key t when t >= Sp + pad, else the prefix's key t - pad.
+    src = jnp.where(s[None, :] >= (Sp + pad)[:, None], s[None, :], jnp.maximum(s[None, :] - pad[:, None], 0))
+    src = src[:, None, :, None]  # [P, 1, S, 1]
+    for layer, block, (ck, cv) in zip(self.layers, blocks, caches, strict=True):
+      x, ck, cv = block(x, cos, sin, ck, cv, jnp.int32(Sp), mask)
+      if layer >= 0:
+        ck, cv = jnp.take_along_axis(ck, src, axis=2), jnp.take_along_axis(cv, src, axis=2)
+      out.append((ck, cv))
+    logits = head(x[:, -1:], embed.table[...])
+    token, stop = sample(logits[:, -1], samp, jnp.zeros((), jnp.int32), mode, self.kernels)
+    return tuple(out), token, stop | (samp.max_new <= 1)
+
+  def _blocks_impl(self, kv, pad, block_tokens: int):
+    """Each row's prompt keys from a prefill's ``kv`` (row p's prompt in [pad[p], T)) cut into blocks:
+    [P, T // B, L, 2, K, B, E] (B = ``block_tokens``; L: the path's blocks with keys), block j of row p holding
+    prompt positions [j * B, (j + 1) * B) (past the prompt's end: whatever the cache held)."""
+    real = [(k, v) for layer, (k, v) in zip(self.layers, kv, strict=True) if layer >= 0]
+    P, K, T, E = real[0][0].shape
+    B = block_tokens
+    NB = T // B
+    src = jnp.clip(jnp.arange(NB * B)[None, :] + pad[:, None], 0, T - 1)[:, None, :, None]  # [P, 1, NB * B, 1]
+    moved = jnp.stack([jnp.stack([jnp.take_along_axis(a, src, axis=2) for a in pair]) for pair in real])
+    # [L, 2, P, K, NB * B, E] -> [P, NB, L, 2, K, B, E]
+    return moved.reshape(len(real), 2, P, K, NB, B, E).transpose(2, 4, 0, 1, 3, 5, 6)
+
   def _insert_impl(self, state: SlotState, kv, slot, row, n, token, done_count) -> SlotState:
     """Write row ``row`` of a prefill's keys (the prompt of ``n`` tokens) into ``slot``'s ring at absolute
     positions [cursor - n, cursor)."""
@@ -362,6 +438,7 @@ class SlotEngine:
     cache_len: int | None = None,
     chunk: int | None = None,
     stop_width: int = DEFAULT_STOP_WIDTH,
+    prefix_cache: PrefixCache | None = None,
   ):
     if slots < 1:
       raise SlotRequestError(f"slots must be >= 1, got {slots}")
@@ -404,6 +481,12 @@ class SlotEngine:
     self._matchers: list[Matcher | None] = [None] * N
     self._words: np.ndarray | None = None
     self._state = self.program.init()
+    # Prompt keys by token prefix (None: off). A path whose blocks keep no keys (bridges only) has none to reuse.
+    keyed = [i for i in self.layers if i >= 0]
+    self.prefix_cache = prefix_cache if keyed else None
+    self._zero_block: jax.Array | None = None  # a prefix row's padding block
+    if self.prefix_cache is not None:
+      self._block_shape = (len(keyed), 2, self.cfg.num_kv_heads, self.prefix_cache.block_tokens, self.cfg.head_dim)
 
   # ---- host API ----------------------------------------------------------------------
   @property
@@ -457,15 +540,65 @@ class SlotEngine:
     slot. Any thread."""
     return self._prefill([self.request(ids, params) for ids, params in requests])
 
+  def prefill_group(self, prompt_ids: Sequence[int]) -> tuple:
+    """The prefill program a prompt would go through now: ("whole", prompt bucket), or ("rest", bucket of the
+    tokens after its cached prefix) when the prefix cache holds some of it. Requests of one group share a prefill
+    call (:class:`SlotDriver`, :meth:`insert_batch`); a peek, nothing is counted."""
+    n = len(prompt_ids)
+    have = 0 if self.prefix_cache is None else self.prefix_cache.peek(prompt_ids, n - 1)
+    return ("rest", bucket(n - have)) if have else ("whole", bucket(n))
+
   def _prefill(self, reqs: Sequence[_Request]) -> list[Prefilled]:
+    """The prefill of ``reqs``: one program call for those whose prompt starts with a cached prefix (only the
+    rest is computed), one for the others; then each prompt's new full blocks go into the prefix cache."""
+    cache = self.prefix_cache
+    if cache is None:
+      return self._prefill_call(reqs, None)
+    # At least one token is left to compute: the first token comes from a forward over the prompt's last one.
+    chains = [cache.lookup(r.ids, len(r.ids) - 1) for r in reqs]
+    for r, chain in zip(reqs, chains, strict=True):
+      r.trace.prefix_cache_tokens = len(chain) * cache.block_tokens
+    out: list[Prefilled | None] = [None] * len(reqs)
+    for part in ([i for i, c in enumerate(chains) if c], [i for i, c in enumerate(chains) if not c]):
+      if part:
+        got = self._prefill_call([reqs[i] for i in part], [chains[i] for i in part] if chains[part[0]] else None)
+        for i, pre in zip(part, got, strict=True):
+          out[i] = pre
+    self._keep_prefixes(out)
+    return out
+
+  def _keep_prefixes(self, pres: Sequence[Prefilled]) -> None:
+    """Put each prompt's full blocks not cached yet into the prefix cache (one cut per prefill call)."""
+    cache, B = self.prefix_cache, self.prefix_cache.block_tokens
+    cut: dict[int, jax.Array] = {}
+    for pre in pres:
+      first, full = cache.first_missing(pre.ids), len(pre.ids) // B
+      if first >= full:
+        continue
+      key = id(pre.kv)
+      if key not in cut:
+        P, _, T, _ = next(k for layer, (k, _) in zip(self.layers, pre.kv, strict=True) if layer >= 0).shape
+        pad = np.full(P, T, np.int32)
+        for q in pres:
+          if q.kv is pre.kv:
+            pad[q.row] = T - len(q.ids)
+        cut[key] = self.program.blocks(pre.kv, jnp.asarray(pad), B)
+      arrays = [_block_at(cut[key], jnp.int32(pre.row), jnp.int32(j)) for j in range(first, full)]
+      cache.add(pre.ids, first, arrays)
+
+  def _prefill_call(self, reqs: Sequence[_Request], chains: Sequence[list] | None) -> list[Prefilled]:
+    """One prefill program call for ``reqs``: whole prompts (``chains`` None), or each prompt after its cached
+    prefix (``chains[p]``: its blocks' keys)."""
     n = len(reqs)
-    T = bucket(max(len(r.ids) for r in reqs))
+    have = [0] * n if chains is None else [len(c) * self.prefix_cache.block_tokens for c in chains]
+    T = bucket(max(len(r.ids) - h for r, h in zip(reqs, have, strict=True)))
     P = bucket(n, 1)
     tokens = np.zeros((P, T), np.int32)
     pad = np.full(P, T - 1, np.int32)  # padding rows: one token, inert
-    for p, r in enumerate(reqs):
-      tokens[p, T - len(r.ids) :] = r.ids
-      pad[p] = T - len(r.ids)
+    for p, (r, h) in enumerate(zip(reqs, have, strict=True)):
+      rest = r.ids[h:]
+      tokens[p, T - len(rest) :] = rest
+      pad[p] = T - len(rest)
     params = [r.params for r in reqs]
     has_bias = any(p.logit_bias for p in params)
     samp = sampling_arrays(params, P, self.cfg.vocab_size, self.stop_width, self.model.codec.eos_ids, has_bias)
@@ -477,9 +610,20 @@ class SlotEngine:
       samp = samp._replace(allowed=jax.device_put(words))
     started = time.perf_counter()
     with COMPILE_CLOCK.measure() as compile_s:
-      kv, token, done = self.program.prefill(
-        self.parts, jnp.asarray(tokens), jnp.asarray(pad), samp, program_mode(params)
-      )
+      if chains is None:
+        kv, token, done = self.program.prefill(
+          self.parts, jnp.asarray(tokens), jnp.asarray(pad), samp, program_mode(params)
+        )
+      else:
+        kv, token, done = self.program.prefill_after(
+          self.parts,
+          self._prefix_rows(chains, P),
+          jnp.asarray(tokens),
+          jnp.asarray(pad),
+          jnp.asarray(np.array(have + [0] * (P - n), np.int32)),
+          samp,
+          program_mode(params),
+        )
       done = jax.device_get(done)
     if masked:
       first_tokens = jax.device_get(token)
@@ -496,6 +640,16 @@ class SlotEngine:
         Prefilled(r.ids, r.params, kv, token, bool(done[p]), 1, r.trace, r.rows, row=p, batch=n, matcher=r.matcher)
       )
     return out
+
+  def _prefix_rows(self, chains: Sequence[list], P: int) -> tuple:
+    """The block arrays of a :meth:`SlotProgram._prefill_after_impl` call: P rows of NB blocks (NB: the longest
+    chain's block bucket), each row's chain right-aligned after zero blocks."""
+    if self._zero_block is None:
+      self._zero_block = jnp.zeros(self._block_shape, jnp.float32)
+    B = self.prefix_cache.block_tokens
+    NB = bucket(max(len(c) for c in chains) * B, B) // B
+    rows = [*chains, *([[]] * (P - len(chains)))]
+    return tuple(a for c in rows for a in [self._zero_block] * (NB - len(c)) + list(c))
 
   def warm(
     self,
@@ -551,7 +705,7 @@ class SlotEngine:
     prompt bucket. Raises :class:`SlotsFull` when fewer slots are free than requests that need one."""
     pre: list[Prefilled | None] = [r if isinstance(r, Prefilled) else None for r in requests]
     todo = [i for i, p in enumerate(pre) if p is None]
-    for group in _by_bucket([(i, self.request(*requests[i])) for i in todo]):
+    for group in _by_group([(i, self.request(*requests[i])) for i in todo], self.prefill_group):
       for (i, _), p in zip(group, self._prefill([r for _, r in group]), strict=True):
         pre[i] = p
     runs = [self.admit(p, on_delta=on_delta) for p in pre]
@@ -742,12 +896,20 @@ def _widest(modes: set[SamplingMode]) -> SamplingMode:
   return SamplingMode.GREEDY
 
 
-def _by_bucket(items: Sequence[tuple]) -> list[list[tuple]]:
-  """(key, request) pairs grouped by the request's prompt bucket, in order of first appearance."""
-  groups: dict[int, list[tuple]] = {}
+def _by_group(items: Sequence[tuple], group: Callable[[Sequence[int]], tuple]) -> list[list[tuple]]:
+  """(key, request) pairs grouped by the request's prefill group (:meth:`SlotEngine.prefill_group`), in order of
+  first appearance."""
+  groups: dict[tuple, list[tuple]] = {}
   for item in items:
-    groups.setdefault(bucket(len(item[1].ids)), []).append(item)
+    groups.setdefault(group(item[1].ids), []).append(item)
   return list(groups.values())
+
+
+@jax.jit
+def _block_at(blocks: jax.Array, row: jax.Array, j: jax.Array) -> jax.Array:
+  """Block ``j`` of row ``row`` of a :meth:`SlotProgram._blocks_impl` cut, as its own array (one program per cut
+  shape, whatever the indices)."""
+  return jax.lax.dynamic_index_in_dim(jax.lax.dynamic_index_in_dim(blocks, row, 0, False), j, 0, False)
 
 
 class SlotDriver:
@@ -813,10 +975,11 @@ class SlotDriver:
     batch: list[SlotRun] = []
     free = self.engine.free
     if self._pending and free:
-      want = bucket(len(self._pending[0].ids))
+      group = self.engine.prefill_group
+      want = group(self._pending[0].ids)
       keep: collections.deque[SlotRun] = collections.deque()
       for r in self._pending:
-        (batch if len(batch) < free and bucket(len(r.ids)) == want else keep).append(r)
+        (batch if len(batch) < free and group(r.ids) == want else keep).append(r)
       self._pending = keep
     return dropped, batch
 

@@ -135,7 +135,7 @@ class Usage(_message.Message):
     def __init__(self, tokens_in: _Optional[int] = ..., tokens_out: _Optional[int] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
 class Trace(_message.Message):
-    __slots__ = ("path", "path_hash", "refs", "hints", "degraded", "reason", "predicted_ms", "actual_ms", "registry_sequence", "corrected_hints", "decode_chunks", "program_cache_hit")
+    __slots__ = ("path", "path_hash", "refs", "hints", "degraded", "reason", "predicted_ms", "actual_ms", "registry_sequence", "corrected_hints", "decode_chunks", "program_cache_hit", "prefix_cache_tokens")
     class PredictedMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +162,7 @@ class Trace(_message.Message):
     CORRECTED_HINTS_FIELD_NUMBER: _ClassVar[int]
     DECODE_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     PROGRAM_CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     path: str
     path_hash: str
     refs: _containers.RepeatedScalarFieldContainer[str]
@@ -174,7 +175,8 @@ class Trace(_message.Message):
     corrected_hints: _containers.RepeatedCompositeFieldContainer[HintCorrection]
     decode_chunks: int
     program_cache_hit: bool
-    def __init__(self, path: _Optional[str] = ..., path_hash: _Optional[str] = ..., refs: _Optional[_Iterable[str]] = ..., hints: _Optional[_Iterable[str]] = ..., degraded: _Optional[bool] = ..., reason: _Optional[str] = ..., predicted_ms: _Optional[_Mapping[str, float]] = ..., actual_ms: _Optional[_Mapping[str, float]] = ..., registry_sequence: _Optional[int] = ..., corrected_hints: _Optional[_Iterable[_Union[HintCorrection, _Mapping]]] = ..., decode_chunks: _Optional[int] = ..., program_cache_hit: _Optional[bool] = ...) -> None: ...
+    prefix_cache_tokens: int
+    def __init__(self, path: _Optional[str] = ..., path_hash: _Optional[str] = ..., refs: _Optional[_Iterable[str]] = ..., hints: _Optional[_Iterable[str]] = ..., degraded: _Optional[bool] = ..., reason: _Optional[str] = ..., predicted_ms: _Optional[_Mapping[str, float]] = ..., actual_ms: _Optional[_Mapping[str, float]] = ..., registry_sequence: _Optional[int] = ..., corrected_hints: _Optional[_Iterable[_Union[HintCorrection, _Mapping]]] = ..., decode_chunks: _Optional[int] = ..., program_cache_hit: _Optional[bool] = ..., prefix_cache_tokens: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("finish_reason", "usage", "trace", "text")
