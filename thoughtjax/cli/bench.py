@@ -1,4 +1,4 @@
-"""``thoughtjax bench decode|kernels|registry|synthesis|speculative|serve|structured [ARGS...]``: the arguments after the name go to the benchmark."""
+"""``thoughtjax bench decode|kernels|registry|synthesis|speculative|serve|structured|idle [ARGS...]``: the arguments after the name go to the benchmark."""
 
 from __future__ import annotations
 
@@ -32,13 +32,20 @@ def cmd_bench(args, rest: list[str]) -> int:
     from thoughtjax.bench import structured
 
     return structured.main(rest)
+  if args.what == "idle":
+    from thoughtjax.bench import idle
+
+    return idle.main(rest)
   raise SystemExit(f"unknown benchmark {args.what!r}")
 
 
 def add_parser(subparsers) -> None:
   p = subparsers.add_parser(
     "bench",
-    help="benchmarks: decode, kernels, registry, synthesis, speculative, serve, structured (args after the name go to it)",
+    help="benchmarks: decode, kernels, registry, synthesis, speculative, serve, structured, idle (args after the name "
+    "go to it)",
   )
-  p.add_argument("what", choices=("decode", "kernels", "registry", "synthesis", "speculative", "serve", "structured"))
+  p.add_argument(
+    "what", choices=("decode", "kernels", "registry", "synthesis", "speculative", "serve", "structured", "idle")
+  )
   p.set_defaults(fn=cmd_bench, passthrough=True)
