@@ -62,7 +62,7 @@ class _Server:
     self.dir = tempfile.TemporaryDirectory(prefix="thoughtjax-bench-idle-")
     cfg = Path(self.dir.name) / "server.yaml"
     cfg.write_text(f"idle_release_s: {idle_s}\nmax_concurrent: {slots}\n")
-    cmd = [sys.executable, "-m", "thoughtjax", "serve", "--config", str(cfg), "--port", "0", "--metrics-port", "0"]
+    cmd = [sys.executable, "-m", "thoughtjax.cli", "serve", "--config", str(cfg), "--port", "0", "--metrics-port", "0"]
     if registry:
       cmd += ["--registry", registry]
     root = str(Path(__file__).resolve().parents[2])  # the checkout this module runs from (server/ lives there)
@@ -73,14 +73,17 @@ class _Server:
     got = threading.Event()
 
     def read():
-      for line in self.proc.stdout:
-        self.lines.append(line.rstrip())
-        if line.startswith("serving on "):
-          self.target = line.split()[-1]
-        elif line.startswith("metrics on "):
-          self.metrics = line.split()[-1]
-        if self.target and self.metrics:
-          got.set()
+      try:
+        for line in self.proc.stdout:
+          self.lines.append(line.rstrip())
+          if line.startswith("serving on "):
+            self.target = line.split()[-1]
+          elif line.startswith("metrics on "):
+            self.metrics = line.split()[-1]
+          if self.target and self.metrics:
+            got.set()
+      except (OSError, ValueError):  # closed by close() while reading
+        pass
       got.set()
 
     threading.Thread(target=read, daemon=True).start()
@@ -100,6 +103,8 @@ class _Server:
       except subprocess.TimeoutExpired:
         self.proc.kill()
         self.proc.wait()
+    if self.proc.stdout is not None:
+      self.proc.stdout.close()
     self.dir.cleanup()
 
 
