@@ -122,7 +122,8 @@ def _request(client, hints: list[str], max_tokens: int, timeout: float) -> dict:
   """One stream: time to first token (ms), tokens, and the stages its trace reports (ms)."""
   t0 = time.perf_counter()
   ttft, tokens = None, 0
-  for r in client.synthesize(PROMPT, hints, max_tokens=max_tokens, timeout=timeout):
+  messages = [{"role": "user", "content": PROMPT}]
+  for r in client.synthesize(None, hints, messages=messages, max_tokens=max_tokens, timeout=timeout):
     if r.WhichOneof("kind") == "delta" and r.delta.token_ids:
       if ttft is None:
         ttft = (time.perf_counter() - t0) * 1e3
