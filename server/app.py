@@ -49,7 +49,9 @@ Idle release (scale to zero, ``idle_release_s`` in the config): a path no reques
 its slot engines (KV caches), its composed models (the synthesizer's and the explicit paths'), the drafts composed
 over it and the registry's resident copies of thoughtlets no other resident path reads (the stored router's too
 once nothing stays resident); then the heap is trimmed, so the process's RSS falls back near its start-up size.
-Compiled programs stay (in memory and on disk): coming back costs a restore from the registry, not a compile.
+Compiled programs stay (in memory and on disk): coming back costs a restore from the registry, not a compile;
+with ``idle_release_programs`` they go too once no path is resident, and coming back compiles (from the
+persistent compilation cache).
 Health stays SERVING; the next request restores what it needs (:meth:`SynthesizerService.release_idle`, run by
 :class:`ServerApp` off the event loop; :mod:`thoughtjax.serving.idle` keeps a release from overlapping any
 request's start).
@@ -91,7 +93,7 @@ from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
 from server.scheduling import DeadlineExpired, QueueFull, Scheduler, make_scheduler
 from server.tls import server_credentials
 from thoughtjax.errors import UserError
-from thoughtjax.serving.idle import IdleTracker, trim_memory
+from thoughtjax.serving.idle import IdleTracker, drop_compiled_programs, trim_memory
 
 log = logging.getLogger("thoughtjax.server")
 
@@ -623,8 +625,9 @@ class SynthesizerService:
         if not self.idle.held(path) and self._release_path(path, s):
           self.idle.forget(path)
           released.append(path)
-      if released:
-        self._evict_unused(s)
+      if released and self._evict_unused(s) and self.config.idle_release_programs:
+        drop_compiled_programs()  # scaled to zero: nothing runs or starts (the gate), so nothing needs them
+        s.syn.forget_compiled()
     if released:
       freed = trim_memory()
       self.metrics.idle_releases.inc(len(released))
@@ -645,9 +648,9 @@ class SynthesizerService:
       forget_drafts(m.parts)
     return True
 
-  def _evict_unused(self, s: _Serving) -> None:
+  def _evict_unused(self, s: _Serving) -> bool:
     """Evict from the registry's resident set every thoughtlet no resident model reads; with none left, the
-    stored router (and every draft) goes too."""
+    stored router (and every draft) goes too. True when none is left (scaled to zero)."""
     from thoughtjax.speculative import forget_drafts
     from thoughtjax.synthesis.router_store import ROUTER_NAME, forget_router, loaded_router
 
@@ -663,6 +666,7 @@ class SynthesizerService:
       keep |= set(router.model.refs)
       keep |= {r for r in s.registry.stats().resident if r.startswith(f"{ROUTER_NAME}@")}
     s.registry.evict_except(keep)
+    return not models
 
   # ---- methods ------------------------------------------------------------------------
   async def admit(self, m: pb.SynthesizeRequest, time_remaining: float | None) -> Request:

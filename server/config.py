@@ -141,6 +141,7 @@ class ServerConfig:
   max_path_layers: int | None = None  # pieces and layers of an explicit path; None: twice the model's layers
   # ---- idle release (scale to zero) ----
   idle_release_s: float | None = 300.0  # a path idle this long drops its engines and weights; None or 0: never
+  idle_release_programs: bool = False  # once no path is resident, compiled programs go too (come-back compiles)
 
   def __post_init__(self):
     if self.scheduler not in SCHEDULERS:
@@ -181,6 +182,8 @@ class ServerConfig:
     if self.max_path_layers is not None:
       _positive_int(self.max_path_layers, "max_path_layers")
     _check_idle_release(self.idle_release_s)
+    if not isinstance(self.idle_release_programs, bool):
+      raise ConfigError(f"idle_release_programs: expected true or false, got {self.idle_release_programs!r}")
     if not isinstance(self.metrics_bind, str) or not self.metrics_bind:
       raise ConfigError(f"metrics_bind: expected an address such as 127.0.0.1, got {self.metrics_bind!r}")
     if not isinstance(self.grace_s, (int, float)) or not math.isfinite(self.grace_s) or self.grace_s < 0:

@@ -102,6 +102,9 @@ def test_the_idle_release_setting_is_checked(tmp_path):
   for bad in (-1, "300", float("nan"), float("inf"), True, [300]):
     with pytest.raises(ConfigError, match=r"idle_release_s: expected a finite number of seconds >= 0"):
       from_mapping({"idle_release_s": bad})
+  assert load_config().idle_release_programs is False
+  with pytest.raises(ConfigError, match=r"idle_release_programs: expected true or false, got 'yes'"):
+    from_mapping({"idle_release_programs": "yes"})
   f = tmp_path / "c.yaml"
   f.write_text("idle_release_s: -5\n")
   with pytest.raises(ConfigError, match=r"got -5"):
@@ -278,3 +281,20 @@ def test_the_timer_releases_an_idle_path_and_health_stays_serving(syn, path):
       h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
       assert h.status == health_pb2.HealthCheckResponse.SERVING
     assert _ask(s, path, request_id="timer-2") == want
+
+
+def test_scaled_to_zero_with_idle_release_programs_drops_compiled_programs_too(syn, path):
+  """``idle_release_programs``: once no path is resident the compiled programs go (the program caches empty);
+  the next request compiles again and answers token for token as before."""
+  from thoughtjax import program
+  from thoughtjax.serving import slots
+
+  cfg = config(max_concurrent=2, max_queue=2, idle_release_s=IDLE_S, idle_release_programs=True)
+  with BackgroundServer(syn, cfg) as s:
+    wait_ready(s)
+    want = _ask(s, path, request_id="programs-1")
+    assert slots._SLOT_PROGRAMS
+    assert _release(s)
+    assert not slots._SLOT_PROGRAMS and len(program.PROGRAMS) == 0 and not s.app.service.resident_paths()
+    assert _ask(s, path, request_id="programs-2") == want
+    assert slots._SLOT_PROGRAMS

@@ -5,7 +5,7 @@ Starts the server as a subprocess with a short ``idle_release_s`` (and its metri
 1. the process's RSS once it is SERVING, before any request (the baseline);
 2. a cold first request (restore and compile), then ``--warm`` warm requests: their time to first token and the
    RSS after them;
-3. ``--cycles`` times: wait until the server released the idle path (its ``thoughtjax_idle_releases_total``
+3. ``--cycles`` times (``--programs``: with ``idle_release_programs``): wait until the server released the idle path (its ``thoughtjax_idle_releases_total``
    grows), the RSS then, and one request after idle: its time to first token and the restore (and compile) its
    trace reports.
 
@@ -58,10 +58,12 @@ def metric(url: str, name: str) -> float:
 class _Server:
   """``thoughtjax serve`` in a subprocess: its pid, gRPC target and metrics URL, read from its first lines."""
 
-  def __init__(self, registry: str | None, idle_s: float, slots: int, timeout: float):
+  def __init__(self, registry: str | None, idle_s: float, slots: int, timeout: float, programs: bool = False):
     self.dir = tempfile.TemporaryDirectory(prefix="thoughtjax-bench-idle-")
     cfg = Path(self.dir.name) / "server.yaml"
-    cfg.write_text(f"idle_release_s: {idle_s}\nmax_concurrent: {slots}\n")
+    cfg.write_text(
+      f"idle_release_s: {idle_s}\nidle_release_programs: {str(programs).lower()}\nmax_concurrent: {slots}\n"
+    )
     cmd = [sys.executable, "-m", "thoughtjax.cli", "serve", "--config", str(cfg), "--port", "0", "--metrics-port", "0"]
     if registry:
       cmd += ["--registry", registry]
@@ -147,11 +149,12 @@ def run(
   max_tokens: int,
   slots: int,
   timeout: float,
+  programs: bool = False,
 ) -> dict:
   """Measure one server process (see the module docstring); a dict of plain JSON values."""
   from thoughtjax.client import Client
 
-  server = _Server(registry, idle_s, slots, timeout)
+  server = _Server(registry, idle_s, slots, timeout, programs)
   try:
     with Client(server.target, timeout=timeout) as c:
 
@@ -163,7 +166,13 @@ def run(
 
       _until(serving, timeout, "SERVING", server, every=0.2)
       time.sleep(1.0)  # let start-up's freed pages settle before the baseline
-      out: dict = {"idle_release_s": idle_s, "hints": hints, "max_tokens": max_tokens, "pid": server.pid}
+      out: dict = {
+        "idle_release_s": idle_s,
+        "idle_release_programs": programs,
+        "hints": hints,
+        "max_tokens": max_tokens,
+        "pid": server.pid,
+      }
       out["rss_baseline_mib"] = rss_mib(server.pid)
       out["cold"] = _request(c, hints, max_tokens, timeout)
       warms = [_request(c, hints, max_tokens, timeout) for _ in range(warm)]
@@ -224,6 +233,7 @@ def main(argv=None) -> int:
   p.add_argument("--hint", action="append", default=None, help="request hint (default general_purpose)")
   p.add_argument("--max-tokens", type=int, default=16, help="tokens per request (default 16)")
   p.add_argument("--slots", type=int, default=4, help="the server's max_concurrent (default 4)")
+  p.add_argument("--programs", action="store_true", help="the server's idle_release_programs: compiled programs go too")
   p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for start-up, a release, a call")
   p.add_argument("--json", default=None, type=common.json_path, help="write the results here")
   args = p.parse_args(argv)
@@ -238,11 +248,13 @@ def main(argv=None) -> int:
     max_tokens=args.max_tokens,
     slots=args.slots,
     timeout=args.timeout,
+    programs=args.programs,
   )
   out["command"] = "thoughtjax bench idle " + " ".join(argv or [])
   s = out["summary"]
   common.print_table(
-    f"scale to zero and back (idle_release_s {args.idle}, {args.max_tokens} tokens, path {out['cold']['path']})",
+    f"scale to zero and back (idle_release_s {args.idle}{', programs too' if args.programs else ''}, "
+    f"{args.max_tokens} tokens, path {out['cold']['path']})",
     ["measure", "value"],
     [
       ["RSS baseline (SERVING, no request) MiB", _f(s["rss_baseline_mib"], ".0f")],

@@ -86,10 +86,6 @@ def cmd_serve(args) -> int:
     if v is not None
   }
   config = dataclasses.replace(config, **changes) if changes else config
-  if config.idle_release is not None:
-    from thoughtjax.serving.idle import map_large_allocations
-
-    map_large_allocations()  # so a released path's memory goes back to the OS (see its docstring)
   if args.registry:
     registry = open_registry(args.registry, args, "--registry")  # a bad --registry fails before listening
   elif args.public_key or args.require_signatures:

@@ -4,6 +4,7 @@ a release from overlapping any request's start.
 A path is identified by its composed model's ``path_hash``. A request *holds* its path from the moment its run
 is made (plan, restore, compose) until its stream ended; a path nobody holds is *due* once ``idle_s`` seconds
 passed since the last holder let go (or since it was first seen resident, e.g. warmed at start-up).
+Compiled programs are not a path's: :func:`drop_compiled_programs` drops them all, for a server scaled to zero.
 
 The gate: a request's start phase (between its turn and the moment it holds its path, where the path it will
 run is not yet known) runs inside :meth:`IdleTracker.starting`; a release drops references only inside
@@ -131,33 +132,27 @@ class IdleTracker:
     return None if not times else max(0.0, min(times) + self.idle_s - now)
 
 
-def _libc():
+def _malloc_trim() -> Callable[[int], int] | None:
   try:
-    libc = ctypes.CDLL("libc.so.6")
-    libc.malloc_trim, libc.mallopt  # noqa: B018  (both exist: glibc)
-    return libc
+    return ctypes.CDLL("libc.so.6").malloc_trim
   except (OSError, AttributeError):  # not glibc: the allocator keeps what it keeps
     return None
 
 
-def _malloc_trim() -> Callable[[int], int] | None:
-  libc = _libc()
-  return None if libc is None else libc.malloc_trim
+def drop_compiled_programs() -> None:
+  """Forget every compiled program of this process: the program caches' (plain, slot and speculative programs)
+  and jax's own executables. Each program's next call compiles again (from the persistent compilation cache
+  when it holds the program). Call it only while nothing runs or starts."""
+  import jax
 
+  from thoughtjax import program, speculative
+  from thoughtjax.serving import slots
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's initial value, kept fixed
-
-
-def map_large_allocations(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
-  """Keep glibc's mmap threshold fixed at ``threshold`` bytes, so every larger allocation (weights, KV caches,
-  restore buffers) is its own mapping, returned to the OS the moment it is freed. By default glibc raises the
-  threshold to the size of each large block freed, after which such blocks come from the heap, where freed
-  ones fragment it and ``malloc_trim`` gets back only part: measured on the default model, a release then left
-  120-210 MB over the start-up RSS, growing with each restore; with the threshold fixed, ~30 MB and steady. A
-  process-level policy: ``thoughtjax serve`` sets it when idle release is on. False where libc is not glibc."""
-  libc = _libc()
-  return libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold)))
+  program.PROGRAMS.clear()
+  with slots._SLOT_PROGRAMS_LOCK:
+    slots._SLOT_PROGRAMS.clear()
+  speculative.get_program.cache_clear()
+  jax.clear_caches()
 
 
 def trim_memory() -> dict:

@@ -305,6 +305,11 @@ class Synthesizer:
       keys = [k for k, m in self._models.items() if path_hashes is None or m.path_hash in path_hashes]
       return [self._models.pop(k) for k in keys]
 
+  def forget_compiled(self) -> None:
+    """Plans predict a compile again for every program (the process dropped its compiled programs)."""
+    with self._lock:
+      self._compiled.clear()
+
   def models(self) -> list:
     """The composed models kept for the next requests (least recently used first)."""
     with self._lock:
