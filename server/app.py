@@ -45,6 +45,17 @@ The OpenAI-compatible HTTP endpoint (server/http.py) runs on the same loop throu
 (:meth:`SynthesizerService.check_client`, :meth:`~SynthesizerService.admit`,
 :meth:`~SynthesizerService.responses`, :meth:`~SynthesizerService.failure`).
 
+Idle release (scale to zero, ``idle_release_s`` in the config): a path no request has run for that long drops
+its slot engines (KV caches), its composed models (the synthesizer's and the explicit paths'), the drafts composed
+over it and the registry's resident copies of thoughtlets no other resident path reads (the stored router's too
+once nothing stays resident); then the heap is trimmed, so the process's RSS falls back near its start-up size.
+Compiled programs stay (in memory and on disk): coming back costs a restore from the registry, not a compile;
+with ``idle_release_programs`` they go too once no path is resident, and coming back compiles (from the
+persistent compilation cache).
+Health stays SERVING; the next request restores what it needs (:meth:`SynthesizerService.release_idle`, run by
+:class:`ServerApp` off the event loop; :mod:`thoughtjax.serving.idle` keeps a release from overlapping any
+request's start).
+
 Reload: everything one registry sequence serves with (registry, synthesizer, composed explicit paths) is one
 :class:`_Serving`; a request takes the current one when it arrives and keeps it to its end, and
 ``ReloadRegistry`` builds the next one off the event loop (open under the serving trust policy, verify every
@@ -82,6 +93,7 @@ from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
 from server.scheduling import DeadlineExpired, QueueFull, Scheduler, make_scheduler
 from server.tls import server_credentials
 from thoughtjax.errors import UserError
+from thoughtjax.serving.idle import IdleTracker, drop_compiled_programs, trim_memory
 
 log = logging.getLogger("thoughtjax.server")
 
@@ -212,6 +224,9 @@ class SynthesizerService:
     self.metrics.bind(
       self.scheduler.snapshot, self.failure_totals, lambda: 0 if self.serving is None else self.serving.sequence
     )
+    # ---- idle release (scale to zero) ----
+    self.idle = IdleTracker(config.idle_release)
+    self.metrics.bind_residency(lambda: len(self.resident_paths()))
 
   def install(self, synthesizer) -> None:
     """Serve ``synthesizer`` (the registry a server started without has been loaded)."""
@@ -578,6 +593,81 @@ class SynthesizerService:
       **r.sampling,
     )
 
+  # ---- idle release (scale to zero) ----------------------------------------------------------
+  def resident_paths(self) -> set[str]:
+    """Path hashes whose engines or composed models are resident, or that a request holds."""
+    s = self.serving
+    if s is None:
+      return set()
+    out = {m.path_hash for m in s.syn.models()} | set(self.idle.resident())
+    with s.paths_lock:
+      out |= {m.path_hash for m in s.paths.values()}
+    paths = getattr(self.scheduler, "resident_paths", None)
+    return out | (paths() if paths is not None else set())
+
+  def release_idle(self, now: float | None = None) -> list[str]:
+    """Release every path unused for ``idle_release_s`` at ``now`` (default: the tracker's clock) that no
+    request holds and whose engines hold no work: its engines, composed models, drafts, and the resident
+    weights no other path reads; then trim the heap. Returns the path hashes released. Worker thread: it
+    closes idle driver threads and collects garbage. Skipped (nothing released, tried again later) while a
+    request is between its turn and its path, or a run is being drained."""
+    s = self.serving
+    if s is None or self.idle.idle_s is None:
+      return []
+    self.idle.seen(self.resident_paths())
+    if not self.idle.due(now) or self.scheduler.snapshot().get("draining", 0):
+      return []  # a run being closed may still read its model
+    released: list[str] = []
+    with self.idle.releasing() as clear:
+      if not clear:
+        return []
+      for path in self.idle.due(now):  # again: a request may have taken one meanwhile
+        if not self.idle.held(path) and self._release_path(path, s):
+          self.idle.forget(path)
+          released.append(path)
+      if released and self._evict_unused(s) and self.config.idle_release_programs:
+        drop_compiled_programs()  # scaled to zero: nothing runs or starts (the gate), so nothing needs them
+        s.syn.forget_compiled()
+    if released:
+      freed = trim_memory()
+      self.metrics.idle_releases.inc(len(released))
+      log.info("released %d idle paths (%s); %s", len(released), ", ".join(released), freed)
+    return released
+
+  def _release_path(self, path: str, s: _Serving) -> bool:
+    """Drop the references ``s`` and the scheduler hold to ``path``'s weights; False when its engines are busy."""
+    from thoughtjax.speculative import forget_drafts
+
+    release = getattr(self.scheduler, "release_path", None)
+    if release is not None and not release(path):
+      return False
+    models = s.syn.drop_models({path})
+    with s.paths_lock:
+      models += [s.paths.pop(k) for k in [k for k, m in s.paths.items() if m.path_hash == path]]
+    for m in models:
+      forget_drafts(m.parts)
+    return True
+
+  def _evict_unused(self, s: _Serving) -> bool:
+    """Evict from the registry's resident set every thoughtlet no resident model reads; with none left, the
+    stored router (and every draft) goes too. True when none is left (scaled to zero)."""
+    from thoughtjax.speculative import forget_drafts
+    from thoughtjax.synthesis.router_store import ROUTER_NAME, forget_router, loaded_router
+
+    with s.paths_lock:
+      models = [*s.syn.models(), *s.paths.values()]
+    models += getattr(self.scheduler, "resident_models", list)()
+    keep = {ref for m in models for ref in m.refs}
+    router = loaded_router(s.registry)
+    if not models:  # scaled to zero
+      forget_router(s.registry)
+      forget_drafts()
+    elif router is not None:
+      keep |= set(router.model.refs)
+      keep |= {r for r in s.registry.stats().resident if r.startswith(f"{ROUTER_NAME}@")}
+    s.registry.evict_except(keep)
+    return not models
+
   # ---- methods ------------------------------------------------------------------------
   async def admit(self, m: pb.SynthesizeRequest, time_remaining: float | None) -> Request:
     """The server serving and ``m`` validated: the first step of a request on either transport (after its
@@ -633,10 +723,19 @@ class SynthesizerService:
     slot is free at the end of the decode chunk running then."""
     deadline = None if time_remaining is None else time.monotonic() + time_remaining
     t_admit, started = time.perf_counter(), []
+    holding = {"path": None, "ended": False}  # the path this request holds against idle release
+    holding_lock = threading.Lock()
 
     def start():
       started.append(time.perf_counter())  # the scheduler gave the request its turn: the queue wait ends
-      return self._start(r)
+      with self.idle.starting():  # no idle release drops what this composes from meanwhile
+        run = self._start(r)
+        model = getattr(run, "model", None)
+        with holding_lock:
+          if model is not None and not holding["ended"]:
+            holding["path"] = model.path_hash
+            self.idle.hold(model.path_hash)
+      return run
 
     stream = self.scheduler.stream(start, request_id=r.request_id, deadline=deadline)
     run, last, t_prev = None, None, None
@@ -657,6 +756,10 @@ class SynthesizerService:
           yield pb.SynthesizeResponse(request_id=r.request_id, delta=pb.Delta(token_ids=item.token_ids, text=item.text))
     finally:
       await stream.aclose()
+      with holding_lock:
+        holding["ended"] = True
+        if holding["path"] is not None:
+          self.idle.let_go(holding["path"])
     final = _final(run, last, (started[0] - t_admit) * 1e3 if started else None)
     ran = run.generation.trace.first_token is not None
     self.metrics.finished(final.trace, final.usage, final.trace.program_cache_hit if ran else None)
@@ -803,10 +906,14 @@ class SynthesizerService:
   def _retire(self, old: _Serving) -> None:
     """``old`` stops taking requests; streams in flight hold their own models. Its counters stay in the
     totals; its resident weights are dropped now (when the server opened it) and its lease at stop."""
+    from thoughtjax.synthesis.router_store import forget_router
+
     self._retired.append(old)
     if old.owned:
       old.registry.evict_all()
     old.paths.clear()
+    old.syn.drop_models()  # its composed models: the new sequence composes its own
+    forget_router(old.registry)
 
 
 def _metadata(context, key: str) -> str | None:
@@ -834,8 +941,8 @@ def calibration_for(registry, previous) -> tuple[Any, str, list[str], list[str]]
   older sequence) restricted to the paths whose thoughtlet versions are all still current (``"derived"``,
   with the dropped paths and a note saying so). Refused (FAILED_PRECONDITION naming ``thoughtjax registry
   calibrate``) when the full path changed: then no path's quality or latency is known at the new sequence."""
-  from thoughtjax.synthesis.calibration_store import MissingCalibrationError, read_calibration
   from thoughtjax.synthesis.calibration import Calibration
+  from thoughtjax.synthesis.calibration_store import MissingCalibrationError, read_calibration
 
   try:
     return read_calibration(registry), "stored", [], []
@@ -1077,6 +1184,7 @@ class ServerApp:
     self.http_port: int | None = None
     self.warm_error: BaseException | None = None
     self._warm_task: asyncio.Task | None = None
+    self._idle_task: asyncio.Task | None = None  # idle release (config idle_release_s), from SERVING on
     self._stopped = asyncio.Event()
 
   def _default_warm(self):
@@ -1160,6 +1268,22 @@ class ServerApp:
     if not self.service.draining:
       self.service.ready = True
       await self._set_health(_SERVING)
+      if self.service.idle.idle_s is not None:
+        self._idle_task = loop.create_task(self._release_when_idle())
+
+  async def _release_when_idle(self) -> None:
+    """Run :meth:`SynthesizerService.release_idle` on a worker when the next path may be due, until stopped.
+    Health stays SERVING throughout: a request after a release restores what it needs."""
+    loop = asyncio.get_running_loop()
+    idle_s = self.service.idle.idle_s
+    floor = min(1.0, max(0.05, idle_s / 100))  # a pass that was skipped (a start or drain in flight) retries
+    while True:
+      nxt = self.service.idle.next_due_in()
+      await asyncio.sleep(max(floor, min(idle_s / 4 if nxt is None else nxt + 0.01, idle_s)))
+      try:
+        await loop.run_in_executor(None, self.service.release_idle)
+      except Exception:  # never stops the timer; the next pass tries again
+        log.exception("idle release failed")
 
   async def wait_ready(self) -> bool:
     """Until warming ended; True when the server is SERVING."""
@@ -1183,6 +1307,8 @@ class ServerApp:
   async def stop(self, grace: float | None = 0) -> None:
     if self._warm_task is not None and not self._warm_task.done():
       self._warm_task.cancel()
+    if self._idle_task is not None:
+      self._idle_task.cancel()
     if self.http is not None:
       await self.http.stop()
     if self.server is not None:

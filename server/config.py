@@ -158,6 +158,9 @@ class ServerConfig:
   max_stop_chars: int = 256  # characters per stop string
   max_path_layers: int | None = None  # pieces and layers of an explicit path; None: twice the model's layers
   prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
+  # ---- idle release (scale to zero) ----
+  idle_release_s: float | None = 300.0  # a path idle this long drops its engines and weights; None or 0: never
+  idle_release_programs: bool = False  # once no path is resident, compiled programs go too (come-back compiles)
 
   def __post_init__(self):
     if self.scheduler not in SCHEDULERS:
@@ -197,6 +200,9 @@ class ServerConfig:
       )
     if self.max_path_layers is not None:
       _positive_int(self.max_path_layers, "max_path_layers")
+    _check_idle_release(self.idle_release_s)
+    if not isinstance(self.idle_release_programs, bool):
+      raise ConfigError(f"idle_release_programs: expected true or false, got {self.idle_release_programs!r}")
     if not isinstance(self.metrics_bind, str) or not self.metrics_bind:
       raise ConfigError(f"metrics_bind: expected an address such as 127.0.0.1, got {self.metrics_bind!r}")
     if not isinstance(self.grace_s, (int, float)) or not math.isfinite(self.grace_s) or self.grace_s < 0:
@@ -208,6 +214,11 @@ class ServerConfig:
       )
     if self.tls.client_ca is not None and self.tls.cert is None:
       raise ConfigError("tls.client_ca (mTLS) needs tls.cert and tls.key too: clients verify the server as well")
+
+  @property
+  def idle_release(self) -> float | None:
+    """Seconds after which an idle path is released; None: never."""
+    return None if not self.idle_release_s else float(self.idle_release_s)
 
   @property
   def address(self) -> str:
@@ -232,6 +243,17 @@ class ServerConfig:
 
   def replace(self, **changes) -> ServerConfig:
     return dataclasses.replace(self, **changes)
+
+
+def _check_idle_release(v) -> None:
+  """``idle_release_s``: null or 0 (never release), or a finite number of seconds > 0."""
+  if v is None:
+    return
+  if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+    raise ConfigError(
+      f"idle_release_s: expected a finite number of seconds >= 0 (0 or null: never release an idle path), "
+      f"got {v!r}; e.g. 300"
+    )
 
 
 def _positive_int(v, name: str) -> None:

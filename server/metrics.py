@@ -21,6 +21,8 @@ Series (``thoughtjax_`` prefix):
                                               refusals over the server's life (reloads included)
   registry_sequence                gauge      the sequence served
   reloads_total{result}            counter    ReloadRegistry: switched, unchanged, refused
+  idle_releases_total              counter    paths released after idle_release_s unused (engines and weights)
+  resident_paths                   gauge      paths whose engines or weights are resident (0: scaled to zero)
 
 The HTTP endpoint (``metrics_port`` in the config; off by default, loopback when on) serves the text format
 on ``/metrics``. Collection reads the servicer's state when scraped, never on the request path.
@@ -32,7 +34,7 @@ import collections
 import threading
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -118,6 +120,13 @@ class ServerMetrics:
     self.degraded = Counter("thoughtjax_degraded", "requests run on a degraded plan", ["reason"], registry=r)
     self.requests = Counter("thoughtjax_requests", "answers by method and gRPC status", ["method", "code"], registry=r)
     self.reloads = Counter("thoughtjax_reloads", "ReloadRegistry calls by result", ["result"], registry=r)
+    # ---- idle release (scale to zero) ----
+    self.idle_releases = Counter(
+      "thoughtjax_idle_releases", "paths released after idle_release_s unused (engines and weights)", registry=r
+    )
+    self.resident_paths = Gauge(
+      "thoughtjax_resident_paths", "paths whose engines or weights are resident (0: scaled to zero)", registry=r
+    )
     self._http = None
     self.port: int | None = None
     self._lock = threading.Lock()
@@ -153,6 +162,10 @@ class ServerMetrics:
     predicted, actual = trace.predicted_ms.get("total", 0.0), trace.actual_ms.get("total", 0.0)
     if predicted > 0 and actual > 0 and usage.tokens_out > 0:
       self.prediction.observe(actual / predicted)
+
+  def bind_residency(self, resident_paths: Callable[[], int]) -> None:
+    """The resident-paths gauge reads ``resident_paths()`` at scrape time."""
+    self.resident_paths.set_function(resident_paths)
 
   # ---- endpoint -----------------------------------------------------------------------------
   def serve(self, bind: str, port: int) -> int:

@@ -282,6 +282,9 @@ class ContinuousScheduler(SimpleScheduler):
 
   Each engine keeps a prefix cache (:class:`~thoughtjax.serving.prefix.PrefixCache`) of ``prefix_cache_bytes``
   (0: none) in blocks of ``prefix_block_tokens``; it goes with its engine. ``snapshot()`` adds up their counters.
+  Leases: a request holds a lease on its engine from the moment it is handed the driver until its slot is free
+  (or it never got one), so an engine with queued, prefilling or placed work, or one handed to a request that
+  has not submitted yet, is never evicted or released (:meth:`release_path`, the server's idle release).
   """
 
   def __init__(
@@ -301,6 +304,7 @@ class ContinuousScheduler(SimpleScheduler):
     self._engines: collections.OrderedDict[tuple, Any] = collections.OrderedDict()  # key -> SlotDriver
     self._engines_lock = threading.Lock()
     self._freed_by_closed = 0  # slots freed by engines since closed (evicted), so the count survives them
+    self._leases: collections.Counter = collections.Counter()  # SlotDriver -> requests handed it, slot not yet free
     self.refused_deadline = 0
 
   def snapshot(self) -> dict:
@@ -331,9 +335,10 @@ class ContinuousScheduler(SimpleScheduler):
         driver = self._engines[min(fits)[1]] if fits else None
       if driver is not None:
         self._engines.move_to_end(next(k for k, d in self._engines.items() if d is driver))
+        self._leases[driver] += 1
         return driver
       if len(self._engines) >= self.max_engines:
-        idle = next((k for k, d in self._engines.items() if d.engine.active == 0), None)
+        idle = next((k for k, d in self._engines.items() if self._unused(d)), None)
         if idle is None:
           self.shed += 1
           raise QueueFull(
@@ -350,7 +355,45 @@ class ContinuousScheduler(SimpleScheduler):
         prefix = PrefixCache(self.prefix_block_tokens, self.prefix_cache_bytes)
       engine = SlotEngine(model, self.max_concurrent, cache_len=cache_len, prefix_cache=prefix)
       driver = self._engines[key] = SlotDriver(engine)
+      self._leases[driver] += 1
       return driver
+
+  def _unused(self, driver) -> bool:
+    """No request holds a lease on ``driver`` and it has nothing queued, prefilling or in a slot (under
+    ``_engines_lock``: a lease is only taken under it)."""
+    return self._leases[driver] == 0 and not driver.busy
+
+  def _unlease(self, driver) -> None:
+    with self._engines_lock:
+      self._leases[driver] -= 1
+      if self._leases[driver] <= 0:
+        del self._leases[driver]
+
+  def release_path(self, path_hash: str) -> bool:
+    """Close every engine of the path ``path_hash`` (its KV caches and its reference to the model go); False,
+    closing none, when one of them is in use (a lease, queued or placed work). Any thread; the engines are
+    idle, so closing them only stops their driver threads."""
+    with self._engines_lock:
+      keys = [k for k in self._engines if k[0] == path_hash]
+      if any(not self._unused(self._engines[k]) for k in keys):
+        return False
+      drivers = [self._engines.pop(k) for k in keys]
+      for d in drivers:
+        self._freed_by_closed += d.engine.freed_total
+        self._leases.pop(d, None)
+    for d in drivers:
+      d.close()
+    return True
+
+  def resident_models(self) -> list:
+    """The models the engines hold (what an idle release must not evict the weights of)."""
+    with self._engines_lock:
+      return [d.engine.model for d in self._engines.values()]
+
+  def resident_paths(self) -> set[str]:
+    """The path hashes of the engines."""
+    with self._engines_lock:
+      return {k[0] for k in self._engines}
 
   async def stream(
     self, start: Callable[[], Run], *, request_id: str, deadline: float | None = None
@@ -373,7 +416,10 @@ class ContinuousScheduler(SimpleScheduler):
         ended = "finished"
         return
       model, (ids,), (params,) = inputs
-      driver = await asyncio.wrap_future(self._executor.submit(self._driver, model, len(ids) + params.max_tokens))
+      # The driver comes with a lease (released once the slot is free): kept in the box, so a call that ends
+      # while it is being handed out still gives it back.
+      box["driver"] = self._executor.submit(self._driver, model, len(ids) + params.max_tokens)
+      driver = await asyncio.wrap_future(box["driver"])
       ready: asyncio.Queue = asyncio.Queue()
       # The driver prefills it with the others waiting then; its first token goes out as soon as that call ends.
       box["insert"] = self._executor.submit(
@@ -446,7 +492,7 @@ class ContinuousScheduler(SimpleScheduler):
 
     def finish():
       try:
-        futures = [box[k] for k in ("start", "insert", "next") if k in box]
+        futures = [box[k] for k in ("start", "driver", "insert", "next") if k in box]
         concurrent.futures.wait(futures)  # work in flight ends first (a run submitted late is cancelled below)
         s, submitted = box.get("slot"), box.get("insert")
         if s is None and submitted is not None and not submitted.cancelled() and submitted.exception() is None:
@@ -476,6 +522,9 @@ class ContinuousScheduler(SimpleScheduler):
             record.tokens_out = sum(t.tokens_out)
         record.closed = True
       finally:
+        got = box.get("driver")
+        if got is not None and not got.cancelled() and got.exception() is None:
+          self._unlease(got.result())  # its slot is free (or it never took one)
         _hand_back(loop, self, record)
 
     threading.Thread(target=finish, name=f"thoughtjax-release-{record.request_id}", daemon=True).start()

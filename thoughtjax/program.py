@@ -405,6 +405,14 @@ class ProgramCache:
   def __len__(self) -> int:
     return len(self._programs)
 
+  def clear(self) -> int:
+    """Forget every program (a server scaled to zero); returns how many. Counted as evictions."""
+    with self._lock:
+      n = len(self._programs)
+      self._programs.clear()
+      self.evictions += n
+      return n
+
   def stats(self) -> CacheStats:
     with self._lock:
       return CacheStats(self.hits, self.misses, self.evictions, len(self._programs), self.capacity)

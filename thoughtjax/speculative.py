@@ -522,6 +522,15 @@ def resolve_draft(model, draft: str | Sequence[int] | Draft) -> ResolvedDraft:
 _COMPOSED: dict = {}  # (id of the full path's parts, draft path) -> (those parts, the composed draft)
 
 
+def forget_drafts(parts=None) -> int:
+  """Drop the drafts composed over ``parts`` (a full path's weights; None: every one); returns how many. A server
+  releasing an idle path calls it, so the draft's reference to the full path's weights goes too."""
+  keys = [k for k, (p, _) in list(_COMPOSED.items()) if parts is None or p is parts]
+  for k in keys:
+    _COMPOSED.pop(k, None)
+  return len(keys)
+
+
 def _composed(model, path: str):
   """``model.with_path(path)``, kept for the last few (full parts, path): a variant draft of a loaded model is
   quantized when composed, once, not on every call."""

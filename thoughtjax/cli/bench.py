@@ -1,4 +1,4 @@
-"""``thoughtjax bench decode|kernels|registry|synthesis|speculative|serve|structured|prefix [ARGS...]``: the arguments after the name go to the benchmark."""
+"""``thoughtjax bench decode|kernels|registry|synthesis|speculative|serve|structured|prefix|idle [ARGS...]``: the arguments after the name go to the benchmark."""
 
 from __future__ import annotations
 
@@ -36,15 +36,21 @@ def cmd_bench(args, rest: list[str]) -> int:
     from thoughtjax.bench import prefix
 
     return prefix.main(rest)
+  if args.what == "idle":
+    from thoughtjax.bench import idle
+
+    return idle.main(rest)
   raise SystemExit(f"unknown benchmark {args.what!r}")
 
 
 def add_parser(subparsers) -> None:
   p = subparsers.add_parser(
     "bench",
-    help="benchmarks: decode, kernels, registry, synthesis, speculative, serve, structured, prefix (args after the name go to it)",
+    help="benchmarks: decode, kernels, registry, synthesis, speculative, serve, structured, prefix, idle (args after the "
+    "name go to it)",
   )
   p.add_argument(
-    "what", choices=("decode", "kernels", "registry", "synthesis", "speculative", "serve", "structured", "prefix")
+    "what",
+    choices=("decode", "kernels", "registry", "synthesis", "speculative", "serve", "structured", "prefix", "idle"),
   )
   p.set_defaults(fn=cmd_bench, passthrough=True)

@@ -104,6 +104,13 @@ class ResidentSet:
     self._entries[key] = entry
     self._entries.move_to_end(key)
 
+  def drop_except(self, keep: set[str]) -> int:
+    """Drop every entry whose ref (``name@version``) is not in ``keep``; returns how many."""
+    drop = [k for k, e in self._entries.items() if e.ref not in keep]
+    for k in drop:
+      del self._entries[k]
+    return len(drop)
+
   def clear(self) -> int:
     n = len(self._entries)
     self._entries.clear()

@@ -629,6 +629,14 @@ class Registry:
     with self._lock:
       self._stats.evictions += self._resident.clear()
 
+  def evict_except(self, keep) -> int:
+    """Drop the restored weights of every version not in ``keep`` (refs, ``name@version``) from the resident
+    set; returns how many. Arrays a caller still holds (a composed model) stay alive with it."""
+    with self._lock:
+      n = self._resident.drop_except(set(keep))
+      self._stats.evictions += n
+      return n
+
   def stats(self) -> RegistryStats:
     with self._lock:
       s = dataclasses.replace(

@@ -926,6 +926,7 @@ class SlotDriver:
     self._cond = threading.Condition()
     self._closed = False
     self._pending: collections.deque[SlotRun] = collections.deque()
+    self._prefilling = 0  # runs taken from the queue and not yet placed (or ended): see busy
     self.error: BaseException | None = None
     self._thread = threading.Thread(target=self._loop, name="thoughtjax-slot-driver", daemon=True)
     self._thread.start()
@@ -934,6 +935,12 @@ class SlotDriver:
   def waiting(self) -> int:
     """Requests submitted and not yet prefilled."""
     return len(self._pending)
+
+  @property
+  def busy(self) -> bool:
+    """Work queued, being prefilled or placed, or in a slot: closing the driver now would end it."""
+    with self._cond:
+      return bool(self._pending) or self._prefilling > 0 or self.engine.active > 0
 
   def submit(
     self,
@@ -993,6 +1000,7 @@ class SlotDriver:
         dropped, batch = [], []
         if stalls < self.prefills_between_chunks or not self.engine.active:
           dropped, batch = self._take()
+          self._prefilling = len(batch)
       for run in dropped:
         self._end_unstarted(run, None)
       if batch:
@@ -1004,6 +1012,9 @@ class SlotDriver:
           for run in batch:
             if not run.finished and run.slot is None:
               self._end_unstarted(run, e)
+        finally:
+          with self._cond:
+            self._prefilling = 0
       elif self.engine.active:
         try:
           self.engine.step()

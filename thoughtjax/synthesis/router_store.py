@@ -296,6 +296,20 @@ def route_hint(
   return hint, f"no hints given: the router picked {hint} (p={probs[hint]:.2f})"
 
 
+def loaded_router(registry) -> Router | None:
+  """The router :func:`stored_router` restored for ``registry``, if any (no restore here)."""
+  with _ROUTERS_LOCK:
+    got = _ROUTERS.get(registry)
+  return None if got is None else got[1]
+
+
+def forget_router(registry) -> bool:
+  """Drop the router restored for ``registry`` (its model's weights with it); the next hint-less request
+  restores it again. True when there was one."""
+  with _ROUTERS_LOCK:
+    return _ROUTERS.pop(registry, None) is not None
+
+
 def clear_cache() -> None:
   """Forget the routers restored by :func:`stored_router` (e.g. after files changed under a registry)."""
   with _ROUTERS_LOCK:
@@ -307,7 +321,9 @@ __all__ = [
   "RouterMismatchError",
   "clear_cache",
   "flatten_params",
+  "forget_router",
   "load_router",
+  "loaded_router",
   "nest_params",
   "profile_step",
   "publish_router",

@@ -132,8 +132,9 @@ class SynthesisResult:
   """One synthesized request: ``plan``, a stream of deltas (iterate it), ``trace`` (filled in as it runs;
   complete once the stream ends), ``cancel()``/``close()`` like a :class:`~thoughtjax.decode.stream.Generation`."""
 
-  def __init__(self, plan: Plan, generation, trace: SynthesisTrace, on_done, t_request: float):
+  def __init__(self, plan: Plan, generation, trace: SynthesisTrace, on_done, t_request: float, model=None):
     self.plan, self.generation, self.trace = plan, generation, trace
+    self.model = model  # the composed model it runs (a speculative plan's: the full path's)
     self._on_done, self._t0 = on_done, t_request
     self.token_ids: list[int] = []
     self.text = ""
@@ -297,6 +298,23 @@ class Synthesizer:
         self._models.popitem(last=False)
     return model
 
+  def drop_models(self, path_hashes=None) -> list:
+    """Forget the composed models of ``path_hashes`` (their ``path_hash``; None: every one) and return them;
+    requests running them keep theirs, the next one composes again (its weights from the registry)."""
+    with self._lock:
+      keys = [k for k, m in self._models.items() if path_hashes is None or m.path_hash in path_hashes]
+      return [self._models.pop(k) for k in keys]
+
+  def forget_compiled(self) -> None:
+    """Plans predict a compile again for every program (the process dropped its compiled programs)."""
+    with self._lock:
+      self._compiled.clear()
+
+  def models(self) -> list:
+    """The composed models kept for the next requests (least recently used first)."""
+    with self._lock:
+      return list(self._models.values())
+
   def warm(
     self, hints: Sequence[str] | None = None, *, prompt_tokens: Sequence[int] = (16,), max_tokens: Sequence[int] = (64,)
   ) -> list[str]:
@@ -448,7 +466,7 @@ class Synthesizer:
       kind=plan.kind,
       draft=None if plan.draft is None else plan.draft.label,
     )
-    return SynthesisResult(plan, generation, trace, self._learn, t_request)
+    return SynthesisResult(plan, generation, trace, self._learn, t_request, model)
 
   def _learn(self, result: SynthesisResult) -> None:
     """Move the latency model toward what the finished request measured, in the context it ran in (unless

@@ -1,0 +1,277 @@
+"""``thoughtjax bench idle``: scale to zero and back, measured on a real ``thoughtjax serve`` process.
+
+Starts the server as a subprocess with a short ``idle_release_s`` (and its metrics endpoint), then measures:
+
+1. the process's RSS once it is SERVING, before any request (the baseline);
+2. a cold first request (restore and compile), then ``--warm`` warm requests: their time to first token and the
+   RSS after them;
+3. ``--cycles`` times (``--programs``: with ``idle_release_programs``): wait until the server released the idle path (its ``thoughtjax_idle_releases_total``
+   grows), the RSS then, and one request after idle: its time to first token and the restore (and compile) its
+   trace reports.
+
+Targets (issue 19): RSS after release within 150 MB of the baseline; first token after idle at most
+1.5 x a warm request's TTFT + 300 ms. Times are wall clock on the client's side of a loopback channel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from thoughtjax.bench import common
+
+PROMPT = "Write two sentences about the sea."
+RSS_TARGET_MIB = 150e6 / 2**20  # 150 MB
+TTFT_FACTOR, TTFT_SLACK_MS = 1.5, 300.0
+
+
+def rss_mib(pid: int) -> float:
+  """Resident set size of process ``pid`` now (MiB), from /proc (Linux); NaN elsewhere."""
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      for line in f:
+        if line.startswith("VmRSS:"):
+          return int(line.split()[1]) / 1024
+  except OSError:
+    pass
+  return float("nan")
+
+
+def metric(url: str, name: str) -> float:
+  """The value of the unlabelled series ``name`` on a Prometheus text endpoint (0 when absent)."""
+  with urllib.request.urlopen(url, timeout=10) as r:
+    for line in r.read().decode().splitlines():
+      if line.startswith(name + " "):
+        return float(line.split()[1])
+  return 0.0
+
+
+class _Server:
+  """``thoughtjax serve`` in a subprocess: its pid, gRPC target and metrics URL, read from its first lines."""
+
+  def __init__(self, registry: str | None, idle_s: float, slots: int, timeout: float, programs: bool = False):
+    self.dir = tempfile.TemporaryDirectory(prefix="thoughtjax-bench-idle-")
+    cfg = Path(self.dir.name) / "server.yaml"
+    cfg.write_text(
+      f"idle_release_s: {idle_s}\nidle_release_programs: {str(programs).lower()}\nmax_concurrent: {slots}\n"
+    )
+    cmd = [sys.executable, "-m", "thoughtjax.cli", "serve", "--config", str(cfg), "--port", "0", "--metrics-port", "0"]
+    if registry:
+      cmd += ["--registry", registry]
+    root = str(Path(__file__).resolve().parents[2])  # the checkout this module runs from (server/ lives there)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    self.lines: list[str] = []
+    self.target = self.metrics = None
+    got = threading.Event()
+
+    def read():
+      try:
+        for line in self.proc.stdout:
+          self.lines.append(line.rstrip())
+          if line.startswith("serving on "):
+            self.target = line.split()[-1]
+          elif line.startswith("metrics on "):
+            self.metrics = line.split()[-1]
+          if self.target and self.metrics:
+            got.set()
+      except (OSError, ValueError):  # closed by close() while reading
+        pass
+      got.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not got.wait(timeout) or self.target is None or self.metrics is None:
+      self.close()
+      raise RuntimeError("the server did not start:\n" + "\n".join(self.lines[-20:]))
+
+  @property
+  def pid(self) -> int:
+    return self.proc.pid
+
+  def close(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.terminate()
+      try:
+        self.proc.wait(30)
+      except subprocess.TimeoutExpired:
+        self.proc.kill()
+        self.proc.wait()
+    if self.proc.stdout is not None:
+      self.proc.stdout.close()
+    self.dir.cleanup()
+
+
+def _until(cond, timeout: float, what: str, server: _Server, every: float = 0.05) -> None:
+  t_end = time.monotonic() + timeout
+  while not cond():
+    if server.proc.poll() is not None:
+      raise RuntimeError(f"the server exited while waiting for {what}:\n" + "\n".join(server.lines[-20:]))
+    if time.monotonic() > t_end:
+      raise RuntimeError(f"{what} did not happen within {timeout:.0f} s")
+    time.sleep(every)
+
+
+def _request(client, hints: list[str], max_tokens: int, timeout: float) -> dict:
+  """One stream: time to first token (ms), tokens, and the stages its trace reports (ms)."""
+  t0 = time.perf_counter()
+  ttft, tokens = None, 0
+  messages = [{"role": "user", "content": PROMPT}]
+  for r in client.synthesize(None, hints, messages=messages, max_tokens=max_tokens, timeout=timeout):
+    if r.WhichOneof("kind") == "delta" and r.delta.token_ids:
+      if ttft is None:
+        ttft = (time.perf_counter() - t0) * 1e3
+      tokens += len(r.delta.token_ids)
+  t = client.last_final.trace
+  return {
+    "ttft_ms": ttft,
+    "tokens": tokens,
+    "path": t.path,
+    **{f"{k}_ms": float(t.actual_ms.get(k, 0.0)) for k in ("restore", "compile", "prefill", "total")},
+  }
+
+
+def run(
+  registry: str | None,
+  *,
+  idle_s: float,
+  warm: int,
+  cycles: int,
+  hints: list[str],
+  max_tokens: int,
+  slots: int,
+  timeout: float,
+  programs: bool = False,
+) -> dict:
+  """Measure one server process (see the module docstring); a dict of plain JSON values."""
+  from thoughtjax.client import Client
+
+  server = _Server(registry, idle_s, slots, timeout, programs)
+  try:
+    with Client(server.target, timeout=timeout) as c:
+
+      def serving():
+        try:
+          return c.health() == "SERVING"
+        except Exception:
+          return False
+
+      _until(serving, timeout, "SERVING", server, every=0.2)
+      time.sleep(1.0)  # let start-up's freed pages settle before the baseline
+      out: dict = {
+        "idle_release_s": idle_s,
+        "idle_release_programs": programs,
+        "hints": hints,
+        "max_tokens": max_tokens,
+        "pid": server.pid,
+      }
+      out["rss_baseline_mib"] = rss_mib(server.pid)
+      out["cold"] = _request(c, hints, max_tokens, timeout)
+      warms = [_request(c, hints, max_tokens, timeout) for _ in range(warm)]
+      out["warm"] = warms
+      out["warm_ttft_ms"] = statistics.median(w["ttft_ms"] for w in warms)
+      out["rss_warm_mib"] = rss_mib(server.pid)
+      out["cycles"] = []
+      for _ in range(cycles):
+        before = metric(server.metrics, "thoughtjax_idle_releases_total")
+        t_idle = time.monotonic()
+        _until(
+          lambda b=before: metric(server.metrics, "thoughtjax_idle_releases_total") > b,
+          idle_s * 4 + timeout,
+          "the idle release",
+          server,
+        )
+        cycle = {
+          "released_after_s": time.monotonic() - t_idle,
+          "resident_paths": metric(server.metrics, "thoughtjax_resident_paths"),
+          "rss_released_mib": rss_mib(server.pid),
+        }
+        cycle["after_idle"] = _request(c, hints, max_tokens, timeout)
+        cycle["rss_back_mib"] = rss_mib(server.pid)
+        out["cycles"].append(cycle)
+  finally:
+    server.close()
+  base, warm_ttft = out["rss_baseline_mib"], out["warm_ttft_ms"]
+  released = [cy["rss_released_mib"] for cy in out["cycles"]]
+  after = [cy["after_idle"]["ttft_ms"] for cy in out["cycles"]]
+  restores = [cy["after_idle"]["restore_ms"] for cy in out["cycles"]]
+  out["summary"] = {
+    "rss_baseline_mib": base,
+    "rss_warm_mib": out["rss_warm_mib"],
+    "rss_released_mib_max": max(released) if released else None,
+    "rss_released_over_baseline_mib": (max(released) - base) if released else None,
+    "warm_ttft_ms": warm_ttft,
+    "cold_ttft_ms": out["cold"]["ttft_ms"],
+    "after_idle_ttft_ms_max": max(after) if after else None,
+    "after_idle_restore_ms_max": max(restores) if restores else None,
+    "after_idle_compile_ms_max": max(cy["after_idle"]["compile_ms"] for cy in out["cycles"]) if after else None,
+    "ttft_target_ms": TTFT_FACTOR * warm_ttft + TTFT_SLACK_MS,
+    "rss_target_met": bool(released) and max(released) - base <= RSS_TARGET_MIB,
+    "ttft_target_met": bool(after) and max(after) <= TTFT_FACTOR * warm_ttft + TTFT_SLACK_MS,
+  }
+  return out
+
+
+def _f(x, spec: str) -> str:
+  return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="thoughtjax bench idle", description=__doc__.splitlines()[0])
+  p.add_argument("--registry", default=None, help="registry to serve (default: the default registry)")
+  p.add_argument("--idle", type=float, default=5.0, help="the server's idle_release_s (default 5)")
+  p.add_argument("--warm", type=int, default=5, help="warm requests timed before the first release (default 5)")
+  p.add_argument("--cycles", type=int, default=2, help="release-and-return cycles (default 2)")
+  p.add_argument("--hint", action="append", default=None, help="request hint (default general_purpose)")
+  p.add_argument("--max-tokens", type=int, default=16, help="tokens per request (default 16)")
+  p.add_argument("--slots", type=int, default=4, help="the server's max_concurrent (default 4)")
+  p.add_argument("--programs", action="store_true", help="the server's idle_release_programs: compiled programs go too")
+  p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for start-up, a release, a call")
+  p.add_argument("--json", default=None, type=common.json_path, help="write the results here")
+  args = p.parse_args(argv)
+  if args.idle <= 0 or args.warm < 1 or args.cycles < 1:
+    p.error("--idle must be > 0, --warm and --cycles >= 1")
+  out = run(
+    args.registry,
+    idle_s=args.idle,
+    warm=args.warm,
+    cycles=args.cycles,
+    hints=args.hint or ["general_purpose"],
+    max_tokens=args.max_tokens,
+    slots=args.slots,
+    timeout=args.timeout,
+    programs=args.programs,
+  )
+  out["command"] = "thoughtjax bench idle " + " ".join(argv or [])
+  s = out["summary"]
+  common.print_table(
+    f"scale to zero and back (idle_release_s {args.idle}{', programs too' if args.programs else ''}, "
+    f"{args.max_tokens} tokens, path {out['cold']['path']})",
+    ["measure", "value"],
+    [
+      ["RSS baseline (SERVING, no request) MiB", _f(s["rss_baseline_mib"], ".0f")],
+      ["RSS warm MiB", _f(s["rss_warm_mib"], ".0f")],
+      ["RSS after release MiB (max)", _f(s["rss_released_mib_max"], ".0f")],
+      ["  over baseline MiB (target <= 143)", _f(s["rss_released_over_baseline_mib"], ".0f")],
+      ["TTFT cold (restore + compile) ms", _f(s["cold_ttft_ms"], ".0f")],
+      ["TTFT warm (median) ms", _f(s["warm_ttft_ms"], ".0f")],
+      ["TTFT after idle ms (max)", _f(s["after_idle_ttft_ms_max"], ".0f")],
+      ["  target ms (1.5 x warm + 300)", _f(s["ttft_target_ms"], ".0f")],
+      ["restore after idle ms (max, from the trace)", _f(s["after_idle_restore_ms_max"], ".0f")],
+      ["compile after idle ms (max, from the trace)", _f(s["after_idle_compile_ms_max"], ".0f")],
+      ["RSS target met", s["rss_target_met"]],
+      ["TTFT target met", s["ttft_target_met"]],
+    ],
+    right=("value",),
+  )
+  if args.json:
+    common.write_json(args.json, out)
+  return 0
