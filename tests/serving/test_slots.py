@@ -305,3 +305,24 @@ def test_the_default_model_in_slots_gives_its_alone_tokens(default_model):
     assert engine.prefill_calls == (3 if slots == 2 else len({bucket(len(i)) for i in ids}))
     for want, run in zip(wants, runs, strict=True):
       assert (run.token_ids, run.text, run.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+
+
+def test_a_chunk_computes_only_the_slots_in_use_and_each_gives_its_alone_tokens(model):
+  """An 8-slot engine with 1, then 3 (staggered), requests computes 1, 2 and 4 rows per chunk, not 8, and
+  every request's greedy tokens are its alone run's; when the slots fill, the chunk computes all 8."""
+  engine = SlotEngine(model, slots=8, cache_len=64)
+  params = SamplingParams(max_tokens=9, ignore_eos=True)
+  (one,) = generate_in_slots(engine, [(PROMPTS[0], params)])
+  assert one.token_ids == alone(model, PROMPTS[0], **_kw(params)).token_ids
+  assert engine.rows_computed == engine.chunks  # one row per chunk
+  chunks, rows = engine.chunks, engine.rows_computed
+  reqs = [(PROMPTS[i], params) for i in (1, 2, 3)]
+  runs = generate_in_slots(engine, reqs, arrivals=[0, 1, 1])
+  for (ids, _), run in zip(reqs, runs, strict=True):
+    assert run.token_ids == alone(model, ids, **_kw(params)).token_ids
+  assert 2 <= (engine.rows_computed - rows) / (engine.chunks - chunks) <= 4
+  many = [(PROMPTS[i % len(PROMPTS)], params) for i in range(8)]
+  rows, chunks = engine.rows_computed, engine.chunks
+  runs = generate_in_slots(engine, many)
+  assert engine.rows_computed - rows == 8 * (engine.chunks - chunks)
+  assert runs[5].token_ids == alone(model, many[5][0], **_kw(params)).token_ids

@@ -31,8 +31,11 @@ prefix bucket, rest bucket) like the whole prompt's. Requests waiting together a
 need (:meth:`SlotEngine.prefill_group`); the trace's ``prefix_cache_tokens`` says how many tokens were reused.
 Only prompt keys are cached, never generated ones.
 
-Decode: one program per (mode, bias on/off), compiled once per slot layout (:func:`slot_program`): up to ``chunk`` steps over all N slots
-(inactive slots compute and are ignored), ending early when every active row has stopped. Per-slot sampling
+Decode: one program per (mode, bias on/off), compiled once per slot layout (:func:`slot_program`): up to ``chunk`` steps,
+ending early when every active row has stopped. A chunk computes W rows, the next power of two of the slots in
+use (at most N; free slots pad it and are ignored): with fewer, their caches and settings are gathered into a
+W-row program and written back after it (:meth:`SlotProgram._chunk_rows_impl`), so one stream on a 16-slot
+engine pays a one-row step. Per-slot sampling
 settings are arrays (:class:`~thoughtjax.sampling.SamplingArrays`, [N] rows). While any slot holds a constrained
 request (json_schema, regex, grammar) the engine runs the one-step program of the same layout, each slot's
 allowed-token mask written from its grammar matcher before the step; the others allow every token. A slot is freed at the end of
@@ -49,7 +52,7 @@ every slot (the number of decode steps the engine has run): each step writes all
 
 Exactness: greedy tokens of a request in a slot equal those of the request alone through ``Model.generate``
 (tested with staggered arrivals, different lengths and cancelled neighbours); sampled tokens follow the
-same distribution, keyed by (seed, engine step, slot) rather than the alone run's (seed, step, row 0). With the
+same distribution, keyed by (seed, engine step, the slot's row among the W computed) rather than the alone run's (seed, step, row 0). With the
 prefix cache the keys of a cached prefix were computed by an earlier prefill of the same tokens at the same
 positions: equal to the alone run's up to float rounding (tested: greedy and seeded tokens equal those without
 the cache).
@@ -251,6 +254,7 @@ class SlotProgram:
     self.slots, self.cache_len, self.steps_per_chunk = slots, cache_len, chunk
     self.init = jax.jit(self._init_impl)
     self.chunk = jax.jit(self._chunk_impl, static_argnums=(4,), donate_argnums=(2,))
+    self.chunk_rows = jax.jit(self._chunk_rows_impl, static_argnums=(5,), donate_argnums=(2,))
     self.prefill = jax.jit(self._prefill_impl, static_argnums=(4,))
     self.prefill_after = jax.jit(self._prefill_after_impl, static_argnums=(6,))
     self.blocks = jax.jit(self._blocks_impl, static_argnums=(2,))
@@ -268,8 +272,37 @@ class SlotProgram:
 
   def _chunk_impl(self, parts, samp: SamplingArrays, state: SlotState, active, mode: SamplingMode):
     """Up to ``chunk`` decode steps of every slot; returns the state, tokens [N, chunk] (-1: none), steps."""
+    return self._decode(parts, samp, state, active, mode)
+
+  def _chunk_rows_impl(self, parts, samp: SamplingArrays, state: SlotState, rows, active, mode: SamplingMode):
+    """:meth:`_chunk_impl` computed on the W slots ``rows`` only (W < N, distinct; ``active`` [W] marks the
+    slots in use among them): their caches and settings are gathered, decoded, and written back, so a step costs
+    W rows, not N. Returns the state, tokens [N, chunk] (-1 for every other slot) and the steps run."""
+    sub = SlotState(
+      tuple((k[rows], v[rows]) for k, v in state.caches),
+      state.token[rows],
+      state.start[rows],
+      state.cursor,
+      state.done[rows],
+      state.count[rows],
+    )
+    sub, out, steps = self._decode(parts, jax.tree.map(lambda x: x[rows], samp), sub, active, mode)
+    state = SlotState(
+      tuple(
+        (k.at[rows].set(sk), v.at[rows].set(sv)) for (k, v), (sk, sv) in zip(state.caches, sub.caches, strict=True)
+      ),
+      state.token.at[rows].set(sub.token),
+      state.start,
+      sub.cursor,
+      state.done.at[rows].set(sub.done),
+      state.count.at[rows].set(sub.count),
+    )
+    return state, jnp.full((self.slots, self.steps_per_chunk), -1, jnp.int32).at[rows].set(out), steps
+
+  def _decode(self, parts, samp: SamplingArrays, state: SlotState, active, mode: SamplingMode):
+    """Up to ``chunk`` decode steps of the rows of ``state`` (any number of them, all sharing the cursor)."""
     embed, blocks, head = merge_path(self.defs, parts, self.layers)
-    N, S, C = self.slots, self.cache_len, self.steps_per_chunk
+    N, S, C = state.token.shape[0], self.cache_len, self.steps_per_chunk
     s = jnp.arange(S, dtype=jnp.int32)
 
     def body(carry):
@@ -456,6 +489,7 @@ class SlotEngine:
     self._runs: list[SlotRun | None] = [None] * self.slots
     self._cancelled: set[int] = set()
     self.chunks = 0  # decode chunks run
+    self.rows_computed = 0  # rows those chunks computed (each: the slots in use, padded to a power of two)
     self.prefill_calls = 0  # prefill program calls run
     self.prefill_rows = 0  # requests those calls prefilled
     self._stats_lock = threading.Lock()
@@ -666,7 +700,8 @@ class SlotEngine:
       P = 1
       while True:
         samp = sampling_arrays([params] * P, P, self.cfg.vocab_size, self.stop_width, self.model.codec.eos_ids, bias)
-        tokens, pad = jnp.zeros((P, T), jnp.int32), jnp.full((P,), T - 1, jnp.int32)
+        # From host arrays, as requests come: the transfer of each shape is compiled too.
+        tokens, pad = jnp.asarray(np.zeros((P, T), np.int32)), jnp.asarray(np.full((P,), T - 1, np.int32))
         kv, token, _ = self.program.prefill(self.parts, tokens, pad, samp, mode)
         with self._lock:
           if self.free:  # a free slot's row is ignored by the chunk and rewritten by the next insert
@@ -843,13 +878,21 @@ class SlotEngine:
       if constrained:
         program, samp = self._masked_step(samp, constrained)
       t0 = time.perf_counter()
-      self._state, out, steps = program.chunk(self.parts, samp, self._state, jnp.asarray(active), mode)
+      width = _width(len(live), self.slots)
+      if width < self.slots:  # compute only the slots in use (padded to a power of two with free ones)
+        rows = live + [b for b in range(self.slots) if b not in set(live)][: width - len(live)]
+        self._state, out, steps = program.chunk_rows(
+          self.parts, samp, self._state, jnp.asarray(rows, jnp.int32), jnp.asarray(active[rows]), mode
+        )
+      else:
+        self._state, out, steps = program.chunk(self.parts, samp, self._state, jnp.asarray(active), mode)
       out, done, count, steps = jax.device_get((out, self._state.done, self._state.count, steps))
       for b in constrained:  # out holds -1 where a slot sampled nothing (it had stopped)
         for t in out[b][out[b] >= 0]:
           self._matchers[b].consume(int(t))
       self.chunk_seconds.append(time.perf_counter() - t0)
       self.chunks += 1
+      self.rows_computed += width
       self.steps += int(steps)
       new: dict[int, list[int]] = {}
       for b in live:
@@ -886,6 +929,12 @@ class SlotEngine:
           self._runs[b] = None
           run.chunks_at_free = self.chunks
           run._end(error)
+
+
+def _width(live: int, slots: int) -> int:
+  """The rows a decode chunk computes for ``live`` slots in use: the next power of two, at most ``slots``
+  (a few compiled widths serve every occupancy)."""
+  return min(1 << max(live - 1, 0).bit_length(), slots)
 
 
 def _widest(modes: set[SamplingMode]) -> SamplingMode:
