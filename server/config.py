@@ -141,8 +141,8 @@ class ServerConfig:
   tls: TlsConfig = TlsConfig()
   keepalive: KeepaliveConfig = KeepaliveConfig()
   max_message_bytes: int = 4 * 1024 * 1024
-  max_concurrent: int = 4
-  max_queue: int = 16
+  max_concurrent: int = 16
+  max_queue: int = 64
   max_tokens_limit: int = 2048
   grace_s: float = 30.0
   warm: WarmConfig = WarmConfig()

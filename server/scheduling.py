@@ -275,9 +275,10 @@ class ContinuousScheduler(SimpleScheduler):
   turn is released once the slot is free. Chunks between cancel and free are recorded (:class:`RequestRecord`).
 
   Engines are made lazily per path and ring length (the request's prompt + max_tokens bucket, at least
-  ``cache_len``: a short request does not pay attention over a long ring), at most ``max_engines``; past that a
-  request joins the path's smallest engine that fits it, else an idle engine is evicted for it (all busy:
-  :class:`QueueFull`). A run that does not hold its own generation carrying its inputs (``Generation.inputs``;
+  ``cache_len``), at most ``max_engines``. A request joins the path's engine that fits it with the most requests
+  on it (ties: the smallest ring), so requests of different lengths share one batch instead of several engines
+  stepping in turn on the same cores; a new engine is made only when none fits, and past ``max_engines`` an idle
+  engine is evicted for it (all busy: :class:`QueueFull`). A run that does not hold its own generation carrying its inputs (``Generation.inputs``;
   e.g. a wrapper that forwards it) runs alone, as in :class:`SimpleScheduler`.
 
   Each engine keeps a prefix cache (:class:`~thoughtjax.serving.prefix.PrefixCache`) of ``prefix_cache_bytes``
@@ -329,10 +330,12 @@ class ContinuousScheduler(SimpleScheduler):
     path = (model.path_hash, tuple(model.layers), model.kernels, model.chunk)
     key = (*path, cache_len)
     with self._engines_lock:
-      driver = self._engines.get(key)
-      if driver is None and len(self._engines) >= self.max_engines:  # the path's smallest engine that fits
-        fits = [(k[-1], k) for k in self._engines if k[:-1] == path and k[-1] >= cache_len]
-        driver = self._engines[min(fits)[1]] if fits else None
+      # Join the path's engine that fits with the most requests on it (then the smallest ring): one batch on
+      # the cores, not one per ring length stepping in turn; a new engine only when none fits.
+      fits = [
+        (-self._leases.get(d, 0), k[-1], k) for k, d in self._engines.items() if k[:-1] == path and k[-1] >= cache_len
+      ]
+      driver = self._engines[min(fits)[2]] if fits else None
       if driver is not None:
         self._engines.move_to_end(next(k for k, d in self._engines.items() if d is driver))
         self._leases[driver] += 1

@@ -213,9 +213,9 @@ async def _until(cond):
     await asyncio.sleep(0)
 
 
-def test_engines_per_ring_length_and_the_smallest_that_fits_past_max_engines():
-  """A short request gets a 64-token ring, a long one a 256-token ring; past max_engines a request joins the path's
-  smallest engine that fits it instead of making its own."""
+def test_engines_per_ring_length_and_requests_join_the_busiest_engine_that_fits():
+  """A short request gets a 64-token ring, a long one a 256-token ring; a request joins the engine that fits it
+  with the most requests on it (ties: the smallest ring) instead of making its own."""
   from tests.tiny import tiny_engine
 
   model = tiny_engine("llama_gqa", seed=3, chunk=4)
@@ -225,6 +225,9 @@ def test_engines_per_ring_length_and_the_smallest_that_fits_past_max_engines():
     assert (short.engine.cache_len, long.engine.cache_len) == (64, 256)
     assert sched._driver(model, 60) is short
     assert sched._driver(model, 100) is long and sched.snapshot()["engines"] == 2  # no 128-token ring made
+    sched._unlease(short)
+    sched._unlease(short)  # the short requests ended: the long engine is the busier one that fits
+    assert sched._driver(model, 20) is long and sched.snapshot()["engines"] == 2
   finally:
     sched.close()
 
