@@ -103,6 +103,8 @@ CASES = {
   "whole previous prompt": ([SYSTEM[:32], SYSTEM[:32] + [7, 8, 9], SYSTEM[:32]], [0, 32, 16]),
   "shorter than one block": ([[5, 6, 7], [5, 6, 7, 8], SYSTEM[:15]], [0, 0, 0]),
   "nothing shared": ([SYSTEM, list(range(100, 140)), [3] + SYSTEM], [0, 0, 0]),
+  # 60 tokens prefill in a 64 bucket; the 16 cached would leave 44, still 64: not worth a call of its own
+  "a hit that would not shrink the prefill": ([SYSTEM[:16] + [1] * 10, SYSTEM[:16] + list(range(60, 104))], [0, 0]),
 }
 
 

@@ -579,8 +579,16 @@ class SlotEngine:
     tokens after its cached prefix) when the prefix cache holds some of it. Requests of one group share a prefill
     call (:class:`SlotDriver`, :meth:`insert_batch`); a peek, nothing is counted."""
     n = len(prompt_ids)
-    have = 0 if self.prefix_cache is None else self.prefix_cache.peek(prompt_ids, n - 1)
+    have = 0 if self.prefix_cache is None else self.prefix_cache.peek(prompt_ids, self._reuse_limit(prompt_ids))
     return ("rest", bucket(n - have)) if have else ("whole", bucket(n))
+
+  def _reuse_limit(self, ids: Sequence[int]) -> int:
+    """The most prompt tokens a prefix-cache hit may reuse: all but the last (the first token comes from a forward
+    over it), and none when the prefix cached now would not shrink the prefill's bucket (the call would cost the
+    same, in a program of its own, split from the batch's other prefills)."""
+    n = len(ids)
+    have = self.prefix_cache.peek(ids, n - 1)
+    return n - 1 if have and bucket(n - have) < bucket(n) else 0
 
   def _prefill(self, reqs: Sequence[_Request]) -> list[Prefilled]:
     """The prefill of ``reqs``: one program call for those whose prompt starts with a cached prefix (only the
@@ -588,8 +596,7 @@ class SlotEngine:
     cache = self.prefix_cache
     if cache is None:
       return self._prefill_call(reqs, None)
-    # At least one token is left to compute: the first token comes from a forward over the prompt's last one.
-    chains = [cache.lookup(r.ids, len(r.ids) - 1) for r in reqs]
+    chains = [cache.lookup(r.ids, self._reuse_limit(r.ids)) for r in reqs]
     for r, chain in zip(reqs, chains, strict=True):
       r.trace.prefix_cache_tokens = len(chain) * cache.block_tokens
     out: list[Prefilled | None] = [None] * len(reqs)
