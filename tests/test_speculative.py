@@ -161,6 +161,8 @@ def test_a_speculative_generation_compiles_its_program_once(engine, caplog):
     ("ngram:0", ["'ngram:0'", "[1, 16]", "got '0'", "'ngram:3'"]),
     ("ngram:17", ["[1, 16]", "got '17'"]),
     ("ngram:three", ["[1, 16]", "got 'three'"]),
+    ("ngram:3:4", ["shortest match", "[1, 3]", "got '4'", "'ngram:3:2'"]),
+    ("ngram:3:2:1", ["'ngram:N:M'", "got '3:2:1'"]),
     (Draft("ngram:2", vocab=100), ["looks its tokens up in the text", "vocab=100", "drop them"]),
   ],
 )
@@ -335,10 +337,12 @@ def test_ngram_lookup_takes_the_longest_latest_match_and_repeats_its_period():
     jnp.int32,
   )
   start, end = jnp.asarray([2, 1, 0, 0, 2]), jnp.asarray([9, 9, 5, 8, 9])
-  got = np.asarray(speculative.ngram_proposal(hist, start, end, 3, 4))
-  assert got.tolist() == [[7, 5, 6, 7], [9, 9, 9, 9], [9, 9, 9, 9], [8, 5, 3, 9], [3, 3, 3, 3]]
+  got, matched = speculative.ngram_proposal(hist, start, end, 3, 4)
+  assert np.asarray(got).tolist() == [[7, 5, 6, 7], [9, 9, 9, 9], [9, 9, 9, 9], [8, 5, 3, 9], [3, 3, 3, 3]]
+  assert np.asarray(matched).tolist() == [3, 0, 3, 2, 0]
   # With n = 1 only the last token is matched: its latest earlier occurrence wins.
-  assert np.asarray(speculative.ngram_proposal(hist, start, end, 1, 2))[3].tolist() == [9, 2]
+  got, matched = speculative.ngram_proposal(hist, start, end, 1, 2)
+  assert np.asarray(got)[3].tolist() == [9, 2] and np.asarray(matched).tolist() == [1, 0, 1, 1, 0]
 
 
 @pytest.fixture(scope="module")
@@ -361,7 +365,7 @@ def test_ngram_greedy_is_token_identical_where_the_text_repeats(repetitive):
     SamplingParams(max_tokens=32, ignore_eos=True, stop_token_ids=(stop,)),
     SamplingParams(max_tokens=11, ignore_eos=True),
   ]
-  for draft, k in (("ngram:3", 4), ("ngram:1", 3), ("ngram:2", 8)):
+  for draft, k in (("ngram:3", 4), ("ngram:1", 3), ("ngram:2", 8), ("ngram:3:2", 4)):
     got = repetitive.generate_batch(prompts, params, draft=draft, draft_tokens=k)
     assert got[0].token_ids == plain[0] and got[0].finish_reason == "length"
     assert got[1].token_ids == plain[1][: plain[1].index(stop) + 1] and got[1].finish_reason == "stop"
@@ -425,3 +429,16 @@ def test_cli_generate_with_an_ngram_draft_prints_the_plain_tokens(tmp_path, caps
   assert spec["token_ids"] == plain["token_ids"] and spec["drafted"] == 3 * spec["verify_passes"] > 0
   assert cli.main([*base, "--draft", "ngram:99"]) == 2
   assert "[1, 16]" in capsys.readouterr().err
+
+
+def test_without_a_long_enough_match_an_ngram_iteration_is_a_plain_step(engine):
+  """'ngram:3:3' drafts only after a repeated 3-gram: on varied text nearly every iteration is a plain
+  one-token step (no draft counted, no verify pass), and the tokens are still plain greedy's."""
+  plain = engine.generate(PROMPTS[2], max_tokens=20, ignore_eos=True).token_ids
+  g = engine.stream(PROMPTS[2], max_tokens=20, ignore_eos=True, draft="ngram:3:3", draft_tokens=4)
+  assert g.result().token_ids == plain
+  t = g.trace
+  assert t.drafted == 4 * t.verify_passes and t.verify_passes <= 2 and t.accepted <= t.drafted
+  loose = engine.stream(PROMPTS[2], max_tokens=20, ignore_eos=True, draft="ngram:3", draft_tokens=4)
+  assert loose.result().token_ids == plain and loose.trace.verify_passes > t.verify_passes  # any match drafts
+  assert speculative.resolve_draft(engine, Draft.ngram(3, min_match=2)).label == "ngram:3:2"

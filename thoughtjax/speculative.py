@@ -26,14 +26,16 @@ cache) goes to slot ``T + count[b] - 1``, with left-padded prompts as in :mod:`t
 Blocks run per row under ``vmap`` so each row writes its keys at its own slot. Positions written for
 rejected tokens are overwritten later (writes are by position) and are masked until then.
 
-An *n-gram draft* (``"ngram:N"``, prompt lookup) needs no weights: step 1 becomes a lookup in the row's own
-history (the left-padded prompt, then the tokens generated so far, both on device). It finds the latest
-earlier position whose last m tokens equal the history's last m, for the largest m <= N that has one, and
-proposes the K tokens that followed it (a match whose continuation reaches the end of the history repeats
-its period, so ``a b a b`` proposes ``a b a b``); with no match it proposes the last token K times. Its
-proposal is deterministic, a one-hot q: a sampled row accepts d with probability p(d) and on rejection
-draws from p with d removed, renormalised, which is the rule above with that q. The verify pass is the
-full path's over the K+1 positions from the embedding (no shared blocks).
+An *n-gram draft* (``"ngram:N"`` or ``"ngram:N:M"``, prompt lookup) needs no weights: step 1 becomes a
+lookup in the row's own history (the left-padded prompt, then the tokens generated so far, both on device).
+It finds the latest earlier position whose last m tokens equal the history's last m, for the largest m <= N
+that has one, and proposes the K tokens that followed it (a match whose continuation reaches the end of the
+history repeats its period, so ``a b a b`` proposes ``a b a b``). Its proposal is deterministic, a one-hot q:
+a sampled row accepts d with probability p(d) and on rejection draws from p with d removed, renormalised,
+which is the rule above with that q. The verify pass is the full path's over the K+1 positions from the
+embedding (no shared blocks). When no live row has a match of at least M tokens (default 1), the iteration
+is a plain one-token step instead (d_0 alone, no draft counted, no verify pass): a pass of K+1 rows costs
+more than a step of one, and a short match rarely predicts.
 
 The prefill and the first token are the plain program's. A stop token inside an accepted run ends the
 row there; ``max_tokens`` cuts the run; cancellation acts between device calls of ``chunk`` iterations.
@@ -97,14 +99,16 @@ class Draft:
   (``thoughtjax bench speculative`` prints the comparison).
 
   ``path="ngram:N"`` (``"ngram"``: N=3, N in [1, 16]) is the n-gram draft of the module docstring: no
-  weights, the continuation of the latest earlier match of the last N (then N-1, ..., 1) tokens; it takes
-  no ``vocab`` or ``bridge``. :meth:`ngram` builds one.
+  weights, the continuation of the latest earlier match of the last N (then N-1, ..., 1) tokens;
+  ``"ngram:N:M"`` drafts only from a match of at least M <= N tokens (a plain step otherwise). It takes no
+  ``vocab`` or ``bridge``. :meth:`ngram` builds one.
   """
 
   @classmethod
-  def ngram(cls, n: int = NGRAM_DEFAULT) -> Draft:
-    """The n-gram (prompt lookup) draft matching up to the last ``n`` tokens."""
-    return cls(f"ngram:{n}")
+  def ngram(cls, n: int = NGRAM_DEFAULT, min_match: int = 1) -> Draft:
+    """The n-gram (prompt lookup) draft matching up to the last ``n`` tokens, drafting from a match of at
+    least ``min_match``."""
+    return cls(f"ngram:{n}" if min_match == 1 else f"ngram:{n}:{min_match}")
 
   path: str | Sequence[int]
   vocab: int | Sequence[int] | None = None
@@ -133,6 +137,7 @@ class SpecKey:
   accept: AcceptRule = "speculative"  # "always", "resample": deliberately wrong rules, the statistical tests' controls
   own: int = 0  # draft blocks after the shared ones with weights (and a KV cache) of their own
   ngram: int = 0  # > 0: an n-gram draft matching up to this many last tokens (no draft blocks)
+  ngram_min: int = 1  # the shortest match it drafts from; shorter: a plain step
 
   @property
   def cache_len(self) -> int:  # S: a verify pass writes K positions past the last token
@@ -159,13 +164,13 @@ def _is_stop(tokens, stop_ids):
 
 
 def ngram_proposal(hist, start, end, n_max: int, K: int):
-  """The n-gram draft's K tokens per row: hist [B, S] i32 (row b's history at [start[b], end[b]]),
-  start, end [B] i32 -> [B, K] i32.
+  """The n-gram draft's K tokens per row and the length of the match they follow: hist [B, S] i32 (row b's
+  history at [start[b], end[b]]), start, end [B] i32 -> ([B, K] i32, [B] i32).
 
   Scores every earlier end position i < end by how many of the history's last n_max tokens it matches
   backwards (consecutively, within the history), takes the longest match, latest on ties, and proposes
   what followed it, repeating the period ``end - i`` where that reaches past ``end``; no match: hist[end]
-  K times. O(B S n_max) compares, no host round trip."""
+  K times, length 0. O(B S n_max) compares, no host round trip."""
   B, S = hist.shape
   i = jnp.arange(S)[None, :]
   run = jnp.ones((B, S), bool)
@@ -182,7 +187,8 @@ def ngram_proposal(hist, start, end, n_max: int, K: int):
   idx = best[:, None] + 1 + jnp.arange(K)[None, :] % period[:, None]
   got = jnp.take_along_axis(hist, jnp.clip(idx, 0, S - 1), axis=1)
   last = jnp.take_along_axis(hist, end[:, None], axis=1)
-  return jnp.where(found[:, None], got, last).astype(jnp.int32)
+  matched = jnp.where(found, jnp.take_along_axis(length, best[:, None], axis=1)[:, 0], 0)
+  return jnp.where(found[:, None], got, last).astype(jnp.int32), matched.astype(jnp.int32)
 
 
 def transformed_probs(logits, samp: SamplingArrays, mode: SamplingMode, bias=None):
@@ -321,9 +327,11 @@ class SpecProgram:
       jnp.float32
     )
 
-  def _iteration(self, parts, prompt, pad, samp, vocab_ids, st: SpecState) -> SpecState:
+  def _iteration(self, parts, pad, samp, vocab_ids, st: SpecState, proposal=None) -> SpecState:
+    """One draft-and-verify iteration; an n-gram draft's ``proposal`` [B, K'] comes looked up (K' = 0: a plain
+    step)."""
     k = self.key
-    K, S = k.draft_tokens, k.cache_len
+    K, S = (k.draft_tokens if proposal is None else proposal.shape[1]), k.cache_len
     greedy_only = k.mode is SamplingMode.GREEDY
     embed, full_blocks, head = merge_path(self.defs, parts, k.layers)
     _, draft_blocks, _ = merge_path(self.defs, parts, k.draft) if k.draft else (None, [], None)
@@ -374,9 +382,6 @@ class SpecProgram:
       return caches, dcaches, toks, resid, qlog
 
     if k.ngram:
-      # History: the left-padded prompt at [pad, T), then the generated tokens at T + [0, count); d_0 is last.
-      hist = jnp.concatenate([prompt, st.out], axis=1)  # [B, S]
-      proposal = ngram_proposal(hist, pad, k.prompt_len + st.count - 1, k.ngram, K)
       toks = jnp.concatenate([st.token[:, None], proposal], axis=1)
       caches, dcaches, resid, qlog = st.caches, st.draft_caches, None, None
     else:
@@ -430,7 +435,9 @@ class SpecProgram:
     bonus = jnp.take_along_axis(target, n[:, None], axis=1)[:, 0]
     if not greedy_only:
       p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]  # [B, V]
-      if q is None:  # one-hot at the rejected d_{n+1}; 0 at n == K
+      if q is None and K == 0:  # a plain step: the bonus is drawn from p_0
+        q_n = jnp.zeros_like(p_n)
+      elif q is None:  # one-hot at the rejected d_{n+1}; 0 at n == K
         d_n = jnp.take_along_axis(drafts, jnp.minimum(n, K - 1)[:, None], axis=1)
         q_n = ((jnp.arange(V)[None, :] == d_n) & (n < K)[:, None]).astype(jnp.float32)
       else:
@@ -441,7 +448,7 @@ class SpecProgram:
       bonus = jnp.where(samp.temperature > 0, drawn, bonus)
 
     j = jnp.arange(K + 1)[None, :]
-    new = jnp.concatenate([drafts, drafts[:, :1]], axis=1)
+    new = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)  # position K: only ever the bonus
     new = jnp.where(j == n[:, None], bonus[:, None], new)
     stop = _is_stop(new, samp.stop_ids) & (j <= n[:, None])
     first_stop = jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1), K + 1)
@@ -464,7 +471,7 @@ class SpecProgram:
       out=out,
       drafted=st.drafted + live_i * K,
       accepted=st.accepted + live_i * jnp.minimum(n, take),
-      passes=st.passes + live_i,
+      passes=st.passes + (live_i if K else 0),
     )
 
   def _decode_chunk(self, parts, prompt, pad, samp, vocab_ids, st):
@@ -474,7 +481,20 @@ class SpecProgram:
 
     def body(c):
       i, st = c
-      return i + 1, self._iteration(parts, prompt, pad, samp, vocab_ids, st)
+      if not self.key.ngram:
+        return i + 1, self._iteration(parts, pad, samp, vocab_ids, st)
+      # History: the left-padded prompt at [pad, T), then the generated tokens at T + [0, count); d_0 is last.
+      hist = jnp.concatenate([prompt, st.out], axis=1)  # [B, S]
+      k = self.key
+      proposal, matched = ngram_proposal(hist, pad, k.prompt_len + st.count - 1, k.ngram, k.draft_tokens)
+      draft = jnp.any(~st.done & (matched >= k.ngram_min))
+      st = jax.lax.cond(
+        draft,
+        lambda st: self._iteration(parts, pad, samp, vocab_ids, st, proposal),
+        lambda st: self._iteration(parts, pad, samp, vocab_ids, st, proposal[:, :0]),
+        st,
+      )
+      return i + 1, st
 
     return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), st))[1]
 
@@ -494,6 +514,7 @@ class ResolvedDraft(NamedTuple):
   label: str
   own: int = 0  # draft blocks of other weights after the shared ones (a KV cache of their own)
   ngram: int = 0  # > 0: the n-gram draft's longest lookup (no slots, no blocks)
+  ngram_min: int = 1  # its shortest match that drafts
 
 
 def _prefix_error(model, label: str, why: str) -> DraftError:
@@ -510,24 +531,35 @@ def _same_leaves(a, b) -> bool:
   return len(la) == len(lb) and all(x is y or np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
 
 
-def ngram_order(path) -> int | None:
-  """N of an n-gram draft path (``"ngram"``: 3, ``"ngram:N"``), None for any other path; a malformed or
-  out-of-range N is a :class:`DraftError`."""
+def ngram_order(path) -> tuple[int, int] | None:
+  """(N, M) of an n-gram draft path (``"ngram"``: (3, 1), ``"ngram:N"``: (N, 1), ``"ngram:N:M"``), None for any
+  other path; a malformed or out-of-range N or M is a :class:`DraftError`."""
   if not isinstance(path, str) or path.strip().split(":")[0].strip().lower() != "ngram":
     return None
-  _, sep, n = path.strip().partition(":")
-  if not sep:
-    return NGRAM_DEFAULT
-  try:
-    value = int(n.strip())
-  except ValueError:
-    value = None
-  if value is None or not 1 <= value <= NGRAM_MAX:
+  fields = [f.strip() for f in path.strip().split(":")[1:]]
+  if not fields:
+    return NGRAM_DEFAULT, 1
+  n = _int_or_none(fields[0])
+  if len(fields) > 2 or n is None or not 1 <= n <= NGRAM_MAX:
     raise DraftError(
-      f"draft {path!r}: an n-gram draft is 'ngram:N' with N, the most last tokens it looks up, an integer in "
-      f"[1, {NGRAM_MAX}]; got {n.strip()!r}. Use e.g. 'ngram:3' (or 'ngram' for N={NGRAM_DEFAULT})"
+      f"draft {path!r}: an n-gram draft is 'ngram:N' (or 'ngram:N:M') with N, the most last tokens it looks up, "
+      f"an integer in [1, {NGRAM_MAX}]; got {':'.join(fields)!r}. Use e.g. 'ngram:3' (or 'ngram' for "
+      f"N={NGRAM_DEFAULT})"
     )
-  return value
+  m = 1 if len(fields) == 1 else _int_or_none(fields[1])
+  if m is None or not 1 <= m <= n:
+    raise DraftError(
+      f"draft {path!r}: in 'ngram:N:M', M, the shortest match it drafts from, is an integer in [1, N] = [1, {n}]; "
+      f"got {fields[1]!r}. Use e.g. 'ngram:{n}:{min(2, n)}'"
+    )
+  return n, m
+
+
+def _int_or_none(text: str) -> int | None:
+  try:
+    return int(text)
+  except ValueError:
+    return None
 
 
 def resolve_draft(model, draft: str | Sequence[int] | Draft) -> ResolvedDraft:
@@ -536,8 +568,8 @@ def resolve_draft(model, draft: str | Sequence[int] | Draft) -> ResolvedDraft:
   label = spec.path if isinstance(spec.path, str) else str(list(spec.path))
   if model.template is not None:
     raise _prefix_error(model, label, "the full path starts with a template; speculate over an embed path")
-  n = ngram_order(spec.path)
-  if n is not None:
+  order = ngram_order(spec.path)
+  if order is not None:
     if spec.vocab is not None or spec.bridge is not None:
       raise DraftError(
         f"draft {label!r} looks its tokens up in the text: it has no head or blocks, so vocab= and bridge= do "
@@ -545,7 +577,8 @@ def resolve_draft(model, draft: str | Sequence[int] | Draft) -> ResolvedDraft:
       )
     if any(i < 0 for i in model.layers):
       raise _prefix_error(model, label, "the full path itself holds a bridge; verify with the uncut path")
-    return ResolvedDraft((), 0, model.parts, None, False, f"ngram:{n}", 0, n)
+    n, m = order
+    return ResolvedDraft((), 0, model.parts, None, False, f"ngram:{n}" + (f":{m}" if m > 1 else ""), 0, n, m)
   blocks = dict(model.parts.blocks)
   if isinstance(spec.path, str):
     refs = parse_path(spec.path)
@@ -727,6 +760,7 @@ def prepare(
     accept=accept,
     own=d.own,
     ngram=d.ngram,
+    ngram_min=d.ngram_min,
   )
   prog = get_program(key, GraphDefs.from_model(model.module), model.config)
   B, T = key.batch, key.prompt_len
