@@ -13,7 +13,8 @@ decodes ``--max-tokens``:
    Besides the exits, a **weight variant** of the whole full path drafts (``embed, blocks[0:L)@int8, head``:
    per-row int8 weights, alone and with the truncated head; its blocks keep a KV cache of their own), unless
    ``--no-int8``; and the **n-gram** draft of each N in ``--ngram`` (``ngram:N``: no weights, the
-   continuation of the latest earlier match of the last N..1 tokens in the row's own text), unless
+   continuation of the latest earlier match of the last N..1 tokens in the row's own text; ``N:M``: only
+   from a match of at least M tokens, a plain step otherwise), unless
    ``--no-ngram``. ``--text repeating`` swaps the prompts for ones whose continuation repeats text (code
    that reuses names, JSON with repeated keys, an answer quoting the prompt), where such drafts pay;
    per draft, ms per verify pass beside plain decode's ms per step says what one pass of K+1 rows costs;
@@ -77,9 +78,13 @@ def _decode_rate(gen) -> tuple[float, list[list[int]]]:
   return (decoded / t.decode_s if t.decode_s else float("nan")), [c.token_ids for c in comps]
 
 
-def _run(model, prompts, max_tokens: int, batch: int, **draft) -> dict:
-  """Batch 1 (each prompt alone) and batch ``batch`` (prompts repeated), each program warmed first; ms per
-  decode step (plain) or per verify pass (a draft), the median over the batch-1 prompts."""
+def _run(model, prompts, max_tokens: int, batch: int, plain_ms: float | None = None, **draft) -> dict:
+  """Batch 1 (each prompt alone) and batch ``batch`` (prompts repeated), each program warmed first.
+
+  ms per decode step (plain) or per verify pass (a draft), the median over the batch-1 prompts. An n-gram
+  draft's iterations without a match are plain one-token steps, not verify passes: ``plain_steps`` counts
+  them (tokens less those the passes appended) and its ms per pass is what is left of the decode time after
+  them at the plain run's ``plain_ms`` per step; ``tokens_per_pass`` counts what the passes appended."""
   from thoughtjax.sampling import SamplingParams
 
   params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -100,16 +105,24 @@ def _run(model, prompts, max_tokens: int, batch: int, **draft) -> dict:
     "tok_s_bn": rate_b,
     "tokens_b1": tokens,
     "tokens_bn": toks_b,
-    "ms_per_step": common.median(
-      [1e3 * t.decode_s / (t.verify_passes if draft else t.tokens_out[0] - 1) for t in traces if t.decode_s]
-    ),
   }
-  if draft:
-    drafted = sum(t.drafted for t in traces)
-    out["acceptance"] = sum(t.accepted for t in traces) / drafted if drafted else float("nan")
-    passes = sum(t.verify_passes for t in traces)
-    out["tokens_per_pass"] = sum(n - 1 for t in traces for n in t.tokens_out) / passes if passes else float("nan")
-    out["acceptance_bn"] = g.trace.accepted / g.trace.drafted if g.trace.drafted else float("nan")
+  if not draft:
+    out["ms_per_step"] = common.median([1e3 * t.decode_s / (t.tokens_out[0] - 1) for t in traces if t.decode_s])
+    return out
+  steps = [max(t.tokens_out[0] - 1 - t.accepted - t.verify_passes, 0) for t in traces]
+  out["ms_per_step"] = common.median(
+    [
+      (1e3 * t.decode_s - n * (plain_ms or 0.0)) / t.verify_passes
+      for t, n in zip(traces, steps, strict=True)
+      if t.decode_s and t.verify_passes
+    ]
+  )
+  drafted = sum(t.drafted for t in traces)
+  out["acceptance"] = sum(t.accepted for t in traces) / drafted if drafted else float("nan")
+  passes = sum(t.verify_passes for t in traces)
+  out["tokens_per_pass"] = (sum(t.accepted for t in traces) + passes) / passes if passes else float("nan")
+  out["plain_steps"] = sum(steps)
+  out["acceptance_bn"] = g.trace.accepted / g.trace.drafted if g.trace.drafted else float("nan")
   return out
 
 
@@ -152,7 +165,12 @@ def main(argv=None) -> int:
   p.add_argument("--heal-steps", type=int, default=0, help="train a bridge per exit here with this many steps")
   p.add_argument("--heal-rank", type=int, default=64)
   p.add_argument("--no-int8", action="store_true", help="leave out the int8 weight-variant drafts")
-  p.add_argument("--ngram", type=_ints, default=None, help="n-gram drafts ngram:N for these N (default 3)")
+  p.add_argument(
+    "--ngram",
+    type=lambda t: [x.strip() for x in t.split(",") if x.strip()],
+    default=None,
+    help="n-gram drafts ngram:SPEC for these SPECs, N or N:M (longest, shortest match; default 3)",
+  )
   p.add_argument("--no-ngram", action="store_true", help="leave out the n-gram drafts")
   p.add_argument("--no-exits", action="store_true", help="leave out the early-exit drafts (and their bridges)")
   p.add_argument("--text", default="plain", choices=("plain", "repeating"), help="prompt set (default plain)")
@@ -182,7 +200,7 @@ def main(argv=None) -> int:
     raise BenchArgumentError(
       f"--prompts {n_prompts}: this benchmark has {len(texts)} {args.text} prompts; ask for at most that"
     )
-  ngrams = [] if args.no_ngram else (args.ngram or [3])
+  ngrams = [] if args.no_ngram else (args.ngram or ["3"])
 
   result: dict = {
     "model": model.loaded.source,
@@ -226,13 +244,13 @@ def main(argv=None) -> int:
       )
 
   for n in ngrams:  # no weights: drafts looked up in the row's own text
-    drafts.append((f"ngram:{n}", 0, Draft.ngram(n), "text"))
+    drafts.append((f"ngram:{n}", 0, Draft(f"ngram:{n}"), "text"))
 
   rows, identical = [], True
   for label, d, draft, origin in drafts:
     for k in ks:
       print(f"draft {label}, K={k} ...", file=sys.stderr, flush=True)
-      r = _run(model, prompts, max_tokens, batch, draft=draft, draft_tokens=k)
+      r = _run(model, prompts, max_tokens, batch, plain["ms_per_step"], draft=draft, draft_tokens=k)
       same = r["tokens_b1"] == plain["tokens_b1"] and r["tokens_bn"] == plain["tokens_bn"]
       identical &= same
       rows.append(
@@ -249,6 +267,7 @@ def main(argv=None) -> int:
           "tokens_per_pass": r["tokens_per_pass"],
           "tok_s_b1": r["tok_s_b1"],
           "ms_per_pass": r["ms_per_step"],
+          "plain_steps": r["plain_steps"],
           "speedup_b1": r["tok_s_b1"] / plain["tok_s_b1"],
           "tok_s_bn": r["tok_s_bn"],
           "speedup_bn": r["tok_s_bn"] / plain["tok_s_bn"],
@@ -262,7 +281,7 @@ def main(argv=None) -> int:
   if depths:  # the first exit: verify from its saved residual or recompute the shared blocks
     first = drafts[0]
     recompute = Draft(first[2].path, vocab=first[2].vocab, bridge=first[2].bridge, reuse=False)
-    r = _run(model, prompts, max_tokens, 1, draft=recompute, draft_tokens=ks[0])
+    r = _run(model, prompts, max_tokens, 1, plain["ms_per_step"], draft=recompute, draft_tokens=ks[0])
     result["reuse"] = {
       "draft": first[0],
       "k": ks[0],
@@ -292,6 +311,7 @@ def main(argv=None) -> int:
       "tokens/pass",
       "tok/s b1",
       "ms/pass b1",
+      "plain steps",
       "x plain b1",
       f"tok/s b{batch}",
       f"x plain b{batch}",
@@ -305,6 +325,7 @@ def main(argv=None) -> int:
         common.fmt(r["tokens_per_pass"], ".2f"),
         common.fmt(r["tok_s_b1"], ".1f"),
         common.fmt(r["ms_per_pass"], ".1f"),
+        r["plain_steps"],
         common.fmt(r["speedup_b1"], ".2f"),
         common.fmt(r["tok_s_bn"], ".1f"),
         common.fmt(r["speedup_bn"], ".2f"),
@@ -318,6 +339,7 @@ def main(argv=None) -> int:
       "tokens/pass",
       "tok/s b1",
       "ms/pass b1",
+      "plain steps",
       "x plain b1",
       f"tok/s b{batch}",
       f"x plain b{batch}",
