@@ -151,8 +151,8 @@ def test_a_speculative_plan_runs_the_speculative_program_and_streams_plain_greed
 
 def test_calibration_adds_the_ngram_draft_with_the_full_paths_quality_and_a_measured_factor(cal):
   ngram, full = _ngram(cal), cal.full
-  assert ngram.path == FULL and ngram.units == full.units and ngram.draft.path == "ngram:3"
-  assert ngram.draft.units == () and ngram.draft.layers == 0 and ngram.draft.label == "ngram:3 (k=4)"
+  assert ngram.path == FULL and ngram.units == full.units and ngram.draft.path == "ngram:3:2"
+  assert ngram.draft.units == () and ngram.draft.layers == 0 and ngram.draft.label == "ngram:3:2 (k=4)"
   assert len({ngram.program, _spec(cal).program, full.program}) == 3  # a program of its own
   assert set(ngram.refs) == {u.ref for u in full.units}  # no thoughtlet of its own to restore
   for hint in HINTS:
@@ -160,7 +160,7 @@ def test_calibration_adds_the_ngram_draft_with_the_full_paths_quality_and_a_meas
   factor = cal.latency.corrections["paths"][ngram.path_hash]["decode"]
   assert FACTOR_BOUNDS[0] <= factor <= FACTOR_BOUNDS[1]
   (row,) = [r for r in tiny_setup().report.speculative if r["path_hash"] == ngram.path_hash]
-  assert row["draft"] == "ngram:3 (k=4)" and row["factor"] == pytest.approx(factor) and 0 <= row["acceptance"] <= 1
+  assert row["draft"] == "ngram:3:2 (k=4)" and row["factor"] == pytest.approx(factor) and 0 <= row["acceptance"] <= 1
   again = Calibration.from_json(cal.to_json())
   assert _ngram(again) == ngram and again.digest() == cal.digest()
 
@@ -171,8 +171,8 @@ def test_the_planner_picks_the_ngram_plan_exactly_when_it_is_the_fastest_and_it_
   plan, fastest = _lossless_plan(_with_factor(cal, hi, ngram=lo), 32)
   assert fastest.path_hash == ngram.path_hash  # the setup: this latency model makes it the fastest
   assert plan.path_hash == ngram.path_hash and plan.kind == "speculative" and plan.draft == ngram.draft
-  assert plan.path == FULL and any(n.startswith("speculative:") and "ngram:3" in n for n in plan.notes)
-  assert plan.to_json()["draft"] == {"path": "ngram:3", "draft_tokens": 4, "vocab": None}
+  assert plan.path == FULL and any(n.startswith("speculative:") and "ngram:3:2" in n for n in plan.notes)
+  assert plan.to_json()["draft"] == {"path": "ngram:3:2", "draft_tokens": 4, "vocab": None}
   plan, fastest = _lossless_plan(_with_factor(cal, lo, ngram=hi), 32)
   assert plan.path_hash == fastest.path_hash == _spec(cal).path_hash
   syn = Synthesizer(reg, _with_factor(cal, hi, ngram=lo), learned_corrections=False, learn=False)
@@ -183,5 +183,5 @@ def test_the_planner_picks_the_ngram_plan_exactly_when_it_is_the_fastest_and_it_
   plain = compose(FULL, reg).generate(syn.prompt_ids(text), max_tokens=12, ignore_eos=True)
   assert r.token_ids == plain.token_ids
   t = r.trace
-  assert t.kind == "speculative" and t.draft == "ngram:3 (k=4)" and t.verify_passes > 0
+  assert t.kind == "speculative" and t.draft == "ngram:3:2 (k=4)" and t.verify_passes > 0
   assert t.drafted == 4 * t.verify_passes and 0 <= t.accepted <= t.drafted

@@ -107,7 +107,7 @@ def test_recalibrating_a_table_without_speculative_candidates_adds_the_one_calib
   assert again.quality == stored.quality
   assert [(c.path_hash, c.draft) for c in _specs(again)] == [(c.path_hash, c.draft) for c in _specs(original)]
   assert spec.draft.draft_tokens == ngram.draft.draft_tokens == SpeculativeSettings().draft_tokens
-  assert ngram.draft.path == "ngram:3"
+  assert ngram.draft.path == "ngram:3:2"
   for hint in HINTS:
     assert again.hint_quality(spec.path_hash, hint) == again.hint_quality(again.full.path_hash, hint)
   # Timed here, against the plain full path on the calibration text (its acceptance in it).
@@ -166,9 +166,16 @@ def test_an_int8_draft_round_trips_through_the_signed_json_and_a_forged_one_is_r
     SpeculativeSettings(variants=("fp4",))
   with pytest.raises(CalibrateError, match="SpeculativeSettings.variants"):
     SpeculativeSettings(variants="int8")
-  for bad in ((0,), (17,), 3, ("3",), (True,)):
-    with pytest.raises(CalibrateError, match=r"SpeculativeSettings.ngram: expected a tuple of integers in \[1, 16\]"):
+  for bad, why in (
+    ("3", "got '3'"),
+    ((3,), "got \\(3,\\)"),
+    (("0",), "got '0'"),
+    (("17",), "got '17'"),
+    (("3:4",), "got '4'"),
+  ):
+    with pytest.raises(CalibrateError, match=rf"SpeculativeSettings.ngram: expected a tuple of n-gram specs.*{why}"):
       SpeculativeSettings(ngram=bad)
+  assert SpeculativeSettings(ngram=["3", "3:2", "3"]).ngram == ("3", "3:2")
 
 
 def _factors(cal: Calibration, factors: dict[str, float]) -> Calibration:
@@ -260,7 +267,7 @@ def test_the_default_registry_recalibrates_a_stored_calibration_made_before_spec
     assert not _lacks_speculative(reg, original)
     # One made before n-gram drafts existed lacks one too.
     before_ngram = dataclasses.replace(
-      original, candidates=[c for c in original.candidates if c.draft is None or c.draft.path != "ngram:3"]
+      original, candidates=[c for c in original.candidates if c.draft is None or c.draft.path != "ngram:3:2"]
     )
     assert len(before_ngram.candidates) == len(original.candidates) - 1 and _lacks_speculative(reg, before_ngram)
     # One with no calibrated hint of the dictionary has no text to time a draft on: nothing to add.
