@@ -270,7 +270,7 @@ def test_sampling_with_top_k_top_p_and_truncated_draft_vocab_is_reproducible(eng
 def test_default_model_greedy_speculation_is_identical_to_plain_greedy(default_model):
   from tests.test_exactness import PROMPTS as EXACT
 
-  # Every exactness prompt with the exit-24 draft; the other two drafts each on one more prompt (every
+  # Every exactness prompt with the exit-24 draft and the n-gram one; the other two drafts each on one more prompt (every
   # speculative program is its own compile: the test stays within the suite's time).
   others = (
     (Draft("embed, blocks[0:8), head", vocab=8192), 3),
@@ -283,7 +283,7 @@ def test_default_model_greedy_speculation_is_identical_to_plain_greedy(default_m
       else default_model.prompt_ids(text)
     )
     plain = default_model.generate(ids, max_tokens=32).token_ids
-    drafts = (("embed, blocks[0:24), head", 4), *others[i : i + 1])
+    drafts = (("embed, blocks[0:24), head", 4), ("ngram:3", 4), *others[i : i + 1])  # n-gram: no weights
     for draft, k in drafts:
       got = default_model.generate(ids, max_tokens=32, draft=draft, draft_tokens=k).token_ids
       assert got == plain, f"{label}: draft {draft} K={k} gave {got}, plain greedy {plain}"
