@@ -54,6 +54,9 @@ DRAFTS = [
   ("int8_full_k3", lambda cfg: "embed, blocks[0:3)@int8, head", 3),
   ("exit1_then_int8_k4", lambda cfg: "embed, blocks[0:1), blocks[1:3)@int8, head", 4),
   ("int8_exit2_truncated_vocab_k2", lambda cfg: Draft("embed, blocks[0:2)@int8, head", vocab=128), 2),
+  # Drafts from the text itself (no weights): on this varied text they are mostly rejected.
+  ("ngram3_k4", lambda cfg: "ngram:3", 4),
+  ("ngram1_k2", lambda cfg: Draft.ngram(1), 2),
 ]
 
 
@@ -155,6 +158,12 @@ def test_a_speculative_generation_compiles_its_program_once(engine, caplog):
     ("blocks[0:1), head", ["start with embed"]),
     ("embed, blocks[0:3), head", ["full path itself"]),
     (Draft("embed, blocks[0:1), head", vocab=10**6), ["vocab", "[1, 259]"]),
+    ("ngram:0", ["'ngram:0'", "[1, 16]", "got '0'", "'ngram:3'"]),
+    ("ngram:17", ["[1, 16]", "got '17'"]),
+    ("ngram:three", ["[1, 16]", "got 'three'"]),
+    ("ngram:3:4", ["shortest match", "[1, 3]", "got '4'", "'ngram:3:2'"]),
+    ("ngram:3:2:1", ["'ngram:N:M'", "got '3:2:1'"]),
+    (Draft("ngram:2", vocab=100), ["looks its tokens up in the text", "vocab=100", "drop them"]),
   ],
 )
 def test_a_draft_that_cannot_draft_is_a_named_user_error(engine, draft, words):
@@ -179,7 +188,7 @@ SAMPLES = 2048
 ROWS = 64
 
 
-def _exact_joint(engine, params: SamplingParams) -> dict[tuple[int, ...], float]:
+def _exact_joint(engine, params: SamplingParams, prompt=PROMPT) -> dict[tuple[int, ...], float]:
   """P(t1, t2, t3) of plain sampling, from the full path's logits under the same bias and temperature."""
   bias = np.zeros(engine.config.vocab_size)
   for t, b in params.logit_bias.items():
@@ -192,7 +201,7 @@ def _exact_joint(engine, params: SamplingParams) -> dict[tuple[int, ...], float]
 
   joint = {}
   for seq in itertools.product(ALLOWED, repeat=3):
-    pr, prefix = 1.0, list(PROMPT)
+    pr, prefix = 1.0, list(prompt)
     for t in seq:
       pr *= probs(prefix)[t]
       prefix.append(t)
@@ -200,14 +209,12 @@ def _exact_joint(engine, params: SamplingParams) -> dict[tuple[int, ...], float]
   return joint
 
 
-def _samples(engine, params_of, accept) -> list[tuple[int, ...]]:
+def _samples(engine, params_of, accept, draft="embed, blocks[0:1), head", prompt=PROMPT) -> list[tuple[int, ...]]:
   out = []
   for first in range(0, SAMPLES, ROWS):
     params = [params_of(seed) for seed in range(first, first + ROWS)]
     stops = [stop_ids_for(p, engine.codec.eos_ids) for p in params]
-    g = speculative.stream_batch(
-      engine, [PROMPT] * ROWS, params, stops, 0.0, "embed, blocks[0:1), head", draft_tokens=2, accept=accept
-    )
+    g = speculative.stream_batch(engine, [prompt] * ROWS, params, stops, 0.0, draft, draft_tokens=2, accept=accept)
     out += [tuple(c.token_ids) for c in g.completions()]
   return out
 
@@ -263,7 +270,7 @@ def test_sampling_with_top_k_top_p_and_truncated_draft_vocab_is_reproducible(eng
 def test_default_model_greedy_speculation_is_identical_to_plain_greedy(default_model):
   from tests.test_exactness import PROMPTS as EXACT
 
-  # Every exactness prompt with the exit-24 draft; the other two drafts each on one more prompt (every
+  # Every exactness prompt with the exit-24 draft and the n-gram one; the other two drafts each on one more prompt (every
   # speculative program is its own compile: the test stays within the suite's time).
   others = (
     (Draft("embed, blocks[0:8), head", vocab=8192), 3),
@@ -276,7 +283,7 @@ def test_default_model_greedy_speculation_is_identical_to_plain_greedy(default_m
       else default_model.prompt_ids(text)
     )
     plain = default_model.generate(ids, max_tokens=32).token_ids
-    drafts = (("embed, blocks[0:24), head", 4), *others[i : i + 1])
+    drafts = (("embed, blocks[0:24), head", 4), ("ngram:3", 4), *others[i : i + 1])  # n-gram: no weights
     for draft, k in drafts:
       got = default_model.generate(ids, max_tokens=32, draft=draft, draft_tokens=k).token_ids
       assert got == plain, f"{label}: draft {draft} K={k} gave {got}, plain greedy {plain}"
@@ -313,3 +320,125 @@ def test_draft_and_verify_run_in_one_program_with_no_host_callbacks(engine):
   hlo = req.program.lower(req.parts, req.prompt, req.pad, req.samp, req.vocab_ids).as_text()
   assert "callback" not in hlo.lower()
   assert hlo.count("stablehlo.while") >= 2  # the decode loop and the draft loop inside it
+
+
+# ---- drafts from the text itself (n-gram / prompt lookup) ----------------------------------------------------
+def test_ngram_lookup_takes_the_longest_latest_match_and_repeats_its_period():
+  import jax.numpy as jnp
+
+  hist = jnp.asarray(
+    [
+      [0, 0, 5, 6, 7, 5, 6, 7, 5, 6],  # padded by 2: "7 5 6" ended at 6, continues 7 5 6, then its period 7
+      [0, 1, 2, 3, 4, 5, 6, 7, 8, 9],  # 9 never occurred before: the last token K times
+      [9, 9, 9, 9, 9, 9, -1, -1, -1, -1],  # history ends at 5: the period-1 run, nothing read past the end
+      [1, 2, 3, 8, 5, 3, 9, 2, 3, -1],  # "2 3" (ended at 2) beats the later "3" (at 5): the longest match first
+      [3, 3, 0, 0, 0, 0, 0, 0, 1, 3],  # the padding (3 3 before start 2) is not history: no match
+    ],
+    jnp.int32,
+  )
+  start, end = jnp.asarray([2, 1, 0, 0, 2]), jnp.asarray([9, 9, 5, 8, 9])
+  got, matched = speculative.ngram_proposal(hist, start, end, 3, 4)
+  assert np.asarray(got).tolist() == [[7, 5, 6, 7], [9, 9, 9, 9], [9, 9, 9, 9], [8, 5, 3, 9], [3, 3, 3, 3]]
+  assert np.asarray(matched).tolist() == [3, 0, 3, 2, 0]
+  # With n = 1 only the last token is matched: its latest earlier occurrence wins.
+  got, matched = speculative.ngram_proposal(hist, start, end, 1, 2)
+  assert np.asarray(got)[3].tolist() == [9, 2] and np.asarray(matched).tolist() == [1, 0, 1, 1, 0]
+
+
+@pytest.fixture(scope="module")
+def repetitive():
+  """A tiny model whose greedy text runs in repeats (small weights): n-gram drafts are often accepted."""
+  return _engine(5, scale=0.1)
+
+
+def test_ngram_greedy_is_token_identical_where_the_text_repeats(repetitive):
+  prompts = [PROMPTS[0], [5, 6, 7, 8] * 4, list(range(40, 61))]
+  plain = [repetitive.generate(p, max_tokens=32, ignore_eos=True).token_ids for p in prompts]
+  g = repetitive.stream(prompts[0], max_tokens=32, ignore_eos=True, draft="ngram:3", draft_tokens=4)
+  assert g.result().token_ids == plain[0]
+  t = g.trace
+  assert t.drafted == 4 * t.verify_passes and t.accepted >= 8  # most of the text came from accepted drafts
+  assert t.verify_passes < 31 and t.accepted < t.drafted  # and some were rejected where a run ends
+  stop = plain[1][9]
+  params = [
+    SamplingParams(max_tokens=32, ignore_eos=True),
+    SamplingParams(max_tokens=32, ignore_eos=True, stop_token_ids=(stop,)),
+    SamplingParams(max_tokens=11, ignore_eos=True),
+  ]
+  for draft, k in (("ngram:3", 4), ("ngram:1", 3), ("ngram:2", 8), ("ngram:3:2", 4)):
+    got = repetitive.generate_batch(prompts, params, draft=draft, draft_tokens=k)
+    assert got[0].token_ids == plain[0] and got[0].finish_reason == "length"
+    assert got[1].token_ids == plain[1][: plain[1].index(stop) + 1] and got[1].finish_reason == "stop"
+    assert got[2].token_ids == plain[2][:11] and got[2].finish_reason == "length"
+
+
+NGRAM_PROMPT = [7, 129, 151, 81, 7, 129]  # the allowed tokens: "7 129" recurs, so drafts propose them
+
+
+def test_ngram_sampling_keeps_the_full_paths_distribution_and_wrong_rules_fail(engine):
+  """A one-hot proposal: accept d with probability p(d), on rejection draw from p without d. Two wrong rules
+  must fail the same check: accepting every draft, and redrawing from p itself on a rejection."""
+
+  def params_of(seed):
+    return SamplingParams(
+      max_tokens=3, temperature=1.0, seed=seed, ignore_eos=True, logit_bias={t: 30.0 for t in ALLOWED}
+    )
+
+  joint = _exact_joint(engine, params_of(0), NGRAM_PROMPT)
+  stops = [stop_ids_for(params_of(s), engine.codec.eos_ids) for s in range(ROWS)]
+  g = speculative.stream_batch(
+    engine, [NGRAM_PROMPT] * ROWS, [params_of(s) for s in range(ROWS)], stops, 0.0, "ngram:2", draft_tokens=2
+  )
+  g.completions()
+  assert 0 < g.trace.accepted < g.trace.drafted  # both the accepting and the rejecting branch ran
+  right, always, resample = (
+    _samples(engine, params_of, rule, "ngram:2", NGRAM_PROMPT) for rule in ("speculative", "always", "resample")
+  )
+  assert all(len(s) == 3 for s in right + always + resample)
+  p_right = _chi_square_p(right, joint)
+  assert p_right > 1e-3, f"n-gram speculative sampling departs from the full path's distribution: p={p_right:.2e}"
+  for name, wrong in (("always", always), ("resample", resample)):
+    p_wrong = _chi_square_p(wrong, joint)
+    assert p_wrong < 1e-6, f"the check cannot tell the wrong rule {name!r} apart: p={p_wrong:.2e}"
+  assert len(set(right)) > 20
+
+
+def test_an_ngram_draft_runs_in_one_program_without_draft_weights(engine):
+  params = [SamplingParams(max_tokens=8, temperature=1.0)]
+  stops = [stop_ids_for(params[0], engine.codec.eos_ids)]
+  req = speculative.prepare(engine, [PROMPTS[0]], params, stops, "ngram", draft_tokens=3)
+  key = req.program.key
+  assert key.ngram == speculative.NGRAM_DEFAULT and key.draft == () and key.shared == 0 and key.own == 0
+  hlo = req.program.lower(req.parts, req.prompt, req.pad, req.samp, req.vocab_ids).as_text()
+  assert "callback" not in hlo.lower() and hlo.count("stablehlo.while") >= 1
+
+
+def test_cli_generate_with_an_ngram_draft_prints_the_plain_tokens(tmp_path, capsys):
+  import json
+
+  from tests.tiny import tiny_model, write_safetensors_dir
+  from thoughtjax import cli
+
+  cfg, model = tiny_model("llama_gqa", seed=2)
+  directory = write_safetensors_dir(tmp_path / "model", cfg, model)
+  base = ["generate", "--model", str(directory), "--prompt", "hello hello hello", "--max-tokens", "8", "--json"]
+  assert cli.main(base) == 0
+  plain = json.loads(capsys.readouterr().out)
+  assert cli.main([*base, "--draft", "ngram:2", "--draft-tokens", "3"]) == 0
+  spec = json.loads(capsys.readouterr().out)
+  assert spec["token_ids"] == plain["token_ids"] and spec["drafted"] == 3 * spec["verify_passes"] > 0
+  assert cli.main([*base, "--draft", "ngram:99"]) == 2
+  assert "[1, 16]" in capsys.readouterr().err
+
+
+def test_without_a_long_enough_match_an_ngram_iteration_is_a_plain_step(engine):
+  """'ngram:3:3' drafts only after a repeated 3-gram: on varied text nearly every iteration is a plain
+  one-token step (no draft counted, no verify pass), and the tokens are still plain greedy's."""
+  plain = engine.generate(PROMPTS[2], max_tokens=20, ignore_eos=True).token_ids
+  g = engine.stream(PROMPTS[2], max_tokens=20, ignore_eos=True, draft="ngram:3:3", draft_tokens=4)
+  assert g.result().token_ids == plain
+  t = g.trace
+  assert t.drafted == 4 * t.verify_passes and t.verify_passes <= 2 and t.accepted <= t.drafted
+  loose = engine.stream(PROMPTS[2], max_tokens=20, ignore_eos=True, draft="ngram:3", draft_tokens=4)
+  assert loose.result().token_ids == plain and loose.trace.verify_passes > t.verify_passes  # any match drafts
+  assert speculative.resolve_draft(engine, Draft.ngram(3, min_match=2)).label == "ngram:3:2"

@@ -411,8 +411,8 @@ class Model:
     """Generate for several prompts at once; the returned :class:`Generation` yields deltas as
     tokens are produced (``stream_mode``: ``"chunks"``, or ``"callback"`` for comparison).
 
-    ``draft`` (a path string, e.g. ``"embed, blocks[0:10), head"``, or a
-    :class:`thoughtjax.speculative.Draft`): self-speculative decoding, ``draft_tokens`` drafted per
+    ``draft`` (a path string, e.g. ``"embed, blocks[0:10), head"``, ``"ngram:3"`` for drafts looked up in
+    the text itself, or a :class:`thoughtjax.speculative.Draft`): self-speculative decoding, ``draft_tokens`` drafted per
     verify pass of this path; the same tokens (greedy) or the same distribution (sampling).
 
     Template prompts (``chat=True``, or any string prompt on a path with a template) go in as

@@ -26,6 +26,17 @@ cache) goes to slot ``T + count[b] - 1``, with left-padded prompts as in :mod:`t
 Blocks run per row under ``vmap`` so each row writes its keys at its own slot. Positions written for
 rejected tokens are overwritten later (writes are by position) and are masked until then.
 
+An *n-gram draft* (``"ngram:N"`` or ``"ngram:N:M"``, prompt lookup) needs no weights: step 1 becomes a
+lookup in the row's own history (the left-padded prompt, then the tokens generated so far, both on device).
+It finds the latest earlier position whose last m tokens equal the history's last m, for the largest m <= N
+that has one, and proposes the K tokens that followed it (a match whose continuation reaches the end of the
+history repeats its period, so ``a b a b`` proposes ``a b a b``). Its proposal is deterministic, a one-hot q:
+a sampled row accepts d with probability p(d) and on rejection draws from p with d removed, renormalised,
+which is the rule above with that q. The verify pass is the full path's over the K+1 positions from the
+embedding (no shared blocks). When no live row has a match of at least M tokens (default 1), the iteration
+is a plain one-token step instead (d_0 alone, no draft counted, no verify pass): a pass of K+1 rows costs
+more than a step of one, and a short match rarely predicts.
+
 The prefill and the first token are the plain program's. A stop token inside an accepted run ends the
 row there; ``max_tokens`` cuts the run; cancellation acts between device calls of ``chunk`` iterations.
 The Trace of a speculative call counts tokens drafted, drafts accepted and verify passes.
@@ -61,7 +72,11 @@ from thoughtjax.sampling import (
 )
 
 DEFAULT_DRAFT_TOKENS = 4
-AcceptRule = Literal["speculative", "always"]
+NGRAM_DEFAULT = 3  # "ngram" alone: look up the last 3 tokens, then 2, then 1
+NGRAM_MAX = 16
+# "always" and "resample" are deliberately wrong rules, the statistical tests' controls: accept every draft;
+# on a rejection draw from p itself rather than from the residual (the rejected draft keeps its mass).
+AcceptRule = Literal["speculative", "always", "resample"]
 
 
 class DraftError(UserError, ValueError):
@@ -82,7 +97,18 @@ class Draft:
   more single-token pass through them (d_K was never drafted from): the same weight reads, less
   compute. Measured on CPU at batch 1, K=4, interleaved runs: 6% faster at exit 8, 12% at exit 28
   (``thoughtjax bench speculative`` prints the comparison).
+
+  ``path="ngram:N"`` (``"ngram"``: N=3, N in [1, 16]) is the n-gram draft of the module docstring: no
+  weights, the continuation of the latest earlier match of the last N (then N-1, ..., 1) tokens;
+  ``"ngram:N:M"`` drafts only from a match of at least M <= N tokens (a plain step otherwise). It takes no
+  ``vocab`` or ``bridge``. :meth:`ngram` builds one.
   """
+
+  @classmethod
+  def ngram(cls, n: int = NGRAM_DEFAULT, min_match: int = 1) -> Draft:
+    """The n-gram (prompt lookup) draft matching up to the last ``n`` tokens, drafting from a match of at
+    least ``min_match``."""
+    return cls(f"ngram:{n}" if min_match == 1 else f"ngram:{n}:{min_match}")
 
   path: str | Sequence[int]
   vocab: int | Sequence[int] | None = None
@@ -108,8 +134,10 @@ class SpecKey:
   kernels: str | None = None
   draft_vocab: int | None = None  # size of the truncated draft head (its ids come as data)
   reuse: bool = True
-  accept: AcceptRule = "speculative"  # "always": a deliberately wrong rule, the statistical test's control
+  accept: AcceptRule = "speculative"  # "always", "resample": deliberately wrong rules, the statistical tests' controls
   own: int = 0  # draft blocks after the shared ones with weights (and a KV cache) of their own
+  ngram: int = 0  # > 0: an n-gram draft matching up to this many last tokens (no draft blocks)
+  ngram_min: int = 1  # the shortest match it drafts from; shorter: a plain step
 
   @property
   def cache_len(self) -> int:  # S: a verify pass writes K positions past the last token
@@ -133,6 +161,34 @@ def _is_stop(tokens, stop_ids):
   """tokens [B, J] -> [B, J] bool: in the row's stop set (entries < 0 are padding)."""
   hit = (tokens[:, :, None] == stop_ids[:, None, :]) & (stop_ids[:, None, :] >= 0)
   return jnp.any(hit, axis=-1)
+
+
+def ngram_proposal(hist, start, end, n_max: int, K: int):
+  """The n-gram draft's K tokens per row and the length of the match they follow: hist [B, S] i32 (row b's
+  history at [start[b], end[b]]), start, end [B] i32 -> ([B, K] i32, [B] i32).
+
+  Scores every earlier end position i < end by how many of the history's last n_max tokens it matches
+  backwards (consecutively, within the history), takes the longest match, latest on ties, and proposes
+  what followed it, repeating the period ``end - i`` where that reaches past ``end``; no match: hist[end]
+  K times, length 0. O(B S n_max) compares, no host round trip."""
+  B, S = hist.shape
+  i = jnp.arange(S)[None, :]
+  run = jnp.ones((B, S), bool)
+  length = jnp.zeros((B, S), jnp.int32)
+  for j in range(n_max):
+    tail = jnp.take_along_axis(hist, jnp.maximum(end - j, 0)[:, None], axis=1)  # [B, 1] the j-th last token
+    back = jnp.pad(hist, ((0, 0), (j, 0)), constant_values=-1)[:, :S]  # back[b, i] = hist[b, i - j]
+    run = run & (back == tail) & (i - j >= start[:, None]) & (end - j >= start)[:, None]
+    length = length + run
+  score = jnp.where((i < end[:, None]) & (length > 0), length * S + i, -1)
+  best = jnp.argmax(score, axis=1).astype(jnp.int32)
+  found = jnp.max(score, axis=1) >= 0
+  period = jnp.maximum(end - best, 1)
+  idx = best[:, None] + 1 + jnp.arange(K)[None, :] % period[:, None]
+  got = jnp.take_along_axis(hist, jnp.clip(idx, 0, S - 1), axis=1)
+  last = jnp.take_along_axis(hist, end[:, None], axis=1)
+  matched = jnp.where(found, jnp.take_along_axis(length, best[:, None], axis=1)[:, 0], 0)
+  return jnp.where(found[:, None], got, last).astype(jnp.int32), matched.astype(jnp.int32)
 
 
 def transformed_probs(logits, samp: SamplingArrays, mode: SamplingMode, bias=None):
@@ -271,12 +327,14 @@ class SpecProgram:
       jnp.float32
     )
 
-  def _iteration(self, parts, pad, samp, vocab_ids, st: SpecState) -> SpecState:
+  def _iteration(self, parts, pad, samp, vocab_ids, st: SpecState, proposal=None) -> SpecState:
+    """One draft-and-verify iteration; an n-gram draft's ``proposal`` [B, K'] comes looked up (K' = 0: a plain
+    step)."""
     k = self.key
-    K, S = k.draft_tokens, k.cache_len
+    K, S = (k.draft_tokens if proposal is None else proposal.shape[1]), k.cache_len
     greedy_only = k.mode is SamplingMode.GREEDY
     embed, full_blocks, head = merge_path(self.defs, parts, k.layers)
-    _, draft_blocks, _ = merge_path(self.defs, parts, k.draft)
+    _, draft_blocks, _ = merge_path(self.defs, parts, k.draft) if k.draft else (None, [], None)
     B = st.token.shape[0]
     slot0 = k.prompt_len + st.count - 1  # [B] cache slot of d_0
     s = jnp.arange(S)
@@ -323,14 +381,18 @@ class SpecProgram:
       toks = jax.lax.dynamic_update_slice_in_dim(toks, nxt[:, None], j + 1, axis=1)
       return caches, dcaches, toks, resid, qlog
 
-    D = self.cfg.d_model
-    Vd = self.cfg.vocab_size if vocab_ids is None else k.draft_vocab
-    toks = jnp.zeros((B, K + 1), jnp.int32).at[:, 0].set(st.token)
-    resid = jnp.zeros((B, K + 1, D), jnp.float32)
-    qlog = jnp.zeros((B, K if not greedy_only else 0, Vd), jnp.float32)  # the draft's raw logits per step
-    caches, dcaches, toks, resid, qlog = jax.lax.fori_loop(
-      0, K, draft_step, (st.caches, st.draft_caches, toks, resid, qlog)
-    )
+    if k.ngram:
+      toks = jnp.concatenate([st.token[:, None], proposal], axis=1)
+      caches, dcaches, resid, qlog = st.caches, st.draft_caches, None, None
+    else:
+      D = self.cfg.d_model
+      Vd = self.cfg.vocab_size if vocab_ids is None else k.draft_vocab
+      toks = jnp.zeros((B, K + 1), jnp.int32).at[:, 0].set(st.token)
+      resid = jnp.zeros((B, K + 1, D), jnp.float32)
+      qlog = jnp.zeros((B, K if not greedy_only else 0, Vd), jnp.float32)  # the draft's raw logits per step
+      caches, dcaches, toks, resid, qlog = jax.lax.fori_loop(
+        0, K, draft_step, (st.caches, st.draft_caches, toks, resid, qlog)
+      )
 
     # Verify the K + 1 positions d_0..d_K in one pass.
     slots = slot0[:, None] + jnp.arange(K + 1)[None, :]  # [B, K+1]
@@ -355,27 +417,38 @@ class SpecProgram:
     target = jnp.argmax(biased, axis=-1).astype(jnp.int32)  # [B, K+1]
     drafts = toks[:, 1:]  # [B, K]
     ok = drafts == target[:, :K]
+    V = self.cfg.vocab_size
     if not greedy_only:
       p = transformed_probs(logits, samp, k.mode)  # [B, K+1, V]
-      q_small = transformed_probs(qlog, samp, k.mode, draft_bias)  # [B, K, Vd]
-      q = q_small if vocab_ids is None else jnp.zeros((B, K, self.cfg.vocab_size)).at[:, :, vocab_ids].set(q_small)
+      if k.ngram:  # a deterministic proposal: q_j is one-hot at d_{j+1}
+        q = None
+        qd = jnp.ones((B, K), jnp.float32)
+      else:
+        q_small = transformed_probs(qlog, samp, k.mode, draft_bias)  # [B, K, Vd]
+        q = q_small if vocab_ids is None else jnp.zeros((B, K, V)).at[:, :, vocab_ids].set(q_small)
+        qd = jnp.take_along_axis(q, drafts[:, :, None], axis=-1)[..., 0]
       pd = jnp.take_along_axis(p[:, :K], drafts[:, :, None], axis=-1)[..., 0]
-      qd = jnp.take_along_axis(q, drafts[:, :, None], axis=-1)[..., 0]
       u = jax.vmap(lambda key: jax.random.uniform(key, (K,)))(keys[:, K])
-      sampled_ok = u * qd < pd if k.accept == "speculative" else jnp.ones_like(ok)
+      sampled_ok = u * qd < pd if k.accept != "always" else jnp.ones_like(ok)
       ok = jnp.where((samp.temperature > 0)[:, None], sampled_ok, ok)
     n = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # [B] drafts accepted
     bonus = jnp.take_along_axis(target, n[:, None], axis=1)[:, 0]
     if not greedy_only:
       p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]  # [B, V]
-      q_n = jnp.take_along_axis(jnp.pad(q, ((0, 0), (0, 1), (0, 0))), n[:, None, None], axis=1)[:, 0]  # 0 at n == K
-      r = jnp.maximum(p_n - q_n, 0.0)
+      if q is None and K == 0:  # a plain step: the bonus is drawn from p_0
+        q_n = jnp.zeros_like(p_n)
+      elif q is None:  # one-hot at the rejected d_{n+1}; 0 at n == K
+        d_n = jnp.take_along_axis(drafts, jnp.minimum(n, K - 1)[:, None], axis=1)
+        q_n = ((jnp.arange(V)[None, :] == d_n) & (n < K)[:, None]).astype(jnp.float32)
+      else:
+        q_n = jnp.take_along_axis(jnp.pad(q, ((0, 0), (0, 1), (0, 0))), n[:, None, None], axis=1)[:, 0]  # 0 at n == K
+      r = jnp.maximum(p_n - q_n, 0.0) if k.accept != "resample" else p_n
       r = jnp.where(jnp.sum(r, axis=-1, keepdims=True) > 0, r, p_n)  # p == q: the residual is p itself
       drawn = jax.vmap(lambda key, lr: jax.random.categorical(key, lr))(keys[:, K + 1], jnp.log(r)).astype(jnp.int32)
       bonus = jnp.where(samp.temperature > 0, drawn, bonus)
 
     j = jnp.arange(K + 1)[None, :]
-    new = jnp.concatenate([drafts, drafts[:, :1]], axis=1)
+    new = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)  # position K: only ever the bonus
     new = jnp.where(j == n[:, None], bonus[:, None], new)
     stop = _is_stop(new, samp.stop_ids) & (j <= n[:, None])
     first_stop = jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1), K + 1)
@@ -398,19 +471,30 @@ class SpecProgram:
       out=out,
       drafted=st.drafted + live_i * K,
       accepted=st.accepted + live_i * jnp.minimum(n, take),
-      passes=st.passes + live_i,
+      passes=st.passes + (live_i if K else 0),
     )
 
   def _decode_chunk(self, parts, prompt, pad, samp, vocab_ids, st):
-    del prompt
-
     def cond(c):
       i, st = c
       return (i < self.key.chunk) & ~jnp.all(st.done)
 
     def body(c):
       i, st = c
-      return i + 1, self._iteration(parts, pad, samp, vocab_ids, st)
+      if not self.key.ngram:
+        return i + 1, self._iteration(parts, pad, samp, vocab_ids, st)
+      # History: the left-padded prompt at [pad, T), then the generated tokens at T + [0, count); d_0 is last.
+      hist = jnp.concatenate([prompt, st.out], axis=1)  # [B, S]
+      k = self.key
+      proposal, matched = ngram_proposal(hist, pad, k.prompt_len + st.count - 1, k.ngram, k.draft_tokens)
+      draft = jnp.any(~st.done & (matched >= k.ngram_min))
+      st = jax.lax.cond(
+        draft,
+        lambda st: self._iteration(parts, pad, samp, vocab_ids, st, proposal),
+        lambda st: self._iteration(parts, pad, samp, vocab_ids, st, proposal[:, :0]),
+        st,
+      )
+      return i + 1, st
 
     return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), st))[1]
 
@@ -429,6 +513,8 @@ class ResolvedDraft(NamedTuple):
   reuse: bool
   label: str
   own: int = 0  # draft blocks of other weights after the shared ones (a KV cache of their own)
+  ngram: int = 0  # > 0: the n-gram draft's longest lookup (no slots, no blocks)
+  ngram_min: int = 1  # its shortest match that drafts
 
 
 def _prefix_error(model, label: str, why: str) -> DraftError:
@@ -445,12 +531,54 @@ def _same_leaves(a, b) -> bool:
   return len(la) == len(lb) and all(x is y or np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
 
 
+def ngram_order(path) -> tuple[int, int] | None:
+  """(N, M) of an n-gram draft path (``"ngram"``: (3, 1), ``"ngram:N"``: (N, 1), ``"ngram:N:M"``), None for any
+  other path; a malformed or out-of-range N or M is a :class:`DraftError`."""
+  if not isinstance(path, str) or path.strip().split(":")[0].strip().lower() != "ngram":
+    return None
+  fields = [f.strip() for f in path.strip().split(":")[1:]]
+  if not fields:
+    return NGRAM_DEFAULT, 1
+  n = _int_or_none(fields[0])
+  if len(fields) > 2 or n is None or not 1 <= n <= NGRAM_MAX:
+    raise DraftError(
+      f"draft {path!r}: an n-gram draft is 'ngram:N' (or 'ngram:N:M') with N, the most last tokens it looks up, "
+      f"an integer in [1, {NGRAM_MAX}]; got {':'.join(fields)!r}. Use e.g. 'ngram:3' (or 'ngram' for "
+      f"N={NGRAM_DEFAULT})"
+    )
+  m = 1 if len(fields) == 1 else _int_or_none(fields[1])
+  if m is None or not 1 <= m <= n:
+    raise DraftError(
+      f"draft {path!r}: in 'ngram:N:M', M, the shortest match it drafts from, is an integer in [1, N] = [1, {n}]; "
+      f"got {fields[1]!r}. Use e.g. 'ngram:{n}:{min(2, n)}'"
+    )
+  return n, m
+
+
+def _int_or_none(text: str) -> int | None:
+  try:
+    return int(text)
+  except ValueError:
+    return None
+
+
 def resolve_draft(model, draft: str | Sequence[int] | Draft) -> ResolvedDraft:
   """Check ``draft`` against ``model``'s path (a :class:`~thoughtjax.engine.Model`); see :class:`Draft`."""
   spec = draft if isinstance(draft, Draft) else Draft(draft)
   label = spec.path if isinstance(spec.path, str) else str(list(spec.path))
   if model.template is not None:
     raise _prefix_error(model, label, "the full path starts with a template; speculate over an embed path")
+  order = ngram_order(spec.path)
+  if order is not None:
+    if spec.vocab is not None or spec.bridge is not None:
+      raise DraftError(
+        f"draft {label!r} looks its tokens up in the text: it has no head or blocks, so vocab= and bridge= do "
+        f"not apply (got vocab={spec.vocab!r}, bridge={'given' if spec.bridge is not None else None}); drop them"
+      )
+    if any(i < 0 for i in model.layers):
+      raise _prefix_error(model, label, "the full path itself holds a bridge; verify with the uncut path")
+    n, m = order
+    return ResolvedDraft((), 0, model.parts, None, False, f"ngram:{n}" + (f":{m}" if m > 1 else ""), 0, n, m)
   blocks = dict(model.parts.blocks)
   if isinstance(spec.path, str):
     refs = parse_path(spec.path)
@@ -640,6 +768,8 @@ def prepare(
     reuse=d.reuse,
     accept=accept,
     own=d.own,
+    ngram=d.ngram,
+    ngram_min=d.ngram_min,
   )
   prog = get_program(key, GraphDefs.from_model(model.module), model.config)
   B, T = key.batch, key.prompt_len

@@ -1,6 +1,7 @@
 """Speculative plans in synthesis: calibration adds the full path verifying its best prefix draft, with the full
 path's quality and a decode factor measured on the calibration text; the planner picks it exactly when it is the
-fastest lossless choice, and running it uses the speculative program (the tokens are plain greedy's)."""
+fastest lossless choice, and running it uses the speculative program (the tokens are plain greedy's). The same
+for the n-gram draft, which looks its tokens up in the text and needs no weights."""
 
 from __future__ import annotations
 
@@ -34,13 +35,20 @@ def cal(reg):
 
 
 def _spec(cal: Calibration) -> Candidate:
-  (c,) = [c for c in cal.candidates if c.kind is CandidateKind.SPECULATIVE]
+  """The speculative candidate with a prefix draft."""
+  (c,) = [c for c in cal.candidates if c.kind is CandidateKind.SPECULATIVE and not c.draft.path.startswith("ngram")]
   return c
 
 
-def _with_factor(cal: Calibration, factor: float) -> Calibration:
-  """``cal`` with every stage of its speculative candidate corrected by ``factor`` (and nothing else)."""
-  paths = {_spec(cal).path_hash: {s: factor for s in STAGES}}
+def _ngram(cal: Calibration) -> Candidate:
+  (c,) = [c for c in cal.candidates if c.kind is CandidateKind.SPECULATIVE and c.draft.path.startswith("ngram")]
+  return c
+
+
+def _with_factor(cal: Calibration, factor: float, ngram: float = FACTOR_BOUNDS[1]) -> Calibration:
+  """``cal`` with every stage of its prefix-draft candidate corrected by ``factor``, of its n-gram one by
+  ``ngram`` (by default the slowest), and nothing else."""
+  paths = {_spec(cal).path_hash: {s: factor for s in STAGES}, _ngram(cal).path_hash: {s: ngram for s in STAGES}}
   return dataclasses.replace(cal, latency=dataclasses.replace(cal.latency, corrections={"paths": paths}))
 
 
@@ -57,14 +65,15 @@ def test_calibration_adds_a_speculative_candidate_with_the_full_paths_quality(ca
   best = max(drafts, key=lambda c: cal.hint_quality(c.path_hash, HINTS[0]).calibration.top1_agreement)
   assert spec.draft.path == ", ".join(u.ref for u in best.units)
   assert spec.draft.layers == sum(u.layers for u in best.units) and spec.draft.units == ()
-  assert speculative_candidates(cal.candidates, cal.quality, HINTS[0]) == [spec]  # derived again: the same
+  assert speculative_candidates(cal.candidates, cal.quality, HINTS[0]) == [spec, _ngram(cal)]  # derived again
   for hint in HINTS:
     assert cal.hint_quality(spec.path_hash, hint) == cal.hint_quality(full.path_hash, hint)
   # Its decode factor was measured (not assumed): within the bounds, and it is what the prediction applies.
   factor = cal.latency.corrections["paths"][spec.path_hash]["decode"]
   assert FACTOR_BOUNDS[0] <= factor <= FACTOR_BOUNDS[1]
   report = tiny_setup().report.speculative
-  assert [r["path_hash"] for r in report] == [spec.path_hash] and report[0]["factor"] == pytest.approx(factor)
+  assert [r["path_hash"] for r in report] == [spec.path_hash, _ngram(cal).path_hash]
+  assert report[0]["factor"] == pytest.approx(factor)
   assert 0 < report[0]["acceptance"] <= 1
   model = LatencyModel(cal.latency)
   warm = lambda c: Residency(set(c.refs), {model.program_key(c.program, 16, 32)})  # noqa: E731
@@ -138,3 +147,41 @@ def test_a_speculative_plan_runs_the_speculative_program_and_streams_plain_greed
   # Sampled, it runs too (the full path's distribution is tested in tests/test_speculative.py).
   s = syn.synthesize(PROMPT, [HINTS[0]], max_latency_ms=math.inf, max_tokens=6, temperature=0.8, seed=3).finish()
   assert s.plan.kind == "speculative" and 1 <= s.trace.tokens_out <= 6
+
+
+def test_calibration_adds_the_ngram_draft_with_the_full_paths_quality_and_a_measured_factor(cal):
+  ngram, full = _ngram(cal), cal.full
+  assert ngram.path == FULL and ngram.units == full.units and ngram.draft.path == "ngram:3:2"
+  assert ngram.draft.units == () and ngram.draft.layers == 0 and ngram.draft.label == "ngram:3:2 (k=4)"
+  assert len({ngram.program, _spec(cal).program, full.program}) == 3  # a program of its own
+  assert set(ngram.refs) == {u.ref for u in full.units}  # no thoughtlet of its own to restore
+  for hint in HINTS:
+    assert cal.hint_quality(ngram.path_hash, hint) == cal.hint_quality(full.path_hash, hint)
+  factor = cal.latency.corrections["paths"][ngram.path_hash]["decode"]
+  assert FACTOR_BOUNDS[0] <= factor <= FACTOR_BOUNDS[1]
+  (row,) = [r for r in tiny_setup().report.speculative if r["path_hash"] == ngram.path_hash]
+  assert row["draft"] == "ngram:3:2 (k=4)" and row["factor"] == pytest.approx(factor) and 0 <= row["acceptance"] <= 1
+  again = Calibration.from_json(cal.to_json())
+  assert _ngram(again) == ngram and again.digest() == cal.digest()
+
+
+def test_the_planner_picks_the_ngram_plan_exactly_when_it_is_the_fastest_and_it_streams_plain_greedy(reg, cal):
+  ngram = _ngram(cal)
+  lo, hi = FACTOR_BOUNDS
+  plan, fastest = _lossless_plan(_with_factor(cal, hi, ngram=lo), 32)
+  assert fastest.path_hash == ngram.path_hash  # the setup: this latency model makes it the fastest
+  assert plan.path_hash == ngram.path_hash and plan.kind == "speculative" and plan.draft == ngram.draft
+  assert plan.path == FULL and any(n.startswith("speculative:") and "ngram:3:2" in n for n in plan.notes)
+  assert plan.to_json()["draft"] == {"path": "ngram:3:2", "draft_tokens": 4, "vocab": None}
+  plan, fastest = _lossless_plan(_with_factor(cal, lo, ngram=hi), 32)
+  assert plan.path_hash == fastest.path_hash == _spec(cal).path_hash
+  syn = Synthesizer(reg, _with_factor(cal, hi, ngram=lo), learned_corrections=False, learn=False)
+  text = "one two three one two three one two three one two"  # text that repeats: drafts to look up
+  r = syn.synthesize(text, [HINTS[0]], max_latency_ms=math.inf, max_tokens=12, ignore_eos=True)
+  assert r.plan.path_hash == ngram.path_hash
+  r.finish()
+  plain = compose(FULL, reg).generate(syn.prompt_ids(text), max_tokens=12, ignore_eos=True)
+  assert r.token_ids == plain.token_ids
+  t = r.trace
+  assert t.kind == "speculative" and t.draft == "ngram:3:2 (k=4)" and t.verify_passes > 0
+  assert t.drafted == 4 * t.verify_passes and 0 <= t.accepted <= t.drafted

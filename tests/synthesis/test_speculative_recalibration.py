@@ -23,6 +23,7 @@ from thoughtjax.synthesis.calibrate import (
   SpeculativeSettings,
   first_hint,
   load,
+  missing_speculative,
   recalibrate_latency,
   speculative_candidates,
 )
@@ -34,6 +35,7 @@ from thoughtjax.synthesis.planner import Floor, Planner, PlanRequest
 from thoughtjax.synthesis.synthesize import Synthesizer
 
 PROMPT = "The quick brown fox"
+NO_NGRAM = SpeculativeSettings(ngram=())  # the int8 tests: the prefix draft and the variant only
 
 
 def _without_speculative(cal: Calibration, sequence: int | None = None) -> Calibration:
@@ -80,7 +82,9 @@ def int8(tmp_path_factory, original):
   report = CalibrateReport()
   with Registry.open(root) as reg:
     assert reg.sequence > original.sequence and all(reg.current[n] == v for n, v in original.current.items())
-    cal = recalibrate_latency(reg, _without_speculative(original, reg.sequence), SETTINGS.latency, report=report)
+    cal = recalibrate_latency(
+      reg, _without_speculative(original, reg.sequence), SETTINGS.latency, speculative=NO_NGRAM, report=report
+    )
     write_calibration(reg, cal, sign_key=setup.key)
   return root, cal, report
 
@@ -93,19 +97,27 @@ def test_recalibrating_a_table_without_speculative_candidates_adds_the_one_calib
     again = recalibrate_latency(reg, stored, SETTINGS.latency, report=report)
     write_calibration(reg, again, sign_key=tiny_setup().key)
     assert read_calibration(reg).digest() == again.digest()
-  # The stored candidates and quality are kept; the speculative candidate is the one the full calibration made.
-  (spec,) = _specs(again)
-  assert [c.path_hash for c in again.candidates] == [c.path_hash for c in stored.candidates] + [spec.path_hash]
+  # The stored candidates and quality are kept; the speculative candidates are the ones the full calibration made
+  # (the prefix draft, then the n-gram one).
+  spec, ngram = _specs(again)
+  assert [c.path_hash for c in again.candidates] == [c.path_hash for c in stored.candidates] + [
+    spec.path_hash,
+    ngram.path_hash,
+  ]
   assert again.quality == stored.quality
-  assert (spec.path_hash, spec.draft) == (_specs(original)[0].path_hash, _specs(original)[0].draft)
-  assert spec.draft.draft_tokens == SpeculativeSettings().draft_tokens
+  assert [(c.path_hash, c.draft) for c in _specs(again)] == [(c.path_hash, c.draft) for c in _specs(original)]
+  assert spec.draft.draft_tokens == ngram.draft.draft_tokens == SpeculativeSettings().draft_tokens
+  assert ngram.draft.path == "ngram:3:2"
   for hint in HINTS:
     assert again.hint_quality(spec.path_hash, hint) == again.hint_quality(again.full.path_hash, hint)
   # Timed here, against the plain full path on the calibration text (its acceptance in it).
   factor = again.latency.corrections["paths"][spec.path_hash]["decode"]
   assert FACTOR_BOUNDS[0] <= factor <= FACTOR_BOUNDS[1]
-  (row,) = report.speculative
+  row, ngram_row = report.speculative
   assert row["path_hash"] == spec.path_hash and row["factor"] == pytest.approx(factor) and 0 < row["acceptance"] <= 1
+  assert ngram_row["path_hash"] == ngram.path_hash and 0 <= ngram_row["acceptance"] <= 1
+  # Recalibrated again, nothing is lacking: no candidate is added twice.
+  assert missing_speculative(again.candidates, again.quality, HINTS[0]) == []
 
 
 def test_the_full_path_in_int8_weights_drafts_as_a_candidate_of_its_own(int8):
@@ -154,6 +166,16 @@ def test_an_int8_draft_round_trips_through_the_signed_json_and_a_forged_one_is_r
     SpeculativeSettings(variants=("fp4",))
   with pytest.raises(CalibrateError, match="SpeculativeSettings.variants"):
     SpeculativeSettings(variants="int8")
+  for bad, why in (
+    ("3", "got '3'"),
+    ((3,), "got \\(3,\\)"),
+    (("0",), "got '0'"),
+    (("17",), "got '17'"),
+    (("3:4",), "got '4'"),
+  ):
+    with pytest.raises(CalibrateError, match=rf"SpeculativeSettings.ngram: expected a tuple of n-gram specs.*{why}"):
+      SpeculativeSettings(ngram=bad)
+  assert SpeculativeSettings(ngram=["3", "3:2", "3"]).ngram == ("3", "3:2")
 
 
 def _factors(cal: Calibration, factors: dict[str, float]) -> Calibration:
@@ -230,11 +252,10 @@ def test_speculative_candidates_are_derived_again_from_the_same_inputs(int8, ori
   root, cal, _ = int8
   plain = [c for c in cal.candidates if c.draft is None]
   with Registry.open(root) as reg:
-    assert speculative_candidates(plain, cal.quality, HINTS[0], registry=reg) == _specs(cal)
-    assert speculative_candidates(plain, cal.quality, HINTS[0], SpeculativeSettings(variants=()), registry=reg) == [
-      _specs(cal)[0]
-    ]
-  # Without a registry (or one without variants) only prefix drafts: the tiny table keeps its one.
+    assert speculative_candidates(plain, cal.quality, HINTS[0], NO_NGRAM, registry=reg) == _specs(cal)
+    no_variant = SpeculativeSettings(variants=(), ngram=())
+    assert speculative_candidates(plain, cal.quality, HINTS[0], no_variant, registry=reg) == [_specs(cal)[0]]
+  # Without a registry (or one without variants) the prefix draft and the n-gram one: the tiny table's.
   assert speculative_candidates(plain, cal.quality, HINTS[0]) == _specs(original)
 
 
@@ -244,6 +265,11 @@ def test_the_default_registry_recalibrates_a_stored_calibration_made_before_spec
   with Registry.open(tiny_setup().registry) as reg:
     assert _lacks_speculative(reg, _without_speculative(original))
     assert not _lacks_speculative(reg, original)
+    # One made before n-gram drafts existed lacks one too.
+    before_ngram = dataclasses.replace(
+      original, candidates=[c for c in original.candidates if c.draft is None or c.draft.path != "ngram:3:2"]
+    )
+    assert len(before_ngram.candidates) == len(original.candidates) - 1 and _lacks_speculative(reg, before_ngram)
     # One with no calibrated hint of the dictionary has no text to time a draft on: nothing to add.
     foreign = Calibration(
       original.sequence,

@@ -12,7 +12,12 @@ decodes ``--max-tokens``:
    tokens are identical to plain greedy decoding (they must be: the run fails otherwise);
    Besides the exits, a **weight variant** of the whole full path drafts (``embed, blocks[0:L)@int8, head``:
    per-row int8 weights, alone and with the truncated head; its blocks keep a KV cache of their own), unless
-   ``--no-int8``;
+   ``--no-int8``; and the **n-gram** draft of each N in ``--ngram`` (``ngram:N``: no weights, the
+   continuation of the latest earlier match of the last N..1 tokens in the row's own text; ``N:M``: only
+   from a match of at least M tokens, a plain step otherwise), unless
+   ``--no-ngram``. ``--text repeating`` swaps the prompts for ones whose continuation repeats text (code
+   that reuses names, JSON with repeated keys, an answer quoting the prompt), where such drafts pay;
+   per draft, ms per verify pass beside plain decode's ms per step says what one pass of K+1 rows costs;
 3. **reuse**: for the first draft, verify starting from the draft's saved residual (the default) vs
    recomputing the shared blocks, batch 1.
 
@@ -29,6 +34,15 @@ import sys
 from thoughtjax.bench import common
 from thoughtjax.errors import UserError
 
+REPEATING = (  # the continuation repeats text of the prompt or of itself
+  "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
+  '[\n  {"name": "Alice", "age": 30, "city": "Paris", "email": "alice@example.com"},\n'
+  '  {"name": "Bob", "age": 25, "city": "Rome", "email": "bob@example.com"},\n  {"name": "Carol",',
+  "Repeat this sentence three times: The quick brown fox jumps over the lazy dog beside the river.\n"
+  "1. The quick brown fox jumps over the lazy dog beside the river.\n2.",
+  "class Point:\n    def __init__(self, x, y, z):\n        self.x = x\n        self.y = y\n        self.z = z\n\n"
+  "    def __add__(self, other):\n        return Point(",
+)
 PROMPTS = (
   "The capital of France is",
   "def fibonacci(n):",
@@ -64,8 +78,13 @@ def _decode_rate(gen) -> tuple[float, list[list[int]]]:
   return (decoded / t.decode_s if t.decode_s else float("nan")), [c.token_ids for c in comps]
 
 
-def _run(model, prompts, max_tokens: int, batch: int, **draft) -> dict:
-  """Batch 1 (each prompt alone) and batch ``batch`` (prompts repeated), each program warmed first."""
+def _run(model, prompts, max_tokens: int, batch: int, plain_ms: float | None = None, **draft) -> dict:
+  """Batch 1 (each prompt alone) and batch ``batch`` (prompts repeated), each program warmed first.
+
+  ms per decode step (plain) or per verify pass (a draft), the median over the batch-1 prompts. An n-gram
+  draft's iterations without a match are plain one-token steps, not verify passes: ``plain_steps`` counts
+  them (tokens less those the passes appended) and its ms per pass is what is left of the decode time after
+  them at the plain run's ``plain_ms`` per step; ``tokens_per_pass`` counts what the passes appended."""
   from thoughtjax.sampling import SamplingParams
 
   params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -87,12 +106,23 @@ def _run(model, prompts, max_tokens: int, batch: int, **draft) -> dict:
     "tokens_b1": tokens,
     "tokens_bn": toks_b,
   }
-  if draft:
-    drafted = sum(t.drafted for t in traces)
-    out["acceptance"] = sum(t.accepted for t in traces) / drafted if drafted else float("nan")
-    passes = sum(t.verify_passes for t in traces)
-    out["tokens_per_pass"] = sum(n - 1 for t in traces for n in t.tokens_out) / passes if passes else float("nan")
-    out["acceptance_bn"] = g.trace.accepted / g.trace.drafted if g.trace.drafted else float("nan")
+  if not draft:
+    out["ms_per_step"] = common.median([1e3 * t.decode_s / (t.tokens_out[0] - 1) for t in traces if t.decode_s])
+    return out
+  steps = [max(t.tokens_out[0] - 1 - t.accepted - t.verify_passes, 0) for t in traces]
+  out["ms_per_step"] = common.median(
+    [
+      (1e3 * t.decode_s - n * (plain_ms or 0.0)) / t.verify_passes
+      for t, n in zip(traces, steps, strict=True)
+      if t.decode_s and t.verify_passes
+    ]
+  )
+  drafted = sum(t.drafted for t in traces)
+  out["acceptance"] = sum(t.accepted for t in traces) / drafted if drafted else float("nan")
+  passes = sum(t.verify_passes for t in traces)
+  out["tokens_per_pass"] = (sum(t.accepted for t in traces) + passes) / passes if passes else float("nan")
+  out["plain_steps"] = sum(steps)
+  out["acceptance_bn"] = g.trace.accepted / g.trace.drafted if g.trace.drafted else float("nan")
   return out
 
 
@@ -135,6 +165,16 @@ def main(argv=None) -> int:
   p.add_argument("--heal-steps", type=int, default=0, help="train a bridge per exit here with this many steps")
   p.add_argument("--heal-rank", type=int, default=64)
   p.add_argument("--no-int8", action="store_true", help="leave out the int8 weight-variant drafts")
+  p.add_argument(
+    "--ngram",
+    type=lambda t: [x.strip() for x in t.split(",") if x.strip()],
+    default=None,
+    help="n-gram drafts ngram:SPEC for these SPECs, N or N:M (longest, shortest match; default 3)",
+  )
+  p.add_argument("--no-ngram", action="store_true", help="leave out the n-gram drafts")
+  p.add_argument("--no-exits", action="store_true", help="leave out the early-exit drafts (and their bridges)")
+  p.add_argument("--text", default="plain", choices=("plain", "repeating"), help="prompt set (default plain)")
+  p.add_argument("--weights", default="f32", choices=("f32", "native"), help="weights of the model (default f32)")
   p.add_argument("--kernels", default=None, choices=("xla", "pallas"))
   p.add_argument("--json", default=None, type=common.json_path, help="write the results here")
   args = p.parse_args(argv)
@@ -144,7 +184,7 @@ def main(argv=None) -> int:
   from thoughtjax.thoughtlet import fingerprint
 
   quick = args.quick
-  model = thoughtjax.load(args.model, kernels=args.kernels)
+  model = thoughtjax.load(args.model, kernels=args.kernels, weights=args.weights)
   L = model.config.num_layers
   depths = args.depths or ([L - 1] if quick else [8, 16, 24, 28])
   bad = [d for d in depths if not 0 <= d < L]
@@ -154,9 +194,13 @@ def main(argv=None) -> int:
   n_prompts = args.prompts or (2 if quick else 4)
   max_tokens = args.max_tokens or (8 if quick else 64)
   batch = args.batch or (2 if quick else 8)
-  prompts = [model.prompt_ids(t) for t in PROMPTS[:n_prompts]]
+  texts = REPEATING if args.text == "repeating" else PROMPTS
+  prompts = [model.prompt_ids(t) for t in texts[:n_prompts]]
   if len(prompts) < n_prompts:
-    raise BenchArgumentError(f"--prompts {n_prompts}: this benchmark has {len(PROMPTS)} prompts; ask for at most that")
+    raise BenchArgumentError(
+      f"--prompts {n_prompts}: this benchmark has {len(texts)} {args.text} prompts; ask for at most that"
+    )
+  ngrams = [] if args.no_ngram else (args.ngram or ["3"])
 
   result: dict = {
     "model": model.loaded.source,
@@ -167,12 +211,16 @@ def main(argv=None) -> int:
     "batch": batch,
     "depths": depths,
     "draft_tokens": ks,
+    "text": args.text,
+    "weights": args.weights,
   }
   print(f"plain decode, batch 1 and {batch} ...", file=sys.stderr, flush=True)
   plain = _run(model, prompts, max_tokens, batch)
-  result["plain"] = {"tok_s_b1": plain["tok_s_b1"], "tok_s_bn": plain["tok_s_bn"]}
+  result["plain"] = {"tok_s_b1": plain["tok_s_b1"], "tok_s_bn": plain["tok_s_bn"], "ms_per_step": plain["ms_per_step"]}
 
   drafts: list[tuple[str, int, Draft, str]] = []
+  if args.no_exits:
+    depths = []
   for d in depths:
     drafts.append((f"exit {d}", d, Draft(f"embed, blocks[0:{d}), head"), "raw"))
   for d, (params, origin) in _bridges(args, model, depths).items():
@@ -195,11 +243,14 @@ def main(argv=None) -> int:
         )
       )
 
+  for n in ngrams:  # no weights: drafts looked up in the row's own text
+    drafts.append((f"ngram:{n}", 0, Draft(f"ngram:{n}"), "text"))
+
   rows, identical = [], True
   for label, d, draft, origin in drafts:
     for k in ks:
       print(f"draft {label}, K={k} ...", file=sys.stderr, flush=True)
-      r = _run(model, prompts, max_tokens, batch, draft=draft, draft_tokens=k)
+      r = _run(model, prompts, max_tokens, batch, plain["ms_per_step"], draft=draft, draft_tokens=k)
       same = r["tokens_b1"] == plain["tokens_b1"] and r["tokens_bn"] == plain["tokens_bn"]
       identical &= same
       rows.append(
@@ -207,7 +258,7 @@ def main(argv=None) -> int:
           "draft": label,
           "depth": d,
           "bridge": draft.bridge is not None,
-          "weights": "int8" if "@int8" in str(draft.path) else "f32",
+          "weights": "none" if origin == "text" else "int8" if "@int8" in str(draft.path) else "f32",
           "origin": origin,
           "vocab": draft.vocab,
           "k": k,
@@ -215,6 +266,8 @@ def main(argv=None) -> int:
           "acceptance_bn": r["acceptance_bn"],
           "tokens_per_pass": r["tokens_per_pass"],
           "tok_s_b1": r["tok_s_b1"],
+          "ms_per_pass": r["ms_per_step"],
+          "plain_steps": r["plain_steps"],
           "speedup_b1": r["tok_s_b1"] / plain["tok_s_b1"],
           "tok_s_bn": r["tok_s_bn"],
           "speedup_bn": r["tok_s_bn"] / plain["tok_s_bn"],
@@ -224,24 +277,30 @@ def main(argv=None) -> int:
   result["drafts"] = rows
   result["identical"] = identical
 
-  first = drafts[0]
-  recompute = Draft(first[2].path, vocab=first[2].vocab, bridge=first[2].bridge, reuse=False)
-  r = _run(model, prompts, max_tokens, 1, draft=recompute, draft_tokens=ks[0])
-  result["reuse"] = {
-    "draft": first[0],
-    "k": ks[0],
-    "tok_s_reuse": rows[0]["tok_s_b1"],
-    "tok_s_recompute": r["tok_s_b1"],
-    "identical": r["tokens_b1"] == plain["tokens_b1"],
-  }
-  identical &= result["reuse"]["identical"]
+  result["reuse"] = None
+  if depths:  # the first exit: verify from its saved residual or recompute the shared blocks
+    first = drafts[0]
+    recompute = Draft(first[2].path, vocab=first[2].vocab, bridge=first[2].bridge, reuse=False)
+    r = _run(model, prompts, max_tokens, 1, plain["ms_per_step"], draft=recompute, draft_tokens=ks[0])
+    result["reuse"] = {
+      "draft": first[0],
+      "k": ks[0],
+      "tok_s_reuse": rows[0]["tok_s_b1"],
+      "tok_s_recompute": r["tok_s_b1"],
+      "identical": r["tokens_b1"] == plain["tokens_b1"],
+    }
+    identical &= result["reuse"]["identical"]
   result["identical"] = identical
 
   _table(
-    f"plain decode of the full path ({L} layers), greedy, {max_tokens} tokens, {len(prompts)} prompts",
-    ["batch", "tok/s"],
-    [[1, common.fmt(plain["tok_s_b1"], ".1f")], [batch, common.fmt(plain["tok_s_bn"], ".1f")]],
-    right=("batch", "tok/s"),
+    f"plain decode of the full path ({L} layers, {args.weights}), greedy, {max_tokens} tokens, {len(prompts)} "
+    f"{args.text} prompts",
+    ["batch", "tok/s", "ms/step"],
+    [
+      [1, common.fmt(plain["tok_s_b1"], ".1f"), common.fmt(plain["ms_per_step"], ".1f")],
+      [batch, common.fmt(plain["tok_s_bn"], ".1f"), ""],
+    ],
+    right=("batch", "tok/s", "ms/step"),
   )
   _table(
     "self-speculative decoding: the draft proposes K tokens, the full path verifies them in one pass",
@@ -251,6 +310,8 @@ def main(argv=None) -> int:
       "acceptance",
       "tokens/pass",
       "tok/s b1",
+      "ms/pass b1",
+      "plain steps",
       "x plain b1",
       f"tok/s b{batch}",
       f"x plain b{batch}",
@@ -263,6 +324,8 @@ def main(argv=None) -> int:
         common.fmt(r["acceptance"], ".1%"),
         common.fmt(r["tokens_per_pass"], ".2f"),
         common.fmt(r["tok_s_b1"], ".1f"),
+        common.fmt(r["ms_per_pass"], ".1f"),
+        r["plain_steps"],
         common.fmt(r["speedup_b1"], ".2f"),
         common.fmt(r["tok_s_bn"], ".1f"),
         common.fmt(r["speedup_bn"], ".2f"),
@@ -270,14 +333,31 @@ def main(argv=None) -> int:
       ]
       for r in rows
     ],
-    right=("K", "acceptance", "tokens/pass", "tok/s b1", "x plain b1", f"tok/s b{batch}", f"x plain b{batch}"),
+    right=(
+      "K",
+      "acceptance",
+      "tokens/pass",
+      "tok/s b1",
+      "ms/pass b1",
+      "plain steps",
+      "x plain b1",
+      f"tok/s b{batch}",
+      f"x plain b{batch}",
+    ),
   )
   u = result["reuse"]
-  _table(
-    f"verify from the draft's saved residual vs recomputing the shared blocks ({u['draft']}, K={u['k']}, batch 1)",
-    ["reuse tok/s", "recompute tok/s", "same"],
-    [[common.fmt(u["tok_s_reuse"], ".1f"), common.fmt(u["tok_s_recompute"], ".1f"), "yes" if u["identical"] else "NO"]],
-  )
+  if u is not None:
+    _table(
+      f"verify from the draft's saved residual vs recomputing the shared blocks ({u['draft']}, K={u['k']}, batch 1)",
+      ["reuse tok/s", "recompute tok/s", "same"],
+      [
+        [
+          common.fmt(u["tok_s_reuse"], ".1f"),
+          common.fmt(u["tok_s_recompute"], ".1f"),
+          "yes" if u["identical"] else "NO",
+        ]
+      ],
+    )
   print(f"greedy tokens identical to plain decoding: {'yes' if identical else 'NO'}")
   if args.json:
     common.write_json(args.json, result)

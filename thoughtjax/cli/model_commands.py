@@ -225,7 +225,9 @@ def add_parsers(sub) -> None:
     "--draft",
     default=None,
     metavar="PATH",
-    help='self-speculative decoding: a prefix of the path drafts, e.g. "embed, blocks[0:10), head" '
+    help='self-speculative decoding: a prefix of the path drafts, e.g. "embed, blocks[0:10), head", or the '
+    'text itself, "ngram:N" (what followed the latest earlier match of the last N..1 tokens, N in [1, 16]; '
+    '"ngram:N:M": only from a match of at least M tokens, a plain step otherwise) '
     "(greedy output identical, sampling keeps its distribution)",
   )
   p.add_argument(

@@ -26,7 +26,8 @@ Steps (each reported to ``progress(stage, done, total, item)``):
 
 5. **speculative**: :func:`speculative_candidates` adds the full path verifying the best prefix drafts
    and, when the registry holds a weight variant of every block (``registry build --variants int8``), the
-   full path in those weights (kind ``speculative``, the full path's quality); :func:`measure_speculative`
+   full path in those weights, and drafts from the text itself (``ngram:N:M``: no weights, what followed the
+   latest earlier match of the last N..M tokens) (kind ``speculative``, the full path's quality); :func:`measure_speculative`
    times each against the plain full path on the first hint's calibration text and stores its decode
    factor in ``latency.corrections``.
 
@@ -110,12 +111,18 @@ class SpeculativeSettings:
   too, each where the registry holds that variant of every block of the full path (the full path in int8
   weights agrees far more than any raw exit; what it costs here is measured like any draft).
   ``draft_tokens``: K per verify pass; ``vocab``: the draft head's truncated vocabulary (None: the whole one).
+  ``ngram``: the spec of each n-gram draft, ``"N"`` or ``"N:M"`` (:class:`thoughtjax.speculative.Draft`
+  ``"ngram:N:M"``: look up the last N tokens down to M, a plain step without such a match): drafts looked up
+  in the text itself, which pay where the text repeats; () for none. The default ``"3:2"``: on the default
+  model, batch 1 f32 on this 2-core CPU, a verify pass costs about 2x a plain step, and drafting from
+  one-token matches too ("3") lost more on text that does not repeat than it gained where it does.
   """
 
   drafts: int = 1
   draft_tokens: int = 4
   vocab: int | None = None
   variants: tuple[str, ...] = ("int8",)
+  ngram: tuple[str, ...] = ("3:2",)
 
   def __post_init__(self):
     v = self.variants
@@ -135,6 +142,24 @@ class SpeculativeSettings:
       )
     if self.vocab is not None and (isinstance(self.vocab, bool) or not isinstance(self.vocab, int) or self.vocab < 1):
       raise CalibrateError(f"SpeculativeSettings.vocab: expected None or an integer >= 1, got {self.vocab!r}")
+    from thoughtjax.speculative import DraftError, ngram_order
+
+    n = self.ngram
+    why = None
+    if isinstance(n, (str, int)) or not isinstance(n, (tuple, list)) or not all(isinstance(x, str) for x in n):
+      why = f"got {n!r}"
+    else:
+      for x in n:
+        try:
+          ngram_order(f"ngram:{x}")
+        except DraftError as e:
+          why = str(e)
+    if why is not None:
+      raise CalibrateError(
+        f"SpeculativeSettings.ngram: expected a tuple of n-gram specs 'N' or 'N:M' (e.g. ('3:2',)), N in [1, 16], "
+        f"M in [1, N]; {why}; () for none"
+      )
+    object.__setattr__(self, "ngram", tuple(dict.fromkeys(n)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,9 +325,10 @@ def recalibrate_latency(
 ) -> Calibration:
   """``stored``'s candidates and quality with latency re-measured on this machine (``--latency-only``).
 
-  When ``stored`` has no speculative candidate, ``speculative`` chooses them as :func:`calibrate` does (the
-  drafts from the stored quality on the first calibrated hint of the dictionary) and they are measured
-  here; ``SpeculativeSettings(drafts=0, variants=())`` keeps the stored candidates only."""
+  The speculative candidates ``speculative`` chooses as :func:`calibrate` does (the drafts from the stored
+  quality on the first calibrated hint of the dictionary) that ``stored`` lacks (one made before
+  speculative candidates, or before n-gram drafts, existed) are added and measured here;
+  ``SpeculativeSettings(drafts=0, variants=(), ngram=())`` keeps the stored candidates only."""
   progress = progress or _nop
   report = report if report is not None else CalibrateReport()
   if stored.sequence != registry.sequence:
@@ -315,10 +341,9 @@ def recalibrate_latency(
   quality = {
     with_cost_keys(c).path_hash: stored.quality[c.path_hash] for c in stored.candidates if c.path_hash in stored.quality
   }
-  if not any(c.draft is not None for c in candidates):
-    hint = first_hint(stored.hints)
-    if hint is not None:  # without a calibrated hint of the dictionary there is no text to time a draft on
-      candidates += speculative_candidates(candidates, quality, hint, speculative, registry=registry)
+  hint = first_hint(stored.hints)
+  if hint is not None:  # without a calibrated hint of the dictionary there is no text to time a draft on
+    candidates += missing_speculative(candidates, quality, hint, speculative, registry=registry)
   texts = None
   if any(c.draft is not None for c in candidates):  # speculative factors are measured on calibration text
     texts = _calibration_text(registry, stored.hints, settings)
@@ -362,6 +387,22 @@ def _is_prefix_draft(c: Candidate, full: Candidate) -> bool:
   return list(mid[:k]) == list(fmid[:k]) and all(is_bridge(u.name) for u in mid[k:]) and k < len(fmid)
 
 
+def missing_speculative(
+  candidates: Sequence[Candidate],
+  quality: dict,
+  hint: str,
+  settings: SpeculativeSettings = SpeculativeSettings(),
+  *,
+  registry=None,
+) -> list[Candidate]:
+  """The :func:`speculative_candidates` of the non-speculative ``candidates`` that ``candidates`` lacks."""
+  have = {c.path_hash for c in candidates}
+  plain = [c for c in candidates if c.draft is None]
+  return [
+    c for c in speculative_candidates(plain, quality, hint, settings, registry=registry) if c.path_hash not in have
+  ]
+
+
 def variant_units(registry, full: Candidate, variant: str) -> tuple[Unit, ...] | None:
   """``full``'s units with every block in ``variant`` weights (the registry's current ``<block>@<variant>``
   thoughtlets, covering the same layers), embed and head its own; None when the registry lacks one."""
@@ -396,9 +437,9 @@ def speculative_candidates(
 ) -> list[Candidate]:
   """Speculative candidates: the full path verifying each of the ``settings.drafts`` prefix candidates of
   highest top-1 agreement on ``hint``'s calibration split (ties: fewer layers, then path hash), then, given
-  ``registry``, the full path in each of ``settings.variants`` that it holds for every block; see
-  :class:`SpeculativeSettings`. Their quality is the full path's; their latency is measured
-  (:func:`measure_speculative`)."""
+  ``registry``, the full path in each of ``settings.variants`` that it holds for every block, then the n-gram
+  draft of each spec in ``settings.ngram``; see :class:`SpeculativeSettings`. Their quality is the full path's;
+  their latency is measured (:func:`measure_speculative`)."""
   full = next(c for c in candidates if c.kind is CandidateKind.FULL)
   full_refs = {u.ref for u in full.units}
   scored = []
@@ -420,6 +461,9 @@ def speculative_candidates(
       tuple(dict.fromkeys(u for u in units if u.ref not in full_refs)),
       sum(u.layers for u in units),
     )
+    out.append(Candidate.build(full.path, CandidateKind.SPECULATIVE, full.units, draft))
+  for n in settings.ngram:  # no weights, no layers: the draft is a lookup in the row's own text
+    draft = DraftPlan(f"ngram:{n}", settings.draft_tokens)
     out.append(Candidate.build(full.path, CandidateKind.SPECULATIVE, full.units, draft))
   return out
 
@@ -458,7 +502,7 @@ def measure_speculative(
     raise CalibrateError(
       f"speculative candidates need calibration text to time them on (prompts of >= 2 tokens within the context "
       f"of {model.config.max_context} minus {n} new tokens), got {len(texts)} documents; give the first hint a "
-      f"calibration split, or set SpeculativeSettings(drafts=0)"
+      f"calibration split, or set SpeculativeSettings(drafts=0, variants=(), ngram=())"
     )
 
   # One prompt per prompt bucket compiles every program the rounds run.

@@ -12,15 +12,16 @@ dir, built and calibrated on first use.
    of the same model and mapping gives the same ones); latency is always measured here
    (:func:`~thoughtjax.synthesis.calibrate.recalibrate_latency`, about a minute). The shipped table predates
    speculative candidates: the recalibration adds them (the full path verifying the exit with the highest
-   top-1 agreement in the table, K from :class:`~thoughtjax.synthesis.calibrate.SpeculativeSettings`) and
-   times them against the plain full path here. Without a matching table the full calibration runs
+   top-1 agreement in the table, and the n-gram draft that looks its tokens up in the text, K from
+   :class:`~thoughtjax.synthesis.calibrate.SpeculativeSettings`) and times them against the plain full path here. Without a matching table the full calibration runs
    (minutes). The result is stored in the registry.
 
 Both files are the package's own (:mod:`thoughtjax.shipped`), wherever the process runs: a ``registry/``
 folder in the working directory changes nothing.
 
 Later uses open it and check the stored calibration; a calibration measured on another machine
-(fingerprint), or one stored before speculative candidates existed, has its latency re-measured.
+(fingerprint), or one that lacks a speculative candidate a recalibration adds (stored before they, or n-gram
+drafts, existed), has its latency re-measured.
 Progress goes to ``progress(stage, done, total, item)``.
 """
 
@@ -142,14 +143,12 @@ def _in_form(reg, weights: str):
 
 
 def _lacks_speculative(reg, cal) -> bool:
-  """``cal`` has no speculative candidate, though a recalibration would add one (a calibration stored by a
-  thoughtjax before they existed)."""
+  """``cal`` lacks a speculative candidate a recalibration would add (a calibration stored by a thoughtjax
+  before they, or n-gram drafts, existed)."""
   from thoughtjax.synthesis import calibrate as cal_lib
 
-  if any(c.draft is not None for c in cal.candidates):
-    return False
   hint = cal_lib.first_hint(cal.hints)
-  return hint is not None and bool(cal_lib.speculative_candidates(cal.candidates, cal.quality, hint, registry=reg))
+  return hint is not None and bool(cal_lib.missing_speculative(cal.candidates, cal.quality, hint, registry=reg))
 
 
 def open_default(progress: Progress | None = None, **kwargs):
