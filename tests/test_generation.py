@@ -178,6 +178,22 @@ def test_repeated_and_skipped_layers_run(engine):
   assert repeat.parts.blocks[1]["attn"]["q"][...] is engine.parts.blocks[1]["attn"]["q"][...]
 
 
+def test_paths_of_one_shape_share_one_compiled_program(engine):
+  """Weights are arguments: a path of the same shape as one that has run compiles nothing, and runs its own
+  layers (checked against a full forward of that path, which is compiled for it alone)."""
+  ids = [3, 4, 5]
+  first, second = engine.with_path((0, 1, 1, 2)), engine.with_path((2, 0, 0, 1))
+  first.generate(ids, max_tokens=6, ignore_eos=True)
+  before = program_lib.PROGRAMS.stats()
+  g = second.stream(ids, max_tokens=6, ignore_eos=True)
+  got = g.completions()[0].token_ids
+  after = program_lib.PROGRAMS.stats()
+  assert (after.misses, after.hits) == (before.misses, before.hits + 1)
+  assert g.trace.compile_s == 0.0
+  assert got == greedy_reference(second, ids, 6)
+  assert got != first.generate(ids, max_tokens=6, ignore_eos=True).token_ids  # not the first path's answer
+
+
 def test_forced_pallas_kernels_match_reference_in_the_program(engine):
   """The Pallas sampling kernel (interpreted on CPU) inside the whole program."""
   pallas = thoughtjax.Model(engine.loaded, kernels="pallas")

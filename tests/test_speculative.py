@@ -81,6 +81,23 @@ def test_greedy_is_token_identical_to_plain_greedy(engine, make, k):
   assert got[2].token_ids == plain[2][:13] and got[2].finish_reason == "length"
 
 
+def test_paths_of_one_shape_share_one_speculative_program(engine):
+  """The speculative program is keyed by the shapes of the path and its draft: a second path of the same shape
+  uses the first's program, and each stays token-identical to its own plain greedy text."""
+  first, second = engine.with_path((0, 1, 1, 2)), engine.with_path((0, 2, 2, 1))  # both open on the draft's block
+  params, stops = [SamplingParams(max_tokens=12, ignore_eos=True)], [[]]
+  draft = "embed, blocks[0:1), head"
+  a = speculative.prepare(first, [PROMPTS[0]], params, stops, draft)
+  b = speculative.prepare(second, [PROMPTS[0]], params, stops, draft)
+  assert a.program is b.program and a.key != b.key
+  texts = []
+  for m in (first, second):
+    plain = m.generate(PROMPTS[0], max_tokens=12, ignore_eos=True).token_ids
+    assert m.generate(PROMPTS[0], max_tokens=12, ignore_eos=True, draft=draft, draft_tokens=2).token_ids == plain
+    texts.append(plain)
+  assert texts[0] != texts[1]
+
+
 def test_trace_counts_add_up(engine):
   g = engine.stream(PROMPTS[0], max_tokens=30, ignore_eos=True, draft="embed, blocks[0:2), head", draft_tokens=3)
   c = g.result()

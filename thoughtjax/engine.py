@@ -496,7 +496,7 @@ class Model:
         lengths[r] = len(u)
       prompt = TemplatePrompt(template.prefix_rows, template.suffix_rows, _to_device(user_ids), _to_device(lengths))
     samp = sampling_arrays(params, B, self.config.vocab_size, key.stop_width, self.codec.eos_ids, key.has_bias)
-    req = _Request(prog, self._parts, prompt, _to_device(pad), samp)
+    req = _Request(prog, self._parts.by_position(self.layers), prompt, _to_device(pad), samp)
     trace = Trace(key, ids, start, tokens_out=[0] * len(ids))
     cancelled = threading.Event()
     runner = _run_chunks if stream_mode == "chunks" else _run_callback

@@ -335,6 +335,24 @@ class PathParts(NamedTuple):
       nnx.state(model.embed), {i: nnx.state(model.blocks[i]) for i in sorted(set(layers))}, nnx.state(model.head)
     )
 
+  def by_position(self, *sequences: Sequence[int]) -> PathParts:
+    """These parts keyed by position along ``sequences`` (see :func:`path_shape`), the form a program takes:
+    a layer a path repeats appears once per position, holding the same arrays."""
+    blocks, start = {}, 0
+    for layers in sequences:
+      blocks.update(zip(path_shape(layers, start), (self.blocks[i] for i in layers), strict=True))
+      start += len(layers)
+    return PathParts(self.embed, blocks, self.head)
+
+
+def path_shape(layers: Sequence[int], start: int = 0) -> tuple[int, ...]:
+  """A path as its program sees it: position p holds block ``start + p``, or bridge ``-(start + p + 1)``.
+
+  Weights are program arguments, so paths of one shape (say the 30 layers in order, and 30 layers that
+  repeat a span) run one compiled program: the program is keyed by this shape and its parts are
+  :meth:`PathParts.by_position`. ``start`` numbers a second sequence after a first (a draft after its path)."""
+  return tuple(start + p if i >= 0 else -(start + p + 1) for p, i in enumerate(layers))
+
 
 class GraphDefs(NamedTuple):
   """Static structure of a path's modules (one block graph serves every layer)."""

@@ -4,7 +4,7 @@ Model code never calls ``jax.jit``: generation (:class:`Program`) and scoring
 (:data:`score_logits`) are compiled here. Elsewhere ``jax.jit`` appears only to measure:
 thoughtlet profiling (one thoughtlet alone) and the benchmarks.
 
-A program serves one key: (path, batch bucket, prompt bucket, new-token bucket,
+A program serves one key: (path shape, batch bucket, prompt bucket, new-token bucket,
 stop-set width, sampling mode, bias on/off, decode chunk, kernels, template widths, masked), and the
 graph definitions and model config it was built for. Its single entry point
 ``advance(parts, prompt, pad, sampling, state)`` runs, inside XLA,
@@ -20,6 +20,11 @@ an ``io_callback`` from inside one long loop (:meth:`Program.run_with_callback`)
 comparison; its host sink returns whether to stop, so it too ends at the next step. JAX does
 not write programs with host callbacks to the persistent compilation cache, so every new process
 would recompile it; see BENCHMARKS.md for the measured trade-off.
+
+Weights are arguments: a program is keyed by its path's shape (:func:`~thoughtjax.model.path_shape`, the
+number of blocks and where bridges sit), not by which layers it holds, and runs on the path's parts
+:meth:`~thoughtjax.model.PathParts.by_position`. Every 30-layer path shares one program, whichever layers
+it repeats or skips.
 
 Programs live in :data:`PROGRAMS`, a thread-safe LRU with a size bound that counts hits,
 misses and evictions; compiled executables also persist on disk through JAX's cache.
@@ -49,7 +54,18 @@ from thoughtjax import cachedir, exported
 from thoughtjax.kernels.template_embed import template_embed
 
 # GraphDefs, PathParts and merge_path live with the model; re-exported here for old imports.
-from thoughtjax.model import Block, Embed, GraphDefs, Head, PathParts, kv_cache_shape, merge_path, path_config, run_path
+from thoughtjax.model import (
+  Block,
+  Embed,
+  GraphDefs,
+  Head,
+  PathParts,
+  kv_cache_shape,
+  merge_path,
+  path_config,
+  path_shape,
+  run_path,
+)
 from thoughtjax.sampling import SamplingArrays, SamplingMode, sample
 
 DEFAULT_CHUNK = 8
@@ -79,7 +95,7 @@ def bucket(n: int, minimum: int = 16) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ProgramKey:
-  layers: tuple[int, ...]  # path as layer indices, repeats allowed
+  layers: tuple[int, ...]  # path as layer indices, repeats allowed (PROGRAMS keys by its path_shape)
   batch: int  # B
   prompt_len: int  # T
   max_new: int  # N
@@ -388,6 +404,9 @@ class ProgramCache:
     self.hits = self.misses = self.evictions = 0
 
   def get(self, key: ProgramKey, defs: GraphDefs, cfg) -> Program:
+    """The program of ``key``'s shape: it runs any path of that shape, given the path's parts
+    :meth:`~thoughtjax.model.PathParts.by_position`."""
+    key = dataclasses.replace(key, layers=path_shape(key.layers))
     ident = (key, defs, cfg)
     with self._lock:
       prog = self._programs.get(ident)

@@ -58,7 +58,7 @@ import numpy as np
 from thoughtjax import formats
 from thoughtjax.decode.stream import Generation, Rows, Trace
 from thoughtjax.errors import UserError
-from thoughtjax.model import GraphDefs, PathParts, kv_cache_shape, merge_path, rope_tables, run_path
+from thoughtjax.model import GraphDefs, PathParts, kv_cache_shape, merge_path, path_shape, rope_tables, run_path
 from thoughtjax.paths import format_path, parse_path
 from thoughtjax.program import COMPILE_CLOCK, DEFAULT_CHUNK, bucket
 from thoughtjax.sampling import (
@@ -673,9 +673,21 @@ def _composed(model, path: str):
   return other
 
 
-@functools.lru_cache(maxsize=16)
 def get_program(key: SpecKey, defs: GraphDefs, cfg) -> SpecProgram:
-  """Programs by key, graph definitions and config (a small LRU; XLA executables also persist on disk)."""
+  """The program of ``key``'s shape: its path and draft numbered by position (:func:`~thoughtjax.model.path_shape`,
+  the draft after the path), run on parts :meth:`~thoughtjax.model.PathParts.by_position` of both."""
+  shape = dataclasses.replace(key, layers=path_shape(key.layers), draft=path_shape(key.draft, len(key.layers)))
+  return _program(shape, defs, cfg)
+
+
+def clear_programs() -> None:
+  """Forget every speculative program (a server scaled to zero)."""
+  _program.cache_clear()
+
+
+@functools.lru_cache(maxsize=16)
+def _program(key: SpecKey, defs: GraphDefs, cfg) -> SpecProgram:
+  """Programs by shape key, graph definitions and config (a small LRU; XLA executables also persist on disk)."""
   return SpecProgram(key, defs, cfg)
 
 
@@ -723,6 +735,7 @@ def _run(prog, parts, prompt, pad, samp, vocab_ids, rows, trace, cancelled: thre
 class SpecRequest(NamedTuple):
   """One speculative call's program and inputs, prepared on the host."""
 
+  key: SpecKey  # the call's own key (the program's holds its shape)
   program: SpecProgram
   parts: PathParts
   prompt: jax.Array  # [B, T] i32, left-padded
@@ -779,7 +792,8 @@ def prepare(
     pad[r] = T - len(row)
     tokens[r, T - len(row) :] = row
   samp = sampling_arrays(params, B, model.config.vocab_size, key.stop_width, model.codec.eos_ids, key.has_bias)
-  return SpecRequest(prog, d.parts, jnp.asarray(tokens), jnp.asarray(pad), samp, d.vocab_ids)
+  parts = d.parts.by_position(key.layers, key.draft)
+  return SpecRequest(key, prog, parts, jnp.asarray(tokens), jnp.asarray(pad), samp, d.vocab_ids)
 
 
 def stream_batch(
@@ -795,7 +809,7 @@ def stream_batch(
   """A speculative :class:`~thoughtjax.decode.stream.Generation` of prompt ids (the engine's ``draft=`` path)."""
 
   req = prepare(model, ids, params, stops, draft, draft_tokens, accept)
-  trace = Trace(req.program.key, [list(i) for i in ids], start, tokens_out=[0] * len(ids))
+  trace = Trace(req.key, [list(i) for i in ids], start, tokens_out=[0] * len(ids))
   cancelled = threading.Event()
   rows = Rows(model.codec, params, stops)
   run = _run(req.program, req.parts, req.prompt, req.pad, req.samp, req.vocab_ids, rows, trace, cancelled)

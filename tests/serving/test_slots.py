@@ -326,3 +326,15 @@ def test_a_chunk_computes_only_the_slots_in_use_and_each_gives_its_alone_tokens(
   runs = generate_in_slots(engine, many)
   assert engine.rows_computed - rows == 8 * (engine.chunks - chunks)
   assert runs[5].token_ids == alone(model, many[5][0], **_kw(params)).token_ids
+
+
+def test_engines_on_paths_of_one_shape_share_one_program_and_each_runs_its_own_layers(model):
+  """The slot program is keyed by the path's shape: an engine on a second path of the same shape uses the
+  first's program, and every request's tokens are its own path's alone tokens."""
+  first, second = model.with_path((0, 1, 1, 2)), model.with_path((2, 0, 0, 1))
+  a, b = SlotEngine(first, slots=2, cache_len=64), SlotEngine(second, slots=2, cache_len=64)
+  assert a.program is b.program
+  params = SamplingParams(max_tokens=8, ignore_eos=True)
+  for path, engine in ((first, a), (second, b)):
+    (run,) = generate_in_slots(engine, [(PROMPTS[1], params)])
+    assert run.token_ids == alone(path, PROMPTS[1], **_kw(params)).token_ids

@@ -151,7 +151,7 @@ def drop_compiled_programs() -> None:
   program.PROGRAMS.clear()
   with slots._SLOT_PROGRAMS_LOCK:
     slots._SLOT_PROGRAMS.clear()
-  speculative.get_program.cache_clear()
+  speculative.clear_programs()
   jax.clear_caches()
 
 

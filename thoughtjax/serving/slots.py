@@ -76,7 +76,7 @@ from thoughtjax.constraint import Matcher
 from thoughtjax.decode.masks import ALL, grammars_for
 from thoughtjax.decode.stream import Delta, Rows, Trace
 from thoughtjax.errors import UserError
-from thoughtjax.model import GraphDefs, kv_cache_shape, merge_path, path_config, rope_tables, run_path
+from thoughtjax.model import GraphDefs, kv_cache_shape, merge_path, path_config, path_shape, rope_tables, run_path
 from thoughtjax.program import COMPILE_CLOCK, ProgramKey, bucket
 from thoughtjax.sampling import (
   SamplingArrays,
@@ -451,11 +451,15 @@ _SLOT_PROGRAMS_LOCK = threading.Lock()
 
 
 def slot_program(defs, cfg, layers, slots, cache_len, chunk, kernels) -> SlotProgram:
-  """The slot program of this layout, made once per process (a new engine of the same layout compiles nothing)."""
-  key = (defs, cfg, tuple(layers), slots, cache_len, chunk, kernels)
+  """The slot program of this layout, made once per process (a new engine of the same layout compiles nothing).
+
+  Keyed by the path's shape (:func:`~thoughtjax.model.path_shape`): it runs any path of that shape on the
+  path's parts :meth:`~thoughtjax.model.PathParts.by_position`."""
+  shape = path_shape(layers)
+  key = (defs, cfg, shape, slots, cache_len, chunk, kernels)
   with _SLOT_PROGRAMS_LOCK:
     if key not in _SLOT_PROGRAMS:
-      _SLOT_PROGRAMS[key] = SlotProgram(defs, cfg, tuple(layers), slots, cache_len, chunk, kernels)
+      _SLOT_PROGRAMS[key] = SlotProgram(defs, cfg, shape, slots, cache_len, chunk, kernels)
     return _SLOT_PROGRAMS[key]
 
 
@@ -483,7 +487,7 @@ class SlotEngine:
       raise SlotRequestError(f"chunk must be >= 1 and cache_len >= 2, got chunk={self.chunk} cache_len={cache_len}")
     self.stop_width, self.layers, self.kernels = stop_width, tuple(model.layers), model.kernels
     self.defs = GraphDefs.from_model(model.module)
-    self.parts = model.parts
+    self.parts = model.parts.by_position(self.layers)  # the programs are keyed by the path's shape
     self._lock = threading.RLock()  # engine state: insert, step, free
     self._cancel_lock = threading.Lock()
     self._runs: list[SlotRun | None] = [None] * self.slots
