@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from thoughtjax.errors import UserError
+from thoughtjax.serving.pool import EnginePool, PoolFull
 
 
 class QueueFull(UserError, RuntimeError):
@@ -274,18 +275,13 @@ class ContinuousScheduler(SimpleScheduler):
   slot (or its place in the driver's queue) is cancelled and freed at the end of the chunk running then; the
   turn is released once the slot is free. Chunks between cancel and free are recorded (:class:`RequestRecord`).
 
-  Engines are made lazily per path and ring length (the request's prompt + max_tokens bucket, at least
-  ``cache_len``), at most ``max_engines``. A request joins the path's engine that fits it with the most requests
-  on it (ties: the smallest ring), so requests of different lengths share one batch instead of several engines
-  stepping in turn on the same cores; a new engine is made only when none fits, and past ``max_engines`` an idle
-  engine is evicted for it (all busy: :class:`QueueFull`). A run that does not hold its own generation carrying its inputs (``Generation.inputs``;
-  e.g. a wrapper that forwards it) runs alone, as in :class:`SimpleScheduler`.
-
-  Each engine keeps a prefix cache (:class:`~thoughtjax.serving.prefix.PrefixCache`) of ``prefix_cache_bytes``
-  (0: none) in blocks of ``prefix_block_tokens``; it goes with its engine. ``snapshot()`` adds up their counters.
-  Leases: a request holds a lease on its engine from the moment it is handed the driver until its slot is free
-  (or it never got one), so an engine with queued, prefilling or placed work, or one handed to a request that
-  has not submitted yet, is never evicted or released (:meth:`release_path`, the server's idle release).
+  The engines live in ``self.pool`` (:class:`~thoughtjax.serving.pool.EnginePool`: per path and ring length, at
+  most ``max_engines``, a prefix cache of ``prefix_cache_bytes`` each). A request holds a lease on its engine from
+  the moment it is handed the driver until its slot is free (or it never got one), so an engine with queued,
+  prefilling or placed work, or one handed to a request that has not submitted yet, is never evicted or released
+  (:meth:`release_path`, the server's idle release); a request whose path needs an engine when every one is in
+  use is shed with :class:`QueueFull`. A run that does not hold its own generation carrying its inputs
+  (``Generation.inputs``; e.g. a wrapper that forwards it) runs alone, as in :class:`SimpleScheduler`.
   """
 
   def __init__(
@@ -300,103 +296,40 @@ class ContinuousScheduler(SimpleScheduler):
     prefix_block_tokens: int = 16,
   ):
     super().__init__(max_concurrent, max_queue, keep_records=keep_records)
-    self.max_engines, self.cache_len = max_engines, cache_len
-    self.prefix_cache_bytes, self.prefix_block_tokens = prefix_cache_bytes, prefix_block_tokens
-    self._engines: collections.OrderedDict[tuple, Any] = collections.OrderedDict()  # key -> SlotDriver
-    self._engines_lock = threading.Lock()
-    self._freed_by_closed = 0  # slots freed by engines since closed (evicted), so the count survives them
-    self._leases: collections.Counter = collections.Counter()  # SlotDriver -> requests handed it, slot not yet free
+    self.pool = EnginePool(
+      max_concurrent,
+      max_engines=max_engines,
+      cache_len=cache_len,
+      prefix_cache_bytes=prefix_cache_bytes,
+      prefix_block_tokens=prefix_block_tokens,
+    )
     self.refused_deadline = 0
 
   def snapshot(self) -> dict:
-    with self._engines_lock:
-      drivers = list(self._engines.values())
     return {
       **super().snapshot(),
       "scheduler": "continuous",
-      "engines": len(drivers),
-      "slots_in_use": sum(d.engine.active for d in drivers),
-      "slots_freed": self._freed_by_closed + sum(d.engine.freed_total for d in drivers),
+      **self.pool.stats(),
       "refused_deadline": self.refused_deadline,
-      **_prefix_totals(drivers),
     }
 
-  def _driver(self, model, tokens: int):
-    """The driver of ``model``'s path for requests of ``tokens`` prompt + new tokens (made on first use)."""
-    from thoughtjax.program import bucket
-    from thoughtjax.serving import SlotDriver, SlotEngine
-
-    cache_len = min(bucket(tokens, self.cache_len), model.config.max_context)
-    path = (model.path_hash, tuple(model.layers), model.kernels, model.chunk)
-    key = (*path, cache_len)
-    with self._engines_lock:
-      # Join the path's engine that fits with the most requests on it (then the smallest ring): one batch on
-      # the cores, not one per ring length stepping in turn; a new engine only when none fits.
-      fits = [
-        (-self._leases.get(d, 0), k[-1], k) for k, d in self._engines.items() if k[:-1] == path and k[-1] >= cache_len
-      ]
-      driver = self._engines[min(fits)[2]] if fits else None
-      if driver is not None:
-        self._engines.move_to_end(next(k for k, d in self._engines.items() if d is driver))
-        self._leases[driver] += 1
-        return driver
-      if len(self._engines) >= self.max_engines:
-        idle = next((k for k, d in self._engines.items() if self._unused(d)), None)
-        if idle is None:
-          self.shed += 1
-          raise QueueFull(
-            f"{len(self._engines)} paths are decoding at once (max_engines {self.max_engines}) and none is idle; "
-            f"retry with backoff, or serve fewer distinct paths"
-          )
-        evicted = self._engines.pop(idle)
-        self._freed_by_closed += evicted.engine.freed_total
-        evicted.close()
-      prefix = None
-      if self.prefix_cache_bytes > 0:
-        from thoughtjax.serving.prefix import PrefixCache
-
-        prefix = PrefixCache(self.prefix_block_tokens, self.prefix_cache_bytes)
-      engine = SlotEngine(model, self.max_concurrent, cache_len=cache_len, prefix_cache=prefix)
-      driver = self._engines[key] = SlotDriver(engine)
-      self._leases[driver] += 1
-      return driver
-
-  def _unused(self, driver) -> bool:
-    """No request holds a lease on ``driver`` and it has nothing queued, prefilling or in a slot (under
-    ``_engines_lock``: a lease is only taken under it)."""
-    return self._leases[driver] == 0 and not driver.busy
-
-  def _unlease(self, driver) -> None:
-    with self._engines_lock:
-      self._leases[driver] -= 1
-      if self._leases[driver] <= 0:
-        del self._leases[driver]
+  def _lease(self, model, tokens: int):
+    """The pool's driver for the request, with a lease (worker thread); a full pool sheds the request."""
+    try:
+      return self.pool.lease(model, tokens)
+    except PoolFull as e:
+      self.shed += 1
+      raise QueueFull(str(e)) from None
 
   def release_path(self, path_hash: str) -> bool:
-    """Close every engine of the path ``path_hash`` (its KV caches and its reference to the model go); False,
-    closing none, when one of them is in use (a lease, queued or placed work). Any thread; the engines are
-    idle, so closing them only stops their driver threads."""
-    with self._engines_lock:
-      keys = [k for k in self._engines if k[0] == path_hash]
-      if any(not self._unused(self._engines[k]) for k in keys):
-        return False
-      drivers = [self._engines.pop(k) for k in keys]
-      for d in drivers:
-        self._freed_by_closed += d.engine.freed_total
-        self._leases.pop(d, None)
-    for d in drivers:
-      d.close()
-    return True
+    """Close the engines of ``path_hash`` unless one is in use (:meth:`EnginePool.release_path`)."""
+    return self.pool.release_path(path_hash)
 
   def resident_models(self) -> list:
-    """The models the engines hold (what an idle release must not evict the weights of)."""
-    with self._engines_lock:
-      return [d.engine.model for d in self._engines.values()]
+    return self.pool.resident_models()
 
   def resident_paths(self) -> set[str]:
-    """The path hashes of the engines."""
-    with self._engines_lock:
-      return {k[0] for k in self._engines}
+    return self.pool.resident_paths()
 
   async def stream(
     self, start: Callable[[], Run], *, request_id: str, deadline: float | None = None
@@ -421,7 +354,7 @@ class ContinuousScheduler(SimpleScheduler):
       model, (ids,), (params,) = inputs
       # The driver comes with a lease (released once the slot is free): kept in the box, so a call that ends
       # while it is being handed out still gives it back.
-      box["driver"] = self._executor.submit(self._driver, model, len(ids) + params.max_tokens)
+      box["driver"] = self._executor.submit(self._lease, model, len(ids) + params.max_tokens)
       driver = await asyncio.wrap_future(box["driver"])
       ready: asyncio.Queue = asyncio.Queue()
       # The driver prefills it with the others waiting then; its first token goes out as soon as that call ends.
@@ -527,26 +460,14 @@ class ContinuousScheduler(SimpleScheduler):
       finally:
         got = box.get("driver")
         if got is not None and not got.cancelled() and got.exception() is None:
-          self._unlease(got.result())  # its slot is free (or it never took one)
+          self.pool.give_back(got.result())  # its slot is free (or it never took one)
         _hand_back(loop, self, record)
 
     threading.Thread(target=finish, name=f"thoughtjax-release-{record.request_id}", daemon=True).start()
 
   def close(self) -> None:
-    with self._engines_lock:
-      drivers, self._engines = list(self._engines.values()), collections.OrderedDict()
-    for d in drivers:
-      d.close()
+    self.pool.close()
     super().close()
-
-
-def _prefix_totals(drivers) -> dict:
-  """The prefix caches' counters of ``drivers``' engines, added (the engines alive now)."""
-  out: collections.Counter = collections.Counter()
-  for d in drivers:
-    if d.engine.prefix_cache is not None:
-      out.update(d.engine.prefix_cache.stats())
-  return dict(out)
 
 
 def make_scheduler(config) -> Scheduler:

@@ -21,9 +21,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from server.app import BackgroundServer
 from server.config import ConfigError, from_mapping, load_config
 from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
-from server.scheduling import ContinuousScheduler, QueueFull
+from server.scheduling import ContinuousScheduler
 from tests.server.conftest import config, wait_ready
 from tests.server.test_server import stub_of
+from thoughtjax.serving.pool import PoolFull
 
 IDLE_S = 1000.0  # the servers' idle time: never reached by the clock while a test runs
 LATER = 10 * IDLE_S  # ``now`` past every path's idle time
@@ -80,7 +81,7 @@ def _resident_arrays(service) -> list:
   s = service.serving
   sched = service.scheduler
   holders = [*s.syn.models(), *s.paths.values(), *sched.resident_models()]
-  holders += [d.engine._state for d in sched._engines.values()]
+  holders += [d.engine._state for d in sched.pool.drivers()]
   holders += [e.params for e in s.registry._resident._entries.values()]
   return [x for x in jax.tree.leaves(holders) if isinstance(x, jax.Array)]
 
@@ -117,7 +118,7 @@ def test_an_idle_path_drops_its_engines_and_weights_and_comes_back_token_identic
   assert isinstance(sched, ContinuousScheduler)
   want_path = _ask(srv, path, request_id="before-path")
   want_hint = _ask(srv, None, request_id="before-hint")
-  assert service.resident_paths() and sched._engines and service.serving.registry.stats().resident
+  assert service.resident_paths() and sched.pool.drivers() and service.serving.registry.stats().resident
   assert not _release(srv, now=0.0)  # not idle long enough yet
   arrays = _resident_arrays(service)
   assert arrays
@@ -130,7 +131,7 @@ def test_an_idle_path_drops_its_engines_and_weights_and_comes_back_token_identic
   released = _release(srv)
   gc.collect()
   assert sorted(released) == sorted(resident)
-  assert not sched._engines and not service.serving.syn.models() and not service.serving.paths
+  assert not sched.pool.drivers() and not service.serving.syn.models() and not service.serving.paths
   assert service.serving.registry.stats().resident == []
   assert service.resident_paths() == set()
   # Nothing of the released weights, KV caches included, stays alive: no array object, no array on their buffers.
@@ -144,7 +145,7 @@ def test_an_idle_path_drops_its_engines_and_weights_and_comes_back_token_identic
 
   assert _ask(srv, path, request_id="after-path") == want_path
   assert _ask(srv, None, request_id="after-hint") == want_hint
-  assert sched._engines and service.metrics.sample("thoughtjax_resident_paths") >= 1
+  assert sched.pool.drivers() and service.metrics.sample("thoughtjax_resident_paths") >= 1
 
 
 def test_a_request_arriving_while_a_release_runs_gets_its_answer(srv, path, monkeypatch):
@@ -176,7 +177,7 @@ def test_a_request_arriving_while_a_release_runs_gets_its_answer(srv, path, monk
     released = releasing.result(60)
     got = answer.result(120)
   assert released and got == want
-  assert srv.app.service.scheduler._engines  # the request brought its path back
+  assert srv.app.service.scheduler.pool.drivers()  # the request brought its path back
 
 
 def test_no_release_while_a_request_is_starting(srv, path, monkeypatch):
@@ -209,18 +210,18 @@ def test_a_path_with_a_stream_in_flight_is_not_released(srv, path):
   _ask(srv, path, request_id="engine")  # the path's engine exists
   ch, stub = stub_of(srv)
   with ch, contextlib.ExitStack() as held:
-    for d in list(sched._engines.values()):
+    for d in sched.pool.drivers():
       held.enter_context(d.engine._lock)
     req = pb.SynthesizeRequest(prompt=PROMPT, path=path, max_tokens=40, request_id="long", logit_bias={0: 50.0})
     it = iter(stub.Synthesize(req, timeout=120))
     assert next(it).WhichOneof("kind") == "plan" and next(it).WhichOneof("kind") == "delta"
-    hashes = {k[0] for k in sched._engines}
+    hashes = sched.pool.resident_paths()
     assert hashes and not set(_release(srv, settle=False)) & hashes
-    assert {k[0] for k in sched._engines} >= hashes and service.resident_paths() >= hashes
+    assert sched.pool.resident_paths() >= hashes and service.resident_paths() >= hashes
     held.close()  # the stream takes its slot and runs to its end
     rest = list(it)
   assert rest[-1].WhichOneof("kind") == "final" and rest[-1].final.usage.tokens_out == 40
-  assert set(_release(srv)) >= hashes and not sched._engines
+  assert set(_release(srv)) >= hashes and not sched.pool.drivers()
 
 
 def test_an_engine_with_handed_out_queued_prefilling_or_placed_work_is_never_closed(syn, path):
@@ -236,11 +237,11 @@ def test_an_engine_with_handed_out_queued_prefilling_or_placed_work_is_never_clo
   params = SamplingParams(max_tokens=40, logit_bias={0: 50.0})
   sched = ContinuousScheduler(2, 2, max_engines=1)
   try:
-    driver = sched._driver(model, 16)  # handed out: a lease, nothing submitted
+    driver = sched.pool.lease(model, 16)  # handed out: a lease, nothing submitted
     assert sched.release_path(model.path_hash) is False
-    with pytest.raises(QueueFull, match="none is idle"):
-      sched._driver(other, 16)  # the only engine is handed out: not evicted for another path
-    sched._unlease(driver)
+    with pytest.raises(PoolFull, match="none is idle"):
+      sched.pool.lease(other, 16)  # the only engine is handed out: not evicted for another path
+    sched.pool.give_back(driver)
     with driver.engine._lock:  # the driver prefills, delivers the first token, then waits to place it
       first = driver.submit(ids, params)
       assert next(first).token_ids  # prefilled, not placed: not queued and not in a slot
@@ -249,12 +250,12 @@ def test_an_engine_with_handed_out_queued_prefilling_or_placed_work_is_never_clo
       queued = driver.submit(ids, params)  # behind the one being placed
       assert driver.waiting == 1 and sched.release_path(model.path_hash) is False
       queued.cancel()
-    assert driver._thread.is_alive() and list(sched._engines.values()) == [driver]
+    assert driver.alive and sched.pool.drivers() == [driver]
     assert sched.release_path(model.path_hash) is False or first.finished  # placed: in its slot
     first.cancel()
     assert first.freed.wait(60) and queued.freed.wait(60)
     assert sched.release_path(model.path_hash) is True
-    assert not sched._engines and not driver._thread.is_alive()
+    assert not sched.pool.drivers() and not driver.alive
   finally:
     sched.close()
 

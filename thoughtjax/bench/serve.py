@@ -116,7 +116,7 @@ class _Load:
 
 def _engine_counts(scheduler) -> tuple[int, int, int]:
   """(prefill calls, requests prefilled, decode chunks) over the scheduler's slot engines so far."""
-  engines = [d.engine for d in list(scheduler._engines.values())]
+  engines = [d.engine for d in scheduler.pool.drivers()]
   return (
     sum(e.prefill_calls for e in engines),
     sum(e.prefill_rows for e in engines),
@@ -167,7 +167,7 @@ def bench_cancel(load: _Load, scheduler, count: int, timeout: float) -> dict:
     for r in records.values()
     if r.decode_chunks_end is not None and r.decode_chunks_at_cancel is not None
   ]
-  chunk_s = [s for d in list(scheduler._engines.values()) for s in d.engine.chunk_seconds]
+  chunk_s = [s for d in scheduler.pool.drivers() for s in d.engine.chunk_seconds]
   return {
     "cancelled": len(ids),
     "recorded": len(records),
@@ -366,7 +366,7 @@ def main(argv=None) -> int:
     try:
       load.closed_loop(min(args.slots, 2), 1, args.level_seconds, args.timeout)  # compile prefill, insert, chunk
       sched = srv.app.service.scheduler
-      for d in list(sched._engines.values()):  # every prefill batch size the levels may meet
+      for d in sched.pool.drivers():  # every prefill batch size the levels may meet
         d.engine.warm(prompt_len)
       rows = []
       for c in levels:

@@ -997,6 +997,11 @@ class SlotDriver:
     return len(self._pending)
 
   @property
+  def alive(self) -> bool:
+    """The driver's thread runs (False once closed)."""
+    return self._thread.is_alive()
+
+  @property
   def busy(self) -> bool:
     """Work queued, being prefilled or placed, or in a slot: closing the driver now would end it."""
     with self._cond:

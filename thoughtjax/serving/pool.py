@@ -1,0 +1,165 @@
+"""The engine pool: slot engines per path and ring length, shared by every request, with leases and eviction.
+
+A server (any transport) asks the pool for the engine of a request (:meth:`EnginePool.lease`) and gets its
+:class:`~thoughtjax.serving.slots.SlotDriver` with a lease on it; the lease is given back
+(:meth:`EnginePool.give_back`) once the request's slot is free, or when it never took one.
+
+* Engines are made lazily per path and ring length (the request's prompt + max_tokens bucket, at least
+  ``cache_len``), at most ``max_engines``. A request joins the path's engine that fits it with the most leases on
+  it (ties: the smallest ring), so requests of different lengths share one batch instead of several engines
+  stepping in turn on the same cores; a new engine is made only when none fits.
+* Past ``max_engines`` an unused engine is evicted for the new one; when every engine is in use,
+  :class:`PoolFull`. An engine is in use while a request holds a lease on it (handed out, not yet submitted) or it
+  has work queued, prefilling, being placed or in a slot: such an engine is never evicted or released
+  (:meth:`release_path`, a server's idle release).
+* Closing an engine (eviction, release) stops its driver thread, outside the pool's lock: the pool's other
+  callers (a metrics scrape, another request) never wait for it. Every method may block on the engines' work and
+  belongs on a worker thread, not on an event loop; :meth:`stats` and :meth:`drivers` only read.
+* Each engine keeps a prefix cache (:class:`~thoughtjax.serving.prefix.PrefixCache`) of ``prefix_cache_bytes``
+  (0: none) in blocks of ``prefix_block_tokens``; it goes with its engine. :meth:`stats` adds up their counters.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+from thoughtjax.errors import UserError
+from thoughtjax.program import bucket
+from thoughtjax.serving.prefix import PrefixCache
+from thoughtjax.serving.slots import SlotDriver, SlotEngine
+
+
+class PoolFull(UserError, RuntimeError):
+  """Every engine the pool may hold is in use and the request's path needs another one."""
+
+
+class EnginePool:
+  """Slot engines by (path, ring length), at most ``max_engines``, each with ``slots`` slots; see the module
+  docstring. Thread-safe."""
+
+  def __init__(
+    self,
+    slots: int,
+    *,
+    max_engines: int = 4,
+    cache_len: int = 64,
+    prefix_cache_bytes: int = 0,
+    prefix_block_tokens: int = 16,
+  ):
+    if slots < 1 or max_engines < 1:
+      raise ValueError(f"an engine pool needs slots >= 1 and max_engines >= 1, got {slots} and {max_engines}")
+    self.slots, self.max_engines, self.cache_len = slots, max_engines, cache_len
+    self.prefix_cache_bytes, self.prefix_block_tokens = prefix_cache_bytes, prefix_block_tokens
+    self._engines: collections.OrderedDict[tuple, SlotDriver] = collections.OrderedDict()  # least recent first
+    self._leases: collections.Counter[SlotDriver] = collections.Counter()
+    self._lock = threading.Lock()
+    self._freed_by_closed = 0  # slots freed by engines since closed, so the count survives them
+    self.evictions = 0
+    self._closed = False
+
+  # ---- leases ----------------------------------------------------------------------------------------------
+  def lease(self, model, tokens: int) -> SlotDriver:
+    """The driver of ``model``'s path for a request of ``tokens`` prompt + new tokens (made on first use), with a
+    lease on it; :class:`PoolFull` when it needs a new engine and every engine is in use."""
+    cache_len = min(bucket(tokens, self.cache_len), model.config.max_context)
+    path = (model.path_hash, tuple(model.layers), model.kernels, model.chunk)
+    evicted = None
+    with self._lock:
+      if self._closed:
+        raise PoolFull("the engine pool is closed (the server is stopping); retry on another replica")
+      fits = [(-self._leases[d], k[-1], k) for k, d in self._engines.items() if k[:-1] == path and k[-1] >= cache_len]
+      if fits:
+        key = min(fits)[2]
+        self._engines.move_to_end(key)
+        driver = self._engines[key]
+      else:
+        if len(self._engines) >= self.max_engines:
+          idle = next((k for k, d in self._engines.items() if self._unused(d)), None)
+          if idle is None:
+            raise PoolFull(
+              f"{len(self._engines)} paths are decoding at once (max_engines {self.max_engines}) and none is idle; "
+              f"retry with backoff, or serve fewer distinct paths"
+            )
+          evicted = self._engines.pop(idle)
+          self._freed_by_closed += evicted.engine.freed_total
+          self.evictions += 1
+        prefix = PrefixCache(self.prefix_block_tokens, self.prefix_cache_bytes) if self.prefix_cache_bytes else None
+        engine = SlotEngine(model, self.slots, cache_len=cache_len, prefix_cache=prefix)
+        driver = self._engines[(*path, cache_len)] = SlotDriver(engine)
+      self._leases[driver] += 1
+    if evicted is not None:
+      evicted.close()  # unused: only its thread stops, and nobody waits on the lock meanwhile
+    return driver
+
+  def give_back(self, driver: SlotDriver) -> None:
+    """End one lease on ``driver`` (its request's slot is free, or it never took one)."""
+    with self._lock:
+      self._leases[driver] -= 1
+      if self._leases[driver] <= 0:
+        del self._leases[driver]
+
+  def leases(self, driver: SlotDriver) -> int:
+    """Requests holding a lease on ``driver`` now."""
+    with self._lock:
+      return self._leases[driver]
+
+  def _unused(self, driver: SlotDriver) -> bool:
+    """No lease on ``driver`` and nothing queued, prefilling or in a slot (under ``_lock``: leases change under it)."""
+    return self._leases[driver] == 0 and not driver.busy
+
+  # ---- release ---------------------------------------------------------------------------------------------
+  def release_path(self, path_hash: str) -> bool:
+    """Close every engine of the path ``path_hash`` (its KV caches and its reference to the model go); False,
+    closing none, when one of them is in use."""
+    with self._lock:
+      keys = [k for k in self._engines if k[0] == path_hash]
+      if any(not self._unused(self._engines[k]) for k in keys):
+        return False
+      drivers = [self._engines.pop(k) for k in keys]
+      for d in drivers:
+        self._freed_by_closed += d.engine.freed_total
+    for d in drivers:
+      d.close()
+    return True
+
+  def close(self) -> None:
+    """Close every engine (runs still in a slot end with an error); later leases are refused."""
+    with self._lock:
+      self._closed = True
+      drivers, self._engines = list(self._engines.values()), collections.OrderedDict()
+      self._leases.clear()
+    for d in drivers:
+      d.close()
+
+  # ---- reading -------------------------------------------------------------------------------------------------
+  def drivers(self) -> list[SlotDriver]:
+    """The engines' drivers now, least recently leased first."""
+    with self._lock:
+      return list(self._engines.values())
+
+  def resident_models(self) -> list:
+    """The models the engines hold (what an idle release must not evict the weights of)."""
+    return [d.engine.model for d in self.drivers()]
+
+  def resident_paths(self) -> set[str]:
+    """The path hashes of the engines."""
+    with self._lock:
+      return {k[0] for k in self._engines}
+
+  def stats(self) -> dict:
+    """engines, slots_in_use, slots_freed (engines closed since included), engine_evictions, and the prefix caches'
+    counters added up."""
+    with self._lock:
+      drivers, freed_before = list(self._engines.values()), self._freed_by_closed
+    totals: collections.Counter = collections.Counter()
+    for d in drivers:
+      if d.engine.prefix_cache is not None:
+        totals.update(d.engine.prefix_cache.stats())
+    return {
+      "engines": len(drivers),
+      "slots_in_use": sum(d.engine.active for d in drivers),
+      "slots_freed": freed_before + sum(d.engine.freed_total for d in drivers),
+      "engine_evictions": self.evictions,
+      **totals,
+    }
