@@ -30,6 +30,7 @@ import numpy as np
 
 from thoughtjax import assembly, speculative
 from thoughtjax import program as program_lib
+from thoughtjax.decode import indexed
 from thoughtjax.decode.masks import RowMasks, grammars_for
 from thoughtjax.decode.stream import Completion, Delta, Generation, RequestError, Rows, Trace
 from thoughtjax.kernels.dispatch import resolve as resolve_kernels
@@ -200,9 +201,15 @@ class Model:
     template: Template | None = None,
     mesh=None,
     dtype=None,
+    layout: str = "unrolled",
   ):
     if chunk < 1:
       raise RequestError(f"chunk must be >= 1 decode step per device call, got {chunk}")
+    if layout not in indexed.LAYOUTS:
+      raise RequestError(f"layout is one of {', '.join(indexed.LAYOUTS)}; got {layout!r}")
+    if layout == "indexed" and any(i < 0 for i in (layers or ())):
+      raise RequestError("a path with a bridge has no layer-indexed form; use layout='unrolled'")
+    self.layout = layout
     self.loaded = loaded
     self.config = loaded.config
     self.codec = loaded.codec
@@ -231,6 +238,7 @@ class Model:
       )
     self._templates: dict[str | None, Template] = {}
     self._templates_lock = threading.Lock()
+    self._stacked = None  # the held blocks stacked, for the indexed layout (made on its first request)
 
   @property
   def parts(self) -> PathParts:
@@ -282,8 +290,12 @@ class Model:
       template=self.template,
       mesh=self.mesh,
       dtype=self.dtype,
+      layout=self.layout,
     )
-    return Model(**(fields | changes))
+    model = Model(**(fields | changes))
+    if model._parts is self._parts:
+      model._stacked = self._stacked  # the same held blocks: stacked once
+    return model
 
   @classmethod
   def composed(
@@ -313,6 +325,12 @@ class Model:
       dtype=dtype,
     )
 
+  def with_layout(self, layout: str) -> Model:
+    """The same model and path compiled ``"unrolled"`` (every block traced into the program, the default) or
+    ``"indexed"`` (one loop over the held blocks stacked, :mod:`thoughtjax.decode.indexed`; the stack is a copy
+    of the held weights)."""
+    return self._replace(layout=layout)
+
   def with_chunk(self, chunk: int) -> Model:
     """The same model and path streaming in decode chunks of ``chunk`` steps."""
     return self._replace(chunk=chunk)
@@ -339,6 +357,16 @@ class Model:
           f"string that includes them, e.g. model.with_path('embed, blocks[0:30), head')"
         )
     return self._replace(layers=layers, parts=parts, links=None)
+
+  def _program_parts(self, positions: int):
+    """What this path's program takes: its parts by position, or (indexed) the held blocks stacked and the path
+    as an index vector over ``positions``."""
+    if self.layout == "unrolled":
+      return self._parts.by_position(self.layers)
+    with self._templates_lock:
+      if self._stacked is None:
+        self._stacked = indexed.stack(self._parts)
+    return indexed.stacked_parts(self._parts, self._stacked, self.layers, positions)
 
   # ---- prompts ------------------------------------------------------------------
   def _check_system(self, system: str | None) -> None:
@@ -476,7 +504,12 @@ class Model:
       template=None if template is None else template.widths,
       masked=masks is not None,
     )
-    prog = program_lib.PROGRAMS.get(key, self._defs, self.config)
+    if self.layout == "indexed":  # the program holds max_layers positions; the trace keeps the path
+      positions = tuple(range(indexed.max_layers(len(self.layers), self.config.num_layers)))
+      shape = dataclasses.replace(key, layers=positions, layout="indexed")
+      prog = program_lib.PROGRAMS.get(shape, self._defs, self.config, indexed.IndexedProgram)
+    else:
+      prog = program_lib.PROGRAMS.get(key, self._defs, self.config)
     B, T = key.batch, key.prompt_len
     pad = np.full(B, T - 1, np.int32)
     for r, row in enumerate(ids):
@@ -496,7 +529,7 @@ class Model:
         lengths[r] = len(u)
       prompt = TemplatePrompt(template.prefix_rows, template.suffix_rows, _to_device(user_ids), _to_device(lengths))
     samp = sampling_arrays(params, B, self.config.vocab_size, key.stop_width, self.codec.eos_ids, key.has_bias)
-    req = _Request(prog, self._parts.by_position(self.layers), prompt, _to_device(pad), samp)
+    req = _Request(prog, self._program_parts(len(prog.key.layers)), prompt, _to_device(pad), samp)
     trace = Trace(key, ids, start, tokens_out=[0] * len(ids))
     cancelled = threading.Event()
     runner = _run_chunks if stream_mode == "chunks" else _run_callback

@@ -48,6 +48,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.experimental import io_callback
 
 from thoughtjax import cachedir, exported
@@ -106,6 +107,7 @@ class ProgramKey:
   kernels: str | None = None  # implementation of both kernels (sampler, template embed); None = per backend
   template: tuple[int, int] | None = None  # (P1, P2): prompts arrive as TemplatePrompt
   masked: bool = False  # sampling takes per-row allowed-token bitmasks (constrained decoding; chunk 1)
+  layout: str = "unrolled"  # "indexed": one loop over stacked layer weights (thoughtjax.decode.indexed)
 
   @property
   def cache_len(self) -> int:  # S
@@ -166,12 +168,21 @@ class Program:
   def _modules(self, parts: PathParts) -> tuple[Embed, list[Block], Head]:
     return merge_path(self.defs, parts, self.key.layers)
 
-  def _init_impl(self) -> DecodeState:
+  def _run(self, parts, tokens, positions, caches, write_at, mask, embeddings=None):
+    """The path over tokens [B, T] (or ``embeddings`` [B, T, D]): logits [B, T, V] and the new caches."""
+    embed, blocks, head = self._modules(parts)
+    logits, caches = run_path(embed, blocks, head, tokens, positions, caches, write_at, mask, embeddings)
+    return logits, tuple(caches)
+
+  def _init_caches(self) -> tuple:
     k = self.key
     shape = kv_cache_shape(self.cfg, k.batch, k.cache_len)
-    dtype = jnp.float32
     # A bridge (negative slot) reads no keys: it gets a one-element placeholder, not a cache.
-    caches = tuple((jnp.zeros(shape if i >= 0 else (k.batch, 1, 1, 1), dtype),) * 2 for i in k.layers)
+    return tuple((jnp.zeros(shape if i >= 0 else (k.batch, 1, 1, 1), jnp.float32),) * 2 for i in k.layers)
+
+  def _init_impl(self) -> DecodeState:
+    k = self.key
+    caches = self._init_caches()
     return DecodeState(
       caches,
       jnp.zeros(k.batch, jnp.int32),
@@ -194,7 +205,6 @@ class Program:
 
   def _prefill(self, parts, prompt, pad, samp, state):
     k = self.key
-    embed, blocks, head = self._modules(parts)
     T, S = k.prompt_len, k.cache_len
     t = jnp.arange(T)
     positions = jnp.maximum(t[None, :] - pad[:, None], 0)
@@ -207,7 +217,7 @@ class Program:
       embeddings = template_embed(
         prompt.prefix_rows,
         prompt.suffix_rows,
-        embed.table[...],
+        nnx.merge(self.defs.embed, parts.embed).table[...],
         prompt.user_ids,
         prompt.user_lengths,
         total_len=T,
@@ -215,22 +225,19 @@ class Program:
         implementation=k.kernels,
       )
       prompt = None
-    logits, caches = run_path(
-      embed, blocks, head, prompt, positions, state.caches, jnp.zeros((), jnp.int32), mask, embeddings
-    )
+    logits, caches = self._run(parts, prompt, positions, state.caches, jnp.zeros((), jnp.int32), mask, embeddings)
     token, stop = sample(logits[:, -1], samp, state.step, k.mode, k.kernels)
-    return self._record(state._replace(caches=tuple(caches)), token, stop, samp)
+    return self._record(state._replace(caches=caches), token, stop, samp)
 
   def _decode_step(self, parts, pad, samp, state):
     k = self.key
-    embed, blocks, head = self._modules(parts)
     slot = k.prompt_len + state.step - 1
     positions = (slot - pad)[:, None]
     s = jnp.arange(k.cache_len)
     mask = ((s[None, :] >= pad[:, None]) & (s[None, :] <= slot))[:, None, :]
-    logits, caches = run_path(embed, blocks, head, state.token[:, None], positions, state.caches, slot, mask)
+    logits, caches = self._run(parts, state.token[:, None], positions, state.caches, slot, mask)
     token, stop = sample(logits[:, -1], samp, state.step, k.mode, k.kernels)
-    return self._record(state._replace(caches=tuple(caches)), token, stop, samp)
+    return self._record(state._replace(caches=caches), token, stop, samp)
 
   def _decode_chunk(self, parts, prompt, pad, samp, state):
     del prompt
@@ -403,9 +410,10 @@ class ProgramCache:
     self._lock = threading.Lock()
     self.hits = self.misses = self.evictions = 0
 
-  def get(self, key: ProgramKey, defs: GraphDefs, cfg) -> Program:
+  def get(self, key: ProgramKey, defs: GraphDefs, cfg, make: Callable[..., Program] | None = None) -> Program:
     """The program of ``key``'s shape: it runs any path of that shape, given the path's parts
-    :meth:`~thoughtjax.model.PathParts.by_position`."""
+    :meth:`~thoughtjax.model.PathParts.by_position`. ``make(key, defs, cfg)`` builds a missing one
+    (default :class:`Program`; the layer-indexed form passes its own)."""
     key = dataclasses.replace(key, layers=path_shape(key.layers))
     ident = (key, defs, cfg)
     with self._lock:
@@ -415,7 +423,7 @@ class ProgramCache:
         self._programs.move_to_end(ident)
         return prog
       self.misses += 1
-      prog = self._programs[ident] = Program(key, defs, cfg)
+      prog = self._programs[ident] = (make or Program)(key, defs, cfg)
       while len(self._programs) > self.capacity:
         self._programs.popitem(last=False)
         self.evictions += 1

@@ -1,0 +1,95 @@
+"""The layer-indexed form of a generation program: one loop over stacked layer weights, driven by an index vector.
+
+The unrolled form (:class:`~thoughtjax.program.Program`) traces every block of a path into the program, so its
+executable grows with the path and a path of another length compiles again. This form stacks the blocks a model
+holds once (every weight gets a leading axis over the held layers, :func:`stack`) and runs a ``lax.fori_loop``
+over the path's positions: position p reads the weights of layer ``index[p]`` and its own KV cache, ``count``
+positions in all. The path is data, so every path over the same held blocks of at most ``max_layers`` positions
+(the model's layer count, doubled until the path fits) runs one compiled program.
+
+It computes what the unrolled form computes, block by block in the same order (``tests/decode/test_indexed.py``
+checks tokens against it); paths with bridges have no indexed form. Which form is faster on this machine, and by
+how much, is measured by ``thoughtjax bench layers`` (BENCHMARKS.md); the unrolled form is the default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from thoughtjax.model import PathParts, kv_cache_shape, rope_tables
+from thoughtjax.program import Program
+
+LAYOUTS = ("unrolled", "indexed")
+
+
+class StackedParts(NamedTuple):
+  """What an indexed program takes in place of a path's parts."""
+
+  embed: nnx.State
+  blocks: nnx.State  # every leaf [L, ...]: the held layers, in ascending layer order
+  head: nnx.State
+  index: jax.Array  # [max_layers] i32: row of ``blocks`` at each path position (0 past ``count``)
+  count: jax.Array  # i32: positions in use
+
+
+def stack(parts: PathParts) -> nnx.State:
+  """The blocks ``parts`` holds, stacked along a new leading axis in ascending layer order (a copy)."""
+  held = sorted(parts.blocks)
+  if any(i < 0 for i in held):
+    raise ValueError("a path with a bridge has no layer-indexed form; run it unrolled")
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *[parts.blocks[i] for i in held])
+
+
+def max_layers(path_len: int, num_layers: int) -> int:
+  """Positions an indexed program holds: ``num_layers``, doubled until ``path_len`` fits."""
+  n = num_layers
+  while n < path_len:
+    n *= 2
+  return n
+
+
+def stacked_parts(parts: PathParts, blocks: nnx.State, layers: Sequence[int], positions: int) -> StackedParts:
+  """``layers`` as an index vector over ``blocks`` (the :func:`stack` of ``parts``), padded to ``positions``."""
+  held = sorted(parts.blocks)
+  row = {layer: r for r, layer in enumerate(held)}
+  index = np.zeros(positions, np.int32)
+  index[: len(layers)] = [row[i] for i in layers]
+  return StackedParts(parts.embed, blocks, parts.head, jnp.asarray(index), jnp.asarray(len(layers), jnp.int32))
+
+
+class IndexedProgram(Program):
+  """A :class:`~thoughtjax.program.Program` whose path is a loop over stacked weights (see the module docstring).
+
+  Its key's ``layers`` are ``range(max_layers)`` (the positions it holds caches for) and its ``layout``
+  ``"indexed"``; ``advance`` takes :class:`StackedParts` where the unrolled form takes the path's parts."""
+
+  def _init_caches(self) -> tuple:
+    k = self.key
+    shape = (len(k.layers), *kv_cache_shape(self.cfg, k.batch, k.cache_len))
+    return ((jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32)),)
+
+  def _run(self, parts: StackedParts, tokens, positions, caches, write_at, mask, embeddings=None):
+    embed, head = nnx.merge(self.defs.embed, parts.embed), nnx.merge(self.defs.head, parts.head)
+    x = embed(tokens) if embeddings is None else embeddings
+    cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+    ((keys, values),) = caches
+
+    def body(p, carry):
+      x, keys, values = carry
+      take = lambda a: jax.lax.dynamic_index_in_dim(a, parts.index[p], keepdims=False)  # noqa: E731
+      block = nnx.merge(self.defs.block, jax.tree.map(take, parts.blocks))
+      ck = jax.lax.dynamic_index_in_dim(keys, p, keepdims=False)
+      cv = jax.lax.dynamic_index_in_dim(values, p, keepdims=False)
+      x, ck, cv = block(x, cos, sin, ck, cv, write_at, mask)
+      keys = jax.lax.dynamic_update_index_in_dim(keys, ck, p, 0)
+      values = jax.lax.dynamic_update_index_in_dim(values, cv, p, 0)
+      return x, keys, values
+
+    x, keys, values = jax.lax.fori_loop(0, parts.count, body, (x, keys, values))
+    return head(x, embed.table[...]), ((keys, values),)
