@@ -1,0 +1,27 @@
+"""``thoughtjax bench layers`` on a tiny GGUF: both layouts compile in processes of their own into empty caches,
+every figure is measured for both, the table and the JSON report come out (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.tiny import TINY_CONFIGS, write_gguf
+from thoughtjax.bench import layers
+from thoughtjax.model import init_random
+
+
+def test_both_layouts_are_measured_and_reported(tmp_path, monkeypatch, capsys):
+  monkeypatch.setenv("THOUGHTJAX_CACHE", str(tmp_path / "cache"))
+  cfg = TINY_CONFIGS["llama_gqa"]
+  gguf = write_gguf(tmp_path / "tiny.gguf", cfg, init_random(cfg, 1, scale=0.08))
+  out = tmp_path / "layers.json"
+  argv = ["--model", str(gguf), "--new-tokens", "4", "--prompt-tokens", "20", "--repeats", "1"]
+  assert layers.main([*argv, "--startup-runs", "1", "--json", str(out)]) == 0
+  text = capsys.readouterr().out
+  assert "decode b1" in text and "indexed / unrolled" in text
+  report = json.loads(out.read_text())
+  for name in layers.LAYOUTS:
+    assert all(s > 0 for s in report["compile_s"][name].values()) and report["executable_cache_bytes"][name] > 0
+    assert all(len(v) == 1 and v[0] > 0 for v in report["rates"][name].values())
+    assert len(report["startup_first_token_s"][name]) == 1
+  assert report["prompt_tokens"] == 20

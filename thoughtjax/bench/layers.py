@@ -1,0 +1,203 @@
+"""``thoughtjax bench layers``: the unrolled program against the layer-indexed one, in the same run.
+
+For each layout (``unrolled``: every block traced into the program; ``indexed``: one loop over the stacked blocks,
+:mod:`thoughtjax.decode.indexed`), on the default model (or ``--model``) and ``--weights``:
+
+* compile: seconds the first request of each shape spends tracing, lowering and compiling (the trace's
+  ``compile_s``), with a compilation cache of its own, empty at the start, and exported programs off, so both
+  compile from nothing;
+* executable size: bytes the compilation cache holds for that layout once every measured shape has run;
+* decode tok/s at batch 1 and batch 8 (``--new-tokens`` greedy tokens per row, EOS ignored; tokens after the first
+  over the time after the first), and prefill tok/s of a ``--prompt-tokens`` prompt at batch 1 (prompt tokens
+  over the time from the device call to the first token): medians of ``--repeats``, the layouts alternating;
+* start-up: a new process (``python -c``) that loads the model, runs one request and prints the seconds from its
+  start to the first token, with that layout's compilation cache warm: median of ``--startup-runs``.
+
+``--json FILE`` writes the report. The layout with the higher batch-1 and batch-8 decode is the one to default to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from thoughtjax.bench import common
+
+LAYOUTS = ("unrolled", "indexed")
+TEXT = (
+  "The lighthouse keeper climbed the spiral stairs every evening, counting the steps as his father had taught him, "
+  "and at the top he trimmed the wick, polished the great lens and watched the ships pass along the dark coast. "
+)
+
+# A new process, with the compilation cache argv[1]: "compile" runs each shape's first request and prints the
+# compile seconds of each; "startup" prints the seconds from its start to the first token of one request.
+_CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import thoughtjax
+from thoughtjax import program
+from thoughtjax.bench import layers
+program.configure_compilation_cache(sys.argv[1])
+model = thoughtjax.load(sys.argv[2] or None, weights=sys.argv[3], compile_cache=False).with_layout(sys.argv[4])
+if sys.argv[5] == "startup":
+  g = model.stream([1, 2, 3, 4], max_tokens=2, ignore_eos=True)
+  next(iter(g))
+  print(json.dumps(time.perf_counter() - t0))
+else:
+  short, batch8, ids = layers.prompts(model, int(sys.argv[6]))
+  new = int(sys.argv[7])
+  print(json.dumps({
+    "batch1": layers.decode_rate(model, short, new)[1],
+    "batch8": layers.decode_rate(model, batch8, new)[1],
+    "prefill": layers.prefill_rate(model, ids)[1],
+  }))
+"""
+
+
+def _child(cache: str, model_name: str | None, weights: str, layout: str, *args: str):
+  env = {**os.environ, "THOUGHTJAX_EXPORT_CACHE": "off"}  # every program traces and lowers from nothing
+  argv = [sys.executable, "-c", _CHILD, cache, model_name or "", weights, layout, *args]
+  out = subprocess.run(argv, capture_output=True, text=True, env=env)
+  if out.returncode:
+    raise SystemExit(f"bench layers: a {layout} child process failed:\n{out.stderr[-2000:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def prompts(model, prompt_tokens: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
+  """The batch-1 and batch-8 decode prompts (16 tokens each) and the prefill prompt."""
+  enc = model.codec.encode
+  ids = enc(TEXT * (1 + prompt_tokens // 40))[:prompt_tokens]
+  return [enc(TEXT)[:16]], [enc(TEXT)[i : i + 16] for i in range(8)], ids
+
+
+def _dir_bytes(path: str) -> int:
+  return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def decode_rate(model, ids: list[list[int]], new_tokens: int) -> tuple[float, float]:
+  """(decode tok/s over the rows after their first token, compile seconds) of one greedy batch."""
+  from thoughtjax.sampling import SamplingParams
+
+  g = model.stream_batch(ids, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+  g.completions()
+  t = g.trace
+  return (sum(t.tokens_out) - len(ids)) / (t.end - t.first_token), t.compile_s
+
+
+def prefill_rate(model, ids: list[int]) -> tuple[float, float]:
+  """(prompt tokens per second from the device call to the first token, compile seconds)."""
+  g = model.stream(ids, max_tokens=1, ignore_eos=True)
+  g.completions()
+  t = g.trace
+  return len(ids) / (t.first_token - t.device_start), t.compile_s
+
+
+def run(
+  model_name: str | None,
+  *,
+  weights: str,
+  new_tokens: int,
+  prompt_tokens: int,
+  repeats: int,
+  startup_runs: int,
+  workdir: str,
+) -> dict:
+  import thoughtjax
+
+  base = thoughtjax.load(model_name, weights=weights)
+  short, batch8, ids = prompts(base, prompt_tokens)
+  caches = {name: os.path.join(workdir, f"xla-{name}") for name in LAYOUTS}
+  # Each layout's first requests in a process of its own, compiling into an empty cache.
+  compile_s = {name: _child(caches[name], model_name, weights, name, "compile", str(prompt_tokens), str(new_tokens))
+               for name in LAYOUTS}  # fmt: skip
+  sizes = {name: _dir_bytes(caches[name]) for name in LAYOUTS}
+  models = {name: base.with_layout(name) for name in LAYOUTS}
+  rates: dict[str, dict[str, list[float]]] = {name: {"batch1": [], "batch8": [], "prefill": []} for name in LAYOUTS}
+  for m in models.values():  # this process's own first requests (compiled or loaded): not measured
+    decode_rate(m, short, new_tokens), decode_rate(m, batch8, new_tokens), prefill_rate(m, ids)
+  for _ in range(repeats):
+    for name in LAYOUTS:
+      m = models[name]
+      rates[name]["batch1"].append(decode_rate(m, short, new_tokens)[0])
+      rates[name]["batch8"].append(decode_rate(m, batch8, new_tokens)[0])
+      rates[name]["prefill"].append(prefill_rate(m, ids)[0])
+  startup: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+  for _ in range(startup_runs):
+    for name in LAYOUTS:
+      startup[name].append(_child(caches[name], model_name, weights, name, "startup"))
+  med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+  return {
+    "model": base.loaded.name,
+    "weights": weights,
+    "new_tokens": new_tokens,
+    "prompt_tokens": len(ids),
+    "repeats": repeats,
+    "compile_s": compile_s,
+    "executable_cache_bytes": sizes,
+    "rates": rates,
+    "median": {name: {k: med(v) for k, v in rates[name].items()} for name in LAYOUTS},
+    "startup_first_token_s": startup,
+    "startup_median_s": {name: med(startup[name]) for name in LAYOUTS},
+  }
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser(prog="thoughtjax bench layers", description=__doc__.split("\n\n")[0])
+  p.add_argument("--model", default=None, help="model name or path (default: the default model)")
+  p.add_argument("--weights", default="f32", help="weight form: f32 (default), native, int8 or int8a8")
+  p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per row in the decode runs (default 64)")
+  p.add_argument("--prompt-tokens", type=int, default=250, help="prompt of the prefill run (default 250)")
+  p.add_argument("--repeats", type=int, default=3, help="measured rounds, layouts alternating (default 3)")
+  p.add_argument("--startup-runs", type=int, default=3, help="new processes per layout (default 3; 0: none)")
+  p.add_argument("--json", default=None, type=common.json_path, help="write the report to this JSON file")
+  args = p.parse_args(argv)
+  if args.repeats < 1 or args.new_tokens < 2 or args.prompt_tokens < 1 or args.startup_runs < 0:
+    p.error("--repeats >= 1, --new-tokens >= 2, --prompt-tokens >= 1 and --startup-runs >= 0")
+  t0 = time.perf_counter()
+  with tempfile.TemporaryDirectory(prefix="thoughtjax-bench-layers-") as work:
+    res = run(
+      args.model,
+      weights=args.weights,
+      new_tokens=args.new_tokens,
+      prompt_tokens=args.prompt_tokens,
+      repeats=args.repeats,
+      startup_runs=args.startup_runs,
+      workdir=work,
+    )
+  med, comp = res["median"], res["compile_s"]
+  rows = []
+  for name in LAYOUTS:
+    rows.append(
+      (
+        name,
+        common.fmt(med[name]["batch1"], ".1f"),
+        common.fmt(med[name]["batch8"], ".1f"),
+        common.fmt(med[name]["prefill"], ".0f"),
+        common.fmt(sum(comp[name].values()), ".2f"),
+        common.fmt(res["executable_cache_bytes"][name] / 2**20, ".2f"),
+        common.fmt(res["startup_median_s"][name], ".2f"),
+      )
+    )
+  cols = ["layout", "decode b1 tok/s", "decode b8 tok/s", "prefill tok/s", "compile s", "cache MiB", "start-up s"]
+  common.print_table(
+    f"thoughtjax bench layers: {res['model']} ({args.weights}), {args.new_tokens} new tokens, prefill of "
+    f"{res['prompt_tokens']} tokens, medians of {args.repeats}",
+    cols,
+    rows,
+    right=cols[1:],
+  )
+  u, i = med["unrolled"], med["indexed"]
+  print(
+    f"indexed / unrolled: decode b1 {i['batch1'] / u['batch1']:.2f}x, b8 {i['batch8'] / u['batch8']:.2f}x, "
+    f"prefill {i['prefill'] / u['prefill']:.2f}x; ran {time.perf_counter() - t0:.0f} s"
+  )
+  if args.json:
+    common.write_json(args.json, res)
+  return 0
