@@ -15,6 +15,7 @@ BENCHMARKS = (
   "prefix",
   "idle",
   "shapes",
+  "layers",
 )
 
 
