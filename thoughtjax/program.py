@@ -1,8 +1,12 @@
 """Programs: a layer path compiled into one XLA program; the jit boundary of generation and scoring.
 
-Model code never calls ``jax.jit``: generation (:class:`Program`) and scoring
-(:data:`score_logits`) are compiled here. Elsewhere ``jax.jit`` appears only to measure:
-thoughtlet profiling (one thoughtlet alone) and the benchmarks.
+Model code never calls ``jax.jit``. Plain generation (:class:`Program`, and its layer-indexed form in
+:mod:`thoughtjax.decode.indexed`) and scoring (:data:`score_logits`) are compiled here; the other programs
+that serve requests are the slot programs of continuous batching (:mod:`thoughtjax.serving.slots`) and the
+self-speculative programs (:mod:`thoughtjax.speculative`), and :mod:`thoughtjax.exported` wraps what it
+loads. Elsewhere ``jax.jit`` compiles what no request runs: thoughtlet profiling (one thoughtlet alone),
+calibration's quality measurements, the router's features and training, bridge training, and the
+benchmarks.
 
 A program serves one key: (path shape, batch bucket, prompt bucket, new-token bucket,
 stop-set width, sampling mode, bias on/off, decode chunk, kernels, template widths, masked), and the
