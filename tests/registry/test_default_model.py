@@ -111,6 +111,8 @@ def test_native_registry_is_the_gguf_size_and_gives_the_float32_logits(default_m
   native = Registry.open(native_registry, weights="native")
   m = compose(full_path(native), native)
   assert any(formats.is_packed(x) for x in jax.tree.leaves(m.parts.embed, is_leaf=formats.is_packed))
-  assert np.max(np.abs(m.logits(ids) - default_model.logits(ids))) <= 1e-4
+  # The native form dequantizes inside each dot, so it sums in another order than the float32 load: ~1e-4 on
+  # logits of magnitude ~20 (1.1e-4 measured on an AMD EPYC 2-core machine, below 1e-4 on others).
+  assert np.max(np.abs(m.logits(ids) - default_model.logits(ids))) <= 2e-4
   greedy = dict(max_tokens=8, ignore_eos=True)
   assert m.generate(ids, **greedy).token_ids == default_model.generate(ids, **greedy).token_ids
