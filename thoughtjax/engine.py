@@ -336,16 +336,17 @@ class Model:
     return self._replace(chunk=chunk)
 
   def with_path(self, layers_or_path: str | Sequence[int], parts: PathParts | None = None) -> Model:
-    """The same weights (shared, not copied) running another path; a template stays.
+    """The same weights (shared, not copied) running another path; a template, the layout and the chunk stay.
 
     A path string is composed and type-checked over the same source (for a loaded model: its
     own weights). A layer sequence uses the weights this model holds (a loaded model holds
     every layer)."""
     if isinstance(layers_or_path, str):
       source = self if self.source is None else self.source
-      return Model.composed(
+      other = Model.composed(
         layers_or_path, source, mesh=self.mesh, dtype=self.dtype, kernels=self.kernels, chunk=self.chunk
       )
+      return other if other.layout == self.layout else other.with_layout(self.layout)
     layers = tuple(int(i) for i in layers_or_path)
     if parts is None:
       missing = sorted(set(layers) - set(self._parts.blocks))

@@ -67,3 +67,14 @@ def test_bad_layouts_are_refused(engine):
   bridged = engine.parts._replace(blocks={**engine.parts.blocks, -1: {"down": None}})  # a bridge's slot
   with pytest.raises(ValueError, match="a path with a bridge has no layer-indexed form"):
     indexed.stack(bridged)
+
+
+def test_a_path_string_keeps_the_layout_and_runs_its_own_layers(engine):
+  fast = engine.with_layout("indexed")
+  composed = fast.with_path("embed, blocks[0:2), head")
+  assert composed.layout == "indexed" and composed.layers == (0, 1)
+  assert engine.with_path("embed, blocks[0:2), head").layout == "unrolled"
+  ids = [21, 22, 23]
+  assert composed.generate(ids, max_tokens=6, ignore_eos=True).token_ids == greedy_reference(
+    engine.with_path((0, 1)), ids, 6
+  )
