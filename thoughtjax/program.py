@@ -30,8 +30,9 @@ number of blocks and where bridges sit), not by which layers it holds, and runs 
 :meth:`~thoughtjax.model.PathParts.by_position`. Every 30-layer path shares one program, whichever layers
 it repeats or skips.
 
-Programs live in :data:`PROGRAMS`, a thread-safe LRU with a size bound that counts hits,
-misses and evictions; compiled executables also persist on disk through JAX's cache.
+Programs of every family (this module's, the server's slot programs, the speculative programs) live in
+:data:`PROGRAMS`, one thread-safe LRU with a size bound that counts hits, misses and evictions; compiled
+executables also persist on disk through JAX's cache.
 
 Layout: prompts are left-padded, so every row's next token goes to the same cache
 slot; row b's RoPE positions are ``slot - pad[b]`` and slots before ``pad[b]`` are
@@ -47,7 +48,7 @@ import os
 import re
 import threading
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -397,9 +398,10 @@ class CacheStats:
 class ProgramCache:
   """Programs by everything that changes them: key, graph definitions and model config.
 
-  A least-recently-used map holding at most ``capacity`` programs (each holds its compiled
-  executables); safe to share between threads. XLA executables also persist on disk via JAX's
-  cache, so an evicted program that comes back recompiles from there.
+  One least-recently-used map for every program family (plain, slot and speculative programs), holding at
+  most ``capacity`` programs (each holds its compiled executables); safe to share between threads. XLA
+  executables also persist on disk via JAX's cache, so an evicted program that comes back recompiles from
+  there. A program still in use when evicted keeps working: its holder keeps the reference.
   """
 
   def __init__(self, capacity: int | None = None):
@@ -410,7 +412,7 @@ class ProgramCache:
         f"program cache capacity must be >= 1, got {capacity} (set THOUGHTJAX_PROGRAM_CACHE to a positive number)"
       )
     self.capacity = capacity
-    self._programs: collections.OrderedDict[tuple, Program] = collections.OrderedDict()
+    self._programs: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
     self._lock = threading.Lock()
     self.hits = self.misses = self.evictions = 0
 
@@ -419,7 +421,12 @@ class ProgramCache:
     :meth:`~thoughtjax.model.PathParts.by_position`. ``make(key, defs, cfg)`` builds a missing one
     (default :class:`Program`; the layer-indexed form passes its own)."""
     key = dataclasses.replace(key, layers=path_shape(key.layers))
-    ident = (key, defs, cfg)
+    return self.program((key, defs, cfg), lambda: (make or Program)(key, defs, cfg))
+
+  def program(self, ident: tuple, make: Callable[[], Any]) -> Any:
+    """The program cached under ``ident`` (a hashable tuple naming its family, shape key, graph
+    definitions and config), built by ``make()`` when missing. Building a program only wraps functions
+    in ``jax.jit``: compiling happens at its first call, outside this cache's lock."""
     with self._lock:
       prog = self._programs.get(ident)
       if prog is not None:
@@ -427,7 +434,7 @@ class ProgramCache:
         self._programs.move_to_end(ident)
         return prog
       self.misses += 1
-      prog = self._programs[ident] = (make or Program)(key, defs, cfg)
+      prog = self._programs[ident] = make()
       while len(self._programs) > self.capacity:
         self._programs.popitem(last=False)
         self.evictions += 1
@@ -435,6 +442,11 @@ class ProgramCache:
 
   def __len__(self) -> int:
     return len(self._programs)
+
+  def held(self, kind: type) -> int:
+    """How many cached programs are instances of ``kind`` (e.g. the server's slot programs)."""
+    with self._lock:
+      return sum(isinstance(p, kind) for p in self._programs.values())
 
   def clear(self) -> int:
     """Forget every program (a server scaled to zero); returns how many. Counted as evictions."""

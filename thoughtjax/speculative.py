@@ -45,7 +45,6 @@ The Trace of a speculative call counts tokens drafted, drafts accepted and verif
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -56,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from thoughtjax import formats
+from thoughtjax import program as program_lib
 from thoughtjax.decode.stream import Generation, Rows, Trace
 from thoughtjax.errors import UserError
 from thoughtjax.model import GraphDefs, PathParts, kv_cache_shape, merge_path, path_shape, rope_tables, run_path
@@ -675,20 +675,10 @@ def _composed(model, path: str):
 
 def get_program(key: SpecKey, defs: GraphDefs, cfg) -> SpecProgram:
   """The program of ``key``'s shape: its path and draft numbered by position (:func:`~thoughtjax.model.path_shape`,
-  the draft after the path), run on parts :meth:`~thoughtjax.model.PathParts.by_position` of both."""
+  the draft after the path), run on parts :meth:`~thoughtjax.model.PathParts.by_position` of both. Held in the
+  process's one program cache (:data:`thoughtjax.program.PROGRAMS`)."""
   shape = dataclasses.replace(key, layers=path_shape(key.layers), draft=path_shape(key.draft, len(key.layers)))
-  return _program(shape, defs, cfg)
-
-
-def clear_programs() -> None:
-  """Forget every speculative program (a server scaled to zero)."""
-  _program.cache_clear()
-
-
-@functools.lru_cache(maxsize=16)
-def _program(key: SpecKey, defs: GraphDefs, cfg) -> SpecProgram:
-  """Programs by shape key, graph definitions and config (a small LRU; XLA executables also persist on disk)."""
-  return SpecProgram(key, defs, cfg)
+  return program_lib.PROGRAMS.program(("speculative", shape, defs, cfg), lambda: SpecProgram(shape, defs, cfg))
 
 
 def _run(prog, parts, prompt, pad, samp, vocab_ids, rows, trace, cancelled: threading.Event) -> Iterator:

@@ -285,7 +285,7 @@ def test_the_timer_releases_an_idle_path_and_health_stays_serving(syn, path):
 
 
 def test_scaled_to_zero_with_idle_release_programs_drops_compiled_programs_too(syn, path):
-  """``idle_release_programs``: once no path is resident the compiled programs go (the program caches empty);
+  """``idle_release_programs``: once no path is resident the compiled programs go (the program cache empties);
   the next request compiles again and answers token for token as before."""
   from thoughtjax import program
   from thoughtjax.serving import slots
@@ -294,8 +294,8 @@ def test_scaled_to_zero_with_idle_release_programs_drops_compiled_programs_too(s
   with BackgroundServer(syn, cfg) as s:
     wait_ready(s)
     want = _ask(s, path, request_id="programs-1")
-    assert slots._SLOT_PROGRAMS
+    assert program.PROGRAMS.held(slots.SlotProgram)
     assert _release(s)
-    assert not slots._SLOT_PROGRAMS and len(program.PROGRAMS) == 0 and not s.app.service.resident_paths()
+    assert len(program.PROGRAMS) == 0 and not s.app.service.resident_paths()
     assert _ask(s, path, request_id="programs-2") == want
-    assert slots._SLOT_PROGRAMS
+    assert program.PROGRAMS.held(slots.SlotProgram)

@@ -328,6 +328,26 @@ def test_a_chunk_computes_only_the_slots_in_use_and_each_gives_its_alone_tokens(
   assert runs[5].token_ids == alone(model, many[5][0], **_kw(params)).token_ids
 
 
+def test_slot_and_speculative_programs_live_in_the_one_bounded_program_cache(model, monkeypatch):
+  """Every program family shares :data:`thoughtjax.program.PROGRAMS`: its bound holds slot and speculative
+  programs too, and its counts see them. An evicted slot program keeps serving the engine that holds it."""
+  from thoughtjax import program, speculative
+  from thoughtjax.serving.slots import SlotProgram
+
+  monkeypatch.setattr(program, "PROGRAMS", program.ProgramCache(capacity=1))
+  a = SlotEngine(model, slots=2, cache_len=64)
+  assert program.PROGRAMS.held(SlotProgram) == 1 and program.PROGRAMS.stats().misses == 1
+  assert SlotEngine(model, slots=2, cache_len=64).program is a.program  # a hit: one layout, one program
+  params = [SamplingParams(max_tokens=4, ignore_eos=True)]
+  spec = speculative.prepare(model, [PROMPTS[0]], params, [[]], "embed, blocks[0:1), head")
+  s = program.PROGRAMS.stats()
+  assert (s.hits, s.misses, s.evictions, s.size) == (1, 2, 1, 1)  # the speculative program evicted the slot one
+  assert program.PROGRAMS.held(SlotProgram) == 0 and isinstance(spec.program, speculative.SpecProgram)
+  (run,) = generate_in_slots(a, [(PROMPTS[1], params[0])])  # the evicted program still runs its engine
+  assert run.token_ids == alone(model, PROMPTS[1], **_kw(params[0])).token_ids
+  assert SlotEngine(model, slots=2, cache_len=64).program is not a.program  # built again after its eviction
+
+
 def test_engines_on_paths_of_one_shape_share_one_program_and_each_runs_its_own_layers(model):
   """The slot program is keyed by the path's shape: an engine on a second path of the same shape uses the
   first's program, and every request's tokens are its own path's alone tokens."""

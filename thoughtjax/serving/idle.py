@@ -140,18 +140,14 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 def drop_compiled_programs() -> None:
-  """Forget every compiled program of this process: the program caches' (plain, slot and speculative programs)
+  """Forget every compiled program of this process: the program cache's (plain, slot and speculative programs)
   and jax's own executables. Each program's next call compiles again (from the persistent compilation cache
   when it holds the program). Call it only while nothing runs or starts."""
   import jax
 
-  from thoughtjax import program, speculative
-  from thoughtjax.serving import slots
+  from thoughtjax import program
 
   program.PROGRAMS.clear()
-  with slots._SLOT_PROGRAMS_LOCK:
-    slots._SLOT_PROGRAMS.clear()
-  speculative.clear_programs()
   jax.clear_caches()
 
 

@@ -72,6 +72,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from thoughtjax import program as program_lib
 from thoughtjax.constraint import Matcher
 from thoughtjax.decode.masks import ALL, grammars_for
 from thoughtjax.decode.stream import Delta, Rows, Trace
@@ -446,21 +447,15 @@ class SlotProgram:
     )
 
 
-_SLOT_PROGRAMS: dict[tuple, SlotProgram] = {}
-_SLOT_PROGRAMS_LOCK = threading.Lock()
-
-
 def slot_program(defs, cfg, layers, slots, cache_len, chunk, kernels) -> SlotProgram:
-  """The slot program of this layout, made once per process (a new engine of the same layout compiles nothing).
+  """The slot program of this layout from the process's one program cache (:data:`thoughtjax.program.PROGRAMS`):
+  a new engine of the same layout compiles nothing.
 
   Keyed by the path's shape (:func:`~thoughtjax.model.path_shape`): it runs any path of that shape on the
   path's parts :meth:`~thoughtjax.model.PathParts.by_position`."""
   shape = path_shape(layers)
-  key = (defs, cfg, shape, slots, cache_len, chunk, kernels)
-  with _SLOT_PROGRAMS_LOCK:
-    if key not in _SLOT_PROGRAMS:
-      _SLOT_PROGRAMS[key] = SlotProgram(defs, cfg, shape, slots, cache_len, chunk, kernels)
-    return _SLOT_PROGRAMS[key]
+  ident = ("slot", defs, cfg, shape, slots, cache_len, chunk, kernels)
+  return program_lib.PROGRAMS.program(ident, lambda: SlotProgram(defs, cfg, shape, slots, cache_len, chunk, kernels))
 
 
 class SlotEngine:
