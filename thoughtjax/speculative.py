@@ -60,7 +60,7 @@ from thoughtjax.decode.stream import Generation, Rows, Trace
 from thoughtjax.errors import UserError
 from thoughtjax.model import GraphDefs, PathParts, kv_cache_shape, merge_path, path_shape, rope_tables, run_path
 from thoughtjax.paths import format_path, parse_path
-from thoughtjax.program import COMPILE_CLOCK, DEFAULT_CHUNK, bucket
+from thoughtjax.program import COMPILE_CLOCK, ProgramKey, bucket
 from thoughtjax.sampling import (
   SamplingArrays,
   SamplingMode,
@@ -117,21 +117,14 @@ class Draft:
 
 
 @dataclasses.dataclass(frozen=True)
-class SpecKey:
-  """Everything that changes a speculative program (see :class:`thoughtjax.program.ProgramKey`)."""
+class SpecKey(ProgramKey):
+  """A plain program's key (:class:`thoughtjax.program.ProgramKey`: path, batch, prompt and output lengths,
+  sampling mode, chunk of verify passes per device call, kernels) and what the draft adds. Speculative programs
+  are unrolled and take no template or masks: those fields stay at their defaults."""
 
-  layers: tuple[int, ...]  # full path slots
-  draft: tuple[int, ...]  # draft slots: layers[:shared], then ``own`` slots of its own weights, then bridges (< 0)
-  shared: int  # leading full-path blocks the draft runs
-  draft_tokens: int  # K
-  batch: int  # B
-  prompt_len: int  # T
-  max_new: int  # N
-  stop_width: int  # M
-  mode: SamplingMode
-  has_bias: bool
-  chunk: int = DEFAULT_CHUNK  # verify passes per device call
-  kernels: str | None = None
+  draft: tuple[int, ...] = ()  # draft slots: layers[:shared], then ``own`` slots of its own weights, bridges (< 0)
+  shared: int = 0  # leading full-path blocks the draft runs
+  draft_tokens: int = 1  # K
   draft_vocab: int | None = None  # size of the truncated draft head (its ids come as data)
   reuse: bool = True
   accept: AcceptRule = "speculative"  # "always", "resample": deliberately wrong rules, the statistical tests' controls
