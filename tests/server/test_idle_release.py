@@ -22,8 +22,7 @@ from server.app import BackgroundServer
 from server.config import ConfigError, from_mapping, load_config
 from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
 from server.scheduling import ContinuousScheduler
-from tests.server.conftest import config, wait_ready
-from tests.server.test_server import stub_of
+from tests.server.conftest import config, stub_of, wait_ready
 from thoughtjax.serving.pool import PoolFull
 
 IDLE_S = 1000.0  # the servers' idle time: never reached by the clock while a test runs
