@@ -381,7 +381,7 @@ def _json(data: dict, status: int = 200, headers: dict | None = None) -> web.Res
 
 
 class OpenAIHttp:
-  """The endpoint of one :class:`~server.app.SynthesizerService` (``start`` returns the bound port)."""
+  """The endpoint of one :class:`~server.servicer.SynthesizerService` (``start`` returns the bound port)."""
 
   def __init__(self, service):
     self.service = service

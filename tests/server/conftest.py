@@ -1,11 +1,15 @@
-"""A tiny calibrated synthesizer (tests/synthesis/tiny_synthesis.py) served on 127.0.0.1, port 0."""
+"""A tiny calibrated synthesizer (tests/synthesis/tiny_synthesis.py) served on 127.0.0.1, port 0, and the helpers
+the server tests share (a test file imports them from here, never from another test file)."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from server.app import BackgroundServer
 from server.config import AdminConfig, ServerConfig
+from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
+from server.proto.thoughtjax.v1 import synthesis_pb2_grpc as rpc
 
 
 @pytest.fixture(scope="session")
@@ -34,6 +38,24 @@ def config(**changes) -> ServerConfig:
 def wait_ready(srv: BackgroundServer) -> None:
   """Until the warm-up finished (an awaited task, not a poll)."""
   assert srv.call(srv.app.wait_ready), srv.app.warm_error
+
+
+def stub_of(srv: BackgroundServer, **kw) -> tuple[grpc.Channel, rpc.SynthesizerStub]:
+  """A plaintext channel to ``srv`` (``kw``: ``grpc.insecure_channel``'s) and a Synthesizer stub on it."""
+  ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}", **kw)
+  return ch, rpc.SynthesizerStub(ch)
+
+
+def code_of(fn, *args, **kwargs) -> tuple[grpc.StatusCode, str]:
+  """The status and details of the call ``fn(*args, **kwargs)`` (a stream is read to its end); OK and "" when
+  it succeeds."""
+  try:
+    r = fn(*args, **kwargs)
+    if not isinstance(r, pb.Plan):
+      list(r)
+  except grpc.RpcError as e:
+    return e.code(), e.details()
+  return grpc.StatusCode.OK, ""
 
 
 @pytest.fixture(scope="module")

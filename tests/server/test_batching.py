@@ -19,8 +19,7 @@ from server.app import BackgroundServer
 from server.config import ConfigError, load_config
 from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
 from server.scheduling import ContinuousScheduler, DeadlineExpired, SimpleScheduler, make_scheduler
-from tests.server.conftest import config, wait_ready
-from tests.server.test_server import code_of, stub_of
+from tests.server.conftest import code_of, config, stub_of, wait_ready
 
 C = grpc.StatusCode
 PROMPTS = ["The quick brown fox", "Once upon a time", "A haiku about rain", "Numbers: 1, 2, 3"]

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.app import SERVICE
 from server.config import ConfigError, ServerConfig, load_config
 from server.http import MODELS
+from server.servicer import SERVICE
 from thoughtjax.cachedir import UnsafeCacheError, private_dir
 
 ROOT = Path(__file__).resolve().parents[2]

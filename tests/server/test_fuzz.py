@@ -151,7 +151,7 @@ def test_ten_thousand_random_and_malformed_requests_each_get_a_status(served):
 
 # ---------------------------------------------------------------------------------- requests that reach the model
 RUN_BATCH, RUN_EXAMPLES = 8, 30
-# What a valid-shaped request may be answered besides OK (server/app.py's module docstring lists each).
+# What a valid-shaped request may be answered besides OK (server/servicer.py's module docstring lists each).
 RUN_ALLOWED = {
   C.OK,
   C.INVALID_ARGUMENT,

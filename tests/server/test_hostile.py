@@ -13,8 +13,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from server.app import BackgroundServer, public_message, serve
+from server.app import BackgroundServer, serve
 from server.config import AdminConfig, ConfigError, from_mapping
+from server.messages import public_message
 from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
 from server.proto.thoughtjax.v1 import synthesis_pb2_grpc as rpc
 from tests.server.conftest import config, wait_ready
@@ -185,7 +186,7 @@ def test_admin_calls_need_the_token_and_reloads_are_rate_limited(synthesizer):
       with pytest.raises(ClientError) as e:
         c.reload_registry()  # at once again: refused before any file is read
       assert e.value.code == C.RESOURCE_EXHAUSTED and "admin.reload_interval_s" in e.value.details
-      assert srv.app.service.reloads["unchanged"] == 1
+      assert srv.app.service.reloader.counts["unchanged"] == 1
       assert c.list_thoughtlets().thoughtlets  # not an admin call
     still_serves(srv.port)
 

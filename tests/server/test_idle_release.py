@@ -22,8 +22,7 @@ from server.app import BackgroundServer
 from server.config import ConfigError, from_mapping, load_config
 from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
 from server.scheduling import ContinuousScheduler
-from tests.server.conftest import config, wait_ready
-from tests.server.test_server import stub_of
+from tests.server.conftest import config, stub_of, wait_ready
 from thoughtjax.serving.pool import PoolFull
 
 IDLE_S = 1000.0  # the servers' idle time: never reached by the clock while a test runs
@@ -81,7 +80,7 @@ def _resident_arrays(service) -> list:
   s = service.serving
   sched = service.scheduler
   holders = [*s.syn.models(), *s.paths.values(), *sched.resident_models()]
-  holders += [d.engine._state for d in sched.pool.drivers()]
+  holders += [d.engine.state for d in sched.pool.drivers()]
   holders += [e.params for e in s.registry._resident._entries.values()]
   return [x for x in jax.tree.leaves(holders) if isinstance(x, jax.Array)]
 
@@ -211,7 +210,7 @@ def test_a_path_with_a_stream_in_flight_is_not_released(srv, path):
   ch, stub = stub_of(srv)
   with ch, contextlib.ExitStack() as held:
     for d in sched.pool.drivers():
-      held.enter_context(d.engine._lock)
+      held.enter_context(d.engine.paused())
     req = pb.SynthesizeRequest(prompt=PROMPT, path=path, max_tokens=40, request_id="long", logit_bias={0: 50.0})
     it = iter(stub.Synthesize(req, timeout=120))
     assert next(it).WhichOneof("kind") == "plan" and next(it).WhichOneof("kind") == "delta"
@@ -242,7 +241,7 @@ def test_an_engine_with_handed_out_queued_prefilling_or_placed_work_is_never_clo
     with pytest.raises(PoolFull, match="none is idle"):
       sched.pool.lease(other, 16)  # the only engine is handed out: not evicted for another path
     sched.pool.give_back(driver)
-    with driver.engine._lock:  # the driver prefills, delivers the first token, then waits to place it
+    with driver.engine.paused():  # the driver prefills, delivers the first token, then waits to place it
       first = driver.submit(ids, params)
       assert next(first).token_ids  # prefilled, not placed: not queued and not in a slot
       assert driver.waiting == 0 and driver.engine.active == 0

@@ -11,8 +11,7 @@ import pytest
 from server.app import BackgroundServer
 from server.config import ConfigError, PrefixCacheConfig, from_mapping, load_config
 from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
-from tests.server.conftest import config, wait_ready
-from tests.server.test_server import stub_of
+from tests.server.conftest import config, stub_of, wait_ready
 from thoughtjax.client import read_trailer
 
 SYSTEM = "You are a careful assistant. Answer in one short sentence, plainly. "  # > 4 blocks of 16 byte tokens

@@ -13,28 +13,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from server.app import BackgroundServer
 from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
-from server.proto.thoughtjax.v1 import synthesis_pb2_grpc as rpc
-from tests.server.conftest import config, wait_ready
+from tests.server.conftest import code_of, config, stub_of, wait_ready
 from tests.synthesis.tiny_synthesis import FULL, IDENTITY_SKIP
 from thoughtjax.client import Client, ClientError
 
 PROMPT = "The quick brown fox"
 C = grpc.StatusCode
-
-
-def stub_of(srv, **kw):
-  ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}", **kw)
-  return ch, rpc.SynthesizerStub(ch)
-
-
-def code_of(fn, *args, **kwargs) -> tuple[grpc.StatusCode, str]:
-  try:
-    r = fn(*args, **kwargs)
-    if not isinstance(r, pb.Plan):
-      list(r)
-  except grpc.RpcError as e:
-    return e.code(), e.details()
-  return C.OK, ""
 
 
 def test_a_stream_gives_the_plan_deltas_and_a_final_trace(served, synthesizer):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 
+import jax
 import pytest
 
 from tests.tiny import tiny_engine
@@ -103,6 +104,30 @@ def test_cancel_from_another_thread_while_the_driver_steps(model, engine):
   finally:
     driver.close()
   assert engine.active == 0
+
+
+def test_a_paused_engine_frees_nothing_until_the_block_ends(model, engine):
+  """``paused()`` holds the engine: a cancel from another thread (which frees at once when no chunk runs) is
+  only recorded, and the slot is freed by the next step after the block; the neighbour keeps its alone tokens.
+  ``state`` is the slots' device state, replaced by each step and by nothing else."""
+  params = SamplingParams(max_tokens=16, ignore_eos=True)
+  victim = engine.insert(PROMPTS[0], params)
+  neighbour = engine.insert(PROMPTS[4], params)
+  engine.step()
+  with engine.paused():
+    state = engine.state
+    cancelling = threading.Thread(target=victim.cancel)
+    cancelling.start()
+    cancelling.join(60)
+    assert not cancelling.is_alive() and victim.cancel_requested
+    assert not victim.finished and engine.runs()[victim.slot] is victim and engine.active == 2
+    assert engine.state is state
+  engine.step()
+  assert victim.finished and victim.finish_reason == "cancelled" and engine.runs()[victim.slot] is None
+  assert engine.state is not state and all(isinstance(x, jax.Array) for x in jax.tree.leaves(engine.state))
+  while engine.active:
+    engine.step()
+  assert neighbour.token_ids == alone(model, PROMPTS[4], **_kw(params)).token_ids
 
 
 def test_closing_the_driver_ends_the_runs_it_held(engine):

@@ -61,11 +61,12 @@ the cache).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import jax
@@ -534,6 +535,20 @@ class SlotEngine:
   def runs(self) -> list[SlotRun | None]:
     """The request in each slot (None: free)."""
     return list(self._runs)
+
+  @property
+  def state(self) -> SlotState:
+    """The slots' device state (KV caches, last tokens, counters) as of the last insert or step; read only: the
+    engine replaces it at each insert and step."""
+    return self._state
+
+  @contextlib.contextmanager
+  def paused(self) -> Iterator[None]:
+    """Hold the engine for the block: no insert, place, step or free runs meanwhile; a prefill still does, and a
+    cancel is applied at the next step. Re-entrant on the holding thread. For a caller that must see work wait
+    on the engine (a request prefilled but not placed, one queued behind it)."""
+    with self._lock:
+      yield
 
   def request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> _Request:
     """Check a request against the engine's limits (:class:`SlotRequestError` names the limit and the fix) and
