@@ -31,7 +31,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from thoughtjax import durable
+from thoughtjax import durable, settings
 from thoughtjax.errors import UserError
 
 # The other way out of every refusal below.
@@ -49,9 +49,9 @@ class UnsafeCacheError(UserError, PermissionError):
 
 def cache_root() -> Path:
   """Where the cache directory is (not created, not checked)."""
-  root = os.environ.get("THOUGHTJAX_CACHE")
+  root = settings.current().cache
   if root:
-    return Path(root).expanduser()
+    return root
   xdg = os.environ.get("XDG_CACHE_HOME")
   return (Path(xdg) if xdg else Path.home() / ".cache") / "thoughtjax"
 

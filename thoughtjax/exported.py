@@ -59,7 +59,7 @@ from pathlib import Path
 import jax
 import jaxlib
 
-from thoughtjax import cachedir, durable
+from thoughtjax import cachedir, durable, settings
 
 # 2: the header holds an HMAC under the user's cache secret instead of a plain sha256.
 MAGIC = b"thoughtjax-exported 2\n"
@@ -77,12 +77,10 @@ class ExportedArtifactError(RuntimeError):
 
 def export_dir() -> Path | None:
   """Where artifacts live (None: turned off with ``THOUGHTJAX_EXPORT_CACHE=off``)."""
-  env = os.environ.get("THOUGHTJAX_EXPORT_CACHE")
-  if env is not None and env.strip().lower() in ("off", "0", "none", ""):
+  s = settings.current()
+  if s.export_off:
     return None
-  if env:
-    return Path(env).expanduser()
-  return cachedir.cache_root() / "exported"
+  return s.export_cache or cachedir.cache_root() / "exported"
 
 
 def source_hash() -> str:

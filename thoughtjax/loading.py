@@ -55,7 +55,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from thoughtjax import durable, formats
+from thoughtjax import durable, formats, settings
 from thoughtjax import fetch as fetch_lib
 from thoughtjax.cachedir import cache_subdir
 from thoughtjax.config import ModelConfig
@@ -442,7 +442,7 @@ def _load_gguf_cached(path: Path, weights: str = "f32"):
       and meta.get("source_size") == size
       and (not indexed or meta.get("source_sampled_sha256") == _sampled_sha256(path, size))
     ):
-      _check_entry(entry, meta, full=os.environ.get("THOUGHTJAX_VERIFY_CACHE") == "full")
+      _check_entry(entry, meta, full=settings.current().verify_cache_full)
       cfg = ModelConfig.from_json(meta["config"])
       params = _params_from_entry(entry, meta)
       if not indexed:  # e.g. the GGUF was touched or copied: next time skip hashing it

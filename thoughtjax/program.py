@@ -56,7 +56,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
-from thoughtjax import cachedir, exported
+from thoughtjax import cachedir, exported, settings
 from thoughtjax.kernels.template_embed import template_embed
 
 # GraphDefs, PathParts and merge_path live with the model; re-exported here for old imports.
@@ -82,7 +82,7 @@ def configure_compilation_cache(directory: str | os.PathLike | None = None) -> s
 
   JAX loads the compiled programs it finds there and runs them unchecked, so the directory must be writable by
   this user alone: created 0700, else refused with :class:`~thoughtjax.cachedir.UnsafeCacheError`."""
-  where = directory or os.environ.get("THOUGHTJAX_COMPILE_CACHE")
+  where = directory or settings.current().compile_cache
   path = str(cachedir.private_dir(where, "the XLA compilation cache") if where else cachedir.cache_subdir("xla"))
   jax.config.update("jax_compilation_cache_dir", path)
   # JAX skips programs that compile in under 1 s unless told otherwise.
@@ -406,7 +406,7 @@ class ProgramCache:
 
   def __init__(self, capacity: int | None = None):
     if capacity is None:
-      capacity = int(os.environ.get("THOUGHTJAX_PROGRAM_CACHE", "32"))
+      capacity = settings.current().program_cache
     if capacity < 1:
       raise ValueError(
         f"program cache capacity must be >= 1, got {capacity} (set THOUGHTJAX_PROGRAM_CACHE to a positive number)"

@@ -40,7 +40,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from thoughtjax import signing
+from thoughtjax import settings, signing
 from thoughtjax.config import ModelConfig
 from thoughtjax.errors import UserError
 from thoughtjax.registry.errors import (
@@ -64,7 +64,7 @@ from thoughtjax.thoughtlet import canonical_json
 
 STATE_FORMAT = "thoughtjax.trust-state/2"
 STATE_FORMAT_V1 = "thoughtjax.trust-state/1"  # keyed by registry id and path; read and migrated
-STATE_ENV = "THOUGHTJAX_TRUST_STATE"
+STATE_ENV = settings.TRUST_STATE
 STATE_ENTRIES = 4096
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
@@ -110,9 +110,9 @@ class TrustPolicy:
   def state_path(self) -> Path:
     if self.state_file is not None:
       return Path(self.state_file)
-    env = os.environ.get(STATE_ENV)
+    env = settings.current().trust_state
     if env:
-      return Path(env)
+      return env
     from thoughtjax.fetch import cache_dir
 
     return cache_dir() / "trust-state.json"

@@ -44,6 +44,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from thoughtjax import settings
 from thoughtjax.errors import UserError
 from thoughtjax.synthesis.latency import MAX_AGE_S, LatencyContext, LatencyModelError, LatencyParams, Learned
 
@@ -55,7 +56,7 @@ FORMAT_VERSION = 3
 MAX_ENTRIES = 16
 MAX_CONTEXTS = 16
 MAX_PATHS = 128
-ENV = "THOUGHTJAX_LATENCY_CORRECTIONS"
+ENV = settings.LATENCY_CORRECTIONS
 
 
 class LatencyCorrectionsWarning(UserWarning):
@@ -66,10 +67,10 @@ def corrections_path() -> Path | None:
   """The corrections file of this user (``None`` when ``THOUGHTJAX_LATENCY_CORRECTIONS=off``)."""
   from thoughtjax.fetch import cache_dir
 
-  env = os.environ.get(ENV, "").strip()
-  if env.lower() == "off":
+  s = settings.current()
+  if s.corrections_off:
     return None
-  return Path(env) if env else cache_dir() / "latency-corrections.json"
+  return s.latency_corrections or cache_dir() / "latency-corrections.json"
 
 
 def corrections_key(registry_id: str | None, fingerprint: str, params: LatencyParams) -> str:
