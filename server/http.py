@@ -40,8 +40,8 @@ import grpc
 from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 
-from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
 from thoughtjax.errors import UserError
+from thoughtjax.proto.v1 import synthesis_pb2 as pb
 
 log = logging.getLogger("thoughtjax.server.http")
 

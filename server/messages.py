@@ -30,11 +30,11 @@ import time
 import grpc
 
 from server.metrics import FAILURE_FIELDS
-from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
 from server.scheduling import DeadlineExpired, QueueFull
 from server.validation import Refused, Request
 from thoughtjax.client import TEXT_PREFIX, TRACE_KEY, USAGE_KEY
 from thoughtjax.errors import UserError
+from thoughtjax.proto.v1 import synthesis_pb2 as pb
 from thoughtjax.registry import (
   IntegrityError,
   RegistryError,

@@ -73,13 +73,13 @@ from server.messages import (
   trailer,
 )
 from server.metrics import ServerMetrics, failure_totals
-from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
 from server.reload import Reloader
 from server.scheduling import Scheduler, make_scheduler
 from server.validation import Refused, Request, Serving, parse, validate
 from thoughtjax.assembly import check_chain, path_hash, resolve
 from thoughtjax.compose import compose
 from thoughtjax.errors import UserError
+from thoughtjax.proto.v1 import synthesis_pb2 as pb
 from thoughtjax.sampling import SamplingParams
 from thoughtjax.serving.idle import IdleTracker, drop_compiled_programs, trim_memory
 from thoughtjax.speculative import forget_drafts

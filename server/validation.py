@@ -24,10 +24,10 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from server.config import ServerConfig
-from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
 from thoughtjax.decode.masks import grammars_for
 from thoughtjax.errors import UserError
 from thoughtjax.paths import parse_path
+from thoughtjax.proto.v1 import synthesis_pb2 as pb
 from thoughtjax.sampling import SamplingParams
 from thoughtjax.synthesis.hints import normalize_hints
 
@@ -94,7 +94,7 @@ def parse(raw: bytes, cls):
       grpc.StatusCode.INVALID_ARGUMENT,
       f"the request is not a valid {cls.DESCRIPTOR.full_name} ({e}): malformed protobuf, or a "
       f"string field that is not valid UTF-8; send UTF-8 text in a message built from "
-      f"server/proto/thoughtjax/v1/synthesis.proto",
+      f"thoughtjax/proto/v1/synthesis.proto",
     ) from None
   return msg
 

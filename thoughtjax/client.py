@@ -52,7 +52,7 @@ class Trailer:
 
 def read_trailer(metadata) -> Trailer:
   """The thoughtjax part of a call's trailing metadata (``call.trailing_metadata()``: pairs of key, value)."""
-  from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
+  from thoughtjax.proto.v1 import synthesis_pb2 as pb
 
   trace = usage = None
   fields = {}
@@ -95,7 +95,7 @@ def request(
 ):
   """A ``thoughtjax.v1.SynthesizeRequest`` (unset optional fields take the server's defaults); ``json_schema``
   (JSON text or a dict), ``regex`` or ``grammar``: the output constraint, at most one."""
-  from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
+  from thoughtjax.proto.v1 import synthesis_pb2 as pb
 
   m = pb.SynthesizeRequest(
     prompt=prompt or "",
@@ -140,7 +140,7 @@ class Client:
     options: Sequence[tuple[str, object]] = (),
     token: str | None = None,
   ):
-    from server.proto.thoughtjax.v1 import synthesis_pb2_grpc as rpc
+    from thoughtjax.proto.v1 import synthesis_pb2_grpc as rpc
 
     self.target, self.timeout = target, timeout
     # The server's bearer token (admin.token for ReloadRegistry and RegistryStats, clients.token for the other
@@ -202,17 +202,17 @@ class Client:
     return self.last_final
 
   def list_thoughtlets(self):
-    from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
+    from thoughtjax.proto.v1 import synthesis_pb2 as pb
 
     return self._call("ListThoughtlets", pb.ListThoughtletsRequest())
 
   def registry_stats(self):
-    from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
+    from thoughtjax.proto.v1 import synthesis_pb2 as pb
 
     return self._call("RegistryStats", pb.RegistryStatsRequest())
 
   def reload_registry(self):
-    from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
+    from thoughtjax.proto.v1 import synthesis_pb2 as pb
 
     return self._call("ReloadRegistry", pb.ReloadRegistryRequest())
 

@@ -8,8 +8,8 @@ import pytest
 
 from server.app import BackgroundServer
 from server.config import AdminConfig, ServerConfig
-from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
-from server.proto.thoughtjax.v1 import synthesis_pb2_grpc as rpc
+from thoughtjax.proto.v1 import synthesis_pb2 as pb
+from thoughtjax.proto.v1 import synthesis_pb2_grpc as rpc
 
 
 @pytest.fixture(scope="session")

@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from server.app import BackgroundServer
-from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
-from server.proto.thoughtjax.v1 import synthesis_pb2_grpc as rpc
 from tests.server.conftest import config, wait_ready
 from tests.synthesis.tiny_synthesis import FULL, IDENTITY_SKIP
+from thoughtjax.proto.v1 import synthesis_pb2 as pb
+from thoughtjax.proto.v1 import synthesis_pb2_grpc as rpc
 
 C = grpc.StatusCode
 BATCH, EXAMPLES = 25, 404

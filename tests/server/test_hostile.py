@@ -16,10 +16,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from server.app import BackgroundServer, serve
 from server.config import AdminConfig, ConfigError, from_mapping
 from server.messages import public_message
-from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
-from server.proto.thoughtjax.v1 import synthesis_pb2_grpc as rpc
 from tests.server.conftest import config, wait_ready
 from thoughtjax.client import Client, ClientError
+from thoughtjax.proto.v1 import synthesis_pb2 as pb
+from thoughtjax.proto.v1 import synthesis_pb2_grpc as rpc
 
 C = grpc.StatusCode
 PROMPT = "The quick brown fox"

@@ -11,8 +11,8 @@ import threading
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
-from server.proto.thoughtjax.v1 import synthesis_pb2_grpc as rpc
+from thoughtjax.proto.v1 import synthesis_pb2 as pb
+from thoughtjax.proto.v1 import synthesis_pb2_grpc as rpc
 
 PINGING = [
   ("grpc.keepalive_time_ms", 100),

@@ -11,10 +11,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server.app import BackgroundServer
 from server.config import PrefixCacheConfig
-from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
-from server.proto.thoughtjax.v1 import synthesis_pb2_grpc as rpc
 from tests.server.conftest import config, wait_ready
 from thoughtjax.client import TEXT_PREFIX, TRACE_KEY, USAGE_KEY, Client, read_trailer
+from thoughtjax.proto.v1 import synthesis_pb2 as pb
+from thoughtjax.proto.v1 import synthesis_pb2_grpc as rpc
 
 PROMPT = "The quick brown fox"
 

@@ -17,10 +17,10 @@ import pytest
 from server.app import BackgroundServer
 from server.config import ClientsConfig
 from server.http import HttpError, synthesize_request
-from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
-from server.proto.thoughtjax.v1 import synthesis_pb2_grpc as rpc
 from tests.server.conftest import config, wait_ready
 from thoughtjax.client import Client
+from thoughtjax.proto.v1 import synthesis_pb2 as pb
+from thoughtjax.proto.v1 import synthesis_pb2_grpc as rpc
 
 PROMPT = "The quick brown fox"
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]

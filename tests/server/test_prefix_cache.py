@@ -10,9 +10,9 @@ import pytest
 
 from server.app import BackgroundServer
 from server.config import ConfigError, PrefixCacheConfig, from_mapping, load_config
-from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
 from tests.server.conftest import config, stub_of, wait_ready
 from thoughtjax.client import read_trailer
+from thoughtjax.proto.v1 import synthesis_pb2 as pb
 
 SYSTEM = "You are a careful assistant. Answer in one short sentence, plainly. "  # > 4 blocks of 16 byte tokens
 QUESTIONS = ["Why is the sky blue?", "What is rain?", "Why is the sky blue?"]

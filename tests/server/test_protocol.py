@@ -12,7 +12,7 @@ import pytest
 from server.config import ConfigError, from_mapping, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
-PROTO = "server/proto/thoughtjax/v1/synthesis.proto"
+PROTO = "thoughtjax/proto/v1/synthesis.proto"
 GENERATED = ("synthesis_pb2.py", "synthesis_pb2.pyi", "synthesis_pb2_grpc.py")
 
 
@@ -40,7 +40,7 @@ def test_regenerating_the_stubs_changes_nothing(tmp_path):
 
 
 def test_the_service_has_the_five_methods_and_streams_synthesize():
-  from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
+  from thoughtjax.proto.v1 import synthesis_pb2 as pb
 
   svc = pb.DESCRIPTOR.services_by_name["Synthesizer"]
   assert svc.full_name == "thoughtjax.v1.Synthesizer"

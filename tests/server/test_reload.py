@@ -14,11 +14,11 @@ import pytest
 
 from server.app import BackgroundServer
 from server.config import WarmConfig
-from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
-from server.proto.thoughtjax.v1 import synthesis_pb2_grpc as rpc
 from tests.server.conftest import config, wait_ready
 from tests.synthesis.tiny_synthesis import SETTINGS, registry_copy, tiny_setup
 from thoughtjax.client import Client, ClientError
+from thoughtjax.proto.v1 import synthesis_pb2 as pb
+from thoughtjax.proto.v1 import synthesis_pb2_grpc as rpc
 from thoughtjax.registry import Registry, TrustPolicy
 
 PROMPTS = ("The quick brown fox", "Once upon a time", "In the beginning")

@@ -54,7 +54,7 @@ class _Load:
   def __init__(self, port: int, request):
     import grpc
 
-    from server.proto.thoughtjax.v1 import synthesis_pb2_grpc as rpc
+    from thoughtjax.proto.v1 import synthesis_pb2_grpc as rpc
 
     self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     self.stub = rpc.SynthesizerStub(self.channel)
@@ -139,7 +139,7 @@ def bench_static(model, ids: list[int], params, reps: int) -> dict:
 
 def bench_cancel(load: _Load, scheduler, count: int, timeout: float) -> dict:
   """Streams cancelled after their first delta: the slot's cancel -> release time and chunks in between."""
-  from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
+  from thoughtjax.proto.v1 import synthesis_pb2 as pb
 
   ids = []
   for i in range(count):
@@ -319,10 +319,10 @@ def main(argv=None) -> int:
 
   from server.app import BackgroundServer
   from server.config import ServerConfig
-  from server.proto.thoughtjax.v1 import synthesis_pb2 as pb
   from thoughtjax.assembly import full_path
   from thoughtjax.bench.synthesis import _prompt_ids
   from thoughtjax.compose import compose
+  from thoughtjax.proto.v1 import synthesis_pb2 as pb
   from thoughtjax.sampling import SamplingParams
   from thoughtjax.synthesis.synthesize import Synthesizer
   from thoughtjax.thoughtlet import fingerprint

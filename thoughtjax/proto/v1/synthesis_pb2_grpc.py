@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from server.proto.thoughtjax.v1 import synthesis_pb2 as server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2
+from thoughtjax.proto.v1 import synthesis_pb2 as thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in server/proto/thoughtjax/v1/synthesis_pb2_grpc.py depends on'
+        + ' but the generated code in thoughtjax/proto/v1/synthesis_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,28 +36,28 @@ class SynthesizerStub:
         """
         self.GetOptimalPath = channel.unary_unary(
                 '/thoughtjax.v1.Synthesizer/GetOptimalPath',
-                request_serializer=server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.SynthesizeRequest.SerializeToString,
-                response_deserializer=server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.Plan.FromString,
+                request_serializer=thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.SynthesizeRequest.SerializeToString,
+                response_deserializer=thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.Plan.FromString,
                 _registered_method=True)
         self.Synthesize = channel.unary_stream(
                 '/thoughtjax.v1.Synthesizer/Synthesize',
-                request_serializer=server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.SynthesizeRequest.SerializeToString,
-                response_deserializer=server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.SynthesizeResponse.FromString,
+                request_serializer=thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.SynthesizeRequest.SerializeToString,
+                response_deserializer=thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.SynthesizeResponse.FromString,
                 _registered_method=True)
         self.ListThoughtlets = channel.unary_unary(
                 '/thoughtjax.v1.Synthesizer/ListThoughtlets',
-                request_serializer=server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.ListThoughtletsRequest.SerializeToString,
-                response_deserializer=server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.ListThoughtletsResponse.FromString,
+                request_serializer=thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.ListThoughtletsRequest.SerializeToString,
+                response_deserializer=thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.ListThoughtletsResponse.FromString,
                 _registered_method=True)
         self.RegistryStats = channel.unary_unary(
                 '/thoughtjax.v1.Synthesizer/RegistryStats',
-                request_serializer=server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.RegistryStatsRequest.SerializeToString,
-                response_deserializer=server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.RegistryStatsResponse.FromString,
+                request_serializer=thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.RegistryStatsRequest.SerializeToString,
+                response_deserializer=thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.RegistryStatsResponse.FromString,
                 _registered_method=True)
         self.ReloadRegistry = channel.unary_unary(
                 '/thoughtjax.v1.Synthesizer/ReloadRegistry',
-                request_serializer=server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.ReloadRegistryRequest.SerializeToString,
-                response_deserializer=server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.ReloadRegistryResponse.FromString,
+                request_serializer=thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.ReloadRegistryRequest.SerializeToString,
+                response_deserializer=thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.ReloadRegistryResponse.FromString,
                 _registered_method=True)
 
 
@@ -105,28 +105,28 @@ def add_SynthesizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetOptimalPath': grpc.unary_unary_rpc_method_handler(
                     servicer.GetOptimalPath,
-                    request_deserializer=server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.SynthesizeRequest.FromString,
-                    response_serializer=server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.Plan.SerializeToString,
+                    request_deserializer=thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.SynthesizeRequest.FromString,
+                    response_serializer=thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.Plan.SerializeToString,
             ),
             'Synthesize': grpc.unary_stream_rpc_method_handler(
                     servicer.Synthesize,
-                    request_deserializer=server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.SynthesizeRequest.FromString,
-                    response_serializer=server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.SynthesizeResponse.SerializeToString,
+                    request_deserializer=thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.SynthesizeRequest.FromString,
+                    response_serializer=thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.SynthesizeResponse.SerializeToString,
             ),
             'ListThoughtlets': grpc.unary_unary_rpc_method_handler(
                     servicer.ListThoughtlets,
-                    request_deserializer=server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.ListThoughtletsRequest.FromString,
-                    response_serializer=server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.ListThoughtletsResponse.SerializeToString,
+                    request_deserializer=thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.ListThoughtletsRequest.FromString,
+                    response_serializer=thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.ListThoughtletsResponse.SerializeToString,
             ),
             'RegistryStats': grpc.unary_unary_rpc_method_handler(
                     servicer.RegistryStats,
-                    request_deserializer=server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.RegistryStatsRequest.FromString,
-                    response_serializer=server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.RegistryStatsResponse.SerializeToString,
+                    request_deserializer=thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.RegistryStatsRequest.FromString,
+                    response_serializer=thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.RegistryStatsResponse.SerializeToString,
             ),
             'ReloadRegistry': grpc.unary_unary_rpc_method_handler(
                     servicer.ReloadRegistry,
-                    request_deserializer=server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.ReloadRegistryRequest.FromString,
-                    response_serializer=server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.ReloadRegistryResponse.SerializeToString,
+                    request_deserializer=thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.ReloadRegistryRequest.FromString,
+                    response_serializer=thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.ReloadRegistryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -154,8 +154,8 @@ class Synthesizer:
             request,
             target,
             '/thoughtjax.v1.Synthesizer/GetOptimalPath',
-            server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.SynthesizeRequest.SerializeToString,
-            server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.Plan.FromString,
+            thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.SynthesizeRequest.SerializeToString,
+            thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.Plan.FromString,
             options,
             channel_credentials,
             insecure,
@@ -181,8 +181,8 @@ class Synthesizer:
             request,
             target,
             '/thoughtjax.v1.Synthesizer/Synthesize',
-            server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.SynthesizeRequest.SerializeToString,
-            server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.SynthesizeResponse.FromString,
+            thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.SynthesizeRequest.SerializeToString,
+            thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.SynthesizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -208,8 +208,8 @@ class Synthesizer:
             request,
             target,
             '/thoughtjax.v1.Synthesizer/ListThoughtlets',
-            server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.ListThoughtletsRequest.SerializeToString,
-            server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.ListThoughtletsResponse.FromString,
+            thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.ListThoughtletsRequest.SerializeToString,
+            thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.ListThoughtletsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -235,8 +235,8 @@ class Synthesizer:
             request,
             target,
             '/thoughtjax.v1.Synthesizer/RegistryStats',
-            server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.RegistryStatsRequest.SerializeToString,
-            server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.RegistryStatsResponse.FromString,
+            thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.RegistryStatsRequest.SerializeToString,
+            thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.RegistryStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -262,8 +262,8 @@ class Synthesizer:
             request,
             target,
             '/thoughtjax.v1.Synthesizer/ReloadRegistry',
-            server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.ReloadRegistryRequest.SerializeToString,
-            server_dot_proto_dot_thoughtjax_dot_v1_dot_synthesis__pb2.ReloadRegistryResponse.FromString,
+            thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.ReloadRegistryRequest.SerializeToString,
+            thoughtjax_dot_proto_dot_v1_dot_synthesis__pb2.ReloadRegistryResponse.FromString,
             options,
             channel_credentials,
             insecure,
