@@ -1,4 +1,4 @@
-"""The grpc.aio server of :class:`~server.servicer.SynthesizerService`: health, reflection, TLS, keepalive,
+"""The grpc.aio server of :class:`~thoughtjax.server.servicer.SynthesizerService`: health, reflection, TLS, keepalive,
 metrics, the optional OpenAI-compatible HTTP endpoint, idle release and drain.
 
 :class:`ServerApp` binds the port first and answers NOT_SERVING (every call UNAVAILABLE) while the registry
@@ -22,10 +22,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from server.config import ConfigError, ServerConfig
-from server.scheduling import Scheduler
-from server.servicer import SERVICE, SynthesizerService
-from server.tls import server_credentials
+from thoughtjax.server.config import ConfigError, ServerConfig
+from thoughtjax.server.scheduling import Scheduler
+from thoughtjax.server.servicer import SERVICE, SynthesizerService
+from thoughtjax.server.tls import server_credentials
 
 log = logging.getLogger("thoughtjax.server")
 
@@ -108,7 +108,7 @@ class ServerApp:
           f"(0: any free port) or set it to null"
         ) from None
     if cfg.http_port is not None:
-      from server.http import OpenAIHttp  # imported here: aiohttp is loaded only when the endpoint is on
+      from thoughtjax.server.http import OpenAIHttp  # imported here: aiohttp is loaded only when the endpoint is on
 
       self.http = OpenAIHttp(self.service)
       try:

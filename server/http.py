@@ -381,7 +381,7 @@ def _json(data: dict, status: int = 200, headers: dict | None = None) -> web.Res
 
 
 class OpenAIHttp:
-  """The endpoint of one :class:`~server.servicer.SynthesizerService` (``start`` returns the bound port)."""
+  """The endpoint of one :class:`~thoughtjax.server.servicer.SynthesizerService` (``start`` returns the bound port)."""
 
   def __init__(self, service):
     self.service = service
@@ -637,7 +637,7 @@ def ssl_context(tls) -> ssl.SSLContext | None:
   ``client_ca`` is set), so the endpoint is never a plaintext way around them. None: plaintext."""
   if not tls.enabled:
     return None
-  from server.tls import _read
+  from thoughtjax.server.tls import _read
 
   _read(tls.cert, "cert"), _read(tls.key, "key")  # a readable PEM each, or the ConfigError naming the key
   ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)

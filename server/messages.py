@@ -2,7 +2,7 @@
 built from a run (plan, final, trailing metadata).
 
 Status of each failure (:func:`status_of`; the servicer's module docstring lists which check gives which):
-:class:`~server.validation.Refused` carries its own; a full queue is RESOURCE_EXHAUSTED, an expired deadline
+:class:`~thoughtjax.server.validation.Refused` carries its own; a full queue is RESOURCE_EXHAUSTED, an expired deadline
 DEADLINE_EXCEEDED, a pinned sequence that is not served or no path left FAILED_PRECONDITION, an unknown
 thoughtlet INVALID_ARGUMENT, any other registry error FAILED_PRECONDITION and any other user error
 INVALID_ARGUMENT. Anything else is a bug (None: it propagates and is answered INTERNAL).
@@ -29,9 +29,6 @@ import time
 
 import grpc
 
-from server.metrics import FAILURE_FIELDS
-from server.scheduling import DeadlineExpired, QueueFull
-from server.validation import Refused, Request
 from thoughtjax.client import TEXT_PREFIX, TRACE_KEY, USAGE_KEY
 from thoughtjax.errors import UserError
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
@@ -45,6 +42,9 @@ from thoughtjax.registry import (
   UnknownThoughtletError,
 )
 from thoughtjax.sampling import SamplingParams
+from thoughtjax.server.metrics import FAILURE_FIELDS
+from thoughtjax.server.scheduling import DeadlineExpired, QueueFull
+from thoughtjax.server.validation import Refused, Request
 from thoughtjax.synthesis.planner import NoPathError, SequenceMismatchError
 
 
@@ -68,7 +68,7 @@ def status_of(e: BaseException) -> grpc.StatusCode | None:
 
 
 def failure_field(e: BaseException) -> str | None:
-  """The registry failure counter (:data:`server.metrics.FAILURE_FIELDS`) ``e`` counts in, or None."""
+  """The registry failure counter (:data:`thoughtjax.server.metrics.FAILURE_FIELDS`) ``e`` counts in, or None."""
   for cls, kind in (
     (SignatureDowngradeError, "downgrade"),
     (SignatureError, "signature"),

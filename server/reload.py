@@ -1,8 +1,8 @@
-"""ReloadRegistry's work: the next :class:`~server.validation.Serving` prepared off the event loop, the old one
+"""ReloadRegistry's work: the next :class:`~thoughtjax.server.validation.Serving` prepared off the event loop, the old one
 retired, and the counts of both kept for the server's life.
 
 Everything one registry sequence serves with (registry, synthesizer, composed explicit paths) is one
-:class:`~server.validation.Serving`; a request takes the current one when it arrives and keeps it to its end.
+:class:`~thoughtjax.server.validation.Serving`; a request takes the current one when it arrives and keeps it to its end.
 :meth:`Reloader.prepare` builds the next one on a worker thread (open under the serving trust policy, verify
 every current thoughtlet's signature and digests, a calibration valid for the new sequence
 (:func:`calibration_for`), warm the configured hints) and the servicer swaps the reference. Streams in flight
@@ -22,11 +22,11 @@ from typing import Any
 
 import grpc
 
-from server.config import ServerConfig
-from server.messages import failure_field, public_message, status_of
-from server.metrics import ServerMetrics, failure_totals
-from server.validation import Refused, Serving
 from thoughtjax.registry import Registry
+from thoughtjax.server.config import ServerConfig
+from thoughtjax.server.messages import failure_field, public_message, status_of
+from thoughtjax.server.metrics import ServerMetrics, failure_totals
+from thoughtjax.server.validation import Refused, Serving
 from thoughtjax.synthesis.calibration import Calibration
 from thoughtjax.synthesis.calibration_store import MissingCalibrationError, read_calibration
 from thoughtjax.synthesis.router_store import forget_router
@@ -80,7 +80,7 @@ class Reloader:
     self._last = now
 
   def prepare(self, old: Serving) -> Reload:
-    """On a worker thread: the next :class:`~server.validation.Serving`, opened, verified, calibrated and
+    """On a worker thread: the next :class:`~thoughtjax.server.validation.Serving`, opened, verified, calibrated and
     warmed; or nothing when the published sequence is the one served. A failure is counted and refused,
     ``old`` untouched."""
     fresh = None

@@ -1,9 +1,9 @@
 """The ``thoughtjax.v1.Synthesizer`` servicer over a :class:`~thoughtjax.synthesis.synthesize.Synthesizer`.
 
-Transport only: credentials, readiness, the request checked (:mod:`server.validation`), scheduling through one
-small interface (:class:`server.scheduling.Scheduler`; :class:`~server.scheduling.SimpleScheduler` runs one
-generation per request, :class:`~server.scheduling.ContinuousScheduler` the continuous-batching slot engines),
-the answers built (:mod:`server.messages`) and reloads (:mod:`server.reload`). Planning, restore, compile and
+Transport only: credentials, readiness, the request checked (:mod:`thoughtjax.server.validation`), scheduling through one
+small interface (:class:`thoughtjax.server.scheduling.Scheduler`; :class:`~thoughtjax.server.scheduling.SimpleScheduler` runs one
+generation per request, :class:`~thoughtjax.server.scheduling.ContinuousScheduler` the continuous-batching slot engines),
+the answers built (:mod:`thoughtjax.server.messages`) and reloads (:mod:`thoughtjax.server.reload`). Planning, restore, compile and
 generation are the library's. Handlers take the raw request bytes and parse them, so a message that is not a
 valid protobuf is INVALID_ARGUMENT, not INTERNAL.
 
@@ -41,7 +41,7 @@ Compiled programs stay (in memory and on disk): coming back costs a restore from
 with ``idle_release_programs`` they go too once no path is resident, and coming back compiles (from the
 persistent compilation cache).
 Health stays SERVING; the next request restores what it needs (:meth:`SynthesizerService.release_idle`, run by
-:class:`server.app.ServerApp` off the event loop; :mod:`thoughtjax.serving.idle` keeps a release from
+:class:`thoughtjax.server.app.ServerApp` off the event loop; :mod:`thoughtjax.serving.idle` keeps a release from
 overlapping any request's start).
 """
 
@@ -60,8 +60,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from server.config import ServerConfig
-from server.messages import (
+from thoughtjax.assembly import check_chain, path_hash, resolve
+from thoughtjax.compose import compose
+from thoughtjax.errors import UserError
+from thoughtjax.proto.v1 import synthesis_pb2 as pb
+from thoughtjax.sampling import SamplingParams
+from thoughtjax.server.config import ServerConfig
+from thoughtjax.server.messages import (
   PathRun,
   PathShape,
   explicit_plan,
@@ -72,15 +77,10 @@ from server.messages import (
   status_of,
   trailer,
 )
-from server.metrics import ServerMetrics, failure_totals
-from server.reload import Reloader
-from server.scheduling import Scheduler, make_scheduler
-from server.validation import Refused, Request, Serving, parse, validate
-from thoughtjax.assembly import check_chain, path_hash, resolve
-from thoughtjax.compose import compose
-from thoughtjax.errors import UserError
-from thoughtjax.proto.v1 import synthesis_pb2 as pb
-from thoughtjax.sampling import SamplingParams
+from thoughtjax.server.metrics import ServerMetrics, failure_totals
+from thoughtjax.server.reload import Reloader
+from thoughtjax.server.scheduling import Scheduler, make_scheduler
+from thoughtjax.server.validation import Refused, Request, Serving, parse, validate
 from thoughtjax.serving.idle import IdleTracker, drop_compiled_programs, trim_memory
 from thoughtjax.speculative import forget_drafts
 from thoughtjax.synthesis.router_store import ROUTER_NAME, forget_router, loaded_router

@@ -1,5 +1,5 @@
 """Server credentials: TLS from a certificate and key, mTLS when a client CA is configured (client
-certificates then required). Unreadable files are a :class:`~server.config.ConfigError` naming the key."""
+certificates then required). Unreadable files are a :class:`~thoughtjax.server.config.ConfigError` naming the key."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import grpc
 
-from server.config import ConfigError, TlsConfig
+from thoughtjax.server.config import ConfigError, TlsConfig
 
 
 def _read(path: Path, key: str) -> bytes:

@@ -23,12 +23,12 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from server.config import ServerConfig
 from thoughtjax.decode.masks import grammars_for
 from thoughtjax.errors import UserError
 from thoughtjax.paths import parse_path
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
 from thoughtjax.sampling import SamplingParams
+from thoughtjax.server.config import ServerConfig
 from thoughtjax.synthesis.hints import normalize_hints
 
 MAX_REQUEST_ID = 128

@@ -6,10 +6,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from server.app import BackgroundServer
-from server.config import AdminConfig, ServerConfig
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
 from thoughtjax.proto.v1 import synthesis_pb2_grpc as rpc
+from thoughtjax.server.app import BackgroundServer
+from thoughtjax.server.config import AdminConfig, ServerConfig
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""A replica for the failover test: the server of ``thoughtjax serve`` (``server.app.serve``) over a registry, in
+"""A replica for the failover test: the server of ``thoughtjax serve`` (``thoughtjax.server.app.serve``) over a registry, in
 its own process, printing ``serving on 127.0.0.1:PORT`` like the command.
 
 With ``--hold``, a Synthesize request whose ``seed`` is :data:`HOLD_SEED` is admitted, then waits at its start
@@ -40,9 +40,9 @@ class _Holding:
 
 
 def main() -> None:
-  from server.app import serve
-  from server.config import AdminConfig, ServerConfig
   from thoughtjax.registry import Registry
+  from thoughtjax.server.app import serve
+  from thoughtjax.server.config import AdminConfig, ServerConfig
   from thoughtjax.synthesis.synthesize import Synthesizer
 
   p = argparse.ArgumentParser()

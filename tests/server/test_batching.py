@@ -15,11 +15,11 @@ import types
 import grpc
 import pytest
 
-from server.app import BackgroundServer
-from server.config import ConfigError, load_config
-from server.scheduling import ContinuousScheduler, DeadlineExpired, SimpleScheduler, make_scheduler
 from tests.server.conftest import code_of, config, stub_of, wait_ready
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
+from thoughtjax.server.app import BackgroundServer
+from thoughtjax.server.config import ConfigError, load_config
+from thoughtjax.server.scheduling import ContinuousScheduler, DeadlineExpired, SimpleScheduler, make_scheduler
 
 C = grpc.StatusCode
 PROMPTS = ["The quick brown fox", "Once upon a time", "A haiku about rain", "Numbers: 1, 2, 3"]

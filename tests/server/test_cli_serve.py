@@ -121,8 +121,8 @@ def test_the_server_predicts_in_its_slot_engines_context():
   never with a one-shot program's corrections; the simple scheduler runs each request as a plain program."""
   import types
 
-  from server.config import ServerConfig
   from thoughtjax.cli.serve import serving_context
+  from thoughtjax.server.config import ServerConfig
 
   registry = types.SimpleNamespace(weights="native")
   ctx = serving_context(ServerConfig(max_concurrent=6), registry, "xla")

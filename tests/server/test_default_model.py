@@ -7,9 +7,9 @@ import pytest
 
 @pytest.mark.slow
 def test_serves_a_chat_request_on_the_default_model():
-  from server.app import BackgroundServer
   from tests.server.conftest import config, wait_ready
   from thoughtjax.client import Client
+  from thoughtjax.server.app import BackgroundServer
   from thoughtjax.synthesis.default_registry import open_default
 
   with BackgroundServer(open_default(), config(), timeout=600) as srv:

@@ -1,6 +1,6 @@
 """The deployment files of ``server/deploy/``: each parses, and they agree with one another and with the server.
 
-The ConfigMap's ``config.yaml`` goes through the server's own loader (:func:`server.config.load_config`) and the
+The ConfigMap's ``config.yaml`` goes through the server's own loader (:func:`thoughtjax.server.config.load_config`) and the
 container's arguments through the command line's own parser, so the ports checked are the ones ``thoughtjax serve``
 would bind. :func:`problems` lists every disagreement; the mutation tests show each kind of mistake is caught.
 """
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.config import ConfigError, ServerConfig, load_config
-from server.http import MODELS
-from server.servicer import SERVICE
 from thoughtjax.cachedir import UnsafeCacheError, private_dir
+from thoughtjax.server.config import ConfigError, ServerConfig, load_config
+from thoughtjax.server.http import MODELS
+from thoughtjax.server.servicer import SERVICE
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "server" / "deploy" / "kubernetes"

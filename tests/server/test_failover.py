@@ -18,11 +18,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from server.app import BackgroundServer
 from tests.server.conftest import config, wait_ready
 from tests.server.replica import ADMIN_TOKEN, HOLD_SEED
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
 from thoughtjax.proto.v1 import synthesis_pb2_grpc as rpc
+from thoughtjax.server.app import BackgroundServer
 
 DEADLINE_S = 120  # every call's deadline: a hang fails the test instead of stalling it
 PROMPT = "The quick brown fox"

@@ -15,11 +15,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server.app import BackgroundServer
 from tests.server.conftest import config, wait_ready
 from tests.synthesis.tiny_synthesis import FULL, IDENTITY_SKIP
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
 from thoughtjax.proto.v1 import synthesis_pb2_grpc as rpc
+from thoughtjax.server.app import BackgroundServer
 
 C = grpc.StatusCode
 BATCH, EXAMPLES = 25, 404

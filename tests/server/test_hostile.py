@@ -13,13 +13,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from server.app import BackgroundServer, serve
-from server.config import AdminConfig, ConfigError, from_mapping
-from server.messages import public_message
 from tests.server.conftest import config, wait_ready
 from thoughtjax.client import Client, ClientError
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
 from thoughtjax.proto.v1 import synthesis_pb2_grpc as rpc
+from thoughtjax.server.app import BackgroundServer, serve
+from thoughtjax.server.config import AdminConfig, ConfigError, from_mapping
+from thoughtjax.server.messages import public_message
 
 C = grpc.StatusCode
 PROMPT = "The quick brown fox"

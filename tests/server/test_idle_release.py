@@ -18,11 +18,11 @@ import jax
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from server.app import BackgroundServer
-from server.config import ConfigError, from_mapping, load_config
-from server.scheduling import ContinuousScheduler
 from tests.server.conftest import config, stub_of, wait_ready
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
+from thoughtjax.server.app import BackgroundServer
+from thoughtjax.server.config import ConfigError, from_mapping, load_config
+from thoughtjax.server.scheduling import ContinuousScheduler
 from thoughtjax.serving.pool import PoolFull
 
 IDLE_S = 1000.0  # the servers' idle time: never reached by the clock while a test runs

@@ -9,12 +9,12 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.app import BackgroundServer
-from server.config import PrefixCacheConfig
 from tests.server.conftest import config, wait_ready
 from thoughtjax.client import TEXT_PREFIX, TRACE_KEY, USAGE_KEY, Client, read_trailer
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
 from thoughtjax.proto.v1 import synthesis_pb2_grpc as rpc
+from thoughtjax.server.app import BackgroundServer
+from thoughtjax.server.config import PrefixCacheConfig
 
 PROMPT = "The quick brown fox"
 
@@ -111,7 +111,7 @@ def test_metrics_endpoint_series_move_after_requests(synthesizer, served):
 
 
 def test_metrics_are_off_by_default_and_a_bad_port_is_a_config_error():
-  from server.config import ConfigError, ServerConfig, from_mapping
+  from thoughtjax.server.config import ConfigError, ServerConfig, from_mapping
 
   assert ServerConfig().metrics_port is None and ServerConfig().metrics_bind == "127.0.0.1"
   with pytest.raises(ConfigError, match="metrics_port"):

@@ -14,13 +14,13 @@ import grpc
 import openai
 import pytest
 
-from server.app import BackgroundServer
-from server.config import ClientsConfig
-from server.http import HttpError, synthesize_request
 from tests.server.conftest import config, wait_ready
 from thoughtjax.client import Client
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
 from thoughtjax.proto.v1 import synthesis_pb2_grpc as rpc
+from thoughtjax.server.app import BackgroundServer
+from thoughtjax.server.config import ClientsConfig
+from thoughtjax.server.http import HttpError, synthesize_request
 
 PROMPT = "The quick brown fox"
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]

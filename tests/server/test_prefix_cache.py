@@ -8,11 +8,11 @@ import math
 
 import pytest
 
-from server.app import BackgroundServer
-from server.config import ConfigError, PrefixCacheConfig, from_mapping, load_config
 from tests.server.conftest import config, stub_of, wait_ready
 from thoughtjax.client import read_trailer
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
+from thoughtjax.server.app import BackgroundServer
+from thoughtjax.server.config import ConfigError, PrefixCacheConfig, from_mapping, load_config
 
 SYSTEM = "You are a careful assistant. Answer in one short sentence, plainly. "  # > 4 blocks of 16 byte tokens
 QUESTIONS = ["Why is the sky blue?", "What is rain?", "Why is the sky blue?"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from server.config import ConfigError, from_mapping, load_config
+from thoughtjax.server.config import ConfigError, from_mapping, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTO = "thoughtjax/proto/v1/synthesis.proto"

@@ -12,14 +12,14 @@ import grpc
 import jax
 import pytest
 
-from server.app import BackgroundServer
-from server.config import WarmConfig
 from tests.server.conftest import config, wait_ready
 from tests.synthesis.tiny_synthesis import SETTINGS, registry_copy, tiny_setup
 from thoughtjax.client import Client, ClientError
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
 from thoughtjax.proto.v1 import synthesis_pb2_grpc as rpc
 from thoughtjax.registry import Registry, TrustPolicy
+from thoughtjax.server.app import BackgroundServer
+from thoughtjax.server.config import WarmConfig
 
 PROMPTS = ("The quick brown fox", "Once upon a time", "In the beginning")
 MAX_TOKENS = 12

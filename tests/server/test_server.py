@@ -11,11 +11,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from server.app import BackgroundServer
 from tests.server.conftest import code_of, config, stub_of, wait_ready
 from tests.synthesis.tiny_synthesis import FULL, IDENTITY_SKIP
 from thoughtjax.client import Client, ClientError
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
+from thoughtjax.server.app import BackgroundServer
 
 PROMPT = "The quick brown fox"
 C = grpc.StatusCode

@@ -13,10 +13,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from server.app import BackgroundServer
-from server.config import AdminConfig, TlsConfig
 from tests.server.conftest import config, wait_ready
 from thoughtjax.client import Client, ClientError
+from thoughtjax.server.app import BackgroundServer
+from thoughtjax.server.config import AdminConfig, TlsConfig
 
 
 def _name(cn: str) -> x509.Name:
@@ -123,7 +123,7 @@ def test_admin_calls_take_an_allowed_client_certificate_or_the_token(synthesizer
 
 
 def test_unreadable_or_non_pem_tls_files_are_named(synthesizer, pki, tmp_path):
-  from server.config import ConfigError
+  from thoughtjax.server.config import ConfigError
 
   (tmp_path / "junk.pem").write_text("not a certificate")
   for tls, match in (

@@ -317,13 +317,13 @@ def main(argv=None) -> int:
   args.slots = 8 if args.slots is None else args.slots
   args.level_seconds = 120.0 if args.level_seconds is None else args.level_seconds
 
-  from server.app import BackgroundServer
-  from server.config import ServerConfig
   from thoughtjax.assembly import full_path
   from thoughtjax.bench.synthesis import _prompt_ids
   from thoughtjax.compose import compose
   from thoughtjax.proto.v1 import synthesis_pb2 as pb
   from thoughtjax.sampling import SamplingParams
+  from thoughtjax.server.app import BackgroundServer
+  from thoughtjax.server.config import ServerConfig
   from thoughtjax.synthesis.synthesize import Synthesizer
   from thoughtjax.thoughtlet import fingerprint
 

@@ -70,8 +70,8 @@ def cmd_serve(args) -> int:
   import asyncio
   import dataclasses
 
-  from server.app import serve
-  from server.config import load_config
+  from thoughtjax.server.app import serve
+  from thoughtjax.server.config import load_config
   from thoughtjax.synthesis.synthesize import Synthesizer
 
   config = load_config(existing_path(args.config, "--config") if args.config else None)
