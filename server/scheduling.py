@@ -132,6 +132,13 @@ class SimpleScheduler:
   def idle(self) -> bool:
     return self.waiting == 0 and self.running == 0 and self.draining == 0
 
+  @property
+  def free_turns(self) -> int:
+    """Turns no request holds: ``max_concurrent`` once every request gave its turn back (a leaked turn shows
+    here)."""
+    # asyncio.Semaphore has no public count; its value is the turns left to acquire.
+    return self.max_concurrent if self._turns is None else self._turns._value
+
   async def wait_idle(self, timeout: float | None = None) -> bool:
     """Wait until nothing waits, runs or drains; False when ``timeout`` seconds passed first."""
     self._bind()

@@ -33,6 +33,15 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 SEED = 20240611
 
+# Text prompts for the real default model, (label, text); None: a chat prompt ("What is the capital of France?").
+# The exactness tests compare them with transformers, the speculative ones with plain greedy decoding.
+DEFAULT_MODEL_PROMPTS = [
+  ("plain", "The capital of France is"),
+  ("code", "def fibonacci(n):\n    "),
+  ("non_ascii", "Größe, 日本語 und café ✓ — "),
+  ("chat", None),
+]
+
 
 @pytest.fixture
 def rng() -> np.random.Generator:

@@ -100,7 +100,7 @@ def test_compiled_decode_loop_updates_every_cache_in_place(batch):
   (before it, XLA copied each cache about twice per step: 4 per layer per step)."""
   engine = tiny_engine("llama_gqa")
   key = program_lib.ProgramKey(engine.layers, batch, 16, 32, 4, SamplingMode.GREEDY, False)
-  prog = program_lib.Program(key, engine._defs, engine.config)
+  prog = program_lib.Program(key, engine.defs, engine.config)
   samp = sampling_arrays([SamplingParams(max_tokens=32)] * batch, batch, engine.config.vocab_size, 4, None, False)
   tokens, pad = jnp.zeros((batch, 16), jnp.int32), jnp.zeros(batch, jnp.int32)
   hlo = prog.lower(engine.parts, tokens, pad, samp).compile().as_text()

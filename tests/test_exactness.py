@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import thoughtjax
+from tests.conftest import DEFAULT_MODEL_PROMPTS
 from tests.tiny import TINY_CONFIGS, hf_model, tiny_model, tiny_tokenizer
 from thoughtjax.loading import LoadedModel
 from thoughtjax.tokenizer import TextCodec
@@ -63,14 +64,6 @@ def test_tiny_greedy_continuation_matches_transformers(name):
   assert got == _hf_greedy(hf, ids, 32)
 
 
-PROMPTS = [
-  ("plain", "The capital of France is"),
-  ("code", "def fibonacci(n):\n    "),
-  ("non_ascii", "Größe, 日本語 und café ✓ — "),
-  ("chat", None),
-]
-
-
 @pytest.fixture(scope="session", params=["f32", "native"])
 def default_model_as(request, default_model):
   """The default model with each weight format (one load per format for the session)."""
@@ -78,7 +71,7 @@ def default_model_as(request, default_model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("label,text", PROMPTS, ids=[p[0] for p in PROMPTS])
+@pytest.mark.parametrize("label,text", DEFAULT_MODEL_PROMPTS, ids=[p[0] for p in DEFAULT_MODEL_PROMPTS])
 def test_default_model_matches_transformers(default_model_as, hf_default_model, label, text):
   default_model = default_model_as
   hf, hf_tok = hf_default_model

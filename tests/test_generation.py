@@ -139,7 +139,7 @@ def test_chunked_program_has_no_host_callbacks(engine):
   from thoughtjax.sampling import sampling_arrays
 
   key = program_lib.ProgramKey(engine.layers, 1, 16, 16, 4, program_lib.SamplingMode.SAMPLE, False)
-  prog = program_lib.Program(key, engine._defs, engine.config)
+  prog = program_lib.Program(key, engine.defs, engine.config)
   samp = sampling_arrays([SamplingParams(temperature=1.0)], 1, engine.config.vocab_size, 4, 2, False)
   hlo = prog.lower(engine.parts, jnp.zeros((1, 16), jnp.int32), jnp.zeros(1, jnp.int32), samp).as_text()
   assert "while" in hlo
@@ -357,18 +357,18 @@ def test_program_cache_is_a_bounded_counted_lru(engine):
 
   cache = ProgramCache(capacity=2)
   keys = [ProgramKey(engine.layers, 1, 16, 16, 4, SamplingMode.GREEDY, False, chunk=c) for c in (1, 2, 3)]
-  a = cache.get(keys[0], engine._defs, engine.config)
-  cache.get(keys[1], engine._defs, engine.config)
-  assert cache.get(keys[0], engine._defs, engine.config) is a  # a hit refreshes keys[0]
-  cache.get(keys[2], engine._defs, engine.config)  # evicts keys[1], the least recently used
+  a = cache.get(keys[0], engine.defs, engine.config)
+  cache.get(keys[1], engine.defs, engine.config)
+  assert cache.get(keys[0], engine.defs, engine.config) is a  # a hit refreshes keys[0]
+  cache.get(keys[2], engine.defs, engine.config)  # evicts keys[1], the least recently used
   s = cache.stats()
   assert (s.hits, s.misses, s.evictions, s.size, s.capacity) == (1, 3, 1, 2, 2)
-  assert cache.get(keys[0], engine._defs, engine.config) is a
-  cache.get(keys[1], engine._defs, engine.config)
+  assert cache.get(keys[0], engine.defs, engine.config) is a
+  cache.get(keys[1], engine.defs, engine.config)
   assert cache.stats().misses == 4 and cache.stats().evictions == 2 and len(cache) == 2
   # The graph definitions are part of the key: another model's graph gets its own program.
   other = GraphDefs.from_model(tiny_model("qwen2_bias")[1])
-  assert cache.get(keys[1], other, engine.config) is not cache.get(keys[1], engine._defs, engine.config)
+  assert cache.get(keys[1], other, engine.config) is not cache.get(keys[1], engine.defs, engine.config)
   with pytest.raises(ValueError, match="capacity"):
     ProgramCache(capacity=0)
 

@@ -12,6 +12,7 @@ import pytest
 from scipy import stats
 
 import thoughtjax
+from tests.conftest import DEFAULT_MODEL_PROMPTS
 from tests.tiny import TINY_CONFIGS, tiny_tokenizer
 from thoughtjax import speculative
 from thoughtjax.loading import LoadedModel
@@ -285,15 +286,13 @@ def test_sampling_with_top_k_top_p_and_truncated_draft_vocab_is_reproducible(eng
 
 @pytest.mark.slow
 def test_default_model_greedy_speculation_is_identical_to_plain_greedy(default_model):
-  from tests.test_exactness import PROMPTS as EXACT
-
   # Every exactness prompt with the exit-24 draft and the n-gram one; the other two drafts each on one more prompt (every
   # speculative program is its own compile: the test stays within the suite's time).
   others = (
     (Draft("embed, blocks[0:8), head", vocab=8192), 3),
     ("embed, blocks[0:30)@int8, head", 4),  # a weight variant: its own KV cache
   )
-  for i, (label, text) in enumerate(EXACT):
+  for i, (label, text) in enumerate(DEFAULT_MODEL_PROMPTS):
     ids = (
       default_model.prompt_ids("What is the capital of France?", chat=True)
       if text is None

@@ -244,6 +244,12 @@ class Model:
   def parts(self) -> PathParts:
     return self._parts
 
+  @property
+  def defs(self) -> GraphDefs:
+    """The module's graph definitions: with :attr:`parts`, what a program (``program.Program``, ``score_logits``)
+    is built from."""
+    return self._defs
+
   def __repr__(self) -> str:
     return (
       f"Model({self.loaded.source!r}, path={self.path!r}, kernels={self.kernels!r}, chunk={self.chunk}"

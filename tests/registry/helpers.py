@@ -86,6 +86,14 @@ def run_python(code: str, *, env: dict | None = None, timeout: float = 300) -> s
   )
 
 
+def largest_data_file(vdir: Path) -> Path:
+  """The largest array data file (under a ``d/`` folder) of a version's checkpoint: the one tampering tests damage."""
+  files = sorted(
+    (p for p in (vdir / "checkpoint").rglob("*") if p.is_file() and "/d/" in str(p)), key=lambda p: p.stat().st_size
+  )
+  return files[-1]
+
+
 def read_index(root: Path) -> tuple[dict, dict | None]:
   doc = json.loads((Path(root) / "index.json").read_text())
   return doc["index"], doc["signature"]

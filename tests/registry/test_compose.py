@@ -122,7 +122,7 @@ def test_repeated_span_shares_buffers(deep):
     assert all(x is y for x, y in zip(a, b, strict=True))  # the resident set hands out the same arrays
   # The compiled program takes the 30 distinct blocks as arguments, not 40.
   tokens = jnp.zeros((1, 16), jnp.int32)
-  args = program_lib.score_logits.lower(m._defs, m.layers, m.parts, tokens).compile().memory_analysis()
+  args = program_lib.score_logits.lower(m.defs, m.layers, m.parts, tokens).compile().memory_analysis()
   assert args.argument_size_in_bytes == m.resident_bytes + tokens.nbytes
   ref = _monolithic(cfg, model, codec, tuple(layers))
   np.testing.assert_allclose(m.logits(IDS), ref.logits(IDS), atol=1e-5, rtol=0)

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.registry.helpers import rewrite_manifest
+from tests.registry.helpers import largest_data_file, rewrite_manifest
 from thoughtjax import signing
 from thoughtjax.compose import compose
 from thoughtjax.registry import (
@@ -56,17 +56,10 @@ def test_untrusted_key_is_refused(built, tmp_path):
     Registry.open(built, TrustPolicy(public_keys=(other_pub,)))
 
 
-def _data_file(vdir):
-  files = sorted(
-    (p for p in (vdir / "checkpoint").rglob("*") if p.is_file() and "/d/" in str(p)), key=lambda p: p.stat().st_size
-  )
-  return files[-1]
-
-
 def test_flipped_byte_is_detected_named_and_counted(registry_copy, keypair):
   reg = Registry.open(registry_copy, TrustPolicy(public_keys=(keypair[1],)))
   m = reg.manifest("blocks[2:3)")
-  victim = _data_file(reg.version_dir(m.name, m.version))
+  victim = largest_data_file(reg.version_dir(m.name, m.version))
   data = bytearray(victim.read_bytes())
   data[len(data) // 2] ^= 0x01
   victim.write_bytes(bytes(data))

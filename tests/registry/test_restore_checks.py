@@ -5,15 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.registry.helpers import largest_data_file
 from thoughtjax.registry import IntegrityError, Registry, RestoreError
 from thoughtjax.registry import store as store_mod
-
-
-def _data_file(vdir):
-  files = sorted(
-    (p for p in (vdir / "checkpoint").rglob("*") if p.is_file() and "/d/" in str(p)), key=lambda p: p.stat().st_size
-  )
-  return files[-1]
 
 
 def test_a_file_swapped_after_its_check_is_never_read(registry_copy, built, monkeypatch):
@@ -21,7 +15,7 @@ def test_a_file_swapped_after_its_check_is_never_read(registry_copy, built, monk
   expected = Registry.open(built).restore("blocks[2:3)")
   reg = Registry.open(registry_copy)
   vdir = reg.version_dir("blocks[2:3)", reg.current["blocks[2:3)"])
-  victim = _data_file(vdir)
+  victim = largest_data_file(vdir)
   real_restore = store_mod._restore_checkpoint
   read_from = []
 

@@ -36,7 +36,7 @@ single = compose(full_path(reg), reg)
 sharded = compose(full_path(reg), reg, mesh=mesh)
 a, b = single.logits(ids), sharded.logits(ids)
 out["max_abs_diff"] = float(np.abs(a - b).max())
-hlo = program_lib.score_logits.lower(sharded._defs, sharded.layers, sharded.parts,
+hlo = program_lib.score_logits.lower(sharded.defs, sharded.layers, sharded.parts,
                                      jax.numpy.zeros((1, 16), jax.numpy.int32)).compile().as_text()
 out["collectives"] = sorted({{op for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
                               if op in hlo}})

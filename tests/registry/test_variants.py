@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.registry.helpers import FAST, TINY_SPANS
-from tests.registry.test_registry import _data_file
+from tests.registry.helpers import FAST, TINY_SPANS, largest_data_file
 from thoughtjax import formats
 from thoughtjax.assembly import full_path
 from thoughtjax.compose import compose
@@ -100,7 +99,7 @@ def test_a_tampered_variant_is_refused_named_and_counted(with_int8, tmp_path, ke
   shutil.copytree(with_int8, root)
   reg = Registry.open(root, TrustPolicy(public_keys=(keypair[1],)))
   m = reg.manifest("blocks[2:3)@int8")
-  victim = _data_file(reg.version_dir(m.name, m.version))
+  victim = largest_data_file(reg.version_dir(m.name, m.version))
   data = bytearray(victim.read_bytes())
   data[len(data) // 2] ^= 0x01
   victim.write_bytes(bytes(data))

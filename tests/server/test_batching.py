@@ -97,7 +97,7 @@ def test_a_cancelled_stream_frees_its_slot_within_one_chunk(batched):
   rec = next(r for r in sched.records if r.request_id == "cancel-me")
   assert rec.ended_by == "cancelled" and rec.closed and rec.tokens_out < 200
   assert rec.decode_chunks_end - rec.decode_chunks_at_cancel <= 1
-  assert sched.snapshot()["slots_in_use"] == 0 and sched._turns._value == sched.max_concurrent
+  assert sched.snapshot()["slots_in_use"] == 0 and sched.free_turns == sched.max_concurrent
 
 
 class _Forwarding:

@@ -81,7 +81,7 @@ def _resident_arrays(service) -> list:
   sched = service.scheduler
   holders = [*s.syn.models(), *s.paths.values(), *sched.resident_models()]
   holders += [d.engine.state for d in sched.pool.drivers()]
-  holders += [e.params for e in s.registry._resident._entries.values()]
+  holders += s.registry.resident_params()
   return [x for x in jax.tree.leaves(holders) if isinstance(x, jax.Array)]
 
 

@@ -169,7 +169,7 @@ def test_cancelling_a_stream_stops_the_generation_within_one_chunk_and_frees_its
   assert rec.ended_by == "cancelled" and rec.closed
   assert rec.decode_chunks_end - rec.decode_chunks_at_cancel <= 1
   assert rec.tokens_out < 200
-  assert sched.running == 0 and sched.waiting == 0 and sched._turns._value == sched.max_concurrent
+  assert sched.running == 0 and sched.waiting == 0 and sched.free_turns == sched.max_concurrent
 
 
 def test_an_expired_deadline_is_deadline_exceeded_and_frees_the_turn(synthesizer):

@@ -137,7 +137,7 @@ def test_closing_the_driver_ends_the_runs_it_held(engine):
   inside, gate = threading.Event(), threading.Event()
 
   def hold(d):
-    if threading.current_thread() is driver._thread:
+    if driver.on_driver_thread():
       inside.set()
       gate.wait(60)
 
@@ -145,7 +145,7 @@ def test_closing_the_driver_ends_the_runs_it_held(engine):
   assert inside.wait(60)
   closing = threading.Thread(target=driver.close)
   closing.start()
-  for _ in iter(lambda: driver._closed, True):  # until close() has marked the driver (no timed wait)
+  for _ in iter(lambda: driver.closed, True):  # until close() has marked the driver (no timed wait)
     pass
   gate.set()
   closing.join(60)
@@ -231,7 +231,7 @@ def test_the_driver_prefills_waiting_requests_together_and_a_stream_waits_at_mos
 
   def hold(d):
     seen.append(d)
-    if len(seen) == 2 and threading.current_thread() is driver._thread:  # the first chunk's delta
+    if len(seen) == 2 and driver.on_driver_thread():  # the first chunk's delta
       inside.set()
       gate.wait(60)
 
@@ -283,7 +283,7 @@ def test_closing_the_driver_ends_the_requests_still_waiting(engine):
   inside, gate = threading.Event(), threading.Event()
 
   def hold(d):
-    if threading.current_thread() is driver._thread and not inside.is_set():
+    if driver.on_driver_thread() and not inside.is_set():
       inside.set()
       gate.wait(60)
 
@@ -293,7 +293,7 @@ def test_closing_the_driver_ends_the_requests_still_waiting(engine):
   waiting = [driver.submit([4, 5], params) for _ in range(SLOTS + 1)]
   closing = threading.Thread(target=driver.close)
   closing.start()
-  for _ in iter(lambda: driver._closed, True):  # until close() has marked the driver (no timed wait)
+  for _ in iter(lambda: driver.closed, True):  # until close() has marked the driver (no timed wait)
     pass
   gate.set()
   closing.join(60)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests.registry.helpers import DEEP_SPANS
-from tests.synthesis.test_quality import make_model
+from tests.synthesis.tiny_synthesis import make_model
 from thoughtjax import program
 from thoughtjax.compose import compose
 from thoughtjax.model import GraphDefs

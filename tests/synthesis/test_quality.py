@@ -7,17 +7,10 @@ Tiny seeded models; the real default model only in the one slow sanity test.
 
 from __future__ import annotations
 
-import functools
-
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-import thoughtjax
-from tests.registry.helpers import tiny_codec, tiny_config
-from thoughtjax.loading import LoadedModel
-from thoughtjax.model import init_random
+from tests.synthesis.tiny_synthesis import make_model
 from thoughtjax.synthesis.calibration import HintQuality, PathQuality
 from thoughtjax.synthesis.quality import QualityError, Runner, measure, measure_candidates, windows
 
@@ -35,23 +28,6 @@ PATHS = [
   "embed, blocks[0:4), blocks[2:6), head",
   "embed, blocks[1:6), head",
 ]
-
-
-@functools.cache
-def _seeded(seed: int):
-  cfg = tiny_config()
-  return cfg, init_random(cfg, seed=seed, scale=0.08)
-
-
-def make_model(seed: int = 7, identity: int | None = None) -> thoughtjax.Model:
-  """A 6-layer random model; ``identity``: that block's output projections are zero (it returns its input)."""
-  cfg, module = _seeded(seed)
-  if identity is not None:
-    module = nnx.clone(module)  # the seeded model stays as it is for other tests
-    blk = module.blocks[identity]
-    blk.attn.o.set_value(jnp.zeros_like(blk.attn.o.get_value()))
-    blk.mlp.down.set_value(jnp.zeros_like(blk.mlp.down.get_value()))
-  return thoughtjax.Model(LoadedModel(cfg, module, tiny_codec(), f"tiny-seed{seed}", ""))
 
 
 @pytest.fixture(scope="module")

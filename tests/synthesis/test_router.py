@@ -8,49 +8,18 @@ import json
 import numpy as np
 import pytest
 
-import thoughtjax
-from tests.tiny import CHAT_TEMPLATE, tiny_model, tiny_tokenizer
+from tests.synthesis.conftest import WORDS, router_model, synthetic
 from thoughtjax.errors import UserError
-from thoughtjax.loading import LoadedModel
 from thoughtjax.synthesis.router import FeatureSettings, Router, RouterError, TrainSettings, train_router
-from thoughtjax.tokenizer import TextCodec
 
-# The tiny tokenizer is byte-level (one token per character), so each label's words are drawn from
-# its own letters; the filler words every label shares use letters of their own.
-WORDS = {
-  "alpha": ["cab", "bead", "faced", "badge", "egg", "cafe", "deaf", "gabbed"],
-  "beta": ["hill", "milk", "limn", "kiln", "jinn", "hymn", "link", "mink"],
-  "gamma": ["sort", "pours", "trout", "spurt", "port", "roost", "tours", "rust"],
-}
-FILLER = ["wxyz", "zwv", "vex", "xyz"]
 LABELS = tuple(WORDS)
-
-
-def synthetic(n_per_label: int, seed: int) -> list[tuple[str, str]]:
-  """(prompt, hint) pairs: 3-7 words of the hint's list and 0-2 shared filler words, shuffled."""
-  rng = np.random.default_rng(seed)
-  rows = []
-  for _ in range(n_per_label):
-    for hint, words in WORDS.items():
-      picked = list(rng.choice(words, rng.integers(3, 8))) + list(rng.choice(FILLER, rng.integers(0, 3)))
-      rng.shuffle(picked)
-      rows.append((" ".join(picked), hint))
-  return rows
-
-
-def make_model(seed: int = 0) -> thoughtjax.Model:
-  cfg, module = tiny_model("llama_gqa", seed=seed)
-  codec = TextCodec(tiny_tokenizer(), CHAT_TEMPLATE, bos_id=1, eos_id=2)
-  return thoughtjax.Model(LoadedModel(cfg, module, codec, f"tiny-llama_gqa-seed{seed}", ""))
-
-
 TRAIN, HELDOUT = synthetic(30, seed=1), synthetic(10, seed=2)
 STEPS = 150
 
 
 @pytest.fixture(scope="module")
 def model():
-  return make_model()
+  return router_model()
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +111,7 @@ def test_from_params_refuses_other_weights_and_mismatched_params(trained):
   router, _, _ = trained
   params, meta = router.to_params()
   with pytest.raises(RouterError, match="trained on other weights") as e:
-    Router.from_params(params, meta, make_model(seed=3))  # same tokenizer, other embed table
+    Router.from_params(params, meta, router_model(seed=3))  # same tokenizer, other embed table
   assert isinstance(e.value, UserError)
   bad = dict(params, **{"dense_0.kernel": params["dense_0.kernel"][:, :2]})
   with pytest.raises(RouterError, match="do not match the meta"):

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.synthesis.test_router import WORDS, synthetic
+from tests.synthesis.conftest import WORDS, router_model, synthetic
 from tests.synthesis.tiny_synthesis import HINTS, registry_copy, tiny_setup
 from thoughtjax.assembly import PathTypeError
 from thoughtjax.compose import compose
@@ -27,7 +27,7 @@ from thoughtjax.synthesis.router_store import (
 )
 from thoughtjax.thoughtlet import Kind
 
-# The synthetic labeled set of test_router, its three word lists relabeled with two dictionary hints
+# The router tests' synthetic labeled set (conftest), its three word lists relabeled with two dictionary hints
 # (the tiny registry is calibrated on HINTS); "gamma" prompts are dropped.
 RELABEL = dict(zip(WORDS, HINTS))
 TRAIN = [(p, RELABEL[h]) for p, h in synthetic(20, seed=1) if h in RELABEL]
@@ -130,9 +130,7 @@ def test_router_kind_is_refused_in_a_path(stored, path, link):
 
 
 def test_a_router_of_another_model_is_refused_on_publish(stored):
-  from tests.synthesis.test_router import make_model
-
-  other, _ = train_router(make_model(seed=3), TRAIN, HELDOUT, steps=10, labels=HINTS)
+  other, _ = train_router(router_model(seed=3), TRAIN, HELDOUT, steps=10, labels=HINTS)
   with Registry.open(stored[0]) as reg:
     seq = reg.sequence
     with pytest.raises(RouterMismatchError, match="train-router"):

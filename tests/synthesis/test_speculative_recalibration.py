@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from tests.synthesis.tiny_synthesis import FULL, HINTS, IDENTITY_SKIP, SETTINGS, registry_copy, tiny_setup
+from tests.synthesis.tiny_synthesis import FULL, HINTS, IDENTITY_SKIP, SETTINGS, make_model, registry_copy, tiny_setup
 from thoughtjax.compose import compose
 from thoughtjax.registry import Registry, build
 from thoughtjax.synthesis.calibrate import (
@@ -64,8 +64,6 @@ def original():
 def int8(tmp_path_factory, original):
   """The tiny registry with an int8 variant of every block published on top, its table without speculative
   candidates recalibrated (latency only), stored signed: (registry root, calibration, report)."""
-  from tests.synthesis.test_quality import make_model
-
   setup = tiny_setup()
   root = registry_copy(tmp_path_factory.mktemp("int8") / "reg")
   model = make_model(identity=2)  # the tiny registry's model: its blocks keep their versions

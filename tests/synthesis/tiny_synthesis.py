@@ -1,7 +1,7 @@
 """A signed tiny registry with a stored calibration, built once per test process and shared read-only.
 
-The model is the 6-layer seeded model of ``test_quality`` with block 2 turned into an identity (zeroed
-output projections), cut in spans (0, 2), (2, 3), (3, 5), (5, 6). Skipping ``blocks[2:3)`` is therefore
+The model is the synthesis tests' 6-layer seeded model (:func:`make_model`) with block 2 turned into an identity
+(zeroed output projections), cut in spans (0, 2), (2, 3), (3, 5), (5, 6). Skipping ``blocks[2:3)`` is therefore
 exactly lossless: it ties the full path on quality and is faster, so the planner must choose it. The
 shipped dictionary is used, calibrated on two hints with short windows so the whole build takes seconds
 of measurement (plus the program compiles).
@@ -17,6 +17,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import jax.numpy as jnp
+from flax import nnx
+
+import thoughtjax
+from tests.registry.helpers import TINY_SPANS, mapping_text, tiny_codec, tiny_config
+from thoughtjax.loading import LoadedModel
+from thoughtjax.model import init_random
 from thoughtjax.synthesis.calibrate import CalibrateReport, CalibrateSettings, LatencySettings
 from thoughtjax.synthesis.candidates import CandidateSettings
 
@@ -33,6 +40,23 @@ SETTINGS = CalibrateSettings(
 )
 
 
+@functools.cache
+def _seeded(seed: int):
+  cfg = tiny_config()
+  return cfg, init_random(cfg, seed=seed, scale=0.08)
+
+
+def make_model(seed: int = 7, identity: int | None = None) -> thoughtjax.Model:
+  """A 6-layer random model; ``identity``: that block's output projections are zero (it returns its input)."""
+  cfg, module = _seeded(seed)
+  if identity is not None:
+    module = nnx.clone(module)  # the seeded model stays as it is for other tests
+    blk = module.blocks[identity]
+    blk.attn.o.set_value(jnp.zeros_like(blk.attn.o.get_value()))
+    blk.mlp.down.set_value(jnp.zeros_like(blk.mlp.down.get_value()))
+  return thoughtjax.Model(LoadedModel(cfg, module, tiny_codec(), f"tiny-seed{seed}", ""))
+
+
 @dataclasses.dataclass(frozen=True)
 class TinySetup:
   root: Path  # scratch folder of this process
@@ -44,8 +68,6 @@ class TinySetup:
 
 @functools.cache
 def tiny_setup() -> TinySetup:
-  from tests.registry.helpers import TINY_SPANS, mapping_text
-  from tests.synthesis.test_quality import make_model
   from thoughtjax.registry import Registry, build
   from thoughtjax.signing import keygen
   from thoughtjax.synthesis.calibrate import calibrate, store

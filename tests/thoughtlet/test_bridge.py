@@ -105,7 +105,7 @@ def test_replay_bridge_inside_the_composed_path(reg_copy, monkeypatch):
 
   monkeypatch.setattr(model_lib, "BridgeLayer", Recording)
   tokens = jnp.asarray([PROMPT])
-  logits = program_lib._full_sequence_logits(model._defs, model.layers, model.parts, tokens)  # not jitted
+  logits = program_lib._full_sequence_logits(model.defs, model.layers, model.parts, tokens)  # not jitted
   monkeypatch.undo()
   assert len(records) == 1
   x, y = records[0]

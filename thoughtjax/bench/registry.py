@@ -126,7 +126,7 @@ def _chained(model, prompt_ids: list[int], max_new: int):
   from thoughtjax.model import kv_cache_shape
   from thoughtjax.thoughtlet import run_blocks, run_embed, run_head
 
-  cfg, defs, parts = model.config, model._defs, model.parts
+  cfg, defs, parts = model.config, model.defs, model.parts
   T, S = len(prompt_ids), len(prompt_ids) + max_new
   groups = []  # consecutive block slots of one thoughtlet
   for link in model.links:

@@ -118,3 +118,7 @@ class ResidentSet:
 
   def refs(self) -> list[str]:
     return [e.ref for e in self._entries.values()]
+
+  def params(self) -> list[dict]:
+    """Every entry's restored params, least recently used first."""
+    return [e.params for e in self._entries.values()]

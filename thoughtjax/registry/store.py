@@ -637,6 +637,12 @@ class Registry:
       self._stats.evictions += n
       return n
 
+  def resident_params(self) -> list[dict]:
+    """The restored params the resident set holds now, least recently used first (the refs are in
+    ``stats().resident``): what :meth:`evict_all` drops."""
+    with self._lock:
+      return self._resident.params()
+
   def stats(self) -> RegistryStats:
     with self._lock:
       s = dataclasses.replace(

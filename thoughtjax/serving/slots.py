@@ -1012,6 +1012,15 @@ class SlotDriver:
     return self._thread.is_alive()
 
   @property
+  def closed(self) -> bool:
+    """:meth:`close` has begun: new requests are refused (the thread may still be ending its chunk)."""
+    return self._closed
+
+  def on_driver_thread(self) -> bool:
+    """Whether the calling thread is the driver's own (the one that prefills, steps and delivers deltas)."""
+    return threading.current_thread() is self._thread
+
+  @property
   def busy(self) -> bool:
     """Work queued, being prefilled or placed, or in a slot: closing the driver now would end it."""
     with self._cond:
