@@ -309,3 +309,17 @@ def test_an_artifact_is_synced_before_and_after_its_rename(tmp_path, monkeypatch
   (r,) = [i for i, e in enumerate(events) if e[0] == "rename" and e[2] == str(path)]
   assert ("fsync", events[r][1]) in events[:r]  # the data, under its temporary name
   assert ("fsync", str(directory)) in events[r:]  # the rename
+
+
+def test_arguments_on_the_same_buffers_with_another_tree_get_their_own_program(tmp_path):
+  """int8 and int8a8 weights share their arrays; the wrapper's same-arguments shortcut must not hand the
+  int8a8 call the int8 program (jaxlib's PyTreeDef == does not compare a dataclass node's class)."""
+  from thoughtjax import formats
+
+  q = jnp.ones((2, 2), jnp.int8)
+  w = formats.RowInt8(q, jnp.ones(2))
+  a8 = formats.int8_activations(w)
+  fn = exported.wrap(
+    jax.jit(lambda t: t.q.sum() * (2 if isinstance(t, formats.RowInt8A8) else 1)), key="kinds", directory=tmp_path
+  )
+  assert [int(fn(x)) for x in (w, a8, w, a8)] == [4, 8, 4, 8]

@@ -220,6 +220,19 @@ def test_int8a8_survives_the_stored_form_and_jit(rng):
   assert type(through) is formats.RowInt8A8 and type(through.map(lambda a: a[:4])) is formats.RowInt8A8
 
 
+def test_int8_and_int8a8_trees_differ_for_jit_caches(rng):
+  """The two forms share their arrays (int8a8 is int8's weights), so only the tree structure tells a jit cache
+  which program to run: it must compare unequal, or one form may run the other's program."""
+  w = formats.quantize_int8(_weights(rng))
+  a8 = formats.int8_activations(w)
+  assert a8.q is w.q and a8.scale is w.scale
+  assert jax.tree.structure(w) != jax.tree.structure(a8)
+  twice = jax.jit(lambda t: t.scale * (2.0 if isinstance(t, formats.RowInt8A8) else 1.0))
+  for _ in range(3):  # interleaved calls on the same buffers
+    np.testing.assert_array_equal(twice(w), np.asarray(w.scale))
+    np.testing.assert_array_equal(twice(a8), 2 * np.asarray(w.scale))
+
+
 def test_tiny_model_with_int8_activations_stays_close(tmp_path, cache_dir):
   """int8a8 against f32 on a tiny model, beside int8 (the same weights): the activation rounding is a
   second error of the same size as the weights' (half a step of 1/127 of a row's largest value)."""

@@ -131,6 +131,10 @@ class _Sig:
     return self is other or (isinstance(other, _Sig) and self._hash == other._hash and self.value == other.value)
 
 
+def _same_tree(a, b) -> bool:
+  return hash(a) == hash(b) and a == b
+
+
 class ExportedFunction:
   """A jitted function whose lowered programs are stored and loaded by :mod:`thoughtjax.exported`."""
 
@@ -157,7 +161,8 @@ class ExportedFunction:
 
   def _arg_sig(self, i: int, leaves: list, treedef) -> _Sig:
     seen = self._seen.get(i)
-    if seen is not None and len(seen[0]) == len(leaves) and seen[1].value[0] == treedef:
+    # The hash as well as ==: jaxlib's PyTreeDef == ignores a dataclass node's class (RowInt8 == RowInt8A8).
+    if seen is not None and len(seen[0]) == len(leaves) and _same_tree(seen[1].value[0], treedef):
       if all(r() is x for r, x in zip(seen[0], leaves, strict=True)):
         return seen[1]
     sig = _Sig((treedef, tuple(_leaf_sig(x) for x in leaves)))

@@ -108,8 +108,11 @@ class RowInt8:
 
   q: ArrayLike
   scale: ArrayLike
+  # A static field, not a class attribute: jaxlib's PyTreeDef equality compares a dataclass node's static
+  # fields but not its class, so without it RowInt8 and RowInt8A8 trees would compare equal and a jit
+  # cache lookup could run one form's program on the other's weights.
+  kind: str = dataclasses.field(metadata=dict(static=True), default="int8")
 
-  kind = "int8"
   shape = BlockQuant.shape
   ndim = BlockQuant.ndim
   dtype = BlockQuant.dtype
@@ -129,7 +132,7 @@ class RowInt8:
 class RowInt8A8(RowInt8):
   """A :class:`RowInt8` W [O, I] whose matmul also quantizes x per row: ``(xq @ q.T) * xscale * scale``."""
 
-  kind = "int8a8"
+  kind: str = dataclasses.field(metadata=dict(static=True), default="int8a8")
 
   def map(self, fn) -> RowInt8A8:
     return RowInt8A8(fn(self.q), fn(self.scale))
