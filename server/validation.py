@@ -24,6 +24,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from thoughtjax.decode.masks import grammars_for
+from thoughtjax.decode.request import ContextError, check_request
 from thoughtjax.errors import UserError
 from thoughtjax.paths import parse_path
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
@@ -136,12 +137,6 @@ def validate(m: pb.SynthesizeRequest, deadline_s: float | None, s: Serving, conf
   n = int(m.max_tokens) if m.HasField("max_tokens") else DEFAULT_MAX_TOKENS
   if not 1 <= n <= config.max_tokens_limit:
     raise bad(f"max_tokens: expected 1..{config.max_tokens_limit} (the server's max_tokens_limit), got {n}")
-  if len(ids) + n > s.max_context:
-    raise Refused(
-      grpc.StatusCode.OUT_OF_RANGE,
-      f"prompt ({len(ids)} tokens) + max_tokens ({n}) = {len(ids) + n} exceeds the model's context "
-      f"of {s.max_context} tokens; shorten the prompt or lower max_tokens",
-    )
   if m.HasField("max_latency_ms"):
     budget = m.max_latency_ms
     if not math.isfinite(budget) or budget <= 0:
@@ -158,8 +153,6 @@ def validate(m: pb.SynthesizeRequest, deadline_s: float | None, s: Serving, conf
       f"send fewer"
     )
   for i, stop in enumerate(stops):
-    if not stop:
-      raise bad(f"stop_strings[{i}]: an empty stop string would stop at once; drop it")
     if len(stop) > config.max_stop_chars:
       raise bad(
         f"stop_strings[{i}]: {len(stop)} characters, the server takes at most {config.max_stop_chars} per stop "
@@ -178,9 +171,11 @@ def validate(m: pb.SynthesizeRequest, deadline_s: float | None, s: Serving, conf
     if getattr(m, field):
       sampling[field] = getattr(m, field)
   try:
-    # The library's one check of every numeric field (types' ranges, finiteness, the vocabulary).
+    # The library's one check of a request's fields (types' ranges, finiteness, the vocabulary, the context).
     params = SamplingParams(max_tokens=n, **sampling)
-    params.check_model(s.vocab)
+    check_request([ids], [params], vocab_size=s.vocab, max_context=s.max_context)
+  except ContextError as e:
+    raise Refused(grpc.StatusCode.OUT_OF_RANGE, str(e)) from None
   except UserError as e:
     raise bad(f"sampling: {e}") from None
   if params.constraint is not None:

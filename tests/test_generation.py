@@ -162,7 +162,7 @@ def test_bad_sampling_settings_are_rejected():
 def test_context_overflow_is_rejected(engine):
   from thoughtjax.engine import RequestError
 
-  with pytest.raises(RequestError, match="exceeds the model's context of 256; shorten the prompt"):
+  with pytest.raises(RequestError, match="exceeds the model's context of 256 tokens; shorten the prompt"):
     engine.generate([1] * 200, max_tokens=100)
 
 

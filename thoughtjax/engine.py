@@ -32,6 +32,7 @@ from thoughtjax import assembly, speculative
 from thoughtjax import program as program_lib
 from thoughtjax.decode import indexed
 from thoughtjax.decode.masks import RowMasks, grammars_for
+from thoughtjax.decode.request import check_request
 from thoughtjax.decode.stream import Completion, Delta, Generation, RequestError, Rows, Trace
 from thoughtjax.kernels.dispatch import resolve as resolve_kernels
 from thoughtjax.loading import LoadedModel
@@ -464,25 +465,13 @@ class Model:
       ids = [self.prompt_ids(p, chat, system) for p in prompts]
     else:
       ids = [template.wrap(u) for u in user]
-    if not ids:
-      raise RequestError("stream_batch got no prompts; give at least one")
     if params is None:
       params = SamplingParams()
     if isinstance(params, SamplingParams):
       params = [params] * len(ids)
-    if len(params) != len(ids):
-      raise RequestError(
-        f"got {len(ids)} prompts but {len(params)} sampling settings; give one per prompt "
-        f"or a single SamplingParams for all"
-      )
+    check_request(ids, params, vocab_size=self.config.vocab_size, max_context=self.config.max_context)
     longest = max(len(i) for i in ids)
     max_new = max(p.max_tokens for p in params)
-    limit = self.config.max_context
-    if longest + max_new > limit:
-      raise RequestError(
-        f"prompt ({longest} tokens) + max_tokens ({max_new}) exceeds the model's context of {limit}; "
-        f"shorten the prompt or lower max_tokens"
-      )
     stops = [stop_ids_for(p, self.codec.eos_ids) for p in params]
     constraints = [p.constraint for p in params]
     masks = None

@@ -77,9 +77,11 @@ class SamplingParams:
         raise SamplingError(f"logit_bias[{tok}] must be a finite number, got {bias}; send a finite bias")
     if isinstance(self.stop_strings, str):
       raise SamplingError(f"stop_strings must be a sequence of strings, got the string {self.stop_strings[:40]!r}")
-    for s in self.stop_strings:
+    for i, s in enumerate(self.stop_strings):
       if not isinstance(s, str):
         raise SamplingError(f"stop_strings: each must be a string, got {s!r}")
+      if not s:
+        raise SamplingError(f"stop_strings[{i}]: an empty stop string would stop at once; drop it")
     # At most one constraint, each well-formed text (ConstraintError names which); compiling it against a
     # tokenizer happens where the model is known.
     object.__setattr__(self, "_constraint", Constraint.of(self.json_schema, self.regex, self.grammar))
@@ -89,9 +91,9 @@ class SamplingParams:
     """The request's output constraint, or None."""
     return self._constraint
 
-  def check_model(self, vocab_size: int, max_context: int | None = None, prompt_tokens: int = 0) -> None:
-    """Raise :class:`SamplingError` unless every id and count fits a model of ``vocab_size`` tokens and
-    ``max_context`` positions (``prompt_tokens`` + ``max_tokens``). One check for the server, CLI and API."""
+  def check_model(self, vocab_size: int) -> None:
+    """Raise :class:`SamplingError` unless every id and count fits a model of ``vocab_size`` tokens (the rest of
+    a request is checked against its model by :func:`thoughtjax.decode.request.check_request`)."""
     if self.top_k > vocab_size:
       raise SamplingError(
         f"top_k must be at most the vocabulary size {vocab_size} (0 = off), got {self.top_k}; send a smaller top_k"
@@ -101,11 +103,6 @@ class SamplingParams:
       raise SamplingError(
         f"token id {bad[0]} (stop_token_ids or logit_bias) is outside the vocabulary [0, {vocab_size}); "
         f"send ids the model's tokenizer produces"
-      )
-    if max_context is not None and prompt_tokens + self.max_tokens > max_context:
-      raise SamplingError(
-        f"prompt ({prompt_tokens} tokens) + max_tokens ({self.max_tokens}) = {prompt_tokens + self.max_tokens} "
-        f"exceeds the model's context of {max_context} tokens; shorten the prompt or lower max_tokens"
       )
 
   @property

@@ -152,6 +152,7 @@ def test_a_value_past_its_type_or_the_model_is_invalid_argument_before_any_work(
 
 
 def test_the_library_refuses_the_same_values_as_the_server():
+  from thoughtjax.decode.request import ContextError, check_request
   from thoughtjax.sampling import SamplingError, SamplingParams
 
   with pytest.raises(SamplingError, match="top_k must be an integer"):
@@ -160,9 +161,11 @@ def test_the_library_refuses_the_same_values_as_the_server():
     SamplingParams(temperature=math.nan)
   with pytest.raises(SamplingError, match="at most the vocabulary size 64"):
     SamplingParams(top_k=65).check_model(64)
-  with pytest.raises(SamplingError, match="exceeds the model's context of 16"):
-    SamplingParams(max_tokens=10).check_model(64, max_context=16, prompt_tokens=7)
-  SamplingParams(top_k=64, max_tokens=9).check_model(64, max_context=16, prompt_tokens=7)
+  with pytest.raises(ContextError, match="exceeds the model's context of 16"):
+    check_request([[1] * 7], [SamplingParams(max_tokens=10)], vocab_size=64, max_context=16)
+  check_request([[1] * 7], [SamplingParams(top_k=64, max_tokens=9)], vocab_size=64, max_context=16)
+  with pytest.raises(SamplingError, match="empty stop string"):
+    SamplingParams(stop_strings=("",))
 
 
 # ---------------------------------------------------------------------------------- 13: admin calls, error text
