@@ -14,7 +14,7 @@ load average is printed beside them because the machine is shared):
 * ``a8`` (M = 1, 8, 250): float32 weights (one GEMM), int8 weights (convert inside the dot) and int8a8
   (activations quantized per row, s8 x s8 -> s32 dot), with the HLO op that carries the dot.
 * ``step``: a decode step of the default model (profile_step's program: prompt 8, 64 new tokens) per form
-  and batch; at batch 1 each packed form also as it was before ``formats.computed_once`` (``x fused``:
+  and batch; at batch 1 each packed form also as it was before ``quantized.computed_once`` (``x fused``:
   the dot's operand recomputed inside its fusion) and, with ``--step-split``, with the split matmul.
 
 Shapes are the default model's (SmolLM2-135M): q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536,
@@ -36,15 +36,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from thoughtjax import formats
+from thoughtjax import quantized
 
 SHAPES = {"q/o": (576, 576), "k/v": (192, 576), "gate/up": (1536, 576), "down": (576, 1536), "head": (49152, 576)}
 
 
-def _blocks(w: np.ndarray, kind: str) -> formats.BlockQuant:
+def _blocks(w: np.ndarray, kind: str) -> quantized.BlockQuant:
   import gguf
 
-  return formats.from_gguf_blocks(gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind]), kind)
+  return quantized.from_gguf_blocks(gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind]), kind)
 
 
 def weights_for(name: str, rng) -> dict:
@@ -52,23 +52,23 @@ def weights_for(name: str, rng) -> dict:
   rows, cols = SHAPES[name]
   w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
   native = _blocks(w, "Q8_0" if name == "head" else "Q4_1")
-  i8 = formats.quantize_int8(w)
+  i8 = quantized.quantize_int8(w)
   return {
-    "f32": jnp.asarray(formats.dequantize(native)),
-    "native": formats.to_device(native),
-    "int8": formats.to_device(i8),
-    "int8a8": formats.to_device(formats.int8_activations(i8)),
+    "f32": jnp.asarray(quantized.dequantize(native)),
+    "native": quantized.to_device(native),
+    "int8": quantized.to_device(i8),
+    "int8a8": quantized.to_device(quantized.int8_activations(i8)),
   }
 
 
 def f32_matmul(x, w):
   """The engine's float32 form: x [..., I] @ W [O, I].T."""
-  return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=formats.EXACT)
+  return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=quantized.EXACT)
 
 
 def split_matmul(x, w, parts: int = 2, matmul=None):
-  """formats.matmul with W's output rows split into ``parts`` independent dots, concatenated."""
-  matmul = matmul or formats.matmul
+  """quantized.matmul with W's output rows split into ``parts`` independent dots, concatenated."""
+  matmul = matmul or quantized.matmul
   step = -(-w.shape[0] // parts)
   return jnp.concatenate([matmul(x, w.map(lambda a, i=i: a[i : i + step])) for i in range(0, w.shape[0], step)], -1)
 
@@ -113,14 +113,14 @@ def section_split(args, rng) -> list[dict]:
     x = jnp.asarray(rng.standard_normal((1, 1, SHAPES[name][1])).astype(np.float32))
     fns, fargs = {}, {}
     for form in ("native", "int8"):
-      fns[form] = jax.jit(formats.matmul)
+      fns[form] = jax.jit(quantized.matmul)
       fns[f"{form} split{args.parts}"] = jax.jit(lambda x, w: split_matmul(x, w, args.parts))
       fargs[form] = fargs[f"{form} split{args.parts}"] = (x, ws[form])
     fns["f32"], fargs["f32"] = jax.jit(f32_matmul), (x, ws["f32"])
     res = timed(fns, fargs, args.repeats, 20 if name != "head" else 3)
     for form, (ms, cpu) in res.items():
       base = form.split()[0]
-      fn = f32_matmul if base == "f32" else formats.matmul if form == base else split_matmul
+      fn = f32_matmul if base == "f32" else quantized.matmul if form == base else split_matmul
       row = dict(shape=name, form=form, ms=ms, cpu_per_wall=cpu / ms, hlo=dot_ops(fn, *fargs[form]))
       rows.append(row)
       print(f"split  {name:8s} {form:14s} {ms:8.3f} ms  cpu/wall {cpu / ms:4.2f}  {'; '.join(row['hlo'])}", flush=True)
@@ -133,12 +133,12 @@ def section_a8(args, rng) -> list[dict]:
     ws = weights_for(name, rng)
     for m in args.rows:
       x = jnp.asarray(rng.standard_normal((1, m, SHAPES[name][1])).astype(np.float32))
-      fns = {"f32": jax.jit(f32_matmul), "int8": jax.jit(formats.matmul), "int8a8": jax.jit(formats.matmul)}
+      fns = {"f32": jax.jit(f32_matmul), "int8": jax.jit(quantized.matmul), "int8a8": jax.jit(quantized.matmul)}
       fargs = {k: (x, ws[k]) for k in fns}
       inner = max(1, int(20 / max(1, m / 8) / (30 if name == "head" else 1)))
       res = timed(fns, fargs, args.repeats, inner)
       for form, (ms, cpu) in res.items():
-        hlo = dot_ops(f32_matmul if form == "f32" else formats.matmul, *fargs[form])
+        hlo = dot_ops(f32_matmul if form == "f32" else quantized.matmul, *fargs[form])
         rows.append(dict(shape=name, M=m, form=form, ms=ms, cpu_per_wall=cpu / ms, hlo=hlo))
       print(
         f"a8     {name:8s} M={m:<4d} "
@@ -151,25 +151,25 @@ def section_a8(args, rng) -> list[dict]:
 
 @contextlib.contextmanager
 def _split_matmuls(parts: int):
-  """Trace programs with every packed matmul split over ``parts`` dots (model.py looks formats.matmul up
+  """Trace programs with every packed matmul split over ``parts`` dots (model.py looks quantized.matmul up
   at call time)."""
-  saved = formats.matmul
-  formats.matmul = lambda x, w: split_matmul(x, w, parts, saved)
+  saved = quantized.matmul
+  quantized.matmul = lambda x, w: split_matmul(x, w, parts, saved)
   try:
     yield
   finally:
-    formats.matmul = saved
+    quantized.matmul = saved
 
 
 @contextlib.contextmanager
 def _x_fused():
-  """Trace programs as before ``formats.computed_once``: a one-row dot's operand fused into it."""
-  saved = formats.computed_once
-  formats.computed_once = lambda x: x
+  """Trace programs as before ``quantized.computed_once``: a one-row dot's operand fused into it."""
+  saved = quantized.computed_once
+  quantized.computed_once = lambda x: x
   try:
     yield
   finally:
-    formats.computed_once = saved
+    quantized.computed_once = saved
 
 
 def build_step(engine, batch: int, prompt: int = 8, new: int = 64):
@@ -207,7 +207,7 @@ def section_step(args) -> list[dict]:
 
   engines = {w: thoughtjax.load(args.model, weights=w) for w in ("native", "f32", "int8")}
   i8 = engines["int8"]
-  engines["int8a8"] = i8.with_path(i8.layers, parts=formats.int8_activations(i8.parts))
+  engines["int8a8"] = i8.with_path(i8.layers, parts=quantized.int8_activations(i8.parts))
   rows = []
   for batch in args.batches:
     runs = {}

@@ -32,9 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import thoughtjax
-from thoughtjax import formats
-from thoughtjax import model as model_lib
 from thoughtjax import program as program_lib
+from thoughtjax import quantized, transformer
 from thoughtjax.sampling import SamplingMode, SamplingParams, sampling_arrays
 
 
@@ -43,13 +42,13 @@ def _attention_update_first(self, x, cos, sin, cache_k, cache_v, write_at, mask)
   cfg = self.cfg
   B, T, D = x.shape
   H, K, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  mm, mat, bat = model_lib._matmul, model_lib._matrix, model_lib._batched
+  mm, mat, bat = transformer._matmul, transformer._matrix, transformer._batched
   q = mm(x, mat(self.q[...], D, H * E)).reshape(B, T, H, E)
   k = mm(x, mat(self.k[...], D, K * E)).reshape(B, T, K, E)
   v = mm(x, mat(self.v[...], D, K * E)).reshape(B, T, K, E)
   if cfg.qkv_bias:
     q, k, v = q + self.q_bias[...][None, None], k + self.k_bias[...][None, None], v + self.v_bias[...][None, None]
-  q, k = model_lib.apply_rope(q, cos, sin), model_lib.apply_rope(k, cos, sin)
+  q, k = transformer.apply_rope(q, cos, sin), transformer.apply_rope(k, cos, sin)
   zero = jnp.zeros((), jnp.int32)
   at = (zero, zero, write_at, zero)
   cache_k = jax.lax.dynamic_update_slice(cache_k, k.transpose(0, 2, 1, 3).astype(cache_k.dtype), at)
@@ -72,12 +71,12 @@ def attention(impl: str):
   if impl == "lean":
     yield
     return
-  saved = model_lib.Attention.__call__
-  model_lib.Attention.__call__ = _attention_update_first
+  saved = transformer.Attention.__call__
+  transformer.Attention.__call__ = _attention_update_first
   try:
     yield
   finally:
-    model_lib.Attention.__call__ = saved
+    transformer.Attention.__call__ = saved
 
 
 def build(engine, batch: int, prompt: int, new: int, impl: str):
@@ -92,7 +91,7 @@ def build(engine, batch: int, prompt: int, new: int, impl: str):
   with attention(impl):
     compiled = prog._advance.trace(engine.parts, tokens, pad, samp, jax.eval_shape(prog._init_impl)).lower().compile()
   copies, cache = program_lib.loop_copies(
-    compiled.as_text(), model_lib.kv_cache_shape(engine.config, batch, key.cache_len)
+    compiled.as_text(), transformer.kv_cache_shape(engine.config, batch, key.cache_len)
   )
 
   def chunk_ms() -> float:
@@ -154,7 +153,7 @@ def main(argv=None):
   print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; jax {jax.__version__}, {jax.devices()[0].platform}")
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(dict(rows=rows, load_average=load, precision=str(formats.EXACT)), f, indent=1)
+      json.dump(dict(rows=rows, load_average=load, precision=str(quantized.EXACT)), f, indent=1)
   return rows
 
 

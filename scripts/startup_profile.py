@@ -77,7 +77,8 @@ def child(opts: argparse.Namespace) -> dict:
   mark("import thoughtjax")
   import jax
 
-  from thoughtjax import engine, loading, program
+  from thoughtjax import loading, program
+  from thoughtjax import model as engine
 
   mark("import engine/program")
   spans: dict[str, list] = {k: [] for k in JAX_EVENTS.values()}
@@ -135,7 +136,7 @@ def child(opts: argparse.Namespace) -> dict:
   mark("load (total)")
   model = engine.Model(loaded, kernels=opts.kernels)
   if opts.path:
-    from thoughtjax.paths import layers_of_path
+    from thoughtjax.path_syntax import layers_of_path
 
     model = model.with_path(layers_of_path(opts.path, model.config.num_layers))
   mark("Model construction")

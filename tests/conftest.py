@@ -81,6 +81,12 @@ def hf_default_model():
   return model.eval(), tok
 
 
+def pytest_collection_modifyitems(config, items):
+  """The default-model tests (minutes each) run first, so the suite's many short tests fill both xdist workers
+  at the end instead of one worker finishing a long test alone. The order is deterministic, as xdist needs."""
+  items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: otherwise in file order
+
+
 def pytest_unconfigure(config):
   """The process that made the run's cache removes it at the end (xdist workers end before it)."""
   isolation.leave_run(RUN)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from tests.tiny import TINY_CONFIGS, tiny_engine, tiny_model
-from thoughtjax import model as model_lib
 from thoughtjax import program as program_lib
+from thoughtjax import transformer
 from thoughtjax.sampling import SamplingMode, SamplingParams, sampling_arrays
 
 
@@ -26,7 +26,7 @@ def _update_first(attn, x, cos, sin, cache_k, cache_v, write_at, mask):
   v = jnp.einsum("btd,dke->btke", x, attn.v[...], precision=hi)
   if cfg.qkv_bias:
     q, k, v = q + attn.q_bias[...][None, None], k + attn.k_bias[...][None, None], v + attn.v_bias[...][None, None]
-  q, k = model_lib.apply_rope(q, cos, sin), model_lib.apply_rope(k, cos, sin)
+  q, k = transformer.apply_rope(q, cos, sin), transformer.apply_rope(k, cos, sin)
   at = (0, 0, write_at, 0)
   cache_k = jax.lax.dynamic_update_slice(cache_k, k.transpose(0, 2, 1, 3), at)
   cache_v = jax.lax.dynamic_update_slice(cache_v, v.transpose(0, 2, 1, 3), at)
@@ -44,8 +44,8 @@ def _update_first(attn, x, cos, sin, cache_k, cache_v, write_at, mask):
 def _inputs(cfg, rng, B, T, S, write_at):
   x = jnp.asarray(rng.normal(size=(B, T, cfg.d_model)), jnp.float32)
   positions = jnp.asarray(rng.integers(0, 200, size=(B, T)), jnp.int32)
-  cos, sin = model_lib.rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-  shape = model_lib.kv_cache_shape(cfg, B, S)
+  cos, sin = transformer.rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+  shape = transformer.kv_cache_shape(cfg, B, S)
   ck = jnp.asarray(rng.normal(size=shape), jnp.float32)
   cv = jnp.asarray(rng.normal(size=shape), jnp.float32)
   mask = rng.random((B, T, S)) < 0.6
@@ -104,7 +104,7 @@ def test_compiled_decode_loop_updates_every_cache_in_place(batch):
   samp = sampling_arrays([SamplingParams(max_tokens=32)] * batch, batch, engine.config.vocab_size, 4, None, False)
   tokens, pad = jnp.zeros((batch, 16), jnp.int32), jnp.zeros(batch, jnp.int32)
   hlo = prog.lower(engine.parts, tokens, pad, samp).compile().as_text()
-  cache = model_lib.kv_cache_shape(engine.config, batch, key.cache_len)
+  cache = transformer.kv_cache_shape(engine.config, batch, key.cache_len)
   copies, cache_copies = program_lib.loop_copies(hlo, cache)
   assert "while" in hlo and f"f32[{','.join(map(str, cache))}]" in hlo  # the loop and the caches are there
   assert cache_copies == 0, f"{cache_copies} copies of a KV cache [{cache}] per decode step ({copies} copies in all)"
@@ -113,7 +113,7 @@ def test_compiled_decode_loop_updates_every_cache_in_place(batch):
 def test_loop_copies_counts_cache_copies_of_the_update_first_step():
   """The counter sees the copies when they are there: a loop that reads the cache after updating it."""
   cfg = TINY_CONFIGS["llama_gqa"]
-  shape = model_lib.kv_cache_shape(cfg, 1, 32)
+  shape = transformer.kv_cache_shape(cfg, 1, 32)
 
   def step(carry):
     i, cache, seen = carry

@@ -314,12 +314,12 @@ def test_an_artifact_is_synced_before_and_after_its_rename(tmp_path, monkeypatch
 def test_arguments_on_the_same_buffers_with_another_tree_get_their_own_program(tmp_path):
   """int8 and int8a8 weights share their arrays; the wrapper's same-arguments shortcut must not hand the
   int8a8 call the int8 program (jaxlib's PyTreeDef == does not compare a dataclass node's class)."""
-  from thoughtjax import formats
+  from thoughtjax import quantized
 
   q = jnp.ones((2, 2), jnp.int8)
-  w = formats.RowInt8(q, jnp.ones(2))
-  a8 = formats.int8_activations(w)
+  w = quantized.RowInt8(q, jnp.ones(2))
+  a8 = quantized.int8_activations(w)
   fn = exported.wrap(
-    jax.jit(lambda t: t.q.sum() * (2 if isinstance(t, formats.RowInt8A8) else 1)), key="kinds", directory=tmp_path
+    jax.jit(lambda t: t.q.sum() * (2 if isinstance(t, quantized.RowInt8A8) else 1)), key="kinds", directory=tmp_path
   )
   assert [int(fn(x)) for x in (w, a8, w, a8)] == [4, 8, 4, 8]

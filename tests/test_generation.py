@@ -160,7 +160,7 @@ def test_bad_sampling_settings_are_rejected():
 
 
 def test_context_overflow_is_rejected(engine):
-  from thoughtjax.engine import RequestError
+  from thoughtjax.model import RequestError
 
   with pytest.raises(RequestError, match="exceeds the model's context of 256 tokens; shorten the prompt"):
     engine.generate([1] * 200, max_tokens=100)
@@ -336,7 +336,7 @@ def test_abandoned_generation_stops_device_work(engine):
 def test_callback_stream_worker_stops_with_its_consumer(engine, stop):
   import threading
 
-  from thoughtjax.engine import CALLBACK_QUEUE_STEPS
+  from thoughtjax.model import CALLBACK_QUEUE_STEPS
 
   g = engine.stream([4, 5, 6], max_tokens=200, ignore_eos=True, stream_mode="callback")
   next(g)
@@ -352,8 +352,8 @@ def test_callback_stream_worker_stops_with_its_consumer(engine, stop):
 
 
 def test_program_cache_is_a_bounded_counted_lru(engine):
-  from thoughtjax.model import GraphDefs
   from thoughtjax.program import ProgramCache, ProgramKey, SamplingMode
+  from thoughtjax.transformer import GraphDefs
 
   cache = ProgramCache(capacity=2)
   keys = [ProgramKey(engine.layers, 1, 16, 16, 4, SamplingMode.GREEDY, False, chunk=c) for c in (1, 2, 3)]

@@ -1,4 +1,4 @@
-"""int8 weights (thoughtjax.formats.RowInt8): per-output-row symmetric int8, quantized from float32 at load.
+"""int8 weights (thoughtjax.quantized.RowInt8): per-output-row symmetric int8, quantized from float32 at load.
 
 Lossy by design, so the contract is a bound, not equality: every weight within half a step of its
 row's scale; the matmul equal to x @ dequantized(W).T; the compiled decode-shaped matmul reads the
@@ -17,8 +17,8 @@ import pytest
 
 import thoughtjax
 from tests.tiny import TINY_CONFIGS, write_gguf
-from thoughtjax import formats
-from thoughtjax.model import init_random
+from thoughtjax import quantized
+from thoughtjax.transformer import init_random
 
 IDS = [5, 77, 130, 9, 201, 64, 33]
 
@@ -32,14 +32,14 @@ def _weights(rng, rows=48, cols=96):
 
 def test_quantize_int8_is_within_half_a_step_per_row(rng):
   w = _weights(rng)
-  p = formats.quantize_int8(w)
+  p = quantized.quantize_int8(w)
   assert p.q.dtype == np.int8 and p.q.shape == w.shape and p.scale.shape == (w.shape[0],)
   assert np.abs(p.q.astype(np.int32)).max() <= 127 and np.all(p.q[0] == 0) and p.scale[0] == 0
-  err = np.abs(formats.dequantize(p) - w)
+  err = np.abs(quantized.dequantize(p) - w)
   assert np.all(err <= p.scale[:, None] / 2 * (1 + 1e-6) + 1e-12)
   # The largest |w| of each nonzero row maps to +-127 exactly.
   assert np.all(np.abs(p.q[1:]).max(axis=1) == 127)
-  assert np.array_equal(np.asarray(jnp.asarray(formats.to_device(p))), formats.dequantize(p))
+  assert np.array_equal(np.asarray(jnp.asarray(quantized.to_device(p))), quantized.dequantize(p))
 
 
 def test_quantize_int8_of_native_blocks_quantizes_their_float32_values(rng):
@@ -47,20 +47,20 @@ def test_quantize_int8_of_native_blocks_quantizes_their_float32_values(rng):
 
   w = _weights(rng, 32, 64)
   raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
-  blocks = formats.from_gguf_blocks(raw, "Q8_0")
-  a, b = formats.quantize_int8(blocks), formats.quantize_int8(formats.dequantize(blocks))
+  blocks = quantized.from_gguf_blocks(raw, "Q8_0")
+  a, b = quantized.quantize_int8(blocks), quantized.quantize_int8(quantized.dequantize(blocks))
   assert np.array_equal(a.q, b.q) and np.array_equal(a.scale, b.scale)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_int8_matmul_and_rows_match_the_dequantized_matrix(rng, rows):
-  w = formats.to_device(formats.quantize_int8(_weights(rng)))
-  dense = formats.dequantize(w)
+  w = quantized.to_device(quantized.quantize_int8(_weights(rng)))
+  dense = quantized.dequantize(w)
   x = rng.standard_normal((1, rows, 96)).astype(np.float32)
-  got = np.asarray(jax.jit(formats.matmul)(jnp.asarray(x), w))
+  got = np.asarray(jax.jit(quantized.matmul)(jnp.asarray(x), w))
   np.testing.assert_allclose(got, x @ dense.T, rtol=1e-5, atol=1e-4)
   ids = np.array([[3, 0], [47, 2]])
-  assert np.array_equal(np.asarray(formats.take_rows(w, ids)), dense[ids])
+  assert np.array_equal(np.asarray(quantized.take_rows(w, ids)), dense[ids])
   assert np.array_equal(np.asarray(w[jnp.asarray(ids)]), dense[ids]) and w[...] is w
 
 
@@ -68,8 +68,8 @@ def test_int8_matmul_and_rows_match_the_dequantized_matrix(rng, rows):
 def test_int8_decode_matmul_reads_the_int8_bytes(rng):
   """x [1, 1, I] @ convert(q).T * scale: the dot's fusion reads s8 [O, I]; no float32 copy of W."""
   rows, cols = 1536, 576
-  p = formats.to_device(formats.quantize_int8(rng.standard_normal((rows, cols)).astype(np.float32)))
-  hlo = jax.jit(formats.matmul).lower(jnp.zeros((1, 1, cols)), p).compile().as_text()
+  p = quantized.to_device(quantized.quantize_int8(rng.standard_normal((rows, cols)).astype(np.float32)))
+  hlo = jax.jit(quantized.matmul).lower(jnp.zeros((1, 1, cols)), p).compile().as_text()
   entry = hlo[hlo.index("ENTRY") :]
   entry = entry[: entry.index("\n}")]
   assert f"f32[{rows},{cols}]" not in entry and f"f32[{cols},{rows}]" not in entry, entry
@@ -78,8 +78,8 @@ def test_int8_decode_matmul_reads_the_int8_bytes(rng):
 
 
 def test_unknown_weight_format_names_the_choices():
-  with pytest.raises(formats.WeightFormatError, match=r"weights='int4'.*f32, native, int8"):
-    formats.check_format("int4")
+  with pytest.raises(quantized.WeightFormatError, match=r"weights='int4'.*f32, native, int8"):
+    quantized.check_format("int4")
 
 
 @pytest.fixture
@@ -96,8 +96,8 @@ def test_tiny_model_loaded_as_int8_holds_int8_and_stays_close(tmp_path, cache_di
   q8 = thoughtjax.load(path, weights="int8", compile_cache=False)
   block = q8.module.blocks[0]
   for w in (block.attn.q, block.attn.o, block.mlp.gate, block.mlp.down, q8.module.embed.table):
-    assert isinstance(w.get_value(), formats.RowInt8)
-  assert not formats.is_packed(block.attn_norm.weight.get_value())
+    assert isinstance(w.get_value(), quantized.RowInt8)
+  assert not quantized.is_packed(block.attn_norm.weight.get_value())
   a, b = f32.logits(IDS), q8.logits(IDS)
   assert 0 < np.max(np.abs(a - b)) <= 0.05 * np.max(np.abs(a)), (np.max(np.abs(a - b)), np.max(np.abs(a)))
   assert np.mean(np.argmax(a, -1) == np.argmax(b, -1)) >= 0.8
@@ -108,7 +108,7 @@ def test_tiny_model_loaded_as_int8_holds_int8_and_stays_close(tmp_path, cache_di
 def test_a_loaded_model_composes_a_mixed_variant_path(tmp_path, cache_dir):
   """From a loaded model (no registry) ``blocks[a:b)@int8`` quantizes those layers at compose time."""
   from thoughtjax.compose import compose
-  from thoughtjax.paths import PathSyntaxError, layers_of_path
+  from thoughtjax.path_syntax import PathSyntaxError, layers_of_path
 
   cfg = TINY_CONFIGS["llama_gqa"]
   model = thoughtjax.load(write_gguf(tmp_path / "t.gguf", cfg, init_random(cfg, 1, scale=0.08)), compile_cache=False)
@@ -138,7 +138,7 @@ def test_default_model_int8_quality_against_f32():
   assert "Paris" in text, text
 
 
-# ---- int8a8: the same int8 weights, activations quantized per row (formats.RowInt8A8) -------------------
+# ---- int8a8: the same int8 weights, activations quantized per row (quantized.RowInt8A8) -------------------
 
 
 def _x(rng, rows: int, cols: int = 96) -> np.ndarray:
@@ -152,14 +152,14 @@ def _x(rng, rows: int, cols: int = 96) -> np.ndarray:
 
 def test_quantize_rows_is_within_half_a_step_per_row(rng):
   x = _x(rng, 8)
-  xq, scale = jax.jit(formats.quantize_rows)(jnp.asarray(x))
+  xq, scale = jax.jit(quantized.quantize_rows)(jnp.asarray(x))
   xq, scale = np.asarray(xq), np.asarray(scale)
   assert xq.dtype == np.int8 and xq.shape == x.shape and scale.shape == (8,) and scale[1] == 0
   assert np.all(xq[1] == 0) and np.all(np.abs(np.delete(xq, 1, axis=0).astype(np.int32)).max(axis=1) == 127)
   assert np.all(np.abs(scale[:, None] * xq - x) <= scale[:, None] / 2 * (1 + 1e-5) + 1e-12)
 
 
-def _int8a8_reference(x: np.ndarray, w: formats.RowInt8) -> np.ndarray:
+def _int8a8_reference(x: np.ndarray, w: quantized.RowInt8) -> np.ndarray:
   """The int8a8 product in numpy: per-row int8 x, an exact integer dot, then both scales."""
   scale = np.max(np.abs(x), axis=1) / np.float32(127)
   xq = np.clip(np.rint(x / np.where(scale > 0, scale, 1)[:, None]), -127, 127).astype(np.int64)
@@ -172,10 +172,10 @@ def test_int8a8_matmul_is_the_integer_product(rng, rows):
   """Every row count gives the integer dot's result; a row's result does not depend on its batch; the
   error against the float32 product stays within the worst case of rounding both operands."""
   dense = _weights(rng)
-  w = formats.to_device(formats.int8_activations(formats.quantize_int8(dense)))
-  assert isinstance(w, formats.RowInt8A8) and w.kind == "int8a8" and formats.is_packed(w)
+  w = quantized.to_device(quantized.int8_activations(quantized.quantize_int8(dense)))
+  assert isinstance(w, quantized.RowInt8A8) and w.kind == "int8a8" and quantized.is_packed(w)
   x = _x(rng, 8)[:rows]
-  mm = jax.jit(formats.matmul)
+  mm = jax.jit(quantized.matmul)
   got = np.asarray(mm(jnp.asarray(x[None]), w))[0]
   np.testing.assert_allclose(got, _int8a8_reference(x, w), rtol=1e-6, atol=0)
   one_by_one = np.stack([np.asarray(mm(jnp.asarray(x[None, i : i + 1]), w))[0, 0] for i in range(rows)])
@@ -193,10 +193,10 @@ def test_int8a8_matmul_reads_the_int8_bytes_without_a_wide_copy(rng, rows):
   """M = 1: the fused decode dot over q's s8 bytes, x quantized once (outside that fusion); M > 1: an
   s8 x s8 -> s32 dot (XLA:CPU's integer GEMM) over the same bytes. Never an f32 or s32 copy of W."""
   rows_w, cols = 1536, 576
-  w = formats.to_device(
-    formats.int8_activations(formats.quantize_int8(rng.standard_normal((rows_w, cols)).astype(np.float32)))
+  w = quantized.to_device(
+    quantized.int8_activations(quantized.quantize_int8(rng.standard_normal((rows_w, cols)).astype(np.float32)))
   )
-  hlo = jax.jit(formats.matmul).lower(jnp.zeros((1, rows, cols)), w).compile().as_text()
+  hlo = jax.jit(quantized.matmul).lower(jnp.zeros((1, rows, cols)), w).compile().as_text()
   assert not re.search(rf"(f32|s32)\[({rows_w},{cols}|{cols},{rows_w})\]", hlo[hlo.index("ENTRY") :]), hlo
   bodies = [m.group(0) for m in re.finditer(r"\n%?[\w.]+ \(.*?\n}", hlo, re.S) if " dot(" in m.group(0)]
   (dot,) = [b for b in bodies if f"s8[{rows_w},{cols}]" in b]
@@ -211,23 +211,23 @@ def test_int8a8_survives_the_stored_form_and_jit(rng):
   """Stored (registry/cache) as the int8 form's arrays; int8_activations makes it int8a8 again."""
   from thoughtjax.weights import to_stored
 
-  params = {"attn": {"q": formats.int8_activations(formats.quantize_int8(_weights(rng))), "bias": np.ones(3)}}
+  params = {"attn": {"q": quantized.int8_activations(quantized.quantize_int8(_weights(rng))), "bias": np.ones(3)}}
   stored = to_stored(params)
   assert set(stored["attn"]["q"]) == {"int8", "scale"}
-  back = formats.int8_activations(formats.from_stored(stored))
-  assert type(back["attn"]["q"]) is formats.RowInt8A8 and np.array_equal(back["attn"]["q"].q, params["attn"]["q"].q)
-  through = jax.jit(lambda t: t)(formats.to_device(back["attn"]["q"]))
-  assert type(through) is formats.RowInt8A8 and type(through.map(lambda a: a[:4])) is formats.RowInt8A8
+  back = quantized.int8_activations(quantized.from_stored(stored))
+  assert type(back["attn"]["q"]) is quantized.RowInt8A8 and np.array_equal(back["attn"]["q"].q, params["attn"]["q"].q)
+  through = jax.jit(lambda t: t)(quantized.to_device(back["attn"]["q"]))
+  assert type(through) is quantized.RowInt8A8 and type(through.map(lambda a: a[:4])) is quantized.RowInt8A8
 
 
 def test_int8_and_int8a8_trees_differ_for_jit_caches(rng):
   """The two forms share their arrays (int8a8 is int8's weights), so only the tree structure tells a jit cache
   which program to run: it must compare unequal, or one form may run the other's program."""
-  w = formats.quantize_int8(_weights(rng))
-  a8 = formats.int8_activations(w)
+  w = quantized.quantize_int8(_weights(rng))
+  a8 = quantized.int8_activations(w)
   assert a8.q is w.q and a8.scale is w.scale
   assert jax.tree.structure(w) != jax.tree.structure(a8)
-  twice = jax.jit(lambda t: t.scale * (2.0 if isinstance(t, formats.RowInt8A8) else 1.0))
+  twice = jax.jit(lambda t: t.scale * (2.0 if isinstance(t, quantized.RowInt8A8) else 1.0))
   for _ in range(3):  # interleaved calls on the same buffers
     np.testing.assert_array_equal(twice(w), np.asarray(w.scale))
     np.testing.assert_array_equal(twice(a8), 2 * np.asarray(w.scale))
@@ -242,9 +242,9 @@ def test_tiny_model_with_int8_activations_stays_close(tmp_path, cache_dir):
   path = write_gguf(tmp_path / "t.gguf", cfg, init_random(cfg, 1, scale=0.08))
   f32 = thoughtjax.load(path, weights="f32", compile_cache=False)
   q8 = thoughtjax.load(path, weights="int8", compile_cache=False)
-  a8 = q8.with_path(q8.layers, parts=formats.int8_activations(q8.parts))
-  assert {type(w) for w in jax.tree.leaves(a8.parts, is_leaf=formats.is_packed) if formats.is_packed(w)} == {
-    formats.RowInt8A8
+  a8 = q8.with_path(q8.layers, parts=quantized.int8_activations(q8.parts))
+  assert {type(w) for w in jax.tree.leaves(a8.parts, is_leaf=quantized.is_packed) if quantized.is_packed(w)} == {
+    quantized.RowInt8A8
   }
   ref, got, weight_only = f32.logits(IDS), a8.logits(IDS), q8.logits(IDS)
   err, err8 = np.max(np.abs(got - ref)), np.max(np.abs(weight_only - ref))
@@ -264,16 +264,16 @@ def test_load_and_generate_take_int8a8(tmp_path, cache_dir, capsys):
   cfg = TINY_CONFIGS["llama_gqa"]
   path = write_gguf(tmp_path / "t.gguf", cfg, init_random(cfg, 1, scale=0.08))
   a8 = thoughtjax.load(path, weights="int8a8", compile_cache=False)
-  assert isinstance(a8.module.blocks[0].mlp.gate.get_value(), formats.RowInt8A8)
+  assert isinstance(a8.module.blocks[0].mlp.gate.get_value(), quantized.RowInt8A8)
   q8 = thoughtjax.load(path, weights="int8", compile_cache=False)
-  by_hand = q8.with_path(q8.layers, parts=formats.int8_activations(q8.parts))
+  by_hand = q8.with_path(q8.layers, parts=quantized.int8_activations(q8.parts))
   np.testing.assert_array_equal(a8.logits(IDS), by_hand.logits(IDS))
   argv = ["generate", "--model", str(path), "--prompt", "hello", "--max-tokens", "4", "--json"]
   assert main([*argv, "--weights", "int8a8"]) == 0
   assert len(json.loads(capsys.readouterr().out)["token_ids"]) >= 1
   assert main(["generate", "--registry", str(tmp_path), "--prompt", "x", "--weights", "int8a8"]) == 2
   assert "--weights int8a8 applies to --model" in capsys.readouterr().err
-  with pytest.raises(formats.WeightFormatError, match="int4"):
+  with pytest.raises(quantized.WeightFormatError, match="int4"):
     thoughtjax.load(path, weights="int4", compile_cache=False)
 
 

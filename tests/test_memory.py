@@ -16,8 +16,8 @@ from safetensors.numpy import load_file
 
 import thoughtjax
 from tests.tiny import TINY_CONFIGS, write_gguf
-from thoughtjax import formats, loading
-from thoughtjax.model import init_random
+from thoughtjax import loading, quantized
+from thoughtjax.transformer import init_random
 from thoughtjax.weights import model_params, param_bytes
 
 CFG = TINY_CONFIGS["llama_gqa"]
@@ -37,7 +37,7 @@ def tiny_gguf(tmp_path, cache_dir) -> Path:
 
 def _matrices(params) -> dict[str, object]:
   """Every projection, the embedding table and an untied head, by path."""
-  flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=formats.is_packed)[0]
+  flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=quantized.is_packed)[0]
   names = ("q", "k", "v", "o", "gate", "up", "down", "table", "unembed")
   return {jax.tree_util.keystr(p): v for p, v in flat if str(getattr(p[-1], "key", "")) in names}
 
@@ -50,7 +50,7 @@ def test_native_model_holds_no_float32_copy_of_its_blocks(tiny_gguf, source):
   f32 = thoughtjax.load(str(tiny_gguf), weights="f32", compile_cache=False)
   params = model_params(native.module)
   mats = _matrices(params)
-  assert mats and all(formats.is_packed(m) for m in mats.values()), {k: type(v) for k, v in mats.items()}
+  assert mats and all(quantized.is_packed(m) for m in mats.values()), {k: type(v) for k, v in mats.items()}
   # No float32 leaf anywhere has a matrix's shape ([O, I] or the f32 model's [I, O] layout).
   shapes = {tuple(m.shape) for m in mats.values()}
   shapes |= {tuple(x.shape) for x in jax.tree.leaves(_matrices(model_params(f32.module)))}
@@ -159,7 +159,7 @@ def test_default_model_native_is_packed_and_mapped_from_its_cache():
   model = thoughtjax.load(weights="native", compile_cache=False)
   params = model_params(model.module)
   mats = _matrices(params)
-  assert len(mats) == 7 * model.config.num_layers + 1 and all(formats.is_packed(m) for m in mats.values())
+  assert len(mats) == 7 * model.config.num_layers + 1 and all(quantized.is_packed(m) for m in mats.values())
   assert {m.kind for m in mats.values()} == {"Q4_1", "Q8_0"}
   (entry,) = (cache_dir() / "weights").glob(f"{model.loaded.source_hash[:24]}-native-v{loading._NATIVE_FORMAT}")
   ranges = _mapped_ranges(entry / "weights.safetensors")

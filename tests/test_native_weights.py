@@ -1,4 +1,4 @@
-"""Native weights (thoughtjax.formats): a GGUF's Q8_0 / Q4_0 / Q4_1 blocks held packed, computed in float32.
+"""Native weights (thoughtjax.quantized): a GGUF's Q8_0 / Q4_0 / Q4_1 blocks held packed, computed in float32.
 
 The contract checked here: the packed form dequantizes bit for bit to what ``gguf`` dequantizes; a
 model loaded with ``weights="native"`` gives the f32 model's logits (to float32 summation order) and its
@@ -20,11 +20,11 @@ import pytest
 
 import thoughtjax
 from tests.tiny import TINY_CONFIGS, VOCAB, write_gguf
-from thoughtjax import formats, loading
+from thoughtjax import loading, quantized
 from thoughtjax.config import Architecture, ModelConfig
 from thoughtjax.errors import UserError
-from thoughtjax.model import init_random
 from thoughtjax.sources.errors import WeightCacheError
+from thoughtjax.transformer import init_random
 
 KINDS = ("Q8_0", "Q4_0", "Q4_1")
 # Every matrix dimension a multiple of the 32-value block (llama_gqa, qwen2_bias qualify as they are).
@@ -56,10 +56,10 @@ def _weights(rng, rows=48, cols=96):
   return w
 
 
-def _packed(w: np.ndarray, kind: str) -> tuple[formats.BlockQuant, np.ndarray]:
+def _packed(w: np.ndarray, kind: str) -> tuple[quantized.BlockQuant, np.ndarray]:
   qt = gguf.GGMLQuantizationType[kind]
   raw = gguf.quants.quantize(w, qt)
-  return formats.from_gguf_blocks(raw, kind), gguf.quants.dequantize(raw, qt)
+  return quantized.from_gguf_blocks(raw, kind), gguf.quants.dequantize(raw, qt)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -68,8 +68,8 @@ def test_dequantize_is_bitwise_gguf(rng, kind):
   assert p.shape == ref.shape and p.kind == kind
   assert p.q.dtype == (np.uint8 if kind == "Q4_1" else np.int8)
   assert (p.min is None) == (kind != "Q4_1")
-  assert np.array_equal(formats.dequantize(p).view(np.uint32), ref.view(np.uint32))
-  in_xla = np.asarray(jax.jit(formats.dequantize_jnp)(formats.to_device(p)))
+  assert np.array_equal(quantized.dequantize(p).view(np.uint32), ref.view(np.uint32))
+  in_xla = np.asarray(jax.jit(quantized.dequantize_jnp)(quantized.to_device(p)))
   assert np.array_equal(in_xla.view(np.uint32), ref.view(np.uint32))
 
 
@@ -78,23 +78,23 @@ def test_dequantize_is_bitwise_gguf(rng, kind):
 def test_matmul_and_rows_match_the_float32_weights(rng, kind, lead):
   p, ref = _packed(_weights(rng), kind)
   x = rng.standard_normal((*lead, ref.shape[1])).astype(np.float32)
-  got = np.asarray(jax.jit(formats.matmul)(jnp.asarray(x), formats.to_device(p)))
+  got = np.asarray(jax.jit(quantized.matmul)(jnp.asarray(x), quantized.to_device(p)))
   want = x @ ref.T  # numpy's float32 product: jnp's default precision is TF32 on a GPU
   assert got.shape == (*lead, ref.shape[0])
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
   ids = np.array([[0, 2, 47], [1, 1, 5]])
-  assert np.array_equal(np.asarray(formats.take_rows(formats.to_device(p), ids)), ref[ids])
-  assert formats.to_device(p)[...] is not None and np.array_equal(np.asarray(jnp.asarray(p)), ref)
+  assert np.array_equal(np.asarray(quantized.take_rows(quantized.to_device(p), ids)), ref[ids])
+  assert quantized.to_device(p)[...] is not None and np.array_equal(np.asarray(jnp.asarray(p)), ref)
 
 
 def test_unsupported_block_type_and_bad_sizes_are_refused(rng):
   raw = gguf.quants.quantize(_weights(rng), gguf.GGMLQuantizationType.Q5_0)
-  with pytest.raises(formats.WeightFormatError, match=r"Q5_0.*no native form.*Q8_0, Q4_0, Q4_1.*weights='f32'"):
-    formats.from_gguf_blocks(raw, "Q5_0")
+  with pytest.raises(quantized.WeightFormatError, match=r"Q5_0.*no native form.*Q8_0, Q4_0, Q4_1.*weights='f32'"):
+    quantized.from_gguf_blocks(raw, "Q5_0")
   raw = gguf.quants.quantize(_weights(rng), gguf.GGMLQuantizationType.Q8_0)
-  with pytest.raises(formats.WeightFormatError, match=r"do not hold a \[48, 64\] matrix"):
-    formats.from_gguf_blocks(raw, "Q8_0", (48, 64))
-  with pytest.raises(formats.WeightFormatError, match=r"weights='int4'.*f32, native") as err:
+  with pytest.raises(quantized.WeightFormatError, match=r"do not hold a \[48, 64\] matrix"):
+    quantized.from_gguf_blocks(raw, "Q8_0", (48, 64))
+  with pytest.raises(quantized.WeightFormatError, match=r"weights='int4'.*f32, native") as err:
     loading.load_params(Path("unused.gguf"), weights="int4")
   assert isinstance(err.value, UserError)
 
@@ -109,7 +109,7 @@ def _entry_lines(hlo: str) -> list[str]:
 def test_decode_matmul_reads_the_packed_bytes(rng, kind, rows, cols):
   """x [1, 1, I] @ W.T: the dot's fusion takes q's bytes as a parameter; no float32 [O, I] buffer."""
   p, _ = _packed(_weights(rng, rows, cols), kind)
-  hlo = jax.jit(formats.matmul).lower(jnp.zeros((1, 1, cols)), formats.to_device(p)).compile().as_text()
+  hlo = jax.jit(quantized.matmul).lower(jnp.zeros((1, 1, cols)), quantized.to_device(p)).compile().as_text()
   entry = _entry_lines(hlo)
   narrow = "u8" if kind == "Q4_1" else "s8"
   assert not [ln for ln in entry if f"f32[{rows},{cols}]" in ln or f"f32[{cols},{rows}]" in ln], "\n".join(entry)
@@ -147,8 +147,8 @@ def test_tiny_quantized_gguf_native_equals_f32(tmp_path, cache_dir, name, kind):
   f32, native = _pair(tmp_path, name, kind)
   leaves = jax.tree.leaves(native.module.blocks[0].mlp.gate.get_value())
   assert {str(a.dtype) for a in leaves} >= {"float32", "uint8" if kind == "Q4_1" else "int8"}
-  assert formats.is_packed(native.module.embed.table.get_value())
-  assert not formats.is_packed(f32.module.embed.table.get_value())
+  assert quantized.is_packed(native.module.embed.table.get_value())
+  assert not quantized.is_packed(f32.module.embed.table.get_value())
   a, b = f32.logits(IDS), native.logits(IDS)
   assert np.max(np.abs(a - b)) <= 1e-5, np.max(np.abs(a - b))
   got = native.generate(IDS, max_tokens=32, ignore_eos=True).token_ids
@@ -169,7 +169,7 @@ def test_native_cache_entry_is_packed_mapped_and_checked(tmp_path, cache_dir):
   meta = loading._read_meta(entry)
   assert meta["weights"] == "native" and meta["packed"]["blocks/0/mlp/gate"] == "Q4_1"
   assert meta["packed"]["embed/table"] == "Q4_1"
-  f32_bytes = 4 * sum(int(np.prod(formats.dequantize(v).shape)) for v in _packed_leaves(first))
+  f32_bytes = 4 * sum(int(np.prod(quantized.dequantize(v).shape)) for v in _packed_leaves(first))
   native_bytes = sum(v.nbytes for v in _packed_leaves(first))
   assert native_bytes < 0.33 * f32_bytes  # one byte per value + 8 bytes per 32 values, vs 4 bytes
   before = loading.CACHE_STATS["sampled"]
@@ -177,7 +177,7 @@ def test_native_cache_entry_is_packed_mapped_and_checked(tmp_path, cache_dir):
   assert loading.CACHE_STATS["sampled"] == before + 1
   w = again["blocks"][1]["attn"]["o"]
   assert isinstance(w.q, np.memmap) or isinstance(getattr(w.q, "base", None), np.memmap)
-  assert np.array_equal(formats.dequantize(w), formats.dequantize(first["blocks"][1]["attn"]["o"]))
+  assert np.array_equal(quantized.dequantize(w), quantized.dequantize(first["blocks"][1]["attn"]["o"]))
   # The f32 entry of the same GGUF lives beside it; loading one never deletes the other.
   loading.load_params(path, weights="f32")
   assert entry.is_dir() and len(list((cache_dir / "weights").glob("*-v*"))) == 2
@@ -187,7 +187,7 @@ def test_native_cache_entry_is_packed_mapped_and_checked(tmp_path, cache_dir):
 
 
 def _packed_leaves(params):
-  return [v for v in jax.tree.leaves(params, is_leaf=formats.is_packed) if formats.is_packed(v)]
+  return [v for v in jax.tree.leaves(params, is_leaf=quantized.is_packed) if quantized.is_packed(v)]
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
@@ -216,10 +216,10 @@ def test_damaged_native_entry_is_refused_loudly(tmp_path, cache_dir, damage):
 
 def test_decode_loop_does_not_hoist_a_float32_weight(rng):
   """Inside a loop W is invariant: XLA must not dequantize it once outside and carry float32 W."""
-  p = formats.to_device(_packed(_weights(rng, 1536, 576), "Q4_1")[0])
+  p = quantized.to_device(_packed(_weights(rng, 1536, 576), "Q4_1")[0])
 
   def steps(x, w):
-    return jax.lax.fori_loop(0, 4, lambda i, x: x + formats.matmul(x, w)[..., :576], x)
+    return jax.lax.fori_loop(0, 4, lambda i, x: x + quantized.matmul(x, w)[..., :576], x)
 
   hlo = jax.jit(steps).lower(jnp.zeros((1, 1, 576)), p).compile().as_text()
   # Buffers live in the unfused computations (entry, while body and condition); a float32 W there,
@@ -275,14 +275,14 @@ def test_decode_dot_takes_its_operand_computed_once(rng, form):
   rows, cols = 1536, 576
   w = _weights(rng, rows, cols)
   if form.startswith("int8"):
-    p = formats.quantize_int8(w)
-    p = formats.int8_activations(p) if form == "int8a8" else p
+    p = quantized.quantize_int8(w)
+    p = quantized.int8_activations(p) if form == "int8a8" else p
   else:
     p = _packed(w, form)[0]
-  p = formats.to_device(p)
+  p = quantized.to_device(p)
 
   def step(x, g, w):
-    return formats.matmul(x * jax.lax.rsqrt(jnp.mean(x * x)) * g[None, None], w)
+    return quantized.matmul(x * jax.lax.rsqrt(jnp.mean(x * x)) * g[None, None], w)
 
   x, g = rng.standard_normal((2, 1, 1, cols)).astype(np.float32)
   hlo = jax.jit(step).lower(jnp.asarray(x), jnp.asarray(g[0, 0]), p).compile().as_text()

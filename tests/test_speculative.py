@@ -16,10 +16,10 @@ from tests.conftest import DEFAULT_MODEL_PROMPTS
 from tests.tiny import TINY_CONFIGS, tiny_tokenizer
 from thoughtjax import speculative
 from thoughtjax.loading import LoadedModel
-from thoughtjax.model import init_random
 from thoughtjax.sampling import SamplingParams, stop_ids_for
 from thoughtjax.speculative import Draft, DraftError
 from thoughtjax.thoughtlet import bridge as bridge_lib
+from thoughtjax.transformer import init_random
 
 PROMPTS = [[10, 20, 30, 40, 50], [7, 8, 9], list(range(40, 61))]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from thoughtjax.config import Architecture, ModelConfig
-from thoughtjax.model import init_random
+from thoughtjax.transformer import init_random
 from thoughtjax.weights import model_params, to_hf_tensors
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -23,7 +23,7 @@ def _set_memory_scheduler() -> None:
 _set_memory_scheduler()
 
 from thoughtjax.decode.stream import Completion, Delta, Generation, Trace  # noqa: E402
-from thoughtjax.engine import Model, Score, load  # noqa: E402
+from thoughtjax.model import Model, Score, load  # noqa: E402
 from thoughtjax.sampling import SamplingParams  # noqa: E402
 from thoughtjax.template import Template  # noqa: E402
 

@@ -1,16 +1,16 @@
 """A path resolved against a source, type-checked link by link, and assembled into the parts a Model runs.
 
-A path is a list of refs (:func:`thoughtjax.paths.parse_path`). :func:`resolve` turns each into one
+A path is a list of refs (:func:`thoughtjax.path_syntax.parse_path`). :func:`resolve` turns each into one
 published thoughtlet (``name@version``; no version = current) or, for ``blocks[a:b)`` that is
 not itself a thoughtlet, the consecutive block thoughtlets that tile ``[a, b)`` exactly (a loaded
 Model as source: its own embed, head, template and layer ranges).
 Links are checked in order against the prompt's type (``tokens`` or, for a leading template,
 ``message``) and the required ``logits`` output; the first mismatch raises
 :class:`PathTypeError` with the expected and the received type. :func:`assemble` reads the weights the
-links name (from a registry: only those) into :class:`~thoughtjax.model.PathParts` and the layer
+links name (from a registry: only those) into :class:`~thoughtjax.transformer.PathParts` and the layer
 sequence the program runs. :func:`thoughtjax.compose.compose` and ``Model.with_path`` build a Model from it.
 
-A source is a :class:`thoughtjax.registry.Registry` or a :class:`~thoughtjax.engine.Model`: a loaded
+A source is a :class:`thoughtjax.registry.Registry` or a :class:`~thoughtjax.model.Model`: a loaded
 model's own weights are sliced, a composed model stands for its source. Model sits above this module
 (it composes through it), so a Model is recognised by what it holds: a :class:`~thoughtjax.loading.LoadedModel`.
 """
@@ -22,12 +22,12 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from thoughtjax.errors import UserError
-from thoughtjax.formats import from_stored
 from thoughtjax.loading import LoadedModel
-from thoughtjax.model import PathParts, abstract_model
-from thoughtjax.paths import PathSyntaxError, Ref, hash_refs, parse_path, split_variant
+from thoughtjax.path_syntax import PathSyntaxError, Ref, hash_refs, parse_path, split_variant
+from thoughtjax.quantized import from_stored
 from thoughtjax.template import Template
 from thoughtjax.thoughtlet import Kind, SemanticSignature, TensorType, as_state, cut, signature_for
+from thoughtjax.transformer import PathParts, abstract_model
 from thoughtjax.weights import int8_block
 
 
@@ -251,7 +251,7 @@ def assemble(path: str | Sequence[Ref | str], source, *, mesh=None, dtype=None) 
 
   ``source`` is a :class:`thoughtjax.registry.Registry` (weights restored lazily: only the
   path's thoughtlets, plus the embed table a tied head or a template reads) or a
-  :class:`~thoughtjax.engine.Model`. ``mesh``/``dtype`` restore the weights straight into
+  :class:`~thoughtjax.model.Model`. ``mesh``/``dtype`` restore the weights straight into
   ``NamedSharding``s on that mesh and into that dtype (registry sources).
   """
   # Imported on use for start-up laziness: the registry brings orbax, which `import thoughtjax` does not need.

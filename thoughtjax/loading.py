@@ -7,7 +7,7 @@ warm load does not hash the GGUF; the entry it names must record that GGUF's siz
 of its sampled blocks, else the GGUF is hashed in full (an edited index cannot swap models).
 
 With ``weights="native"`` an entry of its own (``weights/<sha256[:24]>-native-v<format>/``) holds the
-GGUF's quantized matrices packed (:mod:`thoughtjax.formats`: U8/I8 values, F32 block scales and
+GGUF's quantized matrices packed (:mod:`thoughtjax.quantized`: U8/I8 values, F32 block scales and
 minimums; 165 MB instead of 538 MB for the default model), mapped and checked the same way.
 
 Every tensor of an entry starts on a 64-byte boundary (:func:`save_aligned`), so on the CPU the mapped
@@ -55,13 +55,13 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from thoughtjax import durable, formats, settings
+from thoughtjax import durable, quantized, settings
 from thoughtjax import fetch as fetch_lib
 from thoughtjax.cachedir import cache_subdir
 from thoughtjax.config import ModelConfig
-from thoughtjax.model import Transformer
 from thoughtjax.sources.errors import ModelNotFoundError, UnsupportedModelError, WeightCacheError
 from thoughtjax.tokenizer import TextCodec
+from thoughtjax.transformer import Transformer
 from thoughtjax.weights import build_model, int8_params, params_from_hf, to_hf_tensors
 
 # 2: float32 weights in the model layout, memory-mapped on load; 3: + integrity record and eos_ids;
@@ -114,10 +114,10 @@ def load_params(source: Path, weights: str = "f32") -> tuple[ModelConfig, dict, 
   """Config, parameters in the model layout (nested dict), codec and source hash.
 
   ``weights="f32"``: float32 arrays. ``"native"``: a GGUF's Q8_0 / Q4_0 / Q4_1 matrices stay packed
-  (:class:`thoughtjax.formats.BlockQuant`), everything else float32; a safetensors directory has no
+  (:class:`thoughtjax.quantized.BlockQuant`), everything else float32; a safetensors directory has no
   blocks, so its native form is its float32 one.
   """
-  formats.check_format(weights)
+  quantized.check_format(weights)
   if source.is_dir():
     from thoughtjax.sources.safetensors_dir import read_eos_ids, read_hf_config, read_safetensors
 
@@ -146,11 +146,11 @@ def load(
   ``weights``: ``"f32"`` (dequantized float32), ``"native"`` (a GGUF's quantized blocks, read packed
   by every matmul and computed in float32: the same logits up to summation order), ``"int8"``
   (per-row int8 quantized from float32 at load; lossy) or ``"int8a8"`` (the int8 weights with each row of
-  activations quantized to int8 too, an integer GEMM at M > 1; lossier, see ``formats``).
+  activations quantized to int8 too, an integer GEMM at M > 1; lossier, see ``quantized``).
   """
   source = resolve_source(name_or_path)
-  derive = formats.DERIVED_FORMATS.get(weights)
-  base = derive[0] if derive else formats.check_format(weights)
+  derive = quantized.DERIVED_FORMATS.get(weights)
+  base = derive[0] if derive else quantized.check_format(weights)
   cfg, params, codec, digest = load_params(source, "f32" if base == "int8" else base)
   if base == "int8":  # lossy: quantized per output row from the float32 weights at load
     params = int8_params(params)
@@ -181,7 +181,7 @@ def _flatten(params: dict, prefix: str = "", packed: dict | None = None) -> dict
     key = f"{prefix}{k}"
     if isinstance(v, dict):
       out.update(_flatten(v, key + "/", packed))
-    elif formats.is_packed(v):
+    elif quantized.is_packed(v):
       if packed is None:
         raise ValueError(f"{key}: packed weights need a record of their block types")
       packed[key] = v.kind
@@ -195,12 +195,12 @@ def _flatten(params: dict, prefix: str = "", packed: dict | None = None) -> dict
 def _unflatten(flat: dict[str, np.ndarray], packed: dict | None = None) -> dict:
   flat = dict(flat)
   for key, kind in (packed or {}).items():
-    if not isinstance(kind, str) or kind not in formats.KINDS or f"{key}@q" not in flat or f"{key}@scale" not in flat:
+    if not isinstance(kind, str) or kind not in quantized.KINDS or f"{key}@q" not in flat or f"{key}@scale" not in flat:
       raise WeightCacheError(
         f"weight cache: packed weight {key!r} ({kind!r}) lacks its q/scale tensors or has an "
         f"unknown block type; delete the entry and load again to rebuild it"
       )
-    flat[key] = formats.BlockQuant(flat.pop(f"{key}@q"), flat.pop(f"{key}@scale"), flat.pop(f"{key}@min", None), kind)
+    flat[key] = quantized.BlockQuant(flat.pop(f"{key}@q"), flat.pop(f"{key}@scale"), flat.pop(f"{key}@min", None), kind)
   out: dict = {}
   for key, v in flat.items():
     node = out

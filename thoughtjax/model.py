@@ -1,423 +1,622 @@
-"""The Llama-family decoder as a tree of small Flax NNX parts.
+"""The user-facing model and its per-call generation.
 
-The parts line up with thoughtlet kinds: :class:`Embed` (tokens -> residual),
-:class:`Block` (residual -> residual, one layer), :class:`Head` (residual -> logits), and
-:class:`BridgeLayer` (residual -> residual, a bridge thoughtlet standing in a block's place).
-:class:`Transformer` holds them and runs any *layer path* (a sequence of layer
-indices, repeats allowed) so early exits, skips and repeated spans are the same code.
+>>> import thoughtjax
+>>> m = thoughtjax.load()                      # the default model, fetched on first use
+>>> m.generate("What is the capital of France?", chat=True).text
+>>> g = m.stream("Once upon a time", max_tokens=20)
+>>> for delta in g: print(delta.text, end="")
+>>> g.trace.decode_s, g.trace.tokens_out
 
-Numerics follow the reference implementation: RMSNorm in float32 and cast back,
-rotate-half RoPE (Hugging Face order; GGUF's permuted Q/K rows are undone at load),
-grouped-query attention, SwiGLU. Parameter dtype and compute dtype are separate.
-
-Model code never calls ``jax.jit``; :mod:`thoughtjax.program` owns that boundary.
+One :class:`Model` serves loaded and composed paths (:func:`thoughtjax.compose.compose` returns
+one carrying its resolved path: links, refs, path hash and template). A Model does not change
+after construction and is safe to share between threads: everything about one call (prompt
+ids, timings, cancellation) lives on the :class:`Generation` that call returns. A Generation
+runs device work only when asked for its next delta, one decode chunk at a time, so cancelling
+or abandoning it stops the work at the next chunk.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
-from flax import nnx
+import numpy as np
 
-from thoughtjax import formats
-from thoughtjax.config import ModelConfig
-
-Array = jax.Array
-
-
-def _zeros(shape, dtype):
-  return nnx.Param(jnp.zeros(shape, dtype))
-
-
-class RMSNorm(nnx.Module):
-  """x * w / rms(x), computed in float32 and cast back to x.dtype."""
-
-  def __init__(self, dim: int, eps: float, dtype=jnp.float32):
-    self.weight = nnx.Param(jnp.ones((dim,), dtype))
-    self.eps = eps
-
-  def __call__(self, x: Array) -> Array:  # [..., D]
-    x32 = x.astype(jnp.float32)
-    var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
-    y = x32 * jax.lax.rsqrt(var + self.eps)
-    w = self.weight[...].astype(jnp.float32)
-    return (y * w.reshape((1,) * (y.ndim - 1) + w.shape)).astype(x.dtype)  # explicit broadcast over [...]
+from thoughtjax import assembly, speculative
+from thoughtjax import program as program_lib
+from thoughtjax.decode import indexed
+from thoughtjax.decode.masks import RowMasks, grammars_for
+from thoughtjax.decode.request import check_request
+from thoughtjax.decode.stream import Completion, Delta, Generation, RequestError, Rows, Trace
+from thoughtjax.kernels.dispatch import resolve as resolve_kernels
+from thoughtjax.loading import LoadedModel
+from thoughtjax.loading import load as load_model
+from thoughtjax.path_syntax import format_path, hash_refs, parse_path
+from thoughtjax.program import COMPILE_CLOCK, Program, ProgramKey, TemplatePrompt, bucket
+from thoughtjax.sampling import SamplingArrays, SamplingParams, program_mode, sampling_arrays, stop_ids_for
+from thoughtjax.template import Template
+from thoughtjax.transformer import GraphDefs, PathParts
 
 
-def rope_tables(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
-  """cos, sin of shape [B, T, E/2] for integer positions [B, T]."""
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  angles = positions.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]
-  return jnp.cos(angles), jnp.sin(angles)
+def _to_device(a: np.ndarray) -> jax.Array:
+  """A host array on the default device. ``jnp.asarray`` of a numpy array traces, lowers and compiles (or
+  fetches from the persistent cache) a small ``stage`` program per shape and dtype in every new process;
+  ``jax.device_put`` copies without one."""
+  return jax.device_put(a)
 
 
-def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
-  """Rotate-half RoPE. x [B, T, N, E]; cos, sin [B, T, E/2]."""
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  c, s = cos[:, :, None, :], sin[:, :, None, :]
-  out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-  return out.astype(x.dtype)
+# Callback streaming: how many steps the device may run ahead of a consumer that is not reading.
+CALLBACK_QUEUE_STEPS = 16
 
 
-def _matmul(x: Array, w: Array | formats.BlockQuant) -> Array:
-  """[B, T, I] x [I, O] -> [B, T, O]. Direct dot_general: einsum's path search and
-  nested jit cost start-up time when tracing 30 layers. A native weight is W [O, I] in its
-  quantized blocks (:mod:`thoughtjax.formats`), read packed and computed in float32."""
-  if formats.is_packed(w):
-    return formats.matmul(x, w)
-  return jax.lax.dot_general(x, w, (((2,), (0,)), ((), ())), precision=formats.EXACT)
+@dataclasses.dataclass
+class Score:
+  token_ids: list[int]
+  top_ids: list[list[int]]  # per position t: top-K ids of the next-token distribution
+  top_logits: list[list[float]]
+  token_logprobs: list[float]  # log p(token[t+1] | tokens[:t+1]), t = 0..n-2
+  nll: float  # mean negative log-likelihood per predicted token
+  perplexity: float
 
 
-def _matrix(w: Array | formats.BlockQuant, rows: int, cols: int):
-  """A weight as the [I, O] = [rows, cols] matrix _matmul takes (a native weight already is one)."""
-  return w if formats.is_packed(w) else w.reshape(rows, cols)
+class _Request(NamedTuple):
+  """One call's inputs, prepared on the host."""
+
+  program: Program
+  parts: PathParts
+  prompt: jax.Array | TemplatePrompt  # [B, T] i32 token ids, or template rows + user ids
+  pad: jax.Array  # [B] i32 left padding
+  samp: SamplingArrays
 
 
-def _batched(a: Array, b: Array, b_contract: int) -> Array:
-  """[B, K, Q, X] x [B, K, ., .] -> [B, K, Q, .], contracting a's last dim with b's dim
-  ``b_contract`` (3: bkqe,bkse->bkqs; 2: bkqs,bkse->bkqe)."""
-  return jax.lax.dot_general(a, b, (((3,), (b_contract,)), ((0, 1), (0, 1))), precision=formats.EXACT)
+def _run_chunks(
+  req: _Request, rows: Rows, trace: Trace, cancelled: threading.Event, masks: RowMasks | None = None
+) -> Iterator[Delta]:
+  """Prefill, then one decode chunk per round, each only after the previous deltas were taken.
+
+  With ``masks`` (a constrained batch; the program decodes one step per call) each call gets every row's
+  allowed-token mask from its matcher, and the matchers advance by the tokens the call sampled."""
+  prog = req.program
+  samp = (lambda: req.samp) if masks is None else (lambda: req.samp._replace(allowed=masks.device()))
+  try:
+    if cancelled.is_set():  # cancelled before it started: no device work at all
+      trace.cancelled = True
+      yield from rows.cancel()
+      return
+    trace.device_start = time.perf_counter()
+    with COMPILE_CLOCK.measure() as compile_s:
+      state = prog.advance(req.parts, req.prompt, req.pad, samp(), prog.init_state(req.parts))
+      step, done, out, count = jax.device_get((state.step, state.done, state.out, state.count))
+    trace.compile_s = compile_s[0]
+    trace.first_token = time.perf_counter()
+    seen = 0
+    while True:
+      if masks is not None:
+        masks.advance(out, done, seen, int(step))
+      yield from rows.chunk(out, done, count, seen, int(step))
+      seen = int(step)
+      if rows.all_finished or seen >= prog.key.max_new:
+        return
+      if cancelled.is_set():
+        trace.cancelled = True
+        yield from rows.cancel()
+        return
+      state = prog.advance(req.parts, req.prompt, req.pad, samp(), state)
+      trace.decode_chunks += 1
+      step, done, out, count = jax.device_get((state.step, state.done, state.out, state.count))
+  finally:
+    trace.end = time.perf_counter()
+    trace.tokens_out = list(rows.counts)
 
 
-def kv_cache_shape(cfg: ModelConfig, batch: int, length: int) -> tuple[int, int, int, int]:
-  """Shape of one layer's K (or V) cache: [B, K, S, E]."""
-  return (batch, cfg.num_kv_heads, length, cfg.head_dim)
+def _run_callback(req: _Request, rows: Rows, trace: Trace, cancelled: threading.Event) -> Iterator[Delta]:
+  """The whole loop in one device call on a worker thread; each step's tokens come back through a
+  host callback into a bounded queue. The callback tells the loop to stop once every row has
+  finished, the call is cancelled or the consumer has gone; a full queue holds the device back."""
+  n = len(rows.finished)
+  q: queue.Queue = queue.Queue(maxsize=CALLBACK_QUEUE_STEPS)
+  halt = threading.Event()  # the consumer stopped reading
+  failure: list[BaseException] = []
 
-
-def _write(cache: Array, new: Array, write_at: Array) -> Array:
-  """cache [B, K, S, E] with new [B, K, T, E] at slots write_at.. (clamped into the cache like any DUS)."""
-  zero = jnp.zeros((), jnp.int32)
-  return jax.lax.dynamic_update_slice(cache, new, (zero, zero, write_at, zero))
-
-
-def _after(at: Array, ctx: Array, last: int) -> Array:
-  """``at`` (already in [0, last]) unchanged, as a value computed after ``ctx``.
-
-  An ordering edge for XLA's copy insertion (optimization barriers are gone by then): min(at, last or
-  last + 1, chosen by a test on ctx that holds for any value, NaN included) is at; no pass folds it.
-  """
-  probe = ctx.reshape(-1)[0]
-  return jnp.minimum(at, jnp.where(jnp.isnan(probe) | (probe == probe), last, last + 1))
-
-
-def _before_and_new(cache_k, cache_v, k_new, v_new, write_at, mask):
-  """Attention over the cache as it will be after writing T new keys at ``write_at``, as two parts
-  that read only the cache as it is now: its slots outside [at, at + T), and the new keys in place of
-  those slots (``at`` clamped as dynamic_update_slice clamps). mask [B, T, S] -> masks [B, T, S], [B, T, T]."""
-  S, T = cache_k.shape[2], k_new.shape[2]
-  at = jnp.clip(write_at, 0, S - T)
-  s = jnp.arange(S)
-  replaced = (s >= at) & (s < at + T)
-  return (cache_k, cache_v, mask & ~replaced[None, None, :]), (
-    k_new,
-    v_new,
-    jax.lax.dynamic_slice_in_dim(mask, at, T, 2),
-  )
-
-
-def _attend(qg: Array, parts, B: int, T: int, G: int, E: int) -> Array:
-  """Softmax attention of qg [B, K, T*G, E] over the concatenated key parts (keys [B, K, S_i, E],
-  values [B, K, S_i, E], mask [B, T, S_i]): one softmax over all parts. Returns ctx [B, K, T*G, E]."""
-  scores = []
-  for keys, _, mask in parts:
-    sc = _batched(qg, keys, 3).astype(jnp.float32) * (E**-0.5)  # bkqe,bkse->bkqs
-    allowed = jnp.broadcast_to(mask[:, None, :, None, :], (B, 1, T, G, mask.shape[-1]))
-    scores.append(jnp.where(allowed.reshape(B, 1, T * G, -1), sc, -jnp.inf))
-  probs = jax.nn.softmax(scores[0] if len(scores) == 1 else jnp.concatenate(scores, axis=-1), axis=-1)
-  ctx, start = None, 0
-  for _, values, _ in parts:
-    n = values.shape[2]
-    term = _batched(probs[..., start : start + n].astype(values.dtype), values, 2)  # bkqs,bkse->bkqe
-    ctx, start = term if ctx is None else ctx + term, start + n
-  return ctx
-
-
-class Attention(nnx.Module):
-  """Grouped-query self-attention over a KV cache."""
-
-  def __init__(self, cfg: ModelConfig, dtype=jnp.float32):
-    D, H, K, E = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    self.cfg = cfg
-    self.q = _zeros((D, H, E), dtype)
-    self.k = _zeros((D, K, E), dtype)
-    self.v = _zeros((D, K, E), dtype)
-    self.o = _zeros((H, E, D), dtype)
-    if cfg.qkv_bias:
-      self.q_bias = _zeros((H, E), dtype)
-      self.k_bias = _zeros((K, E), dtype)
-      self.v_bias = _zeros((K, E), dtype)
-
-  def __call__(
-    self, x: Array, cos: Array, sin: Array, cache_k: Array, cache_v: Array, write_at: Array, mask: Array
-  ) -> tuple[Array, Array, Array]:
-    """One attention step over new tokens.
-
-    x [B, T, D]; cos, sin [B, T, E/2]; cache_k, cache_v [B, K, S, E] (see kv_cache_shape);
-    write_at: scalar index where the T new keys go in the cache;
-    mask [B, T, S] bool, True where a query may attend a cache slot (of the updated cache).
-    Returns the output [B, T, D] and the updated caches.
-
-    A short write (2T <= S: decode, verification) attends over the cache as it was plus the new keys in
-    one softmax and writes the cache last, so a loop carrying the cache updates it in place.
-    """
-    cfg = self.cfg
-    B, T, D = x.shape
-    H, K, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    # Contract against the weights viewed as 2-D matrices (a free reshape): XLA:CPU runs
-    # these as plain GEMV/GEMM, about 3x faster than the 3-D einsum at batch 1.
-    q = _matmul(x, _matrix(self.q[...], D, H * E)).reshape(B, T, H, E)  # btd,df->btf
-    k = _matmul(x, _matrix(self.k[...], D, K * E)).reshape(B, T, K, E)
-    v = _matmul(x, _matrix(self.v[...], D, K * E)).reshape(B, T, K, E)
-    if cfg.qkv_bias:
-      q, k, v = q + self.q_bias[...][None, None], k + self.k_bias[...][None, None], v + self.v_bias[...][None, None]
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    # The cache is [B, K, S, E]: batch dims lead, so both attention contractions are
-    # plain batched matmuls with no per-step transpose of the cache.
-    k_new = k.transpose(0, 2, 1, 3).astype(cache_k.dtype)  # [B, K, T, E]
-    v_new = v.transpose(0, 2, 1, 3).astype(cache_v.dtype)
-    G = cfg.group_size  # query heads k*G .. k*G+G-1 share kv head k
-    qg = q.reshape(B, T, K, G, E).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, E)
-    S = cache_k.shape[2]
-    if 2 * T > S:  # a prefill-sized write: attend over the updated cache (the old part is mostly replaced)
-      cache_k, cache_v = _write(cache_k, k_new, write_at), _write(cache_v, v_new, write_at)
-      ctx = _attend(qg, ((cache_k, cache_v, mask),), B, T, G, E)
+  def on_token(step, tokens, done) -> bool:
+    if step == 1:
+      trace.first_token = time.perf_counter()
     else:
-      ctx = _attend(qg, _before_and_new(cache_k, cache_v, k_new, v_new, write_at, mask), B, T, G, E)
-      # The write is the cache's last use in the step, and its index depends on ctx so that the reads
-      # of the old cache data-precede it: XLA then updates the loop-carried buffer in place. With the
-      # order of a read and the write left open, copy insertion copies the cache (every layer, every step).
-      at = _after(jnp.clip(write_at, 0, S - T), ctx, S - T)
-      cache_k, cache_v = _write(cache_k, k_new, at), _write(cache_v, v_new, at)
-    ctx = ctx.reshape(B, K, T, G, E).transpose(0, 2, 1, 3, 4).reshape(B, T, H * E)
-    out = _matmul(ctx.astype(x.dtype), _matrix(self.o[...], H * E, D))  # btf,fd->btd
-    return out, cache_k, cache_v
+      trace.decode_chunks += 1
+    if not (halt.is_set() or cancelled.is_set()):
+      q.put((step, tokens, done))  # blocks while the consumer is CALLBACK_QUEUE_STEPS behind
+    return rows.all_finished or halt.is_set() or cancelled.is_set()
+
+  def work():
+    try:
+      with COMPILE_CLOCK.measure() as compile_s:
+        req.program.run_with_callback(req.parts, req.prompt, req.pad, req.samp, on_token)
+      trace.compile_s = compile_s[0]
+    except BaseException as e:  # handed to the consumer, raised there
+      failure.append(e)
+    finally:
+      q.put(None)
+
+  trace.device_start = time.perf_counter()
+  worker = threading.Thread(target=work, name="thoughtjax-callback-stream", daemon=True)
+  worker.start()
+  ended = False  # the worker's sentinel was taken
+  try:
+    counts = [0] * n
+    while not (ended := (item := q.get()) is None):
+      _, tokens, done = item
+      for r in range(n):
+        new = [int(tokens[r])] if tokens[r] >= 0 else []
+        counts[r] += len(new)
+        d = rows.emit(r, new, bool(done[r]), counts[r])
+        if d is not None:
+          yield d
+      if cancelled.is_set():
+        break
+    if failure:
+      raise failure[0]
+    if cancelled.is_set() and not rows.all_finished:
+      trace.cancelled = True
+      yield from rows.cancel()
+    for r in range(n):  # rows cut by the bucket's end
+      d = rows.emit(r, [], True, counts[r])
+      if d is not None:
+        yield d
+  finally:
+    halt.set()
+    while not ended:  # unblock a callback waiting on the full queue, up to the worker's sentinel
+      ended = q.get() is None
+    worker.join()
+    trace.end = time.perf_counter()
+    trace.tokens_out = list(rows.counts)
 
 
-class MLP(nnx.Module):
-  """SwiGLU feed-forward: down(silu(gate x) * up x)."""
+class Model:
+  """A path over a model's weights: generation and scoring run it as one compiled program.
 
-  def __init__(self, cfg: ModelConfig, dtype=jnp.float32):
-    self.gate = _zeros((cfg.d_model, cfg.ffn_dim), dtype)
-    self.up = _zeros((cfg.d_model, cfg.ffn_dim), dtype)
-    self.down = _zeros((cfg.ffn_dim, cfg.d_model), dtype)
-
-  def __call__(self, x: Array) -> Array:  # [B, T, D] -> [B, T, D]
-    g = _matmul(x, self.gate[...])  # btd,df->btf
-    u = _matmul(x, self.up[...])
-    return _matmul(jax.nn.silu(g) * u, self.down[...])  # btf,fd->btd
-
-
-class Block(nnx.Module):
-  """One decoder layer: residual -> residual."""
-
-  def __init__(self, cfg: ModelConfig, dtype=jnp.float32):
-    self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_eps, dtype)
-    self.attn = Attention(cfg, dtype)
-    self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_eps, dtype)
-    self.mlp = MLP(cfg, dtype)
-
-  def __call__(self, x, cos, sin, cache_k, cache_v, write_at, mask):
-    h, cache_k, cache_v = self.attn(self.attn_norm(x), cos, sin, cache_k, cache_v, write_at, mask)
-    x = x + h
-    x = x + self.mlp(self.mlp_norm(x))
-    return x, cache_k, cache_v
-
-
-class Embed(nnx.Module):
-  """Token ids [B, T] -> residual [B, T, D]."""
-
-  def __init__(self, cfg: ModelConfig, dtype=jnp.float32):
-    self.table = _zeros((cfg.vocab_size, cfg.d_model), dtype)
-
-  def __call__(self, tokens: Array) -> Array:
-    table = self.table[...]
-    if formats.is_packed(table):  # gather the quantized rows, dequantize only those
-      return formats.take_rows(table, tokens)
-    return jnp.take(table, tokens, axis=0)
-
-
-class Head(nnx.Module):
-  """Residual [B, T, D] -> logits [B, T, V]: final norm and LM head (tied or not)."""
-
-  def __init__(self, cfg: ModelConfig, dtype=jnp.float32):
-    self.norm = RMSNorm(cfg.d_model, cfg.rms_eps, dtype)
-    self.tied = cfg.tie_embeddings
-    if not self.tied:
-      self.unembed = _zeros((cfg.vocab_size, cfg.d_model), dtype)
-
-  def __call__(self, x: Array, table: Array | None = None) -> Array:
-    w = table if self.tied else self.unembed[...]
-    if w is None:
-      raise ValueError("a tied head needs the embedding table; pass table=embed.table[...]")
-    h = self.norm(x)  # btd,vd->btv
-    if formats.is_packed(w):  # [V, D] blocks: the head reads the packed bytes
-      return formats.matmul(h, w)
-    return jax.lax.dot_general(h, w, (((2,), (1,)), ((), ())), precision=formats.EXACT).astype(jnp.float32)
-
-
-class Transformer(nnx.Module):
-  """Embed, L blocks and a head; runs any layer path over a per-position KV cache."""
-
-  def __init__(self, cfg: ModelConfig, dtype=jnp.float32):
-    self.cfg = cfg
-    self.embed = Embed(cfg, dtype)
-    self.blocks = nnx.List([Block(cfg, dtype) for _ in range(cfg.num_layers)])
-    self.head = Head(cfg, dtype)
-
-  def full_path(self) -> tuple[int, ...]:
-    return tuple(range(self.cfg.num_layers))
-
-  def forward(
-    self,
-    tokens: Array,
-    positions: Array,
-    caches: Sequence[tuple[Array, Array]],
-    write_at: Array,
-    mask: Array,
-    layers: Sequence[int] | None = None,
-  ):
-    """Run a layer path (default: every layer once); see :func:`run_path`."""
-    layers = self.full_path() if layers is None else tuple(layers)
-    return run_path(self.embed, [self.blocks[i] for i in layers], self.head, tokens, positions, caches, write_at, mask)
-
-
-def run_path(
-  embed: Embed,
-  blocks: Sequence[Block],
-  head: Head,
-  tokens: Array,
-  positions: Array,
-  caches: Sequence[tuple[Array, Array]],
-  write_at: Array,
-  mask: Array,
-  embeddings: Array | None = None,
-):
-  """Embed, then each block in order (a block may appear more than once), then the head.
-
-  tokens [B, T] i32 (ignored when ``embeddings`` [B, T, D] is given); positions [B, T]
-  i32 RoPE positions; caches: one (k, v) pair per block of the path, each
-  :func:`kv_cache_shape`;
-  write_at: scalar cache slot of the first new token; mask [B, T, S] bool.
-  Returns logits [B, T, V] f32 and the new caches.
+  ``layers`` is the path as layer indices (repeats allowed; default: every layer once),
+  ``kernels`` picks the implementation of both kernels (``"xla"``, ``"pallas"``; None: the
+  default of :func:`thoughtjax.kernels.dispatch.resolve`),
+  ``chunk`` the decode steps per device call. ``parts`` hands in the weights the path reads
+  (e.g. restored thoughtlets); by default they are taken, not copied, from ``loaded``.
+  A composed model also carries its resolved path (``links``), the ``source`` it was composed
+  from and, when the path starts with one, its ``template``.
   """
-  if len(caches) != len(blocks):
-    raise ValueError(f"need one cache per path block: {len(blocks)} blocks, {len(caches)} caches")
-  x = embed(tokens) if embeddings is None else embeddings
-  new_caches = []
-  if blocks:
-    cfg = path_config(blocks)
-    cos, sin = (None, None) if cfg is None else rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-    for block, (ck, cv) in zip(blocks, caches, strict=True):
-      x, ck, cv = block(x, cos, sin, ck, cv, write_at, mask)
-      new_caches.append((ck, cv))
-  return head(x, embed.table[...]), new_caches
 
+  def __init__(
+    self,
+    loaded: LoadedModel,
+    layers: Sequence[int] | None = None,
+    kernels: str | None = None,
+    chunk: int = program_lib.DEFAULT_CHUNK,
+    parts: PathParts | None = None,
+    *,
+    links: Sequence | None = None,
+    source=None,
+    template: Template | None = None,
+    mesh=None,
+    dtype=None,
+    layout: str = "unrolled",
+  ):
+    if chunk < 1:
+      raise RequestError(f"chunk must be >= 1 decode step per device call, got {chunk}")
+    if layout not in indexed.LAYOUTS:
+      raise RequestError(f"layout is one of {', '.join(indexed.LAYOUTS)}; got {layout!r}")
+    if layout == "indexed" and any(i < 0 for i in (layers or ())):
+      raise RequestError("a path with a bridge has no layer-indexed form; use layout='unrolled'")
+    self.layout = layout
+    self.loaded = loaded
+    self.config = loaded.config
+    self.codec = loaded.codec
+    self.module = loaded.model
+    self.layers = tuple(range(self.config.num_layers)) if layers is None else tuple(int(i) for i in layers)
+    self.kernels, self.chunk = resolve_kernels(kernels), chunk
+    self.links = None if links is None else tuple(links)
+    self.source, self.template, self.mesh, self.dtype = source, template, mesh, dtype
+    self._defs = GraphDefs.from_model(self.module)
+    # The parameters this path reads: taken from the module, or handed in (e.g. restored
+    # thoughtlets), holding only the blocks the path uses.
+    if parts is None:
+      bad = [i for i in self.layers if not 0 <= i < self.config.num_layers]
+      if bad:
+        raise RequestError(
+          f"path uses layers {bad}, but the model has layers 0..{self.config.num_layers - 1}; "
+          f"give layer indices in that range"
+        )
+      parts = PathParts.from_model(self.module, self.layers)
+    self._parts = parts
+    missing = set(self.layers) - set(self._parts.blocks)
+    if missing:
+      raise RequestError(
+        f"path uses layers {sorted(missing)} that the given parts do not hold (they hold "
+        f"{sorted(self._parts.blocks)}); pass parts with those blocks or a path over the held ones"
+      )
+    self._templates: dict[str | None, Template] = {}
+    self._templates_lock = threading.Lock()
+    self._stacked = None  # the held blocks stacked, for the indexed layout (made on its first request)
 
-def path_config(blocks: Sequence) -> ModelConfig | None:
-  """The model config of a path's first decoder block (a bridge in the sequence has none)."""
-  # Duck-typed: a block may stand behind a wrapper (thoughtlet.isolate's recorders forward .attn).
-  return next((b.attn.cfg for b in blocks if getattr(b, "attn", None) is not None), None)
+  @property
+  def parts(self) -> PathParts:
+    return self._parts
 
+  @property
+  def defs(self) -> GraphDefs:
+    """The module's graph definitions: with :attr:`parts`, what a program (``program.Program``, ``score_logits``)
+    is built from."""
+    return self._defs
 
-class PathParts(NamedTuple):
-  """Parameters a path needs: embed, the distinct blocks it uses, head."""
-
-  embed: nnx.State
-  blocks: dict[int, nnx.State]
-  head: nnx.State
-
-  @classmethod
-  def from_model(cls, model: Transformer, layers: Sequence[int]) -> PathParts:
-    return cls(
-      nnx.state(model.embed), {i: nnx.state(model.blocks[i]) for i in sorted(set(layers))}, nnx.state(model.head)
+  def __repr__(self) -> str:
+    return (
+      f"Model({self.loaded.source!r}, path={self.path!r}, kernels={self.kernels!r}, chunk={self.chunk}"
+      f"{'' if self.template is None else f', template system={self.template.system!r}'})"
     )
 
-  def by_position(self, *sequences: Sequence[int]) -> PathParts:
-    """These parts keyed by position along ``sequences`` (see :func:`path_shape`), the form a program takes:
-    a layer a path repeats appears once per position, holding the same arrays."""
-    blocks, start = {}, 0
-    for layers in sequences:
-      blocks.update(zip(path_shape(layers, start), (self.blocks[i] for i in layers), strict=True))
-      start += len(layers)
-    return PathParts(self.embed, blocks, self.head)
+  # ---- the path ----------------------------------------------------------------------
+  @property
+  def path(self) -> str:
+    if self.links is not None:
+      return ", ".join(str(link.ref) for link in self.links)
+    return format_path(self.layers, template=self.template is not None)
 
+  @property
+  def refs(self) -> list[str]:
+    """The resolved units, ``name@version`` (bare names for a loaded model's parts), in path order."""
+    if self.links is not None:
+      return [n if v is None else f"{n}@{v}" for link in self.links for n, v in link.units]
+    return [str(r) for r in parse_path(self.path)]
 
-def path_shape(layers: Sequence[int], start: int = 0) -> tuple[int, ...]:
-  """A path as its program sees it: position p holds block ``start + p``, or bridge ``-(start + p + 1)``.
+  @property
+  def path_hash(self) -> str:
+    return hash_refs(self.refs)
 
-  Weights are program arguments, so paths of one shape (say the 30 layers in order, and 30 layers that
-  repeat a span) run one compiled program: the program is keyed by this shape and its parts are
-  :meth:`PathParts.by_position`. ``start`` numbers a second sequence after a first (a draft after its path)."""
-  return tuple(start + p if i >= 0 else -(start + p + 1) for p, i in enumerate(layers))
+  @property
+  def resident_bytes(self) -> int:
+    """Bytes of the distinct weight buffers this model holds (shared buffers counted once)."""
+    seen, total = set(), 0
+    for leaf in jax.tree.leaves(self._parts):
+      if id(leaf) not in seen:
+        seen.add(id(leaf))
+        total += leaf.nbytes
+    return total + (0 if self.template is None else self.template.nbytes)
 
-
-class GraphDefs(NamedTuple):
-  """Static structure of a path's modules (one block graph serves every layer)."""
-
-  embed: nnx.GraphDef
-  block: nnx.GraphDef
-  head: nnx.GraphDef
+  def _replace(self, **changes) -> Model:
+    fields = dict(
+      loaded=self.loaded,
+      layers=self.layers,
+      kernels=self.kernels,
+      chunk=self.chunk,
+      parts=self._parts,
+      links=self.links,
+      source=self.source,
+      template=self.template,
+      mesh=self.mesh,
+      dtype=self.dtype,
+      layout=self.layout,
+    )
+    model = Model(**(fields | changes))
+    if model._parts is self._parts:
+      model._stacked = self._stacked  # the same held blocks: stacked once
+    return model
 
   @classmethod
-  def from_model(cls, model: Transformer) -> GraphDefs:
-    return cls(nnx.graphdef(model.embed), nnx.graphdef(model.blocks[0]), nnx.graphdef(model.head))
+  def composed(
+    cls,
+    path: str | Sequence,
+    source,
+    *,
+    mesh=None,
+    dtype=None,
+    kernels: str | None = None,
+    chunk: int = program_lib.DEFAULT_CHUNK,
+  ) -> Model:
+    """The model of ``path`` resolved, type-checked and assembled over ``source`` (a Registry or a Model; see
+    :func:`thoughtjax.assembly.assemble`), carrying its ``links``, ``source`` and template. The compilation
+    cache is the caller's: :func:`thoughtjax.compose.compose` turns it on."""
+    a = assembly.assemble(path, source, mesh=mesh, dtype=dtype)
+    return cls(
+      a.loaded,
+      a.layers,
+      kernels,
+      chunk,
+      a.parts,
+      links=a.links,
+      source=a.source,
+      template=a.template,
+      mesh=mesh,
+      dtype=dtype,
+    )
+
+  def with_layout(self, layout: str) -> Model:
+    """The same model and path compiled ``"unrolled"`` (every block traced into the program, the default) or
+    ``"indexed"`` (one loop over the held blocks stacked, :mod:`thoughtjax.decode.indexed`; the stack is a copy
+    of the held weights)."""
+    return self._replace(layout=layout)
+
+  def with_chunk(self, chunk: int) -> Model:
+    """The same model and path streaming in decode chunks of ``chunk`` steps."""
+    return self._replace(chunk=chunk)
+
+  def with_path(self, layers_or_path: str | Sequence[int], parts: PathParts | None = None) -> Model:
+    """The same weights (shared, not copied) running another path; a template, the layout and the chunk stay.
+
+    A path string is composed and type-checked over the same source (for a loaded model: its
+    own weights). A layer sequence uses the weights this model holds (a loaded model holds
+    every layer)."""
+    if isinstance(layers_or_path, str):
+      source = self if self.source is None else self.source
+      other = Model.composed(
+        layers_or_path, source, mesh=self.mesh, dtype=self.dtype, kernels=self.kernels, chunk=self.chunk
+      )
+      return other if other.layout == self.layout else other.with_layout(self.layout)
+    layers = tuple(int(i) for i in layers_or_path)
+    if parts is None:
+      missing = sorted(set(layers) - set(self._parts.blocks))
+      if not missing:
+        parts = PathParts(self._parts.embed, {i: self._parts.blocks[i] for i in sorted(set(layers))}, self._parts.head)
+      elif self.source is not None:  # a composed model holds only its path's blocks
+        raise RequestError(
+          f"layers {missing} are not held by this composed model; compose a path "
+          f"string that includes them, e.g. model.with_path('embed, blocks[0:30), head')"
+        )
+    return self._replace(layers=layers, parts=parts, links=None)
+
+  def _program_parts(self, positions: int):
+    """What this path's program takes: its parts by position, or (indexed) the held blocks stacked and the path
+    as an index vector over ``positions``."""
+    if self.layout == "unrolled":
+      return self._parts.by_position(self.layers)
+    with self._templates_lock:
+      if self._stacked is None:
+        self._stacked = indexed.stack(self._parts)
+    return indexed.stacked_parts(self._parts, self._stacked, self.layers, positions)
+
+  # ---- prompts ------------------------------------------------------------------
+  def _check_system(self, system: str | None) -> None:
+    if system is not None and system != self.template.system:
+      raise RequestError(
+        f"this path's template was cut with system={self.template.system!r}, got "
+        f"system={system!r}; a different system message needs its own template thoughtlet"
+      )
+
+  def prompt_ids(self, prompt: str | Sequence[int], chat: bool = False, system: str | None = None) -> list[int]:
+    """Token ids of one prompt: ids as given; text through the path's template if it has one,
+    else through the chat template when ``chat``, else plain."""
+    if not isinstance(prompt, str):
+      return [int(t) for t in prompt]
+    if self.template is not None:
+      self._check_system(system)
+      return self.template.wrap(self._user_ids(prompt))
+    if chat:
+      messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+      prompt = self.codec.render_chat(messages)
+    ids = self.codec.encode(prompt)
+    if not ids:
+      raise RequestError("the prompt is empty after tokenization; give at least one token")
+    return ids
+
+  def _user_ids(self, message: str) -> list[int]:
+    ids = self.codec.tokenizer.encode(message, add_special_tokens=False).ids
+    if not ids:
+      raise RequestError("the prompt is empty after tokenization; give at least one token")
+    return ids
+
+  def _template_split(self, prompts, chat: bool, system: str | None):
+    """(template, user token ids per prompt) for prompts that go through a template, else (None, None)."""
+    if not all(isinstance(p, str) for p in prompts):
+      return None, None
+    template = self.template
+    if template is None:
+      if not chat or self.codec.chat_template is None:
+        return None, None
+      template = self.chat_template(system)
+    else:
+      self._check_system(system)
+    user = [self._user_ids(p) for p in prompts]
+    if template is not self.template:
+      # Tokenizing the parts apart must give what tokenizing the whole prompt gives.
+      for p, u in zip(prompts, user, strict=True):
+        if template.wrap(u) != self.prompt_ids(p, True, system):
+          return None, None
+    return template, user
+
+  def chat_template(self, system: str | None = None) -> Template:
+    """The codec's chat template for ``system``, its rows from this path's embed table (cached)."""
+    with self._templates_lock:
+      if system not in self._templates:
+        self._templates[system] = Template.build(self.codec, self._parts.embed["table"][...], system)
+      return self._templates[system]
+
+  # ---- generation -------------------------------------------------------------------
+  def stream_batch(
+    self,
+    prompts: Sequence[str | Sequence[int]],
+    params: Sequence[SamplingParams] | SamplingParams | None = None,
+    chat: bool = False,
+    system: str | None = None,
+    stream_mode: str = "chunks",
+    *,
+    draft=None,
+    draft_tokens: int = 4,
+  ) -> Generation:
+    """Generate for several prompts at once; the returned :class:`Generation` yields deltas as
+    tokens are produced (``stream_mode``: ``"chunks"``, or ``"callback"`` for comparison).
+
+    ``draft`` (a path string, e.g. ``"embed, blocks[0:10), head"``, ``"ngram:3"`` for drafts looked up in
+    the text itself, or a :class:`thoughtjax.speculative.Draft`): self-speculative decoding, ``draft_tokens`` drafted per
+    verify pass of this path; the same tokens (greedy) or the same distribution (sampling).
+
+    Template prompts (``chat=True``, or any string prompt on a path with a template) go in as
+    the template's fixed rows around the user tokens, embedded by the fused template kernel
+    inside the program; other prompts go in as token ids.
+    """
+    start = time.perf_counter()
+    if stream_mode not in ("chunks", "callback"):
+      raise RequestError(f"stream_mode must be 'chunks' or 'callback', got {stream_mode!r}")
+    if isinstance(prompts, str):
+      raise TypeError("stream_batch takes a list of prompts; use stream() for one")
+    template, user = self._template_split(prompts, chat, system)
+    if template is None:
+      ids = [self.prompt_ids(p, chat, system) for p in prompts]
+    else:
+      ids = [template.wrap(u) for u in user]
+    if params is None:
+      params = SamplingParams()
+    if isinstance(params, SamplingParams):
+      params = [params] * len(ids)
+    check_request(ids, params, vocab_size=self.config.vocab_size, max_context=self.config.max_context)
+    longest = max(len(i) for i in ids)
+    max_new = max(p.max_tokens for p in params)
+    stops = [stop_ids_for(p, self.codec.eos_ids) for p in params]
+    constraints = [p.constraint for p in params]
+    masks = None
+    if RowMasks.needed(constraints):
+      if draft is not None or stream_mode != "chunks":
+        raise RequestError(
+          "json_schema / regex / grammar decode one step per call in chunks; drop draft= and stream_mode="
+          "'callback', or drop the constraint"
+        )
+      # Compiled (or refused with a ConstraintError) before any device work.
+      masks = RowMasks(grammars_for(self.codec, self.config.vocab_size), constraints, bucket(len(ids), 1))
+    if draft is not None:
+      if stream_mode != "chunks":
+        raise RequestError(f"draft= streams in chunks; got stream_mode={stream_mode!r}, drop it or drop draft=")
+      return speculative.stream_batch(self, ids, params, stops, start, draft, draft_tokens)
+    key = ProgramKey(
+      layers=self.layers,
+      batch=bucket(len(ids), 1),
+      prompt_len=bucket(longest),
+      max_new=bucket(max_new),
+      stop_width=bucket(max(len(s) for s in stops), 4),
+      mode=program_mode(params),
+      has_bias=any(p.logit_bias for p in params),
+      chunk=1 if masks else self.chunk,  # each step's mask depends on the token before it
+      kernels=self.kernels,
+      template=None if template is None else template.widths,
+      masked=masks is not None,
+    )
+    if self.layout == "indexed":  # the program holds max_layers positions; the trace keeps the path
+      positions = tuple(range(indexed.max_layers(len(self.layers), self.config.num_layers)))
+      shape = dataclasses.replace(key, layers=positions, layout="indexed")
+      prog = program_lib.PROGRAMS.get(shape, self._defs, self.config, indexed.IndexedProgram)
+    else:
+      prog = program_lib.PROGRAMS.get(key, self._defs, self.config)
+    B, T = key.batch, key.prompt_len
+    pad = np.full(B, T - 1, np.int32)
+    for r, row in enumerate(ids):
+      pad[r] = T - len(row)
+    if template is None:
+      tokens = np.zeros((B, T), np.int32)
+      for r, row in enumerate(ids):
+        tokens[r, T - len(row) :] = row
+      prompt = _to_device(tokens)
+    else:
+      P1, P2 = key.template
+      user_ids = np.zeros((B, T - P1 - P2), np.int32)
+      lengths = np.ones(B, np.int32)  # batch-bucket rows beyond the prompts: one token, inert
+      pad[len(user) :] = T - (P1 + 1 + P2)
+      for r, u in enumerate(user):
+        user_ids[r, : len(u)] = u
+        lengths[r] = len(u)
+      prompt = TemplatePrompt(template.prefix_rows, template.suffix_rows, _to_device(user_ids), _to_device(lengths))
+    samp = sampling_arrays(params, B, self.config.vocab_size, key.stop_width, self.codec.eos_ids, key.has_bias)
+    req = _Request(prog, self._program_parts(len(prog.key.layers)), prompt, _to_device(pad), samp)
+    trace = Trace(key, ids, start, tokens_out=[0] * len(ids))
+    cancelled = threading.Event()
+    runner = _run_chunks if stream_mode == "chunks" else _run_callback
+    rows = Rows(self.codec, params, stops)
+    run = runner(req, rows, trace, cancelled) if masks is None else _run_chunks(req, rows, trace, cancelled, masks)
+    return Generation(run, trace, cancelled, inputs=(self, ids, list(params)))
+
+  def stream(
+    self,
+    prompt: str | Sequence[int],
+    *,
+    chat: bool = False,
+    system: str | None = None,
+    stream_mode: str = "chunks",
+    draft=None,
+    draft_tokens: int = 4,
+    **sampling,
+  ) -> Generation:
+    """Deltas of one prompt's continuation as they are produced."""
+    return self.stream_batch(
+      [prompt], SamplingParams(**sampling), chat, system, stream_mode, draft=draft, draft_tokens=draft_tokens
+    )
+
+  def generate_batch(
+    self, prompts, params=None, chat=False, system=None, stream_mode="chunks", *, draft=None, draft_tokens=4
+  ) -> list[Completion]:
+    """Whole continuations of several prompts, generated as one batch."""
+    if isinstance(prompts, str):
+      raise TypeError("generate_batch takes a list of prompts; use generate() for one")
+    return self.stream_batch(
+      prompts, params, chat, system, stream_mode, draft=draft, draft_tokens=draft_tokens
+    ).completions()
+
+  def generate(
+    self,
+    prompt: str | Sequence[int],
+    *,
+    chat: bool = False,
+    system: str | None = None,
+    stream_mode: str = "chunks",
+    draft=None,
+    draft_tokens: int = 4,
+    **sampling,
+  ) -> Completion:
+    """The whole continuation of one prompt (``draft``: see :meth:`stream_batch`)."""
+    return self.stream(
+      prompt, chat=chat, system=system, stream_mode=stream_mode, draft=draft, draft_tokens=draft_tokens, **sampling
+    ).result()
+
+  # ---- scoring ---------------------------------------------------------------------
+  def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+    """Raw next-token logits [T, V] (f32) at every position of one sequence."""
+    ids = np.asarray(token_ids, np.int32)[None, :]
+    if ids.shape[1] == 0:
+      raise RequestError("need at least one token to score, got none")
+    T = bucket(ids.shape[1])
+    padded = np.zeros((1, T), np.int32)
+    padded[0, : ids.shape[1]] = ids
+    out = program_lib.score_logits(self._defs, self.layers, self._parts, _to_device(padded))
+    return np.asarray(out[0, : ids.shape[1]])
+
+  def score(self, token_ids: Sequence[int] | str, top_k: int = 5) -> Score:
+    ids = self.codec.encode(token_ids) if isinstance(token_ids, str) else [int(t) for t in token_ids]
+    if len(ids) < 2:
+      raise RequestError(f"scoring needs at least 2 tokens to predict one; got {len(ids)}")
+    logits = self.logits(ids)
+    top = np.argsort(-logits, axis=-1, kind="stable")[:, :top_k]
+    lse = np.logaddexp.reduce(logits.astype(np.float64), axis=-1)
+    lp = [float(logits[t, ids[t + 1]] - lse[t]) for t in range(len(ids) - 1)]
+    nll = -float(np.mean(lp))
+    return Score(ids, top.tolist(), np.take_along_axis(logits, top, -1).tolist(), lp, nll, float(np.exp(nll)))
 
 
-BRIDGE_EPS = 1e-6  # the bridge's own RMSNorm epsilon (a property of the adapter, not of the model)
+def load(
+  name_or_path: str | os.PathLike | None = None,
+  *,
+  path: str | Sequence[int] | None = None,
+  kernels: str | None = None,
+  compile_cache: bool = True,
+  weights: str = "f32",
+) -> Model:
+  """Load a model by known name (default: SmolLM2-135M-Instruct) or by path.
 
+  ``path``: the layer path to run, as layer indices or a path string
+  (``"embed, blocks[0:12), head"``); ``kernels``: ``"xla"``, ``"pallas"`` or None (the default of
+  :func:`thoughtjax.kernels.dispatch.resolve`); ``weights``: ``"f32"`` or ``"native"`` (a GGUF's
+  quantized blocks, computed in float32).
+  """
+  if compile_cache:
+    program_lib.configure_compilation_cache()
+  from thoughtjax.fetch import DEFAULT_MODEL
 
-def apply_bridge(params: Mapping, x: Array) -> Array:
-  """A bridge over residual x [B, T, D] -> [B, T, D] (x.dtype): ``x + up(silu(down(norm(x))))``.
-
-  ``params`` is ``{"norm": {"weight": [D]}, "down": [D, R], "up": [R, D]}`` (R, the rank, is their
-  shape); ``norm`` is an RMSNorm in float32 with its own weight. The bridge thoughtlet that holds
-  these params (initialised, cut, published) is :mod:`thoughtjax.thoughtlet.bridge`."""
-  x32 = x.astype(jnp.float32)
-  h = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + BRIDGE_EPS)
-  w = params["norm"]["weight"].astype(jnp.float32)
-  h = h * w.reshape((1,) * (h.ndim - 1) + w.shape)  # explicit broadcast over [...]
-  z = jax.nn.silu(jnp.einsum("btd,dr->btr", h, params["down"].astype(jnp.float32), precision=formats.EXACT))
-  return (x32 + jnp.einsum("btr,rd->btd", z, params["up"].astype(jnp.float32), precision=formats.EXACT)).astype(x.dtype)
-
-
-class BridgeLayer:
-  """A bridge in a block's place inside a path: same call, caches passed through untouched."""
-
-  def __init__(self, params: Mapping):
-    self.params = params
-
-  def __call__(self, x, cos, sin, cache_k, cache_v, write_at, mask):
-    del cos, sin, write_at, mask  # position-wise: no attention, no rope
-    return apply_bridge(self.params, x), cache_k, cache_v
-
-
-def merge_path(defs: GraphDefs, parts: PathParts, layers: Sequence[int]) -> tuple[Embed, list[Block], Head]:
-  """Modules of a path from graph definitions and states (inside traced code).
-
-  A negative slot holds a bridge thoughtlet's params, run as a :class:`BridgeLayer`."""
-  embed = nnx.merge(defs.embed, parts.embed)
-  by_layer = {i: BridgeLayer(s) if i < 0 else nnx.merge(defs.block, s) for i, s in parts.blocks.items()}
-  return embed, [by_layer[i] for i in layers], nnx.merge(defs.head, parts.head)
-
-
-def init_random(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float = 0.02) -> Transformer:
-  """A Transformer with seeded random weights (tiny test models)."""
-  model = Transformer(cfg, dtype)
-  state = nnx.state(model, nnx.Param)
-  paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
-  keys = jax.random.split(jax.random.key(seed), len(paths_leaves))
-  new = []
-  for key, (path, leaf) in zip(keys, paths_leaves, strict=True):
-    noise = scale * jax.random.normal(key, leaf.shape, dtype)
-    is_norm = any("norm" in str(getattr(p, "key", p)) for p in path)
-    new.append(1.0 + noise if is_norm else noise)
-  nnx.update(model, jax.tree.unflatten(treedef, new))
-  return model
-
-
-def abstract_model(cfg: ModelConfig, dtype=jnp.float32) -> Transformer:
-  """A Transformer whose parameters are shape/dtype placeholders (no memory)."""
-  return nnx.eval_shape(lambda: Transformer(cfg, dtype))
+  model = Model(load_model(name_or_path or DEFAULT_MODEL, weights=weights), kernels=kernels)
+  return model if path is None else model.with_path(path)

@@ -25,9 +25,9 @@ comparison; its host sink returns whether to stop, so it too ends at the next st
 not write programs with host callbacks to the persistent compilation cache, so every new process
 would recompile it; see BENCHMARKS.md for the measured trade-off.
 
-Weights are arguments: a program is keyed by its path's shape (:func:`~thoughtjax.model.path_shape`, the
+Weights are arguments: a program is keyed by its path's shape (:func:`~thoughtjax.transformer.path_shape`, the
 number of blocks and where bridges sit), not by which layers it holds, and runs on the path's parts
-:meth:`~thoughtjax.model.PathParts.by_position`. Every 30-layer path shares one program, whichever layers
+:meth:`~thoughtjax.transformer.PathParts.by_position`. Every 30-layer path shares one program, whichever layers
 it repeats or skips.
 
 Programs of every family (this module's, the server's slot programs, the speculative programs) live in
@@ -58,9 +58,10 @@ from jax.experimental import io_callback
 
 from thoughtjax import cachedir, exported, settings
 from thoughtjax.kernels.template_embed import template_embed
+from thoughtjax.sampling import SamplingArrays, SamplingMode, sample
 
 # GraphDefs, PathParts and merge_path live with the model; re-exported here for old imports.
-from thoughtjax.model import (
+from thoughtjax.transformer import (
   Block,
   Embed,
   GraphDefs,
@@ -72,7 +73,6 @@ from thoughtjax.model import (
   path_shape,
   run_path,
 )
-from thoughtjax.sampling import SamplingArrays, SamplingMode, sample
 
 DEFAULT_CHUNK = 8
 
@@ -418,7 +418,7 @@ class ProgramCache:
 
   def get(self, key: ProgramKey, defs: GraphDefs, cfg, make: Callable[..., Program] | None = None) -> Program:
     """The program of ``key``'s shape: it runs any path of that shape, given the path's parts
-    :meth:`~thoughtjax.model.PathParts.by_position`. ``make(key, defs, cfg)`` builds a missing one
+    :meth:`~thoughtjax.transformer.PathParts.by_position`. ``make(key, defs, cfg)`` builds a missing one
     (default :class:`Program`; the layer-indexed form passes its own)."""
     key = dataclasses.replace(key, layers=path_shape(key.layers))
     return self.program((key, defs, cfg), lambda: (make or Program)(key, defs, cfg))

@@ -54,12 +54,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from thoughtjax import formats
 from thoughtjax import program as program_lib
+from thoughtjax import quantized
 from thoughtjax.decode.stream import Generation, Rows, Trace
 from thoughtjax.errors import UserError
-from thoughtjax.model import GraphDefs, PathParts, kv_cache_shape, merge_path, path_shape, rope_tables, run_path
-from thoughtjax.paths import format_path, parse_path
+from thoughtjax.path_syntax import format_path, parse_path
 from thoughtjax.program import COMPILE_CLOCK, ProgramKey, bucket
 from thoughtjax.sampling import (
   SamplingArrays,
@@ -70,6 +69,7 @@ from thoughtjax.sampling import (
   sampling_arrays,
   top_p_mask,
 )
+from thoughtjax.transformer import GraphDefs, PathParts, kv_cache_shape, merge_path, path_shape, rope_tables, run_path
 
 DEFAULT_DRAFT_TOKENS = 4
 NGRAM_DEFAULT = 3  # "ngram" alone: look up the last 3 tokens, then 2, then 1
@@ -314,9 +314,9 @@ class SpecProgram:
     if vocab_ids is None:
       return head(x, embed.table[...])
     w = embed.table[...] if head.tied else head.unembed[...]
-    rows = formats.take_rows(w, vocab_ids) if formats.is_packed(w) else jnp.take(w, vocab_ids, axis=0)
+    rows = quantized.take_rows(w, vocab_ids) if quantized.is_packed(w) else jnp.take(w, vocab_ids, axis=0)
     h = head.norm(x)  # btd,vd->btv
-    return jax.lax.dot_general(h, rows.astype(h.dtype), (((2,), (1,)), ((), ())), precision=formats.EXACT).astype(
+    return jax.lax.dot_general(h, rows.astype(h.dtype), (((2,), (1,)), ((), ())), precision=quantized.EXACT).astype(
       jnp.float32
     )
 
@@ -556,7 +556,7 @@ def _int_or_none(text: str) -> int | None:
 
 
 def resolve_draft(model, draft: str | Sequence[int] | Draft) -> ResolvedDraft:
-  """Check ``draft`` against ``model``'s path (a :class:`~thoughtjax.engine.Model`); see :class:`Draft`."""
+  """Check ``draft`` against ``model``'s path (a :class:`~thoughtjax.model.Model`); see :class:`Draft`."""
   spec = draft if isinstance(draft, Draft) else Draft(draft)
   label = spec.path if isinstance(spec.path, str) else str(list(spec.path))
   if model.template is not None:
@@ -667,8 +667,8 @@ def _composed(model, path: str):
 
 
 def get_program(key: SpecKey, defs: GraphDefs, cfg) -> SpecProgram:
-  """The program of ``key``'s shape: its path and draft numbered by position (:func:`~thoughtjax.model.path_shape`,
-  the draft after the path), run on parts :meth:`~thoughtjax.model.PathParts.by_position` of both. Held in the
+  """The program of ``key``'s shape: its path and draft numbered by position (:func:`~thoughtjax.transformer.path_shape`,
+  the draft after the path), run on parts :meth:`~thoughtjax.transformer.PathParts.by_position` of both. Held in the
   process's one program cache (:data:`thoughtjax.program.PROGRAMS`)."""
   shape = dataclasses.replace(key, layers=path_shape(key.layers), draft=path_shape(key.draft, len(key.layers)))
   return program_lib.PROGRAMS.program(("speculative", shape, defs, cfg), lambda: SpecProgram(shape, defs, cfg))

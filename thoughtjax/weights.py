@@ -1,4 +1,4 @@
-"""Hugging Face-named tensors -> a :class:`~thoughtjax.model.Transformer`.
+"""Hugging Face-named tensors -> a :class:`~thoughtjax.transformer.Transformer`.
 
 Both loaders (GGUF and safetensors) first produce a dict of numpy arrays under
 Hugging Face names (``model.layers.3.self_attn.q_proj.weight``, PyTorch
@@ -15,11 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from thoughtjax import formats
+from thoughtjax import quantized
 from thoughtjax.config import ModelConfig
 from thoughtjax.errors import UserError
-from thoughtjax.formats import from_stored  # noqa: F401 - the inverse of to_stored, kept importable here
-from thoughtjax.model import Transformer, abstract_model
+from thoughtjax.quantized import from_stored  # noqa: F401 - the inverse of to_stored, kept importable here
+from thoughtjax.transformer import Transformer, abstract_model
 
 
 class MissingTensorError(UserError, KeyError):
@@ -34,13 +34,13 @@ class TensorShapeError(UserError, ValueError):
 
 
 # Parameters used as an [I, O] matrix whose leading dims (the count given) are the inputs; a native
-# weight keeps the checkpoint's [O, I] blocks instead (see thoughtjax.model._matrix).
+# weight keeps the checkpoint's [O, I] blocks instead (see thoughtjax.transformer._matrix).
 _IN_DIMS = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
 
 
 def _in_out(w, *shape):
   """[out, in] checkpoint tensor -> the model's [in..., out...] layout; packed blocks stay [O, I]."""
-  return w if formats.is_packed(w) else w.T.reshape(shape)
+  return w if quantized.is_packed(w) else w.T.reshape(shape)
 
 
 def native_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -53,8 +53,8 @@ def native_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def _as_rows(name: str, w) -> np.ndarray:
   """The [O, I] matrix of parameter ``name`` held in the model's [in..., out...] layout (float32)."""
-  if formats.is_packed(w):
-    return formats.dequantize(w)
+  if quantized.is_packed(w):
+    return quantized.dequantize(w)
   w = np.asarray(w, np.float32)
   if name not in _IN_DIMS:
     return w
@@ -64,11 +64,11 @@ def _as_rows(name: str, w) -> np.ndarray:
 
 def int8_block(params: Mapping) -> dict:
   """One block's params (nested dict, model layout) with every projection as per-row int8
-  (:class:`thoughtjax.formats.RowInt8`, [O, I]); norms and biases stay float32."""
+  (:class:`thoughtjax.quantized.RowInt8`, [O, I]); norms and biases stay float32."""
 
   def walk(node):
     return {
-      k: walk(v) if isinstance(v, Mapping) else (formats.quantize_int8(_as_rows(k, v)) if k in _IN_DIMS else v)
+      k: walk(v) if isinstance(v, Mapping) else (quantized.quantize_int8(_as_rows(k, v)) if k in _IN_DIMS else v)
       for k, v in node.items()
     }
 
@@ -76,11 +76,11 @@ def int8_block(params: Mapping) -> dict:
 
 
 def to_stored(params: Mapping) -> dict:
-  """Params with each :class:`~thoughtjax.formats.RowInt8` as a plain ``{"int8": q [O, I], "scale": [O]}``
+  """Params with each :class:`~thoughtjax.quantized.RowInt8` as a plain ``{"int8": q [O, I], "scale": [O]}``
   mapping: the tree a registry checkpoints and hashes (arrays only). Inverse of :func:`from_stored`."""
   return {
     k: {"int8": v.q, "scale": v.scale}
-    if isinstance(v, formats.RowInt8)
+    if isinstance(v, quantized.RowInt8)
     else (to_stored(v) if isinstance(v, Mapping) else v)
     for k, v in params.items()
   }
@@ -90,9 +90,9 @@ def int8_params(params: Mapping) -> dict:
   """A whole model's params (see :func:`params_from_hf`) with every matrix as per-row int8: the
   block projections, the embedding table (also the tied head) and an untied head's unembed."""
   out = {k: dict(v) for k, v in params.items()}
-  out["embed"]["table"] = formats.quantize_int8(_as_rows("table", params["embed"]["table"]))
+  out["embed"]["table"] = quantized.quantize_int8(_as_rows("table", params["embed"]["table"]))
   if "unembed" in params["head"]:
-    out["head"]["unembed"] = formats.quantize_int8(_as_rows("unembed", params["head"]["unembed"]))
+    out["head"]["unembed"] = quantized.quantize_int8(_as_rows("unembed", params["head"]["unembed"]))
   out["blocks"] = {i: int8_block(b) for i, b in params["blocks"].items()}
   return out
 
@@ -133,7 +133,7 @@ def params_from_hf(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> dict:
         f"tie_embeddings={cfg.tie_embeddings}) requires it"
       )
     w = tensors[name]
-    return w if formats.is_packed(w) else np.asarray(w)
+    return w if quantized.is_packed(w) else np.asarray(w)
 
   params = {
     "embed": {"table": get("model.embed_tokens.weight")},
@@ -160,7 +160,7 @@ def build_model(cfg: ModelConfig, params: dict, dtype=jnp.float32) -> Transforme
 
   for path, var in flat.items():
     arr = lookup(path)
-    packed = formats.is_packed(arr)
+    packed = quantized.is_packed(arr)
     want = native_shape(str(path[-1]), tuple(var.shape)) if packed else tuple(var.shape)
     if tuple(arr.shape) != want:
       raise TensorShapeError(
@@ -203,7 +203,7 @@ def to_hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
   f = lambda x: np.asarray(x, np.float32)  # noqa: E731
 
   def mat(x, rows, cols):  # the [out, in] tensor of a weight held as [in, out] or as native [O, I] blocks
-    return formats.dequantize(x) if formats.is_packed(x) else f(x).reshape(rows, cols).T.copy()
+    return quantized.dequantize(x) if quantized.is_packed(x) else f(x).reshape(rows, cols).T.copy()
 
   out = {
     "model.embed_tokens.weight": _dense(params["embed"]["table"]),
@@ -232,4 +232,4 @@ def to_hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
 
 def _dense(x) -> np.ndarray:
   """float32 numpy of an array or of native blocks (dequantized, the same values)."""
-  return formats.dequantize(x) if formats.is_packed(x) else np.asarray(x, np.float32)
+  return quantized.dequantize(x) if quantized.is_packed(x) else np.asarray(x, np.float32)

@@ -9,7 +9,7 @@ import pytest
 
 from tests.tiny import TINY_CONFIGS, write_gguf
 from thoughtjax.cli import main
-from thoughtjax.model import init_random
+from thoughtjax.transformer import init_random
 
 
 def test_bench_decode_quick_compares_weight_forms(tmp_path, monkeypatch, capsys):

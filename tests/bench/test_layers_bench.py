@@ -7,7 +7,7 @@ import json
 
 from tests.tiny import TINY_CONFIGS, write_gguf
 from thoughtjax.bench import layers
-from thoughtjax.model import init_random
+from thoughtjax.transformer import init_random
 
 
 def test_both_layouts_are_measured_and_reported(tmp_path, monkeypatch, capsys):

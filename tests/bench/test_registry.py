@@ -9,8 +9,8 @@ import pytest
 from tests.registry.helpers import DEEP_SPANS, mapping_text, tiny_codec, tiny_config
 from thoughtjax.bench import registry as bench
 from thoughtjax.compose import compose
-from thoughtjax.model import init_random
 from thoughtjax.registry import Registry, build
+from thoughtjax.transformer import init_random
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import json
 from tests.tiny import TINY_CONFIGS, write_gguf
 from thoughtjax import loading
 from thoughtjax.cli import main
-from thoughtjax.model import init_random
+from thoughtjax.transformer import init_random
 
 
 def test_bench_decode_startup_quick_reports_each_weight_form(tmp_path, monkeypatch, capsys):

@@ -90,7 +90,7 @@ def _user_facing_classes():
   from thoughtjax.fetch import FetchError
   from thoughtjax.kernels.dispatch import KernelChoiceError
   from thoughtjax.mapping import MappingError
-  from thoughtjax.paths import PathSyntaxError
+  from thoughtjax.path_syntax import PathSyntaxError
   from thoughtjax.registry import IntegrityError, ResourceProfileMismatch, UnknownThoughtletError
   from thoughtjax.signing import SignatureError
 

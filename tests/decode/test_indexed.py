@@ -9,7 +9,7 @@ import pytest
 from tests.tiny import greedy_reference, tiny_engine
 from thoughtjax import program as program_lib
 from thoughtjax.decode import indexed
-from thoughtjax.engine import RequestError
+from thoughtjax.model import RequestError
 from thoughtjax.sampling import SamplingParams
 
 

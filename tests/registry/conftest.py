@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.registry.helpers import DEEP_SPANS, FAST, TINY_SPANS, mapping_text, tiny_codec, tiny_config
-from thoughtjax.model import init_random
+from thoughtjax.transformer import init_random
 
 
 @pytest.fixture(scope="session")

@@ -12,9 +12,9 @@ from tests.tiny import greedy_reference
 from thoughtjax import program as program_lib
 from thoughtjax.assembly import PathTypeError, full_path
 from thoughtjax.compose import compose
-from thoughtjax.engine import Model
 from thoughtjax.loading import LoadedModel
-from thoughtjax.paths import PathSyntaxError
+from thoughtjax.model import Model
+from thoughtjax.path_syntax import PathSyntaxError
 from thoughtjax.registry import Registry
 
 IDS = [7, 70, 71, 72, 32, 73, 74, 75, 76, 77, 78, 79, 80]

@@ -98,7 +98,7 @@ def native_registry(default_model, tmp_path_factory):
 def test_native_registry_is_the_gguf_size_and_gives_the_float32_logits(default_model, native_registry):
   import gguf
 
-  from thoughtjax import formats
+  from thoughtjax import quantized
   from thoughtjax.fetch import fetch
 
   reg = Registry.open(native_registry)
@@ -110,7 +110,7 @@ def test_native_registry_is_the_gguf_size_and_gives_the_float32_logits(default_m
   assert np.array_equal(compose(full_path(reg), reg).logits(ids), default_model.logits(ids))
   native = Registry.open(native_registry, weights="native")
   m = compose(full_path(native), native)
-  assert any(formats.is_packed(x) for x in jax.tree.leaves(m.parts.embed, is_leaf=formats.is_packed))
+  assert any(quantized.is_packed(x) for x in jax.tree.leaves(m.parts.embed, is_leaf=quantized.is_packed))
   # The native form dequantizes inside each dot, so it sums in another order than the float32 load: ~1e-4 on
   # logits of magnitude ~20 (1.1e-4 measured on an AMD EPYC 2-core machine, below 1e-4 on others).
   assert np.max(np.abs(m.logits(ids) - default_model.logits(ids))) <= 2e-4

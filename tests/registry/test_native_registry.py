@@ -21,11 +21,10 @@ import pytest
 import thoughtjax
 from tests.registry.helpers import mapping_text, read_index, rewrite_manifest, write_index
 from tests.tiny import TINY_CONFIGS, write_gguf
-from thoughtjax import formats
+from thoughtjax import quantized
 from thoughtjax.assembly import full_path
 from thoughtjax.compose import compose
 from thoughtjax.errors import UserError
-from thoughtjax.model import init_random
 from thoughtjax.registry import (
   FORMAT,
   IntegrityError,
@@ -37,6 +36,7 @@ from thoughtjax.registry import (
   is_older_format,
 )
 from thoughtjax.registry.checkpoint import _save_checkpoint
+from thoughtjax.transformer import init_random
 
 KINDS = ("Q8_0", "Q4_0", "Q4_1")
 CFG = TINY_CONFIGS["llama_gqa"]  # 3 layers, every matrix dimension a multiple of 32
@@ -105,9 +105,9 @@ def test_native_restore_keeps_the_blocks_packed(ggufs, kind):
   reg = Registry.open(root, weights="native")
   w = reg.restore("blocks[0:1)")["0"]["attn"]["q"]
   ref = native.module.blocks[0].attn.q.get_value()
-  assert isinstance(w, formats.BlockQuant) and w.kind == kind and w.q.dtype == ref.q.dtype
+  assert isinstance(w, quantized.BlockQuant) and w.kind == kind and w.q.dtype == ref.q.dtype
   assert np.array_equal(np.asarray(w.q), np.asarray(ref.q)) and np.array_equal(np.asarray(w.scale), ref.scale)
-  assert formats.is_packed(reg.restore("embed")["table"])
+  assert quantized.is_packed(reg.restore("embed")["table"])
   assert reg.restore("embed")["table"].nbytes < 0.4 * CFG.vocab_size * CFG.d_model * 4  # f32 takes 4 bytes a value
   m = compose(full_path(reg), reg, compile_cache=False)
   assert np.max(np.abs(m.logits(IDS) - f32.logits(IDS))) <= 1e-5
@@ -123,7 +123,7 @@ def test_int8_variant_composes_with_native_blocks(ggufs):
   path = "embed, blocks[0:1)@int8, blocks[1:3), head"
   m = compose(path, reg, compile_cache=False)
   kinds = {
-    type(leaf).__name__ for s in m.parts.blocks.values() for leaf in jax.tree.leaves(s, is_leaf=formats.is_packed)
+    type(leaf).__name__ for s in m.parts.blocks.values() for leaf in jax.tree.leaves(s, is_leaf=quantized.is_packed)
   }
   assert {"RowInt8", "BlockQuant"} <= kinds
   # The registry's variant was quantized from the blocks' float32 values, as a loaded model's is.
@@ -321,8 +321,8 @@ def test_cli_registry_route_takes_weights_native_and_names_int8_as_a_variant(ggu
   _, _, native, root = ggufs["Q4_1"]
   args = dict(registry=str(root), model=None, path=None, kernels=None, public_key=None, require_signatures=False)
   m = _load(argparse.Namespace(**args, weights="native"))
-  leaves = [leaf for s in m.parts.blocks.values() for leaf in jax.tree.leaves(s, is_leaf=formats.is_packed)]
-  assert any(formats.is_packed(leaf) for leaf in leaves)
+  leaves = [leaf for s in m.parts.blocks.values() for leaf in jax.tree.leaves(s, is_leaf=quantized.is_packed)]
+  assert any(quantized.is_packed(leaf) for leaf in leaves)
   assert np.array_equal(m.logits(IDS), native.logits(IDS))
   with pytest.raises(CommandLineError, match=r"@int8.*--variants int8"):
     _load(argparse.Namespace(**args, weights="int8"))

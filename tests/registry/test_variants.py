@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tests.registry.helpers import FAST, TINY_SPANS, largest_data_file
-from thoughtjax import formats
+from thoughtjax import quantized
 from thoughtjax.assembly import full_path
 from thoughtjax.compose import compose
 from thoughtjax.registry import IntegrityError, Registry, TrustPolicy, UnknownThoughtletError, build
@@ -43,7 +43,7 @@ def test_variants_are_published_signed_profiled_and_verified(with_int8, built, k
   q = stored["3"]["mlp"]["gate"]
   assert set(q) == {"int8", "scale"} and np.asarray(q["int8"]).dtype == np.int8
   dense = np.asarray(base.restore("blocks[3:5)")["3"]["mlp"]["gate"])  # [D, F]
-  deq = formats.dequantize(formats.RowInt8(np.asarray(q["int8"]), np.asarray(q["scale"])))  # [F, D]
+  deq = quantized.dequantize(quantized.RowInt8(np.asarray(q["int8"]), np.asarray(q["scale"])))  # [F, D]
   np.testing.assert_allclose(deq, dense.T, atol=float(np.max(np.abs(dense))) / 254 + 1e-7)
 
 

@@ -19,8 +19,7 @@ from tests.registry.helpers import DEEP_SPANS
 from tests.synthesis.tiny_synthesis import make_model
 from thoughtjax import program
 from thoughtjax.compose import compose
-from thoughtjax.model import GraphDefs
-from thoughtjax.paths import layers_of_path
+from thoughtjax.path_syntax import layers_of_path
 from thoughtjax.synthesis.calibration import Calibration, PathQuality
 from thoughtjax.synthesis.candidate import CandidateKind
 from thoughtjax.synthesis.candidates import (
@@ -37,6 +36,7 @@ from thoughtjax.synthesis.candidates import (
 from thoughtjax.synthesis.latency import LatencyParams, LinearCost
 from thoughtjax.synthesis.quality import measure, measure_candidates, windows
 from thoughtjax.thoughtlet import capture
+from thoughtjax.transformer import GraphDefs
 
 IDENTITY = 2
 WINDOW = 48

@@ -76,8 +76,8 @@ def test_cli_registry_heal_publishes_a_composable_bridge(tmp_path, monkeypatch, 
   from tests.registry.helpers import TINY_SPANS, mapping_text, tiny_codec, tiny_config
   from thoughtjax import cli
   from thoughtjax.compose import compose
-  from thoughtjax.model import init_random
   from thoughtjax.registry import Registry, build
+  from thoughtjax.transformer import init_random
 
   monkeypatch.setenv("THOUGHTJAX_TRUST_STATE", str(tmp_path / "trust-state.json"))
   (tmp_path / "m.yaml").write_text(mapping_text(TINY_SPANS, 6))

@@ -23,9 +23,9 @@ from flax import nnx
 import thoughtjax
 from tests.registry.helpers import TINY_SPANS, mapping_text, tiny_codec, tiny_config
 from thoughtjax.loading import LoadedModel
-from thoughtjax.model import init_random
 from thoughtjax.synthesis.calibrate import CalibrateReport, CalibrateSettings, LatencySettings
 from thoughtjax.synthesis.candidates import CandidateSettings
+from thoughtjax.transformer import init_random
 
 HINTS = ("general_purpose", "fast_draft")
 IDENTITY_SKIP = "embed, blocks[0:2), blocks[3:6), head"

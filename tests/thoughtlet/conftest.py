@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.registry.helpers import TINY_SPANS, mapping_text, tiny_codec, tiny_config
-from thoughtjax.model import init_random
+from thoughtjax.transformer import init_random
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from tests.registry.helpers import FAST
-from thoughtjax import model as model_lib
 from thoughtjax import program as program_lib
+from thoughtjax import transformer
 from thoughtjax.assembly import PathTypeError
 from thoughtjax.compose import compose
 from thoughtjax.registry import Registry, SignatureDowngradeError
@@ -46,7 +46,7 @@ def test_untrained_bridge_is_the_identity(tiny):
   cfg = tiny[0]
   p = bridge_lib.init_params(cfg, rank=16, seed=3)
   x = jax.random.normal(jax.random.key(0), (2, 5, cfg.d_model)) * 3.0
-  np.testing.assert_array_equal(np.asarray(model_lib.apply_bridge(p, x)), np.asarray(x))
+  np.testing.assert_array_equal(np.asarray(transformer.apply_bridge(p, x)), np.asarray(x))
   assert p["down"].shape == (cfg.d_model, 16) and p["up"].shape == (16, cfg.d_model)
 
 
@@ -97,20 +97,20 @@ def test_replay_bridge_inside_the_composed_path(reg_copy, monkeypatch):
   model = compose("embed, blocks[0:3), bridge.3-6, head", reg_copy, compile_cache=False)
   records = []
 
-  class Recording(model_lib.BridgeLayer):
+  class Recording(transformer.BridgeLayer):
     def __call__(self, x, *rest):
       out = super().__call__(x, *rest)
       records.append((np.asarray(x), np.asarray(out[0])))
       return out
 
-  monkeypatch.setattr(model_lib, "BridgeLayer", Recording)
+  monkeypatch.setattr(transformer, "BridgeLayer", Recording)
   tokens = jnp.asarray([PROMPT])
   logits = program_lib._full_sequence_logits(model.defs, model.layers, model.parts, tokens)  # not jitted
   monkeypatch.undo()
   assert len(records) == 1
   x, y = records[0]
   restored = reg_copy.restore("bridge.3-6")
-  alone = np.asarray(model_lib.apply_bridge(restored, jnp.asarray(x)))
+  alone = np.asarray(transformer.apply_bridge(restored, jnp.asarray(x)))
   np.testing.assert_allclose(alone, y, rtol=0, atol=1e-6)
   # What was captured is what the compiled program computes.
   np.testing.assert_allclose(np.asarray(logits[0]), model.logits(PROMPT), rtol=1e-5, atol=1e-5)
@@ -118,9 +118,9 @@ def test_replay_bridge_inside_the_composed_path(reg_copy, monkeypatch):
 
 def test_published_bridge_is_versioned_hashed_signed_and_profiled(tmp_path, monkeypatch):
   from tests.registry.helpers import TINY_SPANS, mapping_text, tiny_codec, tiny_config
-  from thoughtjax.model import init_random
   from thoughtjax.registry import build
   from thoughtjax.signing import keygen
+  from thoughtjax.transformer import init_random
 
   monkeypatch.setenv("THOUGHTJAX_TRUST_STATE", str(tmp_path / "trust-state.json"))  # not the user's
   key, _ = keygen(tmp_path / "keys" / "registry")

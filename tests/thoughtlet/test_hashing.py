@@ -13,8 +13,8 @@ from flax import nnx
 from tests.registry.helpers import tiny_codec
 from thoughtjax import signing
 from thoughtjax.config import Architecture, ModelConfig
-from thoughtjax.model import init_random
 from thoughtjax.thoughtlet import Kind, Thoughtlet, canonical_json, cut, flat_params, param_spec, signature_for
+from thoughtjax.transformer import init_random
 
 # Computed by the single-module thoughtlet.py before it became a package (commit 70edf65).
 # A change here renames every published thoughtlet: it needs a new HASH_DOMAIN, not new pins.

@@ -12,9 +12,9 @@ PACKAGE = Path(thoughtlet.__file__).parent
 ALLOWED = {
   "thoughtjax.config",
   "thoughtjax.errors",
-  "thoughtjax.formats",
-  "thoughtjax.model",
-  "thoughtjax.paths",
+  "thoughtjax.quantized",
+  "thoughtjax.transformer",
+  "thoughtjax.path_syntax",
   "thoughtjax.template",
   "thoughtjax.kernels.template_embed",
 }

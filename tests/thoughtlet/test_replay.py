@@ -13,8 +13,8 @@ import pytest
 
 import thoughtjax
 from thoughtjax.loading import LoadedModel
-from thoughtjax.model import Block, abstract_model
 from thoughtjax.thoughtlet import Kind, ReplayReport, ThoughtletError, capture, replay
+from thoughtjax.transformer import Block, abstract_model
 
 MESSAGE = "replay me"
 

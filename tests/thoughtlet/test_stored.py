@@ -6,7 +6,7 @@ import gguf
 import numpy as np
 import pytest
 
-from thoughtjax import formats
+from thoughtjax import quantized
 from thoughtjax.thoughtlet import param_spec, versioned_hash
 from thoughtjax.thoughtlet.stored import block_from_stored, block_to_stored, has_blocks, stored_kind, to_stored
 
@@ -23,7 +23,7 @@ def _raw(rng, kind, rows=48, cols=96):
 @pytest.mark.parametrize("kind", KINDS)
 def test_stored_block_is_the_gguf_bytes_and_round_trips_exactly(rng, kind):
   raw = _raw(rng, kind)
-  w = formats.from_gguf_blocks(raw, kind)
+  w = quantized.from_gguf_blocks(raw, kind)
   node = block_to_stored(w)
   assert stored_kind(node) == kind and node["scale"].dtype == np.float16
   # Every byte of the GGUF's blocks is in the stored arrays, and nothing more: same size as the file.
@@ -37,13 +37,13 @@ def test_stored_block_is_the_gguf_bytes_and_round_trips_exactly(rng, kind):
   assert back.kind == kind and back.q.dtype == w.q.dtype and np.array_equal(back.q, w.q)
   assert np.array_equal(back.scale.view(np.uint32), np.asarray(w.scale).view(np.uint32))
   assert np.array_equal(
-    formats.dequantize(back).view(np.uint32),
+    quantized.dequantize(back).view(np.uint32),
     gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).view(np.uint32),
   )
 
 
 def test_hash_and_spec_cover_the_stored_bytes(rng):
-  w = formats.from_gguf_blocks(_raw(rng, "Q4_1"), "Q4_1")
+  w = quantized.from_gguf_blocks(_raw(rng, "Q4_1"), "Q4_1")
   params = {"0": {"mlp": {"up": w}, "norm": {"weight": np.ones(4, np.float32)}}}
   stored = to_stored(params)
   assert has_blocks(stored) and not has_blocks({"norm": {"weight": np.ones(4, np.float32)}})
@@ -62,8 +62,8 @@ def test_hash_and_spec_cover_the_stored_bytes(rng):
 
 
 def test_scales_that_are_not_float16_are_refused():
-  w = formats.BlockQuant(np.zeros((2, 32), np.int8), np.full((2, 1), 0.1, np.float32), None, "Q8_0")
-  with pytest.raises(formats.WeightFormatError, match="float16"):
+  w = quantized.BlockQuant(np.zeros((2, 32), np.int8), np.full((2, 1), 0.1, np.float32), None, "Q8_0")
+  with pytest.raises(quantized.WeightFormatError, match="float16"):
     block_to_stored(w)
-  with pytest.raises(formats.WeightFormatError, match=r"\[O, I\]"):
+  with pytest.raises(quantized.WeightFormatError, match=r"\[O, I\]"):
     block_from_stored({"Q8_0": np.zeros((2, 32), np.int8), "scale": np.zeros((2, 2), np.float16)})

@@ -138,15 +138,15 @@ def bench_weights(args) -> dict:
 
 
 def load_forms(model_arg, forms: list[str]) -> dict:
-  """{form: model} for each weight form; a derived form (``formats.DERIVED_FORMATS``, e.g. int8a8) is
+  """{form: model} for each weight form; a derived form (``quantized.DERIVED_FORMATS``, e.g. int8a8) is
   its base form's model with the parts transformed, sharing the base's weight buffers when both run."""
   import thoughtjax
-  from thoughtjax import formats
+  from thoughtjax import quantized
 
   models = {}
   for w in forms:
-    if w in formats.DERIVED_FORMATS:
-      base, transform = formats.DERIVED_FORMATS[w]
+    if w in quantized.DERIVED_FORMATS:
+      base, transform = quantized.DERIVED_FORMATS[w]
       m = models.get(base) or thoughtjax.load(model_arg, weights=base)
       models[w] = m.with_path(m.layers, parts=transform(m.parts))
     else:
@@ -478,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _weight_forms(text: str) -> list[str]:
-  from thoughtjax.formats import DERIVED_FORMATS, WEIGHT_FORMATS
+  from thoughtjax.quantized import DERIVED_FORMATS, WEIGHT_FORMATS
 
   known = (*WEIGHT_FORMATS, *DERIVED_FORMATS)
   forms = [t.strip() for t in text.split(",") if t.strip()]

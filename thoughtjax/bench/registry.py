@@ -123,8 +123,8 @@ def _chained(model, prompt_ids: list[int], max_new: int):
   import jax
   import jax.numpy as jnp
 
-  from thoughtjax.model import kv_cache_shape
   from thoughtjax.thoughtlet import run_blocks, run_embed, run_head
+  from thoughtjax.transformer import kv_cache_shape
 
   cfg, defs, parts = model.config, model.defs, model.parts
   T, S = len(prompt_ids), len(prompt_ids) + max_new
@@ -176,7 +176,7 @@ def _unit_layers(link, model):
   out, at = [], 0
   layers = list(link.layers)
   for name, _ in link.units:
-    from thoughtjax.paths import Ref
+    from thoughtjax.path_syntax import Ref
 
     a, b = Ref(name).span
     out.append(layers[at : at + (b - a)])

@@ -95,7 +95,7 @@ def _load(args):
     raise CommandLineError("--public-key and --require-signatures check a registry: add --registry DIR or drop them")
   model = thoughtjax.load(model_source(args.model), kernels=args.kernels, weights=args.weights or "f32")
   if args.path:
-    from thoughtjax.paths import layers_of_path
+    from thoughtjax.path_syntax import layers_of_path
 
     model = model.with_path(layers_of_path(args.path, model.config.num_layers))
   return model

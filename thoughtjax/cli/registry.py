@@ -34,7 +34,7 @@ def _profile_settings(args):
 def _variants(text: str) -> tuple[str, ...]:
   import argparse
 
-  from thoughtjax.paths import VARIANTS
+  from thoughtjax.path_syntax import VARIANTS
 
   names = tuple(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
   bad = [n for n in names if n not in VARIANTS]
@@ -202,7 +202,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_show(args) -> int:
-  from thoughtjax.paths import parse_path
+  from thoughtjax.path_syntax import parse_path
 
   reg = _open(args)
   ref = parse_path(args.ref)[0]

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from thoughtjax.model import PathParts, kv_cache_shape, rope_tables
 from thoughtjax.program import Program
+from thoughtjax.transformer import PathParts, kv_cache_shape, rope_tables
 
 LAYOUTS = ("unrolled", "indexed")
 

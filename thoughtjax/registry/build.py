@@ -7,7 +7,7 @@ them packed (:class:`~thoughtjax.registry.store.Registry` ``weights=``). A loade
 form it holds.
 
 ``variants=("int8",)`` also publishes a weight variant of every block thoughtlet: ``blocks[a:b)@int8``
-holds the same layers with every projection as per-row int8 (:class:`thoughtjax.formats.RowInt8`,
+holds the same layers with every projection as per-row int8 (:class:`thoughtjax.quantized.RowInt8`,
 stored as ``{"int8": q, "scale": s}`` arrays), the variant in its signature (``constraints["weights"]``
 and a tag), so it is hashed, signed and profiled like any thoughtlet, and paths can name it.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from thoughtjax.mapping import Mapping as SemanticMapping
 from thoughtjax.mapping import load_mapping
-from thoughtjax.paths import VARIANTS
+from thoughtjax.path_syntax import VARIANTS
 from thoughtjax.registry.codec import codec_digest
 from thoughtjax.registry.errors import RegistryError
 from thoughtjax.registry.layout import _writer_lock, check_format, index_format, is_older_format
@@ -79,7 +79,7 @@ def cut_thoughtlets(model, codec, mapping: SemanticMapping) -> list[Thoughtlet]:
 
 def variant_of(t: Thoughtlet, variant: str) -> Thoughtlet:
   """The ``variant`` of a blocks thoughtlet, named ``<name>@<variant>``; its params hold
-  :class:`~thoughtjax.formats.RowInt8` weights (:func:`thoughtjax.weights.to_stored` before publishing)."""
+  :class:`~thoughtjax.quantized.RowInt8` weights (:func:`thoughtjax.weights.to_stored` before publishing)."""
   from thoughtjax.thoughtlet import ThoughtletError
   from thoughtjax.weights import int8_block
 
@@ -117,7 +117,7 @@ def build(
   """Cut ``model`` along ``mapping``, profile every thoughtlet and publish them to ``out``.
 
   ``model`` is a known model name or path (loaded with :func:`thoughtjax.loading.load`), a
-  :class:`~thoughtjax.loading.LoadedModel`, or a :class:`~thoughtjax.model.Transformer` with
+  :class:`~thoughtjax.loading.LoadedModel`, or a :class:`~thoughtjax.transformer.Transformer` with
   ``codec`` given. Building into an existing registry of the same model publishes the changed
   thoughtlets as new versions (one atomic index switch); unchanged ones keep their version, and the
   existing index is verified first under ``trust`` (see :mod:`.publish`). ``variants`` (e.g. ``("int8",)``)
@@ -129,7 +129,7 @@ def build(
   """
   from thoughtjax.loading import LoadedModel
   from thoughtjax.loading import load as load_model
-  from thoughtjax.model import Transformer
+  from thoughtjax.transformer import Transformer
 
   report = progress or (lambda stage, name, i, n: None)
   if weights not in ("native", "f32"):

@@ -22,9 +22,9 @@ read and checked again. :meth:`refresh` drops the cache.
 (:mod:`thoughtjax.thoughtlet.stored`). ``weights`` (per registry, or per :meth:`Registry.restore`) says
 what a restore returns: ``"f32"`` (default) dequantizes them at restore into the model's float32 layout,
 bit for bit the arrays a float32 registry held; ``"native"`` keeps them packed
-(:class:`~thoughtjax.formats.BlockQuant`, computed in float32 from the packed bytes); ``"stored"``
+(:class:`~thoughtjax.quantized.BlockQuant`, computed in float32 from the packed bytes); ``"stored"``
 returns the checkpoint's arrays as they are (what the versioned hash covers). Int8 variants come back
-as their stored ``{"int8", "scale"}`` arrays in every form (:func:`thoughtjax.formats.from_stored`).
+as their stored ``{"int8", "scale"}`` arrays in every form (:func:`thoughtjax.quantized.from_stored`).
 
 **Multi-host.** With ``jax.distributed.initialize()`` called first in every process, pass a
 ``Mesh`` spanning all processes' devices to :meth:`restore` / :func:`thoughtjax.compose.compose`:
@@ -51,7 +51,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from thoughtjax import formats
+from thoughtjax import quantized
 from thoughtjax.config import ModelConfig
 from thoughtjax.registry.checkpoint import _checkpointer, _restore_checkpoint, verified_copy
 from thoughtjax.registry.codec import load_codec
@@ -97,7 +97,7 @@ def _packed_nodes(params: dict) -> dict[str, str]:
   out = {}
   for parent, keys in children.items():
     kind = stored_kind(keys)
-    if kind in formats.KINDS:
+    if kind in quantized.KINDS:
       out[parent] = kind
   return out
 
@@ -107,7 +107,7 @@ def _layout_shapes(cfg: ModelConfig) -> dict:
   """Model-layout shapes of the parameters of each kind's module (one block stands for all)."""
   from flax import nnx
 
-  from thoughtjax.model import abstract_model
+  from thoughtjax.transformer import abstract_model
 
   abstract = abstract_model(cfg)
 
@@ -127,7 +127,7 @@ def _layout_shape(cfg: ModelConfig, kind: str, parent: str) -> tuple[int, ...]:
 def _packed_bytes(params: dict, parent: str, kind: str, weights: str, dtype) -> int:
   """Bytes a stored native weight takes resident in form ``weights``."""
   rows, cols = params[f"{parent}/scale"]["shape"]
-  n = rows * cols * formats.BLOCK
+  n = rows * cols * quantized.BLOCK
   if weights == "f32":
     return n * np.dtype(dtype or np.float32).itemsize
   if weights == "native":  # one byte per value, float32 scale (and minimum) per block
@@ -281,7 +281,7 @@ class Registry:
 
   def block_spans(self) -> dict[tuple[int, int], str]:
     """Layer span -> name of the current block thoughtlets (from the index alone); weight variants
-    (``blocks[a:b)@int8``, see :mod:`thoughtjax.paths`) are not listed: a path names them."""
+    (``blocks[a:b)@int8``, see :mod:`thoughtjax.path_syntax`) are not listed: a path names them."""
     return {tuple(e["layers"]): n for n, e in self._index["current"].items() if e.get("layers") and "@" not in n}
 
   def versions(self, name: str) -> list[str]:
@@ -488,7 +488,7 @@ class Registry:
       shape = _layout_shape(m.config, m.kind.value, parent)
       spec = param_partition(m.kind.value, parent, shape, model_size) if mesh is not None else PartitionSpec()
       if weights == "f32":
-        dense = model_layout(leaf, formats.dequantize(w), shape).astype(np.dtype(dtype or np.float32))
+        dense = model_layout(leaf, quantized.dequantize(w), shape).astype(np.dtype(dtype or np.float32))
         sharding = SingleDeviceSharding(jax.devices()[0]) if mesh is None else NamedSharding(mesh, spec)
         node[leaf] = jax.device_put(dense, sharding)
         continue
@@ -497,7 +497,7 @@ class Registry:
       axis = next((i for i, a in enumerate(spec) if a == "model"), None)
       n_in = in_dims(leaf, w.shape, shape)
       axis = None if axis is None else (1 if n_in is not None and axis < n_in else 0)
-      if axis == 1 and (w.shape[1] // formats.BLOCK) % model_size:
+      if axis == 1 and (w.shape[1] // quantized.BLOCK) % model_size:
         axis = None
 
       def put(a, axis=axis):

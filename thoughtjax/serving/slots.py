@@ -78,7 +78,6 @@ from thoughtjax.constraint import Matcher
 from thoughtjax.decode.masks import ALL, grammars_for
 from thoughtjax.decode.stream import Delta, Rows, Trace
 from thoughtjax.errors import UserError
-from thoughtjax.model import GraphDefs, kv_cache_shape, merge_path, path_config, path_shape, rope_tables, run_path
 from thoughtjax.program import COMPILE_CLOCK, ProgramKey, bucket
 from thoughtjax.sampling import (
   SamplingArrays,
@@ -90,6 +89,7 @@ from thoughtjax.sampling import (
   stop_ids_for,
 )
 from thoughtjax.serving.prefix import PrefixCache
+from thoughtjax.transformer import GraphDefs, kv_cache_shape, merge_path, path_config, path_shape, rope_tables, run_path
 
 DEFAULT_SLOTS = 8
 DEFAULT_CACHE_LEN = 512
@@ -452,8 +452,8 @@ def slot_program(defs, cfg, layers, slots, cache_len, chunk, kernels) -> SlotPro
   """The slot program of this layout from the process's one program cache (:data:`thoughtjax.program.PROGRAMS`):
   a new engine of the same layout compiles nothing.
 
-  Keyed by the path's shape (:func:`~thoughtjax.model.path_shape`): it runs any path of that shape on the
-  path's parts :meth:`~thoughtjax.model.PathParts.by_position`."""
+  Keyed by the path's shape (:func:`~thoughtjax.transformer.path_shape`): it runs any path of that shape on the
+  path's parts :meth:`~thoughtjax.transformer.PathParts.by_position`."""
   shape = path_shape(layers)
   ident = ("slot", defs, cfg, shape, slots, cache_len, chunk, kernels)
   return program_lib.PROGRAMS.program(ident, lambda: SlotProgram(defs, cfg, shape, slots, cache_len, chunk, kernels))

@@ -18,7 +18,7 @@ from thoughtjax.config import Architecture, ModelConfig
 from thoughtjax.sources.errors import ModelNotFoundError, TruncatedModelError, UnsupportedModelError
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
-# RoPE scaling types the model computes exactly (thoughtjax.model.rope_tables: plain RoPE). llama.cpp
+# RoPE scaling types the model computes exactly (thoughtjax.transformer.rope_tables: plain RoPE). llama.cpp
 # writes "none" or leaves the key out for plain RoPE; Llama 3.x's "llama3" scaling has no type key
 # and travels as a ``rope_freqs.weight`` tensor of per-frequency factors instead.
 SUPPORTED_ROPE_SCALING = ("none",)
@@ -286,12 +286,12 @@ def check_complete(path: Path) -> None:
 def load_gguf(path: str | Path, weights: str = "f32") -> GGUFCheckpoint:
   """Every tensor of a Llama-family GGUF file: dequantized to float32 (``weights="f32"``), or with
   ``weights="native"`` the 2-D Q8_0 / Q4_0 / Q4_1 tensors kept as their blocks
-  (:class:`thoughtjax.formats.BlockQuant`, numpy arrays; the same float32 values once dequantized)."""
+  (:class:`thoughtjax.quantized.BlockQuant`, numpy arrays; the same float32 values once dequantized)."""
   import gguf  # deferred: only GGUF users pay for the import
 
-  from thoughtjax import formats
+  from thoughtjax import quantized
 
-  formats.check_format(weights)
+  quantized.check_format(weights)
 
   path = Path(path)
   if not path.is_file():
@@ -311,8 +311,8 @@ def load_gguf(path: str | Path, weights: str = "f32") -> GGUFCheckpoint:
         f"tensor {t.name!r} in {path.name} has quantization type {type_name}; supported: "
         f"{', '.join(SUPPORTED_TYPES)}. Re-quantize the file to one of those."
       )
-    if weights == "native" and type_name in formats.KINDS and len(t.shape) == 2:
-      w = formats.from_gguf_blocks(t.data, type_name, (int(t.shape[1]), int(t.shape[0])))
+    if weights == "native" and type_name in quantized.KINDS and len(t.shape) == 2:
+      w = quantized.from_gguf_blocks(t.data, type_name, (int(t.shape[1]), int(t.shape[0])))
     else:
       w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
     if name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -326,6 +326,6 @@ def load_gguf(path: str | Path, weights: str = "f32") -> GGUFCheckpoint:
 
 def _rows(w, permute):
   """Apply a row (output) permutation to an array or to each part of packed blocks (rows are outputs)."""
-  from thoughtjax import formats
+  from thoughtjax import quantized
 
-  return w.map(permute) if formats.is_packed(w) else permute(w)
+  return w.map(permute) if quantized.is_packed(w) else permute(w)

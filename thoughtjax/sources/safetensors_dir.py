@@ -10,7 +10,7 @@ import numpy as np
 from thoughtjax.config import Architecture, ModelConfig
 from thoughtjax.sources.errors import ModelNotFoundError, UnsupportedModelError
 
-# RoPE variants the model computes exactly (thoughtjax.model.rope_tables: plain rotate-half RoPE).
+# RoPE variants the model computes exactly (thoughtjax.transformer.rope_tables: plain rotate-half RoPE).
 SUPPORTED_ROPE_TYPES = ("default",)
 
 

@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from thoughtjax.errors import UserError
-from thoughtjax.paths import VARIANTS
+from thoughtjax.path_syntax import VARIANTS
 from thoughtjax.synthesis.calibration import Calibration
 from thoughtjax.synthesis.candidate import Candidate, CandidateKind, DraftPlan, Unit
 from thoughtjax.synthesis.candidates import CandidateSettings, bridge_slots, bridged_proposals, is_bridge, pin, propose

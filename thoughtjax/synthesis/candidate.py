@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from thoughtjax.errors import UserError
-from thoughtjax.paths import VARIANTS, split_variant
+from thoughtjax.path_syntax import VARIANTS, split_variant
 
 
 class CalibrationError(UserError, ValueError):
@@ -174,7 +174,7 @@ class DraftPlan:
 
 
 def _draft_refs(path: str):
-  from thoughtjax.paths import PathSyntaxError, parse_path
+  from thoughtjax.path_syntax import PathSyntaxError, parse_path
 
   try:
     return parse_path(path)

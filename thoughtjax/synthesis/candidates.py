@@ -36,7 +36,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from thoughtjax.errors import UserError
-from thoughtjax.paths import PathSyntaxError, format_path, hash_refs, layers_of_path, parse_path
+from thoughtjax.path_syntax import PathSyntaxError, format_path, hash_refs, layers_of_path, parse_path
 from thoughtjax.synthesis.candidate import Candidate, CandidateKind, Unit
 from thoughtjax.synthesis.quality import DEFAULT_WINDOW, Document, Progress, Runner, windows
 

@@ -32,9 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from thoughtjax.errors import UserError
-from thoughtjax.model import GraphDefs
 from thoughtjax.program import _full_sequence_logits
 from thoughtjax.thoughtlet import bridge as bridge_lib
+from thoughtjax.transformer import GraphDefs
 
 # (step, steps, loss) after each training step.
 Progress = Callable[[int, int, float], None]
@@ -124,7 +124,7 @@ def _models(source, path: str):
   """(full model, cut model) over the same weights: composed from a registry, or a loaded model's own."""
   from thoughtjax.assembly import full_path
   from thoughtjax.compose import compose
-  from thoughtjax.engine import Model
+  from thoughtjax.model import Model
   from thoughtjax.registry import Registry
 
   if isinstance(source, Registry):

@@ -38,7 +38,7 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from thoughtjax.errors import UserError
-from thoughtjax.paths import VARIANTS
+from thoughtjax.path_syntax import VARIANTS
 from thoughtjax.synthesis.calibration import Calibration, PathQuality
 from thoughtjax.synthesis.candidate import DraftPlan
 from thoughtjax.synthesis.latency import COLD, LatencyModel, Prediction, Residency

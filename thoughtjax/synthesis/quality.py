@@ -36,11 +36,11 @@ import numpy as np
 from flax import nnx
 
 from thoughtjax.errors import UserError
-from thoughtjax.model import GraphDefs, PathParts, Transformer, apply_bridge
-from thoughtjax.paths import PathSyntaxError, layers_of_path, parse_path
+from thoughtjax.path_syntax import PathSyntaxError, layers_of_path, parse_path
 from thoughtjax.program import bucket
 from thoughtjax.synthesis.calibration import HintQuality, PathQuality
 from thoughtjax.thoughtlet.run import run_blocks, run_embed, run_head
+from thoughtjax.transformer import GraphDefs, PathParts, Transformer, apply_bridge
 
 DEFAULT_WINDOW = 128
 
@@ -97,7 +97,7 @@ class Weights:
 
   @classmethod
   def of(cls, model) -> Weights:
-    """From a loaded :class:`~thoughtjax.engine.Model` (its full weights) or a bare Transformer."""
+    """From a loaded :class:`~thoughtjax.model.Model` (its full weights) or a bare Transformer."""
     if isinstance(model, Weights):
       return model
     if isinstance(model, Transformer):

@@ -52,9 +52,9 @@ import numpy as np
 import optax
 
 from thoughtjax.errors import UserError
-from thoughtjax.model import GraphDefs
 from thoughtjax.program import bucket
 from thoughtjax.thoughtlet.run import run_blocks
+from thoughtjax.transformer import GraphDefs
 
 FORMAT = "thoughtjax.router/1"
 Pooling = Literal["mean", "mean_max"]

@@ -10,8 +10,8 @@ Its params are a plain nested dict ``{"norm": {"weight": [D]}, "down": [D, R], "
 (``rank`` R is their shape; nothing else is configured), so one traced function serves every rank.
 
 In a path a bridge sits where the cut is (``embed, blocks[0:10), bridge.10-30, head``); the program
-runs it as a :class:`thoughtjax.model.BridgeLayer` between the blocks, with a block's call signature and
-no KV cache of its own use; :func:`thoughtjax.model.apply_bridge` is its computation. This module holds
+runs it as a :class:`thoughtjax.transformer.BridgeLayer` between the blocks, with a block's call signature and
+no KV cache of its own use; :func:`thoughtjax.transformer.apply_bridge` is its computation. This module holds
 the thoughtlet side: fresh params, where a cut is, the bridged path and the published unit. Training
 lives in :mod:`thoughtjax.synthesis.heal`.
 """
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from thoughtjax.config import ModelConfig
-from thoughtjax.paths import parse_path
+from thoughtjax.path_syntax import parse_path
 from thoughtjax.thoughtlet.errors import ThoughtletError
 from thoughtjax.thoughtlet.types import Kind, Thoughtlet, signature_for
 

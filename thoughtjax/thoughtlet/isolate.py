@@ -29,11 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from thoughtjax.model import GraphDefs, abstract_model
 from thoughtjax.thoughtlet.errors import ThoughtletError
 from thoughtjax.thoughtlet.run import causal_setup, run_blocks, run_embed, run_head, run_template
 from thoughtjax.thoughtlet.slicing import as_state, cut, template_parts, unit_of
 from thoughtjax.thoughtlet.types import Kind, Thoughtlet
+from thoughtjax.transformer import GraphDefs, abstract_model
 
 Pair = tuple[np.ndarray, np.ndarray]  # (what a part received, what it produced)
 
@@ -231,7 +231,7 @@ def replay(
 ) -> ReplayReport:
   """Run one thoughtlet alone on the input it receives inside ``model``; compare with its output there.
 
-  ``model``: a loaded :class:`~thoughtjax.engine.Model` (``thoughtjax.load()``) or a bare Transformer
+  ``model``: a loaded :class:`~thoughtjax.model.Model` (``thoughtjax.load()``) or a bare Transformer
   (pass ``codec=`` for text prompts). ``unit``: ``"embed"``, ``"head"``, ``"template"``, ``"blocks[a:b)"``
   or a :class:`Thoughtlet` (its own weights are replayed). ``prompt``: text (``chat=True`` renders
   it as one user message) or token ids; a template takes the user message as text. ``table``: the

@@ -19,13 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from thoughtjax.formats import from_stored
-from thoughtjax.model import GraphDefs, abstract_model, apply_bridge, kv_cache_shape
+from thoughtjax.quantized import from_stored
 from thoughtjax.thoughtlet.errors import ThoughtletError
 from thoughtjax.thoughtlet.resource_profile import ResourceProfile
 from thoughtjax.thoughtlet.run import run_blocks, run_embed, run_head, run_template
 from thoughtjax.thoughtlet.slicing import as_state
 from thoughtjax.thoughtlet.types import Kind, Thoughtlet
+from thoughtjax.transformer import GraphDefs, abstract_model, apply_bridge, kv_cache_shape
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Running one thoughtlet alone, outside any path, through the model's own module code.
 
-Each function merges the graph definitions (:class:`~thoughtjax.model.GraphDefs`) with a
+Each function merges the graph definitions (:class:`~thoughtjax.transformer.GraphDefs`) with a
 thoughtlet's state and calls the part; nothing here is jitted (callers own the jit boundary).
 """
 
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from thoughtjax.config import ModelConfig
-from thoughtjax.model import GraphDefs, kv_cache_shape, rope_tables
+from thoughtjax.transformer import GraphDefs, kv_cache_shape, rope_tables
 
 
 def run_embed(defs: GraphDefs, state: nnx.State, tokens):  # [B, T] -> [B, T, D]

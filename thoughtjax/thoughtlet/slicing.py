@@ -1,7 +1,7 @@
 """The one slicer: a thoughtlet's weights taken (not copied) from a whole model, and back.
 
 :func:`cut` returns the ``params`` of one thoughtlet (see :class:`Thoughtlet`) from an NNX
-:class:`~thoughtjax.model.Transformer`; :func:`as_state` and :func:`block_states` turn such
+:class:`~thoughtjax.transformer.Transformer`; :func:`as_state` and :func:`block_states` turn such
 params back into NNX states of the model's own parts, so a restored thoughtlet runs through
 the same module code as the whole model.
 """
@@ -13,11 +13,11 @@ from collections.abc import Mapping
 from flax import nnx
 
 from thoughtjax.config import ModelConfig
-from thoughtjax.model import GraphDefs, Transformer, abstract_model
-from thoughtjax.paths import Ref
+from thoughtjax.path_syntax import Ref
 from thoughtjax.template import Template
 from thoughtjax.thoughtlet.errors import ThoughtletError
 from thoughtjax.thoughtlet.types import Kind
+from thoughtjax.transformer import GraphDefs, Transformer, abstract_model
 
 
 def unit_of(name: str) -> tuple[Kind, tuple[int, int] | None]:

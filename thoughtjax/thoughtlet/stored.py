@@ -1,16 +1,16 @@
 """A thoughtlet's weights as arrays only: the form that is hashed, signed and checkpointed.
 
-Weights held packed in memory (:mod:`thoughtjax.formats`) are stored as small named trees of arrays,
+Weights held packed in memory (:mod:`thoughtjax.quantized`) are stored as small named trees of arrays,
 so the versioned hash and the file digests cover the packed bytes themselves:
 
-- :class:`~thoughtjax.formats.RowInt8` (the lossy ``int8`` variant): ``{"int8": q int8 [O, I], "scale": f32 [O]}``;
-- :class:`~thoughtjax.formats.BlockQuant` (a GGUF's native blocks): ``{<kind>: q, "scale": f16 [O, I/32]}``
+- :class:`~thoughtjax.quantized.RowInt8` (the lossy ``int8`` variant): ``{"int8": q int8 [O, I], "scale": f32 [O]}``;
+- :class:`~thoughtjax.quantized.BlockQuant` (a GGUF's native blocks): ``{<kind>: q, "scale": f16 [O, I/32]}``
   plus ``"min": f16 [O, I/32]`` for Q4_1, where ``<kind>`` is ``Q8_0``, ``Q4_0`` or ``Q4_1`` (so the block
   type is part of every hashed path) and q holds the GGUF's own bytes: Q8_0 int8 [O, I]; Q4_0 / Q4_1 uint8
   [O, I/2], each 32-value block as 16 bytes whose byte j holds value j (low nibble) and value j + 16 (high).
   Scale and minimum are the file's float16 values. A stored block weight is as large as in the GGUF.
 
-In memory a 4-bit value takes a byte and scales are float32 (what XLA reads fast, see ``formats``);
+In memory a 4-bit value takes a byte and scales are float32 (what XLA reads fast, see ``quantized``);
 :func:`block_from_stored` widens them back, exactly. Unquantized weights (norms, biases, F32/F16
 matrices) are stored as they are.
 """
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from thoughtjax.formats import BLOCK, KINDS, BlockQuant, RowInt8, WeightFormatError
+from thoughtjax.quantized import BLOCK, KINDS, BlockQuant, RowInt8, WeightFormatError
 
 INT8_KEYS = frozenset({"int8", "scale"})
 
@@ -49,7 +49,7 @@ def _f16(x, what: str) -> np.ndarray:
   if not np.array_equal(h.astype(np.float32).view(np.uint32), a.view(np.uint32)):
     raise WeightFormatError(
       f"{what}: block scales are not float16 values widened to float32, so the GGUF form cannot hold them; "
-      f"native weights come from formats.from_gguf_blocks"
+      f"native weights come from quantized.from_gguf_blocks"
     )
   return h
 

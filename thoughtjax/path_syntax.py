@@ -8,7 +8,7 @@ Grammar (whitespace-insensitive)::
     variant := "int8"
 
 ``blocks[a:b)`` is always half-open. A *variant* names a lossy weight form of the same thoughtlet
-(``int8``: per-row int8, see :mod:`thoughtjax.formats`); it is one of :data:`VARIANTS`, a closed set of
+(``int8``: per-row int8, see :mod:`thoughtjax.quantized`); it is one of :data:`VARIANTS`, a closed set of
 words, so ``@int8`` is never read as a version. A version is any other text without commas or ``@``
 (in a registry a prefix of the hex versioned hash, e.g. ``3fa2c01b9e4d`` (at least 12 hex digits); hex never spells a variant); no
 version means the registry's current one. ``blocks[0:10)@int8`` runs layers 0..9 from their int8

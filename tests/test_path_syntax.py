@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from thoughtjax.paths import PathSyntaxError, Ref, layers_of_path, parse_path
+from thoughtjax.path_syntax import PathSyntaxError, Ref, layers_of_path, parse_path
 
 
 def test_parse_refs_with_versions():
