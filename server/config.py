@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from thoughtjax.errors import UserError
 
 DEFAULT_CONFIG = Path(__file__).with_name("config.yaml")
@@ -349,7 +351,6 @@ def from_mapping(data: Mapping | None, where: str = "server config", base: Path 
 
 def load_config(path: str | os.PathLike | None = None) -> ServerConfig:
   """The settings in ``path`` (default: the shipped ``server/config.yaml``)."""
-  import yaml
 
   path = Path(path) if path is not None else DEFAULT_CONFIG
   try:

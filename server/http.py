@@ -22,6 +22,9 @@ streaming). Failures carry OpenAI's error body ``{"error": {"message", "type", "
 status of :data:`HTTP_STATUS`; a failure after a stream began is one ``data: {"error": ...}`` event. A
 client that disconnects cancels its handler, which closes the run: its slot is free at the end of the
 decode chunk running then.
+
+Imports inside functions here are deferred for start-up: importing this module does not load ``server.tls``; the
+functions that need them do.
 """
 
 from __future__ import annotations

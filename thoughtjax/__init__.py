@@ -12,7 +12,7 @@ MEMORY_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
 def _set_memory_scheduler() -> None:
-  import jaxlib
+  import jaxlib  # inside the function: keeps jaxlib out of the package namespace
 
   flags = _os.environ.get("XLA_FLAGS", "")
   major_minor = tuple(int(p) for p in jaxlib.__version__.split(".")[:2] if p.isdigit())

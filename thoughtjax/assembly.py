@@ -13,6 +13,9 @@ sequence the program runs. :func:`thoughtjax.compose.compose` and ``Model.with_p
 A source is a :class:`thoughtjax.registry.Registry` or a :class:`~thoughtjax.model.Model`: a loaded
 model's own weights are sliced, a composed model stands for its source. Model sits above this module
 (it composes through it), so a Model is recognised by what it holds: a :class:`~thoughtjax.loading.LoadedModel`.
+
+Imports inside functions here are deferred for start-up: importing this module does not load ``registry``; the
+functions that need them do.
 """
 
 from __future__ import annotations

@@ -30,6 +30,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
 from thoughtjax import durable
 from thoughtjax.cachedir import cache_dir as cache_dir  # where callers have always found it
 from thoughtjax.cachedir import cache_subdir
@@ -200,7 +203,6 @@ def _copy_with_progress(src, dst, total: int, label: str, progress: bool) -> Non
   if not progress:
     shutil.copyfileobj(src, dst, 1 << 22)
     return
-  from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
   with Progress(
     TextColumn("{task.description}"),
@@ -217,6 +219,5 @@ def _copy_with_progress(src, dst, total: int, label: str, progress: bool) -> Non
 
 
 def _stderr_console():
-  from rich.console import Console
 
   return Console(stderr=True)

@@ -38,6 +38,9 @@ Durability. An entry is built in ``weights/.partial-dir-*``; every file in it an
 before the one rename that makes it the entry, and ``weights/`` is fsynced after it; ``meta.json`` and
 ``index.json`` are replaced the same way (:mod:`thoughtjax.durable`). A load killed at any point leaves no
 entry or a whole one; the next build removes what a killed one staged.
+
+Imports inside functions here are deferred for start-up: importing this module does not load
+``sources.safetensors_dir``; the functions that need them do.
 """
 
 from __future__ import annotations
@@ -54,12 +57,14 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+from tokenizers import Tokenizer
 
 from thoughtjax import durable, quantized, settings
 from thoughtjax import fetch as fetch_lib
 from thoughtjax.cachedir import cache_subdir
 from thoughtjax.config import ModelConfig
 from thoughtjax.sources.errors import ModelNotFoundError, UnsupportedModelError, WeightCacheError
+from thoughtjax.sources.gguf_file import load_gguf
 from thoughtjax.tokenizer import TextCodec
 from thoughtjax.transformer import Transformer
 from thoughtjax.weights import build_model, int8_params, params_from_hf, to_hf_tensors
@@ -399,7 +404,6 @@ def _read_index(index_path: Path) -> dict:
 
 
 def _codec_from_entry(entry: Path, meta: dict) -> TextCodec:
-  from tokenizers import Tokenizer
 
   return TextCodec(
     Tokenizer.from_file(str(entry / "tokenizer.json")),
@@ -463,8 +467,6 @@ def _load_gguf_cached(path: Path, weights: str = "f32"):
         _codec_from_entry(entry, meta),
         digest,
       )
-
-  from thoughtjax.sources.gguf_file import load_gguf
 
   ckpt = load_gguf(path, weights)
   params = params_from_hf(ckpt.config, ckpt.tensors)

@@ -34,6 +34,7 @@ from thoughtjax.decode import indexed
 from thoughtjax.decode.masks import RowMasks, grammars_for
 from thoughtjax.decode.request import check_request
 from thoughtjax.decode.stream import Completion, Delta, Generation, RequestError, Rows, Trace
+from thoughtjax.fetch import DEFAULT_MODEL
 from thoughtjax.kernels.dispatch import resolve as resolve_kernels
 from thoughtjax.loading import LoadedModel
 from thoughtjax.loading import load as load_model
@@ -616,7 +617,6 @@ def load(
   """
   if compile_cache:
     program_lib.configure_compilation_cache()
-  from thoughtjax.fetch import DEFAULT_MODEL
 
   model = Model(load_model(name_or_path or DEFAULT_MODEL, weights=weights), kernels=kernels)
   return model if path is None else model.with_path(path)

@@ -32,6 +32,9 @@ row of x to int8 with its own scale (:func:`quantize_rows`), the dot in integers
 With more than one row XLA:CPU runs that s8 x s8 -> s32 dot as an integer GEMM (an XNNPACK/YNNPACK
 fusion), which beats the float32 GEMM at 8 rows where the convert-inside-the-dot forms lose to it
 (``scripts/matmul_forms.py``). Lossy twice; its quality is measured like int8's.
+
+Imports inside functions here are deferred for start-up: importing this module does not load ``gguf``; the functions
+that need them do.
 """
 
 from __future__ import annotations

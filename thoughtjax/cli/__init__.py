@@ -3,6 +3,9 @@
 One module per command group: :mod:`.model_commands` (fetch, generate, score), :mod:`.bench`
 and :mod:`.registry`. :func:`main` holds the one error policy.
 
+Imports inside the command functions are deferred on purpose: a command loads the synthesis, registry, server
+and benchmark modules it uses and no others, so ``thoughtjax --help`` and a plain ``generate`` start without them.
+
 Output contracts other tools rely on:
   generate --json  -> one JSON object with ``token_ids`` (generated ids) and ``text``
   score --json     -> one JSON object with per-position ``top_ids``/``top_logits``,

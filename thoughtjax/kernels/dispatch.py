@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+import jax
+
 from thoughtjax.errors import UserError
 
 Implementation = Literal["xla", "pallas"]
@@ -57,8 +59,6 @@ def resolve(kernels: str | None, backend: str | None = None, *, name: str = "ker
 def default(backend: str | None = None) -> Implementation:
   """The implementation used when the caller does not choose (see :data:`PALLAS_DEFAULT_ON_GPU`)."""
   if backend is None:
-    import jax
-
     backend = jax.default_backend()
   if backend == "gpu" and PALLAS_DEFAULT_ON_GPU:
     return "pallas"
@@ -68,7 +68,5 @@ def default(backend: str | None = None) -> Implementation:
 def interpret_default(backend: str | None = None) -> bool:
   """Whether a Pallas kernel runs in interpret mode: everywhere but on a GPU, where it compiles."""
   if backend is None:
-    import jax
-
     backend = jax.default_backend()
   return backend != "gpu"

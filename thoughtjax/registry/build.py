@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from thoughtjax.loading import LoadedModel
+from thoughtjax.loading import load as load_model
 from thoughtjax.mapping import Mapping as SemanticMapping
 from thoughtjax.mapping import load_mapping
 from thoughtjax.path_syntax import VARIANTS
@@ -29,8 +32,18 @@ from thoughtjax.registry.lease import LEASE_DIR
 from thoughtjax.registry.publish import _publish
 from thoughtjax.registry.store import Registry
 from thoughtjax.registry.trust import TrustPolicy
-from thoughtjax.thoughtlet import Kind, ProfileSettings, Thoughtlet, cut, measure_profile, signature_for
+from thoughtjax.thoughtlet import (
+  Kind,
+  ProfileSettings,
+  Thoughtlet,
+  ThoughtletError,
+  cut,
+  measure_profile,
+  signature_for,
+)
 from thoughtjax.thoughtlet.stored import to_stored
+from thoughtjax.transformer import Transformer
+from thoughtjax.weights import int8_block
 
 # What a registry directory holds (thoughtjax.registry.layout), removed when an older format is replaced.
 _REGISTRY_ENTRIES = ("index.json", "thoughtlets", "codec", "keys", "calibration", ".staging", LEASE_DIR)
@@ -38,7 +51,6 @@ _REGISTRY_ENTRIES = ("index.json", "thoughtlets", "codec", "keys", "calibration"
 
 def _remove_registry(root: Path) -> None:
   """Remove an older-format registry's own entries (index first: from then on it is no registry)."""
-  import shutil
 
   (root / "index.json").unlink(missing_ok=True)
   for entry in _REGISTRY_ENTRIES[1:]:
@@ -80,8 +92,6 @@ def cut_thoughtlets(model, codec, mapping: SemanticMapping) -> list[Thoughtlet]:
 def variant_of(t: Thoughtlet, variant: str) -> Thoughtlet:
   """The ``variant`` of a blocks thoughtlet, named ``<name>@<variant>``; its params hold
   :class:`~thoughtjax.quantized.RowInt8` weights (:func:`thoughtjax.weights.to_stored` before publishing)."""
-  from thoughtjax.thoughtlet import ThoughtletError
-  from thoughtjax.weights import int8_block
 
   if variant not in VARIANTS:
     raise ThoughtletError(f"weight variant {variant!r} is not known; expected one of {', '.join(VARIANTS)}")
@@ -127,9 +137,6 @@ def build(
   A registry of an older format at ``out`` cannot be built upon (:class:`RegistryFormatError`);
   ``replace_old_format=True`` removes it first and builds a new one there.
   """
-  from thoughtjax.loading import LoadedModel
-  from thoughtjax.loading import load as load_model
-  from thoughtjax.transformer import Transformer
 
   report = progress or (lambda stage, name, i, n: None)
   if weights not in ("native", "f32"):

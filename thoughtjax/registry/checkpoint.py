@@ -21,14 +21,14 @@ from thoughtjax.registry.manifest import check_files
 def _checkpointer():
   """A synchronous Orbax PyTree checkpointer (OCDBT). Uncompressed: weights barely compress,
   and zstd decoding made restores 2-3x slower than reading the bytes (BENCHMARKS.md)."""
-  import orbax.checkpoint as ocp
+  import orbax.checkpoint as ocp  # deferred for start-up: orbax loads when a checkpoint is read or written
 
   return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
 
 
 def _restore_checkpoint(ckptr, path: Path, target):
   """Restore straight into ``target``'s dtypes and shardings (``jax.ShapeDtypeStruct`` leaves)."""
-  import orbax.checkpoint as ocp
+  import orbax.checkpoint as ocp  # deferred for start-up: orbax loads when a checkpoint is read or written
 
   return ckptr.restore(
     path, args=ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
@@ -36,7 +36,7 @@ def _restore_checkpoint(ckptr, path: Path, target):
 
 
 def _save_checkpoint(path: Path, params: Mapping) -> None:
-  import orbax.checkpoint as ocp
+  import orbax.checkpoint as ocp  # deferred for start-up: orbax loads when a checkpoint is read or written
 
   tree = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x), dict(params))
   _checkpointer().save(path, args=ocp.args.PyTreeSave(tree))

@@ -8,6 +8,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 from thoughtjax.registry.layout import (
   MAX_JSON_BYTES,
   UnsafeFile,
@@ -18,6 +20,7 @@ from thoughtjax.registry.layout import (
   _write_file,
 )
 from thoughtjax.thoughtlet import canonical_json
+from thoughtjax.tokenizer import TextCodec
 
 
 def _eos_ids(codec) -> tuple[int, ...]:
@@ -64,9 +67,6 @@ def load_codec(cdir: Path, files: dict, fail: Callable[[str, str], Exception], r
   """The :class:`~thoughtjax.tokenizer.TextCodec` stored in ``cdir``; each file is read once (a regular file
   reached from ``root``, default ``cdir``, without links, at most :data:`MAX_JSON_BYTES`) and its bytes are
   checked against ``files`` (name -> sha256, from the verified index) before use."""
-  from tokenizers import Tokenizer
-
-  from thoughtjax.tokenizer import TextCodec
 
   base = Path(root) if root is not None else Path(cdir)
   data = {}

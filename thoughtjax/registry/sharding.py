@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from jax.sharding import PartitionSpec as P
+
 
 def param_partition(kind: str, path: str, shape: Sequence[int], model_size: int):
   """PartitionSpec of one weight over a ("data", "model") mesh: Megatron-style tensor
   parallelism on the ``model`` axis (heads, FFN width, vocabulary), replicated over ``data``;
   a dimension that the ``model`` axis does not divide is replicated instead."""
-  from jax.sharding import PartitionSpec as P
 
   leaf = path.split("/")[-1]
   axis = None

@@ -50,6 +50,8 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from thoughtjax import quantized
 from thoughtjax.config import ModelConfig
@@ -66,6 +68,7 @@ from thoughtjax.registry.trust import INTEGRITY, RESTORE, SIGNATURE, RollbackSta
 from thoughtjax.registry.verify import Tolerance, VerifyReport, verify_hardware, verify_registry
 from thoughtjax.thoughtlet import Kind, ProfileSettings, Thoughtlet, measure_profile
 from thoughtjax.thoughtlet.stored import block_from_stored, in_dims, model_layout, stored_kind
+from thoughtjax.transformer import abstract_model
 
 # A version named in a path or a call: the full 16 hex digits or a prefix this long (a client cannot pick
 # an arbitrary old version with one character, and a prefix stays unambiguous as history grows).
@@ -105,9 +108,6 @@ def _packed_nodes(params: dict) -> dict[str, str]:
 @functools.lru_cache(maxsize=8)
 def _layout_shapes(cfg: ModelConfig) -> dict:
   """Model-layout shapes of the parameters of each kind's module (one block stands for all)."""
-  from flax import nnx
-
-  from thoughtjax.transformer import abstract_model
 
   abstract = abstract_model(cfg)
 
@@ -431,7 +431,6 @@ class Registry:
 
   # ---- restore --------------------------------------------------------------------------
   def _target(self, m: Manifest, dtype, mesh):
-    from jax.sharding import NamedSharding, SingleDeviceSharding
 
     flat = {}
     model_size = 1 if mesh is None else int(mesh.shape.get("model", 1))
@@ -472,7 +471,6 @@ class Registry:
 
   def _present(self, m: Manifest, params: dict, dtype, mesh, weights: str) -> dict:
     """Restored stored arrays in form ``weights``: native weights kept packed or dequantized (module docstring)."""
-    from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
     packed = _packed_nodes(m.params)
     if weights == "stored" or not packed:

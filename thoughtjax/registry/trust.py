@@ -43,6 +43,7 @@ from pathlib import Path
 from thoughtjax import settings, signing
 from thoughtjax.config import ModelConfig
 from thoughtjax.errors import UserError
+from thoughtjax.fetch import cache_dir
 from thoughtjax.registry.errors import (
   IntegrityError,
   RegistryError,
@@ -57,6 +58,7 @@ from thoughtjax.registry.layout import (
   MAX_SIG_BYTES,
   VERSION_RE,
   UnsafeFile,
+  _read_index,
   _read_regular,
   _sha256_bytes,
 )
@@ -113,7 +115,6 @@ class TrustPolicy:
     env = settings.current().trust_state
     if env:
       return env
-    from thoughtjax.fetch import cache_dir
 
     return cache_dir() / "trust-state.json"
 
@@ -333,7 +334,6 @@ def accept(root: str | os.PathLike, trust: TrustPolicy | None = None) -> dict:
   accept DIR``): its index is verified under ``trust`` (structure, signature, no key revoked here) except
   for the rollback and swap checks, and it is recorded as the registry seen there, its id and sequence
   replacing what this user saw. Keys revoked at that location stay revoked. Returns the new entry."""
-  from thoughtjax.registry.layout import _read_index
 
   root = Path(root).absolute()
   trust = trust or TrustPolicy()

@@ -25,6 +25,10 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator
 
+import jax
+
+from thoughtjax import program
+
 
 class IdleTracker:
   """Holds and last use per path (see the module docstring). ``idle_s`` None: nothing is ever due.
@@ -143,9 +147,6 @@ def drop_compiled_programs() -> None:
   """Forget every compiled program of this process: the program cache's (plain, slot and speculative programs)
   and jax's own executables. Each program's next call compiles again (from the persistent compilation cache
   when it holds the program). Call it only while nothing runs or starts."""
-  import jax
-
-  from thoughtjax import program
 
   program.PROGRAMS.clear()
   jax.clear_caches()

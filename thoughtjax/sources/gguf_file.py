@@ -3,6 +3,9 @@
 llama.cpp's converter permutes the rows of Q and K so its interleaved RoPE can be
 applied to adjacent pairs; :func:`unpermute_rows` undoes that so the one model
 (rotate-half RoPE, Hugging Face order) runs GGUF and safetensors checkpoints alike.
+
+Imports inside functions here are deferred for start-up: importing this module does not load ``gguf``; the functions
+that need them do.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from thoughtjax import quantized
 from thoughtjax.config import Architecture, ModelConfig
 from thoughtjax.sources.errors import ModelNotFoundError, TruncatedModelError, UnsupportedModelError
 
@@ -289,8 +293,6 @@ def load_gguf(path: str | Path, weights: str = "f32") -> GGUFCheckpoint:
   (:class:`thoughtjax.quantized.BlockQuant`, numpy arrays; the same float32 values once dequantized)."""
   import gguf  # deferred: only GGUF users pay for the import
 
-  from thoughtjax import quantized
-
   quantized.check_format(weights)
 
   path = Path(path)
@@ -326,6 +328,5 @@ def load_gguf(path: str | Path, weights: str = "f32") -> GGUFCheckpoint:
 
 def _rows(w, permute):
   """Apply a row (output) permutation to an array or to each part of packed blocks (rows are outputs)."""
-  from thoughtjax import quantized
 
   return w.map(permute) if quantized.is_packed(w) else permute(w)

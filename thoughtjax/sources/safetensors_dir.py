@@ -98,7 +98,7 @@ def read_hf_config(directory: Path) -> ModelConfig:
 
 def read_safetensors(directory: Path) -> dict[str, np.ndarray]:
   """All tensors of a directory's ``*.safetensors`` files, as float32 numpy arrays."""
-  from safetensors import safe_open
+  from safetensors import safe_open  # deferred for start-up: only safetensors loads need it
 
   files = sorted(directory.glob("*.safetensors"))
   if not files:

@@ -35,6 +35,10 @@ Steps (each reported to ``progress(stage, done, total, item)``):
 re-measures steps 4 and 5 on this machine (another fingerprint), well under two minutes for the default
 model. A stored calibration without speculative candidates (one made before they existed, like the
 shipped default table) gets them there: the drafts are chosen from its stored quality as step 5 does.
+
+Imports inside functions here are deferred for start-up: importing this module does not load ``compose``,
+``scipy.optimize``, ``synthesis.calibration_store``, ``synthesis.dictionary``, ``synthesis.planner``; the functions
+that need them do.
 """
 
 from __future__ import annotations
@@ -46,13 +50,17 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from thoughtjax.assembly import full_path
 from thoughtjax.errors import UserError
 from thoughtjax.path_syntax import VARIANTS
+from thoughtjax.program import bucket
+from thoughtjax.speculative import Draft, DraftError, ngram_order
 from thoughtjax.synthesis.calibration import Calibration
 from thoughtjax.synthesis.candidate import Candidate, CandidateKind, DraftPlan, Unit
 from thoughtjax.synthesis.candidates import CandidateSettings, bridge_slots, bridged_proposals, is_bridge, pin, propose
-from thoughtjax.synthesis.latency import LatencyModel, LatencyParams, LinearCost
-from thoughtjax.synthesis.quality import measure_candidates, windows
+from thoughtjax.synthesis.latency import FACTOR_BOUNDS, LatencyModel, LatencyParams, LinearCost, fit_linear
+from thoughtjax.synthesis.quality import corpora_of, measure_candidates, windows
+from thoughtjax.thoughtlet import canonical_json, fingerprint
 
 # (stage, done, total, item): stage is load, candidates, quality, latency or done.
 CalibrateProgress = Callable[[str, int, int, str], None]
@@ -142,7 +150,6 @@ class SpeculativeSettings:
       )
     if self.vocab is not None and (isinstance(self.vocab, bool) or not isinstance(self.vocab, int) or self.vocab < 1):
       raise CalibrateError(f"SpeculativeSettings.vocab: expected None or an integer >= 1, got {self.vocab!r}")
-    from thoughtjax.speculative import DraftError, ngram_order
 
     n = self.ngram
     why = None
@@ -199,7 +206,6 @@ LATENCY_MODEL = 2
 
 def machine_fingerprint() -> str:
   """This machine and software, as a short string: ``platform/device kind/cpus/jax version/<hash>/lm<form>``."""
-  from thoughtjax.thoughtlet import canonical_json, fingerprint
 
   fp = fingerprint()
   digest = hashlib.sha3_256(canonical_json(fp)).hexdigest()[:12]
@@ -231,7 +237,6 @@ def _token_docs(codec, documents: Sequence[str], window: int, max_windows: int |
 
 def full_model(registry, *, kernels: str | None = None):
   """The registry's full path, composed (restores every current block thoughtlet)."""
-  from thoughtjax.assembly import full_path
   from thoughtjax.compose import compose
 
   return compose(full_path(registry), registry, kernels=kernels)
@@ -248,7 +253,6 @@ def calibrate(
 ) -> Calibration:
   """A new :class:`Calibration` of ``registry`` at its current sequence (see the module docstring)."""
   from thoughtjax.synthesis.dictionary import load_dictionary
-  from thoughtjax.synthesis.quality import corpora_of
 
   progress = progress or _nop
   report = report if report is not None else CalibrateReport()
@@ -361,7 +365,6 @@ def first_hint(hints: Sequence[str]) -> str | None:
 def _calibration_text(registry, hints: Sequence[str], settings: LatencySettings) -> list[list[int]]:
   """Token windows of the first calibrated hint's calibration split (the shipped dictionary's corpora)."""
   from thoughtjax.synthesis.dictionary import load_dictionary
-  from thoughtjax.synthesis.quality import corpora_of
 
   dictionary = load_dictionary()
   hint = first_hint(hints)
@@ -484,9 +487,6 @@ def measure_speculative(
   after one warm-up call of each program per prompt bucket (its first device call, which compiles it). Clipped to the latency
   model's factor bounds."""
   from thoughtjax.compose import compose
-  from thoughtjax.program import bucket
-  from thoughtjax.speculative import Draft
-  from thoughtjax.synthesis.latency import FACTOR_BOUNDS
 
   progress = progress or _nop
   spec = [c for c in candidates if c.draft is not None]
@@ -658,7 +658,6 @@ def measure_latency(
     progress("latency", done, total, f"restore {ref}")
 
   rows, compile_pts = [], {}
-  from thoughtjax.program import bucket
 
   for c in timed:
     layers = sum(u.layers for u in c.units)
@@ -721,7 +720,6 @@ def measure_latency(
       frac = u.nbytes / layer_bytes if layer_bytes else 0.0
       prefill[cost_key(u)] = LinearCost(float(frac * Pl), float(frac * Ql))
       decode[cost_key(u)] = LinearCost(float(frac * Al), 0.0)
-  from thoughtjax.synthesis.latency import fit_linear
 
   return LatencyParams(
     prefill=prefill,

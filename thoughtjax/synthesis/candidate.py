@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from thoughtjax.errors import UserError
-from thoughtjax.path_syntax import VARIANTS, split_variant
+from thoughtjax.path_syntax import VARIANTS, PathSyntaxError, parse_path, split_variant
 
 
 class CalibrationError(UserError, ValueError):
@@ -174,7 +174,6 @@ class DraftPlan:
 
 
 def _draft_refs(path: str):
-  from thoughtjax.path_syntax import PathSyntaxError, parse_path
 
   try:
     return parse_path(path)

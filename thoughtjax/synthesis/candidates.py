@@ -26,6 +26,9 @@ boundaries. By default every layer is a unit; pass ``spans=registry.block_spans(
 proposal composes from the registry's own block thoughtlets. :func:`pin` resolves proposals in a
 registry (refusing, with the reason, any that do not compose) into
 :class:`~thoughtjax.synthesis.candidate.Candidate`\\ s.
+
+Imports inside functions here are deferred for start-up: importing this module does not load ``registry``,
+``thoughtlet.bridge``; the functions that need them do.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from thoughtjax import assembly
 from thoughtjax.errors import UserError
 from thoughtjax.path_syntax import PathSyntaxError, format_path, hash_refs, layers_of_path, parse_path
 from thoughtjax.synthesis.candidate import Candidate, CandidateKind, Unit
@@ -365,7 +369,6 @@ def pin(proposals: Sequence[Proposal], registry) -> tuple[list[Candidate], list[
   ``path_hash`` is what ``compose(path, registry)`` reports; a proposal that does not compose (a range
   that does not start and end on the registry's block thoughtlets) is refused.
   """
-  from thoughtjax import assembly
   from thoughtjax.registry import UnknownThoughtletError
 
   candidates, refused = [], []

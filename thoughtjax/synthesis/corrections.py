@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -46,6 +47,7 @@ from pathlib import Path
 
 from thoughtjax import settings
 from thoughtjax.errors import UserError
+from thoughtjax.fetch import cache_dir
 from thoughtjax.synthesis.latency import MAX_AGE_S, LatencyContext, LatencyModelError, LatencyParams, Learned
 
 FORMAT = "thoughtjax.latency-corrections"
@@ -65,7 +67,6 @@ class LatencyCorrectionsWarning(UserWarning):
 
 def corrections_path() -> Path | None:
   """The corrections file of this user (``None`` when ``THOUGHTJAX_LATENCY_CORRECTIONS=off``)."""
-  from thoughtjax.fetch import cache_dir
 
   s = settings.current()
   if s.corrections_off:
@@ -162,8 +163,6 @@ def _locked(path: Path) -> Iterator[None]:
   fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
   try:
     try:
-      import fcntl
-
       fcntl.flock(fd, fcntl.LOCK_EX)
     except ImportError:  # pragma: no cover - no flock (Windows): the rename still keeps the file whole
       pass

@@ -23,23 +23,28 @@ Later uses open it and check the stored calibration; a calibration measured on a
 (fingerprint), or one that lacks a speculative candidate a recalibration adds (stored before they, or n-gram
 drafts, existed), has its latency re-measured.
 Progress goes to ``progress(stage, done, total, item)``.
+
+Imports inside functions here are deferred for start-up: importing this module does not load ``registry``,
+``registry.layout``, ``synthesis.calibrate``, ``synthesis.calibration``, ``synthesis.calibration_store``,
+``synthesis.synthesize``; the functions that need them do.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 from collections.abc import Callable
 from pathlib import Path
 
+from thoughtjax.fetch import DEFAULT_MODEL, cache_dir
 from thoughtjax.shipped import shipped_file
 
 Progress = Callable[[str, int, int, str], None]
 
 
 def default_registry_dir() -> Path:
-  from thoughtjax.fetch import cache_dir
 
   return cache_dir() / "registry" / "default"
 
@@ -84,8 +89,6 @@ def ensure_default(progress: Progress | None = None, *, root: Path | None = None
   fd = os.open(root.with_name(root.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
   try:
     with contextlib.suppress(ImportError):  # no flock (Windows): builds stay atomic, only not shared
-      import fcntl
-
       fcntl.flock(fd, fcntl.LOCK_EX)
     return _ensure_default(progress, root=root, weights=weights)
   finally:
@@ -93,7 +96,6 @@ def ensure_default(progress: Progress | None = None, *, root: Path | None = None
 
 
 def _ensure_default(progress: Progress | None, *, root: Path, weights: str):
-  from thoughtjax.fetch import DEFAULT_MODEL
   from thoughtjax.registry import Registry, build, is_older_format, is_registry
   from thoughtjax.registry.layout import index_format
   from thoughtjax.synthesis import calibrate as cal_lib

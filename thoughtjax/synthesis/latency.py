@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -506,7 +507,6 @@ class LatencyModel:
     half_life_s: float = HALF_LIFE_S,
     clock=None,
   ):
-    import time
 
     for name, v in (("alpha", alpha), ("global_alpha", global_alpha)):
       if not 0 < v <= 1:

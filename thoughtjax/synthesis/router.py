@@ -32,6 +32,9 @@ pair is what a registry stores as a router thoughtlet.
 
 An empty prompt (nothing but whitespace, or no tokens) is refused with :class:`RouterError`: there
 is nothing to route, and the caller should ask for a prompt or pass a hint.
+
+Imports inside functions here are deferred for start-up: importing this module does not load ``registry.codec``,
+``synthesis.dictionary``; the functions that need them do.
 """
 
 from __future__ import annotations

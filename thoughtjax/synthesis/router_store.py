@@ -28,6 +28,10 @@ key) when every version it pins is still current; otherwise the registry needs `
 
 :func:`route_hint` is what synthesis calls for a request without hints: the stored router's choice (the
 router restored once per registry sequence), or the default hint with a note saying why not.
+
+Imports inside functions here are deferred for start-up: importing this module does not load ``compose``,
+``registry``, ``registry.publish``, ``synthesis.calibration_store``, ``synthesis.router_data``; the functions that
+need them do.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from thoughtjax.synthesis.router import (
@@ -53,7 +59,7 @@ from thoughtjax.synthesis.router import (
   _logits,
   train_router,
 )
-from thoughtjax.thoughtlet import Kind, Thoughtlet, signature_for
+from thoughtjax.thoughtlet import Kind, ProfileSettings, Thoughtlet, measure_profile, signature_for
 from thoughtjax.thoughtlet.profile import register_step
 
 ROUTER_NAME = "router"
@@ -83,8 +89,6 @@ def flatten_params(nested: Mapping[str, Mapping[str, Any]]) -> dict[str, np.ndar
 def profile_step(t: Thoughtlet, settings):
   """One profiled step of a router thoughtlet (:mod:`thoughtjax.thoughtlet.profile`): standardize and
   classify ``settings.batch`` pooled feature rows [B, F] into hint probabilities [B, C]."""
-  import jax
-  import jax.numpy as jnp
 
   params = flatten_params(t.params)
   f = jnp.zeros((settings.batch, params["standardize.mean"].shape[0]), jnp.float32)
@@ -155,7 +159,6 @@ def publish_router(
   from thoughtjax.registry import RegistryError
   from thoughtjax.registry.publish import _publish
   from thoughtjax.synthesis.calibration_store import MissingCalibrationError, read_calibration, write_calibration
-  from thoughtjax.thoughtlet import ProfileSettings, measure_profile
 
   if name in registry.names and registry.manifest(name).kind is not Kind.ROUTER:
     raise RegistryError(

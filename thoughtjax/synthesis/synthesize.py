@@ -35,6 +35,10 @@ Degradation: a thoughtlet of the plan that fails verification or restore is repo
 unavailable and the request is planned again (the best path avoiding it, ``degraded=True``, counted);
 another version is never used in its place. With no hints, the registry's stored router picks the hint
 (:func:`~thoughtjax.synthesis.router_store.route_hint`; without one, ``general_purpose``); the notes say which.
+
+Imports inside functions here are deferred for start-up: importing this module does not load ``compose``,
+``registry``, ``synthesis.calibrate``, ``synthesis.calibration_store``, ``synthesis.corrections``,
+``synthesis.dictionary``, ``synthesis.hints``, ``synthesis.router_store``; the functions that need them do.
 """
 
 from __future__ import annotations
@@ -49,7 +53,11 @@ from collections.abc import Iterator, Sequence
 
 from thoughtjax.constraint import Constraint
 from thoughtjax.errors import UserError
+from thoughtjax.kernels.dispatch import resolve as resolve_kernels
+from thoughtjax.sampling import SamplingParams
+from thoughtjax.speculative import Draft
 from thoughtjax.synthesis.calibration import Calibration
+from thoughtjax.synthesis.candidate import path_hash_of
 from thoughtjax.synthesis.latency import STAGES, LatencyContext, LatencyModel, LatencyTrace, Residency
 from thoughtjax.synthesis.planner import Plan, Planner, PlanRequest, floors_of
 
@@ -222,7 +230,6 @@ class Synthesizer:
     learn: bool = True,
     context: LatencyContext | None = None,
   ):
-    from thoughtjax.kernels.dispatch import resolve as resolve_kernels
     from thoughtjax.synthesis import corrections as corr_lib
     from thoughtjax.synthesis.calibrate import machine_fingerprint
     from thoughtjax.synthesis.dictionary import load_dictionary
@@ -273,7 +280,6 @@ class Synthesizer:
     each unit, a draft's too, restored alone, so a failure names its ref."""
     from thoughtjax.compose import compose
     from thoughtjax.registry import IntegrityError, RegistryError
-    from thoughtjax.synthesis.candidate import path_hash_of
 
     key = path_hash_of(candidate.units)
     with self._lock:
@@ -420,7 +426,6 @@ class Synthesizer:
 
     ``sampling``: :class:`~thoughtjax.sampling.SamplingParams` fields (temperature, top_k, top_p, seed,
     stop_strings, ...). A thoughtlet that fails verification or restore is planned around (degraded)."""
-    from thoughtjax.sampling import SamplingParams
 
     t_request = time.perf_counter()
     params = SamplingParams(max_tokens=int(max_tokens), **sampling)  # refused before any planning
@@ -449,8 +454,6 @@ class Synthesizer:
     if candidate.draft is None:
       generation = model.stream_batch([ids], params)
     else:  # the speculative program: the draft proposes, the full path verifies
-      from thoughtjax.speculative import Draft
-
       d = candidate.draft
       generation = model.stream_batch([ids], params, draft=Draft(d.path, vocab=d.vocab), draft_tokens=d.draft_tokens)
     trace = SynthesisTrace(

@@ -4,6 +4,9 @@
 token from XLA's cost analysis and peak memory from XLA's memory analysis, then times the step
 (mean, std, p99 per token) at the batch and context of :class:`ProfileSettings`. The profile
 records the hardware and software :func:`fingerprint` it was measured on.
+
+Imports inside functions here are deferred for start-up: importing this module does not load ``orbax.checkpoint``;
+the functions that need them do.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import sys
 import time
 from collections.abc import Callable
 
+import flax
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 
 from thoughtjax.quantized import from_stored
@@ -53,8 +58,6 @@ def _cpu_name() -> str:
 
 def fingerprint() -> dict:
   """Hardware and software a profile was measured on."""
-  import flax
-  import jaxlib
   import orbax.checkpoint as ocp
 
   dev = jax.devices()[0]

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from thoughtjax.config import ModelConfig
+from thoughtjax.kernels.template_embed import template_embed
 from thoughtjax.transformer import GraphDefs, kv_cache_shape, rope_tables
 
 
@@ -69,7 +70,6 @@ def run_template(
   implementation: str | None = None,
 ):
   """[B, U] user ids -> [B, total_len, D]: template rows around the user rows (one pass)."""
-  from thoughtjax.kernels.template_embed import template_embed
 
   return template_embed(
     params["prefix_rows"],
