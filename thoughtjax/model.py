@@ -29,12 +29,12 @@ import jax
 import numpy as np
 
 from thoughtjax import assembly, speculative
+from thoughtjax import fetch as fetch_lib
 from thoughtjax import program as program_lib
 from thoughtjax.decode import indexed
 from thoughtjax.decode.masks import RowMasks, grammars_for
 from thoughtjax.decode.request import check_request
 from thoughtjax.decode.stream import Completion, Delta, Generation, RequestError, Rows, Trace
-from thoughtjax.fetch import DEFAULT_MODEL
 from thoughtjax.kernels.dispatch import resolve as resolve_kernels
 from thoughtjax.loading import LoadedModel
 from thoughtjax.loading import load as load_model
@@ -618,5 +618,5 @@ def load(
   if compile_cache:
     program_lib.configure_compilation_cache()
 
-  model = Model(load_model(name_or_path or DEFAULT_MODEL, weights=weights), kernels=kernels)
+  model = Model(load_model(name_or_path or fetch_lib.DEFAULT_MODEL, weights=weights), kernels=kernels)
   return model if path is None else model.with_path(path)

@@ -38,7 +38,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from thoughtjax.fetch import DEFAULT_MODEL, cache_dir
+from thoughtjax import fetch as fetch_lib
 from thoughtjax.shipped import shipped_file
 
 Progress = Callable[[str, int, int, str], None]
@@ -46,7 +46,7 @@ Progress = Callable[[str, int, int, str], None]
 
 def default_registry_dir() -> Path:
 
-  return cache_dir() / "registry" / "default"
+  return fetch_lib.cache_dir() / "registry" / "default"
 
 
 def shipped_table_path() -> Path:
@@ -111,7 +111,7 @@ def _ensure_default(progress: Progress | None, *, root: Path, weights: str):
     build(
       root,
       _mapping_path(),
-      DEFAULT_MODEL,
+      fetch_lib.DEFAULT_MODEL,
       settings=None,
       progress=lambda stage, name, done, total: report(f"build {stage}", done, total, name),
       replace_old_format=older,
