@@ -57,6 +57,7 @@ from flax import nnx
 from jax.experimental import io_callback
 
 from thoughtjax import cachedir, exported, settings
+from thoughtjax.decode import layout
 from thoughtjax.kernels.template_embed import template_embed
 from thoughtjax.sampling import SamplingArrays, SamplingMode, sample
 
@@ -67,7 +68,6 @@ from thoughtjax.transformer import (
   GraphDefs,
   Head,
   PathParts,
-  kv_cache_shape,
   merge_path,
   path_config,
   path_shape,
@@ -135,13 +135,8 @@ class TemplatePrompt(NamedTuple):
 def _full_sequence_logits(defs: GraphDefs, layers: tuple[int, ...], parts: PathParts, tokens):
   embed, blocks, head = merge_path(defs, parts, layers)
   B, T = tokens.shape
-  positions = jnp.broadcast_to(jnp.arange(T)[None], (B, T))
-  mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool))[None], (B, T, T))
-  caches = []
-  if blocks:
-    cfg = path_config(blocks)
-    shape = (B, 1, 1, 1) if cfg is None else kv_cache_shape(cfg, B, T)  # a bridge-only path reads no cache
-    caches = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in blocks]
+  positions, mask = layout.causal(B, T)
+  caches = list(layout.empty_caches(path_config(blocks), layers, B, T)) if blocks else []
   return run_path(embed, blocks, head, tokens, positions, caches, jnp.zeros((), jnp.int32), mask)[0]
 
 
@@ -150,12 +145,19 @@ score_logits = jax.jit(_full_sequence_logits, static_argnums=(0, 1))
 
 
 class DecodeState(NamedTuple):
-  caches: tuple[tuple[jax.Array, jax.Array], ...]  # per path block: kv_cache_shape x2
+  caches: tuple[tuple[jax.Array, jax.Array], ...]  # per path entry (layout.empty_caches): keys, values
   token: jax.Array  # [B] i32, last sampled
   step: jax.Array  # i32, tokens generated so far
   done: jax.Array  # [B] bool
   out: jax.Array  # [B, N] i32, generated tokens, -1 where none
   count: jax.Array  # [B] i32, tokens generated per row
+
+
+def on_device_of(state, parts: PathParts | None):
+  """``state`` committed to the one device ``parts`` live on (as it is when they span none or several)."""
+  leaves = jax.tree.leaves(parts) if parts is not None else []
+  devices = {d for leaf in leaves if isinstance(leaf, jax.Array) for d in leaf.sharding.device_set}
+  return jax.device_put(state, next(iter(devices))) if len(devices) == 1 else state
 
 
 class Program:
@@ -181,9 +183,7 @@ class Program:
 
   def _init_caches(self) -> tuple:
     k = self.key
-    shape = kv_cache_shape(self.cfg, k.batch, k.cache_len)
-    # A bridge (negative slot) reads no keys: it gets a one-element placeholder, not a cache.
-    return tuple((jnp.zeros(shape if i >= 0 else (k.batch, 1, 1, 1), jnp.float32),) * 2 for i in k.layers)
+    return layout.empty_caches(self.cfg, k.layers, k.batch, k.cache_len)
 
   def _init_impl(self) -> DecodeState:
     k = self.key
@@ -210,13 +210,8 @@ class Program:
 
   def _prefill(self, parts, prompt, pad, samp, state):
     k = self.key
-    T, S = k.prompt_len, k.cache_len
-    t = jnp.arange(T)
-    positions = jnp.maximum(t[None, :] - pad[:, None], 0)
-    s = jnp.arange(S)
-    mask = ((s[None, None, :] >= pad[:, None, None]) & (s[None, None, :] <= t[None, :, None])) | (
-      s[None, None, :] == t[None, :, None]
-    )  # padded queries see themselves: no NaN rows
+    T = k.prompt_len
+    positions, mask = layout.prefill(pad, T, k.cache_len)
     embeddings = None
     if isinstance(prompt, TemplatePrompt):
       embeddings = template_embed(
@@ -237,9 +232,7 @@ class Program:
   def _decode_step(self, parts, pad, samp, state):
     k = self.key
     slot = k.prompt_len + state.step - 1
-    positions = (slot - pad)[:, None]
-    s = jnp.arange(k.cache_len)
-    mask = ((s[None, :] >= pad[:, None]) & (s[None, :] <= slot))[:, None, :]
+    positions, mask = layout.step_at(pad, slot, k.cache_len)
     logits, caches = self._run(parts, state.token[:, None], positions, state.caches, slot, mask)
     token, stop = sample(logits[:, -1], samp, state.step, k.mode, k.kernels)
     return self._record(state._replace(caches=caches), token, stop, samp)
@@ -265,10 +258,7 @@ class Program:
   def init_state(self, parts: PathParts | None = None) -> DecodeState:
     """The empty state, committed to the one device ``parts`` live on: ``advance`` returns a committed
     state, and an uncommitted first one would make the first decode chunk compile the program again."""
-    state = self._init()
-    leaves = jax.tree.leaves(parts) if parts is not None else []
-    devices = {d for leaf in leaves if isinstance(leaf, jax.Array) for d in leaf.sharding.device_set}
-    return jax.device_put(state, next(iter(devices))) if len(devices) == 1 else state
+    return on_device_of(self._init(), parts)
 
   def advance(
     self, parts: PathParts, prompt: jax.Array, pad: jax.Array, samp: SamplingArrays, state: DecodeState

@@ -56,6 +56,7 @@ import numpy as np
 
 from thoughtjax import program as program_lib
 from thoughtjax import quantized
+from thoughtjax.decode import layout
 from thoughtjax.decode.stream import Generation, Rows, Trace
 from thoughtjax.errors import UserError
 from thoughtjax.path_syntax import format_path, parse_path
@@ -69,7 +70,7 @@ from thoughtjax.sampling import (
   sampling_arrays,
   top_p_mask,
 )
-from thoughtjax.transformer import GraphDefs, PathParts, kv_cache_shape, merge_path, path_shape, rope_tables, run_path
+from thoughtjax.transformer import GraphDefs, PathParts, merge_path, path_shape, rope_tables, run_path
 
 DEFAULT_DRAFT_TOKENS = 4
 NGRAM_DEFAULT = 3  # "ngram" alone: look up the last 3 tokens, then 2, then 1
@@ -223,8 +224,7 @@ class SpecProgram:
 
   def _init_impl(self) -> SpecState:
     k = self.key
-    shape = kv_cache_shape(self.cfg, k.batch, k.cache_len)
-    caches = tuple((jnp.zeros(shape if i >= 0 else (k.batch, 1, 1, 1), jnp.float32),) * 2 for i in k.layers)
+    caches = layout.empty_caches(self.cfg, k.layers, k.batch, k.cache_len)
     zeros = jnp.zeros(k.batch, jnp.int32)
     return SpecState(
       caches,
@@ -236,17 +236,14 @@ class SpecProgram:
       zeros,
       zeros,
       zeros,
-      tuple((jnp.zeros(shape, jnp.float32),) * 2 for _ in range(k.own)),
+      layout.empty_caches(self.cfg, range(k.own), k.batch, k.cache_len),
     )
 
   def init_state(self, parts: PathParts | None = None) -> SpecState:
     """The empty state, committed to the one device ``parts`` live on (as
     :meth:`thoughtjax.program.Program.init_state`): ``advance`` returns a committed state, and an
     uncommitted first one would make the first decode chunk compile the program a second time."""
-    state = self._init()
-    leaves = jax.tree.leaves(parts) if parts is not None else []
-    devices = {d for leaf in leaves if isinstance(leaf, jax.Array) for d in leaf.sharding.device_set}
-    return jax.device_put(state, next(iter(devices))) if len(devices) == 1 else state
+    return program_lib.on_device_of(self._init(), parts)
 
   def advance(self, parts, prompt, pad, samp, vocab_ids, state) -> SpecState:
     return self._advance(parts, prompt, pad, samp, vocab_ids, state)
@@ -260,12 +257,7 @@ class SpecProgram:
     del vocab_ids
     k = self.key
     embed, blocks, head = merge_path(self.defs, parts, k.layers)
-    T, S = k.prompt_len, k.cache_len
-    t, s = jnp.arange(T), jnp.arange(S)
-    positions = jnp.maximum(t[None, :] - pad[:, None], 0)
-    mask = ((s[None, None, :] >= pad[:, None, None]) & (s[None, None, :] <= t[None, :, None])) | (
-      s[None, None, :] == t[None, :, None]
-    )
+    positions, mask = layout.prefill(pad, k.prompt_len, k.cache_len)
     zero = jnp.zeros((), jnp.int32)
     logits, caches = run_path(embed, blocks, head, prompt, positions, st.caches, zero, mask)
     draft_caches = st.draft_caches
@@ -330,7 +322,6 @@ class SpecProgram:
     _, draft_blocks, _ = merge_path(self.defs, parts, k.draft) if k.draft else (None, [], None)
     B = st.token.shape[0]
     slot0 = k.prompt_len + st.count - 1  # [B] cache slot of d_0
-    s = jnp.arange(S)
     live = ~st.done
     draft_bias = None
     if samp.logit_bias is not None:
@@ -343,8 +334,7 @@ class SpecProgram:
 
     def shared_pass(caches, tok, j):
       slot = slot0 + j
-      positions = (slot - pad)[:, None]
-      mask = ((s[None, :] >= pad[:, None]) & (s[None, :] <= slot[:, None]))[:, None, :]
+      positions, mask = layout.step_at(pad, slot, S)
       x = embed(tok[:, None])
       x, new = self._blocks(draft_blocks[: k.shared], k.draft[: k.shared], x, positions, caches[: k.shared], slot, mask)
       return x, tuple(new) + tuple(caches[k.shared :]), positions, mask
@@ -389,8 +379,7 @@ class SpecProgram:
 
     # Verify the K + 1 positions d_0..d_K in one pass.
     slots = slot0[:, None] + jnp.arange(K + 1)[None, :]  # [B, K+1]
-    positions = slots - pad[:, None]
-    mask = (s[None, None, :] >= pad[:, None, None]) & (s[None, None, :] <= slots[:, :, None])
+    positions, mask = layout.steps_at(pad, slots, S)
     if (k.reuse and k.shared > 0) or k.own:
       # d_K has not been through the shared blocks yet; the draft's residuals stand for d_0..d_{K-1}.
       last, caches, lpos, lmask = shared_pass(caches, toks[:, K], K)

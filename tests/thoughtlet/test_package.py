@@ -8,9 +8,10 @@ from pathlib import Path
 import thoughtjax.thoughtlet as thoughtlet
 
 PACKAGE = Path(thoughtlet.__file__).parent
-# What a thoughtlet may build on: the model's parts, weight formats and config, path names, the error base, the kernels.
+# What a thoughtlet may build on: the model's parts and attention layout, weight formats and config, path names, the error base, the kernels.
 ALLOWED = {
   "thoughtjax.config",
+  "thoughtjax.decode.layout",  # the attention layout: caches, positions and masks, on the transformer alone
   "thoughtjax.errors",
   "thoughtjax.quantized",
   "thoughtjax.transformer",

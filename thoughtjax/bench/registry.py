@@ -123,8 +123,8 @@ def _chained(model, prompt_ids: list[int], max_new: int):
   import jax
   import jax.numpy as jnp
 
+  from thoughtjax.decode import layout
   from thoughtjax.thoughtlet import run_blocks, run_embed, run_head
-  from thoughtjax.transformer import kv_cache_shape
 
   cfg, defs, parts = model.config, model.defs, model.parts
   T, S = len(prompt_ids), len(prompt_ids) + max_new
@@ -140,15 +140,11 @@ def _chained(model, prompt_ids: list[int], max_new: int):
   )
 
   def blocks_step(states, x, caches, slot, n_new: int):
-    t = jnp.arange(n_new)
-    positions = (slot + t)[None, :]
-    s = jnp.arange(S)
-    mask = s[None, None, :] <= (slot + t)[None, :, None]
+    positions, mask = layout.steps_at(jnp.zeros(1, jnp.int32), (slot + jnp.arange(n_new))[None, :], S)
     return run_blocks(defs, cfg, states, x, positions, caches, slot, mask)
 
   block_fns = [jax.jit(blocks_step, static_argnums=(4,)) for _ in groups]
-  shape = kv_cache_shape(cfg, 1, S)
-  caches = [[(jnp.zeros(shape), jnp.zeros(shape)) for _ in g] for g in groups]
+  caches = [list(layout.empty_caches(cfg, range(len(g)), 1, S)) for g in groups]
   (table,) = jax.tree.leaves(parts.embed)
   states = [[parts.blocks[i] for i in g] for g in groups]
 

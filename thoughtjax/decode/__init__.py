@@ -2,6 +2,10 @@
 
 * :mod:`~thoughtjax.decode.stream`  the host side of one call: Delta, Trace, Completion, Rows, Generation
 * :mod:`~thoughtjax.decode.masks`  a batch's masks kept in step with its rows' matchers
+* :mod:`~thoughtjax.decode.layout`  the attention layout: KV caches, RoPE positions and attention masks of
+  left-padded rows and of a slot engine's ring
+* :mod:`~thoughtjax.decode.request`  one check of a request's fields for every caller
+* :mod:`~thoughtjax.decode.indexed`  the layer-indexed form: a loop over stacked layer weights
 
 Constraints themselves (JSON schema / regex / grammar -> allowed-token bitmasks) are
 :mod:`thoughtjax.constraint`, below sampling, which validates them with the request.

@@ -75,6 +75,7 @@ import numpy as np
 
 from thoughtjax import program as program_lib
 from thoughtjax.constraint import Matcher
+from thoughtjax.decode import layout
 from thoughtjax.decode.masks import ALL, grammars_for
 from thoughtjax.decode.stream import Delta, Rows, Trace
 from thoughtjax.errors import UserError
@@ -89,7 +90,7 @@ from thoughtjax.sampling import (
   stop_ids_for,
 )
 from thoughtjax.serving.prefix import PrefixCache
-from thoughtjax.transformer import GraphDefs, kv_cache_shape, merge_path, path_config, path_shape, rope_tables, run_path
+from thoughtjax.transformer import GraphDefs, merge_path, path_config, path_shape, rope_tables, run_path
 
 DEFAULT_SLOTS = 8
 DEFAULT_CACHE_LEN = 512
@@ -264,11 +265,8 @@ class SlotProgram:
 
   # ---- traced code (under jit) -------------------------------------------------------------------
   def _init_impl(self) -> SlotState:
-    N, S = self.slots, self.cache_len
-    shape = kv_cache_shape(self.cfg, N, S)
-    caches = tuple(
-      (jnp.zeros(shape if i >= 0 else (N, 1, 1, 1)), jnp.zeros(shape if i >= 0 else (N, 1, 1, 1))) for i in self.layers
-    )
+    N = self.slots
+    caches = layout.empty_caches(self.cfg, self.layers, N, self.cache_len)
     zeros = jnp.zeros(N, jnp.int32)
     return SlotState(caches, zeros, zeros, jnp.zeros((), jnp.int32), jnp.ones(N, bool), zeros)
 
@@ -305,17 +303,13 @@ class SlotProgram:
     """Up to ``chunk`` decode steps of the rows of ``state`` (any number of them, all sharing the cursor)."""
     embed, blocks, head = merge_path(self.defs, parts, self.layers)
     N, S, C = state.token.shape[0], self.cache_len, self.steps_per_chunk
-    s = jnp.arange(S, dtype=jnp.int32)
 
     def body(carry):
       i, st, out = carry
       c = st.cursor
-      w = c % S
       live = active & ~st.done
-      positions = jnp.maximum(c - st.start, 0)[:, None]  # [N, 1]
-      absolute = c - (c - s) % S  # [S] absolute position held at each ring index
-      mask = (absolute[None, :] >= st.start[:, None]) | (s == w)[None, :]  # a free slot sees itself: no NaN
-      logits, caches = run_path(embed, blocks, head, st.token[:, None], positions, st.caches, w, mask[:, None, :])
+      positions, mask, w = layout.ring_step(c, st.start, S)
+      logits, caches = run_path(embed, blocks, head, st.token[:, None], positions, st.caches, w, mask)
       token, stop = sample(logits[:, -1], samp, c, mode, self.kernels)
       count = st.count + live.astype(jnp.int32)
       done = st.done | (live & stop) | (live & (count >= samp.max_new))
@@ -338,13 +332,8 @@ class SlotProgram:
     position, the one the first token comes from."""
     embed, blocks, head = merge_path(self.defs, parts, self.layers)
     P, T = tokens.shape
-    t = jnp.arange(T)
-    positions = jnp.maximum(t[None, :] - pad[:, None], 0)
-    mask = ((t[None, None, :] >= pad[:, None, None]) & (t[None, None, :] <= t[None, :, None])) | (
-      t[None, None, :] == t[None, :, None]
-    )  # padded queries see themselves: no NaN rows
-    shape = kv_cache_shape(self.cfg, P, T)
-    caches = tuple((jnp.zeros(shape if i >= 0 else (P, 1, 1, 1)),) * 2 for i in self.layers)
+    positions, mask = layout.prefill(pad, T, T)
+    caches = layout.empty_caches(self.cfg, self.layers, P, T)
     # run_path's loop, stopping before the head: only the last position's logits are needed.
     x = embed(tokens)
     cfg = path_config(blocks)
@@ -383,12 +372,8 @@ class SlotProgram:
         continue
       caches.append((jnp.concatenate([pre[i, 0], rest], axis=2), jnp.concatenate([pre[i, 1], rest], axis=2)))
       i += 1
-    t, s = jnp.arange(Ts), jnp.arange(S)
-    positions = have[:, None] + jnp.maximum(t[None, :] - pad[:, None], 0)
-    q = (Sp + t)[None, :, None]  # each query's cache index
-    kept = (s[None, None, :] >= (Sp - have)[:, None, None]) & (s[None, None, :] < Sp)
-    own = (s[None, None, :] >= (Sp + pad)[:, None, None]) & (s[None, None, :] <= q)
-    mask = kept | own | (s[None, None, :] == q)  # padded queries see themselves: no NaN rows
+    positions, mask = layout.after_prefix(pad, have, Sp, Ts)
+    s = jnp.arange(S)
     x = embed(tokens)
     cfg = path_config(blocks)
     cos, sin = (None, None) if cfg is None else rope_tables(positions, cfg.head_dim, cfg.rope_theta)
@@ -423,7 +408,7 @@ class SlotProgram:
     positions [cursor - n, cursor)."""
     S = self.cache_len
     c = state.cursor
-    d = (c - jnp.arange(S, dtype=jnp.int32)) % S  # how far behind the cursor each ring index is
+    d = layout.ring_behind(c, S)
     valid = (d >= 1) & (d <= n)
     caches = []
     for layer, (ck, cv), (pk, pv) in zip(self.layers, state.caches, kv, strict=True):

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from thoughtjax.decode.layout import causal
 from thoughtjax.thoughtlet.errors import ThoughtletError
 from thoughtjax.thoughtlet.run import causal_setup, run_blocks, run_embed, run_head, run_template
 from thoughtjax.thoughtlet.slicing import as_state, cut, template_parts, unit_of
@@ -118,7 +119,7 @@ def capture(model, tokens) -> Capture:
   B, T = tokens.shape
   records: dict[str, list] = {"embed": [], "blocks": [], "head": []}
   caches, write_at, mask = causal_setup(module.cfg, B, T, module.cfg.num_layers)
-  positions = jnp.broadcast_to(jnp.arange(T)[None], (B, T))
+  positions = causal(B, T)[0]
   logits, _ = type(module).forward(_Recorded(module, records), tokens, positions, caches, write_at, mask)
   if len(records["blocks"]) != module.cfg.num_layers or len(records["embed"]) != 1 or len(records["head"]) != 1:
     raise RuntimeError(

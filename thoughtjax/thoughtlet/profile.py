@@ -24,13 +24,14 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
+from thoughtjax.decode.layout import empty_caches, step_at
 from thoughtjax.quantized import from_stored
 from thoughtjax.thoughtlet.errors import ThoughtletError
 from thoughtjax.thoughtlet.resource_profile import ResourceProfile
 from thoughtjax.thoughtlet.run import run_blocks, run_embed, run_head, run_template
 from thoughtjax.thoughtlet.slicing import as_state
 from thoughtjax.thoughtlet.types import Kind, Thoughtlet
-from thoughtjax.transformer import GraphDefs, abstract_model, apply_bridge, kv_cache_shape
+from thoughtjax.transformer import GraphDefs, abstract_model, apply_bridge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,10 +97,8 @@ def _blocks_step(t: Thoughtlet, abstract, defs: GraphDefs, s: ProfileSettings, t
   states = [
     as_state(abstract.blocks[int(i)], from_stored(p)) for i, p in sorted(t.params.items(), key=lambda kv: int(kv[0]))
   ]
-  shape = kv_cache_shape(cfg, B, S)
-  caches = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in states]
-  positions = jnp.full((B, 1), S - 1, jnp.int32)
-  mask = jnp.ones((B, 1, S), bool)
+  caches = list(empty_caches(cfg, range(len(states)), B, S))
+  positions, mask = step_at(jnp.zeros(B, jnp.int32), jnp.int32(S - 1), S)
 
   def step(sts, h, cs):  # the last slot of a full cache: the most expensive decode step
     return run_blocks(defs, cfg, sts, h, positions, cs, jnp.int32(S - 1), mask)

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from thoughtjax.config import ModelConfig
+from thoughtjax.decode.layout import causal, empty_caches
 from thoughtjax.kernels.template_embed import template_embed
-from thoughtjax.transformer import GraphDefs, kv_cache_shape, rope_tables
+from thoughtjax.transformer import GraphDefs, rope_tables
 
 
 def run_embed(defs: GraphDefs, state: nnx.State, tokens):  # [B, T] -> [B, T, D]
@@ -22,10 +23,8 @@ def run_embed(defs: GraphDefs, state: nnx.State, tokens):  # [B, T] -> [B, T, D]
 
 def causal_setup(cfg: ModelConfig, batch: int, length: int, layers: int):
   """Fresh caches of ``length`` slots for ``layers`` blocks, write slot 0 and the causal mask [B, T, T]."""
-  shape = kv_cache_shape(cfg, batch, length)
-  caches = [(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32)) for _ in range(layers)]
-  mask = jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool))[None], (batch, length, length))
-  return caches, jnp.zeros((), jnp.int32), mask
+  caches = list(empty_caches(cfg, range(layers), batch, length))
+  return caches, jnp.zeros((), jnp.int32), causal(batch, length)[1]
 
 
 def run_blocks(
@@ -45,7 +44,7 @@ def run_blocks(
   """
   B, T = x.shape[:2]
   if positions is None:
-    positions = jnp.broadcast_to(jnp.arange(T)[None], (B, T))
+    positions = causal(B, T)[0]
   if caches is None:
     caches, write_at, mask = causal_setup(cfg, B, T, len(states))
   cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
