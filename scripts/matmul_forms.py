@@ -175,7 +175,7 @@ def _x_fused():
 def build_step(engine, batch: int, prompt: int = 8, new: int = 64):
   """profile_step's decode program of ``engine``'s path; returns a function timing one chunk:
   (wall ms per step, process CPU ms per step). CPU time is less disturbed by other processes' load."""
-  from thoughtjax import program as program_lib
+  from thoughtjax.decode import program as program_lib
   from thoughtjax.sampling import SamplingMode, SamplingParams, sampling_arrays
 
   T = program_lib.bucket(prompt)

@@ -4,7 +4,7 @@
     .venv/bin/python scripts/profile_step.py --compare            # the same, against the update-first attention
     .venv/bin/python scripts/profile_step.py --batches 1 --prompts 8 --repeats 3 --json out.json
 
-For every (batch, prompt length) it builds the generation :class:`~thoughtjax.program.Program` the
+For every (batch, prompt length) it builds the generation :class:`~thoughtjax.decode.program.Program` the
 engine would build (prompt bucket, 64 new tokens), compiles its ``advance`` once, and reports
 
 * ``copies/step``: top-level ``copy`` instructions in the decode loop's body (and the computations it
@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import thoughtjax
-from thoughtjax import program as program_lib
 from thoughtjax import quantized, transformer
+from thoughtjax.decode import program as program_lib
 from thoughtjax.sampling import SamplingMode, SamplingParams, sampling_arrays
 
 

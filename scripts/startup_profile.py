@@ -77,8 +77,9 @@ def child(opts: argparse.Namespace) -> dict:
   mark("import thoughtjax")
   import jax
 
-  from thoughtjax import loading, program
+  from thoughtjax import loading
   from thoughtjax import model as engine
+  from thoughtjax.decode import program
 
   mark("import engine/program")
   spans: dict[str, list] = {k: [] for k in JAX_EVENTS.values()}

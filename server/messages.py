@@ -108,6 +108,14 @@ class PathRun:
     self.text += d.text
     return d
 
+  def slot_request(self) -> tuple | None:
+    return self.generation.slot_request()
+
+  def run_in(self, stream) -> None:
+    """As :meth:`thoughtjax.synthesis.synthesize.SynthesisResult.run_in`."""
+    self.generation.close()
+    self.generation = stream
+
   def cancel(self) -> None:
     self.generation.cancel()
 

@@ -59,6 +59,14 @@ class Run(Protocol):
 
   def __next__(self) -> Any: ...
 
+  def slot_request(self) -> tuple | None:
+    """``(model, prompt ids, SamplingParams)`` when a slot engine may run the request in its place, else None
+    (the run goes alone); see :meth:`thoughtjax.decode.stream.Generation.slot_request`."""
+
+  def run_in(self, stream) -> None:
+    """Take deltas from ``stream`` (a slot engine's run of this request) from now on; its own generation,
+    never started, is closed."""
+
   def cancel(self) -> None: ...
 
   def close(self) -> None: ...
@@ -287,8 +295,8 @@ class ContinuousScheduler(SimpleScheduler):
   the moment it is handed the driver until its slot is free (or it never got one), so an engine with queued,
   prefilling or placed work, or one handed to a request that has not submitted yet, is never evicted or released
   (:meth:`release_path`, the server's idle release); a request whose path needs an engine when every one is in
-  use is shed with :class:`QueueFull`. A run that does not hold its own generation carrying its inputs
-  (``Generation.inputs``; e.g. a wrapper that forwards it) runs alone, as in :class:`SimpleScheduler`.
+  use is shed with :class:`QueueFull`. A run whose ``slot_request()`` is None (a speculative plan, a batch) runs
+  alone, as in :class:`SimpleScheduler`.
   """
 
   def __init__(
@@ -348,17 +356,15 @@ class ContinuousScheduler(SimpleScheduler):
     try:
       box["start"] = self._executor.submit(start)
       run = box["run"] = await asyncio.wrap_future(box["start"])
-      # The slot stands in for the run's own generation attribute (a wrapper forwarding it would iterate the old).
-      own = getattr(run, "__dict__", {}).get("generation")
-      inputs = getattr(own, "inputs", None)
+      request = run.slot_request()
       self._refuse_late(run, request_id, deadline)  # a run that goes alone too (e.g. a speculative plan)
-      if inputs is None or len(inputs[1]) != 1:
+      if request is None:
         yield run
         async for d in self._alone(run, box, request_id, deadline):
           yield d
         ended = "finished"
         return
-      model, (ids,), (params,) = inputs
+      model, ids, params = request
       # The driver comes with a lease (released once the slot is free): kept in the box, so a call that ends
       # while it is being handed out still gives it back.
       box["driver"] = self._executor.submit(self._lease, model, len(ids) + params.max_tokens)
@@ -369,8 +375,7 @@ class ContinuousScheduler(SimpleScheduler):
         driver.submit, ids, params, on_delta=lambda d: loop.call_soon_threadsafe(ready.put_nowait, d)
       )
       slot = box["slot"] = await asyncio.wrap_future(box["insert"])
-      run.generation.close()  # the library's own (never started) generation; the slot runs the request
-      run.generation = slot
+      run.run_in(slot)
       yield run
       while True:
         remaining = None if deadline is None else deadline - time.monotonic()

@@ -62,6 +62,7 @@ import grpc
 
 from thoughtjax.assembly import check_chain, path_hash, resolve
 from thoughtjax.compose import compose
+from thoughtjax.decode.speculative import forget_drafts
 from thoughtjax.errors import UserError
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
 from thoughtjax.sampling import SamplingParams
@@ -82,7 +83,6 @@ from thoughtjax.server.reload import Reloader
 from thoughtjax.server.scheduling import Scheduler, make_scheduler
 from thoughtjax.server.validation import Refused, Request, Serving, parse, validate
 from thoughtjax.serving.idle import IdleTracker, drop_compiled_programs, trim_memory
-from thoughtjax.speculative import forget_drafts
 from thoughtjax.synthesis.router_store import ROUTER_NAME, forget_router, loaded_router
 
 log = logging.getLogger("thoughtjax.server")

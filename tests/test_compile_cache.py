@@ -13,7 +13,8 @@ import jax
 import pytest
 
 from tests.tiny import tiny_model, write_safetensors_dir
-from thoughtjax import cachedir, program
+from thoughtjax import cachedir
+from thoughtjax.decode import program
 
 
 @pytest.fixture(scope="module")

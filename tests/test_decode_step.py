@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from tests.tiny import TINY_CONFIGS, tiny_engine, tiny_model
-from thoughtjax import program as program_lib
 from thoughtjax import transformer
+from thoughtjax.decode import program as program_lib
 from thoughtjax.sampling import SamplingMode, SamplingParams, sampling_arrays
 
 

@@ -15,7 +15,8 @@ import pytest
 from jax.experimental import io_callback
 
 from tests.tiny import tiny_engine
-from thoughtjax import cachedir, exported, program
+from thoughtjax import cachedir, exported
+from thoughtjax.decode import program
 from thoughtjax.errors import UserError
 
 

@@ -6,7 +6,7 @@ import pytest
 
 import thoughtjax
 from tests.tiny import greedy_reference, tiny_engine, tiny_model
-from thoughtjax import program as program_lib
+from thoughtjax.decode import program as program_lib
 from thoughtjax.sampling import SamplingParams
 
 
@@ -352,7 +352,7 @@ def test_callback_stream_worker_stops_with_its_consumer(engine, stop):
 
 
 def test_program_cache_is_a_bounded_counted_lru(engine):
-  from thoughtjax.program import ProgramCache, ProgramKey, SamplingMode
+  from thoughtjax.decode.program import ProgramCache, ProgramKey, SamplingMode
   from thoughtjax.transformer import GraphDefs
 
   cache = ProgramCache(capacity=2)

@@ -77,8 +77,8 @@ def test_a_run_leaves_the_users_home_and_cache_byte_identical(tmp_path):
 
 
 def test_this_run_uses_a_cache_of_its_own_outside_the_home_directory(monkeypatch):
+  from thoughtjax.decode.program import configure_compilation_cache
   from thoughtjax.fetch import cache_dir
-  from thoughtjax.program import configure_compilation_cache
   from thoughtjax.synthesis.corrections import ENV, corrections_path
 
   monkeypatch.delenv(ENV, raising=False)  # the tiny synthesis tests turn learning off for their worker

@@ -1,4 +1,4 @@
-"""Self-speculative decoding (thoughtjax/speculative.py): greedy tokens identical to plain greedy decoding,
+"""Self-speculative decoding (thoughtjax/decode/speculative.py): greedy tokens identical to plain greedy decoding,
 sampled tokens distributed as plain sampling (a statistical test that a wrong rule fails), stops,
 max_tokens, cancellation, the trace's counts and the errors of drafts that cannot draft."""
 
@@ -14,10 +14,10 @@ from scipy import stats
 import thoughtjax
 from tests.conftest import DEFAULT_MODEL_PROMPTS
 from tests.tiny import TINY_CONFIGS, tiny_tokenizer
-from thoughtjax import speculative
+from thoughtjax.decode import speculative
+from thoughtjax.decode.speculative import Draft, DraftError
 from thoughtjax.loading import LoadedModel
 from thoughtjax.sampling import SamplingParams, stop_ids_for
-from thoughtjax.speculative import Draft, DraftError
 from thoughtjax.thoughtlet import bridge as bridge_lib
 from thoughtjax.transformer import init_random
 

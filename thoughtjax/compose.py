@@ -15,7 +15,7 @@ link by link and read into the parts the program runs by :mod:`thoughtjax.assemb
 
 The result is a :class:`thoughtjax.model.Model` carrying the resolved path (``links``,
 ``refs``, ``path_hash``, and the template of a leading template link): ``generate``, ``stream``,
-``score`` and ``logits`` run the path through :mod:`thoughtjax.program` as one compiled program
+``score`` and ``logits`` run the path through :mod:`thoughtjax.decode.program` as one compiled program
 (prefill + decode loop). Programs are cached by the path's layer sequence and shape buckets;
 weights are arguments, so two versions of the same layout share a program.
 ``source`` may also be a loaded :class:`~thoughtjax.model.Model` (no registry: its own weights
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from thoughtjax import program as program_lib
+from thoughtjax.decode import program as program_lib
 from thoughtjax.model import Model
 from thoughtjax.path_syntax import Ref
 

@@ -309,12 +309,6 @@ def _read(path: Path, full_key: dict) -> jax.export.Exported:
     raise ExportedArtifactError(f"it does not deserialize ({type(e).__name__}: {e})") from None
 
 
-def wrap_program(prog) -> None:
-  """The hook for :class:`thoughtjax.program.Program`: its ``_advance`` loaded from / stored as an artifact,
-  keyed by the program key, graph definitions and model config (the state argument, 4, is donated)."""
-  prog._advance = wrap(prog._advance, key=(prog.key, prog.defs, prog.cfg), donate_argnums=(4,), out_like=4)
-
-
 def wrap(jitted, *, key, donate_argnums: Sequence[int] = (), out_like: int | None = None, directory=None):
   """``jitted`` whose programs are exported once and loaded by later processes (see the module docstring).
 

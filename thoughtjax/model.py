@@ -28,18 +28,18 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from thoughtjax import assembly, speculative
+from thoughtjax import assembly
 from thoughtjax import fetch as fetch_lib
-from thoughtjax import program as program_lib
-from thoughtjax.decode import indexed
+from thoughtjax.decode import indexed, speculative
+from thoughtjax.decode import program as program_lib
 from thoughtjax.decode.masks import RowMasks, grammars_for
+from thoughtjax.decode.program import COMPILE_CLOCK, Program, ProgramKey, TemplatePrompt, bucket
 from thoughtjax.decode.request import check_request
 from thoughtjax.decode.stream import Completion, Delta, Generation, RequestError, Rows, Trace
 from thoughtjax.kernels.dispatch import resolve as resolve_kernels
 from thoughtjax.loading import LoadedModel
 from thoughtjax.loading import load as load_model
 from thoughtjax.path_syntax import format_path, hash_refs, parse_path
-from thoughtjax.program import COMPILE_CLOCK, Program, ProgramKey, TemplatePrompt, bucket
 from thoughtjax.sampling import SamplingArrays, SamplingParams, program_mode, sampling_arrays, stop_ids_for
 from thoughtjax.template import Template
 from thoughtjax.transformer import GraphDefs, PathParts
@@ -449,7 +449,7 @@ class Model:
     tokens are produced (``stream_mode``: ``"chunks"``, or ``"callback"`` for comparison).
 
     ``draft`` (a path string, e.g. ``"embed, blocks[0:10), head"``, ``"ngram:3"`` for drafts looked up in
-    the text itself, or a :class:`thoughtjax.speculative.Draft`): self-speculative decoding, ``draft_tokens`` drafted per
+    the text itself, or a :class:`thoughtjax.decode.speculative.Draft`): self-speculative decoding, ``draft_tokens`` drafted per
     verify pass of this path; the same tokens (greedy) or the same distribution (sampling).
 
     Template prompts (``chat=True``, or any string prompt on a path with a template) go in as

@@ -10,7 +10,7 @@ Numerics follow the reference implementation: RMSNorm in float32 and cast back,
 rotate-half RoPE (Hugging Face order; GGUF's permuted Q/K rows are undone at load),
 grouped-query attention, SwiGLU. Parameter dtype and compute dtype are separate.
 
-Model code never calls ``jax.jit``; :mod:`thoughtjax.program` owns that boundary.
+Model code never calls ``jax.jit``; :mod:`thoughtjax.decode.program` owns that boundary.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tests.tiny import greedy_reference, tiny_engine
-from thoughtjax import program as program_lib
 from thoughtjax.decode import indexed
+from thoughtjax.decode import program as program_lib
 from thoughtjax.model import RequestError
 from thoughtjax.sampling import SamplingParams
 

@@ -7,7 +7,7 @@ import pytest
 
 from tests.tiny import tiny_engine, tiny_model, write_safetensors_dir
 from thoughtjax import cli
-from thoughtjax import program as program_lib
+from thoughtjax.decode import program as program_lib
 from thoughtjax.decode.request import ContextError, check_request
 from thoughtjax.decode.stream import RequestError
 from thoughtjax.errors import UserError

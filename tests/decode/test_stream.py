@@ -111,3 +111,20 @@ def test_hundreds_of_long_stop_strings_cost_their_length_per_chunk_not_its_squar
   assert max(steps) <= 2047 and len(row._fail) == 64  # one table per stop string, made once
   delta, stopped = row.push([], True)
   assert sent + delta == "a" * 6000 and not stopped
+
+
+def test_a_plain_one_prompt_call_offers_its_request_to_a_slot_engine():
+  """A slot engine may run a plain one-prompt call in its place (the server's continuous batching); a batch and
+  a self-speculative call can only run as they are."""
+  from tests.tiny import tiny_engine
+  from thoughtjax.sampling import SamplingParams
+
+  engine = tiny_engine("llama_gqa", seed=2)
+  params = SamplingParams(max_tokens=4, ignore_eos=True)
+  with engine.stream_batch([[5, 6, 7]], params) as one:
+    model, ids, got = one.slot_request()
+    assert model is engine and ids == [5, 6, 7] and got.max_tokens == 4
+  with engine.stream_batch([[5, 6, 7], [8, 9]], params) as batch:
+    assert batch.slot_request() is None
+  with engine.stream_batch([[5, 6, 7]], params, draft="ngram:2", draft_tokens=2) as spec:
+    assert spec.slot_request() is None

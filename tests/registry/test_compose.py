@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from tests.tiny import greedy_reference
-from thoughtjax import program as program_lib
 from thoughtjax.assembly import PathTypeError, full_path
 from thoughtjax.compose import compose
+from thoughtjax.decode import program as program_lib
 from thoughtjax.loading import LoadedModel
 from thoughtjax.model import Model
 from thoughtjax.path_syntax import PathSyntaxError

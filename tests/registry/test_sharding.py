@@ -14,7 +14,7 @@ MESH_CHECK = r"""
 import json, sys
 import jax, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from thoughtjax import program as program_lib
+from thoughtjax.decode import program as program_lib
 from thoughtjax.assembly import full_path
 from thoughtjax.compose import compose
 from thoughtjax.registry import Registry

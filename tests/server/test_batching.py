@@ -101,13 +101,16 @@ def test_a_cancelled_stream_frees_its_slot_within_one_chunk(batched):
 
 
 class _Forwarding:
-  """A run that forwards to another: it holds no generation of its own, so the scheduler runs it alone."""
+  """A run that forwards to another and declares that it runs alone (no slot engine)."""
 
   def __init__(self, run):
     self.__dict__["_run"] = run
 
   def __getattr__(self, name):
     return getattr(self._run, name)
+
+  def slot_request(self):
+    return None
 
   def __iter__(self):
     return self
@@ -179,7 +182,6 @@ def test_the_scheduler_refuses_late_requests_without_a_server():
   """Scheduler level: a run whose plan cannot meet the deadline never reaches an engine."""
 
   class Gen:
-    inputs = (None, [[1, 2, 3]], [None])
     trace = types.SimpleNamespace(decode_chunks=0, tokens_out=[0])
     closed = False
 
@@ -189,6 +191,9 @@ def test_the_scheduler_refuses_late_requests_without_a_server():
   class Run:
     def __init__(self):
       self.generation = Gen()
+
+    def slot_request(self):
+      return None, [1, 2, 3], None
 
     plan = type("P", (), {"path": "p", "predicted": type("Q", (), {"compile": 0.0, "prefill": 5e3, "decode": 5e3})})
 

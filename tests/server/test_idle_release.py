@@ -286,7 +286,7 @@ def test_the_timer_releases_an_idle_path_and_health_stays_serving(syn, path):
 def test_scaled_to_zero_with_idle_release_programs_drops_compiled_programs_too(syn, path):
   """``idle_release_programs``: once no path is resident the compiled programs go (the program cache empties);
   the next request compiles again and answers token for token as before."""
-  from thoughtjax import program
+  from thoughtjax.decode import program
   from thoughtjax.serving import slots
 
   cfg = config(max_concurrent=2, max_queue=2, idle_release_s=IDLE_S, idle_release_programs=True)

@@ -392,12 +392,15 @@ def test_a_client_that_leaves_a_non_streaming_request_frees_its_turn(synthesizer
 
   gate, generating = threading.Event(), threading.Event()
 
-  class Gated:  # a run that forwards to the synthesizer's (it holds no generation of its own: it runs alone)
+  class Gated:  # a run that forwards to the synthesizer's and runs alone (its deltas are gated here)
     def __init__(self, run):
       self.__dict__["_run"] = run
 
     def __getattr__(self, name):
       return getattr(self._run, name)
+
+    def slot_request(self):
+      return None
 
     def __iter__(self):
       return self

@@ -177,12 +177,15 @@ def test_an_expired_deadline_is_deadline_exceeded_and_frees_the_turn(synthesizer
   deadline passes mid-generation whatever the machine's speed; the run is then stopped, never run out."""
   gate = threading.Event()
 
-  class Gated:  # a run that forwards to the synthesizer's (it holds no generation of its own: it runs alone)
+  class Gated:  # a run that forwards to the synthesizer's and runs alone (its deltas are gated here)
     def __init__(self, run):
       self.__dict__["_run"] = run
 
     def __getattr__(self, name):
       return getattr(self._run, name)
+
+    def slot_request(self):
+      return None
 
     def __iter__(self):
       return self

@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from tests.tiny import tiny_engine
-from thoughtjax.program import bucket
+from thoughtjax.decode.program import bucket
 from thoughtjax.sampling import SamplingParams
 from thoughtjax.serving import SlotDriver, SlotEngine, SlotRequestError, SlotsClosed, SlotsFull, generate_in_slots
 
@@ -354,9 +354,9 @@ def test_a_chunk_computes_only_the_slots_in_use_and_each_gives_its_alone_tokens(
 
 
 def test_slot_and_speculative_programs_live_in_the_one_bounded_program_cache(model, monkeypatch):
-  """Every program family shares :data:`thoughtjax.program.PROGRAMS`: its bound holds slot and speculative
+  """Every program family shares :data:`thoughtjax.decode.program.PROGRAMS`: its bound holds slot and speculative
   programs too, and its counts see them. An evicted slot program keeps serving the engine that holds it."""
-  from thoughtjax import program, speculative
+  from thoughtjax.decode import program, speculative
   from thoughtjax.serving.slots import SlotProgram
 
   monkeypatch.setattr(program, "PROGRAMS", program.ProgramCache(capacity=1))

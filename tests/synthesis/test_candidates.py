@@ -17,8 +17,8 @@ import pytest
 
 from tests.registry.helpers import DEEP_SPANS
 from tests.synthesis.tiny_synthesis import make_model
-from thoughtjax import program
 from thoughtjax.compose import compose
+from thoughtjax.decode import program
 from thoughtjax.path_syntax import layers_of_path
 from thoughtjax.synthesis.calibration import Calibration, PathQuality
 from thoughtjax.synthesis.candidate import CandidateKind

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from tests.registry.helpers import FAST
-from thoughtjax import program as program_lib
 from thoughtjax import transformer
 from thoughtjax.assembly import PathTypeError
 from thoughtjax.compose import compose
+from thoughtjax.decode import program as program_lib
 from thoughtjax.registry import Registry, SignatureDowngradeError
 from thoughtjax.thoughtlet import Kind, ThoughtletError
 from thoughtjax.thoughtlet import bridge as bridge_lib
@@ -105,7 +105,7 @@ def test_replay_bridge_inside_the_composed_path(reg_copy, monkeypatch):
 
   monkeypatch.setattr(transformer, "BridgeLayer", Recording)
   tokens = jnp.asarray([PROMPT])
-  logits = program_lib._full_sequence_logits(model.defs, model.layers, model.parts, tokens)  # not jitted
+  logits = program_lib.sequence_logits(model.defs, model.layers, model.parts, tokens)  # not jitted
   monkeypatch.undo()
   assert len(records) == 1
   x, y = records[0]

@@ -42,7 +42,7 @@ _CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
 import thoughtjax
-from thoughtjax import program
+from thoughtjax.decode import program
 from thoughtjax.bench import layers
 program.configure_compilation_cache(sys.argv[1])
 model = thoughtjax.load(sys.argv[2] or None, weights=sys.argv[3], compile_cache=False).with_layout(sys.argv[4])

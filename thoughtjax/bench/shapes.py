@@ -41,7 +41,7 @@ def _request(model, prompt: str, max_tokens: int) -> tuple[float, float, list[in
 
 def run(model, *, first: str | None, second: str, repeats: int, max_tokens: int, prompt: str = PROMPT) -> dict:
   """The figures of the module docstring for ``model`` (a loaded :class:`thoughtjax.Model`)."""
-  from thoughtjax import program
+  from thoughtjax.decode import program
 
   a = model if first is None else model.with_path(first)
   cold_s, cold_compile_s, tokens_a = _request(a, prompt, max_tokens)

@@ -180,7 +180,7 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
 
   import thoughtjax
-  from thoughtjax.speculative import Draft
+  from thoughtjax.decode.speculative import Draft
   from thoughtjax.thoughtlet import fingerprint
 
   quick = args.quick

@@ -127,7 +127,7 @@ def cmd_generate(args) -> int:
   # Leaving the block early (an interrupt, a closed stdout) abandons the generation: no more device work.
   draft = None
   if args.draft:
-    from thoughtjax.speculative import Draft
+    from thoughtjax.decode.speculative import Draft
 
     draft = Draft(args.draft, vocab=args.draft_vocab)
   elif args.draft_vocab is not None or args.draft_tokens is not None:

@@ -1,5 +1,8 @@
 """Decoding: what every way of generating tokens shares.
 
+* :mod:`~thoughtjax.decode.program`  plain programs (prefill, then chunks of decode steps) and the process's one
+  bounded program cache that every program family shares
+* :mod:`~thoughtjax.decode.speculative`  self-speculative programs: a draft/verify advance over the same layout
 * :mod:`~thoughtjax.decode.stream`  the host side of one call: Delta, Trace, Completion, Rows, Generation
 * :mod:`~thoughtjax.decode.masks`  a batch's masks kept in step with its rows' matchers
 * :mod:`~thoughtjax.decode.layout`  the attention layout: KV caches, RoPE positions and attention masks of

@@ -1,6 +1,6 @@
 """The layer-indexed form of a generation program: one loop over stacked layer weights, driven by an index vector.
 
-The unrolled form (:class:`~thoughtjax.program.Program`) traces every block of a path into the program, so its
+The unrolled form (:class:`~thoughtjax.decode.program.Program`) traces every block of a path into the program, so its
 executable grows with the path and a path of another length compiles again. This form stacks the blocks a model
 holds once (every weight gets a leading axis over the held layers, :func:`stack`) and runs a ``lax.fori_loop``
 over the path's positions: position p reads the weights of layer ``index[p]`` and its own KV cache, ``count``
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from thoughtjax.program import Program
+from thoughtjax.decode.program import Program
 from thoughtjax.transformer import PathParts, kv_cache_shape, rope_tables
 
 LAYOUTS = ("unrolled", "indexed")
@@ -64,7 +64,7 @@ def stacked_parts(parts: PathParts, blocks: nnx.State, layers: Sequence[int], po
 
 
 class IndexedProgram(Program):
-  """A :class:`~thoughtjax.program.Program` whose path is a loop over stacked weights (see the module docstring).
+  """A :class:`~thoughtjax.decode.program.Program` whose path is a loop over stacked weights (see the module docstring).
 
   Its key's ``layers`` are ``range(max_layers)`` (the positions it holds caches for) and its ``layout``
   ``"indexed"``; ``advance`` takes :class:`StackedParts` where the unrolled form takes the path's parts."""

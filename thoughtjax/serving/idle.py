@@ -27,7 +27,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 
 import jax
 
-from thoughtjax import program
+from thoughtjax.decode import program
 
 
 class IdleTracker:

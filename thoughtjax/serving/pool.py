@@ -24,8 +24,8 @@ from __future__ import annotations
 import collections
 import threading
 
+from thoughtjax.decode.program import bucket
 from thoughtjax.errors import UserError
-from thoughtjax.program import bucket
 from thoughtjax.serving.prefix import PrefixCache
 from thoughtjax.serving.slots import SlotDriver, SlotEngine
 

@@ -73,13 +73,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from thoughtjax import program as program_lib
 from thoughtjax.constraint import Matcher
 from thoughtjax.decode import layout
+from thoughtjax.decode import program as program_lib
 from thoughtjax.decode.masks import ALL, grammars_for
+from thoughtjax.decode.program import COMPILE_CLOCK, ProgramKey, bucket
 from thoughtjax.decode.stream import Delta, Rows, Trace
 from thoughtjax.errors import UserError
-from thoughtjax.program import COMPILE_CLOCK, ProgramKey, bucket
 from thoughtjax.sampling import (
   SamplingArrays,
   SamplingMode,
@@ -328,7 +328,7 @@ class SlotProgram:
   def _prefill_impl(self, parts, tokens, pad, samp: SamplingArrays, mode: SamplingMode):
     """The prefill of P left-padded prompts [P, T] (row p's prompt in [pad[p], T)): per path block (k, v)
     [P, K, T, E], each row's first token [P] and whether it stopped there [P]. Positions, mask and sampling are
-    those of the alone run's prefill (:class:`~thoughtjax.program.Program`); the head sees only the last
+    those of the alone run's prefill (:class:`~thoughtjax.decode.program.Program`); the head sees only the last
     position, the one the first token comes from."""
     embed, blocks, head = merge_path(self.defs, parts, self.layers)
     P, T = tokens.shape
@@ -434,7 +434,7 @@ class SlotProgram:
 
 
 def slot_program(defs, cfg, layers, slots, cache_len, chunk, kernels) -> SlotProgram:
-  """The slot program of this layout from the process's one program cache (:data:`thoughtjax.program.PROGRAMS`):
+  """The slot program of this layout from the process's one program cache (:data:`thoughtjax.decode.program.PROGRAMS`):
   a new engine of the same layout compiles nothing.
 
   Keyed by the path's shape (:func:`~thoughtjax.transformer.path_shape`): it runs any path of that shape on the

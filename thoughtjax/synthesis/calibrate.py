@@ -51,10 +51,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from thoughtjax.assembly import full_path
+from thoughtjax.decode.program import bucket
+from thoughtjax.decode.speculative import Draft, DraftError, ngram_order
 from thoughtjax.errors import UserError
 from thoughtjax.path_syntax import VARIANTS
-from thoughtjax.program import bucket
-from thoughtjax.speculative import Draft, DraftError, ngram_order
 from thoughtjax.synthesis.calibration import Calibration
 from thoughtjax.synthesis.candidate import Candidate, CandidateKind, DraftPlan, Unit
 from thoughtjax.synthesis.candidates import CandidateSettings, bridge_slots, bridged_proposals, is_bridge, pin, propose
@@ -119,7 +119,7 @@ class SpeculativeSettings:
   too, each where the registry holds that variant of every block of the full path (the full path in int8
   weights agrees far more than any raw exit; what it costs here is measured like any draft).
   ``draft_tokens``: K per verify pass; ``vocab``: the draft head's truncated vocabulary (None: the whole one).
-  ``ngram``: the spec of each n-gram draft, ``"N"`` or ``"N:M"`` (:class:`thoughtjax.speculative.Draft`
+  ``ngram``: the spec of each n-gram draft, ``"N"`` or ``"N:M"`` (:class:`thoughtjax.decode.speculative.Draft`
   ``"ngram:N:M"``: look up the last N tokens down to M, a plain step without such a match): drafts looked up
   in the text itself, which pay where the text repeats; () for none. The default ``"3:2"``: on the default
   model, batch 1 f32 on this 2-core CPU, a verify pass costs about 2x a plain step, and drafting from

@@ -11,7 +11,7 @@ machine (``fingerprint``). It holds
 
 The full path is lossless by definition (agreement 1, KL 0, ΔNLL 0) and need not be measured. So is a
 *speculative* candidate (kind ``speculative``): the full path's units verifying what a :class:`DraftPlan`
-proposes, in one program (:mod:`thoughtjax.speculative`); greedy it gives the full path's tokens, sampled
+proposes, in one program (:mod:`thoughtjax.decode.speculative`); greedy it gives the full path's tokens, sampled
 its distribution. Its quality is the full path's; its cost is the full path's with the decode factor
 calibration measured for it (``latency.corrections``), the draft's own units restored beside.
 

@@ -117,7 +117,7 @@ class Unit:
 class DraftPlan:
   """What drafts for a speculative candidate.
 
-  ``path``: the draft's pinned refs as a path string (what :func:`thoughtjax.speculative.resolve_draft`
+  ``path``: the draft's pinned refs as a path string (what :func:`thoughtjax.decode.speculative.resolve_draft`
   takes); ``draft_tokens``: K drafted per verify pass; ``vocab``: the size of a truncated draft head, or
   None; ``units``: the thoughtlets the draft reads that the full path does not (bridges, weight variants):
   restored with the candidate, and a failure of one blocks it; ``layers``: transformer layers the draft

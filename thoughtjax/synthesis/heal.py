@@ -36,9 +36,9 @@ import numpy as np
 import optax
 
 from thoughtjax.assembly import full_path
+from thoughtjax.decode.program import sequence_logits
 from thoughtjax.errors import UserError
 from thoughtjax.model import Model
-from thoughtjax.program import _full_sequence_logits
 from thoughtjax.sampling import SamplingParams
 from thoughtjax.thoughtlet import ProfileSettings
 from thoughtjax.thoughtlet import bridge as bridge_lib
@@ -219,9 +219,9 @@ def _bridged_parts(cut_parts, bparams):
 
 
 def _logps(plan: _Plan, full_parts, cut_parts, bparams, tokens):
-  p = jax.nn.log_softmax(_full_sequence_logits(plan.defs, plan.full_layers, full_parts, tokens), axis=-1)
+  p = jax.nn.log_softmax(sequence_logits(plan.defs, plan.full_layers, full_parts, tokens), axis=-1)
   q = jax.nn.log_softmax(
-    _full_sequence_logits(plan.defs, plan.bridged_layers, _bridged_parts(cut_parts, bparams), tokens), axis=-1
+    sequence_logits(plan.defs, plan.bridged_layers, _bridged_parts(cut_parts, bparams), tokens), axis=-1
   )
   return jax.lax.stop_gradient(p), q
 

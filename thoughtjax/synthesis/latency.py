@@ -10,7 +10,7 @@ A request's latency is predicted as five stages (milliseconds)::
     prefill    sum over the executed thoughtlets of  p[u].a + p[u].b * P          (P = bucket(T))
     decode     (N - 1) * (step_ms + sum over units of  d[u].a + d[u].b * S)      (S = bucket(T) + bucket(N))
 
-for a prompt of T tokens and N new tokens. The shapes are those the program runs (``program.py``): the
+for a prompt of T tokens and N new tokens. The shapes are those the program runs (``decode/program.py``): the
 prefill runs over the prompt left-padded to its bucket P and yields the first token; each of the N - 1
 decode steps attends over the whole KV cache of S slots (masked), whatever the context so far. So prefill
 cost steps at bucket edges and a decode step costs the same throughout one request.
@@ -54,8 +54,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from thoughtjax.decode.program import bucket
 from thoughtjax.errors import UserError
-from thoughtjax.program import bucket
 
 if TYPE_CHECKING:
   from thoughtjax.synthesis.candidate import Candidate

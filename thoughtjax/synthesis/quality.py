@@ -35,9 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from thoughtjax.decode.program import bucket
 from thoughtjax.errors import UserError
 from thoughtjax.path_syntax import PathSyntaxError, layers_of_path, parse_path
-from thoughtjax.program import bucket
 from thoughtjax.synthesis.calibration import HintQuality, PathQuality
 from thoughtjax.thoughtlet.run import run_blocks, run_embed, run_head
 from thoughtjax.transformer import GraphDefs, PathParts, Transformer, apply_bridge

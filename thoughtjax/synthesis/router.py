@@ -54,8 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from thoughtjax.decode.program import bucket
 from thoughtjax.errors import UserError
-from thoughtjax.program import bucket
 from thoughtjax.thoughtlet.run import run_blocks
 from thoughtjax.transformer import GraphDefs
 

@@ -28,7 +28,7 @@ composing the path; ``compile`` the program compile the first call of a new key 
 trace); ``prefill`` and ``decode`` from the engine's trace. ``total`` is the wall time from the request to
 the last token. ``compute_seconds`` is restore + compile + prefill + decode, in seconds.
 
-A speculative plan (``plan.draft``) runs the speculative program (:mod:`thoughtjax.speculative`): its draft
+A speculative plan (``plan.draft``) runs the speculative program (:mod:`thoughtjax.decode.speculative`): its draft
 proposes, the plan's path verifies; the trace names the draft and counts drafted and accepted tokens.
 
 Degradation: a thoughtlet of the plan that fails verification or restore is reported to the planner as
@@ -52,10 +52,10 @@ import weakref
 from collections.abc import Iterator, Sequence
 
 from thoughtjax.constraint import Constraint
+from thoughtjax.decode.speculative import Draft
 from thoughtjax.errors import UserError
 from thoughtjax.kernels.dispatch import resolve as resolve_kernels
 from thoughtjax.sampling import SamplingParams
-from thoughtjax.speculative import Draft
 from thoughtjax.synthesis.calibration import Calibration
 from thoughtjax.synthesis.candidate import path_hash_of
 from thoughtjax.synthesis.latency import STAGES, LatencyContext, LatencyModel, LatencyTrace, Residency
@@ -185,6 +185,17 @@ class SynthesisResult:
     for _ in self:
       pass
     return self
+
+  def slot_request(self) -> tuple | None:
+    """What a slot engine needs to run this request in its place (:meth:`Generation.slot_request
+    <thoughtjax.decode.stream.Generation.slot_request>`); None: it runs alone (a speculative plan)."""
+    return self.generation.slot_request()
+
+  def run_in(self, stream) -> None:
+    """Take deltas from ``stream`` (a slot engine's run of this request) from now on; the own generation,
+    never started, is closed."""
+    self.generation.close()
+    self.generation = stream
 
   def cancel(self) -> None:
     self.generation.cancel()

@@ -22,7 +22,7 @@ inside one ``lax.while_loop`` of one compiled program,
    top-k and top-p transform.
 
 Rows accept different counts, so every row keeps its own cache slot: row b's last token (not yet in the
-cache) goes to slot ``T + count[b] - 1``, with left-padded prompts as in :mod:`thoughtjax.program`.
+cache) goes to slot ``T + count[b] - 1``, with left-padded prompts as in :mod:`thoughtjax.decode.program`.
 Blocks run per row under ``vmap`` so each row writes its keys at its own slot. Positions written for
 rejected tokens are overwritten later (writes are by position) and are masked until then.
 
@@ -54,13 +54,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from thoughtjax import program as program_lib
 from thoughtjax import quantized
 from thoughtjax.decode import layout
+from thoughtjax.decode import program as program_lib
+from thoughtjax.decode.program import COMPILE_CLOCK, ProgramKey, bucket
 from thoughtjax.decode.stream import Generation, Rows, Trace
 from thoughtjax.errors import UserError
 from thoughtjax.path_syntax import format_path, parse_path
-from thoughtjax.program import COMPILE_CLOCK, ProgramKey, bucket
 from thoughtjax.sampling import (
   SamplingArrays,
   SamplingMode,
@@ -119,7 +119,7 @@ class Draft:
 
 @dataclasses.dataclass(frozen=True)
 class SpecKey(ProgramKey):
-  """A plain program's key (:class:`thoughtjax.program.ProgramKey`: path, batch, prompt and output lengths,
+  """A plain program's key (:class:`thoughtjax.decode.program.ProgramKey`: path, batch, prompt and output lengths,
   sampling mode, chunk of verify passes per device call, kernels) and what the draft adds. Speculative programs
   are unrolled and take no template or masks: those fields stay at their defaults."""
 
@@ -241,7 +241,7 @@ class SpecProgram:
 
   def init_state(self, parts: PathParts | None = None) -> SpecState:
     """The empty state, committed to the one device ``parts`` live on (as
-    :meth:`thoughtjax.program.Program.init_state`): ``advance`` returns a committed state, and an
+    :meth:`thoughtjax.decode.program.Program.init_state`): ``advance`` returns a committed state, and an
     uncommitted first one would make the first decode chunk compile the program a second time."""
     return program_lib.on_device_of(self._init(), parts)
 
@@ -658,7 +658,7 @@ def _composed(model, path: str):
 def get_program(key: SpecKey, defs: GraphDefs, cfg) -> SpecProgram:
   """The program of ``key``'s shape: its path and draft numbered by position (:func:`~thoughtjax.transformer.path_shape`,
   the draft after the path), run on parts :meth:`~thoughtjax.transformer.PathParts.by_position` of both. Held in the
-  process's one program cache (:data:`thoughtjax.program.PROGRAMS`)."""
+  process's one program cache (:data:`thoughtjax.decode.program.PROGRAMS`)."""
   shape = dataclasses.replace(key, layers=path_shape(key.layers), draft=path_shape(key.draft, len(key.layers)))
   return program_lib.PROGRAMS.program(("speculative", shape, defs, cfg), lambda: SpecProgram(shape, defs, cfg))
 

@@ -3,7 +3,7 @@
 Model code never calls ``jax.jit``. Plain generation (:class:`Program`, and its layer-indexed form in
 :mod:`thoughtjax.decode.indexed`) and scoring (:data:`score_logits`) are compiled here; the other programs
 that serve requests are the slot programs of continuous batching (:mod:`thoughtjax.serving.slots`) and the
-self-speculative programs (:mod:`thoughtjax.speculative`), and :mod:`thoughtjax.exported` wraps what it
+self-speculative programs (:mod:`thoughtjax.decode.speculative`), and :mod:`thoughtjax.exported` wraps what it
 loads. Elsewhere ``jax.jit`` compiles what no request runs: thoughtlet profiling (one thoughtlet alone),
 calibration's quality measurements, the router's features and training, bridge training, and the
 benchmarks.
@@ -132,7 +132,9 @@ class TemplatePrompt(NamedTuple):
   user_lengths: jax.Array  # [B] i32
 
 
-def _full_sequence_logits(defs: GraphDefs, layers: tuple[int, ...], parts: PathParts, tokens):
+def sequence_logits(defs: GraphDefs, layers: tuple[int, ...], parts: PathParts, tokens):
+  """Causal logits [B, T, V] of a path over whole sequences ``tokens`` [B, T] (traced code: :data:`score_logits`
+  is it compiled; a caller that differentiates through it, as bridge training does, traces it itself)."""
   embed, blocks, head = merge_path(defs, parts, layers)
   B, T = tokens.shape
   positions, mask = layout.causal(B, T)
@@ -141,7 +143,7 @@ def _full_sequence_logits(defs: GraphDefs, layers: tuple[int, ...], parts: PathP
 
 
 # Scoring: causal forward over whole sequences [B, T] -> logits [B, T, V].
-score_logits = jax.jit(_full_sequence_logits, static_argnums=(0, 1))
+score_logits = jax.jit(sequence_logits, static_argnums=(0, 1))
 
 
 class DecodeState(NamedTuple):
@@ -165,11 +167,13 @@ class Program:
 
   def __init__(self, key: ProgramKey, defs: GraphDefs, cfg):
     self.key, self.defs, self.cfg = key, defs, cfg
-    self._advance = jax.jit(self._advance_impl, donate_argnums=(4,))
+    # A later process loads the exported program instead of tracing and lowering it again; it is keyed by the
+    # program key, graph definitions and model config (the state argument, 4, is donated).
+    self._advance = exported.wrap(
+      jax.jit(self._advance_impl, donate_argnums=(4,)), key=(key, defs, cfg), donate_argnums=(4,), out_like=4
+    )
     self._init = jax.jit(self._init_impl)
     self._callback_run = jax.jit(self._callback_impl)
-    # A later process loads the exported program instead of tracing and lowering it again.
-    exported.wrap_program(self)
 
   # ---- traced code -------------------------------------------------------------
   def _modules(self, parts: PathParts) -> tuple[Embed, list[Block], Head]:
