@@ -15,6 +15,7 @@ import thoughtjax
 from tests.conftest import DEFAULT_MODEL_PROMPTS
 from tests.tiny import TINY_CONFIGS, tiny_tokenizer
 from thoughtjax.decode import speculative
+from thoughtjax.decode.request import DecodeRequest
 from thoughtjax.decode.speculative import Draft, DraftError
 from thoughtjax.loading import LoadedModel
 from thoughtjax.sampling import SamplingParams, stop_ids_for
@@ -88,8 +89,8 @@ def test_paths_of_one_shape_share_one_speculative_program(engine):
   first, second = engine.with_path((0, 1, 1, 2)), engine.with_path((0, 2, 2, 1))  # both open on the draft's block
   params, stops = [SamplingParams(max_tokens=12, ignore_eos=True)], [[]]
   draft = "embed, blocks[0:1), head"
-  a = speculative.prepare(first, [PROMPTS[0]], params, stops, draft)
-  b = speculative.prepare(second, [PROMPTS[0]], params, stops, draft)
+  a = speculative.prepare(first, DecodeRequest([PROMPTS[0]], params, stops), draft)
+  b = speculative.prepare(second, DecodeRequest([PROMPTS[0]], params, stops), draft)
   assert a.program is b.program and a.key != b.key
   texts = []
   for m in (first, second):
@@ -137,7 +138,9 @@ def test_an_int8_draft_has_caches_of_its_own_and_agrees_more_than_a_cut_path(eng
   assert d.shared == 0 and d.own == 3 and not set(d.slots) & set(engine.layers)  # slots the full path does not use
   mixed = speculative.resolve_draft(engine, "embed, blocks[0:1), blocks[1:3)@int8, head")
   assert mixed.shared == 1 and mixed.own == 2 and mixed.slots[0] == engine.layers[0]
-  req = speculative.prepare(engine, [PROMPTS[0]], [SamplingParams(max_tokens=8)], [[]], "embed, blocks[0:3)@int8, head")
+  req = speculative.prepare(
+    engine, DecodeRequest([PROMPTS[0]], [SamplingParams(max_tokens=8)], [[]]), "embed, blocks[0:3)@int8, head"
+  )
   state = jax.eval_shape(req.program._init_impl)
   assert len(state.draft_caches) == 3 and state.draft_caches[0][0].shape == state.caches[0][0].shape
 
@@ -232,7 +235,9 @@ def _samples(engine, params_of, accept, draft="embed, blocks[0:1), head", prompt
   for first in range(0, SAMPLES, ROWS):
     params = [params_of(seed) for seed in range(first, first + ROWS)]
     stops = [stop_ids_for(p, engine.codec.eos_ids) for p in params]
-    g = speculative.stream_batch(engine, [prompt] * ROWS, params, stops, 0.0, draft, draft_tokens=2, accept=accept)
+    g = speculative.stream_batch(
+      engine, DecodeRequest([prompt] * ROWS, params, stops), 0.0, draft, draft_tokens=2, accept=accept
+    )
     out += [tuple(c.token_ids) for c in g.completions()]
   return out
 
@@ -332,7 +337,9 @@ def test_draft_and_verify_run_in_one_program_with_no_host_callbacks(engine):
   and no host round trip between them."""
   params = [SamplingParams(max_tokens=8, temperature=1.0)]
   stops = [stop_ids_for(params[0], engine.codec.eos_ids)]
-  req = speculative.prepare(engine, [PROMPTS[0]], params, stops, "embed, blocks[0:2), head", draft_tokens=3)
+  req = speculative.prepare(
+    engine, DecodeRequest([PROMPTS[0]], params, stops), "embed, blocks[0:2), head", draft_tokens=3
+  )
   hlo = req.program.lower(req.parts, req.prompt, req.pad, req.samp, req.vocab_ids).as_text()
   assert "callback" not in hlo.lower()
   assert hlo.count("stablehlo.while") >= 2  # the decode loop and the draft loop inside it
@@ -403,7 +410,11 @@ def test_ngram_sampling_keeps_the_full_paths_distribution_and_wrong_rules_fail(e
   joint = _exact_joint(engine, params_of(0), NGRAM_PROMPT)
   stops = [stop_ids_for(params_of(s), engine.codec.eos_ids) for s in range(ROWS)]
   g = speculative.stream_batch(
-    engine, [NGRAM_PROMPT] * ROWS, [params_of(s) for s in range(ROWS)], stops, 0.0, "ngram:2", draft_tokens=2
+    engine,
+    DecodeRequest([NGRAM_PROMPT] * ROWS, [params_of(s) for s in range(ROWS)], stops),
+    0.0,
+    "ngram:2",
+    draft_tokens=2,
   )
   g.completions()
   assert 0 < g.trace.accepted < g.trace.drafted  # both the accepting and the rejecting branch ran
@@ -422,7 +433,7 @@ def test_ngram_sampling_keeps_the_full_paths_distribution_and_wrong_rules_fail(e
 def test_an_ngram_draft_runs_in_one_program_without_draft_weights(engine):
   params = [SamplingParams(max_tokens=8, temperature=1.0)]
   stops = [stop_ids_for(params[0], engine.codec.eos_ids)]
-  req = speculative.prepare(engine, [PROMPTS[0]], params, stops, "ngram", draft_tokens=3)
+  req = speculative.prepare(engine, DecodeRequest([PROMPTS[0]], params, stops), "ngram", draft_tokens=3)
   key = req.program.key
   assert key.ngram == speculative.NGRAM_DEFAULT and key.draft == () and key.shared == 0 and key.own == 0
   hlo = req.program.lower(req.parts, req.prompt, req.pad, req.samp, req.vocab_ids).as_text()

@@ -34,13 +34,13 @@ from thoughtjax.decode import indexed, speculative
 from thoughtjax.decode import program as program_lib
 from thoughtjax.decode.masks import RowMasks, grammars_for
 from thoughtjax.decode.program import COMPILE_CLOCK, Program, ProgramKey, TemplatePrompt, bucket
-from thoughtjax.decode.request import check_request
+from thoughtjax.decode.request import DecodeRequest
 from thoughtjax.decode.stream import Completion, Delta, Generation, RequestError, Rows, Trace
 from thoughtjax.kernels.dispatch import resolve as resolve_kernels
 from thoughtjax.loading import LoadedModel
 from thoughtjax.loading import load as load_model
 from thoughtjax.path_syntax import format_path, hash_refs, parse_path
-from thoughtjax.sampling import SamplingArrays, SamplingParams, program_mode, sampling_arrays, stop_ids_for
+from thoughtjax.sampling import SamplingArrays, SamplingParams, sampling_arrays
 from thoughtjax.template import Template
 from thoughtjax.transformer import GraphDefs, PathParts
 
@@ -470,10 +470,9 @@ class Model:
       params = SamplingParams()
     if isinstance(params, SamplingParams):
       params = [params] * len(ids)
-    check_request(ids, params, vocab_size=self.config.vocab_size, max_context=self.config.max_context)
-    longest = max(len(i) for i in ids)
-    max_new = max(p.max_tokens for p in params)
-    stops = [stop_ids_for(p, self.codec.eos_ids) for p in params]
+    request = DecodeRequest.checked(
+      ids, params, vocab_size=self.config.vocab_size, max_context=self.config.max_context, eos_ids=self.codec.eos_ids
+    )
     constraints = [p.constraint for p in params]
     masks = None
     if RowMasks.needed(constraints):
@@ -487,15 +486,10 @@ class Model:
     if draft is not None:
       if stream_mode != "chunks":
         raise RequestError(f"draft= streams in chunks; got stream_mode={stream_mode!r}, drop it or drop draft=")
-      return speculative.stream_batch(self, ids, params, stops, start, draft, draft_tokens)
+      return speculative.stream_batch(self, request, start, draft, draft_tokens)
     key = ProgramKey(
       layers=self.layers,
-      batch=bucket(len(ids), 1),
-      prompt_len=bucket(longest),
-      max_new=bucket(max_new),
-      stop_width=bucket(max(len(s) for s in stops), 4),
-      mode=program_mode(params),
-      has_bias=any(p.logit_bias for p in params),
+      **request.key_fields(),
       chunk=1 if masks else self.chunk,  # each step's mask depends on the token before it
       kernels=self.kernels,
       template=None if template is None else template.widths,
@@ -508,13 +502,8 @@ class Model:
     else:
       prog = program_lib.PROGRAMS.get(key, self._defs, self.config)
     B, T = key.batch, key.prompt_len
-    pad = np.full(B, T - 1, np.int32)
-    for r, row in enumerate(ids):
-      pad[r] = T - len(row)
+    tokens, pad = request.left_padded(B, T)
     if template is None:
-      tokens = np.zeros((B, T), np.int32)
-      for r, row in enumerate(ids):
-        tokens[r, T - len(row) :] = row
       prompt = _to_device(tokens)
     else:
       P1, P2 = key.template
@@ -530,7 +519,7 @@ class Model:
     trace = Trace(key, ids, start, tokens_out=[0] * len(ids))
     cancelled = threading.Event()
     runner = _run_chunks if stream_mode == "chunks" else _run_callback
-    rows = Rows(self.codec, params, stops)
+    rows = Rows(self.codec, params, request.stops)
     run = runner(req, rows, trace, cancelled) if masks is None else _run_chunks(req, rows, trace, cancelled, masks)
     return Generation(run, trace, cancelled, inputs=(self, ids, list(params)))
 

@@ -8,10 +8,10 @@ import pytest
 from tests.tiny import tiny_engine, tiny_model, write_safetensors_dir
 from thoughtjax import cli
 from thoughtjax.decode import program as program_lib
-from thoughtjax.decode.request import ContextError, check_request
+from thoughtjax.decode.request import ContextError, DecodeRequest, check_request
 from thoughtjax.decode.stream import RequestError
 from thoughtjax.errors import UserError
-from thoughtjax.sampling import SamplingError, SamplingParams
+from thoughtjax.sampling import SamplingError, SamplingParams, program_mode
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +71,30 @@ def test_the_cli_reports_the_same_refusal_in_one_line(tmp_path, capsys):
   err = capsys.readouterr().err
   assert code == 2 and f"top_k must be at most the vocabulary size {cfg.vocab_size}" in err
   assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_decode_request_gives_the_bucketed_key_fields_and_left_padded_prompts():
+  params = [
+    SamplingParams(max_tokens=20, stop_token_ids=(7, 8)),
+    SamplingParams(max_tokens=5, temperature=0.7, logit_bias={3: 1.0}),
+  ]
+  request = DecodeRequest.checked([[5, 6, 7], [9] * 17], params, vocab_size=64, max_context=128, eos_ids=(2, 8))
+  assert request.stops == ((7, 8, 2), (2, 8))  # the row's own stop ids, then the end-of-sequence ids, once each
+  fields = request.key_fields()
+  assert fields == dict(batch=2, prompt_len=32, max_new=32, stop_width=4, mode=program_mode(params), has_bias=True)
+  assert program_lib.ProgramKey(layers=(0,), **fields).cache_len == 64
+  tokens, pad = request.left_padded(4, 32)
+  assert pad.tolist() == [29, 15, 31, 31]  # rows past the prompts hold one inert token
+  assert tokens[0].tolist() == [0] * 29 + [5, 6, 7] and tokens[1].tolist() == [0] * 15 + [9] * 17
+  assert not tokens[2:].any()
+  with pytest.raises(ContextError):
+    DecodeRequest.checked([[5] * 120], [SamplingParams(max_tokens=20)], vocab_size=64, max_context=128, eos_ids=2)
+  with pytest.raises(RequestError, match="one params and one stop set per prompt"):
+    DecodeRequest([[5]], params, [[]])
+
+
+def test_ignore_eos_keeps_only_the_rows_own_stop_ids():
+  params = [SamplingParams(max_tokens=4, ignore_eos=True, stop_token_ids=(9,)), SamplingParams(max_tokens=4)]
+  request = DecodeRequest.checked([[1], [1]], params, vocab_size=64, max_context=64, eos_ids=2)
+  assert request.stops == ((9,), (2,))
+  assert request.key_fields()["stop_width"] == 4 and request.key_fields()["batch"] == 2

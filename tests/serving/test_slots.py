@@ -12,6 +12,7 @@ import pytest
 
 from tests.tiny import tiny_engine
 from thoughtjax.decode.program import bucket
+from thoughtjax.decode.request import DecodeRequest
 from thoughtjax.sampling import SamplingParams
 from thoughtjax.serving import SlotDriver, SlotEngine, SlotRequestError, SlotsClosed, SlotsFull, generate_in_slots
 
@@ -364,7 +365,7 @@ def test_slot_and_speculative_programs_live_in_the_one_bounded_program_cache(mod
   assert program.PROGRAMS.held(SlotProgram) == 1 and program.PROGRAMS.stats().misses == 1
   assert SlotEngine(model, slots=2, cache_len=64).program is a.program  # a hit: one layout, one program
   params = [SamplingParams(max_tokens=4, ignore_eos=True)]
-  spec = speculative.prepare(model, [PROMPTS[0]], params, [[]], "embed, blocks[0:1), head")
+  spec = speculative.prepare(model, DecodeRequest([PROMPTS[0]], params, [[]]), "embed, blocks[0:1), head")
   s = program.PROGRAMS.stats()
   assert (s.hits, s.misses, s.evictions, s.size) == (1, 2, 1, 1)  # the speculative program evicted the slot one
   assert program.PROGRAMS.held(SlotProgram) == 0 and isinstance(spec.program, speculative.SpecProgram)

@@ -8,9 +8,9 @@ loads. Elsewhere ``jax.jit`` compiles what no request runs: thoughtlet profiling
 calibration's quality measurements, the router's features and training, bridge training, and the
 benchmarks.
 
-A program serves one key: (path shape, batch bucket, prompt bucket, new-token bucket,
-stop-set width, sampling mode, bias on/off, decode chunk, kernels, template widths, masked), and the
-graph definitions and model config it was built for. Its single entry point
+A program serves one :class:`ProgramKey` (a :class:`DecodeKey`, which every program family's key extends):
+path shape, batch bucket, prompt bucket, new-token bucket, stop-set width, sampling mode, bias on/off, decode
+chunk, kernels, template widths, masked; and the graph definitions and model config it was built for. Its single entry point
 ``advance(parts, prompt, pad, sampling, state)`` runs, inside XLA,
 
 * on the first call (``state.step == 0``): the prefill over the left-padded prompt
@@ -31,8 +31,8 @@ number of blocks and where bridges sit), not by which layers it holds, and runs 
 it repeats or skips.
 
 Programs of every family (this module's, the server's slot programs, the speculative programs) live in
-:data:`PROGRAMS`, one thread-safe LRU with a size bound that counts hits, misses and evictions; compiled
-executables also persist on disk through JAX's cache.
+:data:`PROGRAMS` (each under its key's :meth:`DecodeKey.shape`), one thread-safe LRU with a size bound that
+counts hits, misses and evictions; compiled executables also persist on disk through JAX's cache.
 
 Layout: prompts are left-padded, so every row's next token goes to the same cache
 slot; row b's RoPE positions are ``slot - pad[b]`` and slots before ``pad[b]`` are
@@ -100,8 +100,23 @@ def bucket(n: int, minimum: int = 16) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class ProgramKey:
-  layers: tuple[int, ...]  # path as layer indices, repeats allowed (PROGRAMS keys by its path_shape)
+class DecodeKey:
+  """What a compiled decode program is keyed by; every program family's key extends it (:class:`ProgramKey`, the
+  speculative ``SpecKey``, the serving ``SlotKey``). :data:`PROGRAMS` holds a program under its key's
+  :meth:`shape`, so paths of one structure share it: weights are arguments."""
+
+  layers: tuple[int, ...]  # path as layer indices, repeats allowed
+
+  def shape(self) -> DecodeKey:
+    """This key with its path numbered by position (:func:`~thoughtjax.transformer.path_shape`)."""
+    return dataclasses.replace(self, layers=path_shape(self.layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramKey(DecodeKey):
+  """A plain generation program's key: path, batch, prompt and output buckets, stop-set width, sampling mode,
+  bias, decode chunk, kernels, template widths, masks and layer layout."""
+
   batch: int  # B
   prompt_len: int  # T
   max_new: int  # N
@@ -410,17 +425,14 @@ class ProgramCache:
     self._lock = threading.Lock()
     self.hits = self.misses = self.evictions = 0
 
-  def get(self, key: ProgramKey, defs: GraphDefs, cfg, make: Callable[..., Program] | None = None) -> Program:
-    """The program of ``key``'s shape: it runs any path of that shape, given the path's parts
-    :meth:`~thoughtjax.transformer.PathParts.by_position`. ``make(key, defs, cfg)`` builds a missing one
-    (default :class:`Program`; the layer-indexed form passes its own)."""
-    key = dataclasses.replace(key, layers=path_shape(key.layers))
-    return self.program((key, defs, cfg), lambda: (make or Program)(key, defs, cfg))
-
-  def program(self, ident: tuple, make: Callable[[], Any]) -> Any:
-    """The program cached under ``ident`` (a hashable tuple naming its family, shape key, graph
-    definitions and config), built by ``make()`` when missing. Building a program only wraps functions
-    in ``jax.jit``: compiling happens at its first call, outside this cache's lock."""
+  def get(self, key: DecodeKey, defs: GraphDefs, cfg, make: Callable[..., Any] | None = None) -> Any:
+    """The program of ``key``'s :meth:`~DecodeKey.shape` for these graph definitions and model config: it runs
+    any path of that shape, given the path's parts :meth:`~thoughtjax.transformer.PathParts.by_position`.
+    ``make(shape_key, defs, cfg)`` builds a missing one (default :class:`Program`; the layer-indexed form, the
+    speculative and the slot programs pass their own). Building a program only wraps functions in
+    ``jax.jit``: compiling happens at its first call, outside this cache's lock."""
+    shape = key.shape()
+    ident = (shape, defs, cfg)
     with self._lock:
       prog = self._programs.get(ident)
       if prog is not None:
@@ -428,7 +440,7 @@ class ProgramCache:
         self._programs.move_to_end(ident)
         return prog
       self.misses += 1
-      prog = self._programs[ident] = make()
+      prog = self._programs[ident] = (make or Program)(shape, defs, cfg)
       while len(self._programs) > self.capacity:
         self._programs.popitem(last=False)
         self.evictions += 1

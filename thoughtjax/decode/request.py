@@ -6,14 +6,23 @@ and counts that fit the vocabulary, prompt plus new tokens within the context. `
 ``generate``, ``stream``, the CLI, synthesis and the slot engine's request) calls it before any device work; the
 server calls it while validating, mapping :class:`ContextError` to OUT_OF_RANGE and the rest to
 INVALID_ARGUMENT. Each error names the field, the limit and the fix.
+
+:class:`DecodeRequest` is what a checked request hands the programs: the prompt ids, the sampling parameters and
+the stop ids of each row, and the program-key fields they ask for (batch, prompt and output buckets, stop-set width,
+sampling mode, bias). The plain and the self-speculative programs build their keys and their left-padded prompts
+from it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
+
+from thoughtjax.decode.program import bucket
 from thoughtjax.decode.stream import RequestError
-from thoughtjax.sampling import SamplingParams
+from thoughtjax.sampling import SamplingParams, program_mode, stop_ids_for
 
 
 class ContextError(RequestError):
@@ -57,3 +66,63 @@ def _fits(what: str, prompt_tokens: int, max_tokens: int, max_context: int, why:
       f"{what} ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the model's context of "
       f"{max_context} tokens{why}; shorten the prompt or lower max_tokens"
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeRequest:
+  """Rows of one decode call: each row's prompt ids, :class:`~thoughtjax.sampling.SamplingParams` and stop ids.
+
+  Build it with :meth:`checked` (fields checked against the model, stop ids from the params and the model's
+  end-of-sequence ids); the constructor takes rows as given, for callers that choose the stop ids themselves."""
+
+  ids: tuple[tuple[int, ...], ...]
+  params: tuple[SamplingParams, ...]
+  stops: tuple[tuple[int, ...], ...]
+
+  def __post_init__(self):
+    object.__setattr__(self, "ids", tuple(tuple(int(t) for t in row) for row in self.ids))
+    object.__setattr__(self, "params", tuple(self.params))
+    object.__setattr__(self, "stops", tuple(tuple(int(t) for t in row) for row in self.stops))
+    if not len(self.ids) == len(self.params) == len(self.stops):
+      raise RequestError(
+        f"a decode request needs one params and one stop set per prompt; got {len(self.ids)} prompts, "
+        f"{len(self.params)} params, {len(self.stops)} stop sets"
+      )
+
+  @classmethod
+  def checked(
+    cls,
+    ids: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
+    *,
+    vocab_size: int,
+    max_context: int,
+    eos_ids: int | Sequence[int] | None,
+  ) -> DecodeRequest:
+    """The request after :func:`check_request`; each row stops on its ``stop_token_ids`` and, unless it ignores
+    them, on ``eos_ids``."""
+    check_request(ids, params, vocab_size=vocab_size, max_context=max_context)
+    return cls(tuple(ids), tuple(params), tuple(stop_ids_for(p, eos_ids) for p in params))
+
+  def key_fields(self) -> dict:
+    """The :class:`~thoughtjax.decode.program.ProgramKey` fields this request asks for, bucketed so that requests
+    of nearby sizes share a program: ``batch``, ``prompt_len``, ``max_new``, ``stop_width``, ``mode``,
+    ``has_bias``."""
+    return dict(
+      batch=bucket(len(self.ids), 1),
+      prompt_len=bucket(max(len(row) for row in self.ids)),
+      max_new=bucket(max(p.max_tokens for p in self.params)),
+      stop_width=bucket(max(len(s) for s in self.stops), 4),
+      mode=program_mode(self.params),
+      has_bias=any(p.logit_bias for p in self.params),
+    )
+
+  def left_padded(self, batch: int, prompt_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """The prompts as ``tokens`` [batch, prompt_len] i32, each row's ids at its end, and ``pad`` [batch], the
+    padding before each row; rows past the prompts hold one inert token (pad ``prompt_len - 1``)."""
+    tokens = np.zeros((batch, prompt_len), np.int32)
+    pad = np.full(batch, prompt_len - 1, np.int32)
+    for r, row in enumerate(self.ids):
+      pad[r] = prompt_len - len(row)
+      tokens[r, pad[r] :] = row
+    return tokens, pad

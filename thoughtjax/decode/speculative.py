@@ -57,15 +57,14 @@ import numpy as np
 from thoughtjax import quantized
 from thoughtjax.decode import layout
 from thoughtjax.decode import program as program_lib
-from thoughtjax.decode.program import COMPILE_CLOCK, ProgramKey, bucket
+from thoughtjax.decode.program import COMPILE_CLOCK, ProgramKey
+from thoughtjax.decode.request import DecodeRequest
 from thoughtjax.decode.stream import Generation, Rows, Trace
 from thoughtjax.errors import UserError
 from thoughtjax.path_syntax import format_path, parse_path
 from thoughtjax.sampling import (
   SamplingArrays,
   SamplingMode,
-  SamplingParams,
-  program_mode,
   sample,
   sampling_arrays,
   top_p_mask,
@@ -132,6 +131,10 @@ class SpecKey(ProgramKey):
   own: int = 0  # draft blocks after the shared ones with weights (and a KV cache) of their own
   ngram: int = 0  # > 0: an n-gram draft matching up to this many last tokens (no draft blocks)
   ngram_min: int = 1  # the shortest match it drafts from; shorter: a plain step
+
+  def shape(self) -> SpecKey:
+    """The path and the draft numbered by position, the draft's slots after the path's."""
+    return dataclasses.replace(self, layers=path_shape(self.layers), draft=path_shape(self.draft, len(self.layers)))
 
   @property
   def cache_len(self) -> int:  # S: a verify pass writes K positions past the last token
@@ -659,8 +662,7 @@ def get_program(key: SpecKey, defs: GraphDefs, cfg) -> SpecProgram:
   """The program of ``key``'s shape: its path and draft numbered by position (:func:`~thoughtjax.transformer.path_shape`,
   the draft after the path), run on parts :meth:`~thoughtjax.transformer.PathParts.by_position` of both. Held in the
   process's one program cache (:data:`thoughtjax.decode.program.PROGRAMS`)."""
-  shape = dataclasses.replace(key, layers=path_shape(key.layers), draft=path_shape(key.draft, len(key.layers)))
-  return program_lib.PROGRAMS.program(("speculative", shape, defs, cfg), lambda: SpecProgram(shape, defs, cfg))
+  return program_lib.PROGRAMS.get(key, defs, cfg, SpecProgram)
 
 
 def _run(prog, parts, prompt, pad, samp, vocab_ids, rows, trace, cancelled: threading.Event) -> Iterator:
@@ -718,18 +720,16 @@ class SpecRequest(NamedTuple):
 
 def prepare(
   model,
-  ids: Sequence[Sequence[int]],
-  params: Sequence[SamplingParams],
-  stops: Sequence[Sequence[int]],
+  request: DecodeRequest,
   draft,
   draft_tokens: int = DEFAULT_DRAFT_TOKENS,
   accept: AcceptRule = "speculative",
 ) -> SpecRequest:
-  """The program and inputs of a speculative call over prompt ids (checks the draft and the sizes)."""
+  """The program and inputs of a speculative call over a checked request (checks the draft and the sizes)."""
   if not isinstance(draft_tokens, (int, np.integer)) or not 1 <= draft_tokens <= 64:
     raise DraftError(f"draft_tokens is the number of tokens drafted per verify pass, in [1, 64]; got {draft_tokens!r}")
   d = resolve_draft(model, draft)
-  longest, max_new = max(len(i) for i in ids), max(p.max_tokens for p in params)
+  longest, max_new = max(len(i) for i in request.ids), max(p.max_tokens for p in request.params)
   if longest + max_new + draft_tokens + 1 > model.config.max_context:
     raise DraftError(
       f"prompt ({longest} tokens) + max_tokens ({max_new}) + draft_tokens + 1 ({draft_tokens + 1}) exceeds the "
@@ -741,12 +741,7 @@ def prepare(
     draft=d.slots,
     shared=d.shared,
     draft_tokens=int(draft_tokens),
-    batch=bucket(len(ids), 1),
-    prompt_len=bucket(longest),
-    max_new=bucket(max_new),
-    stop_width=bucket(max(len(s) for s in stops), 4),
-    mode=program_mode(params),
-    has_bias=any(p.logit_bias for p in params),
+    **request.key_fields(),
     chunk=model.chunk,
     kernels=model.kernels,
     draft_vocab=None if d.vocab_ids is None else int(d.vocab_ids.shape[0]),
@@ -758,31 +753,26 @@ def prepare(
   )
   prog = get_program(key, GraphDefs.from_model(model.module), model.config)
   B, T = key.batch, key.prompt_len
-  pad = np.full(B, T - 1, np.int32)
-  tokens = np.zeros((B, T), np.int32)
-  for r, row in enumerate(ids):
-    pad[r] = T - len(row)
-    tokens[r, T - len(row) :] = row
-  samp = sampling_arrays(params, B, model.config.vocab_size, key.stop_width, model.codec.eos_ids, key.has_bias)
+  tokens, pad = request.left_padded(B, T)
+  samp = sampling_arrays(request.params, B, model.config.vocab_size, key.stop_width, model.codec.eos_ids, key.has_bias)
   parts = d.parts.by_position(key.layers, key.draft)
   return SpecRequest(key, prog, parts, jnp.asarray(tokens), jnp.asarray(pad), samp, d.vocab_ids)
 
 
 def stream_batch(
   model,
-  ids: Sequence[Sequence[int]],
-  params: Sequence[SamplingParams],
-  stops: Sequence[Sequence[int]],
+  request: DecodeRequest,
   start: float,
   draft,
   draft_tokens: int = DEFAULT_DRAFT_TOKENS,
   accept: AcceptRule = "speculative",
 ):
-  """A speculative :class:`~thoughtjax.decode.stream.Generation` of prompt ids (the engine's ``draft=`` path)."""
+  """A speculative :class:`~thoughtjax.decode.stream.Generation` of a checked request (the engine's ``draft=``
+  path)."""
 
-  req = prepare(model, ids, params, stops, draft, draft_tokens, accept)
-  trace = Trace(req.key, [list(i) for i in ids], start, tokens_out=[0] * len(ids))
+  req = prepare(model, request, draft, draft_tokens, accept)
+  trace = Trace(req.key, [list(i) for i in request.ids], start, tokens_out=[0] * len(request.ids))
   cancelled = threading.Event()
-  rows = Rows(model.codec, params, stops)
+  rows = Rows(model.codec, request.params, request.stops)
   run = _run(req.program, req.parts, req.prompt, req.pad, req.samp, req.vocab_ids, rows, trace, cancelled)
   return Generation(run, trace, cancelled)

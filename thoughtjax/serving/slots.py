@@ -90,7 +90,7 @@ from thoughtjax.sampling import (
   stop_ids_for,
 )
 from thoughtjax.serving.prefix import PrefixCache
-from thoughtjax.transformer import GraphDefs, merge_path, path_config, path_shape, rope_tables, run_path
+from thoughtjax.transformer import GraphDefs, merge_path, path_config, rope_tables, run_path
 
 DEFAULT_SLOTS = 8
 DEFAULT_CACHE_LEN = 512
@@ -249,12 +249,22 @@ class SlotRun:
     self.cancel()
 
 
+@dataclasses.dataclass(frozen=True)
+class SlotKey(program_lib.DecodeKey):
+  """A slot program's key: the path, the number of slots, the ring's length, decode steps per chunk, kernels."""
+
+  slots: int
+  cache_len: int
+  chunk: int
+  kernels: str | None
+
+
 class SlotProgram:
   """The compiled functions of one slot layout (shared by every engine of that layout; see :func:`slot_program`)."""
 
-  def __init__(self, defs: GraphDefs, cfg, layers: tuple[int, ...], slots: int, cache_len: int, chunk: int, kernels):
-    self.defs, self.cfg, self.layers, self.kernels = defs, cfg, layers, kernels
-    self.slots, self.cache_len, self.steps_per_chunk = slots, cache_len, chunk
+  def __init__(self, key: SlotKey, defs: GraphDefs, cfg):
+    self.key, self.defs, self.cfg, self.layers, self.kernels = key, defs, cfg, key.layers, key.kernels
+    self.slots, self.cache_len, self.steps_per_chunk = key.slots, key.cache_len, key.chunk
     self.init = jax.jit(self._init_impl)
     self.chunk = jax.jit(self._chunk_impl, static_argnums=(4,), donate_argnums=(2,))
     self.chunk_rows = jax.jit(self._chunk_rows_impl, static_argnums=(5,), donate_argnums=(2,))
@@ -439,9 +449,7 @@ def slot_program(defs, cfg, layers, slots, cache_len, chunk, kernels) -> SlotPro
 
   Keyed by the path's shape (:func:`~thoughtjax.transformer.path_shape`): it runs any path of that shape on the
   path's parts :meth:`~thoughtjax.transformer.PathParts.by_position`."""
-  shape = path_shape(layers)
-  ident = ("slot", defs, cfg, shape, slots, cache_len, chunk, kernels)
-  return program_lib.PROGRAMS.program(ident, lambda: SlotProgram(defs, cfg, shape, slots, cache_len, chunk, kernels))
+  return program_lib.PROGRAMS.get(SlotKey(tuple(layers), slots, cache_len, chunk, kernels), defs, cfg, SlotProgram)
 
 
 class SlotEngine:
