@@ -707,8 +707,10 @@ class SlotEngine:
   ) -> None:
     """Compile the prefill of every batch size (1, 2, 4, ... up to the slots) for prompts of ``prompt_len``
     tokens (its bucket) in each mode, without and with a logit bias, and the insert of their keys, so the first
-    requests compile nothing."""
+    requests compile nothing. With a prefix cache, also the prefill after the prefix that a prompt of that length
+    reuses when it comes again (all its full blocks but the last token's), and the insert of its keys."""
     T = bucket(prompt_len)
+    hit = self._repeat_hit(prompt_len)
     params = SamplingParams()  # the mode and the bias's presence, not the settings, shape the program
     for mode, bias in ((m, b) for m in modes for b in biases):
       P = 1
@@ -716,17 +718,43 @@ class SlotEngine:
         samp = sampling_arrays([params] * P, P, self.cfg.vocab_size, self.stop_width, self.model.codec.eos_ids, bias)
         # From host arrays, as requests come: the transfer of each shape is compiled too.
         tokens, pad = jnp.asarray(np.zeros((P, T), np.int32)), jnp.asarray(np.full((P,), T - 1, np.int32))
-        kv, token, _ = self.program.prefill(self.parts, tokens, pad, samp, mode)
-        with self._lock:
-          if self.free:  # a free slot's row is ignored by the chunk and rewritten by the next insert
-            b = self._runs.index(None)
-            self._state = self.program.insert(
-              self._state, kv, jnp.int32(b), jnp.int32(0), jnp.int32(1), token, (jnp.bool_(True), jnp.int32(1))
-            )
+        self._warm_insert(*self.program.prefill(self.parts, tokens, pad, samp, mode)[:2])
+        if hit is not None:
+          have, Ts = hit
+          blocks = [jnp.zeros(self._block_shape, jnp.float32)] * (have // self.prefix_cache.block_tokens)
+          kv, token, _ = self.program.prefill_after(
+            self.parts,
+            self._prefix_rows([blocks] * P, P),
+            jnp.asarray(np.zeros((P, Ts), np.int32)),
+            jnp.asarray(np.full((P,), Ts - (prompt_len - have), np.int32)),
+            jnp.asarray(np.full((P,), have, np.int32)),
+            samp,
+            mode,
+          )
+          self._warm_insert(kv, token)
         if P >= self.slots:
           break
         P *= 2
     jax.block_until_ready(self._state)
+
+  def _repeat_hit(self, prompt_len: int) -> tuple[int, int] | None:
+    """(tokens reused, rest's bucket) of a prompt of ``prompt_len`` tokens whose prefix is cached, or None when
+    this engine keeps no prefix cache or such a hit is not taken (:meth:`_reuse_limit`)."""
+    if self.prefix_cache is None or prompt_len < 2:
+      return None
+    have = (prompt_len - 1) // self.prefix_cache.block_tokens * self.prefix_cache.block_tokens
+    if not have or bucket(prompt_len - have) >= bucket(prompt_len):
+      return None
+    return have, bucket(prompt_len - have)
+
+  def _warm_insert(self, kv, token) -> None:
+    """Insert warm-up keys into a free slot (its row is ignored by the chunk and rewritten by the next insert)."""
+    with self._lock:
+      if self.free:
+        b = self._runs.index(None)
+        self._state = self.program.insert(
+          self._state, kv, jnp.int32(b), jnp.int32(0), jnp.int32(1), token, (jnp.bool_(True), jnp.int32(1))
+        )
 
   def insert(
     self,
