@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tests.tiny import tiny_engine
+from thoughtjax.decode.program import COMPILE_CLOCK
 from thoughtjax.sampling import SamplingParams
 from thoughtjax.serving import PrefixCache, PrefixCacheError, SlotDriver, SlotEngine, generate_in_slots
 
@@ -166,16 +167,18 @@ def test_warm_also_compiles_the_prefill_after_a_repeated_prompt_s_prefix(model):
   """With a prefix cache, warm() also compiles the prefill a prompt of that length takes when it comes again (after
   its cached blocks), at every batch size, and the insert of its keys: the repeats, prefilled together, compile
   nothing and give the tokens they give without the cache. (Its own layout, 4 slots and a 96-token ring, so no other
-  test has compiled these programs in this process.)"""
+  test has compiled these programs in this process.) And the decode chunks of one and of all rows compile nothing."""
   prompt = SYSTEM[:35]  # a repeat reuses two blocks (32 tokens): 3 left, bucket 16 instead of 64
   cached = SlotEngine(model, slots=4, cache_len=96, prefix_cache=PrefixCache(16, 1 << 24))
   cached.warm(len(prompt))
-  first = generate_in_slots(cached, [(prompt, GREEDY)])[0]  # a miss: caches the two blocks
-  runs = cached.insert_batch([(prompt, GREEDY)] * 3)  # hits, prefilled together: batch bucket 4
+  with COMPILE_CLOCK.measure() as compiled:
+    first = generate_in_slots(cached, [(prompt, GREEDY)])[0]  # a miss: caches the two blocks; one-row chunks
+    runs = cached.insert_batch([(prompt, GREEDY)] * 3)  # hits, prefilled together: batch bucket 4
+    while cached.active:
+      cached.step()  # three slots in use: chunks of all four rows
   assert [r.trace.prefix_cache_tokens for r in runs] == [32] * 3 and [r.prefill_batch for r in runs] == [3] * 3
   assert [first.trace.compile_s] + [r.trace.compile_s for r in runs] == [0.0] * 4
-  while cached.active:
-    cached.step()
+  assert compiled[0] == 0.0  # nor did a decode chunk, a block cut or a transfer
   want = generate_in_slots(SlotEngine(model, slots=4, cache_len=96), [(prompt, GREEDY)])[0].token_ids
   assert first.token_ids == want and [r.token_ids for r in runs] == [want] * 3
 

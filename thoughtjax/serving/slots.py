@@ -705,10 +705,12 @@ class SlotEngine:
     modes: Sequence[SamplingMode] = (SamplingMode.GREEDY,),
     biases: Sequence[bool] = (False, True),
   ) -> None:
-    """Compile the prefill of every batch size (1, 2, 4, ... up to the slots) for prompts of ``prompt_len``
-    tokens (its bucket) in each mode, without and with a logit bias, and the insert of their keys, so the first
-    requests compile nothing. With a prefix cache, also the prefill after the prefix that a prompt of that length
-    reuses when it comes again (all its full blocks but the last token's), and the insert of its keys."""
+    """Compile what the first requests of ``prompt_len`` tokens run, so they compile nothing: in each mode, without
+    and with a logit bias, the prefill of every batch size (1, 2, 4, ... up to the slots) for prompts of that
+    length (its bucket) and the insert of their keys; the decode chunk at every width a chunk computes (1, 2, 4,
+    ... and all the slots), run with no slot active. With a prefix cache, also the cut of a new prompt's blocks
+    into the cache, and the prefill after the prefix that a prompt of that length reuses when it comes again (all
+    its full blocks but the last token's) with the insert of its keys."""
     T = bucket(prompt_len)
     hit = self._repeat_hit(prompt_len)
     params = SamplingParams()  # the mode and the bias's presence, not the settings, shape the program
@@ -718,7 +720,10 @@ class SlotEngine:
         samp = sampling_arrays([params] * P, P, self.cfg.vocab_size, self.stop_width, self.model.codec.eos_ids, bias)
         # From host arrays, as requests come: the transfer of each shape is compiled too.
         tokens, pad = jnp.asarray(np.zeros((P, T), np.int32)), jnp.asarray(np.full((P,), T - 1, np.int32))
-        self._warm_insert(*self.program.prefill(self.parts, tokens, pad, samp, mode)[:2])
+        kv, token, _ = self.program.prefill(self.parts, tokens, pad, samp, mode)
+        self._warm_insert(kv, token)
+        if self.prefix_cache is not None:  # a new prompt's blocks are cut from its prefill's keys into the cache
+          _block_at(self.program.blocks(kv, pad, self.prefix_cache.block_tokens), jnp.int32(0), jnp.int32(0))
         if hit is not None:
           have, Ts = hit
           blocks = [jnp.zeros(self._block_shape, jnp.float32)] * (have // self.prefix_cache.block_tokens)
@@ -735,7 +740,26 @@ class SlotEngine:
         if P >= self.slots:
           break
         P *= 2
+      self._warm_chunks(mode, bias)
     jax.block_until_ready(self._state)
+
+  def _warm_chunks(self, mode: SamplingMode, bias: bool) -> None:
+    """Run the decode chunk at every width :func:`_width` gives, with no slot active: each compiles, none steps
+    (the loop stops before its first step), the state stays as it was."""
+    with self._lock:
+      h = self._host
+      samp = SamplingArrays(
+        *(jnp.asarray(h[k]) for k in ("temperature", "top_k", "top_p", "seed", "max_new", "stop_ids")),
+        jnp.asarray(self._bias) if bias else None,
+      )
+      W = 1
+      while W < self.slots:
+        rows, active = jnp.asarray(np.arange(W, dtype=np.int32)), jnp.asarray(np.zeros(W, bool))
+        self._state, _, _ = self.program.chunk_rows(self.parts, samp, self._state, rows, active, mode)
+        W *= 2
+      self._state, _, _ = self.program.chunk(
+        self.parts, samp, self._state, jnp.asarray(np.zeros(self.slots, bool)), mode
+      )
 
   def _repeat_hit(self, prompt_len: int) -> tuple[int, int] | None:
     """(tokens reused, rest's bucket) of a prompt of ``prompt_len`` tokens whose prefix is cached, or None when
@@ -924,7 +948,7 @@ class SlotEngine:
       if width < self.slots:  # compute only the slots in use (padded to a power of two with free ones)
         rows = live + [b for b in range(self.slots) if b not in set(live)][: width - len(live)]
         self._state, out, steps = program.chunk_rows(
-          self.parts, samp, self._state, jnp.asarray(rows, jnp.int32), jnp.asarray(active[rows]), mode
+          self.parts, samp, self._state, jnp.asarray(np.asarray(rows, np.int32)), jnp.asarray(active[rows]), mode
         )
       else:
         self._state, out, steps = program.chunk(self.parts, samp, self._state, jnp.asarray(active), mode)
