@@ -723,10 +723,12 @@ class SlotEngine:
         kv, token, _ = self.program.prefill(self.parts, tokens, pad, samp, mode)
         self._warm_insert(kv, token)
         if self.prefix_cache is not None:  # a new prompt's blocks are cut from its prefill's keys into the cache
-          _block_at(self.program.blocks(kv, pad, self.prefix_cache.block_tokens), jnp.int32(0), jnp.int32(0))
+          block = _block_at(self.program.blocks(kv, pad, self.prefix_cache.block_tokens), jnp.int32(0), jnp.int32(0))
         if hit is not None:
           have, Ts = hit
-          blocks = [jnp.zeros(self._block_shape, jnp.float32)] * (have // self.prefix_cache.block_tokens)
+          # Cached blocks as the cache holds them: outputs of _block_at, placed on the device, which a program
+          # call takes as a committed argument (a fresh array is not, and would compile a program of its own).
+          blocks = [block] * (have // self.prefix_cache.block_tokens)
           kv, token, _ = self.program.prefill_after(
             self.parts,
             self._prefix_rows([blocks] * P, P),
