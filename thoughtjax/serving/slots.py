@@ -512,8 +512,6 @@ class SlotEngine:
     keyed = [i for i in self.layers if i >= 0]
     self.prefix_cache = prefix_cache if keyed else None
     self._zero_block: jax.Array | None = None  # a prefix row's padding block
-    if self.prefix_cache is not None:
-      self._block_shape = (len(keyed), 2, self.cfg.num_kv_heads, self.prefix_cache.block_tokens, self.cfg.head_dim)
 
   # ---- host API ----------------------------------------------------------------------
   @property
@@ -693,7 +691,9 @@ class SlotEngine:
     """The block arrays of a :meth:`SlotProgram._prefill_after_impl` call: P rows of NB blocks (NB: the longest
     chain's block bucket), each row's chain right-aligned after zero blocks."""
     if self._zero_block is None:
-      self._zero_block = jnp.zeros(self._block_shape, jnp.float32)
+      # Made like a cached block (committed to its device where those are), so a call's arguments keep one
+      # signature however many of its rows are padding: a fresh array would be uncommitted and compile anew.
+      self._zero_block = jnp.zeros_like(next(b for c in chains for b in c))
     B = self.prefix_cache.block_tokens
     NB = bucket(max(len(c) for c in chains) * B, B) // B
     rows = [*chains, *([[]] * (P - len(chains)))]
