@@ -10,8 +10,8 @@ benchmarks.
 
 A program serves one :class:`ProgramKey` (a :class:`DecodeKey`, which every program family's key extends):
 path shape, batch bucket, prompt bucket, new-token bucket, stop-set width, sampling mode, bias on/off, decode
-chunk, kernels, template widths, masked; and the graph definitions and model config it was built for. Its single entry point
-``advance(parts, prompt, pad, sampling, state)`` runs, inside XLA,
+chunk, kernels, template widths, masked; and the graph definitions and model config it was built for. Its
+single entry point ``advance(parts, prompt, pad, sampling, state)`` runs, inside XLA,
 
 * on the first call (``state.step == 0``): the prefill over the left-padded prompt
   [B, T] and the first sampled token, so the first token is out after one prefill;

@@ -749,11 +749,7 @@ class SlotEngine:
     """Run the decode chunk at every width :func:`_width` gives, with no slot active: each compiles, none steps
     (the loop stops before its first step), the state stays as it was."""
     with self._lock:
-      h = self._host
-      samp = SamplingArrays(
-        *(jnp.asarray(h[k]) for k in ("temperature", "top_k", "top_p", "seed", "max_new", "stop_ids")),
-        jnp.asarray(self._bias) if bias else None,
-      )
+      samp = self._slot_arrays(bias)
       W = 1
       while W < self.slots:
         rows, active = jnp.asarray(np.arange(W, dtype=np.int32)), jnp.asarray(np.zeros(W, bool))
@@ -922,14 +918,17 @@ class SlotEngine:
   def _sampling(self) -> tuple[bool, SamplingArrays]:
     if self._samp is None:
       live = [b for b, r in enumerate(self._runs) if r is not None]
-      has_bias = any(self._has_bias[b] for b in live)
-      h = self._host
-      arrays = SamplingArrays(
-        *(jnp.asarray(h[k]) for k in ("temperature", "top_k", "top_p", "seed", "max_new", "stop_ids")),
-        jnp.asarray(self._bias) if has_bias else None,
-      )
+      arrays = self._slot_arrays(any(self._has_bias[b] for b in live))
       self._samp = (_widest({self._modes[b] for b in live}), arrays)
     return self._samp
+
+  def _slot_arrays(self, bias: bool) -> SamplingArrays:
+    """Every slot's sampling settings on the device, with the slots' logit biases when ``bias``."""
+    h = self._host
+    return SamplingArrays(
+      *(jnp.asarray(h[k]) for k in ("temperature", "top_k", "top_p", "seed", "max_new", "stop_ids")),
+      jnp.asarray(self._bias) if bias else None,
+    )
 
   def step(self) -> dict[int, list[int]]:
     """One decode chunk for every slot in use; returns each slot's new token ids. Slots whose row stopped
