@@ -73,7 +73,9 @@ class ServerApp:
     w = self.config.warm
     if not w.hints:
       return []
-    return self.service.syn.warm(w.hints, prompt_tokens=w.prompt_tokens, max_tokens=w.max_tokens)
+    # The continuous scheduler's engines are what requests run in: warmed there, not as a lone generation.
+    pool = getattr(self.service.scheduler, "pool", None)
+    return self.service.syn.warm(w.hints, prompt_tokens=w.prompt_tokens, max_tokens=w.max_tokens, pool=pool)
 
   async def _set_health(self, status) -> None:
     for name in ("", SERVICE):

@@ -27,6 +27,7 @@ from thoughtjax.server.config import ServerConfig
 from thoughtjax.server.messages import failure_field, public_message, status_of
 from thoughtjax.server.metrics import ServerMetrics, failure_totals
 from thoughtjax.server.validation import Refused, Serving
+from thoughtjax.serving.pool import EnginePool
 from thoughtjax.synthesis.calibration import Calibration
 from thoughtjax.synthesis.calibration_store import MissingCalibrationError, read_calibration
 from thoughtjax.synthesis.router_store import forget_router
@@ -53,9 +54,10 @@ class Reloader:
   and the last refusal's message; ``retired``: the versions replaced (their registry counters stay in the
   server's totals, as do the refused sequences', :meth:`refused_failures`)."""
 
-  def __init__(self, config: ServerConfig, metrics: ServerMetrics):
+  def __init__(self, config: ServerConfig, metrics: ServerMetrics, pool: EnginePool | None = None):
     self.config = config
     self.metrics = metrics
+    self.pool = pool  # the continuous scheduler's engines, where the warm set is compiled (None: simple scheduler)
     self.counts: dict[str, Any] = {"switched": 0, "unchanged": 0, "refused": 0, "last_refusal": None}
     self.retired: list[Serving] = []
     self.lock = asyncio.Lock()  # one reload at a time; requests keep flowing meanwhile
@@ -102,7 +104,9 @@ class Reloader:
         learn=old.syn.learn,
       )
       w = self.config.warm
-      warmed = syn.warm(w.hints, prompt_tokens=w.prompt_tokens, max_tokens=w.max_tokens) if w.hints else []
+      warmed = (
+        syn.warm(w.hints, prompt_tokens=w.prompt_tokens, max_tokens=w.max_tokens, pool=self.pool) if w.hints else []
+      )
       return Reload(Serving.of(syn, owned=True), fresh.sequence, how, tuple(dropped), tuple(warmed), tuple(notes))
     except Exception as e:
       seq = "" if fresh is None else f" sequence {fresh.sequence}"

@@ -109,7 +109,7 @@ class SynthesizerService:
     self.statuses: collections.Counter[str] = collections.Counter()  # status name -> answers
     self.metrics = metrics or ServerMetrics()
     # ReloadRegistry: its counts, and the registries it replaced (their counters stay in the totals).
-    self.reloader = Reloader(config, self.metrics)
+    self.reloader = Reloader(config, self.metrics, pool=getattr(self.scheduler, "pool", None))
     self.metrics.bind(
       self.scheduler.snapshot, self.failure_totals, lambda: 0 if self.serving is None else self.serving.sequence
     )

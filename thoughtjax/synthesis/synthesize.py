@@ -50,6 +50,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from thoughtjax.constraint import Constraint
 from thoughtjax.decode.speculative import Draft
@@ -60,6 +61,9 @@ from thoughtjax.synthesis.calibration import Calibration
 from thoughtjax.synthesis.candidate import path_hash_of
 from thoughtjax.synthesis.latency import STAGES, LatencyContext, LatencyModel, LatencyTrace, Residency
 from thoughtjax.synthesis.planner import Plan, Planner, PlanRequest, floors_of
+
+if TYPE_CHECKING:
+  from thoughtjax.serving.pool import EnginePool
 
 DEFAULT_HINT = "general_purpose"
 STAGE_NAMES = ("restore", "compile", "prefill", "decode")
@@ -333,17 +337,30 @@ class Synthesizer:
       return list(self._models.values())
 
   def warm(
-    self, hints: Sequence[str] | None = None, *, prompt_tokens: Sequence[int] = (16,), max_tokens: Sequence[int] = (64,)
+    self,
+    hints: Sequence[str] | None = None,
+    *,
+    prompt_tokens: Sequence[int] = (16,),
+    max_tokens: Sequence[int] = (64,),
+    pool: EnginePool | None = None,
   ) -> list[str]:
     """Restore and compile ahead of time the plans of ``hints`` (default: every calibrated hint) under a
     generous budget, for the given shape buckets, so a first request pays no restore or compile.
-    Returns the paths warmed."""
+    With ``pool`` (a server's slot engines), a plan that a slot engine would run is warmed where it will run:
+    its engine in the pool is made and compiled (:meth:`EnginePool.warm
+    <thoughtjax.serving.pool.EnginePool.warm>`) instead of the program a request running alone takes; a plan
+    that runs alone (speculative) is run as without. Returns the paths warmed."""
     warmed = []
     for hint in hints or self.calibration.hints:
       for T in prompt_tokens:
         for n in max_tokens:
           r = self.synthesize([3] * T, hints=[hint], max_latency_ms=math.inf, max_tokens=n, ignore_eos=True)
-          r.finish()
+          request = r.slot_request() if pool is not None else None
+          if request is None:
+            r.finish()
+          else:
+            r.close()  # never started: the slot engine runs such a request in its place
+            pool.warm(request[0], T, n)
           if r.plan.path not in warmed:
             warmed.append(r.plan.path)
     return warmed

@@ -1,0 +1,54 @@
+"""The warm set (config ``warm``) is compiled where requests run: with the continuous scheduler, in the slot engine
+of each hint's path, so the first requests after SERVING trace no program."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+
+from tests.server.conftest import config, stub_of, wait_ready
+from thoughtjax.proto.v1 import synthesis_pb2 as pb
+from thoughtjax.server.app import BackgroundServer
+from thoughtjax.server.config import PrefixCacheConfig, WarmConfig
+
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"  # every program made for a new shape starts with a trace
+_traced: list[str] = []
+_tracing = threading.Event()
+jax.monitoring.register_event_duration_secs_listener(
+  lambda e, s, **k: _traced.append(threading.current_thread().name) if e == TRACE_EVENT and _tracing.is_set() else None
+)
+
+PROMPT = "The quick brown fox"
+HINT = "general_purpose"
+
+
+def _final(stub, **fields) -> pb.Final:
+  *_, last = stub.Synthesize(pb.SynthesizeRequest(prompt=PROMPT, hints=[HINT], **fields), timeout=120)
+  return last.final
+
+
+def test_warm_hints_compile_the_slot_engine_so_first_requests_alone_and_together_trace_nothing(synthesizer):
+  # Three slots and a 12-token answer: a layout no other test compiles in this process. (No prefix cache: its
+  # programs are warmed too, tests/serving/test_prefix.py, and would double the warm-up here.)
+  T, n = len(synthesizer.prompt_ids(PROMPT)), 12
+  warm = WarmConfig(hints=(HINT,), prompt_tokens=(T,), max_tokens=(n,))
+  cfg = config(scheduler="continuous", max_concurrent=3, warm=warm, prefix_cache=PrefixCacheConfig(max_mb=0))
+  with BackgroundServer(synthesizer, cfg, timeout=300) as srv:
+    wait_ready(srv)
+    pool = srv.app.service.scheduler.pool
+    assert pool.stats()["engines"] == 1  # made by the warm-up, before any request
+    ch, stub = stub_of(srv)
+    with ch:
+      _tracing.set()
+      try:
+        alone = _final(stub, max_tokens=n)
+        with ThreadPoolExecutor(3) as ex:  # prefilled together (or not), decoded in one chunk of up to 3 rows
+          together = list(ex.map(lambda k: _final(stub, max_tokens=n, logit_bias={k: 1.0}), range(3)))
+      finally:
+        _tracing.clear()
+    stats = pool.stats()
+  assert _traced == []
+  assert stats["engines"] == 1  # the four ran in the warmed engine, the only one
+  assert alone.usage.tokens_out > 0 and all(f.usage.tokens_out > 0 for f in together)
