@@ -144,7 +144,7 @@ def test_a_speculative_plan_runs_the_speculative_program_and_streams_plain_greed
   j = t.to_json()
   assert j["draft"] == t.draft and j["drafted"] == t.drafted and "speculative: draft" in t.table()
   assert r.generation.trace.verify_passes == t.verify_passes
-  # Sampled, it runs too (the full path's distribution is tested in tests/test_speculative.py).
+  # Sampled, it runs too (the full path's distribution is tested in tests/decode/test_speculative.py).
   s = syn.synthesize(PROMPT, [HINTS[0]], max_latency_ms=math.inf, max_tokens=6, temperature=0.8, seed=3).finish()
   assert s.plan.kind == "speculative" and 1 <= s.trace.tokens_out <= 6
 

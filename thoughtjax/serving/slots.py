@@ -204,6 +204,18 @@ class SlotRun:
     for fn in callbacks:
       fn()
 
+  def abandon(self, error: BaseException | None = None) -> None:
+    """End a run that holds no slot: cancelled (``error`` None: its rows end as cancelled) or failed. A run
+    that ended already is left alone."""
+    if self.freed.is_set():
+      return
+    if error is None:
+      self.trace.cancelled = True
+      for d in self.rows.cancel():
+        self._push(d)
+    self.chunks_at_free = self.engine.chunks
+    self._end(error)
+
   # ---- user side --------------------------------------------------------------------
   def when_freed(self, fn: Callable[[], None]) -> None:
     """Call ``fn`` (on the engine's thread) once the slot is free; at once if it already is."""
@@ -595,6 +607,11 @@ class SlotEngine:
     have = self.prefix_cache.peek(ids, n - 1)
     return n - 1 if have and bucket(n - have) < bucket(n) else 0
 
+  def prefill_runs(self, runs: Sequence[SlotRun]) -> list[Prefilled]:
+    """Prefill runs made before their prefill (a driver's queue: :meth:`SlotDriver.submit`) as :meth:`prefill_batch`
+    does requests, each with the run's own trace, rows and grammar state; takes no slot."""
+    return self._prefill([_Request(r.ids, r.params, r.trace, r.rows, r.matcher) for r in runs])
+
   def _prefill(self, reqs: Sequence[_Request]) -> list[Prefilled]:
     """The prefill of ``reqs``: one program call for those whose prompt starts with a cached prefix (only the
     rest is computed), one for the others; then each prompt's new full blocks go into the prefix cache."""
@@ -816,11 +833,12 @@ class SlotEngine:
     """The request's run with its prefill's delta delivered at once (its first token does not wait for the
     chunk running); it takes no slot until :meth:`place`. A request that finished at its prefill ends here."""
     run = SlotRun(self, pre, on_delta)
-    self._deliver(run, pre)
+    self.deliver(run, pre)
     return run
 
-  def _deliver(self, run: SlotRun, pre: Prefilled) -> None:
-    """The prefill's first token to the run (and its end when it stopped there)."""
+  def deliver(self, run: SlotRun, pre: Prefilled) -> None:
+    """The prefill's first token to ``run`` (and its end when it stopped there); ``pre`` is its prefill
+    (:meth:`admit` does this for a run made from its prefill, a driver for the runs it queued)."""
     run.prefill_batch = pre.batch
     token = int(jax.device_get(pre.token)[pre.row])
     d = pre.rows.emit(0, [token], pre.done, pre.count)
@@ -837,11 +855,7 @@ class SlotEngine:
       if run.freed.is_set() or run.slot is not None:
         return
       if run.cancel_requested:
-        run.trace.cancelled = True
-        for d in run.rows.cancel():
-          run._push(d)
-        run.chunks_at_free = self.chunks
-        run._end()
+        run.abandon()
         return
       try:
         b = self._runs.index(None)
@@ -1132,7 +1146,7 @@ class SlotDriver:
           dropped, batch = self._take()
           self._prefilling = len(batch)
       for run in dropped:
-        self._end_unstarted(run, None)
+        run.abandon()
       if batch:
         stalls += self.engine.active > 0
         try:
@@ -1141,7 +1155,7 @@ class SlotDriver:
           self.error = e
           for run in batch:
             if not run.finished and run.slot is None:
-              self._end_unstarted(run, e)
+              run.abandon(e)
         finally:
           with self._cond:
             self._prefilling = 0
@@ -1156,22 +1170,11 @@ class SlotDriver:
   def _start(self, batch: list[SlotRun]) -> None:
     """One prefill call for ``batch``, each run's first token out, then each into a free slot."""
     engine = self.engine
-    pres = engine._prefill([_Request(r.ids, r.params, r.trace, r.rows, r.matcher) for r in batch])
+    pres = engine.prefill_runs(batch)
     for run, pre in zip(batch, pres, strict=True):
-      engine._deliver(run, pre)
+      engine.deliver(run, pre)
     for run, pre in zip(batch, pres, strict=True):
       engine.place(run, pre)
-
-  def _end_unstarted(self, run: SlotRun, error: BaseException | None) -> None:
-    """End a run that holds no slot: cancelled (``error`` None) or failed."""
-    if run.finished:
-      return
-    if error is None:
-      run.trace.cancelled = True
-      for d in run.rows.cancel():
-        run._push(d)
-    run.chunks_at_free = self.engine.chunks
-    run._end(error)
 
   def close(self) -> None:
     """Stop; runs still in a slot or waiting end with an error (nobody would step them again)."""
@@ -1182,7 +1185,7 @@ class SlotDriver:
     self._thread.join(timeout=60)
     error = SlotsClosed(f"the slot driver of path {self.engine.model.path!r} was closed")
     for run in pending:
-      self._end_unstarted(run, error)
+      run.abandon(error)
     self.engine.fail(error)
 
 
