@@ -30,6 +30,7 @@ import time
 import grpc
 
 from thoughtjax.client import TEXT_PREFIX, TRACE_KEY, USAGE_KEY
+from thoughtjax.decode.request import RequestRun
 from thoughtjax.errors import UserError
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
 from thoughtjax.registry import (
@@ -91,36 +92,19 @@ def public_message(text: str, limit: int = 2000) -> str:
   return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-class PathRun:
-  """An explicit path's generation, shaped like a SynthesisResult for the scheduler and the final message."""
+class PathRun(RequestRun):
+  """An explicit path's request, run like a SynthesisResult by the scheduler and summed up by the final message."""
 
   def __init__(self, model, r: Request, sequence: int):
-    self.model, self.request, self.sequence = model, r, sequence
     self.t0 = time.perf_counter()
-    self.generation = model.stream_batch([list(r.prompt_ids)], SamplingParams(max_tokens=r.max_tokens, **r.sampling))
+    super().__init__(model.request([list(r.prompt_ids)], SamplingParams(max_tokens=r.max_tokens, **r.sampling)))
+    self.wire, self.sequence = r, sequence
     self.text = ""
 
-  def __iter__(self):
-    return self
-
   def __next__(self):
-    d = next(self.generation)
+    d = super().__next__()
     self.text += d.text
     return d
-
-  def slot_request(self) -> tuple | None:
-    return self.generation.slot_request()
-
-  def run_in(self, stream) -> None:
-    """As :meth:`thoughtjax.synthesis.synthesize.SynthesisResult.run_in`."""
-    self.generation.close()
-    self.generation = stream
-
-  def cancel(self) -> None:
-    self.generation.cancel()
-
-  def close(self) -> None:
-    self.generation.close()
 
 
 def plan_message(plan, request_id: str) -> pb.Plan:
@@ -229,7 +213,7 @@ def _final_of(run, last) -> pb.Final:
       "decode": (gt.decode_s or 0.0) * 1e3,
       "total": ((gt.end or time.perf_counter()) - run.t0) * 1e3,
     }
-    tokens_in, tokens_out = len(run.request.prompt_ids), sum(gt.tokens_out)
+    tokens_in, tokens_out = len(run.wire.prompt_ids), sum(gt.tokens_out)
     trace = pb.Trace(
       path=run.model.path,
       path_hash=run.model.path_hash,

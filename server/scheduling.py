@@ -52,20 +52,21 @@ class RequestRecord:
 
 
 class Run(Protocol):
-  """What ``start`` returns: an iterator of deltas with ``cancel()``/``close()`` and a ``generation``
-  whose ``trace`` counts decode chunks (a :class:`~thoughtjax.synthesis.synthesize.SynthesisResult`)."""
+  """What ``start`` returns (a :class:`~thoughtjax.synthesis.synthesize.SynthesisResult`), not started: an
+  iterator of deltas with ``cancel()``/``close()``, its checked ``request`` (a
+  :class:`~thoughtjax.decode.request.ModelRequest`) and, once started, a ``generation`` whose ``trace`` counts
+  decode chunks. The scheduler runs it alone (:meth:`start`) or in a slot engine (:meth:`run_in`)."""
 
-  generation: Any
+  generation: Any  # None until start() or run_in()
+  request: Any
 
   def __next__(self) -> Any: ...
 
-  def slot_request(self) -> tuple | None:
-    """``(model, prompt ids, SamplingParams)`` when a slot engine may run the request in its place, else None
-    (the run goes alone); see :meth:`thoughtjax.decode.stream.Generation.slot_request`."""
+  def start(self) -> None:
+    """Run the request alone (on the caller's thread: a worker)."""
 
   def run_in(self, stream) -> None:
-    """Take deltas from ``stream`` (a slot engine's run of this request) from now on; its own generation,
-    never started, is closed."""
+    """Take deltas from ``stream`` (a slot engine's run of ``request.slot()``) instead."""
 
   def cancel(self) -> None: ...
 
@@ -83,6 +84,13 @@ class Scheduler(Protocol):
 
 
 _END = object()
+
+
+def _started(start: Callable[[], Run]) -> Run:
+  """``start()``'s run, started alone (a worker's job)."""
+  run = start()
+  run.start()
+  return run
 
 
 def _next(run: Run):
@@ -206,7 +214,7 @@ class SimpleScheduler:
     inflight: list[concurrent.futures.Future] = []
     ended = "cancelled"
     try:
-      inflight.append(self._executor.submit(start))
+      inflight.append(self._executor.submit(_started, start))
       run.append(await asyncio.wrap_future(inflight[-1]))
       yield run[0]
       while True:
@@ -295,7 +303,7 @@ class ContinuousScheduler(SimpleScheduler):
   the moment it is handed the driver until its slot is free (or it never got one), so an engine with queued,
   prefilling or placed work, or one handed to a request that has not submitted yet, is never evicted or released
   (:meth:`release_path`, the server's idle release); a request whose path needs an engine when every one is in
-  use is shed with :class:`QueueFull`. A run whose ``slot_request()`` is None (a speculative plan, a batch) runs
+  use is shed with :class:`QueueFull`. A run whose ``request.slot()`` is None (a speculative plan, a batch) runs
   alone, as in :class:`SimpleScheduler`.
   """
 
@@ -356,18 +364,20 @@ class ContinuousScheduler(SimpleScheduler):
     try:
       box["start"] = self._executor.submit(start)
       run = box["run"] = await asyncio.wrap_future(box["start"])
-      request = run.slot_request()
+      row = run.request.slot()
       self._refuse_late(run, request_id, deadline)  # a run that goes alone too (e.g. a speculative plan)
-      if request is None:
+      if row is None:
+        box["alone"] = self._executor.submit(run.start)
+        await asyncio.wrap_future(box["alone"])
         yield run
         async for d in self._alone(run, box, request_id, deadline):
           yield d
         ended = "finished"
         return
-      model, ids, params = request
+      ids, params = row
       # The driver comes with a lease (released once the slot is free): kept in the box, so a call that ends
       # while it is being handed out still gives it back.
-      box["driver"] = self._executor.submit(self._lease, model, len(ids) + params.max_tokens)
+      box["driver"] = self._executor.submit(self._lease, run.request.model, len(ids) + params.max_tokens)
       driver = await asyncio.wrap_future(box["driver"])
       ready: asyncio.Queue = asyncio.Queue()
       # The driver prefills it with the others waiting then; its first token goes out as soon as that call ends.
@@ -392,9 +402,11 @@ class ContinuousScheduler(SimpleScheduler):
           return
         yield next(run)
     except BaseException:
-      f = box.get("start")
+      f, alone = box.get("start"), box.get("alone")
       if "run" not in box and f is not None and f.done() and not f.cancelled() and f.exception():
         ended = "failed"
+      if alone is not None and alone.done() and not alone.cancelled() and alone.exception():
+        ended = "failed"  # it could not start alone (e.g. its draft did not resolve)
       raise
     finally:
       self._release_slot(box, record, ended, loop)
@@ -440,7 +452,7 @@ class ContinuousScheduler(SimpleScheduler):
 
     def finish():
       try:
-        futures = [box[k] for k in ("start", "driver", "insert", "next") if k in box]
+        futures = [box[k] for k in ("start", "alone", "driver", "insert", "next") if k in box]
         concurrent.futures.wait(futures)  # work in flight ends first (a run submitted late is cancelled below)
         s, submitted = box.get("slot"), box.get("insert")
         if s is None and submitted is not None and not submitted.cancelled() and submitted.exception() is None:
@@ -464,10 +476,12 @@ class ContinuousScheduler(SimpleScheduler):
               for _ in iter(lambda: _next(r), _END):
                 pass
             r.close()
-            t = r.generation.trace
-            record.decode_chunks_at_cancel = record.decode_chunks_at_cancel or t.decode_chunks
-            record.decode_chunks_end = t.decode_chunks
-            record.tokens_out = sum(t.tokens_out)
+            # A run that never started (the call ended before it was given a slot or started alone): 0 and 0.
+            t = r.generation.trace if r.generation is not None else None
+            chunks = 0 if t is None else t.decode_chunks
+            record.decode_chunks_at_cancel = record.decode_chunks_at_cancel or chunks
+            record.decode_chunks_end = chunks
+            record.tokens_out = 0 if t is None else sum(t.tokens_out)
         record.closed = True
       finally:
         got = box.get("driver")

@@ -34,7 +34,7 @@ from thoughtjax.decode import indexed, speculative
 from thoughtjax.decode import program as program_lib
 from thoughtjax.decode.masks import RowMasks, grammars_for
 from thoughtjax.decode.program import COMPILE_CLOCK, Program, ProgramKey, TemplatePrompt, bucket
-from thoughtjax.decode.request import DecodeRequest
+from thoughtjax.decode.request import DecodeRequest, ModelRequest
 from thoughtjax.decode.stream import Completion, Delta, Generation, RequestError, Rows, Trace
 from thoughtjax.kernels.dispatch import resolve as resolve_kernels
 from thoughtjax.loading import LoadedModel
@@ -434,31 +434,21 @@ class Model:
       return self._templates[system]
 
   # ---- generation -------------------------------------------------------------------
-  def stream_batch(
+  def request(
     self,
     prompts: Sequence[str | Sequence[int]],
     params: Sequence[SamplingParams] | SamplingParams | None = None,
     chat: bool = False,
     system: str | None = None,
-    stream_mode: str = "chunks",
     *,
     draft=None,
     draft_tokens: int = 4,
-  ) -> Generation:
-    """Generate for several prompts at once; the returned :class:`Generation` yields deltas as
-    tokens are produced (``stream_mode``: ``"chunks"``, or ``"callback"`` for comparison).
-
-    ``draft`` (a path string, e.g. ``"embed, blocks[0:10), head"``, ``"ngram:3"`` for drafts looked up in
-    the text itself, or a :class:`thoughtjax.decode.speculative.Draft`): self-speculative decoding, ``draft_tokens`` drafted per
-    verify pass of this path; the same tokens (greedy) or the same distribution (sampling).
-
-    Template prompts (``chat=True``, or any string prompt on a path with a template) go in as
-    the template's fixed rows around the user tokens, embedded by the fused template kernel
-    inside the program; other prompts go in as token ids.
-    """
+  ) -> ModelRequest:
+    """The checked decode request of ``prompts`` on this path, before any device work: run it alone with
+    :meth:`run`, or hand its one row to a slot engine (:meth:`ModelRequest.slot
+    <thoughtjax.decode.request.ModelRequest.slot>`). Arguments as for :meth:`stream_batch`; every field is
+    checked here (:func:`~thoughtjax.decode.request.check_request`), and a constraint is compiled or refused."""
     start = time.perf_counter()
-    if stream_mode not in ("chunks", "callback"):
-      raise RequestError(f"stream_mode must be 'chunks' or 'callback', got {stream_mode!r}")
     if isinstance(prompts, str):
       raise TypeError("stream_batch takes a list of prompts; use stream() for one")
     template, user = self._template_split(prompts, chat, system)
@@ -470,26 +460,53 @@ class Model:
       params = SamplingParams()
     if isinstance(params, SamplingParams):
       params = [params] * len(ids)
-    request = DecodeRequest.checked(
+    decode = DecodeRequest.checked(
       ids, params, vocab_size=self.config.vocab_size, max_context=self.config.max_context, eos_ids=self.codec.eos_ids
     )
+    constraints = [p.constraint for p in params if p.constraint is not None]
+    if constraints:
+      if draft is not None:
+        raise RequestError(
+          "json_schema / regex / grammar decode one step per call in chunks; drop draft= or drop the constraint"
+        )
+      grammars = grammars_for(self.codec, self.config.vocab_size)
+      for c in constraints:
+        grammars.check(c)  # compiled (or refused with a ConstraintError) before any device work
+    return ModelRequest(
+      self,
+      decode,
+      start,
+      template,
+      None if user is None else tuple(tuple(u) for u in user),
+      draft,
+      draft_tokens,
+    )
+
+  def run(self, request: ModelRequest, stream_mode: str = "chunks") -> Generation:
+    """Start ``request`` (from :meth:`request`) alone on this path; the :class:`Generation` yields deltas as
+    tokens are produced (``stream_mode``: ``"chunks"``, or ``"callback"`` for comparison)."""
+    if request.model is not self:
+      raise RequestError("this request was made by another path's Model; run it with request.model.run()")
+    if stream_mode not in ("chunks", "callback"):
+      raise RequestError(f"stream_mode must be 'chunks' or 'callback', got {stream_mode!r}")
+    decode, template, user = request.decode, request.template, request.user
+    ids, params, start = decode.ids, decode.params, request.start
     constraints = [p.constraint for p in params]
     masks = None
     if RowMasks.needed(constraints):
-      if draft is not None or stream_mode != "chunks":
+      if stream_mode != "chunks":
         raise RequestError(
-          "json_schema / regex / grammar decode one step per call in chunks; drop draft= and stream_mode="
-          "'callback', or drop the constraint"
+          "json_schema / regex / grammar decode one step per call in chunks; drop stream_mode='callback', "
+          "or drop the constraint"
         )
-      # Compiled (or refused with a ConstraintError) before any device work.
       masks = RowMasks(grammars_for(self.codec, self.config.vocab_size), constraints, bucket(len(ids), 1))
-    if draft is not None:
+    if request.draft is not None:
       if stream_mode != "chunks":
         raise RequestError(f"draft= streams in chunks; got stream_mode={stream_mode!r}, drop it or drop draft=")
-      return speculative.stream_batch(self, request, start, draft, draft_tokens)
+      return speculative.stream_batch(self, decode, start, request.draft, request.draft_tokens)
     key = ProgramKey(
       layers=self.layers,
-      **request.key_fields(),
+      **decode.key_fields(),
       chunk=1 if masks else self.chunk,  # each step's mask depends on the token before it
       kernels=self.kernels,
       template=None if template is None else template.widths,
@@ -502,7 +519,7 @@ class Model:
     else:
       prog = program_lib.PROGRAMS.get(key, self._defs, self.config)
     B, T = key.batch, key.prompt_len
-    tokens, pad = request.left_padded(B, T)
+    tokens, pad = decode.left_padded(B, T)
     if template is None:
       prompt = _to_device(tokens)
     else:
@@ -516,12 +533,37 @@ class Model:
       prompt = TemplatePrompt(template.prefix_rows, template.suffix_rows, _to_device(user_ids), _to_device(lengths))
     samp = sampling_arrays(params, B, self.config.vocab_size, key.stop_width, self.codec.eos_ids, key.has_bias)
     req = _Request(prog, self._program_parts(len(prog.key.layers)), prompt, _to_device(pad), samp)
-    trace = Trace(key, ids, start, tokens_out=[0] * len(ids))
+    trace = Trace(key, [list(i) for i in ids], start, tokens_out=[0] * len(ids))
     cancelled = threading.Event()
     runner = _run_chunks if stream_mode == "chunks" else _run_callback
-    rows = Rows(self.codec, params, request.stops)
+    rows = Rows(self.codec, params, decode.stops)
     run = runner(req, rows, trace, cancelled) if masks is None else _run_chunks(req, rows, trace, cancelled, masks)
-    return Generation(run, trace, cancelled, inputs=(self, ids, list(params)))
+    return Generation(run, trace, cancelled)
+
+  def stream_batch(
+    self,
+    prompts: Sequence[str | Sequence[int]],
+    params: Sequence[SamplingParams] | SamplingParams | None = None,
+    chat: bool = False,
+    system: str | None = None,
+    stream_mode: str = "chunks",
+    *,
+    draft=None,
+    draft_tokens: int = 4,
+  ) -> Generation:
+    """Generate for several prompts at once (:meth:`request` then :meth:`run`); the returned
+    :class:`Generation` yields deltas as tokens are produced (``stream_mode``: ``"chunks"``, or ``"callback"``
+    for comparison).
+
+    ``draft`` (a path string, e.g. ``"embed, blocks[0:10), head"``, ``"ngram:3"`` for drafts looked up in
+    the text itself, or a :class:`thoughtjax.decode.speculative.Draft`): self-speculative decoding, ``draft_tokens`` drafted per
+    verify pass of this path; the same tokens (greedy) or the same distribution (sampling).
+
+    Template prompts (``chat=True``, or any string prompt on a path with a template) go in as
+    the template's fixed rows around the user tokens, embedded by the fused template kernel
+    inside the program; other prompts go in as token ids.
+    """
+    return self.run(self.request(prompts, params, chat, system, draft=draft, draft_tokens=draft_tokens), stream_mode)
 
   def stream(
     self,

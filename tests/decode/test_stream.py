@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import random
 
-from thoughtjax.decode.stream import RowText
+import pytest
+
+from thoughtjax.decode.stream import RequestError, RowText
 
 
 class WholeText:
@@ -113,18 +115,52 @@ def test_hundreds_of_long_stop_strings_cost_their_length_per_chunk_not_its_squar
   assert sent + delta == "a" * 6000 and not stopped
 
 
-def test_a_plain_one_prompt_call_offers_its_request_to_a_slot_engine():
-  """A slot engine may run a plain one-prompt call in its place (the server's continuous batching); a batch and
-  a self-speculative call can only run as they are."""
+def test_a_plain_one_prompt_request_offers_its_row_to_a_slot_engine():
+  """A slot engine may run a plain one-prompt request (the server's continuous batching); a batch and a
+  self-speculative request only run alone."""
   from tests.tiny import tiny_engine
   from thoughtjax.sampling import SamplingParams
 
   engine = tiny_engine("llama_gqa", seed=2)
   params = SamplingParams(max_tokens=4, ignore_eos=True)
-  with engine.stream_batch([[5, 6, 7]], params) as one:
-    model, ids, got = one.slot_request()
-    assert model is engine and ids == [5, 6, 7] and got.max_tokens == 4
-  with engine.stream_batch([[5, 6, 7], [8, 9]], params) as batch:
-    assert batch.slot_request() is None
-  with engine.stream_batch([[5, 6, 7]], params, draft="ngram:2", draft_tokens=2) as spec:
-    assert spec.slot_request() is None
+  one = engine.request([[5, 6, 7]], params)
+  ids, got = one.slot()
+  assert one.model is engine and ids == (5, 6, 7) and got.max_tokens == 4
+  assert engine.request([[5, 6, 7], [8, 9]], params).slot() is None
+  assert engine.request([[5, 6, 7]], params, draft="ngram:2", draft_tokens=2).slot() is None
+
+
+def test_a_request_runs_alone_or_in_a_slot_engine_with_the_same_tokens():
+  """What ``Model.request`` checks is refused before any device work; the same request run alone
+  (``RequestRun``, started by its first ``next()``) and in a slot engine (``run_in``) gives the same greedy
+  tokens; a request cancelled or closed before it starts ends at once without running."""
+  from tests.tiny import tiny_engine
+  from thoughtjax.decode.request import RequestRun
+  from thoughtjax.sampling import SamplingParams
+  from thoughtjax.serving import SlotEngine
+
+  engine = tiny_engine("llama_gqa", seed=2)
+  params = SamplingParams(max_tokens=6, ignore_eos=True)
+  with pytest.raises(RequestError, match="outside the vocabulary"):
+    engine.request([[5, 10**6]], params)
+  alone = RequestRun(engine.request([[5, 6, 7]], params))
+  assert alone.generation is None  # nothing runs until it is started
+  tokens = [t for d in alone for t in d.token_ids]
+  assert len(tokens) == 6 and alone.generation.trace.tokens_out == [6]
+
+  slots = SlotEngine(engine, 2, cache_len=64)
+  pooled = RequestRun(engine.request([[5, 6, 7]], params))
+  pooled.run_in(slots.insert(*pooled.request.slot()))
+  while slots.active:
+    slots.step()
+  assert [t for d in pooled for t in d.token_ids] == tokens
+  with pytest.raises(RuntimeError, match="already runs"):
+    pooled.run_in(slots.insert(*pooled.request.slot()))
+
+  cancelled = RequestRun(engine.request([[5, 6, 7]], params))
+  cancelled.cancel()
+  deltas = list(cancelled)
+  assert [d.finish_reason for d in deltas] == ["cancelled"] and not any(d.token_ids for d in deltas)
+  closed = RequestRun(engine.request([[5, 6, 7]], params))
+  closed.close()
+  assert list(closed) == [] and closed.generation is None

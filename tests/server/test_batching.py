@@ -109,8 +109,7 @@ class _Forwarding:
   def __getattr__(self, name):
     return getattr(self._run, name)
 
-  def slot_request(self):
-    return None
+  request = types.SimpleNamespace(slot=lambda: None)  # runs alone
 
   def __iter__(self):
     return self
@@ -192,8 +191,7 @@ def test_the_scheduler_refuses_late_requests_without_a_server():
     def __init__(self):
       self.generation = Gen()
 
-    def slot_request(self):
-      return None, [1, 2, 3], None
+    request = types.SimpleNamespace(slot=lambda: ((1, 2, 3), None), model=None)
 
     plan = type("P", (), {"path": "p", "predicted": type("Q", (), {"compile": 0.0, "prefill": 5e3, "decode": 5e3})})
 
@@ -229,6 +227,9 @@ def test_a_request_draining_when_the_serving_loop_stops_is_still_counted():
   class Run:
     generation = Gen()
     cancelled = False
+
+    def start(self):
+      pass
 
     def __next__(self):
       if self.cancelled:

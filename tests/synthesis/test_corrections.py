@@ -215,8 +215,7 @@ def test_corrections_learned_in_a_slot_engine_do_not_change_a_plain_programs_pre
   for _ in range(3):  # the first teaches compile only; the others prefill and decode too
     r = syn.synthesize(PROMPT, ["general_purpose"], max_latency_ms=math.inf, max_tokens=9, ignore_eos=True)
     run = engine.insert(syn.prompt_ids(PROMPT), SamplingParams(max_tokens=9, ignore_eos=True))
-    r.generation.close()
-    r.generation = run
+    r.run_in(run)
     while engine.active:
       engine.step()
     r.finish()

@@ -7,7 +7,8 @@
 * :mod:`~thoughtjax.decode.masks`  a batch's masks kept in step with its rows' matchers
 * :mod:`~thoughtjax.decode.layout`  the attention layout: KV caches, RoPE positions and attention masks of
   left-padded rows and of a slot engine's ring
-* :mod:`~thoughtjax.decode.request`  one check of a request's fields for every caller
+* :mod:`~thoughtjax.decode.request`  one check of a request's fields for every caller, and the checked request
+  bound to its model that a caller runs alone or hands to a slot engine
 * :mod:`~thoughtjax.decode.indexed`  the layer-indexed form: a loop over stacked layer weights
 
 Constraints themselves (JSON schema / regex / grammar -> allowed-token bitmasks) are

@@ -11,12 +11,19 @@ INVALID_ARGUMENT. Each error names the field, the limit and the fix.
 the stop ids of each row, and the program-key fields they ask for (batch, prompt and output buckets, stop-set width,
 sampling mode, bias). The plain and the self-speculative programs build their keys and their left-padded prompts
 from it.
+
+:class:`ModelRequest` is a checked request bound to the model (and draft) that will run it, before any device
+work: ``Model.request`` makes one, and its caller either runs it alone (``Model.run``, a
+:class:`~thoughtjax.decode.stream.Generation`) or hands its one row to a slot engine of continuous batching
+(:meth:`ModelRequest.slot`). ``Model.stream_batch`` is the two in one call. :class:`RequestRun` is a request
+with the stream it takes deltas from once one of the two is chosen (a synthesized request, a server's run).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -126,3 +133,85 @@ class DecodeRequest:
       pad[r] = prompt_len - len(row)
       tokens[r, pad[r] :] = row
     return tokens, pad
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRequest:
+  """A :class:`DecodeRequest` bound to the ``model`` that runs it (``Model.request`` makes it, checked).
+
+  ``template``/``user``: the prompt template and each row's user ids when the prompts go in through one (the
+  program embeds the template's rows itself), else None; ``draft``/``draft_tokens``: self-speculative decoding
+  (None: plain); ``start``: when the call began (``time.perf_counter``), the trace's zero."""
+
+  model: Any
+  decode: DecodeRequest
+  start: float
+  template: Any = None
+  user: tuple[tuple[int, ...], ...] | None = None
+  draft: Any = None
+  draft_tokens: int = 4
+
+  def slot(self) -> tuple[tuple[int, ...], SamplingParams] | None:
+    """``(prompt ids, SamplingParams)`` of a plain one-prompt request, which a slot engine may run (the server's
+    continuous batching); None for a batch or a self-speculative request, which only ``Model.run`` runs."""
+    if self.draft is not None or len(self.decode.ids) != 1:
+      return None
+    return self.decode.ids[0], self.decode.params[0]
+
+
+class RequestRun:
+  """A :class:`ModelRequest` and, once started, the stream it takes deltas from (``generation``): its own
+  :class:`~thoughtjax.decode.stream.Generation` (:meth:`start`: run alone; the first ``next()`` starts it) or a
+  slot engine's run of ``request.slot()`` (:meth:`run_in`). ``cancel()`` and ``close()`` hold before it starts
+  too: a cancelled request starts and ends at once with finish_reason ``cancelled``, a closed one never starts."""
+
+  def __init__(self, request: ModelRequest):
+    self.request = request
+    self.generation = None
+    self._cancelled = self._closed = False
+
+  @property
+  def model(self):
+    return self.request.model
+
+  def start(self) -> None:
+    """Run the request alone on its model (no-op once started or closed)."""
+    if self.generation is None and not self._closed:
+      self.generation = self.request.model.run(self.request)
+      if self._cancelled:
+        self.generation.cancel()
+
+  def run_in(self, stream) -> None:
+    """Take deltas from ``stream`` (a slot engine's run of ``request.slot()``) instead of running alone."""
+    if self.generation is not None:
+      raise RuntimeError("this request already runs; hand a request to a slot engine before it starts")
+    self.generation = stream
+    if self._cancelled:
+      stream.cancel()
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    self.start()
+    if self.generation is None:  # closed before it started
+      raise StopIteration
+    return next(self.generation)
+
+  def cancel(self) -> None:
+    """End it at the next chunk (from any thread); unfinished rows end with finish_reason ``cancelled``."""
+    self._cancelled = True
+    if self.generation is not None:
+      self.generation.cancel()
+
+  def close(self) -> None:
+    """Abandon it: no further device work (a request not started never starts)."""
+    self._closed = True
+    if self.generation is not None:
+      self.generation.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

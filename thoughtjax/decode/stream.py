@@ -253,11 +253,9 @@ class Generation:
   ``completions()`` runs it to the end and returns one :class:`Completion` per prompt.
   """
 
-  def __init__(self, run: Iterator[Delta], trace: Trace, cancelled: threading.Event, inputs=None):
+  def __init__(self, run: Iterator[Delta], trace: Trace, cancelled: threading.Event):
     # The runner must not refer back to this object, so dropping it finalizes the runner.
     self._run, self.trace, self._cancelled = run, trace, cancelled
-    # (model, prompt ids per row, SamplingParams per row) of a plain call: a slot engine may run it instead.
-    self._inputs = inputs
     n = len(trace.prompt_ids)
     self._tokens: list[list[int]] = [[] for _ in range(n)]
     self._texts = [""] * n
@@ -273,15 +271,6 @@ class Generation:
     if d.finished:
       self._reasons[d.row] = d.finish_reason
     return d
-
-  def slot_request(self) -> tuple | None:
-    """``(model, prompt ids, SamplingParams)`` of a plain one-prompt call, which a slot engine of continuous
-    batching may run in its place (the caller then closes this one unstarted); None for a batch or a call that
-    only this generation can run (self-speculative)."""
-    if self._inputs is None or len(self._inputs[1]) != 1:
-      return None
-    model, (ids,), (params,) = self._inputs
-    return model, ids, params
 
   def cancel(self) -> None:
     self._cancelled.set()

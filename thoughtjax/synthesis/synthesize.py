@@ -49,10 +49,11 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from thoughtjax.constraint import Constraint
+from thoughtjax.decode.request import RequestRun
 from thoughtjax.decode.speculative import Draft
 from thoughtjax.errors import UserError
 from thoughtjax.kernels.dispatch import resolve as resolve_kernels
@@ -140,25 +141,29 @@ class SynthesisTrace:
     return "\n".join(lines)
 
 
-class SynthesisResult:
-  """One synthesized request: ``plan``, a stream of deltas (iterate it), ``trace`` (filled in as it runs;
-  complete once the stream ends), ``cancel()``/``close()`` like a :class:`~thoughtjax.decode.stream.Generation`."""
+class SynthesisResult(RequestRun):
+  """One synthesized request: ``plan``, ``request`` (the plan's checked
+  :class:`~thoughtjax.decode.request.ModelRequest` on its composed path, not started) and ``trace`` (filled in
+  as it runs; complete once the stream ends).
 
-  def __init__(self, plan: Plan, generation, trace: SynthesisTrace, on_done, t_request: float, model=None):
-    self.plan, self.generation, self.trace = plan, generation, trace
-    self.model = model  # the composed model it runs (a speculative plan's: the full path's)
+  The caller runs it (:class:`~thoughtjax.decode.request.RequestRun`): iterate it for deltas (the first
+  ``next()`` starts the request alone), or hand ``request.slot()`` to a slot engine and that engine's stream to
+  :meth:`run_in` (what a server's continuous scheduler does); ``cancel()``/``close()`` before or after it
+  started."""
+
+  def __init__(self, plan: Plan, request, trace: SynthesisTrace, on_done, t_request: float):
+    super().__init__(request)
+    self.plan, self.trace = plan, trace
     self._on_done, self._t0 = on_done, t_request
     self.token_ids: list[int] = []
     self.text = ""
 
-  def __iter__(self) -> Iterator:
-    return self
-
   def __next__(self):
     try:
-      d = next(self.generation)
+      d = super().__next__()
     except StopIteration:
-      self._finish()
+      if self.generation is not None:
+        self._finish()
       raise
     self.token_ids.extend(d.token_ids)
     self.text += d.text
@@ -189,29 +194,6 @@ class SynthesisResult:
     for _ in self:
       pass
     return self
-
-  def slot_request(self) -> tuple | None:
-    """What a slot engine needs to run this request in its place (:meth:`Generation.slot_request
-    <thoughtjax.decode.stream.Generation.slot_request>`); None: it runs alone (a speculative plan)."""
-    return self.generation.slot_request()
-
-  def run_in(self, stream) -> None:
-    """Take deltas from ``stream`` (a slot engine's run of this request) from now on; the own generation,
-    never started, is closed."""
-    self.generation.close()
-    self.generation = stream
-
-  def cancel(self) -> None:
-    self.generation.cancel()
-
-  def close(self) -> None:
-    self.generation.close()
-
-  def __enter__(self) -> SynthesisResult:
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.close()
 
   def to_json(self) -> dict:
     """The plan's fields plus ``token_ids``, ``text``, ``actual_ms`` and the trace (the CLI's ``--json``)."""
@@ -355,12 +337,10 @@ class Synthesizer:
       for T in prompt_tokens:
         for n in max_tokens:
           r = self.synthesize([3] * T, hints=[hint], max_latency_ms=math.inf, max_tokens=n, ignore_eos=True)
-          request = r.slot_request() if pool is not None else None
-          if request is None:
+          if pool is None or r.request.slot() is None:
             r.finish()
-          else:
-            r.close()  # never started: the slot engine runs such a request in its place
-            pool.warm(request[0], T, n)
+          else:  # never started: a slot engine runs such a request, so its engine is what is warmed
+            pool.warm(r.model, T, n)
           if r.plan.path not in warmed:
             warmed.append(r.plan.path)
     return warmed
@@ -450,7 +430,9 @@ class Synthesizer:
     pin_sequence: int | None = None,
     **sampling,
   ) -> SynthesisResult:
-    """Plan, restore and compose, and start the plan's program; iterate the result for deltas.
+    """Plan, restore and compose, and return the plan with its checked request, not started: iterate the
+    result for deltas (it then runs alone), or hand ``result.request.slot()`` to a slot engine
+    (:meth:`SynthesisResult.run_in`).
 
     ``sampling``: :class:`~thoughtjax.sampling.SamplingParams` fields (temperature, top_k, top_p, seed,
     stop_strings, ...). A thoughtlet that fails verification or restore is planned around (degraded)."""
@@ -480,10 +462,10 @@ class Synthesizer:
       self._compiled.add(plan.predicted.program_key)
     # ids already carry the chat template: the path runs them as token ids.
     if candidate.draft is None:
-      generation = model.stream_batch([ids], params)
+      request = model.request([ids], params)
     else:  # the speculative program: the draft proposes, the full path verifies
       d = candidate.draft
-      generation = model.stream_batch([ids], params, draft=Draft(d.path, vocab=d.vocab), draft_tokens=d.draft_tokens)
+      request = model.request([ids], params, draft=Draft(d.path, vocab=d.vocab), draft_tokens=d.draft_tokens)
     trace = SynthesisTrace(
       plan.path,
       plan.path_hash,
@@ -497,7 +479,7 @@ class Synthesizer:
       kind=plan.kind,
       draft=None if plan.draft is None else plan.draft.label,
     )
-    return SynthesisResult(plan, generation, trace, self._learn, t_request, model)
+    return SynthesisResult(plan, request, trace, self._learn, t_request)
 
   def _learn(self, result: SynthesisResult) -> None:
     """Move the latency model toward what the finished request measured, in the context it ran in (unless
