@@ -163,6 +163,29 @@ def test_paths_prints_the_front_and_plots(capsys, reg, tmp_path):
   assert any(r["path"] == IDENTITY_SKIP or r["kind"] == "speculative" for r in d["paths"])
 
 
+def test_paths_marks_the_plan_chosen_within_a_budget(capsys, reg, tmp_path):
+  """``paths --max-latency-ms`` marks the plan synthesis makes on a warm process: within a generous budget one
+  that meets the hint's floor, undegraded; within a budget nothing fits, the degraded one, said so; the plot
+  marks it; a budget of 0 is refused."""
+  code, out, _ = run(capsys, "paths", reg, "--hint", "fast_draft", "--json", "--all", "--max-latency-ms", "inf")
+  d = json.loads(out)
+  chosen = [r for r in d["paths"] if r["chosen"]]
+  assert code == 0 and not d["chosen"]["degraded"] and len(chosen) <= 1
+  if chosen:  # a speculative plan keeps the full path's quality and has no row of its own
+    assert chosen[0]["path_hash"] == d["chosen"]["path_hash"] and chosen[0]["meets_floor"]
+  else:
+    assert d["chosen"]["kind"] == "speculative"
+  code, out, _ = run(capsys, "paths", reg, "--hint", "fast_draft", "--json", "--max-latency-ms", "0.001")
+  tight = json.loads(out)
+  assert code == 0 and tight["chosen"]["degraded"] and "budget" in tight["chosen"]["reason"]
+  assert sum(r["chosen"] for r in tight["paths"]) == 1 and tight["max_latency_ms"] == 0.001
+  png = tmp_path / "chosen.png"
+  code, out, err = run(capsys, "paths", reg, "--hint", "fast_draft", "--max-latency-ms", "50", "--plot", png)
+  assert code == 0 and "chosen within 50 ms" in out and png.read_bytes()[:4] == b"\x89PNG"
+  code, _, err = run(capsys, "paths", reg, "--hint", "fast_draft", "--max-latency-ms", "0")
+  assert code == 2 and "--max-latency-ms" in err
+
+
 def test_registry_calibrate_latency_only_and_warm(capsys, tmp_path, monkeypatch):
   import time
 

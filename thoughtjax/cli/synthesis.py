@@ -9,7 +9,8 @@ Contracts (checked by tools that read the output):
                      prefill, decode, synthesis, startup} (startup: the first request's one-off imports and
                      tokenizer loading, not predicted)
   corrections        the learned latency corrections per execution context; --reset forgets them
-  paths DIR --hint H the hint's calibrated front; --plot FILE.png plots quality against predicted latency
+  paths DIR --hint H the hint's calibrated front; --plot FILE.png plots quality against predicted latency,
+                     --max-latency-ms MS marks the plan chosen within that budget
                      (matplotlib: the plot extra, pip install 'thoughtjax[plot]'; without it, exit 2)
 A misspelt hint is corrected and the correction printed to stderr; an unknown one exits 2 with the list.
 Without --registry, the default registry in the cache dir is used (built and calibrated on first use).
@@ -213,21 +214,30 @@ def cmd_synthesize(args) -> int:
 
 
 # ------------------------------------------------------------------------------ paths
+def _warm(cal, model, prompt_tokens: int, max_tokens: int):
+  """Every candidate restored and its program compiled: what ``paths`` predicts and plans for."""
+  from thoughtjax.synthesis.latency import Residency
+
+  return Residency(
+    {r for c in cal.candidates for r in c.refs},
+    {model.program_key(c.program, prompt_tokens, max_tokens) for c in cal.candidates},
+  )
+
+
 def front_rows(cal, hint: str, floors, prompt_tokens: int = 32, max_tokens: int = 64) -> list[dict]:
   """Every candidate calibrated on ``hint``: held-out quality, predicted warm latency (restored and
   compiled) for a ``prompt_tokens`` prompt and ``max_tokens`` tokens, floor met, on the Pareto front."""
-  from thoughtjax.synthesis.latency import LatencyModel, Residency
+  from thoughtjax.synthesis.latency import LatencyModel
 
   model = LatencyModel(cal.latency)
+  warm = _warm(cal, model, prompt_tokens, max_tokens)
   floor = floors[hint]
   rows = []
   for c in cal.candidates:
     q = cal.hint_quality(c.path_hash, hint)
     if q is None:
       continue
-    p = model.predict(
-      c, prompt_tokens, max_tokens, Residency(set(c.refs), {model.program_key(c.program, prompt_tokens, max_tokens)})
-    )
+    p = model.predict(c, prompt_tokens, max_tokens, warm)
     rows.append(
       {
         "path": c.path,
@@ -249,6 +259,17 @@ def front_rows(cal, hint: str, floors, prompt_tokens: int = 32, max_tokens: int 
       for o in rows
     )
   return sorted(rows, key=lambda r: (r["predicted_ms"], r["path_hash"]))
+
+
+def chosen_at(cal, hint: str, floors, prompt_tokens: int, max_tokens: int, budget_ms: float):
+  """The plan synthesis makes for ``hint`` within ``budget_ms`` on a warm process (every candidate restored
+  and compiled, the latency model of ``front_rows``): the one ``paths --max-latency-ms`` marks."""
+  from thoughtjax.synthesis.latency import LatencyModel
+  from thoughtjax.synthesis.planner import Planner, PlanRequest
+
+  model = LatencyModel(cal.latency)
+  request = PlanRequest((hint,), prompt_tokens, max_tokens, budget_ms)
+  return Planner(cal, floors).plan(request, model, _warm(cal, model, prompt_tokens, max_tokens))
 
 
 PLOT_EXTRA = "pip install 'thoughtjax[plot]'"
@@ -284,10 +305,27 @@ def cmd_paths(args) -> int:
       f"hint {hint!r} is not calibrated in {reg.root} (calibrated: {', '.join(cal.hints)}); "
       f"calibrate it: thoughtjax registry calibrate {reg.root} --hint {hint}"
     )
-  rows = front_rows(cal, hint, floors_of(dictionary), args.prompt_tokens, args.max_tokens)
-  shown = rows if args.all else [r for r in rows if r["front"]]
+  floors = floors_of(dictionary)
+  rows = front_rows(cal, hint, floors, args.prompt_tokens, args.max_tokens)
+  plan = None
+  if args.max_latency_ms is not None:
+    plan = chosen_at(cal, hint, floors, args.prompt_tokens, args.max_tokens, _budget(args))
+    for r in rows:
+      r["chosen"] = r["path_hash"] == plan.path_hash
+  shown = rows if args.all else [r for r in rows if r["front"] or r.get("chosen")]
   if args.json:
-    print(json.dumps({"hint": hint, "registry_sequence": cal.sequence, "fingerprint": cal.fingerprint, "paths": shown}))
+    out = {"hint": hint, "registry_sequence": cal.sequence, "fingerprint": cal.fingerprint, "paths": shown}
+    if plan is not None:
+      out["max_latency_ms"] = args.max_latency_ms
+      out["chosen"] = {
+        "path": plan.path,
+        "path_hash": plan.path_hash,
+        "kind": plan.kind,
+        "degraded": plan.degraded,
+        "reason": plan.reason,
+        "predicted_ms": plan.predicted.total,
+      }
+    print(json.dumps(out))
   else:
     print(
       f"{hint}: {len(shown)} of {len(rows)} calibrated paths ({'all' if args.all else 'Pareto front'}); "
@@ -297,15 +335,20 @@ def cmd_paths(args) -> int:
     for r in shown:
       print(
         f"{r['predicted_ms']:>12.1f}  {r['top1_agreement']:>16.3f}  {r['mean_kl']:>8.4f}  "
-        f"{'met' if r['meets_floor'] else 'no':>5}  {r['path']}"
+        f"{'met' if r['meets_floor'] else 'no':>5}  {r['path']}{'  <- chosen' if r.get('chosen') else ''}"
+      )
+    if plan is not None:
+      print(
+        f"chosen within {args.max_latency_ms:g} ms (warm): {plan.path} ({plan.kind}, predicted "
+        f"{plan.predicted.total:.1f} ms){'  DEGRADED: ' if plan.degraded else ': '}{plan.reason}"
       )
   if args.plot:
-    _plot(rows, hint, floors_of(dictionary)[hint], args.plot)
+    _plot(rows, hint, floors[hint], args.plot, plan, args.max_latency_ms)
     print(f"plot written to {args.plot}", file=sys.stderr)
   return 0
 
 
-def _plot(rows, hint: str, floor, out: str) -> None:
+def _plot(rows, hint: str, floor, out: str, plan=None, budget_ms: float | None = None) -> None:
   import matplotlib
 
   matplotlib.use("Agg")
@@ -325,9 +368,26 @@ def _plot(rows, hint: str, floor, out: str) -> None:
       textcoords="offset points",
     )
   ax.axhline(floor.top1_agreement, ls="--", c="C3", label=f"floor {floor.top1_agreement:g}")
+  title = f"{hint}: quality against predicted latency"
+  if plan is not None:
+    if budget_ms is not None and budget_ms != float("inf"):
+      ax.axvline(budget_ms, ls=":", c="C2", label=f"budget {budget_ms:g} ms")
+    chosen = [r for r in rows if r.get("chosen")]
+    if chosen:
+      ax.scatter(
+        [r["predicted_ms"] for r in chosen],
+        [r["top1_agreement"] for r in chosen],
+        marker="*",
+        s=220,
+        c="C1",
+        zorder=3,
+        label=f"chosen ({plan.kind})",
+      )
+    else:  # a speculative plan: no quality row of its own (it keeps the full path's)
+      title += f"\nchosen: {plan.path} ({plan.kind})"
   ax.set_xlabel("predicted latency, warm (ms)")
   ax.set_ylabel("top-1 agreement with the full path (held-out)")
-  ax.set_title(f"{hint}: quality against predicted latency")
+  ax.set_title(title)
   ax.legend(loc="lower right")
   fig.tight_layout()
   fig.savefig(out, dpi=120)
@@ -502,6 +562,12 @@ def add_parsers(sub) -> None:
     help=f"plot quality against predicted latency (needs the plot extra: {PLOT_EXTRA})",
   )
   p.add_argument("--all", action="store_true", help="every calibrated path, not only the Pareto front")
+  p.add_argument(
+    "--max-latency-ms",
+    type=float,
+    default=None,
+    help="also mark the plan synthesis chooses within this budget (warm), in the table, --json and --plot",
+  )
   p.add_argument("--prompt-tokens", type=int, default=32)
   p.add_argument("--max-tokens", type=int, default=64)
   p.add_argument("--json", action="store_true")
