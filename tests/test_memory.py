@@ -60,6 +60,21 @@ def test_native_model_holds_no_float32_copy_of_its_blocks(tiny_gguf, source):
   assert param_bytes(params) < 0.35 * param_bytes(model_params(f32.module))
 
 
+def test_load_compiles_each_weight_form_in_its_default_layout(tiny_gguf):
+  """Native weights load layer-indexed and float32 unrolled (``DEFAULT_LAYOUT``, the measured winners); an
+  explicit layout wins; both layouts give the same greedy tokens."""
+  from thoughtjax.model import DEFAULT_LAYOUT
+
+  native = thoughtjax.load(str(tiny_gguf), weights="native", compile_cache=False)
+  f32 = thoughtjax.load(str(tiny_gguf), weights="f32", compile_cache=False)
+  assert (native.layout, f32.layout) == (DEFAULT_LAYOUT["native"], DEFAULT_LAYOUT["f32"]) == ("indexed", "unrolled")
+  unrolled = thoughtjax.load(str(tiny_gguf), weights="native", compile_cache=False, layout="unrolled")
+  assert unrolled.layout == "unrolled" and native.with_path((0, 1)).layout == "indexed"
+  ids = [5, 6, 7, 8]
+  want = unrolled.generate(ids, max_tokens=6, ignore_eos=True).token_ids
+  assert native.generate(ids, max_tokens=6, ignore_eos=True).token_ids == want
+
+
 def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
   """Address ranges of this process's mappings of ``path`` (from /proc/self/maps)."""
   real, out = str(path.resolve()), []

@@ -54,6 +54,11 @@ def _to_device(a: np.ndarray) -> jax.Array:
 
 # Callback streaming: how many steps the device may run ahead of a consumer that is not reading.
 CALLBACK_QUEUE_STEPS = 16
+# The layout plain generation compiles by default, per weight form: the one that won `thoughtjax bench layers`
+# (BENCHMARKS.md). In float32 the unrolled form decodes a row faster (the indexed loop copies each layer's float32
+# weights out of the stack); in native weights the two decode level and the indexed form compiles five times
+# faster into a sixth of the executable and starts in half the time.
+DEFAULT_LAYOUT = {"f32": "unrolled", "native": "indexed"}
 
 
 @dataclasses.dataclass
@@ -334,9 +339,10 @@ class Model:
     )
 
   def with_layout(self, layout: str) -> Model:
-    """The same model and path compiled ``"unrolled"`` (every block traced into the program, the default) or
-    ``"indexed"`` (one loop over the held blocks stacked, :mod:`thoughtjax.decode.indexed`; the stack is a copy
-    of the held weights)."""
+    """The same model and path compiled ``"unrolled"`` (every block traced into the program) or ``"indexed"``
+    (one loop over the held blocks stacked, :mod:`thoughtjax.decode.indexed`; the stack is a copy of the held
+    weights). :func:`load` picks per weight form (:data:`DEFAULT_LAYOUT`); a Model made otherwise is unrolled.
+    The layout is plain generation's: speculative and slot-engine programs run the blocks unrolled."""
     return self._replace(layout=layout)
 
   def with_chunk(self, chunk: int) -> Model:
@@ -354,7 +360,9 @@ class Model:
       other = Model.composed(
         layers_or_path, source, mesh=self.mesh, dtype=self.dtype, kernels=self.kernels, chunk=self.chunk
       )
-      return other if other.layout == self.layout else other.with_layout(self.layout)
+      if other.layout == self.layout or (self.layout == "indexed" and any(i < 0 for i in other.layers)):
+        return other  # a path with a bridge has no indexed form: it runs unrolled
+      return other.with_layout(self.layout)
     layers = tuple(int(i) for i in layers_or_path)
     if parts is None:
       missing = sorted(set(layers) - set(self._parts.blocks))
@@ -638,16 +646,20 @@ def load(
   kernels: str | None = None,
   compile_cache: bool = True,
   weights: str = "f32",
+  layout: str | None = None,
 ) -> Model:
   """Load a model by known name (default: SmolLM2-135M-Instruct) or by path.
 
   ``path``: the layer path to run, as layer indices or a path string
   (``"embed, blocks[0:12), head"``); ``kernels``: ``"xla"``, ``"pallas"`` or None (the default of
   :func:`thoughtjax.kernels.dispatch.resolve`); ``weights``: ``"f32"`` or ``"native"`` (a GGUF's
-  quantized blocks, computed in float32).
+  quantized blocks, computed in float32); ``layout``: how plain generation compiles the path (see
+  :meth:`Model.with_layout`), None: the measured winner for ``weights`` (:data:`DEFAULT_LAYOUT`).
   """
   if compile_cache:
     program_lib.configure_compilation_cache()
 
-  model = Model(load_model(name_or_path or fetch_lib.DEFAULT_MODEL, weights=weights), kernels=kernels)
+  if layout is None:
+    layout = DEFAULT_LAYOUT.get(weights, "unrolled")
+  model = Model(load_model(name_or_path or fetch_lib.DEFAULT_MODEL, weights=weights), kernels=kernels, layout=layout)
   return model if path is None else model.with_path(path)

@@ -60,6 +60,19 @@ def test_bridged_path_with_an_untrained_bridge_equals_the_cut_path(reg_copy):
   assert bridged.generate(PROMPT, max_tokens=6).token_ids == cut.generate(PROMPT, max_tokens=6).token_ids
 
 
+def test_a_bridged_path_taken_from_an_indexed_model_runs_unrolled(reg_copy):
+  """A path with a bridge has no layer-indexed form: from an indexed model it keeps the unrolled layout (a model
+  made indexed on purpose with a bridge is refused) and gives the cut path's tokens."""
+  params = jax.tree.map(np.asarray, bridge_lib.init_params(reg_copy.config, 8, 0))
+  _publish(reg_copy, params)
+  fast = compose("embed, blocks[0:3), head", reg_copy, compile_cache=False).with_layout("indexed")
+  bridged = fast.with_path("embed, blocks[0:3), bridge.3-6, head")
+  assert bridged.layout == "unrolled" and bridged.layers == (0, 1, 2, -1)
+  assert bridged.generate(PROMPT, max_tokens=6).token_ids == fast.generate(PROMPT, max_tokens=6).token_ids
+  with pytest.raises(ValueError, match="no layer-indexed form"):
+    bridged.with_layout("indexed")
+
+
 def test_a_trained_bridge_changes_the_path_and_runs_as_one_program(reg_copy):
   _publish(reg_copy, _trained_like(reg_copy.config))
   cut = compose("embed, blocks[0:3), head", reg_copy, compile_cache=False)

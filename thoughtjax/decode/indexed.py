@@ -9,7 +9,8 @@ positions in all. The path is data, so every path over the same held blocks of a
 
 It computes what the unrolled form computes, block by block in the same order (``tests/decode/test_indexed.py``
 checks tokens against it); paths with bridges have no indexed form. Which form is faster on this machine, and by
-how much, is measured by ``thoughtjax bench layers`` (BENCHMARKS.md); the unrolled form is the default.
+how much, is measured by ``thoughtjax bench layers`` (BENCHMARKS.md); ``thoughtjax.load`` defaults to this form for
+native weights and to the unrolled one for float32 (``thoughtjax.model.DEFAULT_LAYOUT``).
 """
 
 from __future__ import annotations
