@@ -296,3 +296,73 @@ def test_the_default_registry_calibration_has_a_speculative_candidate():
   assert specs == speculative_candidates(
     [c for c in cal.candidates if c.draft is None], cal.quality, first_hint(cal.hints), registry=reg
   )
+
+
+def test_the_full_path_in_int8_weights_is_a_lossy_candidate_of_its_own(int8):
+  """A registry holding the int8 variant of every block gets the whole full path in int8 as a candidate (kind
+  ``variant``) from the recalibration: its quality measured per hint against the float32 full path (lossy, not
+  the full path's), its prefill and decode priced by factors timed against the full path; the planner picks it
+  exactly when the float32 path does not fit the budget and the variant meets the floors, and it runs."""
+  root, cal, report = int8
+  (variant,) = [c for c in cal.candidates if c.kind is CandidateKind.VARIANT]
+  assert variant.path == FULL.replace(")", ")@int8")  # every block range in int8
+  assert [u.name for u in variant.units if u.layers] == [f"{u.name}@int8" for u in cal.full.units if u.layers]
+  assert variant.draft is None and variant.path_hash not in cal.lossless
+  for hint in HINTS:
+    q = cal.hint_quality(variant.path_hash, hint)
+    assert q is not None and q.heldout.tokens > 0 and 0 < q.heldout.top1_agreement <= 1
+    assert q != cal.hint_quality(cal.full.path_hash, hint) and q.calibration.mean_kl > 0
+  factors = cal.latency.corrections["paths"][variant.path_hash]
+  assert set(factors) == {"prefill", "decode"}
+  assert all(FACTOR_BOUNDS[0] <= f <= FACTOR_BOUNDS[1] for f in factors.values())
+  (row,) = report.variants
+  assert row["path_hash"] == variant.path_hash and row["factors"] == factors
+
+  # Priced at half the full path's compute (as if int8 were twice as fast here), the planner's choice:
+  half = dict(cal.latency.corrections["paths"], **{variant.path_hash: {"prefill": 0.5, "decode": 0.5}})
+  priced = dataclasses.replace(cal, latency=dataclasses.replace(cal.latency, corrections={"paths": half}))
+  hint = HINTS[0]
+  q = priced.hint_quality(variant.path_hash, hint).calibration
+  floors = {h: Floor(top1_agreement=0.0) for h in HINTS}
+  floors[hint] = Floor(top1_agreement=q.top1_agreement - 1e-9)
+  planner, model = Planner(priced, floors), LatencyModel(priced.latency)
+  warm = Residency(
+    {r for c in priced.candidates for r in c.refs}, {model.program_key(c.program, 8, 16) for c in priced.candidates}
+  )
+  var_ms = model.predict(variant, 8, 16, warm).total
+
+  def top1(c) -> float:
+    return priced.hint_quality(c.path_hash, hint).calibration.top1_agreement
+
+  # The cheapest plan of better quality (the full path, a lossless skip, a speculative plan) costs more.
+  better_ms = min(model.predict(c, 8, 16, warm).total for c in priced.candidates if top1(c) > q.top1_agreement)
+  assert var_ms < better_ms
+  generous = planner.plan(PlanRequest((hint,), 8, 16, math.inf), model, warm)
+  assert generous.path_hash != variant.path_hash and top1(generous) == 1.0  # lossless when it fits
+  tight = planner.plan(PlanRequest((hint,), 8, 16, (var_ms + better_ms) / 2), model, warm)
+  assert tight.path_hash == variant.path_hash and "@int8" in tight.path and not tight.degraded
+  if q.top1_agreement < 1.0:  # a floor the variant misses: never chosen, a better path degraded instead
+    strict = {**floors, hint: Floor(top1_agreement=min(1.0, q.top1_agreement + 1e-6))}
+    plan = Planner(priced, strict).plan(PlanRequest((hint,), 8, 16, (var_ms + better_ms) / 2), model, warm)
+    assert plan.path_hash != variant.path_hash and plan.degraded
+  with Registry.open(root) as reg:
+    ran = compose(variant.path, reg, compile_cache=False).generate([5, 6, 7], max_tokens=4, ignore_eos=True)
+  assert len(ran.token_ids) == 4
+
+
+def test_a_full_calibration_measures_the_int8_full_path_with_the_other_candidates(int8):
+  """``calibrate`` on a registry with int8 variants: the variant candidate is measured with the cut paths (one
+  quality per calibrated hint) and priced by its factors; ``variants=()`` leaves it out."""
+  from thoughtjax.synthesis.calibrate import calibrate
+
+  root, recal, _ = int8
+  with Registry.open(root) as reg:
+    cal = calibrate(reg, settings=dataclasses.replace(SETTINGS, speculative=NO_NGRAM))
+    without = calibrate(reg, settings=dataclasses.replace(SETTINGS, speculative=NO_NGRAM, variants=()))
+  (variant,) = [c for c in cal.candidates if c.kind is CandidateKind.VARIANT]
+  assert variant.path_hash == next(c for c in recal.candidates if c.kind is CandidateKind.VARIANT).path_hash
+  assert set(cal.quality[variant.path_hash]) == set(HINTS)
+  assert set(cal.latency.corrections["paths"][variant.path_hash]) == {"prefill", "decode"}
+  assert not [c for c in without.candidates if c.kind is CandidateKind.VARIANT]
+  with pytest.raises(CalibrateError, match="CalibrateSettings.variants"):
+    dataclasses.replace(SETTINGS, variants=("fp4",))

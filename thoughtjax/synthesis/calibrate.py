@@ -27,7 +27,7 @@ Steps (each reported to ``progress(stage, done, total, item)``):
 5. **speculative**: :func:`speculative_candidates` adds the full path verifying the best prefix drafts
    and, when the registry holds a weight variant of every block (``registry build --variants int8``), the
    full path in those weights, and drafts from the text itself (``ngram:N:M``: no weights, what followed the
-   latest earlier match of the last N..M tokens) (kind ``speculative``, the full path's quality); :func:`measure_speculative`
+   latest earlier match of the last N..M tokens) (kind ``speculative``, the full path's quality); :func:`measure_factors`
    times each against the plain full path on the first hint's calibration text and stores its decode
    factor in ``latency.corrections``.
 
@@ -54,12 +54,12 @@ from thoughtjax.assembly import full_path
 from thoughtjax.decode.program import bucket
 from thoughtjax.decode.speculative import Draft, DraftError, ngram_order
 from thoughtjax.errors import UserError
-from thoughtjax.path_syntax import VARIANTS
+from thoughtjax.path_syntax import VARIANTS, Ref, parse_path
 from thoughtjax.synthesis.calibration import Calibration
 from thoughtjax.synthesis.candidate import Candidate, CandidateKind, DraftPlan, Unit
 from thoughtjax.synthesis.candidates import CandidateSettings, bridge_slots, bridged_proposals, is_bridge, pin, propose
 from thoughtjax.synthesis.latency import FACTOR_BOUNDS, LatencyModel, LatencyParams, LinearCost, fit_linear
-from thoughtjax.synthesis.quality import corpora_of, measure_candidates, windows
+from thoughtjax.synthesis.quality import corpora_of, measure_candidates, measure_models, windows
 from thoughtjax.thoughtlet import canonical_json, fingerprint
 
 # (stage, done, total, item): stage is load, candidates, quality, latency or done.
@@ -173,7 +173,9 @@ class SpeculativeSettings:
 class CalibrateSettings:
   """``candidates``: what to propose; ``window``: tokens per quality window; ``max_windows``: windows per
   split per hint (None: all; the default keeps the default model's run within minutes on 2 cores);
-  ``hints``: the hints to calibrate (None: every hint of the dictionary); ``manual``: extra paths."""
+  ``hints``: the hints to calibrate (None: every hint of the dictionary); ``manual``: extra paths;
+  ``variants``: weight variants whose whole full path is a lossy candidate of its own (kind ``variant``), each
+  where the registry holds that variant of every block (``registry build --variants int8``)."""
 
   candidates: CandidateSettings = CandidateSettings(single_skips=3, greedy_removals=3, greedy_windows=3)
   window: int = 128
@@ -182,6 +184,15 @@ class CalibrateSettings:
   manual: tuple[str, ...] = ()
   latency: LatencySettings = LatencySettings()
   speculative: SpeculativeSettings = SpeculativeSettings()
+  variants: tuple[str, ...] = ("int8",)
+
+  def __post_init__(self):
+    v = self.variants
+    if isinstance(v, str) or not isinstance(v, (tuple, list)) or any(x not in VARIANTS for x in v):
+      raise CalibrateError(
+        f"CalibrateSettings.variants: expected a tuple of weight variants from {list(VARIANTS)}, got {v!r}; () for none"
+      )
+    object.__setattr__(self, "variants", tuple(dict.fromkeys(v)))
 
 
 @dataclasses.dataclass
@@ -193,6 +204,8 @@ class CalibrateReport:
   latency_runs: list[dict] = dataclasses.field(default_factory=list)
   # Per speculative candidate: draft, decode ms per token plain and speculative (medians), factor, acceptance.
   speculative: list[dict] = dataclasses.field(default_factory=list)
+  # Per weight-variant candidate: path, prefill ms and decode ms per token, plain and its own (medians), factors.
+  variants: list[dict] = dataclasses.field(default_factory=list)
 
   @property
   def total_seconds(self) -> float:
@@ -310,6 +323,9 @@ def calibrate(
     progress=lambda d, n, what: progress("quality", d, n, what),
     bridges=bridges,
   )
+  variants = variant_candidates(registry, candidates, settings.variants)
+  quality.update(variant_quality(registry, model, variants, corpora, settings.window, progress, kernels))
+  candidates += variants
   report.seconds["quality"] = time.perf_counter() - t0
   del model
   spec = speculative_candidates(candidates, quality, hints[0], settings.speculative, registry=registry)
@@ -323,6 +339,7 @@ def recalibrate_latency(
   settings: LatencySettings = LatencySettings(),
   *,
   speculative: SpeculativeSettings = SpeculativeSettings(),
+  variants: Sequence[str] = ("int8",),
   progress: CalibrateProgress | None = None,
   report: CalibrateReport | None = None,
   kernels: str | None = None,
@@ -332,7 +349,9 @@ def recalibrate_latency(
   The speculative candidates ``speculative`` chooses as :func:`calibrate` does (the drafts from the stored
   quality on the first calibrated hint of the dictionary) that ``stored`` lacks (one made before
   speculative candidates, or before n-gram drafts, existed) are added and measured here;
-  ``SpeculativeSettings(drafts=0, variants=(), ngram=())`` keeps the stored candidates only."""
+  ``SpeculativeSettings(drafts=0, variants=(), ngram=())`` keeps the stored candidates only. So are the whole-path
+  weight variants of ``variants`` the registry holds and ``stored`` lacks (:func:`variant_candidates`), their
+  quality measured here on the stored hints' corpora (``variants=()``: none)."""
   progress = progress or _nop
   report = report if report is not None else CalibrateReport()
   if stored.sequence != registry.sequence:
@@ -348,9 +367,18 @@ def recalibrate_latency(
   hint = first_hint(stored.hints)
   if hint is not None:  # without a calibrated hint of the dictionary there is no text to time a draft on
     candidates += missing_speculative(candidates, quality, hint, speculative, registry=registry)
+  added = missing_variants(registry, candidates, variants)
+  if added and hint is not None:  # their quality on every stored hint's corpora, against the full path
+    t0 = time.perf_counter()
+    corpora = _corpora(registry.codec, stored.hints, CalibrateSettings())
+    reference = full_model(registry, kernels=kernels)
+    quality.update(variant_quality(registry, reference, added, corpora, CalibrateSettings().window, progress, kernels))
+    del reference
+    candidates += added
+    report.seconds["quality"] = time.perf_counter() - t0
   texts = None
-  if any(c.draft is not None for c in candidates):  # speculative factors are measured on calibration text
-    texts = _calibration_text(registry, stored.hints, settings)
+  if any(c.draft is not None or c.kind is CandidateKind.VARIANT for c in candidates):
+    texts = _calibration_text(registry, stored.hints, settings)  # factors are measured on calibration text
   return _with_latency(registry, candidates, quality, settings, progress, report, kernels, texts)
 
 
@@ -430,6 +458,54 @@ def variant_units(registry, full: Candidate, variant: str) -> tuple[Unit, ...] |
   return tuple(out)
 
 
+def variant_candidates(registry, candidates: Sequence[Candidate], variants: Sequence[str]) -> list[Candidate]:
+  """The full path in each of ``variants`` whose every block the registry holds in that variant (kind
+  ``variant``: lossy, its quality measured by :func:`variant_quality`, its latency by :func:`measure_factors`)."""
+  full = next(c for c in candidates if c.kind is CandidateKind.FULL)
+  out = []
+  for variant in variants:
+    units = variant_units(registry, full, variant)
+    if units is not None:
+      refs = [Ref(r.name, None, variant if r.span is not None else None) for r in parse_path(full.path)]
+      out.append(Candidate.build(", ".join(map(str, refs)), CandidateKind.VARIANT, units))
+  return out
+
+
+def missing_variants(registry, candidates: Sequence[Candidate], variants: Sequence[str]) -> list[Candidate]:
+  """The :func:`variant_candidates` that ``candidates`` lacks."""
+  have = {c.path_hash for c in candidates}
+  return [c for c in variant_candidates(registry, candidates, variants) if c.path_hash not in have]
+
+
+def variant_quality(registry, reference, variants: Sequence[Candidate], corpora, window: int, progress, kernels):
+  """``{path hash: {hint: HintQuality}}`` of the ``variants`` candidates against ``reference`` (the full path,
+  composed) on ``corpora`` (:func:`~thoughtjax.synthesis.quality.measure_models`: each window runs whole
+  through both, as a variant shares no residual with the full path)."""
+  from thoughtjax.compose import compose
+
+  if not variants:
+    return {}
+  models = [compose(c.path, registry, kernels=kernels) for c in variants]
+  got = measure_models(
+    reference, models, corpora, window=window, progress=lambda d, n, what: progress("quality", d, n, "variants " + what)
+  )
+  return {c.path_hash: q for c, q in zip(variants, got, strict=True)}
+
+
+def _corpora(codec, hints: Sequence[str], settings: CalibrateSettings) -> dict:
+  """``{hint: (calibration, held-out) token windows}`` of the shipped dictionary, as :func:`calibrate` cuts them."""
+  from thoughtjax.synthesis.dictionary import load_dictionary
+
+  dictionary = load_dictionary()
+  return {
+    h: (
+      _token_docs(codec, cal, settings.window, settings.max_windows),
+      _token_docs(codec, held, settings.window, settings.max_windows),
+    )
+    for h, (cal, held) in corpora_of(dictionary, [h for h in hints if h in dictionary]).items()
+  }
+
+
 def speculative_candidates(
   candidates: Sequence[Candidate],
   quality: dict,
@@ -442,7 +518,7 @@ def speculative_candidates(
   highest top-1 agreement on ``hint``'s calibration split (ties: fewer layers, then path hash), then, given
   ``registry``, the full path in each of ``settings.variants`` that it holds for every block, then the n-gram
   draft of each spec in ``settings.ngram``; see :class:`SpeculativeSettings`. Their quality is the full path's;
-  their latency is measured (:func:`measure_speculative`)."""
+  their latency is measured (:func:`measure_factors`)."""
   full = next(c for c in candidates if c.kind is CandidateKind.FULL)
   full_refs = {u.ref for u in full.units}
   scored = []
@@ -471,7 +547,7 @@ def speculative_candidates(
   return out
 
 
-def measure_speculative(
+def measure_factors(
   registry,
   candidates: Sequence[Candidate],
   texts: Sequence[Sequence[int]],
@@ -480,41 +556,48 @@ def measure_speculative(
   progress: CalibrateProgress | None = None,
   report: CalibrateReport | None = None,
   kernels: str | None = None,
-) -> dict[str, float]:
-  """``{path hash: decode factor}`` of the speculative ``candidates``: the median decode ms per token of the
-  speculative program over the plain full path's, greedy on prompts of the calibration ``texts`` (so the
-  draft's acceptance on that text is in it), the two interleaved in one process, ``speculative_reps`` rounds
-  after one warm-up call of each program per prompt bucket (its first device call, which compiles it). Clipped to the latency
-  model's factor bounds."""
+) -> dict[str, dict[str, float]]:
+  """``{path hash: {stage: factor}}`` of the candidates the fitted latency model cannot price by their layers: a
+  speculative one's decode (its median decode ms per token over the plain full path's, greedy on prompts of the
+  calibration ``texts``, so the draft's acceptance on that text is in it), and a weight variant's prefill and
+  decode (its own plain program over the full path's: its layers cost what its weights cost). Every program runs
+  interleaved with the plain full path's in one process, ``speculative_reps`` rounds after one warm-up call of
+  each per prompt bucket (its first device call, which compiles it). Clipped to the latency model's factor
+  bounds."""
   from thoughtjax.compose import compose
 
   progress = progress or _nop
   spec = [c for c in candidates if c.draft is not None]
-  if not spec:
+  timed = spec + [c for c in candidates if c.kind is CandidateKind.VARIANT]
+  if not timed:
     return {}
   full = next(c for c in candidates if c.kind is CandidateKind.FULL)
   model = compose(", ".join(u.ref for u in full.units), registry, kernels=kernels)
+  own = {c.path_hash: compose(c.path, registry, kernels=kernels) for c in timed if c.draft is None}
   n = settings.speculative_tokens
-  room = model.config.max_context - n - max(c.draft.draft_tokens for c in spec) - 1
+  room = model.config.max_context - n - max((c.draft.draft_tokens for c in spec), default=0) - 1
   prompts = [list(t)[: min(settings.speculative_prompt_tokens, room)] for t in texts if len(t) >= 2]
   prompts = prompts[: settings.speculative_prompts]
   if not prompts or room < 1:
     raise CalibrateError(
-      f"speculative candidates need calibration text to time them on (prompts of >= 2 tokens within the context "
-      f"of {model.config.max_context} minus {n} new tokens), got {len(texts)} documents; give the first hint a "
-      f"calibration split, or set SpeculativeSettings(drafts=0, variants=(), ngram=())"
+      f"speculative and weight-variant candidates need calibration text to time them on (prompts of >= 2 tokens "
+      f"within the context of {model.config.max_context} minus {n} new tokens), got {len(texts)} documents; give "
+      f"the first hint a calibration split, or calibrate without them (SpeculativeSettings(drafts=0, variants=(), "
+      f"ngram=()), variants=())"
     )
 
   # One prompt per prompt bucket compiles every program the rounds run.
   warm = list({bucket(len(p)): p for p in prompts}.values())
 
-  def per_token(c: Candidate | None, prompts: list[list[int]], compile_only: bool = False) -> tuple[float, int, int]:
-    ms, drafted, accepted = [], 0, 0
+  def per_token(c: Candidate | None, prompts: list[list[int]], compile_only: bool = False):
+    """(prefill ms, decode ms per token, drafted, accepted): means over ``prompts``, sums of the counts."""
+    pre, ms, drafted, accepted = [], [], 0, 0
+    runner = model if c is None else own.get(c.path_hash, model)
+    kw = {}
+    if c is not None and c.draft is not None:
+      kw = {"draft": Draft(c.draft.path, vocab=c.draft.vocab), "draft_tokens": c.draft.draft_tokens}
     for ids in prompts:
-      kw = (
-        {} if c is None else {"draft": Draft(c.draft.path, vocab=c.draft.vocab), "draft_tokens": c.draft.draft_tokens}
-      )
-      g = model.stream(ids, max_tokens=n, ignore_eos=True, **kw)
+      g = runner.stream(ids, max_tokens=n, ignore_eos=True, **kw)
       if compile_only:  # the first delta follows the first device call, which compiled the one program
         next(g, None)
         g.close()
@@ -522,40 +605,65 @@ def measure_speculative(
       for _ in g:
         pass
       t = g.trace
+      pre.append((t.prefill_s or 0.0) * 1e3)
       ms.append((t.decode_s or 0.0) * 1e3 / max(t.tokens_out[0] - 1, 1))
       drafted, accepted = drafted + t.drafted, accepted + t.accepted
-    return float(np.mean(ms)) if ms else 0.0, drafted, accepted
+    return (float(np.mean(pre)) if pre else 0.0), (float(np.mean(ms)) if ms else 0.0), drafted, accepted
 
-  total, done = (1 + len(spec)) * (1 + settings.speculative_reps), 0
-  runs: dict[str | None, list[float]] = {None: [], **{c.path_hash: [] for c in spec}}
+  total, done = (1 + len(timed)) * (1 + settings.speculative_reps), 0
+  runs: dict[str | None, list[tuple[float, float]]] = {None: [], **{c.path_hash: [] for c in timed}}
   counts = {c.path_hash: [0, 0] for c in spec}
-  for rep in range(1 + settings.speculative_reps):  # rep 0 compiles (not kept); then plain and each draft
-    for c in (None, *spec):
-      ms, drafted, accepted = per_token(c, warm if rep == 0 else prompts, compile_only=rep == 0)
+  for rep in range(1 + settings.speculative_reps):  # rep 0 compiles (not kept); then plain and each other
+    for c in (None, *timed):
+      pre, ms, drafted, accepted = per_token(c, warm if rep == 0 else prompts, compile_only=rep == 0)
       done += 1
-      progress("latency", done, total, "speculative " + ("plain" if c is None else c.draft.label))
+      what = "plain" if c is None else ("speculative " + c.draft.label if c.draft is not None else "variant " + c.path)
+      progress("latency", done, total, what)
       if rep == 0:
         continue
-      runs[None if c is None else c.path_hash].append(ms)
-      if c is not None:
+      runs[None if c is None else c.path_hash].append((pre, ms))
+      if c is not None and c.draft is not None:
         counts[c.path_hash][0] += drafted
         counts[c.path_hash][1] += accepted
   lo, hi = FACTOR_BOUNDS
-  plain = float(np.median(runs[None]))
-  factors = {}
-  for c in spec:
-    mine = float(np.median(runs[c.path_hash]))
-    factors[c.path_hash] = min(hi, max(lo, mine / plain)) if plain > 0 else 1.0
-    if report is not None:
+
+  def ratio(mine: float, plain: float) -> float:
+    return min(hi, max(lo, mine / plain)) if plain > 0 else 1.0
+
+  def medians(key) -> tuple[float, float]:
+    return float(np.median([r[0] for r in runs[key]])), float(np.median([r[1] for r in runs[key]]))
+
+  plain_pre, plain_ms = medians(None)
+  factors: dict[str, dict[str, float]] = {}
+  for c in timed:
+    pre, mine = medians(c.path_hash)
+    factors[c.path_hash] = {"decode": ratio(mine, plain_ms)}
+    if c.draft is None:  # a variant's prefill runs its own weights too
+      factors[c.path_hash]["prefill"] = ratio(pre, plain_pre)
+    if report is None:
+      continue
+    if c.draft is not None:
       drafted, accepted = counts[c.path_hash]
       report.speculative.append(
         {
           "path_hash": c.path_hash,
           "draft": c.draft.label,
-          "plain_ms_per_token": plain,
+          "plain_ms_per_token": plain_ms,
           "speculative_ms_per_token": mine,
-          "factor": factors[c.path_hash],
+          "factor": factors[c.path_hash]["decode"],
           "acceptance": accepted / drafted if drafted else 0.0,
+        }
+      )
+    else:
+      report.variants.append(
+        {
+          "path_hash": c.path_hash,
+          "path": c.path,
+          "plain_prefill_ms": plain_pre,
+          "variant_prefill_ms": pre,
+          "plain_ms_per_token": plain_ms,
+          "variant_ms_per_token": mine,
+          "factors": dict(factors[c.path_hash]),
         }
       )
   return factors
@@ -571,11 +679,11 @@ def _nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
 def _with_latency(registry, candidates, quality, settings: LatencySettings, progress, report, kernels, texts=None):
   t0 = time.perf_counter()
   params = measure_latency(registry, candidates, settings, progress=progress, report=report, kernels=kernels)
-  factors = measure_speculative(
+  factors = measure_factors(
     registry, candidates, texts or [], settings, progress=progress, report=report, kernels=kernels
   )
-  if factors:  # a speculative candidate's decode: the full path's times its measured factor
-    params = dataclasses.replace(params, corrections={"paths": {h: {"decode": f} for h, f in factors.items()}})
+  if factors:  # a speculative or variant candidate's stage: the full path's times its measured factor
+    params = dataclasses.replace(params, corrections={"paths": factors})
   draft = Calibration(registry.sequence, machine_fingerprint(), candidates, quality, params, registry.current)
   params = dataclasses.replace(params, synthesis_ms=_planning_ms(draft, settings.plan_reps))
   cal = Calibration(registry.sequence, draft.fingerprint, candidates, quality, params, registry.current)

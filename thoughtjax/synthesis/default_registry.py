@@ -6,22 +6,26 @@ dir, built and calibrated on first use.
 1. **build** (:func:`thoughtjax.registry.build`, unsigned, without resource profiles, which synthesis does
    not read and which would double the first use; versions do not depend on them, so
    ``thoughtjax registry build --out DIR`` later adds them without changing a version): fetch the default
-   model if needed, cut, publish;
+   model if needed, cut, publish, with the int8 variant of every block (:data:`VARIANTS`), so the whole full
+   path in int8 weights is a candidate;
 2. **calibrate**: quality comes from the shipped table ``default_calibration.json`` when its
    candidates pin to exactly this registry's current versions (versions are content hashes, so a build
    of the same model and mapping gives the same ones); latency is always measured here
    (:func:`~thoughtjax.synthesis.calibrate.recalibrate_latency`, about a minute). The shipped table predates
    speculative candidates: the recalibration adds them (the full path verifying the exit with the highest
    top-1 agreement in the table, and the n-gram draft that looks its tokens up in the text, K from
-   :class:`~thoughtjax.synthesis.calibrate.SpeculativeSettings`) and times them against the plain full path here. Without a matching table the full calibration runs
-   (minutes). The result is stored in the registry.
+   :class:`~thoughtjax.synthesis.calibrate.SpeculativeSettings`) and times them against the plain full path here.
+   It also adds the full path in int8 weights, its quality measured here on every hint's corpora against the
+   float32 full path. Without a matching table the full calibration runs (minutes). The result is stored in
+   the registry.
 
 Both files are the package's own (:mod:`thoughtjax.shipped`), wherever the process runs: a ``registry/``
 folder in the working directory changes nothing.
 
 Later uses open it and check the stored calibration; a calibration measured on another machine
-(fingerprint), or one that lacks a speculative candidate a recalibration adds (stored before they, or n-gram
-drafts, existed), has its latency re-measured.
+(fingerprint), or one that lacks a speculative or weight-variant candidate a recalibration adds (stored before
+they, or n-gram drafts, existed), has its latency re-measured. A default registry built before the variants were
+part of it is used as it is (no variant candidate); removing it rebuilds it with them.
 Progress goes to ``progress(stage, done, total, item)``.
 
 Imports inside functions here are deferred for start-up: importing this module does not load ``registry``,
@@ -47,6 +51,9 @@ Progress = Callable[[str, int, int, str], None]
 def default_registry_dir() -> Path:
 
   return fetch_lib.cache_dir() / "registry" / "default"
+
+
+VARIANTS = ("int8",)  # the weight variants the default registry holds of every block
 
 
 def shipped_table_path() -> Path:
@@ -115,6 +122,7 @@ def _ensure_default(progress: Progress | None, *, root: Path, weights: str):
       settings=None,
       progress=lambda stage, name, done, total: report(f"build {stage}", done, total, name),
       replace_old_format=older,
+      variants=VARIANTS,
     )
   reg = Registry.open(root)
   try:
@@ -126,7 +134,7 @@ def _ensure_default(progress: Progress | None, *, root: Path, weights: str):
     return _in_form(reg, weights)
   base = stored or shipped_calibration(reg)
   if base is not None:
-    cal = cal_lib.recalibrate_latency(reg, base, progress=report)
+    cal = cal_lib.recalibrate_latency(reg, base, variants=VARIANTS, progress=report)
   else:
     cal = cal_lib.calibrate(reg, progress=report)
   write_calibration(reg, cal)
@@ -145,12 +153,17 @@ def _in_form(reg, weights: str):
 
 
 def _lacks_speculative(reg, cal) -> bool:
-  """``cal`` lacks a speculative candidate a recalibration would add (a calibration stored by a thoughtjax
-  before they, or n-gram drafts, existed)."""
+  """``cal`` lacks a speculative or weight-variant candidate a recalibration would add (a calibration stored by
+  a thoughtjax before they, or n-gram drafts, existed)."""
   from thoughtjax.synthesis import calibrate as cal_lib
 
   hint = cal_lib.first_hint(cal.hints)
-  return hint is not None and bool(cal_lib.missing_speculative(cal.candidates, cal.quality, hint, registry=reg))
+  if hint is None:
+    return False
+  return bool(
+    cal_lib.missing_speculative(cal.candidates, cal.quality, hint, registry=reg)
+    or cal_lib.missing_variants(reg, cal.candidates, VARIANTS)
+  )
 
 
 def open_default(progress: Progress | None = None, **kwargs):

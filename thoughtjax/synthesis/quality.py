@@ -159,6 +159,18 @@ def _compare(defs: GraphDefs, embed_state, head_state, x, full_logp, full_top, t
 
 
 @jax.jit
+def _compare_logits(p, q, targets):
+  """Two paths' raw logits [T, V] at the same positions: agreement, KL(p || q) and NLL_q - NLL_p, each [T]."""
+  logp = jax.nn.log_softmax(p.astype(jnp.float32), axis=-1)
+  logq = jax.nn.log_softmax(q.astype(jnp.float32), axis=-1)
+  agree = jnp.argmax(logq, axis=-1) == jnp.argmax(logp, axis=-1)
+  kl = jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)
+  y = targets[:, None]
+  dnll = jnp.take_along_axis(logp, y, axis=-1)[:, 0] - jnp.take_along_axis(logq, y, axis=-1)[:, 0]
+  return agree, kl, dnll
+
+
+@jax.jit
 def _bridge(params, x):  # [1, T, D] -> [1, T, D], position-wise
   return apply_bridge(params, x)
 
@@ -387,19 +399,7 @@ def measure_candidates(
       f"candidates: path hashes {dup} appear more than once; deduplicate the candidates (candidates.propose does)"
     )
   seqs = [runner.layers_of(_candidate_path(c)) for c in candidates]
-  splits = {}
-  for hint, pair in corpora.items():
-    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-      raise QualityError(
-        f"corpus of hint {hint!r}: expected (calibration documents, held-out documents), got {type(pair).__name__}"
-      )
-    for split, docs in zip(("calibration", "heldout"), pair):
-      wins = windows(runner.w.codec, docs, window)
-      if not wins:
-        raise QualityError(
-          f"hint {hint!r} {split} split: no document has 2 or more tokens; quality needs at least one predicted token"
-        )
-      splits[(hint, split)] = wins
+  splits = _splits(runner.w.codec, corpora, window)
   total = sum(len(w) for w in splits.values())
   done = 0
   measured: dict[tuple[str, str], list[PathQuality]] = {}
@@ -410,6 +410,64 @@ def measure_candidates(
     h: {hint: HintQuality(measured[(hint, "calibration")][i], measured[(hint, "heldout")][i]) for hint in corpora}
     for i, h in enumerate(hashes)
   }
+
+
+def _splits(codec, corpora: Corpora, window: int) -> dict[tuple[str, str], list[np.ndarray]]:
+  """``{(hint, "calibration" | "heldout"): windows}`` of every hint's two document splits."""
+  splits = {}
+  for hint, pair in corpora.items():
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+      raise QualityError(
+        f"corpus of hint {hint!r}: expected (calibration documents, held-out documents), got {type(pair).__name__}"
+      )
+    for split, docs in zip(("calibration", "heldout"), pair):
+      wins = windows(codec, docs, window)
+      if not wins:
+        raise QualityError(
+          f"hint {hint!r} {split} split: no document has 2 or more tokens; quality needs at least one predicted token"
+        )
+      splits[(hint, split)] = wins
+  return splits
+
+
+def measure_models(
+  reference,
+  models: Sequence,
+  corpora: Corpora,
+  *,
+  window: int = DEFAULT_WINDOW,
+  progress: Progress | None = None,
+) -> list[dict[str, HintQuality]]:
+  """Per model, ``{hint: HintQuality}`` against ``reference`` on every hint's (calibration, held-out) documents.
+
+  For paths over weights of their own, which share no residual with the reference: the full path in a weight
+  variant (``embed, blocks[0:30)@int8, head``). Each window runs whole through the reference once and through
+  each model once (``Model.logits``); the measures are those of :func:`measure_candidates`."""
+  splits = _splits(reference.codec, corpora, window)
+  total, done = sum(len(w) for w in splits.values()), 0
+  measured: dict[tuple[str, str], list[PathQuality]] = {}
+  for key, wins in splits.items():
+    sums = [Sums() for _ in models]
+    for ids in wins:
+      n = int(ids.shape[0]) - 1  # positions 0..n-1 predict ids[1:]
+      T = bucket(n)  # padded to the bucket, so windows of nearby lengths share the comparison's program
+      targets = np.zeros(T, np.int32)
+      targets[:n] = ids[1:]
+      p = np.zeros((T, reference.config.vocab_size), np.float32)
+      p[:n] = reference.logits(ids[:-1])
+      for m, s in zip(models, sums):
+        q = np.zeros_like(p)
+        q[:n] = m.logits(ids[:-1])
+        s.add(*(np.asarray(a, np.float64)[:n] for a in _compare_logits(p, q, targets)))
+      done += 1
+      if progress is not None:
+        progress(done, total, f"{key[0]}/{key[1]}")
+    measured[key] = [s.quality() for s in sums]
+  hints = dict.fromkeys(h for h, _ in splits)
+  return [
+    {h: HintQuality(measured[(h, "calibration")][i], measured[(h, "heldout")][i]) for h in hints}
+    for i in range(len(models))
+  ]
 
 
 def corpora_of(dictionary, hints: Sequence[str] | None = None) -> dict[str, tuple[list[str], list[str]]]:
