@@ -213,3 +213,8 @@ def test_registry_calibrate_latency_only_and_warm(capsys, tmp_path, monkeypatch)
     capsys, "registry", "warm", root, "--hint", "fast_draft", "--prompt-tokens", "8", "--max-tokens", "8"
   )
   assert code == 0 and IDENTITY_SKIP in out
+  warm = ("registry", "warm", root, "--hint", "fast_draft", "--prompt-tokens", "8", "--max-tokens", "8")
+  code, out, _ = run(capsys, *warm, "--budget-ms", "inf", "1")  # the plan within 1 ms: degraded, warmed too
+  assert code == 0 and "warmed" in out
+  code, _, err = run(capsys, *warm, "--budget-ms", "0")
+  assert code == 2 and "--budget-ms" in err

@@ -366,3 +366,34 @@ def test_a_full_calibration_measures_the_int8_full_path_with_the_other_candidate
   assert not [c for c in without.candidates if c.kind is CandidateKind.VARIANT]
   with pytest.raises(CalibrateError, match="CalibrateSettings.variants"):
     dataclasses.replace(SETTINGS, variants=("fp4",))
+
+
+def test_warming_a_tight_budget_restores_and_compiles_the_int8_path_a_cold_process_would_not_choose(int8):
+  """Cold, the int8 full path never fits a tight budget (restoring and compiling it would not either), so the
+  planner degrades to the warm float32 path; ``warm(budgets=...)`` warms the plan a warm process chooses at that
+  budget, and after it the same request gets the int8 path."""
+  root, cal, _ = int8
+  (variant,) = [c for c in cal.candidates if c.kind is CandidateKind.VARIANT]
+  half = dict(cal.latency.corrections["paths"], **{variant.path_hash: {"prefill": 0.5, "decode": 0.5}})
+  priced = dataclasses.replace(cal, latency=dataclasses.replace(cal.latency, corrections={"paths": half}))
+  with Registry.open(root) as reg:
+    syn = Synthesizer(reg, priced, learned_corrections=False, learn=False)
+    floor = syn.floors["fast_draft"].top1_agreement
+    assert priced.hint_quality(variant.path_hash, "fast_draft").calibration.top1_agreement >= floor
+    model = syn.latency
+    warm = model.warm_residency(priced.candidates, 16, 16)
+    var_ms = model.predict(variant, 16, 16, warm).total
+    others = [
+      model.predict(c, 16, 16, warm).total
+      for c in priced.candidates
+      if priced.hint_quality(c.path_hash, "fast_draft").calibration.top1_agreement
+      > priced.hint_quality(variant.path_hash, "fast_draft").calibration.top1_agreement
+    ]
+    budget = (var_ms + min(others)) / 2
+    syn.warm(["fast_draft"], prompt_tokens=(16,), max_tokens=(16,))  # the generous plan only: the variant stays cold
+    cold = syn.plan([3] * 16, ["fast_draft"], max_latency_ms=budget, max_tokens=16)
+    assert cold.path_hash != variant.path_hash and cold.degraded
+    warmed = syn.warm(["fast_draft"], prompt_tokens=(16,), max_tokens=(16,), budgets=(math.inf, budget))
+    assert variant.path in warmed
+    hot = syn.plan([3] * 16, ["fast_draft"], max_latency_ms=budget, max_tokens=16)
+    assert hot.path_hash == variant.path_hash and not hot.degraded

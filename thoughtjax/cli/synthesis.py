@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 import time
 
@@ -214,23 +215,13 @@ def cmd_synthesize(args) -> int:
 
 
 # ------------------------------------------------------------------------------ paths
-def _warm(cal, model, prompt_tokens: int, max_tokens: int):
-  """Every candidate restored and its program compiled: what ``paths`` predicts and plans for."""
-  from thoughtjax.synthesis.latency import Residency
-
-  return Residency(
-    {r for c in cal.candidates for r in c.refs},
-    {model.program_key(c.program, prompt_tokens, max_tokens) for c in cal.candidates},
-  )
-
-
 def front_rows(cal, hint: str, floors, prompt_tokens: int = 32, max_tokens: int = 64) -> list[dict]:
   """Every candidate calibrated on ``hint``: held-out quality, predicted warm latency (restored and
   compiled) for a ``prompt_tokens`` prompt and ``max_tokens`` tokens, floor met, on the Pareto front."""
   from thoughtjax.synthesis.latency import LatencyModel
 
   model = LatencyModel(cal.latency)
-  warm = _warm(cal, model, prompt_tokens, max_tokens)
+  warm = model.warm_residency(cal.candidates, prompt_tokens, max_tokens)
   floor = floors[hint]
   rows = []
   for c in cal.candidates:
@@ -269,7 +260,7 @@ def chosen_at(cal, hint: str, floors, prompt_tokens: int, max_tokens: int, budge
 
   model = LatencyModel(cal.latency)
   request = PlanRequest((hint,), prompt_tokens, max_tokens, budget_ms)
-  return Planner(cal, floors).plan(request, model, _warm(cal, model, prompt_tokens, max_tokens))
+  return Planner(cal, floors).plan(request, model, model.warm_residency(cal.candidates, prompt_tokens, max_tokens))
 
 
 PLOT_EXTRA = "pip install 'thoughtjax[plot]'"
@@ -457,7 +448,12 @@ def cmd_warm(args) -> int:
   reg = open_registry(args.dir, args)
   syn = _synthesizer(args, reg)
   t0 = time.perf_counter()
-  warmed = syn.warm(args.hint or None, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens)
+  bad = [b for b in args.budget_ms if not b > 0]
+  if bad:
+    raise CommandLineError(f"--budget-ms: expected budgets > 0 ms (inf for none), got {bad}")
+  warmed = syn.warm(
+    args.hint or None, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, budgets=args.budget_ms
+  )
   print(
     f"warmed {len(warmed)} path(s) in {time.perf_counter() - t0:.1f} s (thoughtlets restored in this process; "
     f"programs compiled into the persistent compilation cache):"
@@ -612,6 +608,13 @@ def add_registry_parsers(sub) -> None:
   w.add_argument("--hint", action="append", default=None, help="hints to warm (default: every calibrated hint)")
   w.add_argument("--prompt-tokens", type=int, nargs="+", default=[16], help="prompt lengths (shape buckets)")
   w.add_argument("--max-tokens", type=int, nargs="+", default=[64], help="decode lengths (shape buckets)")
+  w.add_argument(
+    "--budget-ms",
+    type=float,
+    nargs="+",
+    default=[math.inf],
+    help="latency budgets whose plans (as chosen on a warm process) to warm (default: inf, the best quality)",
+  )
   add_kernels_arg(w)
   add_trust_args(w)
   w.set_defaults(fn=cmd_warm)

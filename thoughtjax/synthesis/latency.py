@@ -573,6 +573,14 @@ class LatencyModel:
       got = fits[key]
     return got
 
+  @classmethod
+  def warm_residency(cls, candidates, prompt_tokens: int, max_tokens: int) -> Residency:
+    """Every one of ``candidates`` restored and its program compiled at these shape buckets: a warm process."""
+    return Residency(
+      {r for c in candidates for r in c.refs},
+      {cls.program_key(c.program, prompt_tokens, max_tokens) for c in candidates},
+    )
+
   @staticmethod
   def program_key(program: str, prompt_tokens: int, max_tokens: int) -> str:
     """The compiled-program key of a path layout at a request's shape buckets."""

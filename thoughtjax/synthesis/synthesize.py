@@ -325,9 +325,13 @@ class Synthesizer:
     prompt_tokens: Sequence[int] = (16,),
     max_tokens: Sequence[int] = (64,),
     pool: EnginePool | None = None,
+    budgets: Sequence[float] = (math.inf,),
   ) -> list[str]:
-    """Restore and compile ahead of time the plans of ``hints`` (default: every calibrated hint) under a
-    generous budget, for the given shape buckets, so a first request pays no restore or compile.
+    """Restore and compile ahead of time the plans of ``hints`` (default: every calibrated hint) under each of
+    ``budgets`` (ms; default a generous one), for the given shape buckets, so a first request pays no restore or
+    compile. A plan is the one chosen on a warm process (every candidate restored and compiled): a budget the
+    float32 full path does not fit warms the faster path it would get (the int8 full path, a cut path), which a
+    cold process would never choose, as restoring and compiling it would not fit either.
     With ``pool`` (a server's slot engines), a plan that a slot engine would run is warmed where it will run:
     its engine in the pool is made and compiled (:meth:`EnginePool.warm
     <thoughtjax.serving.pool.EnginePool.warm>`) instead of the program a request running alone takes; a plan
@@ -336,13 +340,15 @@ class Synthesizer:
     for hint in hints or self.calibration.hints:
       for T in prompt_tokens:
         for n in max_tokens:
-          r = self.synthesize([3] * T, hints=[hint], max_latency_ms=math.inf, max_tokens=n, ignore_eos=True)
-          if pool is None or r.request.slot() is None:
-            r.finish()
-          else:  # never started: a slot engine runs such a request, so its engine is what is warmed
-            pool.warm(r.model, T, n)
-          if r.plan.path not in warmed:
-            warmed.append(r.plan.path)
+          everything = self.latency.warm_residency(self.calibration.candidates, T, n)
+          for budget in budgets:
+            r = self._synthesize([3] * T, [hint], budget, n, False, None, everything, {"ignore_eos": True})
+            if pool is None or r.request.slot() is None:
+              r.finish()
+            else:  # never started: a slot engine runs such a request, so its engine is what is warmed
+              pool.warm(r.model, T, n)
+            if r.plan.path not in warmed:
+              warmed.append(r.plan.path)
     return warmed
 
   # ---- requests ----------------------------------------------------------------------
@@ -394,8 +400,10 @@ class Synthesizer:
     self._started |= need
     return (time.perf_counter() - t) * 1e3
 
-  def _plan(self, prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, unavailable, constraint=None):
-    """(plan, prompt ids, synthesis ms, start-up ms)."""
+  def _plan(
+    self, prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, unavailable, constraint=None, residency=None
+  ):
+    """(plan, prompt ids, synthesis ms, start-up ms); ``residency``: what to plan as warm (default: what is)."""
     startup = self._startup(routing=not hints)
     from thoughtjax.synthesis.hints import normalize_hints
     from thoughtjax.synthesis.router_store import route_hint
@@ -414,7 +422,8 @@ class Synthesizer:
       tuple((c.given, c.corrected) for c in res.corrections),
       constraint=None if constraint is None else constraint.describe(),
     )
-    plan = self.planner.plan(req, self.latency, self.residency(), pin_sequence=pin_sequence, unavailable=unavailable)
+    residency = self.residency() if residency is None else residency
+    plan = self.planner.plan(req, self.latency, residency, pin_sequence=pin_sequence, unavailable=unavailable)
     if routed:
       plan = dataclasses.replace(plan, notes=plan.notes + (routed[1],))
     return plan, ids, (time.perf_counter() - t0) * 1e3, startup
@@ -436,14 +445,24 @@ class Synthesizer:
 
     ``sampling``: :class:`~thoughtjax.sampling.SamplingParams` fields (temperature, top_k, top_p, seed,
     stop_strings, ...). A thoughtlet that fails verification or restore is planned around (degraded)."""
+    return self._synthesize(prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, None, sampling)
 
+  def _synthesize(self, prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, residency, sampling):
     t_request = time.perf_counter()
     params = SamplingParams(max_tokens=int(max_tokens), **sampling)  # refused before any planning
     unavailable: dict[str, str] = {}
     synthesis_ms = startup_ms = 0.0
     while True:
       plan, ids, ms, startup = self._plan(
-        prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, dict(unavailable) or None, params.constraint
+        prompt,
+        hints,
+        max_latency_ms,
+        max_tokens,
+        chat,
+        pin_sequence,
+        dict(unavailable) or None,
+        params.constraint,
+        residency,
       )
       synthesis_ms += ms
       startup_ms += startup
