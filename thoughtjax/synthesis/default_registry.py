@@ -56,7 +56,7 @@ def default_registry_dir() -> Path:
 VARIANTS = ("int8",)  # the weight variants the default registry holds of every block
 
 
-def _speculative():
+def speculative_settings():
   """The speculative candidates of the default registry: the calibrate defaults without the int8 full path as a
   draft (measured at 1.5-1.8x the plain full path's time per token on a 2-core CPU, so never chosen there; the
   int8 full path is a candidate of its own instead)."""
@@ -143,9 +143,9 @@ def _ensure_default(progress: Progress | None, *, root: Path, weights: str):
     return _in_form(reg, weights)
   base = stored or shipped_calibration(reg)
   if base is not None:
-    cal = cal_lib.recalibrate_latency(reg, base, speculative=_speculative(), variants=VARIANTS, progress=report)
+    cal = cal_lib.recalibrate_latency(reg, base, speculative=speculative_settings(), variants=VARIANTS, progress=report)
   else:
-    settings = cal_lib.CalibrateSettings(speculative=_speculative(), variants=VARIANTS)
+    settings = cal_lib.CalibrateSettings(speculative=speculative_settings(), variants=VARIANTS)
     cal = cal_lib.calibrate(reg, settings=settings, progress=report)
   write_calibration(reg, cal)
   return _in_form(reg, weights)
@@ -171,7 +171,7 @@ def _lacks_speculative(reg, cal) -> bool:
   if hint is None:
     return False
   return bool(
-    cal_lib.missing_speculative(cal.candidates, cal.quality, hint, _speculative(), registry=reg)
+    cal_lib.missing_speculative(cal.candidates, cal.quality, hint, speculative_settings(), registry=reg)
     or cal_lib.missing_variants(reg, cal.candidates, VARIANTS)
   )
 
