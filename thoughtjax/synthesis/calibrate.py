@@ -109,6 +109,13 @@ class LatencySettings:
         )
 
 
+def _variants(v, where: str) -> tuple[str, ...]:
+  """``v`` as a tuple of distinct weight variants, or a :class:`CalibrateError` naming ``where``."""
+  if isinstance(v, str) or not isinstance(v, (tuple, list)) or any(x not in VARIANTS for x in v):
+    raise CalibrateError(f"{where}: expected a tuple of weight variants from {list(VARIANTS)}, got {v!r}; () for none")
+  return tuple(dict.fromkeys(v))
+
+
 @dataclasses.dataclass(frozen=True)
 class SpeculativeSettings:
   """Which speculative candidates calibration adds (:func:`speculative_candidates`).
@@ -133,13 +140,7 @@ class SpeculativeSettings:
   ngram: tuple[str, ...] = ("3:2",)
 
   def __post_init__(self):
-    v = self.variants
-    if isinstance(v, str) or not isinstance(v, (tuple, list)) or any(x not in VARIANTS for x in v):
-      raise CalibrateError(
-        f"SpeculativeSettings.variants: expected a tuple of weight variants from {list(VARIANTS)}, got {v!r}; "
-        f"() for none"
-      )
-    object.__setattr__(self, "variants", tuple(dict.fromkeys(v)))
+    object.__setattr__(self, "variants", _variants(self.variants, "SpeculativeSettings.variants"))
     if isinstance(self.drafts, bool) or not isinstance(self.drafts, int) or self.drafts < 0:
       raise CalibrateError(f"SpeculativeSettings.drafts: expected an integer >= 0, got {self.drafts!r}")
     if (
@@ -187,12 +188,7 @@ class CalibrateSettings:
   variants: tuple[str, ...] = ("int8",)
 
   def __post_init__(self):
-    v = self.variants
-    if isinstance(v, str) or not isinstance(v, (tuple, list)) or any(x not in VARIANTS for x in v):
-      raise CalibrateError(
-        f"CalibrateSettings.variants: expected a tuple of weight variants from {list(VARIANTS)}, got {v!r}; () for none"
-      )
-    object.__setattr__(self, "variants", tuple(dict.fromkeys(v)))
+    object.__setattr__(self, "variants", _variants(self.variants, "CalibrateSettings.variants"))
 
 
 @dataclasses.dataclass
