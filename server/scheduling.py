@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from thoughtjax.errors import UserError
 from thoughtjax.serving.pool import EnginePool, PoolFull
+from thoughtjax.synthesis.latency import EngineLoad, Load
 
 
 class QueueFull(UserError, RuntimeError):
@@ -343,6 +344,10 @@ class ContinuousScheduler(SimpleScheduler):
     except PoolFull as e:
       self.shed += 1
       raise QueueFull(str(e)) from None
+
+  def load(self) -> Load:
+    """The engines' streams now, what a plan joining them is predicted under."""
+    return Load(tuple(EngineLoad(h, rows, ring) for h, rows, ring in self.pool.occupancy()), self.pool.slots)
 
   def release_path(self, path_hash: str) -> bool:
     """Close the engines of ``path_hash`` unless one is in use (:meth:`EnginePool.release_path`)."""

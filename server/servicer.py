@@ -278,6 +278,7 @@ class SynthesizerService:
       max_tokens=r.max_tokens,
       pin_sequence=r.pin_sequence,
       constraint=SamplingParams(max_tokens=r.max_tokens, **r.sampling).constraint,
+      load=self._load(),
     )
 
   @staticmethod
@@ -316,8 +317,14 @@ class SynthesizerService:
       max_latency_ms=r.max_latency_ms,
       max_tokens=r.max_tokens,
       pin_sequence=r.pin_sequence,
+      load=self._load(),
       **r.sampling,
     )
+
+  def _load(self):
+    """The slot engines' streams now (a continuous scheduler's), or None where requests decode alone."""
+    load = getattr(self.scheduler, "load", None)
+    return None if load is None else load()
 
   # ---- idle release (scale to zero) ----------------------------------------------------------
   def resident_paths(self) -> set[str]:

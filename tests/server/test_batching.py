@@ -100,6 +100,31 @@ def test_a_cancelled_stream_frees_its_slot_within_one_chunk(batched):
   assert sched.snapshot()["slots_in_use"] == 0 and sched.free_turns == sched.max_concurrent
 
 
+def test_plans_are_predicted_under_the_engines_load_in_their_context(batched, synthesizer):
+  """While a stream holds a slot, the scheduler reports its engine's streams, and a plan (GetOptimalPath or a
+  Synthesize's) is predicted under that load in the slot engines' context; once it ends the machine is idle."""
+  sched = batched.app.service.scheduler
+  ch, stub = stub_of(batched)
+  with ch:
+    call = stub.Synthesize(_request(PROMPTS[2], 200, "busy", logit_bias={0: 50.0}), timeout=120)
+    it = iter(call)
+    busy = next(it).plan
+    assert next(it).WhichOneof("kind") == "delta"
+    load = sched.load()
+    (engine,) = load.engines
+    assert engine.path_hash == busy.path_hash and engine.rows == 1 and load.slots == 4
+    plan = stub.GetOptimalPath(_request(PROMPTS[3], 8, "plan"), timeout=60)
+    assert "predicted under load (1 stream decoding in 1 engine); idle the choice is the same" in plan.notes or (
+      "under load (1 stream decoding in 1 engine)" in plan.reason
+    )
+    got = synthesizer.plan(PROMPTS[3], ["general_purpose"], max_latency_ms=math.inf, max_tokens=8, load=load)
+    assert got.predicted.context.key == f"slots|{synthesizer.context.weights}|b4|{synthesizer.context.kernels}"
+    assert got.predicted.load == load
+    call.cancel()
+  assert batched.call(lambda: sched.wait_idle(60))
+  assert sched.load().engines == ()
+
+
 class _Forwarding:
   """A run that forwards to another and declares that it runs alone (no slot engine)."""
 

@@ -28,7 +28,7 @@ from thoughtjax.synthesis.calibration_store import (
   write_calibration,
 )
 from thoughtjax.synthesis.candidate import CandidateKind
-from thoughtjax.synthesis.latency import LatencyModel
+from thoughtjax.synthesis.latency import EngineLoad, LatencyModel, Load
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +174,24 @@ def test_latency_only_keeps_candidates_and_quality(setup, cal, tmp_path):
 def test_settings_refuse_what_cannot_be_fitted():
   with pytest.raises(CalibrateError, match="at least two"):
     LatencySettings(prompt_tokens=(8,))
+  for bad in (1, -2, True, 2.5):
+    with pytest.raises(CalibrateError, match="rows_width"):
+      LatencySettings(rows_width=bad)
+
+
+def test_how_the_full_path_batches_is_measured_and_prices_a_busy_engine(setup, cal):
+  """The full path decoded alone and as 8 rows of one batch: the fit passes through one row at 1 and the measured
+  ratio at 8, the report holds both step times, and a prediction joining a busy engine of the path uses it."""
+  (row,) = setup.report.rows
+  assert row["path_hash"] == cal.full.path_hash and row["width"] == 8
+  assert row["ms_per_step_1"] > 0 and row["ms_per_step_8"] > 0
+  fit = cal.latency.rows[cal.full.path_hash]
+  assert set(cal.latency.rows) == {cal.full.path_hash}  # speculative plans decode alone; no variants here
+  assert fit(1) == pytest.approx(1.0) and fit(8) == pytest.approx(max(row["ratio"], 1.0))
+  model = LatencyModel(cal.latency)
+  load = Load((EngineLoad(cal.full.path_hash, 3, 64),), slots=8)
+  got = model.predict(cal.full, 12, 9, load=load)
+  assert got.row_factor == pytest.approx(fit(4)) and got.cache_len == 64
 
 
 @pytest.mark.slow

@@ -13,6 +13,8 @@ from thoughtjax.synthesis.latency import (
   COLD,
   FACTOR_BOUNDS,
   HALF_LIFE_S,
+  IDLE,
+  EngineLoad,
   LatencyContext,
   LatencyModel,
   LatencyModelError,
@@ -20,9 +22,11 @@ from thoughtjax.synthesis.latency import (
   LatencyTrace,
   Learned,
   LinearCost,
+  Load,
   Measurements,
   Residency,
   fit_linear,
+  width,
 )
 
 MB = 1 << 20
@@ -365,3 +369,107 @@ def test_learned_records_round_trip_and_malformed_ones_are_refused():
     LatencyModel(params(), learned={"plain": rec})
   with pytest.raises(LatencyModelError, match="engine: expected one of"):
     LatencyContext("turbo")
+
+
+# ------------------------------------------------------------------------------------------ under load
+def _step(p: LatencyParams, c: Candidate, S: int) -> float:
+  return p.step_ms + sum(p.decode[u.cost_key](S) for u in c.units)
+
+
+def test_a_slot_engine_computes_the_next_power_of_two_of_its_streams_within_its_slots():
+  assert [width(r, 8) for r in (0, 1, 2, 3, 4, 5, 8, 9, 20)] == [1, 1, 2, 4, 4, 8, 8, 8, 8]
+  assert width(3, 2) == 2
+
+
+def test_joining_a_busy_engine_costs_the_measured_step_at_its_new_width():
+  full = candidate([(0, 4)])
+  p = params(rows={full.path_hash: fit_linear([(1, 1.0), (8, 2.4)], "rows")})
+  m = LatencyModel(p)
+  idle = m.predict(full, 20, 8, COLD)
+  # Three streams decode in the path's engine: the request makes four, a width-4 step, over the engine's ring.
+  load = Load((EngineLoad(full.path_hash, 3, 96),), slots=8)
+  got = m.predict(full, 20, 8, COLD, load=load)
+  factor = 1 + 1.4 * 3 / 7  # the fit through (1, 1) and (8, 2.4), at width 4
+  assert got.row_factor == pytest.approx(factor) and got.shared_ms == 0 and got.cache_len == 96
+  assert got.decode == pytest.approx(7 * _step(p, full, 96) * factor)
+  assert got.decode > idle.decode and got.load == load
+  # Everything else is as idle; the raw decode re-evaluated for fewer tokens keeps the load.
+  assert (got.prefill, got.restore, got.compile) == (idle.prefill, idle.restore, idle.compile)
+  assert got.raw_decode(3) == pytest.approx(2 * _step(p, full, 96) * factor)
+
+
+def test_other_engines_steps_are_added_at_their_width_and_an_unmeasured_path_batches_at_no_gain():
+  full, short = candidate([(0, 4)]), candidate([(0, 2)])
+  p = params(rows={short.path_hash: LinearCost(0.5, 0.5)})  # width W costs (1 + W) / 2 one-row steps
+  m = LatencyModel(p)
+  load = Load((EngineLoad(short.path_hash, 5, 64), EngineLoad("ffff", 2, 32)), slots=8)
+  got = m.predict(full, 20, 8, COLD, load=load, peers={short.path_hash: short})
+  # full has no engine: it runs a new one at one row; short's engine steps at width 8 ((1 + 8) / 2 of a step);
+  # "ffff" is no candidate: priced as full's own step over its ring, at width 2 without a measured batching gain.
+  shared = _step(p, short, 64) * 4.5 + _step(p, full, 32) * 2
+  assert got.row_factor == 1 and got.shared_ms == pytest.approx(shared)
+  assert got.decode == pytest.approx(7 * (_step(p, full, got.cache_len) + shared))
+  # A path's own engine too short for the request is not joined: it is another engine stepping beside it.
+  long_request = m.predict(short, 60, 8, COLD, load=load, peers={short.path_hash: short})
+  assert long_request.row_factor == 1 and long_request.shared_ms > _step(p, short, 64) * 4.5
+
+
+def test_a_peer_with_a_calibrated_decode_factor_enters_relative_to_the_candidate():
+  full = candidate([(0, 4)])
+  int8_units = [full.units[0], Unit("blocks[0:4)@int8", "v1", MB, 4, "block"), full.units[-1]]
+  int8 = Candidate.build("embed, blocks[0:4)@int8, head", "variant", int8_units)
+  corrections = {"paths": {int8.path_hash: {"decode": 0.5}}}
+  m = LatencyModel(params(corrections=corrections))
+  load = Load((EngineLoad(int8.path_hash, 1, 32),), slots=4)
+  got = m.predict(full, 20, 8, COLD, load=load, peers={int8.path_hash: int8})
+  one = _step(m.params, full, 32)
+  assert got.shared_ms == pytest.approx(one * 0.5)  # int8's step is half the full path's; full's factor is 1
+  mine = m.predict(
+    int8, 20, 8, COLD, load=Load((EngineLoad(full.path_hash, 1, 32),), slots=4), peers={full.path_hash: full}
+  )
+  own = _step(m.params, int8, mine.cache_len)
+  assert mine.decode == pytest.approx(7 * 0.5 * (own + one / 0.5))  # its own half step, plus full's whole step
+
+
+def test_a_speculative_candidate_decodes_alone_beside_the_engines():
+  from thoughtjax.synthesis.candidate import DraftPlan
+
+  full = candidate([(0, 4)])
+  spec = Candidate.build(full.path, "speculative", full.units, DraftPlan("embed, blocks[0:2), head", 3))
+  m = LatencyModel(params())
+  load = Load((EngineLoad(full.path_hash, 2, 64),), slots=4)
+  got = m.predict(spec, 20, 8, COLD, load=load, peers={full.path_hash: full})
+  assert got.row_factor == 1 and got.shared_ms == pytest.approx(_step(m.params, full, 64) * 2)
+
+
+def test_an_idle_load_predicts_as_no_load():
+  full = candidate([(0, 4)])
+  m = LatencyModel(params())
+  empty = Load((EngineLoad(full.path_hash, 0, 64),), slots=8)
+  assert empty.engines == () and empty.describe() == "idle"
+  assert m.predict(full, 20, 8, COLD, load=empty) == m.predict(full, 20, 8, COLD)
+  assert m.predict(full, 20, 8, COLD).load == IDLE
+
+
+@pytest.mark.parametrize(
+  "make, match",
+  [
+    (lambda: EngineLoad("a", -1, 64), "rows"),
+    (lambda: EngineLoad("a", 1, 0), "cache_len"),
+    (lambda: EngineLoad("a", True, 64), "rows"),
+    (lambda: Load((), slots=0), "slots"),
+  ],
+)
+def test_malformed_loads_are_refused(make, match):
+  with pytest.raises(LatencyModelError, match=match):
+    make()
+
+
+def test_rows_fits_round_trip_and_malformed_ones_are_refused():
+  full = candidate([(0, 4)])
+  p = params(rows={full.path_hash: LinearCost(0.8, 0.2)})
+  assert LatencyParams.from_json(p.to_json()) == p
+  assert "rows" not in params().to_json()  # parameters without fits read as before
+  bad = {**p.to_json(), "rows": {full.path_hash: {"a": -1, "b": 0}}}
+  with pytest.raises(LatencyModelError, match=r"rows\["):
+    LatencyParams.from_json(bad)

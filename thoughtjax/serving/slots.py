@@ -1081,6 +1081,12 @@ class SlotDriver:
     return threading.current_thread() is self._thread
 
   @property
+  def rows(self) -> int:
+    """Streams in the engine's slots, being prefilled or placed, or queued for it: what it will decode."""
+    with self._cond:
+      return len(self._pending) + self._prefilling + self.engine.active
+
+  @property
   def busy(self) -> bool:
     """Work queued, being prefilled or placed, or in a slot: closing the driver now would end it."""
     with self._cond:

@@ -55,6 +55,7 @@ from thoughtjax.decode.program import bucket
 from thoughtjax.decode.speculative import Draft, DraftError, ngram_order
 from thoughtjax.errors import UserError
 from thoughtjax.path_syntax import VARIANTS, Ref, parse_path
+from thoughtjax.sampling import SamplingParams
 from thoughtjax.synthesis.calibration import Calibration
 from thoughtjax.synthesis.candidate import Candidate, CandidateKind, DraftPlan, Unit
 from thoughtjax.synthesis.candidates import CandidateSettings, bridge_slots, bridged_proposals, is_bridge, pin, propose
@@ -90,6 +91,10 @@ class LatencySettings:
   speculative_prompt_tokens: int = 32
   speculative_tokens: int = 32
   speculative_reps: int = 1
+  # How a path batches (LatencyParams.rows): the full path and each weight variant decode speculative_tokens
+  # greedy steps alone and as rows_width rows of one batch, interleaved, speculative_reps rounds after a
+  # compiling one (0: not measured; a server's load is then priced as if batching saved nothing).
+  rows_width: int = 8
 
   def __post_init__(self):
     for f in ("prompt_tokens", "max_tokens"):
@@ -101,6 +106,15 @@ class LatencySettings:
         )
     if self.reps < 1 or self.plan_reps < 1:
       raise CalibrateError(f"LatencySettings reps and plan_reps: expected >= 1, got {self.reps}, {self.plan_reps}")
+    if (
+      isinstance(self.rows_width, bool)
+      or not isinstance(self.rows_width, int)
+      or self.rows_width in (1,)
+      or self.rows_width < 0
+    ):
+      raise CalibrateError(
+        f"LatencySettings.rows_width: expected 0 (not measured) or an integer >= 2, got {self.rows_width!r}"
+      )
     for f in ("speculative_prompts", "speculative_prompt_tokens", "speculative_tokens", "speculative_reps"):
       v = getattr(self, f)
       if isinstance(v, bool) or not isinstance(v, int) or v < (2 if f == "speculative_tokens" else 1):
@@ -202,6 +216,8 @@ class CalibrateReport:
   speculative: list[dict] = dataclasses.field(default_factory=list)
   # Per weight-variant candidate: path, prefill ms and decode ms per token, plain and its own (medians), factors.
   variants: list[dict] = dataclasses.field(default_factory=list)
+  # Per path measured for batching: path, width, ms per step at one row and at width rows (medians), their ratio.
+  rows: list[dict] = dataclasses.field(default_factory=list)
 
   @property
   def total_seconds(self) -> float:
@@ -210,7 +226,7 @@ class CalibrateReport:
 
 # The form of the latency model's fits (latency module docstring); part of the fingerprint, so latency
 # measured for another form is re-measured (the default registry does so on first use).
-LATENCY_MODEL = 2
+LATENCY_MODEL = 3
 
 
 def machine_fingerprint() -> str:
@@ -665,6 +681,68 @@ def measure_factors(
   return factors
 
 
+def measure_rows(
+  registry,
+  candidates: Sequence[Candidate],
+  texts: Sequence[Sequence[int]],
+  settings: LatencySettings = LatencySettings(),
+  *,
+  progress: CalibrateProgress | None = None,
+  report: CalibrateReport | None = None,
+  kernels: str | None = None,
+) -> dict[str, LinearCost]:
+  """``{path hash: rows fit}`` for the paths a server's slot engines run (the full path and each weight variant; a
+  speculative plan decodes alone): a decode step of W rows over one row's, ``fit(W)``, through (1, 1) and
+  (``rows_width``, the measured ratio). Each path decodes ``speculative_tokens`` greedy steps from a calibration
+  prompt alone and as ``rows_width`` copies in one batch (the plain program at that batch; a slot engine computes
+  the same rows), interleaved, the medians of ``speculative_reps`` rounds after one that compiles."""
+  from thoughtjax.compose import compose
+
+  W = settings.rows_width
+  paths = [c for c in candidates if c.kind in (CandidateKind.FULL, CandidateKind.VARIANT)]
+  if not W or not paths:
+    return {}
+  progress = progress or _nop
+  models = {c.path_hash: compose(c.path, registry, kernels=kernels) for c in paths}
+  n = settings.speculative_tokens
+  # Step time does not depend on the text (greedy, no draft): calibration text when there is some, else one token.
+  P = max(1, min(settings.speculative_prompt_tokens, min(m.config.max_context for m in models.values()) - n - 1))
+  prompt = next((list(t)[:P] for t in texts if len(t) >= 2), [1] * P)
+
+  def step_ms(model, rows: int) -> float:
+    g = model.stream_batch([prompt] * rows, SamplingParams(max_tokens=n, ignore_eos=True))
+    for _ in g:
+      pass
+    return (g.trace.decode_s or 0.0) * 1e3 / max(max(g.trace.tokens_out) - 1, 1)
+
+  runs: dict[tuple[str, int], list[float]] = {(h, r): [] for h in models for r in (1, W)}
+  total, done = (1 + settings.speculative_reps) * len(runs), 0
+  for rep in range(1 + settings.speculative_reps):  # rep 0 compiles both widths (not kept)
+    for h, rows in runs:
+      ms = step_ms(models[h], rows)
+      done += 1
+      progress("latency", done, total, f"batching of {next(c.path for c in paths if c.path_hash == h)} at {rows}")
+      if rep:
+        runs[(h, rows)].append(ms)
+  fits = {}
+  for c in paths:
+    one, wide = (float(np.median(runs[(c.path_hash, r)])) for r in (1, W))
+    ratio = wide / one if one > 0 else float(W)
+    fits[c.path_hash] = fit_linear([(1, 1.0), (W, max(ratio, 1.0))], f"rows[{c.path_hash}]")
+    if report is not None:
+      report.rows.append(
+        {
+          "path_hash": c.path_hash,
+          "path": c.path,
+          "width": W,
+          "ms_per_step_1": one,
+          f"ms_per_step_{W}": wide,
+          "ratio": ratio,
+        }
+      )
+  return fits
+
+
 # ------------------------------------------------------------------------------ latency
 def _nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
   from scipy.optimize import nnls
@@ -680,6 +758,9 @@ def _with_latency(registry, candidates, quality, settings: LatencySettings, prog
   )
   if factors:  # a speculative or variant candidate's stage: the full path's times its measured factor
     params = dataclasses.replace(params, corrections={"paths": factors})
+  rows = measure_rows(registry, candidates, texts or [], settings, progress=progress, report=report, kernels=kernels)
+  if rows:
+    params = dataclasses.replace(params, rows=rows)
   draft = Calibration(registry.sequence, machine_fingerprint(), candidates, quality, params, registry.current)
   params = dataclasses.replace(params, synthesis_ms=_planning_ms(draft, settings.plan_reps))
   cal = Calibration(registry.sequence, draft.fingerprint, candidates, quality, params, registry.current)

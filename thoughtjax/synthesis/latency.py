@@ -15,6 +15,12 @@ prefill runs over the prompt left-padded to its bucket P and yields the first to
 decode steps attends over the whole KV cache of S slots (masked), whatever the context so far. So prefill
 cost steps at bucket edges and a decode step costs the same throughout one request.
 
+Under load (:class:`Load`, a server's slot engines with the streams they decode now), a request decodes in its
+path's engine beside that engine's streams, while the other engines step on the same cores: each of its steps
+costs its own step at the width the engine then computes (``rows[path](W)`` times the one-row step: how the path
+batches, measured at calibration, :attr:`LatencyParams.rows`) plus one step of every other engine at its width.
+So a path whose engine is busy and batches well can cost less per token than an idle one that batches badly.
+
 Units are counted as executed, so a repeated span costs twice in prefill and decode but is
 restored once. Each linear cost is fitted by least squares from measurements at several sizes
 (:func:`fit_linear`) and is non-negative by construction, so decode cost is non-decreasing in the
@@ -144,7 +150,9 @@ class LatencyParams:
   """Fitted latency parameters of one machine (see the module docstring for the formulas).
 
   ``corrections`` holds learned factors: ``{"global": {stage: g}, "paths": {path_hash: {stage: r}}}`` (a path's
-  factor is g * r; see the module docstring).
+  factor is g * r; see the module docstring). ``rows``: path hash -> a decode step of ``W`` rows over one row's
+  (``rows[h](W)``, 1 at one row), measured at calibration; a path without one is priced at ``W`` (no gain from
+  batching).
   """
 
   prefill: Mapping[str, LinearCost]
@@ -154,6 +162,7 @@ class LatencyParams:
   step_ms: float = 0.0
   synthesis_ms: float = 0.0
   corrections: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  rows: Mapping[str, LinearCost] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     if not self.compile:
@@ -187,16 +196,17 @@ class LatencyParams:
       "step_ms": float(self.step_ms),
       "synthesis_ms": float(self.synthesis_ms),
       "corrections": _corrections_json(self.corrections, "latency.corrections"),
+      **({"rows": {h: c.to_json() for h, c in self.rows.items()}} if self.rows else {}),
     }
 
   @classmethod
   def from_json(cls, d: Any, where: str = "latency") -> LatencyParams:
-    keys = {"prefill", "decode", "restore", "compile", "step_ms", "synthesis_ms", "corrections"}
+    keys = {"prefill", "decode", "restore", "compile", "step_ms", "synthesis_ms", "corrections", "rows"}
     if not isinstance(d, Mapping):
       raise LatencyModelError(f"{where}: expected an object, got {type(d).__name__}")
     if set(d) - keys or {"prefill", "decode", "restore", "compile"} - set(d):
       raise LatencyModelError(
-        f"{where}: expected keys {sorted(keys)} (corrections, step_ms, synthesis_ms optional), got {sorted(d)}"
+        f"{where}: expected keys {sorted(keys)} (corrections, rows, step_ms, synthesis_ms optional), got {sorted(d)}"
       )
 
     def table(name):
@@ -218,6 +228,7 @@ class LatencyParams:
       step_ms=d.get("step_ms", 0.0),
       synthesis_ms=d.get("synthesis_ms", 0.0),
       corrections=_corrections_json(d.get("corrections", {}), f"{where}.corrections"),
+      rows=table("rows") if "rows" in d else {},
     )
 
 
@@ -395,6 +406,58 @@ class Residency:
 COLD = Residency()
 
 
+def width(rows: int, slots: int) -> int:
+  """The rows a slot engine computes for ``rows`` streams: the next power of two, at most its ``slots``."""
+  return min(1 << max(int(rows) - 1, 0).bit_length(), max(int(slots), 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLoad:
+  """One slot engine now: its path, the streams in its slots or waiting for them (``rows``) and its ring length
+  (``cache_len``, the cache every step attends over)."""
+
+  path_hash: str
+  rows: int
+  cache_len: int
+
+  def __post_init__(self):
+    for name, least in (("rows", 0), ("cache_len", 1)):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < least:
+        raise LatencyModelError(f"engine load {name}: expected an integer >= {least}, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Load:
+  """What a server's slot engines (``slots`` slots each) decode now (:class:`EngineLoad` each, idle ones
+  dropped); ``Load()`` is an idle machine without slot engines."""
+
+  engines: tuple[EngineLoad, ...] = ()
+  slots: int = 1
+
+  def __post_init__(self):
+    if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1:
+      raise LatencyModelError(f"load slots: expected an integer >= 1, got {self.slots!r}")
+    object.__setattr__(self, "engines", tuple(e for e in self.engines if e.rows > 0))
+
+  @property
+  def rows(self) -> int:
+    return sum(e.rows for e in self.engines)
+
+  def of(self, path_hash: str) -> EngineLoad | None:
+    """The engine of ``path_hash`` a new request joins (the one with the most streams), or None."""
+    return max((e for e in self.engines if e.path_hash == path_hash), key=lambda e: e.rows, default=None)
+
+  def describe(self) -> str:
+    if not self.engines:
+      return "idle"
+    n = len(self.engines)
+    return f"{self.rows} stream{'s' * (self.rows != 1)} decoding in {n} engine{'s' * (n != 1)}"
+
+
+IDLE = Load()
+
+
 @dataclasses.dataclass(frozen=True)
 class Prediction:
   """Predicted ms per stage for one path and request (corrections applied), and the raw model values.
@@ -405,7 +468,9 @@ class Prediction:
   ``context``: the execution context predicted for; ``corrections``: stage -> (factor, ``"path"`` or
   ``"global"``) for every factor != 1 applied; ``observations``: stage -> how many runs in that context taught
   it (0: measured by calibration, e.g. a speculative plan's decode); ``correction_age_s``: seconds since that
-  context last learned (None when it never did).
+  context last learned (None when it never did). Under load a step's own cost is multiplied by ``row_factor``
+  (the width the request's engine computes with it) and ``shared_ms`` (the other engines' steps) is added;
+  ``load`` says what load it was predicted under.
   """
 
   path_hash: str
@@ -425,6 +490,9 @@ class Prediction:
   context: LatencyContext = LatencyContext()
   observations: Mapping[str, int] = dataclasses.field(default_factory=dict)
   correction_age_s: float | None = None
+  row_factor: float = 1.0
+  shared_ms: float = 0.0
+  load: Load = IDLE
 
   @property
   def total(self) -> float:
@@ -436,7 +504,7 @@ class Prediction:
   def raw_decode(self, tokens: int) -> float:
     """Raw decode ms until ``tokens`` tokens are out: the prefill gives the first, each other is one step."""
     A, B = self.decode_terms
-    return max(int(tokens) - 1, 0) * (A + B * self.cache_len)
+    return max(int(tokens) - 1, 0) * ((A + B * self.cache_len) * self.row_factor + self.shared_ms)
 
   def tokens_within(self, budget_ms: float) -> int:
     """How many decode tokens (at most ``max_tokens``) fit ``budget_ms`` after the fixed stages."""
@@ -637,12 +705,16 @@ class LatencyModel:
     residency: Residency = COLD,
     context: LatencyContext | None = None,
     constrained: bool = False,
+    load: Load = IDLE,
+    peers: Mapping[str, Candidate] | None = None,
   ) -> Prediction:
     """Stage latencies (ms) of ``candidate`` for a prompt of ``prompt_tokens`` and ``max_tokens`` decode
     steps, given what ``residency`` says is already restored and compiled, with the corrections learned in
     the context it runs in (:meth:`context_for`) and no other. ``constrained``: the request decodes one step
     per call under an output constraint, each step :data:`MASKED_STEP_MS` dearer (a ``masked`` context always
-    is)."""
+    is). ``load``: the slot engines decoding now (module docstring; a speculative candidate decodes alone beside
+    them); ``peers``: path hash -> candidate, to price their steps (an engine of a path not there costs
+    what ``candidate``'s own step does at its width)."""
     c = self._candidate_costs(candidate)
     ctx = self.context_for(candidate, context)
     T, n = prompt_tokens, max_tokens
@@ -655,12 +727,15 @@ class LatencyModel:
     if constrained or ctx.engine == "masked":
       A += MASKED_STEP_MS
     S = bucket(T) + bucket(n)
+    row_factor, shared_ms = 1.0, 0.0
+    if load.engines:
+      row_factor, shared_ms, S = self._under_load(candidate, c, S, load, peers or {})
     raw = {
       "synthesis": self.params.synthesis_ms,
       "restore": restore,
       "compile": compile_,
       "prefill": c.prefill(bucket(T)),
-      "decode": max(n - 1, 0) * (A + B * S),
+      "decode": max(n - 1, 0) * ((A + B * S) * row_factor + shared_ms),
     }
     h = candidate.path_hash
     now = self.clock()
@@ -681,7 +756,40 @@ class LatencyModel:
       context=ctx,
       observations={s: fs[s][2] for s in applied},
       correction_age_s=None if rec is None else max(0.0, now - rec.updated),
+      row_factor=row_factor,
+      shared_ms=shared_ms,
+      load=load if load.engines else IDLE,
     )
+
+  def rows_factor(self, path_hash: str, rows: int) -> float:
+    """A decode step of ``rows`` rows of ``path_hash`` over its one-row step: the calibration's measured fit, or
+    ``rows`` for a path it did not measure (no gain from batching assumed)."""
+    fit = self.params.rows.get(path_hash)
+    return float(rows) if fit is None else max(fit(rows), 1.0)
+
+  def _under_load(self, candidate, c: _Costs, S: int, load: Load, peers) -> tuple[float, float, int]:
+    """(own step's factor, the other engines' raw ms per step, the cache the request attends over) under ``load``."""
+    # A speculative plan decodes alone beside the engines; any other joins its path's engine, one row more, over
+    # its ring.
+    own = None if getattr(candidate, "draft", None) is not None else load.of(candidate.path_hash)
+    if own is not None and own.cache_len >= S:
+      S = own.cache_len
+      row_factor = self.rows_factor(candidate.path_hash, width(own.rows + 1, load.slots))
+    else:
+      own, row_factor = None, 1.0
+    # The others' steps in the candidate's raw units: the decode factor applied to the whole stage is the
+    # candidate's, so a peer's calibrated factor (a variant's) enters relative to it.
+    mine = math.prod(self._bases(candidate.path_hash, "decode"))
+    shared = 0.0
+    for e in load.engines:
+      if e is own:
+        continue
+      peer = peers.get(e.path_hash)
+      h = candidate.path_hash if peer is None else e.path_hash
+      pc = c if peer is None else self._candidate_costs(peer)
+      relative = math.prod(self._bases(h, "decode")) / mine
+      shared += pc.decode(e.cache_len) * self.rows_factor(h, width(e.rows, load.slots)) * relative
+    return row_factor, shared, S
 
   # ---- learning
   def update(self, trace: Any) -> dict[str, float]:

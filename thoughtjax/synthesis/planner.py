@@ -41,7 +41,7 @@ from thoughtjax.errors import UserError
 from thoughtjax.path_syntax import VARIANTS
 from thoughtjax.synthesis.calibration import Calibration, PathQuality
 from thoughtjax.synthesis.candidate import DraftPlan
-from thoughtjax.synthesis.latency import COLD, LatencyModel, Prediction, Residency
+from thoughtjax.synthesis.latency import COLD, IDLE, LatencyContext, LatencyModel, Load, Prediction, Residency
 
 MAX_HINTS = 3
 BUDGET = "budget"
@@ -171,7 +171,9 @@ class Rejection:
 class Plan:
   """The chosen path and why. ``quality``: held-out per hint; ``quality_calibration``: the split the
   floors were checked on. ``tokens_that_fit``: decode tokens within the budget when degraded for it.
-  ``notes``: the details of a degradation, including a failure that mattered when the reason is ``budget``."""
+  ``notes``: the details of a degradation, including a failure that mattered when the reason is ``budget``.
+  ``idle_path``: planned under load (``predicted.load``), the path an idle machine would have been given instead.
+  """
 
   path: str
   refs: tuple[str, ...]
@@ -191,6 +193,7 @@ class Plan:
   tokens_that_fit: int | None = None
   notes: tuple[str, ...] = ()
   draft: DraftPlan | None = None  # a speculative plan's draft: ``path`` verifies what it proposes
+  idle_path: str | None = None  # under load, the path an idle machine would have got, when it differs
 
   @property
   def speculative(self) -> bool:
@@ -231,6 +234,8 @@ class Plan:
         for s, (f, src) in self.predicted.corrections.items()
       },
       "latency_context": self.predicted.context.key,
+      "load": self.predicted.load.describe(),
+      "idle_path": self.idle_path,
     }
 
 
@@ -306,6 +311,7 @@ class Planner:
           self._users[name].append(i)
     self._orders: dict[tuple[str, ...], _Order] = {}
     self._models: dict[int, LatencyModel] = {}
+    self._peers = {c.path_hash: c for c in cands}  # to price the steps of engines under load
 
   def _order(self, hints: tuple[str, ...]) -> _Order:
     got = self._orders.get(hints)
@@ -378,8 +384,12 @@ class Planner:
     *,
     pin_sequence: int | None = None,
     unavailable: Unavailable = None,
+    load: Load = IDLE,
+    context: LatencyContext | None = None,
   ) -> Plan:
-    """The plan for ``request`` (see the module docstring for the rule)."""
+    """The plan for ``request`` (see the module docstring for the rule). ``load``: the slot engines decoding now
+    (a server's), predicted in ``context`` (default: the latency model's); the reason says when the load moved
+    the choice away from an idle machine's."""
     self._check(request, pin_sequence)
     if latency_model is None:
       latency_model = self._models.get(0) or self._models.setdefault(0, LatencyModel(self.calibration.latency))
@@ -389,38 +399,24 @@ class Planner:
     order = self._order(hints)
     failed = self._failed(unavailable)
     cands = self._cands
-    context, drafted = None, set()
-    if request.constraint is not None:
+    drafted, constrained = set(), request.constraint is not None
+    if constrained:
       # Alone, a constrained request runs the plain program one step per call (its own ``masked`` context); in
       # a server's slot engine it stays in the engine's context, each step dearer by the mask's cost.
-      if latency_model.context.engine != "slots":
-        context = dataclasses.replace(latency_model.context, engine="masked", batch=1)
+      base = context or latency_model.context
+      if base.engine != "slots":
+        context = dataclasses.replace(base, engine="masked", batch=1)
       drafted = {i for i, c in enumerate(cands) if c.draft is not None}
 
-    rejected: list[Rejection] = []
-    seen: list[tuple[float, str, int, Prediction]] = []  # eligible, available, predicted
-    chosen: tuple[int, Prediction] | None = None
-    best_ignoring_failures: int | None = None  # the choice had nothing failed
-    for group in order.groups:
-      preds = sorted(
-        (p.total, cands[i].path_hash, i, p)
-        for i in group
-        for p in (latency_model.predict(cands[i], T, n, residency, context, request.constraint is not None),)
-      )
-      for total, h, i, p in preds:
-        if i in drafted:
-          continue
-        if i in failed:
-          if best_ignoring_failures is None and total <= budget:
-            best_ignoring_failures = i
-          continue
-        seen.append((total, h, i, p))
-        if total <= budget:
-          chosen = (i, p)
-          break
-        rejected.append(Rejection(cands[i].path, h, BUDGET, f"predicted {total:.4g} ms > budget {budget:.4g} ms"))
-      if chosen:
-        break
+    def predict(i: int, under: Load) -> Prediction:
+      return latency_model.predict(cands[i], T, n, residency, context, constrained, under, self._peers)
+
+    chosen, seen, rejected, best_ignoring_failures = self._choose(order, drafted, failed, budget, load, predict)
+    idle = None  # under load: what an idle machine would have chosen, when it differs
+    if load.engines:
+      got = self._choose(order, drafted, failed, budget, IDLE, predict)[0]
+      if got is not None and (chosen is None or got[0] != chosen[0]):
+        idle = got[0]
     for i in sorted(drafted & order.eligible, key=lambda i: cands[i].path_hash):
       detail = "speculative: its draft would not see the output constraint's masks; constrained output decodes alone"
       rejected.append(Rejection(cands[i].path, cands[i].path_hash, "unavailable", detail))
@@ -465,6 +461,14 @@ class Planner:
       reason = "only the full path meets every floor within the budget"
     else:
       reason = "best quality meeting every floor within the budget"
+    if idle is not None:
+      moved = f"under load ({load.describe()}), idle it would be {cands[idle].path}"
+      if reason == BUDGET:
+        notes.append(moved)
+      else:
+        reason = f"{reason} {moved}"
+    elif load.engines:
+      notes.append(f"predicted under load ({load.describe()}); idle the choice is the same")
     self.counters._add(budget=reason == BUDGET, unavailable=degraded_refs)
 
     i, p = chosen
@@ -495,7 +499,34 @@ class Planner:
       tokens_that_fit=tokens_that_fit,
       notes=tuple(notes),
       draft=c.draft,
+      idle_path=None if idle is None else cands[idle].path,
     )
+
+  def _choose(self, order: _Order, drafted, failed, budget: float, load: Load, predict):
+    """Walk the quality order: (chosen (index, prediction) or None, eligible available predictions seen, budget
+    rejections, the best choice had nothing failed or None)."""
+    cands = self._cands
+    rejected: list[Rejection] = []
+    seen: list[tuple[float, str, int, Prediction]] = []  # eligible, available, predicted
+    chosen: tuple[int, Prediction] | None = None
+    best_ignoring_failures: int | None = None  # the choice had nothing failed
+    for group in order.groups:
+      preds = sorted((p.total, cands[i].path_hash, i, p) for i in group for p in (predict(i, load),))
+      for total, h, i, p in preds:
+        if i in drafted:
+          continue
+        if i in failed:
+          if best_ignoring_failures is None and total <= budget:
+            best_ignoring_failures = i
+          continue
+        seen.append((total, h, i, p))
+        if total <= budget:
+          chosen = (i, p)
+          break
+        rejected.append(Rejection(cands[i].path, h, BUDGET, f"predicted {total:.4g} ms > budget {budget:.4g} ms"))
+      if chosen:
+        break
+    return chosen, seen, rejected, best_ignoring_failures
 
   def _no_path_message(self, request: PlanRequest, order: _Order, failed: dict[int, tuple[str, str]]) -> str:
     cands = self._cands

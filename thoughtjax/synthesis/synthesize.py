@@ -60,7 +60,7 @@ from thoughtjax.kernels.dispatch import resolve as resolve_kernels
 from thoughtjax.sampling import SamplingParams
 from thoughtjax.synthesis.calibration import Calibration
 from thoughtjax.synthesis.candidate import path_hash_of
-from thoughtjax.synthesis.latency import STAGES, LatencyContext, LatencyModel, LatencyTrace, Residency
+from thoughtjax.synthesis.latency import IDLE, STAGES, LatencyContext, LatencyModel, LatencyTrace, Load, Residency
 from thoughtjax.synthesis.planner import Plan, Planner, PlanRequest, floors_of
 
 if TYPE_CHECKING:
@@ -363,10 +363,21 @@ class Synthesizer:
     pin_sequence: int | None = None,
     unavailable=None,
     constraint: Constraint | None = None,
+    load: Load | None = None,
   ) -> Plan:
     """GetOptimalPath for this request (hints normalized and corrected against the dictionary); ``constraint``:
-    the request's output constraint (planned without speculation, predicted one step per call)."""
-    return self._plan(prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, unavailable, constraint)[0]
+    the request's output constraint (planned without speculation, predicted one step per call); ``load``: a
+    server's slot engines now (:meth:`context_under`)."""
+    return self._plan(
+      prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, unavailable, constraint, None, load
+    )[0]
+
+  def context_under(self, load: Load | None) -> LatencyContext:
+    """Where a request planned under ``load`` runs: this synthesizer's context, or with ``load`` (a server with
+    slot engines, idle or not) a slot engine of ``load.slots`` slots, whose learned corrections it then uses."""
+    if load is None:
+      return self.context
+    return LatencyContext("slots", self.context.weights, load.slots, self.context.kernels)
 
   def prompt_ids(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
     if not isinstance(prompt, str):
@@ -401,7 +412,17 @@ class Synthesizer:
     return (time.perf_counter() - t) * 1e3
 
   def _plan(
-    self, prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, unavailable, constraint=None, residency=None
+    self,
+    prompt,
+    hints,
+    max_latency_ms,
+    max_tokens,
+    chat,
+    pin_sequence,
+    unavailable,
+    constraint=None,
+    residency=None,
+    load=None,
   ):
     """(plan, prompt ids, synthesis ms, start-up ms); ``residency``: what to plan as warm (default: what is)."""
     startup = self._startup(routing=not hints)
@@ -423,7 +444,15 @@ class Synthesizer:
       constraint=None if constraint is None else constraint.describe(),
     )
     residency = self.residency() if residency is None else residency
-    plan = self.planner.plan(req, self.latency, residency, pin_sequence=pin_sequence, unavailable=unavailable)
+    plan = self.planner.plan(
+      req,
+      self.latency,
+      residency,
+      pin_sequence=pin_sequence,
+      unavailable=unavailable,
+      load=load or IDLE,
+      context=None if load is None else self.context_under(load),
+    )
     if routed:
       plan = dataclasses.replace(plan, notes=plan.notes + (routed[1],))
     return plan, ids, (time.perf_counter() - t0) * 1e3, startup
@@ -437,6 +466,7 @@ class Synthesizer:
     max_tokens: int = 64,
     chat: bool = False,
     pin_sequence: int | None = None,
+    load: Load | None = None,
     **sampling,
   ) -> SynthesisResult:
     """Plan, restore and compose, and return the plan with its checked request, not started: iterate the
@@ -444,10 +474,11 @@ class Synthesizer:
     (:meth:`SynthesisResult.run_in`).
 
     ``sampling``: :class:`~thoughtjax.sampling.SamplingParams` fields (temperature, top_k, top_p, seed,
-    stop_strings, ...). A thoughtlet that fails verification or restore is planned around (degraded)."""
-    return self._synthesize(prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, None, sampling)
+    stop_strings, ...). A thoughtlet that fails verification or restore is planned around (degraded). ``load``:
+    a server's slot engines now, which the request will join (planned in their context, :meth:`context_under`)."""
+    return self._synthesize(prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, None, sampling, load)
 
-  def _synthesize(self, prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, residency, sampling):
+  def _synthesize(self, prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, residency, sampling, load=None):
     t_request = time.perf_counter()
     params = SamplingParams(max_tokens=int(max_tokens), **sampling)  # refused before any planning
     unavailable: dict[str, str] = {}
@@ -463,6 +494,7 @@ class Synthesizer:
         dict(unavailable) or None,
         params.constraint,
         residency,
+        load,
       )
       synthesis_ms += ms
       startup_ms += startup
