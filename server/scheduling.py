@@ -347,7 +347,8 @@ class ContinuousScheduler(SimpleScheduler):
 
   def load(self) -> Load:
     """The engines' streams now, what a plan joining them is predicted under."""
-    return Load(tuple(EngineLoad(h, rows, ring) for h, rows, ring in self.pool.occupancy()), self.pool.slots)
+    engines = (EngineLoad(h, rows, ring, *(recent or (0, None))) for h, rows, ring, recent in self.pool.occupancy())
+    return Load(tuple(engines), self.pool.slots)
 
   def release_path(self, path_hash: str) -> bool:
     """Close the engines of ``path_hash`` unless one is in use (:meth:`EnginePool.release_path`)."""

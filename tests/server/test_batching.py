@@ -109,10 +109,11 @@ def test_plans_are_predicted_under_the_engines_load_in_their_context(batched, sy
     call = stub.Synthesize(_request(PROMPTS[2], 200, "busy", logit_bias={0: 50.0}), timeout=120)
     it = iter(call)
     busy = next(it).plan
-    assert next(it).WhichOneof("kind") == "delta"
+    assert next(it).WhichOneof("kind") == "delta" and next(it).WhichOneof("kind") == "delta"  # a chunk stepped
     load = sched.load()
     (engine,) = load.engines
     assert engine.path_hash == busy.path_hash and engine.rows == 1 and load.slots == 4
+    assert engine.width == 1 and engine.step_ms > 0  # its latest steps, as measured
     plan = stub.GetOptimalPath(_request(PROMPTS[3], 8, "plan"), timeout=60)
     assert "predicted under load (1 stream decoding in 1 engine); idle the choice is the same" in plan.notes or (
       "under load (1 stream decoding in 1 engine)" in plan.reason

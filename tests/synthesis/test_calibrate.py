@@ -191,7 +191,7 @@ def test_how_the_full_path_batches_is_measured_and_prices_a_busy_engine(setup, c
   model = LatencyModel(cal.latency)
   load = Load((EngineLoad(cal.full.path_hash, 3, 64),), slots=8)
   got = model.predict(cal.full, 12, 9, load=load)
-  assert got.row_factor == pytest.approx(fit(4)) and got.cache_len == 64
+  assert got.load_factor == pytest.approx(fit(4)) and got.cache_len == 64  # the engine has not stepped: the fit
 
 
 @pytest.mark.slow

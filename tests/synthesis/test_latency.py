@@ -11,6 +11,7 @@ import pytest
 from thoughtjax.synthesis.candidate import Candidate, Unit
 from thoughtjax.synthesis.latency import (
   COLD,
+  CONTENTION,
   FACTOR_BOUNDS,
   HALF_LIFE_S,
   IDLE,
@@ -381,54 +382,49 @@ def test_a_slot_engine_computes_the_next_power_of_two_of_its_streams_within_its_
   assert width(3, 2) == 2
 
 
-def test_joining_a_busy_engine_costs_the_measured_step_at_its_new_width():
+def test_joining_a_busy_engine_costs_its_measured_step_scaled_to_its_new_width():
   full = candidate([(0, 4)])
-  p = params(rows={full.path_hash: fit_linear([(1, 1.0), (8, 2.4)], "rows")})
-  m = LatencyModel(p)
+  fit = fit_linear([(1, 1.0), (8, 2.4)], "rows")
+  m = LatencyModel(params(rows={full.path_hash: fit}))
   idle = m.predict(full, 20, 8, COLD)
-  # Three streams decode in the path's engine: the request makes four, a width-4 step, over the engine's ring.
-  load = Load((EngineLoad(full.path_hash, 3, 96),), slots=8)
-  got = m.predict(full, 20, 8, COLD, load=load)
-  factor = 1 + 1.4 * 3 / 7  # the fit through (1, 1) and (8, 2.4), at width 4
-  assert got.row_factor == pytest.approx(factor) and got.shared_ms == 0 and got.cache_len == 96
-  assert got.decode == pytest.approx(7 * _step(p, full, 96) * factor)
-  assert got.decode > idle.decode and got.load == load
+  # Three streams at width 4, 30 ms a step: a fourth stays at width 4, the same step.
+  same = m.predict(full, 20, 8, COLD, load=Load((EngineLoad(full.path_hash, 3, 96, 4, 30.0),), slots=8))
+  assert same.decode == pytest.approx(7 * 30.0) and same.cache_len == 96
+  # Four streams: a fifth makes width 8, the step grows as the path's measured batching says.
+  wider = m.predict(full, 20, 8, COLD, load=Load((EngineLoad(full.path_hash, 4, 96, 4, 30.0),), slots=8))
+  assert wider.decode == pytest.approx(7 * 30.0 * fit(8) / fit(4))
   # Everything else is as idle; the raw decode re-evaluated for fewer tokens keeps the load.
-  assert (got.prefill, got.restore, got.compile) == (idle.prefill, idle.restore, idle.compile)
-  assert got.raw_decode(3) == pytest.approx(2 * _step(p, full, 96) * factor)
+  assert (same.prefill, same.restore, same.compile) == (idle.prefill, idle.restore, idle.compile)
+  assert same.raw_decode(3) == pytest.approx(2 * 30.0)
 
 
-def test_other_engines_steps_are_added_at_their_width_and_an_unmeasured_path_batches_at_no_gain():
-  full, short = candidate([(0, 4)]), candidate([(0, 2)])
-  p = params(rows={short.path_hash: LinearCost(0.5, 0.5)})  # width W costs (1 + W) / 2 one-row steps
-  m = LatencyModel(p)
-  load = Load((EngineLoad(short.path_hash, 5, 64), EngineLoad("ffff", 2, 32)), slots=8)
-  got = m.predict(full, 20, 8, COLD, load=load, peers={short.path_hash: short})
-  # full has no engine: it runs a new one at one row; short's engine steps at width 8 ((1 + 8) / 2 of a step);
-  # "ffff" is no candidate: priced as full's own step over its ring, at width 2 without a measured batching gain.
-  shared = _step(p, short, 64) * 4.5 + _step(p, full, 32) * 2
-  assert got.row_factor == 1 and got.shared_ms == pytest.approx(shared)
-  assert got.decode == pytest.approx(7 * (_step(p, full, got.cache_len) + shared))
-  # A path's own engine too short for the request is not joined: it is another engine stepping beside it.
-  long_request = m.predict(short, 60, 8, COLD, load=load, peers={short.path_hash: short})
-  assert long_request.row_factor == 1 and long_request.shared_ms > _step(p, short, 64) * 4.5
-
-
-def test_a_peer_with_a_calibrated_decode_factor_enters_relative_to_the_candidate():
+def test_a_measured_step_is_not_corrected_twice():
   full = candidate([(0, 4)])
-  int8_units = [full.units[0], Unit("blocks[0:4)@int8", "v1", MB, 4, "block"), full.units[-1]]
-  int8 = Candidate.build("embed, blocks[0:4)@int8, head", "variant", int8_units)
-  corrections = {"paths": {int8.path_hash: {"decode": 0.5}}}
-  m = LatencyModel(params(corrections=corrections))
-  load = Load((EngineLoad(int8.path_hash, 1, 32),), slots=4)
-  got = m.predict(full, 20, 8, COLD, load=load, peers={int8.path_hash: int8})
-  one = _step(m.params, full, 32)
-  assert got.shared_ms == pytest.approx(one * 0.5)  # int8's step is half the full path's; full's factor is 1
-  mine = m.predict(
-    int8, 20, 8, COLD, load=Load((EngineLoad(full.path_hash, 1, 32),), slots=4), peers={full.path_hash: full}
-  )
-  own = _step(m.params, int8, mine.cache_len)
-  assert mine.decode == pytest.approx(7 * 0.5 * (own + one / 0.5))  # its own half step, plus full's whole step
+  m = LatencyModel(params(corrections={"paths": {full.path_hash: {"decode": 2.0}}}))
+  load = Load((EngineLoad(full.path_hash, 1, 64, 1, 12.0),), slots=4)
+  got = m.predict(full, 20, 8, COLD, load=load)
+  # A one-row step measured at 12 ms, two rows without a measured fit cost twice that; the factor is not reapplied.
+  assert got.decode_factor == 2.0 and got.decode == pytest.approx(7 * 24.0)
+
+
+def test_an_engine_that_has_not_stepped_is_priced_by_the_fits_at_its_width():
+  full = candidate([(0, 4)])
+  p = params(rows={full.path_hash: LinearCost(0.5, 0.5)})  # width W costs (1 + W) / 2 one-row steps
+  got = LatencyModel(p).predict(full, 20, 8, COLD, load=Load((EngineLoad(full.path_hash, 2, 64),), slots=8))
+  assert got.load_factor == pytest.approx(2.5) and got.decode == pytest.approx(7 * _step(p, full, 64) * 2.5)
+
+
+def test_an_engine_of_its_own_shares_the_cores_with_every_busy_engine():
+  full, short = candidate([(0, 4)]), candidate([(0, 2)])
+  m = LatencyModel(params())
+  idle = m.predict(full, 20, 8, COLD)
+  load = Load((EngineLoad(short.path_hash, 5, 64, 8, 40.0), EngineLoad("ffff", 2, 32)), slots=8)
+  got = m.predict(full, 20, 8, COLD, load=load)
+  assert got.load_factor == pytest.approx(1 + 2 * CONTENTION) and got.cache_len == idle.cache_len
+  assert got.decode == pytest.approx(idle.decode * (1 + 2 * CONTENTION))
+  # A path's own engine too short for the request is not joined: it is one more engine beside it.
+  own_short = Load((EngineLoad(full.path_hash, 3, 16, 4, 30.0),), slots=8)
+  assert m.predict(full, 20, 8, COLD, load=own_short).load_factor == pytest.approx(1 + CONTENTION)
 
 
 def test_a_speculative_candidate_decodes_alone_beside_the_engines():
@@ -436,10 +432,8 @@ def test_a_speculative_candidate_decodes_alone_beside_the_engines():
 
   full = candidate([(0, 4)])
   spec = Candidate.build(full.path, "speculative", full.units, DraftPlan("embed, blocks[0:2), head", 3))
-  m = LatencyModel(params())
-  load = Load((EngineLoad(full.path_hash, 2, 64),), slots=4)
-  got = m.predict(spec, 20, 8, COLD, load=load, peers={full.path_hash: full})
-  assert got.row_factor == 1 and got.shared_ms == pytest.approx(_step(m.params, full, 64) * 2)
+  got = LatencyModel(params()).predict(spec, 20, 8, COLD, load=Load((EngineLoad(full.path_hash, 2, 64),), slots=4))
+  assert got.load_factor == pytest.approx(1 + CONTENTION)
 
 
 def test_an_idle_load_predicts_as_no_load():
@@ -451,12 +445,23 @@ def test_an_idle_load_predicts_as_no_load():
   assert m.predict(full, 20, 8, COLD).load == IDLE
 
 
+def test_a_trace_that_ran_as_predicted_under_load_leaves_the_factors_where_they_are():
+  full = candidate([(0, 4)])
+  m = LatencyModel(params())
+  p = m.predict(full, 20, 8, COLD, load=Load((EngineLoad(full.path_hash, 3, 64, 4, 25.0),), slots=8))
+  m.update(LatencyTrace(p, {"decode": p.decode}))
+  assert m.factor(full.path_hash, "decode") == pytest.approx(1.0)
+
+
 @pytest.mark.parametrize(
   "make, match",
   [
     (lambda: EngineLoad("a", -1, 64), "rows"),
     (lambda: EngineLoad("a", 1, 0), "cache_len"),
     (lambda: EngineLoad("a", True, 64), "rows"),
+    (lambda: EngineLoad("a", 1, 64, 2, 0.0), "step_ms"),
+    (lambda: EngineLoad("a", 1, 64, 0, 5.0), "step_ms"),
+    (lambda: EngineLoad("a", 1, 64, 2, float("nan")), "step_ms"),
     (lambda: Load((), slots=0), "slots"),
   ],
 )

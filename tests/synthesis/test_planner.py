@@ -378,6 +378,7 @@ def test_a_failed_thoughtlet_gives_the_best_path_avoiding_it_counted():
     "degraded_budget": 0,
     "degraded_unavailable": 1,
     "no_path": 0,
+    "moved_by_load": 0,
     "unavailable": {bad: 1},
   }
 
@@ -515,63 +516,56 @@ TWO = {k: CANDIDATES[k] for k in ("full", "int8")}
 WARM = LatencyModel.warm_residency(TWO.values(), 40, 16)  # a server's warm paths: decode is what load moves
 
 
-def loaded_planner(rows: dict) -> tuple[Planner, LatencyModel]:
-  cal = calibration(candidates=TWO)
-  params = dataclasses.replace(cal.latency, rows={CANDIDATES[k].path_hash: fit for k, fit in rows.items()})
-  cal = dataclasses.replace(cal, latency=params)
-  return Planner(cal, FLOORS), LatencyModel(params, context=SLOTS)
+def _busy_full(step_ms: float) -> Load:
+  """Seven streams in the full path's engine (a 512-slot ring), its latest steps at ``step_ms``."""
+  return Load((EngineLoad(CANDIDATES["full"].path_hash, 7, 512, 8, step_ms),), slots=8)
 
 
-def test_under_load_a_request_moves_to_the_variant_whose_busy_engine_batches_well():
-  # int8's engine holds 7 streams and batches well (8 rows cost 1.5 one-row steps); the full path has no engine.
-  planner, model = loaded_planner({"int8": LinearCost(1 - 0.5 / 7, 0.5 / 7)})
-  req = lambda budget: PlanRequest(("fast_draft",), 40, 16, budget)  # noqa: E731
-  idle = planner.plan(req(1e9), model, WARM)
-  cache = idle.predicted.cache_len
-  load = Load((EngineLoad(CANDIDATES["int8"].path_hash, 7, cache),), slots=8)
-  busy_full = model.predict(CANDIDATES["full"], 40, 16, WARM, load=load, peers=planner._peers).total
-  busy_int8 = model.predict(CANDIDATES["int8"], 40, 16, WARM, load=load, peers=planner._peers).total
-  assert busy_int8 < busy_full  # joining the busy engine beats stepping beside it
-  budget = (busy_int8 + busy_full) / 2
-  assert idle.predicted.total < budget  # idle, the full path fits: best quality
-  calm = planner.plan(req(budget), model, WARM)
+def test_under_load_a_request_moves_to_the_variant_beside_the_busy_engine():
+  planner, model = Planner(calibration(candidates=TWO), FLOORS), LatencyModel(latency_params(), context=SLOTS)
+  idle = {k: model.predict(c, 40, 16, WARM).total for k, c in TWO.items()}
+  assert idle["int8"] < idle["full"]
+  budget = idle["full"] * 1.1  # idle, the full path fits: the best quality
+  req = PlanRequest(("fast_draft",), 40, 16, budget)
+  calm = planner.plan(req, model, WARM)
   assert name_of(calm) == "full" and calm.idle_path is None and calm.predicted.load == Load()
-  got = planner.plan(req(budget), model, WARM, load=load)
-  assert name_of(got) == "int8" and not got.degraded and got.predicted.total == pytest.approx(busy_int8)
+  # Its engine busy at 10 ms a step: joining it costs 15 such steps, more than the budget; int8 in an engine of
+  # its own shares the cores with it and fits.
+  load = _busy_full(10.0)
+  busy = {k: model.predict(c, 40, 16, WARM, load=load).total for k, c in TWO.items()}
+  assert busy["full"] > budget > busy["int8"]
+  got = planner.plan(req, model, WARM, load=load)
+  assert name_of(got) == "int8" and not got.degraded and got.predicted.total == pytest.approx(busy["int8"])
   assert got.reason == (
     "best quality meeting every floor within the budget under load (7 streams decoding in 1 engine), "
     f"idle it would be {CANDIDATES['full'].path}"
   )
-  assert got.idle_path == CANDIDATES["full"].path and got.predicted.row_factor == pytest.approx(1.5)
+  assert got.idle_path == CANDIDATES["full"].path and planner.counters.snapshot()["moved_by_load"] == 1
   d = got.to_json()
   assert d["load"] == "7 streams decoding in 1 engine" and d["idle_path"] == CANDIDATES["full"].path
   assert d["latency_context"] == SLOTS.key
-
-
-def test_under_load_the_budget_fallback_is_the_path_that_joins_the_busy_engine_noted():
-  # The full path's engine is busy and batches well; idle, int8 fits a tight budget, under load nothing does.
-  planner, model = loaded_planner({"full": LinearCost(1 - 0.5 / 7, 0.5 / 7)})
-  idle_t = {k: model.predict(c, 40, 16, WARM).total for k, c in TWO.items()}
-  budget = (idle_t["int8"] + idle_t["full"]) / 2
-  req = PlanRequest(("general_purpose",), 40, 16, budget)
-  assert name_of(planner.plan(req, model, WARM)) == "int8"
-  cache = planner.plan(req, model, WARM).predicted.cache_len
-  load = Load((EngineLoad(CANDIDATES["full"].path_hash, 7, cache),), slots=8)
-  got = planner.plan(req, model, WARM, load=load)
-  assert name_of(got) == "full" and got.degraded and got.reason == "budget"
-  assert f"under load (7 streams decoding in 1 engine), idle it would be {CANDIDATES['int8'].path}" in got.notes
   # With the load gone the same request gets the idle plan again.
-  assert name_of(planner.plan(req, model, WARM, load=Load(slots=8))) == "int8"
+  assert name_of(planner.plan(req, model, WARM, load=Load(slots=8))) == "full"
 
 
-def test_a_load_that_does_not_change_the_choice_says_nothing_of_an_idle_path():
-  planner, model = loaded_planner({})
-  load = Load((EngineLoad(CANDIDATES["full"].path_hash, 3, 64),), slots=8)
+def test_a_load_that_does_not_change_the_choice_says_so_in_a_note():
+  planner, model = Planner(calibration(candidates=TWO), FLOORS), LatencyModel(latency_params(), context=SLOTS)
+  load = _busy_full(10.0)
   got = planner.plan(PlanRequest(("general_purpose",), 40, 16, 1e9), model, WARM, load=load)
   assert name_of(got) == "full" and got.idle_path is None
   assert got.reason == "best quality meeting every floor within the budget"
-  assert got.predicted.load == load and got.to_json()["load"] == "3 streams decoding in 1 engine"
-  assert got.notes == ("predicted under load (3 streams decoding in 1 engine); idle the choice is the same",)
+  assert got.notes == ("predicted under load (7 streams decoding in 1 engine); idle the choice is the same",)
+  assert got.predicted.load == load and got.predicted.decode == pytest.approx(15 * 10.0)
+
+
+def test_under_load_the_budget_fallback_is_the_fastest_there_noted():
+  strict = {"legal_analysis": Floor(0.999, 0.001)}  # only the full path meets it
+  planner, model = Planner(calibration(candidates=TWO), strict), LatencyModel(latency_params(), context=SLOTS)
+  idle = model.predict(CANDIDATES["full"], 40, 16, WARM).total
+  req = PlanRequest(("legal_analysis",), 40, 16, idle * 1.1)
+  assert name_of(planner.plan(req, model, WARM)) == "full"
+  got = planner.plan(req, model, WARM, load=_busy_full(10.0))
+  assert name_of(got) == "full" and got.degraded and got.reason == "budget" and got.idle_path is None
 
 
 # ------------------------------------------------------------------------ calibration JSON

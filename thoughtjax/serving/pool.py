@@ -160,10 +160,11 @@ class EnginePool:
     with self._lock:
       return {k[0] for k in self._engines}
 
-  def occupancy(self) -> list[tuple[str, int, int]]:
-    """(path hash, rows, ring length) of every engine now: the streams it decodes or will (queued, prefilling,
-    in a slot) and the cache its steps attend over."""
-    return [(d.engine.model.path_hash, d.rows, d.engine.cache_len) for d in self.drivers()]
+  def occupancy(self) -> list[tuple[str, int, int, tuple[int, float] | None]]:
+    """(path hash, rows, ring length, recent step) of every engine now: the streams it decodes or will (queued,
+    prefilling, in a slot), the cache its steps attend over, and (width, ms) of its latest steps or None
+    (:meth:`SlotEngine.recent_step <thoughtjax.serving.slots.SlotEngine.recent_step>`)."""
+    return [(d.engine.model.path_hash, d.rows, d.engine.cache_len, d.engine.recent_step()) for d in self.drivers()]
 
   def stats(self) -> dict:
     """engines, slots_in_use, slots_freed (engines closed since included), engine_evictions, and the prefix caches'

@@ -501,6 +501,7 @@ class SlotEngine:
     self.steps = 0  # decode steps run (the cursor)
     self.freed_total = 0
     self.chunk_seconds: collections.deque[float] = collections.deque(maxlen=1024)  # wall time of recent chunks
+    self._step_ms: collections.deque[tuple[int, float]] = collections.deque(maxlen=8)  # (width, ms per step)
     N, V = self.slots, self.cfg.vocab_size
     self._host = dict(
       temperature=np.zeros(N, np.float32),
@@ -972,6 +973,8 @@ class SlotEngine:
         for t in out[b][out[b] >= 0]:
           self._matchers[b].consume(int(t))
       self.chunk_seconds.append(time.perf_counter() - t0)
+      if not constrained:
+        self._step_ms.append((width, self.chunk_seconds[-1] * 1e3 / max(int(steps), 1)))
       self.chunks += 1
       self.rows_computed += width
       self.steps += int(steps)
@@ -990,6 +993,16 @@ class SlotEngine:
           self._free(b)
       self._free_cancelled()
       return new
+
+  def recent_step(self) -> tuple[int, float] | None:
+    """(width, median wall ms per decode step) of the latest chunks at the width of the last one (a chunk of
+    constrained slots, stepping once per call, excluded), or None before any chunk: what one step costs now,
+    beside whatever else runs on the machine."""
+    got = list(self._step_ms)
+    if not got:
+      return None
+    w = got[-1][0]
+    return w, float(np.median([ms for width, ms in got if width == w]))
 
   def _masked_step(self, samp: SamplingArrays, constrained: list[int]) -> tuple[SlotProgram, SamplingArrays]:
     """The one-step program and sampling arrays carrying every slot's allowed-token mask (unconstrained slots

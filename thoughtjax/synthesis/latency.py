@@ -15,11 +15,13 @@ prefill runs over the prompt left-padded to its bucket P and yields the first to
 decode steps attends over the whole KV cache of S slots (masked), whatever the context so far. So prefill
 cost steps at bucket edges and a decode step costs the same throughout one request.
 
-Under load (:class:`Load`, a server's slot engines with the streams they decode now), a request decodes in its
-path's engine beside that engine's streams, while the other engines step on the same cores: each of its steps
-costs its own step at the width the engine then computes (``rows[path](W)`` times the one-row step: how the path
-batches, measured at calibration, :attr:`LatencyParams.rows`) plus one step of every other engine at its width.
-So a path whose engine is busy and batches well can cost less per token than an idle one that batches badly.
+Under load (:class:`Load`, a server's slot engines with the streams they decode now), a request that joins its
+path's busy engine pays that engine's step, as the engine measured it over its latest chunks, at the width it
+computes with one row more (scaled by ``rows[path]``, how the path batches, measured at calibration:
+:attr:`LatencyParams.rows`); an engine that has not stepped yet is priced by the fits at that width. A request
+in an engine of its own shares the cores with every busy engine: its step costs ``1 + CONTENTION * k`` idle
+steps beside ``k`` of them. So a variant alone beside a busy engine can cost far less per token than joining
+that engine.
 
 Units are counted as executed, so a repeated span costs twice in prefill and decode but is
 restored once. Each linear cost is fitted by least squares from measurements at several sizes
@@ -269,6 +271,10 @@ ENGINES = ("plain", "speculative", "slots", "masked")
 # from its grammar matcher. ``thoughtjax bench structured --overhead`` on the default model (f32, batch 1, quiet
 # 2-core machine): 30.1 ms a free step, 32.0 ms a constrained one (BENCHMARKS.md, "Structured output").
 MASKED_STEP_MS = 1.9
+# What a decode step of a request in an engine of its own costs beside each busy slot engine, over its idle step,
+# minus 1. Measured on the default model (2-core machine, BENCHMARKS.md "Plans under a server's load"): the int8
+# full path's 64 tokens took 682 ms alone and 941-967 ms beside a float32 engine decoding 7 streams.
+CONTENTION = 0.4
 # A context's learned factors relax halfway back to the calibration's every this many seconds without a new
 # observation there (the machine, its load and its software change; an old correction is a guess).
 HALF_LIFE_S = 6 * 3600.0
@@ -413,18 +419,32 @@ def width(rows: int, slots: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class EngineLoad:
-  """One slot engine now: its path, the streams in its slots or waiting for them (``rows``) and its ring length
-  (``cache_len``, the cache every step attends over)."""
+  """One slot engine now: its path, the streams in its slots or waiting for them (``rows``), its ring length
+  (``cache_len``, the cache every step attends over) and, once it has stepped, the wall ms of one of its latest
+  steps (``step_ms``, a median) at the width it then computed (``width``)."""
 
   path_hash: str
   rows: int
   cache_len: int
+  width: int = 0
+  step_ms: float | None = None
 
   def __post_init__(self):
-    for name, least in (("rows", 0), ("cache_len", 1)):
+    for name, least in (("rows", 0), ("cache_len", 1), ("width", 0)):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < least:
         raise LatencyModelError(f"engine load {name}: expected an integer >= {least}, got {v!r}")
+    if self.step_ms is not None and (
+      isinstance(self.step_ms, bool)
+      or not isinstance(self.step_ms, (int, float))
+      or not math.isfinite(self.step_ms)
+      or self.step_ms <= 0
+      or self.width < 1
+    ):
+      raise LatencyModelError(
+        f"engine load step_ms: expected None or ms > 0 measured at a width >= 1, got {self.step_ms!r} at "
+        f"width {self.width!r}"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -468,9 +488,8 @@ class Prediction:
   ``context``: the execution context predicted for; ``corrections``: stage -> (factor, ``"path"`` or
   ``"global"``) for every factor != 1 applied; ``observations``: stage -> how many runs in that context taught
   it (0: measured by calibration, e.g. a speculative plan's decode); ``correction_age_s``: seconds since that
-  context last learned (None when it never did). Under load a step's own cost is multiplied by ``row_factor``
-  (the width the request's engine computes with it) and ``shared_ms`` (the other engines' steps) is added;
-  ``load`` says what load it was predicted under.
+  context last learned (None when it never did). Under ``load`` a raw decode step costs ``load_factor`` idle
+  ones (module docstring).
   """
 
   path_hash: str
@@ -490,8 +509,7 @@ class Prediction:
   context: LatencyContext = LatencyContext()
   observations: Mapping[str, int] = dataclasses.field(default_factory=dict)
   correction_age_s: float | None = None
-  row_factor: float = 1.0
-  shared_ms: float = 0.0
+  load_factor: float = 1.0
   load: Load = IDLE
 
   @property
@@ -504,7 +522,7 @@ class Prediction:
   def raw_decode(self, tokens: int) -> float:
     """Raw decode ms until ``tokens`` tokens are out: the prefill gives the first, each other is one step."""
     A, B = self.decode_terms
-    return max(int(tokens) - 1, 0) * ((A + B * self.cache_len) * self.row_factor + self.shared_ms)
+    return max(int(tokens) - 1, 0) * (A + B * self.cache_len) * self.load_factor
 
   def tokens_within(self, budget_ms: float) -> int:
     """How many decode tokens (at most ``max_tokens``) fit ``budget_ms`` after the fixed stages."""
@@ -706,15 +724,13 @@ class LatencyModel:
     context: LatencyContext | None = None,
     constrained: bool = False,
     load: Load = IDLE,
-    peers: Mapping[str, Candidate] | None = None,
   ) -> Prediction:
     """Stage latencies (ms) of ``candidate`` for a prompt of ``prompt_tokens`` and ``max_tokens`` decode
     steps, given what ``residency`` says is already restored and compiled, with the corrections learned in
     the context it runs in (:meth:`context_for`) and no other. ``constrained``: the request decodes one step
     per call under an output constraint, each step :data:`MASKED_STEP_MS` dearer (a ``masked`` context always
     is). ``load``: the slot engines decoding now (module docstring; a speculative candidate decodes alone beside
-    them); ``peers``: path hash -> candidate, to price their steps (an engine of a path not there costs
-    what ``candidate``'s own step does at its width)."""
+    them)."""
     c = self._candidate_costs(candidate)
     ctx = self.context_for(candidate, context)
     T, n = prompt_tokens, max_tokens
@@ -727,19 +743,19 @@ class LatencyModel:
     if constrained or ctx.engine == "masked":
       A += MASKED_STEP_MS
     S = bucket(T) + bucket(n)
-    row_factor, shared_ms = 1.0, 0.0
+    h = candidate.path_hash
+    now = self.clock()
+    fs = {s: self._factor_from(h, s, ctx, now) for s in STAGES}
+    load_factor = 1.0
     if load.engines:
-      row_factor, shared_ms, S = self._under_load(candidate, c, S, load, peers or {})
+      load_factor, S = self._under_load(candidate, (A, B), S, load, fs["decode"][0])
     raw = {
       "synthesis": self.params.synthesis_ms,
       "restore": restore,
       "compile": compile_,
       "prefill": c.prefill(bucket(T)),
-      "decode": max(n - 1, 0) * ((A + B * S) * row_factor + shared_ms),
+      "decode": max(n - 1, 0) * (A + B * S) * load_factor,
     }
-    h = candidate.path_hash
-    now = self.clock()
-    fs = {s: self._factor_from(h, s, ctx, now) for s in STAGES}
     applied = [s for s in STAGES if fs[s][0] != 1.0 and raw[s] > 0]
     rec = self._learned.get(ctx.key)
     return Prediction(
@@ -756,8 +772,7 @@ class LatencyModel:
       context=ctx,
       observations={s: fs[s][2] for s in applied},
       correction_age_s=None if rec is None else max(0.0, now - rec.updated),
-      row_factor=row_factor,
-      shared_ms=shared_ms,
+      load_factor=load_factor,
       load=load if load.engines else IDLE,
     )
 
@@ -767,29 +782,21 @@ class LatencyModel:
     fit = self.params.rows.get(path_hash)
     return float(rows) if fit is None else max(fit(rows), 1.0)
 
-  def _under_load(self, candidate, c: _Costs, S: int, load: Load, peers) -> tuple[float, float, int]:
-    """(own step's factor, the other engines' raw ms per step, the cache the request attends over) under ``load``."""
-    # A speculative plan decodes alone beside the engines; any other joins its path's engine, one row more, over
-    # its ring.
-    own = None if getattr(candidate, "draft", None) is not None else load.of(candidate.path_hash)
-    if own is not None and own.cache_len >= S:
-      S = own.cache_len
-      row_factor = self.rows_factor(candidate.path_hash, width(own.rows + 1, load.slots))
-    else:
-      own, row_factor = None, 1.0
-    # The others' steps in the candidate's raw units: the decode factor applied to the whole stage is the
-    # candidate's, so a peer's calibrated factor (a variant's) enters relative to it.
-    mine = math.prod(self._bases(candidate.path_hash, "decode"))
-    shared = 0.0
-    for e in load.engines:
-      if e is own:
-        continue
-      peer = peers.get(e.path_hash)
-      h = candidate.path_hash if peer is None else e.path_hash
-      pc = c if peer is None else self._candidate_costs(peer)
-      relative = math.prod(self._bases(h, "decode")) / mine
-      shared += pc.decode(e.cache_len) * self.rows_factor(h, width(e.rows, load.slots)) * relative
-    return row_factor, shared, S
+  def _under_load(self, candidate, terms: tuple[float, float], S: int, load: Load, factor: float) -> tuple[float, int]:
+    """(a raw step under ``load`` over an idle one, the cache the request attends over); ``terms``: its raw step's
+    ``(A, B)``; ``factor``: the decode factor the prediction applies (a measured step enters the raw decode
+    divided by it)."""
+    h = candidate.path_hash
+    # A speculative plan decodes alone beside the engines; any other joins its path's engine when its ring fits.
+    own = None if getattr(candidate, "draft", None) is not None else load.of(h)
+    if own is None or own.cache_len < S:
+      return 1.0 + CONTENTION * len(load.engines), S
+    W = width(own.rows + 1, load.slots)
+    idle = terms[0] + terms[1] * own.cache_len
+    if own.step_ms is None:  # not stepped yet: the fits at the width it will compute
+      return self.rows_factor(h, W), own.cache_len
+    step = own.step_ms * self.rows_factor(h, W) / self.rows_factor(h, own.width)
+    return step / (idle * factor), own.cache_len
 
   # ---- learning
   def update(self, trace: Any) -> dict[str, float]:

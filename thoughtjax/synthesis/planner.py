@@ -12,7 +12,10 @@ Rule (DESIGN.md "GetOptimalPath", issue 8 item 5):
    speculative candidate has the full path's quality, so it is chosen exactly when it is the fastest of
    the lossless choices that fit; its plan names the draft (``Plan.draft``).
 3. The plan is the best eligible candidate whose predicted total (synthesis + restore + compile +
-   prefill + decode, given what is resident and compiled) is within ``max_latency_ms``.
+   prefill + decode, given what is resident and compiled) is within ``max_latency_ms``. In a server the
+   prediction is made under its load (the slot engines' streams now, :class:`~thoughtjax.synthesis.latency.Load`):
+   when that gives another path than an idle machine would get, the reason (or, for ``budget``, a note) says so
+   and names the idle choice (``Plan.idle_path``), counted as ``moved_by_load``.
 4. Degradation ladder, always ``degraded=True``, with the reason, and counted in :class:`PlannerCounters`:
    no eligible candidate fits → the fastest eligible one, reason ``"budget"``, with ``tokens_that_fit``;
    a thoughtlet the best choice needs failed verification or restore → the best candidate that avoids it,
@@ -240,16 +243,17 @@ class Plan:
 
 
 class PlannerCounters:
-  """Counts of plans and of each degradation (thread-safe)."""
+  """Counts of plans, of each degradation and of plans the load moved off an idle machine's choice (thread-safe)."""
 
   def __init__(self):
     self._lock = threading.Lock()
-    self.plans = self.degraded_budget = self.degraded_unavailable = self.no_path = 0
+    self.plans = self.degraded_budget = self.degraded_unavailable = self.no_path = self.moved_by_load = 0
     self.unavailable: collections.Counter[str] = collections.Counter()  # failed ref -> plans it degraded
 
-  def _add(self, *, budget=False, unavailable: Sequence[str] = (), no_path=False) -> None:
+  def _add(self, *, budget=False, unavailable: Sequence[str] = (), no_path=False, moved=False) -> None:
     with self._lock:
       self.plans += not no_path
+      self.moved_by_load += moved
       self.no_path += no_path
       self.degraded_budget += budget
       self.degraded_unavailable += bool(unavailable) and not no_path
@@ -262,6 +266,7 @@ class PlannerCounters:
         "degraded_budget": self.degraded_budget,
         "degraded_unavailable": self.degraded_unavailable,
         "no_path": self.no_path,
+        "moved_by_load": self.moved_by_load,
         "unavailable": dict(self.unavailable),
       }
 
@@ -311,7 +316,6 @@ class Planner:
           self._users[name].append(i)
     self._orders: dict[tuple[str, ...], _Order] = {}
     self._models: dict[int, LatencyModel] = {}
-    self._peers = {c.path_hash: c for c in cands}  # to price the steps of engines under load
 
   def _order(self, hints: tuple[str, ...]) -> _Order:
     got = self._orders.get(hints)
@@ -409,14 +413,13 @@ class Planner:
       drafted = {i for i, c in enumerate(cands) if c.draft is not None}
 
     def predict(i: int, under: Load) -> Prediction:
-      return latency_model.predict(cands[i], T, n, residency, context, constrained, under, self._peers)
+      return latency_model.predict(cands[i], T, n, residency, context, constrained, under)
 
     chosen, seen, rejected, best_ignoring_failures = self._choose(order, drafted, failed, budget, load, predict)
-    idle = None  # under load: what an idle machine would have chosen, when it differs
+    idle = None  # under load: what an idle machine would have chosen (compared with the choice below)
     if load.engines:
       got = self._choose(order, drafted, failed, budget, IDLE, predict)[0]
-      if got is not None and (chosen is None or got[0] != chosen[0]):
-        idle = got[0]
+      idle = None if got is None else got[0]
     for i in sorted(drafted & order.eligible, key=lambda i: cands[i].path_hash):
       detail = "speculative: its draft would not see the output constraint's masks; constrained output decodes alone"
       rejected.append(Rejection(cands[i].path, cands[i].path_hash, "unavailable", detail))
@@ -461,6 +464,8 @@ class Planner:
       reason = "only the full path meets every floor within the budget"
     else:
       reason = "best quality meeting every floor within the budget"
+    if idle == chosen[0]:
+      idle = None
     if idle is not None:
       moved = f"under load ({load.describe()}), idle it would be {cands[idle].path}"
       if reason == BUDGET:
@@ -469,7 +474,7 @@ class Planner:
         reason = f"{reason} {moved}"
     elif load.engines:
       notes.append(f"predicted under load ({load.describe()}); idle the choice is the same")
-    self.counters._add(budget=reason == BUDGET, unavailable=degraded_refs)
+    self.counters._add(budget=reason == BUDGET, unavailable=degraded_refs, moved=idle is not None)
 
     i, p = chosen
     c = cands[i]
