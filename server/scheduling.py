@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from thoughtjax.errors import UserError
 from thoughtjax.serving.pool import EnginePool, PoolFull
-from thoughtjax.synthesis.latency import EngineLoad, Load
+from thoughtjax.synthesis.latency import Load
 
 
 class QueueFull(UserError, RuntimeError):
@@ -347,8 +347,7 @@ class ContinuousScheduler(SimpleScheduler):
 
   def load(self) -> Load:
     """The engines' streams now, what a plan joining them is predicted under."""
-    engines = (EngineLoad(h, rows, ring, *(recent or (0, None))) for h, rows, ring, recent in self.pool.occupancy())
-    return Load(tuple(engines), self.pool.slots)
+    return Load.of_pool(self.pool)
 
   def release_path(self, path_hash: str) -> bool:
     """Close the engines of ``path_hash`` unless one is in use (:meth:`EnginePool.release_path`)."""

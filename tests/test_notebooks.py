@@ -42,9 +42,12 @@ CASES = [
   Case(
     "03_synthesis.ipynb",
     needs_default_model=True,
-    min_figures=3,
+    min_figures=4,
     texts=(
       "meeting the floor:",
+      "streams decoding in 1 engine; a step of the busy engine takes",
+      "tight, under load",
+      "under load variant",
       "corrected hints:",
       "degraded=True reason=budget",
       "tokens fit; predicted",

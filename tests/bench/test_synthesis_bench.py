@@ -55,7 +55,23 @@ def test_bench_synthesis_quick_writes_every_section(tmp_path, capsys):
   assert 0 <= r["accuracy"] <= 1 and len(r["confusion"]) == len(r["labels"]) == len(r["precision"])
   assert sum(map(sum, r["confusion"])) == r["n_heldout"] and r["predict_ms_p50"] > 0
 
+  r = d["load"]
+  assert r["streams"] == 2 and r["budget_ms"] > 0 and r["tokens"] == 8
+  assert [(x["when"], x["hint"]) for x in r["plans"]] == [(w, h) for w in ("idle", "load") for h in d["hints"]]
+  for x in r["plans"]:
+    assert x["wall_ms"] > 0 and x["predicted_ms"] > 0 and x["reason"]
+  assert [x["path"] for x in r["forced"]] == ["embed, blocks[0:6), head"] * 2  # no weight variant in this registry
+  assert all(x["wall_ms"] > 0 and x["idle_wall_ms"] > 0 for x in r["forced"]) and 0 <= r["moved_by_load"] <= 2
+
   c = d["calibrate"]
   assert c["wall_s"] > 0 and c["candidates"] >= 2 and not math.isnan(c["wall_s"])
-  for title in ("GetOptimalPath overhead", "prediction over 4 warm requests", "per hint", "router", "calibrate"):
+  for title in (
+    "GetOptimalPath overhead",
+    "prediction over 4 warm requests",
+    "per hint",
+    "router",
+    "calibrate",
+    "idle and under load",
+    "each path forced under the same load",
+  ):
     assert title in printed

@@ -427,6 +427,16 @@ def test_an_engine_of_its_own_shares_the_cores_with_every_busy_engine():
   assert m.predict(full, 20, 8, COLD, load=own_short).load_factor == pytest.approx(1 + CONTENTION)
 
 
+def test_the_engine_joined_is_the_busiest_of_the_paths_engines_whose_ring_holds_the_request():
+  full = candidate([(0, 4)])
+  short = EngineLoad(full.path_hash, 5, 16, 8, 50.0)  # too short a ring for 20 + 8 tokens
+  small, big = EngineLoad(full.path_hash, 1, 64, 1, 10.0), EngineLoad(full.path_hash, 2, 256, 2, 20.0)
+  load = Load((short, small, big), slots=8)
+  assert load.of(full.path_hash, 32) == big and load.of(full.path_hash, 300) is None and load.of("other") is None
+  got = LatencyModel(params()).predict(full, 20, 8, COLD, load=load)
+  assert got.cache_len == 256 and got.decode == pytest.approx(7 * 20.0 * 4 / 2)  # width 2 -> 4, no measured fit
+
+
 def test_a_speculative_candidate_decodes_alone_beside_the_engines():
   from thoughtjax.synthesis.candidate import DraftPlan
 

@@ -14,7 +14,12 @@ Measured in one run, on one calibrated registry (default: the default registry i
    prediction) against the full path: held-out quality (top-1 agreement, mean KL) and greedy decode tok/s;
 4. **router**: held-out accuracy, per-hint precision/recall and time per prompt of the router stored in
    the registry (or, if none is stored, of one trained here and not stored);
-5. ``--calibrate``: wall time of ``registry calibrate`` on the registry (measured, not stored).
+5. **load**: plans under a server's load, through the gRPC server on loopback (continuous batching, 8 slots):
+   per hint, a request at one budget (``--load-budget-ms``; default 1.15x the first hint's idle plan) planned and
+   run on the idle server, then with ``--load-streams`` streams decoding in the full path's slot engine (its
+   plan's path, kind, reason, predicted and wall ms); and, under the same load, the full path and each weight
+   variant forced (explicit path): predicted against wall ms, beside their wall ms on the idle server;
+6. ``--calibrate``: wall time of ``registry calibrate`` on the registry (measured, not stored).
 
 Prints tables; ``--json FILE`` writes every number. ``--quick`` shrinks every section (few requests, short
 prompts and decodes, a short router training) so a test can run it on a tiny registry.
@@ -175,6 +180,137 @@ def bench_per_hint(syn, codec, prompt_tokens: int, tokens: int) -> list[dict]:
   return rows
 
 
+# ------------------------------------------------------------------------------ 5. load
+def bench_load(syn, codec, *, streams: int, budget_ms: float | None, prompt_tokens: int, tokens: int) -> dict:
+  """Plans and runs on an idle server and beside ``streams`` streams in the full path's engine (module docstring)."""
+  import threading
+
+  import grpc
+
+  from thoughtjax.proto.v1 import synthesis_pb2 as pb
+  from thoughtjax.proto.v1 import synthesis_pb2_grpc as rpc
+  from thoughtjax.server.app import BackgroundServer
+  from thoughtjax.server.config import ServerConfig
+
+  cal = syn.calibration
+  prompt = codec.decode(_prompt_ids(codec, prompt_tokens))
+  T = len(syn.prompt_ids(prompt))
+  forced = [cal.full, *(c for c in cal.candidates if c.kind.value == "variant")]
+  if budget_ms is None:
+    idle_plan = syn._plan(
+      prompt,
+      [cal.hints[0]],
+      math.inf,
+      tokens,
+      False,
+      None,
+      None,
+      None,
+      syn.latency.warm_residency(cal.candidates, T, tokens),
+    )[0]
+    budget_ms = round(1.15 * idle_plan.predicted.total)
+  config = ServerConfig(port=0, scheduler="continuous", max_concurrent=8, max_queue=32)
+  out: dict = {"streams": streams, "budget_ms": budget_ms, "prompt_tokens": T, "tokens": tokens, "plans": []}
+  with BackgroundServer(syn, config) as srv:
+    if not srv.call(srv.app.wait_ready):
+      raise RuntimeError(f"the server did not become ready: {srv.app.warm_error}")
+    sched = srv.app.service.scheduler
+    channel = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+    stub = rpc.SynthesizerStub(channel)
+    # End-of-sequence suppressed: every request decodes its tokens (the bias changes no step's cost).
+    bias = {i: -100.0 for i in codec.eos_ids}
+
+    def run(**kw) -> tuple[Any, float]:
+      t0 = time.perf_counter()
+      responses = list(stub.Synthesize(pb.SynthesizeRequest(prompt=prompt, logit_bias=bias, **kw), timeout=600))
+      return responses[0].plan, (time.perf_counter() - t0) * 1e3
+
+    # Warm: every plan a warm process chooses at these budgets, in its engine; every forced path once.
+    syn.warm(
+      list(cal.hints),
+      prompt_tokens=(T,),
+      max_tokens=(tokens,),
+      pool=sched.pool,
+      budgets=(math.inf, budget_ms, budget_ms / 2),
+    )
+    for c in forced:
+      run(path=c.path, max_tokens=tokens)
+    idle_ms = {
+      c.path_hash: float(np.median([run(path=c.path, max_tokens=tokens)[1] for _ in range(3)])) for c in forced
+    }
+
+    def plans(when: str) -> None:
+      for hint in cal.hints:
+        plan, ms = run(hints=[hint], max_latency_ms=budget_ms, max_tokens=tokens)
+        out["plans"].append(
+          {
+            "when": when,
+            "hint": hint,
+            "path": plan.path,
+            "kind": plan.kind,
+            "degraded": plan.degraded,
+            "reason": plan.reason,
+            "predicted_ms": plan.predicted_ms["total"],
+            "wall_ms": ms,
+          }
+        )
+
+    plans("idle")
+    # Long enough to outlast what is measured under it, within the model's context.
+    load_tokens = min(1200, syn._model(cal.full).config.max_context - T - 1)
+    request = pb.SynthesizeRequest(prompt=prompt, path=cal.full.path, max_tokens=load_tokens, logit_bias=bias)
+    loaders = [stub.Synthesize(request, timeout=3600) for _ in range(streams)]
+    done = threading.Event()
+    threads = []
+
+    def drain(call) -> None:
+      try:
+        for _ in call:
+          if done.is_set():
+            return
+      except grpc.RpcError:
+        return
+
+    for call in loaders:
+      threads.append(threading.Thread(target=drain, args=(call,), daemon=True))
+      threads[-1].start()
+    deadline = time.monotonic() + 300
+    # Every stream in its slot and the engine stepped (or, on a small model, the streams already over).
+    while not (sched.load().rows >= streams and any(e.step_ms for e in sched.load().engines)):
+      if not any(t.is_alive() for t in threads):
+        break
+      if time.monotonic() > deadline:
+        raise RuntimeError(f"the load did not start within 300 s: {sched.load().describe()}")
+      time.sleep(0.01)
+    out["load"] = sched.load().describe()
+    plans("load")
+    out["forced"] = []
+    for c in forced:
+      for _ in range(2):
+        load = sched.load()
+        res = syn.latency.warm_residency([c], T, tokens)
+        pred = syn.latency.predict(c, T, tokens, res, syn.context_under(load), load=load)
+        plan, ms = run(path=c.path, max_tokens=tokens)
+        out["forced"].append(
+          {
+            "path": c.path,
+            "kind": c.kind.value,
+            "predicted_ms": pred.total,
+            "wall_ms": ms,
+            "idle_wall_ms": idle_ms[c.path_hash],
+          }
+        )
+    out["moved_by_load"] = sum(
+      a["path"] != b["path"] or a["kind"] != b["kind"]
+      for a, b in zip(out["plans"][: len(cal.hints)], out["plans"][len(cal.hints) :], strict=True)
+    )
+    done.set()
+    for call in loaders:
+      call.cancel()
+    channel.close()
+  return out
+
+
 # ------------------------------------------------------------------------------ 4. router
 def bench_router(reg, quick: bool) -> dict:
   """The stored router's held-out numbers, or those of one trained here (not stored) if none is."""
@@ -265,7 +401,14 @@ def main(argv=None) -> int:
   p.add_argument("--requests", type=int, default=None, help="prediction requests (default 60; quick 6)")
   p.add_argument("--plan-calls", type=int, default=None, help="plan() calls timed (default 2000; quick 200)")
   p.add_argument("--calibrate", action="store_true", help="also time `registry calibrate` (not stored)")
-  p.add_argument("--skip", action="append", default=[], choices=("overhead", "prediction", "hints", "router"))
+  p.add_argument("--skip", action="append", default=[], choices=("overhead", "prediction", "hints", "router", "load"))
+  p.add_argument("--load-streams", type=int, default=None, help="streams of the load (default 7; quick 2)")
+  p.add_argument(
+    "--load-budget-ms",
+    type=float,
+    default=None,
+    help="budget of the requests planned under load (default: 1.15x the first hint's warm idle plan)",
+  )
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--json", default=None, type=common.json_path, help="write the results here")
   args = p.parse_args(argv)
@@ -342,6 +485,46 @@ def main(argv=None) -> int:
         [h, _f(r["precision"][i], ".3f"), _f(r["recall"][i], ".3f"), " ".join(map(str, r["confusion"][i]))]
         for i, h in enumerate(r["labels"])
       ],
+    )
+  if "load" not in args.skip:
+    streams = args.load_streams or (2 if quick else 7)
+    if streams < 1 or (args.load_budget_ms is not None and not args.load_budget_ms > 0):
+      p.error("--load-streams must be >= 1 and --load-budget-ms > 0")
+    result["load"] = r = bench_load(
+      syn,
+      codec,
+      streams=streams,
+      budget_ms=args.load_budget_ms,
+      prompt_tokens=16 if quick else 32,
+      tokens=8 if quick else 64,
+    )
+    common.print_table(
+      f"plans at {r['budget_ms']:.0f} ms, idle and under load ({r['load']}; {r['prompt_tokens']} prompt + "
+      f"{r['tokens']} new tokens, through the server)",
+      ["when", "hint", "kind", "path", "reason", "predicted ms", "wall ms"],
+      [
+        [
+          x["when"],
+          x["hint"],
+          x["kind"] + (" (degraded)" if x["degraded"] else ""),
+          x["path"],
+          x["reason"],
+          _f(x["predicted_ms"], ".0f"),
+          _f(x["wall_ms"], ".0f"),
+        ]
+        for x in r["plans"]
+      ],
+      right=("predicted ms", "wall ms"),
+    )
+    common.print_table(
+      f"each path forced under the same load (the full path joins the busy engine; {r['moved_by_load']} of "
+      f"{len(r['plans']) // 2} hints moved)",
+      ["kind", "path", "predicted ms", "wall ms", "idle wall ms"],
+      [
+        [x["kind"], x["path"], _f(x["predicted_ms"], ".0f"), _f(x["wall_ms"], ".0f"), _f(x["idle_wall_ms"], ".0f")]
+        for x in r["forced"]
+      ],
+      right=("predicted ms", "wall ms", "idle wall ms"),
     )
   if args.calibrate:
     result["calibrate"] = c = bench_calibrate(reg, quick)

@@ -273,8 +273,9 @@ ENGINES = ("plain", "speculative", "slots", "masked")
 MASKED_STEP_MS = 1.9
 # What a decode step of a request in an engine of its own costs beside each busy slot engine, over its idle step,
 # minus 1. Measured on the default model (2-core machine, BENCHMARKS.md "Plans under a server's load"): the int8
-# full path's 64 tokens took 682 ms alone and 941-967 ms beside a float32 engine decoding 7 streams.
-CONTENTION = 0.4
+# full path's 64 tokens took 1.38x to 1.79x their time alone (median 1.6x of 8 runs) beside a float32 slot engine
+# decoding 7 streams.
+CONTENTION = 0.6
 # A context's learned factors relax halfway back to the calibration's every this many seconds without a new
 # observation there (the machine, its load and its software change; an old correction is a guess).
 HALF_LIFE_S = 6 * 3600.0
@@ -460,13 +461,21 @@ class Load:
       raise LatencyModelError(f"load slots: expected an integer >= 1, got {self.slots!r}")
     object.__setattr__(self, "engines", tuple(e for e in self.engines if e.rows > 0))
 
+  @classmethod
+  def of_pool(cls, pool) -> Load:
+    """The load of an engine pool now (:meth:`EnginePool.occupancy <thoughtjax.serving.pool.EnginePool.occupancy>`)."""
+    engines = (EngineLoad(h, rows, ring, *(recent or (0, None))) for h, rows, ring, recent in pool.occupancy())
+    return cls(tuple(engines), pool.slots)
+
   @property
   def rows(self) -> int:
     return sum(e.rows for e in self.engines)
 
-  def of(self, path_hash: str) -> EngineLoad | None:
-    """The engine of ``path_hash`` a new request joins (the one with the most streams), or None."""
-    return max((e for e in self.engines if e.path_hash == path_hash), key=lambda e: e.rows, default=None)
+  def of(self, path_hash: str, cache_len: int = 1) -> EngineLoad | None:
+    """The engine of ``path_hash`` a request attending over ``cache_len`` slots joins (of those whose ring holds
+    it, the one with the most streams, as an engine pool picks), or None."""
+    fits = (e for e in self.engines if e.path_hash == path_hash and e.cache_len >= cache_len)
+    return max(fits, key=lambda e: (e.rows, -e.cache_len), default=None)
 
   def describe(self) -> str:
     if not self.engines:
@@ -788,8 +797,8 @@ class LatencyModel:
     divided by it)."""
     h = candidate.path_hash
     # A speculative plan decodes alone beside the engines; any other joins its path's engine when its ring fits.
-    own = None if getattr(candidate, "draft", None) is not None else load.of(h)
-    if own is None or own.cache_len < S:
+    own = None if getattr(candidate, "draft", None) is not None else load.of(h, S)
+    if own is None:
       return 1.0 + CONTENTION * len(load.engines), S
     W = width(own.rows + 1, load.slots)
     idle = terms[0] + terms[1] * own.cache_len
