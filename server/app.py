@@ -75,7 +75,9 @@ class ServerApp:
       return []
     # The continuous scheduler's engines are what requests run in: warmed there, not as a lone generation.
     pool = getattr(self.service.scheduler, "pool", None)
-    return self.service.syn.warm(w.hints, prompt_tokens=w.prompt_tokens, max_tokens=w.max_tokens, pool=pool)
+    return self.service.syn.warm(
+      w.hints, prompt_tokens=w.prompt_tokens, max_tokens=w.max_tokens, pool=pool, budgets=w.budgets_ms
+    )
 
   async def _set_health(self, status) -> None:
     for name in ("", SERVICE):

@@ -54,6 +54,9 @@ class WarmConfig:
   hints: tuple[str, ...] = ()
   prompt_tokens: tuple[int, ...] = (16,)
   max_tokens: tuple[int, ...] = (64,)
+  # The plan each budget gets on a warm process is warmed: a tight one warms the faster path (the int8 full path)
+  # that a tight budget or a busy server moves a request to, which a cold server would never choose.
+  budgets_ms: tuple[float, ...] = (math.inf,)
 
 
 def _bearer(token: str | None, token_file: Path | None, where: str) -> str | None:
@@ -297,6 +300,13 @@ def _ints(v, where):
   return tuple(v)
 
 
+def _budgets(v, where):
+  ok = isinstance(v, (list, tuple)) and v and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+  if not ok or not all(x > 0 for x in v):
+    raise ConfigError(f"{where}: expected a non-empty list of budgets in ms > 0 (.inf: none), got {v!r}")
+  return tuple(float(x) for x in v)
+
+
 def _strs(v, where):
   if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) and x for x in v):
     raise ConfigError(f"{where}: expected a list of hint names, got {v!r}")
@@ -335,7 +345,10 @@ def from_mapping(data: Mapping | None, where: str = "server config", base: Path 
     {"time_ms": _int, "timeout_ms": _int, "min_client_ping_interval_ms": _int, "max_ping_strikes": _int},
   )
   warm = _section(
-    WarmConfig, data.pop("warm", None), f"{where}: warm", {"hints": _strs, "prompt_tokens": _ints, "max_tokens": _ints}
+    WarmConfig,
+    data.pop("warm", None),
+    f"{where}: warm",
+    {"hints": _strs, "prompt_tokens": _ints, "max_tokens": _ints, "budgets_ms": _budgets},
   )
   admin = _section(
     AdminConfig,

@@ -105,7 +105,9 @@ class Reloader:
       )
       w = self.config.warm
       warmed = (
-        syn.warm(w.hints, prompt_tokens=w.prompt_tokens, max_tokens=w.max_tokens, pool=self.pool) if w.hints else []
+        syn.warm(w.hints, prompt_tokens=w.prompt_tokens, max_tokens=w.max_tokens, pool=self.pool, budgets=w.budgets_ms)
+        if w.hints
+        else []
       )
       return Reload(Serving.of(syn, owned=True), fresh.sequence, how, tuple(dropped), tuple(warmed), tuple(notes))
     except Exception as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 import subprocess
 import sys
@@ -71,11 +72,22 @@ def test_the_shipped_config_is_loopback_and_tolerates_pinging_clients():
     ({"port": 70000}, "port: expected an integer"),
     ({"keepalive": {"time_ms": "soon"}}, "keepalive.time_ms: expected an integer"),
     ({"warm": {"hints": "general_purpose"}}, "warm.hints: expected a list"),
+    ({"warm": {"budgets_ms": [0]}}, r"warm.budgets_ms: expected a non-empty list of budgets in ms > 0"),
+    ({"warm": {"budgets_ms": []}}, r"warm.budgets_ms: expected a non-empty list"),
+    ({"warm": {"budgets_ms": ["fast"]}}, r"warm.budgets_ms: expected"),
+    ({"warm": {"budgets_ms": [True]}}, r"warm.budgets_ms: expected"),
   ],
 )
 def test_a_bad_config_is_a_named_error(data, match):
   with pytest.raises(ConfigError, match=match):
     from_mapping(data)
+
+
+def test_warm_budgets_read_from_yaml_with_infinity(tmp_path):
+  assert load_config().warm.budgets_ms == (math.inf,)
+  f = tmp_path / "c.yaml"
+  f.write_text("warm:\n  hints: [fast_draft]\n  budgets_ms: [.inf, 1000]\n")
+  assert load_config(f).warm.budgets_ms == (math.inf, 1000.0)
 
 
 def test_a_missing_config_file_names_the_fix(tmp_path):

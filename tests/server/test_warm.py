@@ -3,6 +3,7 @@ of each hint's path, so the first requests after SERVING trace no program."""
 
 from __future__ import annotations
 
+import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -52,3 +53,15 @@ def test_warm_hints_compile_the_slot_engine_so_first_requests_alone_and_together
   assert _traced == []
   assert stats["engines"] == 1  # the four ran in the warmed engine, the only one
   assert alone.usage.tokens_out > 0 and all(f.usage.tokens_out > 0 for f in together)
+
+
+def test_warm_budgets_plan_each_budget_before_serving(synthesizer):
+  """A warm-up with a generous and an impossible budget plans both (the second degrades to the fastest
+  floor-meeting path, which is warmed too) before health says SERVING."""
+  T = len(synthesizer.prompt_ids(PROMPT))
+  warm = WarmConfig(hints=(HINT,), prompt_tokens=(T,), max_tokens=(4,), budgets_ms=(math.inf, 1e-3))
+  before = synthesizer.planner.counters.snapshot()
+  with BackgroundServer(synthesizer, config(scheduler="continuous", max_concurrent=2, warm=warm), timeout=300) as srv:
+    wait_ready(srv)
+    after = synthesizer.planner.counters.snapshot()
+  assert after["plans"] - before["plans"] == 2 and after["degraded_budget"] - before["degraded_budget"] == 1
