@@ -28,7 +28,7 @@ from thoughtjax.synthesis.calibration_store import (
   write_calibration,
 )
 from thoughtjax.synthesis.candidate import CandidateKind
-from thoughtjax.synthesis.latency import EngineLoad, LatencyModel, Load
+from thoughtjax.synthesis.latency import ROWS_DEFAULT, EngineLoad, LatencyModel, Load
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +186,8 @@ def test_how_the_full_path_batches_is_measured_and_prices_a_busy_engine(setup, c
   assert row["path_hash"] == cal.full.path_hash and row["width"] == 8
   assert row["ms_per_step_1"] > 0 and row["ms_per_step_8"] > 0
   fit = cal.latency.rows[cal.full.path_hash]
-  assert set(cal.latency.rows) == {cal.full.path_hash}  # speculative plans decode alone; no variants here
+  # Speculative plans decode alone; no variants here; the full path's fit also prices the paths not measured.
+  assert set(cal.latency.rows) == {cal.full.path_hash, ROWS_DEFAULT} and cal.latency.rows[ROWS_DEFAULT] == fit
   assert fit(1) == pytest.approx(1.0) and fit(8) == pytest.approx(max(row["ratio"], 1.0))
   model = LatencyModel(cal.latency)
   load = Load((EngineLoad(cal.full.path_hash, 3, 64),), slots=8)

@@ -15,6 +15,7 @@ from thoughtjax.synthesis.latency import (
   FACTOR_BOUNDS,
   HALF_LIFE_S,
   IDLE,
+  ROWS_DEFAULT,
   EngineLoad,
   LatencyContext,
   LatencyModel,
@@ -405,6 +406,13 @@ def test_a_measured_step_is_not_corrected_twice():
   got = m.predict(full, 20, 8, COLD, load=load)
   # A one-row step measured at 12 ms, two rows without a measured fit cost twice that; the factor is not reapplied.
   assert got.decode_factor == 2.0 and got.decode == pytest.approx(7 * 24.0)
+
+
+def test_a_path_measured_without_a_fit_of_its_own_batches_as_the_full_path():
+  full, cut = candidate([(0, 4)]), candidate([(0, 2)])
+  m = LatencyModel(params(rows={full.path_hash: LinearCost(0.5, 0.5), ROWS_DEFAULT: LinearCost(0.5, 0.5)}))
+  assert m.rows_factor(cut.path_hash, 4) == pytest.approx(2.5) == m.rows_factor(full.path_hash, 4)
+  assert LatencyModel(params()).rows_factor(cut.path_hash, 4) == 4.0  # nothing measured: no gain assumed
 
 
 def test_an_engine_that_has_not_stepped_is_priced_by_the_fits_at_its_width():

@@ -568,6 +568,29 @@ def test_under_load_the_budget_fallback_is_the_fastest_there_noted():
   assert name_of(got) == "full" and got.degraded and got.reason == "budget" and got.idle_path is None
 
 
+def test_under_load_an_equal_quality_path_never_swaps_in_while_the_idle_choice_still_fits():
+  x, y, _ = twins()
+  lossless = {h: hq((1.0, 0.0), (1.0, 0.0)) for h in ("general_purpose",)}  # the full path's quality, faster
+  cal = calibration({"x": lossless, "y": lossless}, {"full": CANDIDATES["full"], "x": x, "y": y})
+  planner, model = Planner(cal, FLOORS), LatencyModel(latency_params(), context=SLOTS)
+  warm = LatencyModel.warm_residency([x, y], 40, 16)
+  req = PlanRequest(("general_purpose",), 40, 16, 1e9)
+  idle = planner.plan(req, model, warm)
+  other = y if idle.path_hash == x.path_hash else x
+  # The idle choice's engine is busy and slow; the twin in an engine of its own is predicted faster.
+  load = Load((EngineLoad(idle.path_hash, 3, 512, 4, 50.0),), slots=8)
+  assert (
+    model.predict(other, 40, 16, warm, load=load).total
+    < model.predict(next(c for c in (x, y) if c.path_hash == idle.path_hash), 40, 16, warm, load=load).total
+  )
+  got = planner.plan(req, model, warm, load=load)
+  assert got.path_hash == idle.path_hash and got.idle_path is None and got.predicted.load == load
+  # With a budget the busy engine no longer fits, the twin is taken, and the reason says why.
+  tight = dataclasses.replace(req, max_latency_ms=model.predict(other, 40, 16, warm, load=load).total * 1.01)
+  moved = planner.plan(tight, model, warm, load=load)
+  assert moved.path_hash == other.path_hash and moved.idle_path is not None and "under load" in moved.reason
+
+
 # ------------------------------------------------------------------------ calibration JSON
 def test_calibration_json_is_canonical_and_round_trips():
   cal = calibration(current={"embed": "v1"})

@@ -59,7 +59,14 @@ from thoughtjax.sampling import SamplingParams
 from thoughtjax.synthesis.calibration import Calibration
 from thoughtjax.synthesis.candidate import Candidate, CandidateKind, DraftPlan, Unit
 from thoughtjax.synthesis.candidates import CandidateSettings, bridge_slots, bridged_proposals, is_bridge, pin, propose
-from thoughtjax.synthesis.latency import FACTOR_BOUNDS, LatencyModel, LatencyParams, LinearCost, fit_linear
+from thoughtjax.synthesis.latency import (
+  FACTOR_BOUNDS,
+  ROWS_DEFAULT,
+  LatencyModel,
+  LatencyParams,
+  LinearCost,
+  fit_linear,
+)
 from thoughtjax.synthesis.quality import corpora_of, measure_candidates, measure_models, windows
 from thoughtjax.thoughtlet import canonical_json, fingerprint
 
@@ -691,8 +698,9 @@ def measure_rows(
   report: CalibrateReport | None = None,
   kernels: str | None = None,
 ) -> dict[str, LinearCost]:
-  """``{path hash: rows fit}`` for the paths a server's slot engines run (the full path and each weight variant; a
-  speculative plan decodes alone): a decode step of W rows over one row's, ``fit(W)``, through (1, 1) and
+  """``{path hash: rows fit}`` for the full path and each weight variant (and the full path's again under
+  :data:`~thoughtjax.synthesis.latency.ROWS_DEFAULT`, for the paths not measured; a speculative plan decodes
+  alone): a decode step of W rows over one row's, ``fit(W)``, through (1, 1) and
   (``rows_width``, the measured ratio). Each path decodes ``speculative_tokens`` greedy steps from a calibration
   prompt alone and as ``rows_width`` copies in one batch (the plain program at that batch; a slot engine computes
   the same rows), interleaved, the medians of ``speculative_reps`` rounds after one that compiles."""
@@ -729,6 +737,8 @@ def measure_rows(
     one, wide = (float(np.median(runs[(c.path_hash, r)])) for r in (1, W))
     ratio = wide / one if one > 0 else float(W)
     fits[c.path_hash] = fit_linear([(1, 1.0), (W, max(ratio, 1.0))], f"rows[{c.path_hash}]")
+    if c.kind is CandidateKind.FULL:  # a cut path's layers are the full path's: it batches as they do
+      fits[ROWS_DEFAULT] = fits[c.path_hash]
     if report is not None:
       report.rows.append(
         {

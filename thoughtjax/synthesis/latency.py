@@ -153,8 +153,9 @@ class LatencyParams:
 
   ``corrections`` holds learned factors: ``{"global": {stage: g}, "paths": {path_hash: {stage: r}}}`` (a path's
   factor is g * r; see the module docstring). ``rows``: path hash -> a decode step of ``W`` rows over one row's
-  (``rows[h](W)``, 1 at one row), measured at calibration; a path without one is priced at ``W`` (no gain from
-  batching).
+  (``rows[h](W)``, 1 at one row), measured at calibration; ``rows["default"]`` (the full path's) prices a path
+  measured without one of its own (its layers are the full path's), and without it a step of ``W`` rows costs ``W``
+  (no gain from batching).
   """
 
   prefill: Mapping[str, LinearCost]
@@ -276,6 +277,8 @@ MASKED_STEP_MS = 1.9
 # full path's 64 tokens took 1.38x to 1.79x their time alone (median 1.6x of 8 runs) beside a float32 slot engine
 # decoding 7 streams.
 CONTENTION = 0.6
+# The key of LatencyParams.rows whose fit prices a path measured without one of its own (the full path's).
+ROWS_DEFAULT = "default"
 # A context's learned factors relax halfway back to the calibration's every this many seconds without a new
 # observation there (the machine, its load and its software change; an old correction is a guess).
 HALF_LIFE_S = 6 * 3600.0
@@ -786,9 +789,9 @@ class LatencyModel:
     )
 
   def rows_factor(self, path_hash: str, rows: int) -> float:
-    """A decode step of ``rows`` rows of ``path_hash`` over its one-row step: the calibration's measured fit, or
-    ``rows`` for a path it did not measure (no gain from batching assumed)."""
-    fit = self.params.rows.get(path_hash)
+    """A decode step of ``rows`` rows of ``path_hash`` over its one-row step: the calibration's measured fit, the
+    full path's (``rows["default"]``) for a path it did not measure, or ``rows`` (no gain from batching)."""
+    fit = self.params.rows.get(path_hash) or self.params.rows.get(ROWS_DEFAULT)
     return float(rows) if fit is None else max(fit(rows), 1.0)
 
   def _under_load(self, candidate, terms: tuple[float, float], S: int, load: Load, factor: float) -> tuple[float, int]:

@@ -14,8 +14,9 @@ Rule (DESIGN.md "GetOptimalPath", issue 8 item 5):
 3. The plan is the best eligible candidate whose predicted total (synthesis + restore + compile +
    prefill + decode, given what is resident and compiled) is within ``max_latency_ms``. In a server the
    prediction is made under its load (the slot engines' streams now, :class:`~thoughtjax.synthesis.latency.Load`):
-   when that gives another path than an idle machine would get, the reason (or, for ``budget``, a note) says so
-   and names the idle choice (``Plan.idle_path``), counted as ``moved_by_load``.
+   the path an idle machine would get is kept while it still fits under the load; when it does not and another
+   path is chosen, the reason (or, for ``budget``, a note) says so and names the idle choice (``Plan.idle_path``),
+   counted as ``moved_by_load``.
 4. Degradation ladder, always ``degraded=True``, with the reason, and counted in :class:`PlannerCounters`:
    no eligible candidate fits → the fastest eligible one, reason ``"budget"``, with ``tokens_that_fit``;
    a thoughtlet the best choice needs failed verification or restore → the best candidate that avoids it,
@@ -420,6 +421,11 @@ class Planner:
     if load.engines:
       got = self._choose(order, drafted, failed, budget, IDLE, predict)[0]
       idle = None if got is None else got[0]
+      if idle is not None and chosen is not None and idle != chosen[0]:
+        # Kept while it still fits under the load: an equal-quality path never swaps in on the load alone.
+        kept = predict(idle, load)
+        if kept.total <= budget:
+          chosen = (idle, kept)
     for i in sorted(drafted & order.eligible, key=lambda i: cands[i].path_hash):
       detail = "speculative: its draft would not see the output constraint's masks; constrained output decodes alone"
       rejected.append(Rejection(cands[i].path, cands[i].path_hash, "unavailable", detail))
