@@ -27,11 +27,10 @@ from typing import Any, NamedTuple
 from thoughtjax.errors import UserError
 from thoughtjax.loading import LoadedModel
 from thoughtjax.path_syntax import PathSyntaxError, Ref, hash_refs, parse_path, split_variant
-from thoughtjax.quantized import from_stored
 from thoughtjax.template import Template
 from thoughtjax.thoughtlet import Kind, SemanticSignature, TensorType, as_state, cut, signature_for
 from thoughtjax.transformer import PathParts, abstract_model
-from thoughtjax.weights import int8_block
+from thoughtjax.weights import from_stored_variant, variant_block
 
 
 class PathTypeError(UserError, TypeError):
@@ -299,8 +298,9 @@ def assemble(path: str | Sequence[Ref | str], source, *, mesh=None, dtype=None) 
     wanted = list(dict.fromkeys(units))
     restored = dict(zip(wanted, source.restore_many(wanted, dtype=dtype, mesh=mesh), strict=True))
     for unit in wanted:  # a variant's int8 weights are stored as {"int8", "scale"} arrays
-      if split_variant(unit[0])[1] is not None:
-        restored[unit] = from_stored(restored[unit])
+      variant = split_variant(unit[0])[1]
+      if variant is not None:
+        restored[unit] = from_stored_variant(restored[unit], variant)
     codec, module_src, source_hash = source.codec, f"registry:{source.root}", str(source.generation)
   else:
     if mesh is not None or dtype is not None:
@@ -352,6 +352,7 @@ def _model_units(model, units) -> dict:
       if span is not None
       else cut(model.module, Kind(name), codec=model.codec)
     )
-    if split_variant(name)[1] == "int8":  # quantized here: a loaded model holds one form of its weights
-      out[(name, version)] = {k: int8_block(v) for k, v in out[(name, version)].items()}
+    variant = split_variant(name)[1]
+    if variant is not None:  # quantized here: a loaded model holds one form of its weights
+      out[(name, version)] = {k: variant_block(v, variant) for k, v in out[(name, version)].items()}
   return out

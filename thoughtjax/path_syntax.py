@@ -5,10 +5,11 @@ Grammar (whitespace-insensitive)::
     path    := ref ("," ref)*
     ref     := name ["@" variant] ["@" version]
     name    := "embed" | "head" | "template" | "blocks[" a ":" b ")" | identifier
-    variant := "int8"
+    variant := "int8" | "int8a8"
 
 ``blocks[a:b)`` is always half-open. A *variant* names a lossy weight form of the same thoughtlet
-(``int8``: per-row int8, see :mod:`thoughtjax.quantized`); it is one of :data:`VARIANTS`, a closed set of
+(``int8``: per-row int8 weights; ``int8a8``: the same int8 weights computed with each row of activations
+quantized to int8 too, lossier; see :mod:`thoughtjax.quantized`); it is one of :data:`VARIANTS`, a closed set of
 words, so ``@int8`` is never read as a version. A version is any other text without commas or ``@``
 (in a registry a prefix of the hex versioned hash, e.g. ``3fa2c01b9e4d`` (at least 12 hex digits); hex never spells a variant); no
 version means the registry's current one. ``blocks[0:10)@int8`` runs layers 0..9 from their int8
@@ -28,7 +29,7 @@ from thoughtjax.errors import UserError
 
 _BLOCKS = re.compile(r"^blocks\[\s*(\d+)\s*:\s*(\d+)\s*([)\]])$")
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
-VARIANTS: tuple[str, ...] = ("int8",)  # weight variants a ref may name (a thoughtlet of its own in a registry)
+VARIANTS: tuple[str, ...] = ("int8", "int8a8")  # weight variants a ref may name (a thoughtlet of its own in a registry)
 
 
 class PathSyntaxError(UserError, ValueError):

@@ -75,6 +75,21 @@ def int8_block(params: Mapping) -> dict:
   return walk(params)
 
 
+def variant_block(params: Mapping, variant: str) -> dict:
+  """One block's params in a weight variant (:data:`thoughtjax.path_syntax.VARIANTS`): ``int8``, every projection
+  as per-row int8 (:func:`int8_block`); ``int8a8``, the same int8 weights computed with int8 activations
+  (:class:`~thoughtjax.quantized.RowInt8A8`). Both store the same arrays (:func:`to_stored`)."""
+  block = int8_block(params)
+  return quantized.int8_activations(block) if variant == "int8a8" else block
+
+
+def from_stored_variant(params: Mapping, variant: str) -> dict:
+  """A variant thoughtlet's params as a registry restores them (``{"int8", "scale"}`` arrays) back in the
+  variant's compute form; inverse of :func:`to_stored` of :func:`variant_block`."""
+  block = quantized.from_stored(params)
+  return quantized.int8_activations(block) if variant == "int8a8" else block
+
+
 def to_stored(params: Mapping) -> dict:
   """Params with each :class:`~thoughtjax.quantized.RowInt8` as a plain ``{"int8": q [O, I], "scale": [O]}``
   mapping: the tree a registry checkpoints and hashes (arrays only). Inverse of :func:`from_stored`."""

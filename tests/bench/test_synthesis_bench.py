@@ -63,6 +63,15 @@ def test_bench_synthesis_quick_writes_every_section(tmp_path, capsys):
   assert [x["path"] for x in r["forced"]] == ["embed, blocks[0:6), head"] * 2  # no weight variant in this registry
   assert all(x["wall_ms"] > 0 and x["idle_wall_ms"] > 0 for x in r["forced"]) and 0 <= r["moved_by_load"] <= 2
 
+  r = d["streams"]
+  assert (r["streams"], r["hint"], r["tokens"], r["weights"]) == (2, "fast_draft", 8, "f32") and r["budget_ms"] > 0
+  for mode, rounds in r["rounds"].items():
+    assert len(rounds) == 1 and r["tok_s"][mode] == rounds[0]["tok_s"] > 0
+    assert rounds[0]["tokens"] == 2 * 8 and sum(rounds[0]["plans"].values()) == 2  # EOS ignored: every token
+  assert set(r["rounds"]) == {"synthesized", "full"}  # no weight variant in this registry
+  assert r["rounds"]["full"][0]["plans"] == {"explicit: embed, blocks[0:6), head": 2}
+  assert r["ratio"] == {"synthesized": r["tok_s"]["synthesized"] / r["tok_s"]["full"]}
+
   c = d["calibrate"]
   assert c["wall_s"] > 0 and c["candidates"] >= 2 and not math.isnan(c["wall_s"])
   for title in (
@@ -73,5 +82,6 @@ def test_bench_synthesis_quick_writes_every_section(tmp_path, capsys):
     "calibrate",
     "idle and under load",
     "each path forced under the same load",
+    "concurrent fast_draft streams through the server",
   ):
     assert title in printed

@@ -10,6 +10,8 @@ from tests.registry.helpers import FAST, TINY_SPANS, largest_data_file
 from thoughtjax import quantized
 from thoughtjax.assembly import full_path
 from thoughtjax.compose import compose
+from thoughtjax.loading import LoadedModel
+from thoughtjax.model import Model
 from thoughtjax.registry import IntegrityError, Registry, TrustPolicy, UnknownThoughtletError, build
 
 IDS = [5, 6, 7, 9, 11, 40, 3]
@@ -120,3 +122,24 @@ def test_cli_build_refuses_an_unknown_variant(capsys):
   with pytest.raises(SystemExit):
     main(["registry", "build", "--out", "x", "--variants", "int4"])
   assert "--variants 'int4'" in capsys.readouterr().err
+
+
+def test_the_int8a8_variant_stores_int8_and_computes_with_int8_activations(tmp_path, tiny, tiny_mapping):
+  """``int8a8`` publishes the same int8 arrays under its own signature and version; a path naming it computes with
+  int8 activations (RowInt8A8), the same logits whether its blocks come from a registry or a loaded model."""
+  cfg, model, codec = tiny
+  reg = build(tmp_path / "reg", tiny_mapping, model, codec=codec, settings=None, variants=("int8", "int8a8"))
+  m8, ma8 = reg.manifest("blocks[3:5)@int8"), reg.manifest("blocks[3:5)@int8a8")
+  assert ma8.signature.constraints["weights"] == "int8a8" and "int8a8" in ma8.signature.tags
+  assert ma8.version != m8.version
+  a8, i8 = reg.restore("blocks[3:5)@int8a8")["3"]["mlp"]["gate"], reg.restore("blocks[3:5)@int8")["3"]["mlp"]["gate"]
+  np.testing.assert_array_equal(np.asarray(a8["int8"]), np.asarray(i8["int8"]))
+  path = "embed, blocks[0:6)@int8a8, head"
+  from_reg, from_model = compose(path, reg), compose(path, Model(LoadedModel(cfg, model, codec, "tiny", "seed")))
+  weight = from_reg.parts.blocks[0]["mlp"]["gate"]
+  assert isinstance(weight.get_value() if hasattr(weight, "get_value") else weight, quantized.RowInt8A8)
+  a, b = from_reg.logits(IDS), from_model.logits(IDS)
+  np.testing.assert_allclose(a, b, atol=1e-5)
+  int8 = compose("embed, blocks[0:6)@int8, head", reg).logits(IDS)
+  assert from_reg.path_hash != compose("embed, blocks[0:6)@int8, head", reg).path_hash
+  assert 0 < np.max(np.abs(a - int8)) < 0.05 * np.max(np.abs(a))

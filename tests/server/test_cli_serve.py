@@ -128,3 +128,21 @@ def test_the_server_predicts_in_its_slot_engines_context():
   ctx = serving_context(ServerConfig(max_concurrent=6), registry, "xla")
   assert (ctx.engine, ctx.weights, ctx.batch, ctx.kernels) == ("slots", "native", 6, "xla")
   assert serving_context(ServerConfig(scheduler="simple"), registry, "xla") is None
+
+
+def test_serve_weights_opens_the_registry_in_that_form(tiny_registry, monkeypatch):
+  """``serve --weights native`` restores the registry's blocks packed (the synthesizer it loads reads that form);
+  a variant is not a restore form and is refused before anything starts."""
+  import thoughtjax.server.app as app_mod
+
+  got = {}
+
+  async def fake_serve(_, config, *, load, **kw):
+    got["synthesizer"] = load()
+
+  monkeypatch.setattr(app_mod, "serve", fake_serve)
+  assert main(["serve", "--registry", str(tiny_registry.root), "--weights", "native", "--port", "0"]) == 0
+  assert got["synthesizer"].registry.weights == "native"
+  with pytest.raises(SystemExit) as refused:
+    main(["serve", "--registry", str(tiny_registry.root), "--weights", "int8a8"])
+  assert refused.value.code == 2

@@ -284,7 +284,7 @@ def test_the_default_registry_recalibrates_a_stored_calibration_made_before_spec
 def test_the_default_registry_calibration_has_a_speculative_candidate():
   """After ensure_default the default registry's calibration holds the full path verifying the exit the shipped
   table rates best, with the full path's quality and a decode factor measured on this machine, and the full path
-  in int8 weights as a candidate of its own, its quality measured on every calibrated hint."""
+  in int8 and in int8a8 weights as candidates of their own, their quality measured on every calibrated hint."""
   from thoughtjax.synthesis.default_registry import ensure_default, speculative_settings
 
   with ensure_default() as reg:
@@ -297,10 +297,17 @@ def test_the_default_registry_calibration_has_a_speculative_candidate():
     assert cal.hint_quality(c.path_hash, "general_purpose") == cal.hint_quality(cal.full.path_hash, "general_purpose")
     assert FACTOR_BOUNDS[0] <= cal.latency.corrections["paths"][c.path_hash]["decode"] <= FACTOR_BOUNDS[1]
   assert specs == want and not any(c.draft.weights for c in specs)  # no int8 draft: int8 is a path of its own
-  (variant,) = [c for c in cal.candidates if c.kind is CandidateKind.VARIANT]
-  assert variant.path == "embed, blocks[0:30)@int8, head"
-  assert all(cal.hint_quality(variant.path_hash, h) is not None for h in cal.hints)
-  assert set(cal.latency.corrections["paths"][variant.path_hash]) == {"prefill", "decode"}
+  variants = {c.path: c for c in cal.candidates if c.kind is CandidateKind.VARIANT}
+  assert set(variants) == {"embed, blocks[0:30)@int8, head", "embed, blocks[0:30)@int8a8, head"}
+  for variant in variants.values():
+    assert all(cal.hint_quality(variant.path_hash, h) is not None for h in cal.hints)
+    assert set(cal.latency.corrections["paths"][variant.path_hash]) == {"prefill", "decode"}
+  # int8 activations cost quality on top of int8 weights.
+  int8, int8a8 = (
+    cal.hint_quality(variants[f"embed, blocks[0:30)@{v}, head"].path_hash, "general_purpose")
+    for v in ("int8", "int8a8")
+  )
+  assert int8a8.heldout.top1_agreement < int8.heldout.top1_agreement
 
 
 def test_the_full_path_in_int8_weights_is_a_lossy_candidate_of_its_own(int8):

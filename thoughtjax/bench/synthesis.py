@@ -313,6 +313,99 @@ def bench_load(syn, codec, *, streams: int, budget_ms: float | None, prompt_toke
   return out
 
 
+# ------------------------------------------------------------------------------ 6. streams
+def bench_streams(
+  syn, codec, *, streams: int, hint: str, budget_ms: float | None, prompt_tokens: int, tokens: int, rounds: int
+) -> dict:
+  """``streams`` concurrent requests of ``hint`` at ``budget_ms`` through the server, each planned under the load
+  of those sent before it, against the same streams forced onto the full path and onto each weight variant's full
+  path (explicit paths): aggregate tok/s
+  (every stream's tokens over the wall time from the first send to the last token), ``rounds`` interleaved rounds
+  of each after an untimed one, medians."""
+  import collections
+  import threading
+
+  import grpc
+
+  from thoughtjax.path_syntax import split_variant
+  from thoughtjax.proto.v1 import synthesis_pb2 as pb
+  from thoughtjax.proto.v1 import synthesis_pb2_grpc as rpc
+  from thoughtjax.server.app import BackgroundServer
+  from thoughtjax.server.config import ServerConfig
+
+  cal = syn.calibration
+  prompt = codec.decode(_prompt_ids(codec, prompt_tokens))
+  T = len(syn.prompt_ids(prompt))
+  if budget_ms is None:
+    everything = syn.latency.warm_residency(cal.candidates, T, tokens)
+    budget_ms = round(syn.latency.predict(cal.full, T, tokens, everything, syn.context_under(None)).total)
+  config = ServerConfig(port=0, scheduler="continuous", max_concurrent=max(8, streams), max_queue=4 * streams)
+  # End-of-sequence suppressed: every request decodes its tokens.
+  bias = {i: -100.0 for i in codec.eos_ids}
+  # Synthesized, then forced (explicit path) onto the full path and onto each weight variant's full path.
+  modes = {"synthesized": dict(hints=[hint], max_latency_ms=budget_ms), "full": dict(path=cal.full.path)}
+  for c in cal.candidates:
+    if c.kind.value == "variant":
+      modes["+".join(sorted({split_variant(u.name)[1] for u in c.units} - {None}))] = dict(path=c.path)
+  out: dict = {
+    "streams": streams,
+    "hint": hint,
+    "budget_ms": budget_ms,
+    "prompt_tokens": T,
+    "tokens": tokens,
+    "weights": getattr(syn.registry, "weights", None) or "f32",
+    "full_path": cal.full.path,
+    "rounds": {m: [] for m in modes},
+  }
+  with BackgroundServer(syn, config) as srv:
+    if not srv.call(srv.app.wait_ready):
+      raise RuntimeError(f"the server did not become ready: {srv.app.warm_error}")
+    sched = srv.app.service.scheduler
+    channel = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+    stub = rpc.SynthesizerStub(channel)
+    syn.warm([hint], prompt_tokens=(T,), max_tokens=(tokens,), pool=sched.pool, budgets=(math.inf, budget_ms))
+
+    def one_round(mode: str) -> dict:
+      got: list = [None] * streams
+      t0 = time.perf_counter()
+
+      def client(i: int) -> None:
+        request = pb.SynthesizeRequest(prompt=prompt, logit_bias=bias, max_tokens=tokens, **modes[mode])
+        plan, n = None, 0
+        for r in stub.Synthesize(request, timeout=600):
+          if r.HasField("plan"):
+            plan = r.plan
+          elif r.HasField("delta"):
+            n += len(r.delta.token_ids)
+        got[i] = (plan, n, time.perf_counter() - t0)
+
+      threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(streams)]
+      for t in threads:
+        t.start()
+      for t in threads:
+        t.join()
+      wall = max(g[2] for g in got)
+      chosen = collections.Counter(f"{g[0].kind}: {g[0].path}" for g in got)
+      return {
+        "wall_s": wall,
+        "tokens": sum(g[1] for g in got),
+        "tok_s": sum(g[1] for g in got) / wall,
+        "plans": dict(chosen),
+        "reasons": sorted({g[0].reason for g in got}),
+      }
+
+    for mode in modes:  # untimed: each width of each engine compiles here
+      one_round(mode)
+    for _ in range(rounds):
+      for mode in modes:
+        out["rounds"][mode].append(one_round(mode))
+    channel.close()
+  med = {m: float(np.median([r["tok_s"] for r in rs])) for m, rs in out["rounds"].items()}
+  out["tok_s"] = med
+  out["ratio"] = {m: x / med["full"] for m, x in med.items() if m != "full"}
+  return out
+
+
 # ------------------------------------------------------------------------------ 4. router
 def bench_router(reg, quick: bool) -> dict:
   """The stored router's held-out numbers, or those of one trained here (not stored) if none is."""
@@ -386,10 +479,12 @@ def _open(args):
   from thoughtjax.registry import Registry
 
   if args.registry:
-    return Registry.open(args.registry)
+    return Registry.open(args.registry, weights=args.weights)
   from thoughtjax.synthesis.default_registry import ensure_default
 
-  return ensure_default(lambda stage, done, total, item: print(f"{stage} {done}/{total} {item}", flush=True))
+  return ensure_default(
+    lambda stage, done, total, item: print(f"{stage} {done}/{total} {item}", flush=True), weights=args.weights
+  )
 
 
 def _f(x: Any, spec: str) -> str:
@@ -403,13 +498,29 @@ def main(argv=None) -> int:
   p.add_argument("--requests", type=int, default=None, help="prediction requests (default 60; quick 6)")
   p.add_argument("--plan-calls", type=int, default=None, help="plan() calls timed (default 2000; quick 200)")
   p.add_argument("--calibrate", action="store_true", help="also time `registry calibrate` (not stored)")
-  p.add_argument("--skip", action="append", default=[], choices=("overhead", "prediction", "hints", "router", "load"))
+  p.add_argument(
+    "--skip", action="append", default=[], choices=("overhead", "prediction", "hints", "router", "load", "streams")
+  )
   p.add_argument("--load-streams", type=int, default=None, help="streams of the load (default 7; quick 2)")
   p.add_argument(
     "--load-budget-ms",
     type=float,
     default=None,
     help="budget of the requests planned under load (default: 1.15x the first hint's warm idle plan)",
+  )
+  p.add_argument("--streams", type=int, default=None, help="concurrent streams of the streams section (default 8)")
+  p.add_argument("--streams-hint", default="fast_draft", help="hint of those streams (default fast_draft)")
+  p.add_argument(
+    "--streams-budget-ms",
+    type=float,
+    default=None,
+    help="budget of those streams (default: the warm full path's idle prediction for one request)",
+  )
+  p.add_argument(
+    "--weights",
+    choices=("f32", "native"),
+    default="f32",
+    help="the form the registry's restores take (the full path's weights; variants are paths of their own)",
   )
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--json", default=None, type=common.json_path, help="write the results here")
@@ -527,6 +638,38 @@ def main(argv=None) -> int:
         for x in r["forced"]
       ],
       right=("predicted ms", "wall ms", "idle wall ms"),
+    )
+  if "streams" not in args.skip:
+    n = args.streams or (2 if quick else 8)
+    if n < 1 or (args.streams_budget_ms is not None and not args.streams_budget_ms > 0):
+      p.error("--streams must be >= 1 and --streams-budget-ms > 0")
+    hint = args.streams_hint if args.streams_hint in hints else hints[0]
+    result["streams"] = r = bench_streams(
+      syn,
+      codec,
+      streams=n,
+      hint=hint,
+      budget_ms=args.streams_budget_ms,
+      prompt_tokens=16 if quick else 32,
+      tokens=8 if quick else 128,
+      rounds=1 if quick else 3,
+    )
+    common.print_table(
+      f"{r['streams']} concurrent {r['hint']} streams through the server at {r['budget_ms']:.0f} ms "
+      f"({r['prompt_tokens']} prompt + {r['tokens']} new tokens each; {r['weights']} weights), against the same "
+      f"streams forced onto the full path and each weight variant",
+      ["streams", "aggregate tok/s (median)", "/ full path", "rounds tok/s", "plans"],
+      [
+        [
+          m,
+          _f(r["tok_s"][m], ".1f"),
+          _f(r["ratio"].get(m), ".2f"),
+          " ".join(_f(x["tok_s"], ".0f") for x in rs),
+          "; ".join(f"{k} x{v}" for k, v in rs[-1]["plans"].items()),
+        ]
+        for m, rs in r["rounds"].items()
+      ],
+      right=("aggregate tok/s (median)", "/ full path", "rounds tok/s"),
     )
   if args.calibrate:
     result["calibrate"] = c = bench_calibrate(reg, quick)

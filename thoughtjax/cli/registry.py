@@ -288,7 +288,8 @@ def add_parser(subparsers) -> None:
     default=(),
     metavar="LIST",
     help="weight variants of every block thoughtlet to publish too, comma-separated (int8: per-row int8, lossy; "
-    "a path names one as blocks[a:b)@int8)",
+    "int8a8: the same int8 weights computed with int8 activations, lossier, batches best; a path names one as "
+    "blocks[a:b)@int8)",
   )
   b.add_argument(
     "--weights",

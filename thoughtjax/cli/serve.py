@@ -40,6 +40,14 @@ def add_parsers(sub) -> None:
     help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models) on the "
     "bind address at this port, on the same engines (0: any free port)",
   )
+  p.add_argument(
+    "--weights",
+    choices=("f32", "native"),
+    default=None,
+    help="the form the registry's restores take: f32 (dequantized float32, the default) or native (a quantized "
+    "model's blocks kept packed, computed in float32: the same logits, fewer bytes per step); weight variants "
+    "(@int8, @int8a8) are paths of their own",
+  )
   add_kernels_arg(p)
   add_trust_args(p)
   p.set_defaults(fn=cmd_serve)
@@ -86,8 +94,9 @@ def cmd_serve(args) -> int:
     if v is not None
   }
   config = dataclasses.replace(config, **changes) if changes else config
-  if args.registry:
-    registry = open_registry(args.registry, args, "--registry")  # a bad --registry fails before listening
+  weights = args.weights or "f32"
+  if args.registry:  # a bad --registry fails before listening
+    registry = open_registry(args.registry, args, "--registry", weights=weights)
   elif args.public_key or args.require_signatures:
     raise CommandLineError("--public-key/--require-signatures check a given registry: add --registry DIR")
   else:
@@ -98,7 +107,7 @@ def cmd_serve(args) -> int:
     # first (health NOT_SERVING, calls UNAVAILABLE) and serves once this returns.
     from thoughtjax.synthesis.default_registry import ensure_default
 
-    reg = registry if registry is not None else ensure_default()
+    reg = registry if registry is not None else ensure_default(weights=weights)
     return Synthesizer.open(reg, kernels=args.kernels, context=serving_context(config, reg, args.kernels))
 
   def on_port(port: int) -> None:

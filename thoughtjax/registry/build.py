@@ -10,6 +10,9 @@ form it holds.
 holds the same layers with every projection as per-row int8 (:class:`thoughtjax.quantized.RowInt8`,
 stored as ``{"int8": q, "scale": s}`` arrays), the variant in its signature (``constraints["weights"]``
 and a tag), so it is hashed, signed and profiled like any thoughtlet, and paths can name it.
+``"int8a8"`` publishes ``blocks[a:b)@int8a8``: the same stored int8 arrays under a signature of its own, restored
+as :class:`thoughtjax.quantized.RowInt8A8` (the activations quantized per row too, so a few-row step or a prompt
+runs an integer GEMM; lossier).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from thoughtjax.thoughtlet import (
 )
 from thoughtjax.thoughtlet.stored import to_stored
 from thoughtjax.transformer import Transformer
-from thoughtjax.weights import int8_block
+from thoughtjax.weights import variant_block
 
 # What a registry directory holds (thoughtjax.registry.layout), removed when an older format is replaced.
 _REGISTRY_ENTRIES = ("index.json", "thoughtlets", "codec", "keys", "calibration", ".staging", LEASE_DIR)
@@ -89,6 +92,9 @@ def cut_thoughtlets(model, codec, mapping: SemanticMapping) -> list[Thoughtlet]:
   return out
 
 
+_VARIANT_WORDS = {"int8": "per-row int8 weights", "int8a8": "per-row int8 weights and int8 activations"}
+
+
 def variant_of(t: Thoughtlet, variant: str) -> Thoughtlet:
   """The ``variant`` of a blocks thoughtlet, named ``<name>@<variant>``; its params hold
   :class:`~thoughtjax.quantized.RowInt8` weights (:func:`thoughtjax.weights.to_stored` before publishing)."""
@@ -102,9 +108,9 @@ def variant_of(t: Thoughtlet, variant: str) -> Thoughtlet:
     sig,
     constraints={**sig.constraints, "weights": variant},
     tags=(*sig.tags, variant),
-    description=f"{sig.description} [{variant}: per-row int8 weights, lossy]".strip(),
+    description=f"{sig.description} [{variant}: {_VARIANT_WORDS[variant]}, lossy]".strip(),
   )
-  params = {k: int8_block(v) for k, v in t.params.items()}
+  params = {k: variant_block(v, variant) for k, v in t.params.items()}
   return dataclasses.replace(t, name=f"{t.name}@{variant}", signature=sig, params=params, profile=None)
 
 

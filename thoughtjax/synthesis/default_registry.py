@@ -6,8 +6,8 @@ dir, built and calibrated on first use.
 1. **build** (:func:`thoughtjax.registry.build`, unsigned, without resource profiles, which synthesis does
    not read and which would double the first use; versions do not depend on them, so
    ``thoughtjax registry build --out DIR`` later adds them without changing a version): fetch the default
-   model if needed, cut, publish, with the int8 variant of every block (:data:`VARIANTS`), so the whole full
-   path in int8 weights is a candidate;
+   model if needed, cut, publish, with the int8 and int8a8 variants of every block (:data:`VARIANTS`), so the
+   whole full path in int8 weights, and in int8 weights with int8 activations, are candidates;
 2. **calibrate**: quality comes from the shipped table ``default_calibration.json`` when its
    candidates pin to exactly this registry's current versions (versions are content hashes, so a build
    of the same model and mapping gives the same ones); latency is always measured here
@@ -15,7 +15,7 @@ dir, built and calibrated on first use.
    speculative candidates: the recalibration adds them (the full path verifying the exit with the highest
    top-1 agreement in the table, and the n-gram draft that looks its tokens up in the text, K from
    :class:`~thoughtjax.synthesis.calibrate.SpeculativeSettings`) and times them against the plain full path here.
-   It also adds the full path in int8 weights, its quality measured here on every hint's corpora against the
+   It also adds the full path in each variant, its quality measured here on every hint's corpora against the
    float32 full path. Without a matching table the full calibration runs (minutes). The result is stored in
    the registry.
 
@@ -24,8 +24,10 @@ folder in the working directory changes nothing.
 
 Later uses open it and check the stored calibration; a calibration measured on another machine
 (fingerprint), or one that lacks a speculative or weight-variant candidate a recalibration adds (stored before
-they, or n-gram drafts, existed), has its latency re-measured. A default registry built before the variants were
-part of it is used as it is (no variant candidate); removing it rebuilds it with them.
+they, or n-gram drafts, existed), has its latency re-measured. A default registry built before one of the
+variants was part of it gets it in place: the build publishes the missing variant thoughtlets (every other version
+unchanged), the calibration stored before carries over to the new sequence, and the recalibration adds the new
+candidate.
 Progress goes to ``progress(stage, done, total, item)``.
 
 Imports inside functions here are deferred for start-up: importing this module does not load ``registry``,
@@ -36,6 +38,7 @@ Imports inside functions here are deferred for start-up: importing this module d
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -43,6 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from thoughtjax import fetch as fetch_lib
+from thoughtjax.path_syntax import split_variant
 from thoughtjax.shipped import shipped_file
 
 Progress = Callable[[str, int, int, str], None]
@@ -53,7 +57,7 @@ def default_registry_dir() -> Path:
   return fetch_lib.cache_dir() / "registry" / "default"
 
 
-VARIANTS = ("int8",)  # the weight variants the default registry holds of every block
+VARIANTS = ("int8", "int8a8")  # the weight variants the default registry holds of every block
 
 
 def speculative_settings():
@@ -112,7 +116,7 @@ def ensure_default(progress: Progress | None = None, *, root: Path | None = None
 
 
 def _ensure_default(progress: Progress | None, *, root: Path, weights: str):
-  from thoughtjax.registry import Registry, build, is_older_format, is_registry
+  from thoughtjax.registry import Registry, is_older_format, is_registry
   from thoughtjax.registry.layout import index_format
   from thoughtjax.synthesis import calibrate as cal_lib
   from thoughtjax.synthesis.calibration_store import MissingCalibrationError, read_calibration, write_calibration
@@ -123,21 +127,21 @@ def _ensure_default(progress: Progress | None, *, root: Path, weights: str):
   if older:
     report(f"rebuild: {root} holds a registry of an older format ({index_format(root)}); building it anew", 0, 1, "")
   if older or not is_registry(root):
-    root.parent.mkdir(parents=True, exist_ok=True)
-    build(
-      root,
-      _mapping_path(),
-      fetch_lib.DEFAULT_MODEL,
-      settings=None,
-      progress=lambda stage, name, done, total: report(f"build {stage}", done, total, name),
-      replace_old_format=older,
-      variants=VARIANTS,
-    )
+    _build(root, report, replace_old_format=older)
   reg = Registry.open(root)
+  carried = None
+  lacking = [v for v in VARIANTS if not any(split_variant(n)[1] == v for n in reg.names)]
+  if lacking:  # built by a thoughtjax before these variants: added in place, the base versions unchanged
+    report(f"upgrade: adding the {', '.join(lacking)} variant of every block to {root}", 0, 1, "")
+    previous = reg.sequence
+    reg.close()
+    _build(root, report)
+    reg = Registry.open(root)
+    carried = _carried(reg, previous)
   try:
     stored = read_calibration(reg)
   except MissingCalibrationError:
-    stored = None
+    stored = carried
   fingerprint = cal_lib.machine_fingerprint()
   if stored is not None and stored.fingerprint == fingerprint and not _lacks_speculative(reg, stored):
     return _in_form(reg, weights)
@@ -149,6 +153,35 @@ def _ensure_default(progress: Progress | None, *, root: Path, weights: str):
     cal = cal_lib.calibrate(reg, settings=settings, progress=report)
   write_calibration(reg, cal)
   return _in_form(reg, weights)
+
+
+def _build(root: Path, report, *, replace_old_format: bool = False) -> None:
+  from thoughtjax.registry import build
+
+  build(
+    root,
+    _mapping_path(),
+    fetch_lib.DEFAULT_MODEL,
+    settings=None,
+    progress=lambda stage, name, done, total: report(f"build {stage}", done, total, name),
+    replace_old_format=replace_old_format,
+    variants=VARIANTS,
+  )
+
+
+def _carried(reg, sequence: int):
+  """The calibration stored at ``sequence`` at ``reg``'s current sequence, when every version it names is still
+  current (adding variants changes no base version); else None."""
+  from thoughtjax.synthesis.calibration_store import MissingCalibrationError, read_calibration
+
+  try:
+    cal = read_calibration(reg, sequence)
+  except MissingCalibrationError:
+    return None
+  current = reg.current
+  if dict(cal.current) != {n: current.get(n) for n in cal.current}:
+    return None
+  return dataclasses.replace(cal, sequence=reg.sequence)
 
 
 def _in_form(reg, weights: str):
