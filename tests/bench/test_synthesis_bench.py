@@ -84,4 +84,4 @@ def test_bench_synthesis_quick_writes_every_section(tmp_path, capsys):
     "each path forced under the same load",
     "concurrent fast_draft streams through the server",
   ):
-    assert title in printed
+    assert title in printed, title

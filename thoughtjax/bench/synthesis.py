@@ -19,7 +19,12 @@ Measured in one run, on one calibrated registry (default: the default registry i
    run on the idle server, then with ``--load-streams`` streams decoding in the full path's slot engine (its
    plan's path, kind, reason, predicted and wall ms); and, under the same load, the full path and each weight
    variant forced (explicit path): predicted against wall ms, beside their wall ms on the idle server;
-6. ``--calibrate``: wall time of ``registry calibrate`` on the registry (measured, not stored).
+6. **streams**: ``--streams`` concurrent requests of ``--streams-hint`` (default fast_draft) at
+   ``--streams-budget-ms`` through the same kind of server, sent ``--streams-stagger-ms`` apart so each is planned
+   under the load of those before it, against the same streams forced onto the full path and onto each weight
+   variant's full path: aggregate tok/s (medians of interleaved rounds) and the plans chosen; ``--weights native``
+   restores the full path in the GGUF's packed blocks;
+7. ``--calibrate``: wall time of ``registry calibrate`` on the registry (measured, not stored).
 
 Prints tables; ``--json FILE`` writes every number. ``--quick`` shrinks every section (few requests, short
 prompts and decodes, a short router training) so a test can run it on a tiny registry.
@@ -315,13 +320,23 @@ def bench_load(syn, codec, *, streams: int, budget_ms: float | None, prompt_toke
 
 # ------------------------------------------------------------------------------ 6. streams
 def bench_streams(
-  syn, codec, *, streams: int, hint: str, budget_ms: float | None, prompt_tokens: int, tokens: int, rounds: int
+  syn,
+  codec,
+  *,
+  streams: int,
+  hint: str,
+  budget_ms: float | None,
+  prompt_tokens: int,
+  tokens: int,
+  rounds: int,
+  untimed: int,
+  stagger_ms: float,
 ) -> dict:
-  """``streams`` concurrent requests of ``hint`` at ``budget_ms`` through the server, each planned under the load
-  of those sent before it, against the same streams forced onto the full path and onto each weight variant's full
-  path (explicit paths): aggregate tok/s
-  (every stream's tokens over the wall time from the first send to the last token), ``rounds`` interleaved rounds
-  of each after an untimed one, medians."""
+  """``streams`` concurrent requests of ``hint`` at ``budget_ms`` through the server, sent ``stagger_ms`` apart so
+  each is planned under the load of those sent before it, against the same streams forced onto the full path and
+  onto each weight variant's full path (explicit paths): aggregate tok/s (every stream's tokens over the wall time
+  from the first send to the last token), ``rounds`` interleaved rounds of each after ``untimed`` ones (which
+  compile each engine's widths), medians."""
   import collections
   import threading
 
@@ -355,6 +370,7 @@ def bench_streams(
     "tokens": tokens,
     "weights": getattr(syn.registry, "weights", None) or "f32",
     "full_path": cal.full.path,
+    "stagger_ms": stagger_ms,
     "rounds": {m: [] for m in modes},
   }
   with BackgroundServer(syn, config) as srv:
@@ -380,7 +396,8 @@ def bench_streams(
         got[i] = (plan, n, time.perf_counter() - t0)
 
       threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(streams)]
-      for t in threads:
+      for i, t in enumerate(threads):
+        time.sleep(max(0.0, t0 + i * stagger_ms / 1e3 - time.perf_counter()))
         t.start()
       for t in threads:
         t.join()
@@ -394,8 +411,9 @@ def bench_streams(
         "reasons": sorted({g[0].reason for g in got}),
       }
 
-    for mode in modes:  # untimed: each width of each engine compiles here
-      one_round(mode)
+    for _ in range(untimed):  # each width of each engine compiles here
+      for mode in modes:
+        one_round(mode)
     for _ in range(rounds):
       for mode in modes:
         out["rounds"][mode].append(one_round(mode))
@@ -515,6 +533,12 @@ def main(argv=None) -> int:
     type=float,
     default=None,
     help="budget of those streams (default: the warm full path's idle prediction for one request)",
+  )
+  p.add_argument(
+    "--streams-stagger-ms",
+    type=float,
+    default=100.0,
+    help="time between the sends of those streams (default 100; 0: all at once, planned before any is placed)",
   )
   p.add_argument(
     "--weights",
@@ -641,8 +665,8 @@ def main(argv=None) -> int:
     )
   if "streams" not in args.skip:
     n = args.streams or (2 if quick else 8)
-    if n < 1 or (args.streams_budget_ms is not None and not args.streams_budget_ms > 0):
-      p.error("--streams must be >= 1 and --streams-budget-ms > 0")
+    if n < 1 or (args.streams_budget_ms is not None and not args.streams_budget_ms > 0) or args.streams_stagger_ms < 0:
+      p.error("--streams must be >= 1, --streams-budget-ms > 0 and --streams-stagger-ms >= 0")
     hint = args.streams_hint if args.streams_hint in hints else hints[0]
     result["streams"] = r = bench_streams(
       syn,
@@ -652,10 +676,13 @@ def main(argv=None) -> int:
       budget_ms=args.streams_budget_ms,
       prompt_tokens=16 if quick else 32,
       tokens=8 if quick else 128,
-      rounds=1 if quick else 3,
+      rounds=1 if quick else 5,
+      untimed=1 if quick else 2,
+      stagger_ms=args.streams_stagger_ms,
     )
     common.print_table(
-      f"{r['streams']} concurrent {r['hint']} streams through the server at {r['budget_ms']:.0f} ms "
+      f"{r['streams']} concurrent {r['hint']} streams through the server at {r['budget_ms']:.0f} ms, sent "
+      f"{r['stagger_ms']:.0f} ms apart "
       f"({r['prompt_tokens']} prompt + {r['tokens']} new tokens each; {r['weights']} weights), against the same "
       f"streams forced onto the full path and each weight variant",
       ["streams", "aggregate tok/s (median)", "/ full path", "rounds tok/s", "plans"],
