@@ -126,6 +126,25 @@ def test_plans_are_predicted_under_the_engines_load_in_their_context(batched, sy
   assert sched.load().engines == ()
 
 
+def test_a_stream_in_a_slot_engine_is_learned_at_the_width_its_steps_computed(batched, synthesizer, monkeypatch):
+  """The trace a finished stream teaches the latency model carries the mean rows of the steps it shared: streams
+  that joined its engine after it was planned are the load's doing, not the model's error."""
+  traces = []
+  monkeypatch.setattr(synthesizer, "learn", True)
+  monkeypatch.setattr(synthesizer.latency, "update", traces.append)  # recorded, not learned: other tests plan alike
+  ch, stub = stub_of(batched)
+  with ch:
+    calls = [
+      stub.Synthesize(_request(p, 12, f"w{i}", logit_bias={0: 50.0}), timeout=120) for i, p in enumerate(PROMPTS[:2])
+    ]
+    for call in calls:
+      list(call)
+  assert batched.call(lambda: batched.app.service.scheduler.wait_idle(60))
+  assert len(traces) == 2
+  for t in traces:
+    assert isinstance(t.width, float) and 1.0 <= t.width <= 2.0 and t.context.engine == "slots"
+
+
 class _Forwarding:
   """A run that forwards to another and declares that it runs alone (no slot engine)."""
 

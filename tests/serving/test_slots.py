@@ -52,9 +52,11 @@ def test_requests_in_slots_give_the_tokens_they_give_alone(model, engine):
 
 def test_a_request_joins_mid_stream_at_the_next_chunk(model, engine):
   first = engine.insert(PROMPTS[1], SamplingParams(max_tokens=16, ignore_eos=True))
+  assert first.mean_width is None  # no decode step yet
   engine.step()
   engine.step()
   assert len(first.token_ids) == 1 + 2 * engine.chunk  # the prefill's token, then two chunks
+  assert first.mean_width == 1.0 and first.steps_taken == 2 * engine.chunk
   second = engine.insert(PROMPTS[3], SamplingParams(max_tokens=13, ignore_eos=True))
   assert second.slot != first.slot and len(second.token_ids) == 1  # in its slot, not yet decoded
   new = engine.step()
@@ -63,6 +65,9 @@ def test_a_request_joins_mid_stream_at_the_next_chunk(model, engine):
     engine.step()
   assert first.token_ids == alone(model, PROMPTS[1], max_tokens=16, ignore_eos=True).token_ids
   assert second.token_ids == alone(model, PROMPTS[3], max_tokens=13, ignore_eos=True).token_ids
+  # The first shared its later steps with the second (two rows each); the second ran beside it throughout, but
+  # for the steps after the first ended.
+  assert 1.0 < first.mean_width < 2.0 and 1.0 < second.mean_width <= 2.0
 
 
 def test_cancel_frees_the_slot_within_one_chunk_and_neighbours_are_unchanged(model, engine):

@@ -471,6 +471,25 @@ def test_a_trace_that_ran_as_predicted_under_load_leaves_the_factors_where_they_
   assert m.factor(full.path_hash, "decode") == pytest.approx(1.0)
 
 
+def test_a_run_whose_engine_filled_after_it_was_planned_teaches_nothing_of_the_load():
+  """Planned alone (width 1), the request then shared its steps with streams that arrived after it: its decode
+  took what the batching fit says 8 rows take. Learned at the width it ran, the factors stay; learned as if it
+  ran at the predicted width, the model would take the load for its own error."""
+  full = candidate([(0, 4)])
+  fit = LinearCost(0.75, 0.25)  # 8 rows cost 2.75 one-row steps
+  m = LatencyModel(params(rows={full.path_hash: fit}), context=SLOTS)
+  p = m.predict(full, 20, 8, COLD)
+  assert p.width == 1
+  ran = {"decode": p.raw["decode"] * fit(8)}
+  m.update(LatencyTrace(p, ran, width=8.0))
+  assert m.factor(full.path_hash, "decode") == pytest.approx(1.0)
+  m.update(LatencyTrace(p, ran))
+  assert m.factor(full.path_hash, "decode") > 1.2
+  # Joining a busy engine predicts the width it will compute; a run at that width is as predicted.
+  joined = m.predict(full, 20, 8, COLD, load=Load((EngineLoad(full.path_hash, 3, 64, 4, 25.0),), slots=8))
+  assert joined.width == 4
+
+
 @pytest.mark.parametrize(
   "make, match",
   [

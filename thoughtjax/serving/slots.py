@@ -156,7 +156,8 @@ class SlotRun:
   ``slot`` is the slot it held (None when it finished at its prefill); ``chunks_at_cancel`` and
   ``chunks_at_free`` are the engine's decode chunks when ``cancel`` came and when the slot was freed;
   ``prefill_batch`` how many requests shared its prefill call; ``max_prefills_between_chunks`` the most prefill
-  calls the engine ran between two of its decode chunks (how long it stalled, in program calls).
+  calls the engine ran between two of its decode chunks (how long it stalled, in program calls);
+  :attr:`mean_width` the mean rows of the decode steps it took part in.
   """
 
   def __init__(self, engine: SlotEngine, req: _Request | Prefilled, on_delta: Callable[[Delta | None], None] | None):
@@ -166,6 +167,8 @@ class SlotRun:
     self.prefill_batch: int | None = None  # requests prefilled in the same program call as this one
     self.max_prefills_between_chunks = 0  # most prefill calls run between two of its decode chunks
     self._prefills_mark = 0  # engine.prefill_calls at its last chunk (or when it took its slot)
+    self.steps_taken = 0  # decode steps of the chunks it was in
+    self.rows_stepped = 0  # the sum over those steps of the rows each computed
     self.on_delta = on_delta
     self._queue: queue.SimpleQueue = queue.SimpleQueue()
     self.freed = threading.Event()
@@ -179,6 +182,12 @@ class SlotRun:
     self.error: BaseException | None = None
     self.token_ids: list[int] = []
     self.text = ""
+
+  @property
+  def mean_width(self) -> float | None:
+    """The mean rows of the decode steps it took part in (the engine's width, padded as it computes), or None
+    before its first chunk: how many streams its decode shared the steps with."""
+    return self.rows_stepped / self.steps_taken if self.steps_taken else None
 
   # ---- engine side ------------------------------------------------------------------
   def _push(self, d: Delta) -> None:
@@ -982,6 +991,8 @@ class SlotEngine:
       for b in live:
         run = self._runs[b]
         run.trace.decode_chunks += 1
+        run.steps_taken += int(steps)
+        run.rows_stepped += width * int(steps)
         stalled, run._prefills_mark = self.prefill_calls - run._prefills_mark, self.prefill_calls
         run.max_prefills_between_chunks = max(run.max_prefills_between_chunks, stalled)
         ids = [int(t) for t in out[b] if t >= 0]

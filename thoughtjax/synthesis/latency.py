@@ -43,7 +43,10 @@ calibration's every :data:`HALF_LIFE_S` (6 hours) without an observation there, 
 :data:`MAX_AGE_S` is dropped. Ratios and factors are clipped to ``[1/4, 4]`` so one outlier cannot swing a
 plan by more than 4x. Stages predicted at zero (already resident, already compiled) carry no information
 and are not learned from, and a run that compiled its program teaches only restore and compile: its prefill
-and decode carry one-off first-run costs that a warm request never pays (``LatencyTrace.compiled``).
+and decode carry one-off first-run costs that a warm request never pays (``LatencyTrace.compiled``). A run in a
+slot engine is learned at the width its steps computed (``LatencyTrace.width``, the mean over its steps): streams
+that joined or left its engine after it was planned scale its raw decode by the path's batching fit, so a burst
+of requests, each planned before the next arrived, does not teach the model that every path got slower.
 A candidate whose cost is not the sum of its units (a speculative plan: draft and verify in one
 program) starts from a per-path factor that calibration measured, stored in ``corrections``: its units are
 the full path's, so its raw decode is the full path's, and its decode factor is its measured decode time per
@@ -501,7 +504,8 @@ class Prediction:
   ``"global"``) for every factor != 1 applied; ``observations``: stage -> how many runs in that context taught
   it (0: measured by calibration, e.g. a speculative plan's decode); ``correction_age_s``: seconds since that
   context last learned (None when it never did). Under ``load`` a raw decode step costs ``load_factor`` idle
-  ones (module docstring).
+  ones (module docstring); ``width``: the rows of the step it was predicted to share (1: alone or in an idle
+  engine; a busy engine's streams plus this one, padded as the engine pads them).
   """
 
   path_hash: str
@@ -523,6 +527,7 @@ class Prediction:
   correction_age_s: float | None = None
   load_factor: float = 1.0
   load: Load = IDLE
+  width: int = 1
 
   @property
   def total(self) -> float:
@@ -558,14 +563,17 @@ class Prediction:
 class LatencyTrace:
   """What a run measured, for :meth:`LatencyModel.update`: its prediction, actual ms per stage
   (any subset of :data:`STAGES`), the tokens it produced (``None``: as predicted), whether it compiled
-  its program (then its prefill and decode are not learned from) and the context it ran in (``None``: the
-  one predicted; a server's slot engine is another)."""
+  its program (then its prefill and decode are not learned from), the context it ran in (``None``: the
+  one predicted; a server's slot engine is another) and ``width``, the mean rows of the steps it shared in a
+  slot engine (``None``: as predicted): streams that joined or left its engine after it was planned change
+  what its decode cost, which is the load's doing, not the model's error."""
 
   prediction: Prediction
   actual_ms: Mapping[str, float]
   tokens_out: int | None = None
   compiled: bool = False
   context: LatencyContext | None = None
+  width: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -758,9 +766,9 @@ class LatencyModel:
     h = candidate.path_hash
     now = self.clock()
     fs = {s: self._factor_from(h, s, ctx, now) for s in STAGES}
-    load_factor = 1.0
+    load_factor, W = 1.0, 1
     if load.engines:
-      load_factor, S = self._under_load(candidate, (A, B), S, load, fs["decode"][0])
+      load_factor, S, W = self._under_load(candidate, (A, B), S, load, fs["decode"][0])
     raw = {
       "synthesis": self.params.synthesis_ms,
       "restore": restore,
@@ -786,29 +794,33 @@ class LatencyModel:
       correction_age_s=None if rec is None else max(0.0, now - rec.updated),
       load_factor=load_factor,
       load=load if load.engines else IDLE,
+      width=W,
     )
 
-  def rows_factor(self, path_hash: str, rows: int) -> float:
-    """A decode step of ``rows`` rows of ``path_hash`` over its one-row step: the calibration's measured fit, the
+  def rows_factor(self, path_hash: str, rows: float) -> float:
+    """A decode step of ``rows`` rows (a mean may be fractional) of ``path_hash`` over its one-row step: the
+    calibration's measured fit, the
     full path's (``rows["default"]``) for a path it did not measure, or ``rows`` (no gain from batching)."""
     fit = self.params.rows.get(path_hash) or self.params.rows.get(ROWS_DEFAULT)
     return float(rows) if fit is None else max(fit(rows), 1.0)
 
-  def _under_load(self, candidate, terms: tuple[float, float], S: int, load: Load, factor: float) -> tuple[float, int]:
-    """(a raw step under ``load`` over an idle one, the cache the request attends over); ``terms``: its raw step's
-    ``(A, B)``; ``factor``: the decode factor the prediction applies (a measured step enters the raw decode
-    divided by it)."""
+  def _under_load(
+    self, candidate, terms: tuple[float, float], S: int, load: Load, factor: float
+  ) -> tuple[float, int, int]:
+    """(a raw step under ``load`` over an idle one, the cache the request attends over, the rows of its step);
+    ``terms``: its raw step's ``(A, B)``; ``factor``: the decode factor the prediction applies (a measured step
+    enters the raw decode divided by it)."""
     h = candidate.path_hash
     # A speculative plan decodes alone beside the engines; any other joins its path's engine when its ring fits.
     own = None if getattr(candidate, "draft", None) is not None else load.of(h, S)
     if own is None:
-      return 1.0 + CONTENTION * len(load.engines), S
+      return 1.0 + CONTENTION * len(load.engines), S, 1
     W = width(own.rows + 1, load.slots)
     idle = terms[0] + terms[1] * own.cache_len
     if own.step_ms is None:  # not stepped yet: the fits at the width it will compute
-      return self.rows_factor(h, W), own.cache_len
+      return self.rows_factor(h, W), own.cache_len, W
     step = own.step_ms * self.rows_factor(h, W) / self.rows_factor(h, own.width)
-    return step / (idle * factor), own.cache_len
+    return step / (idle * factor), own.cache_len, W
 
   # ---- learning
   def update(self, trace: Any) -> dict[str, float]:
@@ -817,8 +829,9 @@ class LatencyModel:
 
     ``trace`` has ``prediction`` (:class:`Prediction`), ``actual_ms`` (stage -> ms) and optionally
     ``tokens_out`` (tokens actually produced; the raw decode is re-evaluated for that count), ``compiled``
-    (the run compiled its program: its prefill and decode are not learned from) and ``context`` (where it
-    ran; default the prediction's).
+    (the run compiled its program: its prefill and decode are not learned from), ``context`` (where it
+    ran; default the prediction's) and ``width`` (the mean rows of its steps in a slot engine: the raw decode is
+    scaled by the batching fit from the predicted width to that one).
     """
     p: Prediction = trace.prediction
     actual = trace.actual_ms
@@ -830,6 +843,12 @@ class LatencyModel:
     tokens = getattr(trace, "tokens_out", None)
     if tokens is not None:
       raw["decode"] = p.raw_decode(int(tokens))
+    ran_width = getattr(trace, "width", None)
+    if ran_width is not None and math.isfinite(ran_width) and ran_width >= 1 and ran_width != p.width:
+      # Its steps computed another width than predicted (streams joined or left after it was planned): learn
+      # against the decode it would have been predicted at that width, so the load's change is not the model's.
+      h = p.path_hash
+      raw["decode"] *= self.rows_factor(h, ran_width) / self.rows_factor(h, p.width)
     first_run = bool(getattr(trace, "compiled", False))
     ratios = {}
     for s, ms in actual.items():

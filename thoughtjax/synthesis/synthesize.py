@@ -540,8 +540,14 @@ class Synthesizer:
     gen = result.generation.trace
     if self.learn and tokens and not gen.cancelled:
       # compile_s > 0: this call traced or compiled its program (its first run in this process).
+      width = getattr(result.generation, "mean_width", None)  # a slot engine's run: the rows its steps computed
       trace = LatencyTrace(
-        result.plan.predicted, actual, tokens, compiled=gen.compile_s > 0, context=self.ran_in(result)
+        result.plan.predicted,
+        actual,
+        tokens,
+        compiled=gen.compile_s > 0,
+        context=self.ran_in(result),
+        width=width if isinstance(width, float) else None,
       )
       self.latency.update(trace)
       self._store.learned()
