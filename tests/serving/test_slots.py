@@ -93,15 +93,20 @@ def test_cancel_from_another_thread_while_the_driver_steps(model, engine):
   driver = SlotDriver(engine)
   try:
     params = SamplingParams(max_tokens=60, ignore_eos=True)
-    first_delta = threading.Event()
-    run = driver.insert(engine.prefill([9, 9, 9], params), on_delta=lambda d: first_delta.set())
+    seen, stepped, cancelled = [], threading.Event(), threading.Event()
+
+    def on_delta(d):
+      seen.append(d)
+      if len(seen) == 2:  # its first decode chunk's delta, on the driver thread: the chunk waits for the cancel
+        stepped.set()
+        cancelled.wait(60)
+
+    run = driver.insert(engine.prefill([9, 9, 9], params), on_delta=on_delta)
     keep = driver.insert(engine.prefill(PROMPTS[2], SamplingParams(max_tokens=7, ignore_eos=True)))
-    assert first_delta.wait(60)
-    it = iter(run)
-    next(it)
-    next(it)  # at least one decode chunk ran
+    assert stepped.wait(60)  # a decode chunk is running now, however slowly this thread was scheduled
     run.cancel()
-    deltas = list(it)
+    cancelled.set()
+    deltas = list(iter(run))
     assert deltas[-1].finished and deltas[-1].finish_reason == "cancelled"
     assert run.freed.wait(60) and run.chunks_at_free - run.chunks_at_cancel <= 1
     assert len(run.token_ids) < 60

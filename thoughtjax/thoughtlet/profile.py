@@ -25,15 +25,13 @@ import jaxlib
 import numpy as np
 
 from thoughtjax.decode.layout import empty_caches, step_at
-from thoughtjax.path_syntax import VARIANTS
-from thoughtjax.quantized import from_stored
+from thoughtjax.quantized import from_stored, int8_activations
 from thoughtjax.thoughtlet.errors import ThoughtletError
 from thoughtjax.thoughtlet.resource_profile import ResourceProfile
 from thoughtjax.thoughtlet.run import run_blocks, run_embed, run_head, run_template
 from thoughtjax.thoughtlet.slicing import as_state
 from thoughtjax.thoughtlet.types import Kind, Thoughtlet
 from thoughtjax.transformer import GraphDefs, abstract_model, apply_bridge
-from thoughtjax.weights import from_stored_variant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +96,7 @@ def _blocks_step(t: Thoughtlet, abstract, defs: GraphDefs, s: ProfileSettings, t
   # A weight variant restored from a registry holds its int8 weights as {"int8", "scale"} arrays.
   variant = t.signature.constraints.get("weights")
   states = [
-    as_state(abstract.blocks[int(i)], from_stored_variant(p, variant) if variant in VARIANTS else from_stored(p))
+    as_state(abstract.blocks[int(i)], int8_activations(from_stored(p)) if variant == "int8a8" else from_stored(p))
     for i, p in sorted(t.params.items(), key=lambda kv: int(kv[0]))
   ]
   caches = list(empty_caches(cfg, range(len(states)), B, S))
