@@ -33,6 +33,7 @@ prompts and decodes, a short router training) so a test can run it on a tiny reg
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 import time
@@ -185,6 +186,22 @@ def bench_per_hint(syn, codec, prompt_tokens: int, tokens: int) -> list[dict]:
   return rows
 
 
+# ------------------------------------------------------------------------------ a server on loopback
+@contextlib.contextmanager
+def _serving(syn, config):
+  """A ready server of ``syn`` on loopback under ``config``: (its scheduler, a Synthesizer stub); closed after."""
+  import grpc
+
+  from thoughtjax.proto.v1 import synthesis_pb2_grpc as rpc
+  from thoughtjax.server.app import BackgroundServer
+
+  with BackgroundServer(syn, config) as srv:
+    if not srv.call(srv.app.wait_ready):
+      raise RuntimeError(f"the server did not become ready: {srv.app.warm_error}")
+    with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as channel:
+      yield srv.app.service.scheduler, rpc.SynthesizerStub(channel)
+
+
 # ------------------------------------------------------------------------------ 5. load
 def bench_load(syn, codec, *, streams: int, budget_ms: float | None, prompt_tokens: int, tokens: int) -> dict:
   """Plans and runs on an idle server and beside ``streams`` streams in the full path's engine (module docstring)."""
@@ -193,8 +210,6 @@ def bench_load(syn, codec, *, streams: int, budget_ms: float | None, prompt_toke
   import grpc
 
   from thoughtjax.proto.v1 import synthesis_pb2 as pb
-  from thoughtjax.proto.v1 import synthesis_pb2_grpc as rpc
-  from thoughtjax.server.app import BackgroundServer
   from thoughtjax.server.config import ServerConfig
 
   cal = syn.calibration
@@ -216,12 +231,7 @@ def bench_load(syn, codec, *, streams: int, budget_ms: float | None, prompt_toke
     budget_ms = round(1.15 * idle_plan.predicted.total)
   config = ServerConfig(port=0, scheduler="continuous", max_concurrent=8, max_queue=32)
   out: dict = {"streams": streams, "budget_ms": budget_ms, "prompt_tokens": T, "tokens": tokens, "plans": []}
-  with BackgroundServer(syn, config) as srv:
-    if not srv.call(srv.app.wait_ready):
-      raise RuntimeError(f"the server did not become ready: {srv.app.warm_error}")
-    sched = srv.app.service.scheduler
-    channel = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
-    stub = rpc.SynthesizerStub(channel)
+  with _serving(syn, config) as (sched, stub):
     # End-of-sequence suppressed: every request decodes its tokens (the bias changes no step's cost).
     bias = {i: -100.0 for i in codec.eos_ids}
 
@@ -314,7 +324,6 @@ def bench_load(syn, codec, *, streams: int, budget_ms: float | None, prompt_toke
     done.set()
     for call in loaders:
       call.cancel()
-    channel.close()
   return out
 
 
@@ -340,12 +349,8 @@ def bench_streams(
   import collections
   import threading
 
-  import grpc
-
   from thoughtjax.path_syntax import split_variant
   from thoughtjax.proto.v1 import synthesis_pb2 as pb
-  from thoughtjax.proto.v1 import synthesis_pb2_grpc as rpc
-  from thoughtjax.server.app import BackgroundServer
   from thoughtjax.server.config import ServerConfig
 
   cal = syn.calibration
@@ -373,12 +378,7 @@ def bench_streams(
     "stagger_ms": stagger_ms,
     "rounds": {m: [] for m in modes},
   }
-  with BackgroundServer(syn, config) as srv:
-    if not srv.call(srv.app.wait_ready):
-      raise RuntimeError(f"the server did not become ready: {srv.app.warm_error}")
-    sched = srv.app.service.scheduler
-    channel = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
-    stub = rpc.SynthesizerStub(channel)
+  with _serving(syn, config) as (sched, stub):
     syn.warm([hint], prompt_tokens=(T,), max_tokens=(tokens,), pool=sched.pool, budgets=(math.inf, budget_ms))
 
     def one_round(mode: str) -> dict:
@@ -417,7 +417,6 @@ def bench_streams(
     for _ in range(rounds):
       for mode in modes:
         out["rounds"][mode].append(one_round(mode))
-    channel.close()
   med = {m: float(np.median([r["tok_s"] for r in rs])) for m, rs in out["rounds"].items()}
   out["tok_s"] = med
   out["ratio"] = {m: x / med["full"] for m, x in med.items() if m != "full"}
