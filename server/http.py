@@ -425,7 +425,7 @@ class OpenAIHttp:
   def _refusal(self, e: BaseException, method: str, request_id: str | None = None, opts: Options | None = None):
     """The status and the OpenAI error body of ``e`` (an :class:`HttpError` or a servicer failure)."""
     if isinstance(e, HttpError):
-      self.service._answered(method, "NOT_FOUND" if e.status == 404 else "INVALID_ARGUMENT")
+      self.service.answered(method, "NOT_FOUND" if e.status == 404 else "INVALID_ARGUMENT")
       log.info("%s refused %d: %s", method, e.status, e)
       return e.status, error_body(e.status, str(e), e.param, e.code)
     code, message = self.service.failure(e, method, request_id)
@@ -446,7 +446,7 @@ class OpenAIHttp:
     except web.HTTPException as e:
       if e.status < 400:
         raise
-      self.service._answered("HTTP", f"HTTP_{e.status}")  # not the path: a client must not mint label values
+      self.service.answered("HTTP", f"HTTP_{e.status}")  # not the path: a client must not mint label values
       return _json(error_body(e.status, f"{request.method} {request.path[:200]}: {e.reason}"), e.status)
 
   async def _body(self, request: web.Request) -> Any:
@@ -486,10 +486,10 @@ class OpenAIHttp:
   async def models(self, request: web.Request) -> web.Response:
     try:
       self.service.check_client(request.headers.get("Authorization"), MODELS)
-      self.service._check_loaded()
+      self.service.check_loaded()
     except Exception as e:
       return self._error(e, MODELS)
-    self.service._answered(MODELS, "OK")
+    self.service.answered(MODELS, "OK")
     entry = {"id": self.model_id(), "object": "model", "created": self.created, "owned_by": "thoughtjax"}
     return _json({"object": "list", "data": [entry]})
 
@@ -522,7 +522,7 @@ class OpenAIHttp:
             out.add(x)
         except Exception as e:
           return self._error(e, method, r.request_id, opts)
-        svc._answered(method, "OK")
+        svc.answered(method, "OK")
         return _json(out.whole(), headers={"x-request-id": r.request_id})
       sse = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "x-request-id": r.request_id}
@@ -540,7 +540,7 @@ class OpenAIHttp:
         _, err = self._refusal(e, method, r.request_id, opts)
         await _send(sse, err)
         return sse
-      svc._answered(method, "OK")
+      svc.answered(method, "OK")
       await sse.write(b"data: [DONE]\n\n")
       await sse.write_eof()
       return sse

@@ -159,7 +159,8 @@ class SynthesizerService:
       },
     )
 
-  def _answered(self, method: str, code: str) -> None:
+  def answered(self, method: str, code: str) -> None:
+    """Count an answer to ``method``: ``code`` is a gRPC status name (or ``HTTP_<status>`` from the HTTP front)."""
     self.statuses[code] += 1
     self.metrics.answered(method, code)
 
@@ -170,10 +171,10 @@ class SynthesizerService:
     code = status_of(e)
     if code is None:  # a bug: the client learns only that it happened and where to look
       log.error("request %s: %s failed", rid, method or "call", exc_info=e)
-      self._answered(method, "INTERNAL")
+      self.answered(method, "INTERNAL")
       return grpc.StatusCode.INTERNAL, f"internal error; the server log has the details under request id {rid}"
     log.info("request %s: %s answered %s: %s: %s", rid, method or "call", code.name, type(e).__name__, e)
-    self._answered(method, code.name)
+    self.answered(method, code.name)
     return code, f"{public_message(str(e))} (request id {rid})"
 
   async def _abort(self, context, e: BaseException, method: str = "", request_id: str | None = None):
@@ -249,7 +250,8 @@ class SynthesizerService:
     )
 
   # ---- readiness ----------------------------------------------------------------------
-  def _check_loaded(self) -> None:
+  def check_loaded(self) -> None:
+    """Refuse with UNAVAILABLE until the registry is loaded (every transport checks it first)."""
     if self.serving is None:
       raise Refused(
         grpc.StatusCode.UNAVAILABLE,
@@ -262,7 +264,7 @@ class SynthesizerService:
         grpc.StatusCode.UNAVAILABLE,
         "the server is draining (shutting down); send the request to another replica or retry after it restarts",
       )
-    self._check_loaded()
+    self.check_loaded()
     if not self.ready:
       raise Refused(
         grpc.StatusCode.UNAVAILABLE,
@@ -424,7 +426,7 @@ class SynthesizerService:
         plan = plan_message(await asyncio.get_running_loop().run_in_executor(None, self._plan, r), r.request_id)
     except Exception as e:
       await self._abort(context, e, "GetOptimalPath", r and r.request_id)
-    self._answered("GetOptimalPath", "OK")
+    self.answered("GetOptimalPath", "OK")
     return plan
 
   async def Synthesize(self, raw: bytes, context):
@@ -439,7 +441,7 @@ class SynthesizerService:
       try:
         async for response in out:
           if response.WhichOneof("kind") == "final":
-            self._answered("Synthesize", "OK")
+            self.answered("Synthesize", "OK")
             context.set_trailing_metadata(trailer(response.final, r.request_id))
           yield response
       except Exception as e:
@@ -500,7 +502,7 @@ class SynthesizerService:
     try:
       self.check_client(_metadata(context, "authorization"), "ListThoughtlets")
       parse(raw, pb.ListThoughtletsRequest)
-      self._check_loaded()
+      self.check_loaded()
       reg = self.serving.registry
       out = pb.ListThoughtletsResponse(registry_sequence=reg.sequence)
       for name in reg.names:
@@ -520,13 +522,13 @@ class SynthesizerService:
         out.thoughtlets.append(t)
     except Exception as e:
       await self._abort(context, e, "ListThoughtlets")
-    self._answered("ListThoughtlets", "OK")
+    self.answered("ListThoughtlets", "OK")
     return out
 
   async def RegistryStats(self, raw: bytes, context) -> pb.RegistryStatsResponse:
     try:
       parse(raw, pb.RegistryStatsRequest)
-      self._check_loaded()
+      self.check_loaded()
       self._authorize(context, "RegistryStats")
     except Exception as e:
       await self._abort(context, e, "RegistryStats")
@@ -535,7 +537,7 @@ class SynthesizerService:
     # The serving registry's stats, with refusal counters totalled over the server's life (versions a
     # reload replaced or refused included: a refused reload must stay visible after the fact).
     stats = {**s.registry.stats().to_json(), **self.failure_totals(), "reload": dict(self.reloader.counts)}
-    self._answered("RegistryStats", "OK")
+    self.answered("RegistryStats", "OK")
     return pb.RegistryStatsResponse(
       registry_sequence=s.registry.sequence,
       signed=s.registry.signed,
@@ -550,7 +552,7 @@ class SynthesizerService:
   async def ReloadRegistry(self, raw: bytes, context) -> pb.ReloadRegistryResponse:
     try:
       parse(raw, pb.ReloadRegistryRequest)
-      self._check_loaded()
+      self.check_loaded()
       self._authorize(context, "ReloadRegistry")
       self.reloader.limit()
       async with self.reloader.lock:  # one reload at a time; requests keep flowing meanwhile
@@ -567,7 +569,7 @@ class SynthesizerService:
       log.info(
         "switched to registry sequence %d (was %d; calibration %s)", got.published, old.sequence, got.calibration
       )
-    self._answered("ReloadRegistry", "OK")
+    self.answered("ReloadRegistry", "OK")
     return pb.ReloadRegistryResponse(
       serving_sequence=self.serving.sequence,
       published_sequence=got.published,

@@ -190,6 +190,18 @@ class SlotRun:
     return self.rows_stepped / self.steps_taken if self.steps_taken else None
 
   # ---- engine side ------------------------------------------------------------------
+  def _placed(self, slot: int, prefill_calls: int) -> None:
+    """It holds ``slot`` from now; ``prefill_calls``: the engine's count of prefill calls at that moment."""
+    self.slot, self._prefills_mark = slot, prefill_calls
+
+  def _stepped(self, steps: int, width: int, prefill_calls: int) -> None:
+    """It took part in a decode chunk of ``steps`` steps over ``width`` rows; ``prefill_calls`` as above."""
+    self.trace.decode_chunks += 1
+    self.steps_taken += steps
+    self.rows_stepped += width * steps
+    stalled, self._prefills_mark = prefill_calls - self._prefills_mark, prefill_calls
+    self.max_prefills_between_chunks = max(self.max_prefills_between_chunks, stalled)
+
   def _push(self, d: Delta) -> None:
     self.token_ids.extend(d.token_ids)
     self.text += d.text
@@ -895,8 +907,7 @@ class SlotEngine:
         pre.token,
         (jnp.bool_(pre.done), jnp.int32(pre.count)),
       )
-      run.slot = b
-      run._prefills_mark = self.prefill_calls
+      run._placed(b, self.prefill_calls)
       self._runs[b] = run
       with self._cancel_lock:  # a cancel that came while this waited for the chunk: freed at the next step
         if run.cancel_requested:
@@ -990,11 +1001,7 @@ class SlotEngine:
       new: dict[int, list[int]] = {}
       for b in live:
         run = self._runs[b]
-        run.trace.decode_chunks += 1
-        run.steps_taken += int(steps)
-        run.rows_stepped += width * int(steps)
-        stalled, run._prefills_mark = self.prefill_calls - run._prefills_mark, self.prefill_calls
-        run.max_prefills_between_chunks = max(run.max_prefills_between_chunks, stalled)
+        run._stepped(int(steps), width, self.prefill_calls)
         ids = [int(t) for t in out[b] if t >= 0]
         new[b] = ids
         d = run.rows.emit(0, ids, bool(done[b]), int(count[b]))
