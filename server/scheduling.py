@@ -122,6 +122,7 @@ class SimpleScheduler:
       2 * max_concurrent + 1, thread_name_prefix="thoughtjax-request"
     )
     self._turns: asyncio.Semaphore | None = None
+    self._held = 0  # turns acquired and not yet given back
     self._changed: asyncio.Condition | None = None
     self.waiting = self.running = self.draining = 0
     self.shed = self.completed = self.cancelled = self.failed = 0
@@ -153,8 +154,7 @@ class SimpleScheduler:
   def free_turns(self) -> int:
     """Turns no request holds: ``max_concurrent`` once every request gave its turn back (a leaked turn shows
     here)."""
-    # asyncio.Semaphore has no public count; its value is the turns left to acquire.
-    return self.max_concurrent if self._turns is None else self._turns._value
+    return self.max_concurrent - self._held
 
   async def wait_idle(self, timeout: float | None = None) -> bool:
     """Wait until nothing waits, runs or drains; False when ``timeout`` seconds passed first."""
@@ -202,6 +202,7 @@ class SimpleScheduler:
     finally:
       self.waiting -= 1
       self._notify()
+    self._held += 1
     self.running += 1
     record.queue_s = time.monotonic() - t0
     return record
@@ -266,6 +267,7 @@ class SimpleScheduler:
     threading.Thread(target=finish, name=f"thoughtjax-release-{record.request_id}", daemon=True).start()
 
   def _freed(self, record: RequestRecord) -> None:
+    self._held -= 1
     self._turns.release()
     self._count(record)
     self._notify()
@@ -328,6 +330,8 @@ class ContinuousScheduler(SimpleScheduler):
       prefix_block_tokens=prefix_block_tokens,
     )
     self.refused_deadline = 0
+    # Requests are planned one at a time, each reserving its row before the next plans (see _plan_and_reserve).
+    self._planning = threading.Lock()
 
   def snapshot(self) -> dict:
     return {
@@ -367,7 +371,7 @@ class ContinuousScheduler(SimpleScheduler):
     box: dict[str, Any] = {}  # "start", "insert": futures; "run", "slot": what they gave
     ended = "cancelled"
     try:
-      box["start"] = self._executor.submit(start)
+      box["start"] = self._executor.submit(self._plan_and_reserve, start, box)
       run = box["run"] = await asyncio.wrap_future(box["start"])
       row = run.request.slot()
       self._refuse_late(run, request_id, deadline)  # a run that goes alone too (e.g. a speculative plan)
@@ -390,6 +394,7 @@ class ContinuousScheduler(SimpleScheduler):
         driver.submit, ids, params, on_delta=lambda d: loop.call_soon_threadsafe(ready.put_nowait, d)
       )
       slot = box["slot"] = await asyncio.wrap_future(box["insert"])
+      self._unreserve(box)  # its row is in the engine now
       run.run_in(slot)
       yield run
       while True:
@@ -415,6 +420,24 @@ class ContinuousScheduler(SimpleScheduler):
       raise
     finally:
       self._release_slot(box, record, ended, loop)
+
+  def _plan_and_reserve(self, start: Callable[[], Run], box: dict) -> Run:
+    """``start()`` (plan, restore, compose) and, for a run that joins a slot engine, a reservation of its row in the
+    pool (``box["reserved"]``), under one lock: requests that arrive together are planned one after another, each
+    under the load of those planned before it, not all under the load before any was placed. The price: a cold
+    path's restore holds up the plans behind it."""
+    with self._planning:
+      run = start()
+      row = run.request.slot()
+      if row is not None:
+        ids, params = row
+        box["reserved"] = self.pool.reserve(run.request.model, len(ids) + params.max_tokens)
+    return run
+
+  def _unreserve(self, box: dict) -> None:
+    key = box.pop("reserved", None)  # pop: the loop and the release thread may both get here; one of them acts
+    if key is not None:
+      self.pool.unreserve(key)
 
   def _refuse_late(self, run, request_id: str, deadline: float | None) -> None:
     """DeadlineExpired when the plan's predicted compile + prefill + decode outlasts the deadline."""
@@ -489,6 +512,7 @@ class ContinuousScheduler(SimpleScheduler):
             record.tokens_out = 0 if t is None else sum(t.tokens_out)
         record.closed = True
       finally:
+        self._unreserve(box)
         got = box.get("driver")
         if got is not None and not got.cancelled() and got.exception() is None:
           self.pool.give_back(got.result())  # its slot is free (or it never took one)

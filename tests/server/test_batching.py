@@ -16,7 +16,10 @@ import grpc
 import pytest
 
 from tests.server.conftest import code_of, config, stub_of, wait_ready
+from tests.tiny import tiny_engine
+from thoughtjax.decode.request import RequestRun
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
+from thoughtjax.sampling import SamplingParams
 from thoughtjax.server.app import BackgroundServer
 from thoughtjax.server.config import ConfigError, load_config
 from thoughtjax.server.scheduling import ContinuousScheduler, DeadlineExpired, SimpleScheduler, make_scheduler
@@ -236,7 +239,10 @@ def test_the_scheduler_refuses_late_requests_without_a_server():
     def __init__(self):
       self.generation = Gen()
 
-    request = types.SimpleNamespace(slot=lambda: ((1, 2, 3), None), model=None)
+    request = types.SimpleNamespace(
+      slot=lambda: ((1, 2, 3), SamplingParams(max_tokens=4)),
+      model=types.SimpleNamespace(path_hash="p", config=types.SimpleNamespace(max_context=2048)),
+    )
 
     plan = type("P", (), {"path": "p", "predicted": type("Q", (), {"compile": 0.0, "prefill": 5e3, "decode": 5e3})})
 
@@ -253,7 +259,44 @@ def test_the_scheduler_refuses_late_requests_without_a_server():
 
   sched = asyncio.run(go())
   assert sched.refused_deadline == 1 and sched.snapshot()["engines"] == 0 and Gen.closed
+  assert sched.pool.occupancy() == []  # its reservation went with it
   sched.close()
+
+
+def test_requests_arriving_together_are_planned_one_after_another_each_under_the_rows_before_it():
+  """Three requests at once, each plan slow (200 ms): each is planned under the load of those planned before it
+  (their reserved rows, before any has reached its engine), not all three under an idle pool; afterwards nothing
+  stays reserved and each stream gave its alone tokens."""
+  model = tiny_engine("llama_gqa", seed=3, chunk=4)
+  params = SamplingParams(max_tokens=40, ignore_eos=True)
+  prompts = [[5, 6, 7, 8 + i] for i in range(3)]
+  seen = []
+
+  def start(ids):
+    def plan():
+      seen.append(sched.load().rows)
+      time.sleep(0.2)
+      return RequestRun(model.request([ids], params))
+
+    return plan
+
+  async def consume(ids):
+    return [t async for d in sched.stream(start(ids), request_id=str(ids)) for t in getattr(d, "token_ids", ())]
+
+  async def go():
+    got = await asyncio.gather(*(consume(ids) for ids in prompts))
+    assert await sched.wait_idle(60)
+    return got
+
+  sched = ContinuousScheduler(4, 4)
+  try:
+    got = asyncio.run(go())
+    assert sorted(seen) == [0, 1, 2]
+    assert all(rows == 0 for _, rows, _, _ in sched.pool.occupancy())
+  finally:
+    sched.close()
+  for ids, tokens in zip(prompts, got, strict=True):
+    assert tokens == model.generate(ids, max_tokens=40, ignore_eos=True).token_ids
 
 
 async def _until(cond):

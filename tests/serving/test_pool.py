@@ -62,3 +62,26 @@ def test_an_engine_handed_out_before_its_request_submits_is_not_evicted_for_anot
 
 def _kw(p: SamplingParams) -> dict:
   return {"max_tokens": p.max_tokens, "ignore_eos": p.ignore_eos}
+
+
+def test_a_reserved_request_counts_in_the_occupancy_of_the_engine_it_will_join(model):
+  """A request planned onto a path counts in the pool's occupancy from its reservation: in the busiest engine of
+  its path whose ring holds it, or as an engine of its own (not stepped yet) when none does; unreserving takes it
+  back out."""
+  pool = EnginePool(4, max_engines=2)
+  try:
+    driver = pool.lease(model, 20)
+    assert pool.occupancy() == [(model.path_hash, 0, 64, None)]
+    joins = pool.reserve(model, 30)
+    own = pool.reserve(model, 200)  # no engine of this path holds 200 tokens
+    also = pool.reserve(model, 100)  # fits the 256-token ring the reservation before it will make
+    assert sorted(pool.occupancy(), key=lambda e: e[2]) == [
+      (model.path_hash, 1, 64, None),
+      (model.path_hash, 2, 256, None),
+    ]
+    for key in (joins, own, also):
+      pool.unreserve(key)
+    assert pool.occupancy() == [(model.path_hash, 0, 64, None)]
+    pool.give_back(driver)
+  finally:
+    pool.close()

@@ -15,6 +15,9 @@ A server (any transport) asks the pool for the engine of a request (:meth:`Engin
 * Closing an engine (eviction, release) stops its driver thread, outside the pool's lock: the pool's other
   callers (a metrics scrape, another request) never wait for it. Every method may block on the engines' work and
   belongs on a worker thread, not on an event loop; :meth:`stats` and :meth:`drivers` only read.
+* A request planned onto a path and not yet submitted to its engine can be counted in :meth:`occupancy` from the
+  moment it was planned (:meth:`reserve`, :meth:`unreserve`), so requests planned one after another (a burst)
+  each see the rows planned before them.
 * Each engine keeps a prefix cache (:class:`~thoughtjax.serving.prefix.PrefixCache`) of ``prefix_cache_bytes``
   (0: none) in blocks of ``prefix_block_tokens``; it goes with its engine. :meth:`stats` adds up their counters.
 """
@@ -53,6 +56,7 @@ class EnginePool:
     self.prefix_cache_bytes, self.prefix_block_tokens = prefix_cache_bytes, prefix_block_tokens
     self._engines: collections.OrderedDict[tuple, SlotDriver] = collections.OrderedDict()  # least recent first
     self._leases: collections.Counter[SlotDriver] = collections.Counter()
+    self._reserved: collections.Counter[tuple[str, int]] = collections.Counter()  # (path hash, ring length)
     self._lock = threading.Lock()
     self._freed_by_closed = 0  # slots freed by engines since closed, so the count survives them
     self.evictions = 0
@@ -62,7 +66,7 @@ class EnginePool:
   def lease(self, model, tokens: int) -> SlotDriver:
     """The driver of ``model``'s path for a request of ``tokens`` prompt + new tokens (made on first use), with a
     lease on it; :class:`PoolFull` when it needs a new engine and every engine is in use."""
-    cache_len = min(bucket(tokens, self.cache_len), model.config.max_context)
+    cache_len = self._ring(model, tokens)
     path = (model.path_hash, tuple(model.layers), model.kernels, model.chunk)
     evicted = None
     with self._lock:
@@ -91,6 +95,24 @@ class EnginePool:
     if evicted is not None:
       evicted.close()  # unused: only its thread stops, and nobody waits on the lock meanwhile
     return driver
+
+  def _ring(self, model, tokens: int) -> int:
+    """The ring length a request of ``tokens`` prompt + new tokens on ``model``'s path needs."""
+    return min(bucket(tokens, self.cache_len), model.config.max_context)
+
+  def reserve(self, model, tokens: int) -> tuple[str, int]:
+    """Count a request planned onto ``model``'s path (``tokens`` prompt + new tokens) in :meth:`occupancy` until
+    :meth:`unreserve` with the key returned (once it was submitted to its engine, or gave up)."""
+    key = (model.path_hash, self._ring(model, tokens))
+    with self._lock:
+      self._reserved[key] += 1
+    return key
+
+  def unreserve(self, key: tuple[str, int]) -> None:
+    with self._lock:
+      self._reserved[key] -= 1
+      if self._reserved[key] <= 0:
+        del self._reserved[key]
 
   def give_back(self, driver: SlotDriver) -> None:
     """End one lease on ``driver`` (its request's slot is free, or it never took one)."""
@@ -162,9 +184,21 @@ class EnginePool:
 
   def occupancy(self) -> list[tuple[str, int, int, tuple[int, float] | None]]:
     """(path hash, rows, ring length, recent step) of every engine now: the streams it decodes or will (queued,
-    prefilling, in a slot), the cache its steps attend over, and (width, ms) of its latest steps or None
-    (:meth:`SlotEngine.recent_step <thoughtjax.serving.slots.SlotEngine.recent_step>`)."""
-    return [(d.engine.model.path_hash, d.rows, d.engine.cache_len, d.engine.recent_step()) for d in self.drivers()]
+    prefilling, in a slot, or reserved: planned onto it and not yet submitted), the cache its steps attend over,
+    and (width, ms) of its latest steps or None (:meth:`SlotEngine.recent_step
+    <thoughtjax.serving.slots.SlotEngine.recent_step>`). Reserved requests whose path has no engine with a ring
+    that holds them are one entry per (path, ring), as the engine they will make, not stepped yet."""
+    with self._lock:
+      drivers, reserved = list(self._engines.values()), dict(self._reserved)
+    out = [[d.engine.model.path_hash, d.rows, d.engine.cache_len, d.engine.recent_step()] for d in drivers]
+    made: list[list] = []  # the engines reserved requests will make, longest ring first
+    for (h, ring), n in sorted(reserved.items(), key=lambda kv: -kv[0][1]):
+      fits = [e for e in out if e[0] == h and e[2] >= ring] or [e for e in made if e[0] == h and e[2] >= ring]
+      if fits:  # the engine a lease would join: of those that hold it, the one with the most streams
+        max(fits, key=lambda e: (e[1], -e[2]))[1] += n
+      else:
+        made.append([h, n, ring, None])
+    return [tuple(e) for e in out + made]
 
   def stats(self) -> dict:
     """engines, slots_in_use, slots_freed (engines closed since included), engine_evictions, and the prefix caches'
