@@ -35,7 +35,7 @@ from thoughtjax.synthesis.planner import Floor, Planner, PlanRequest
 from thoughtjax.synthesis.synthesize import Synthesizer
 
 PROMPT = "The quick brown fox"
-NO_NGRAM = SpeculativeSettings(ngram=())  # the int8 tests: the prefix draft and the variant only
+NO_NGRAM = SpeculativeSettings(ngram=(), variants=("int8",))  # the int8 tests: the prefix draft and the variant only
 
 
 def _without_speculative(cal: Calibration, sequence: int | None = None) -> Calibration:

@@ -11,13 +11,14 @@ dir, built and calibrated on first use.
 2. **calibrate**: quality comes from the shipped table ``default_calibration.json`` when its
    candidates pin to exactly this registry's current versions (versions are content hashes, so a build
    of the same model and mapping gives the same ones); latency is always measured here
-   (:func:`~thoughtjax.synthesis.calibrate.recalibrate_latency`, about a minute). The shipped table predates
-   speculative candidates: the recalibration adds them (the full path verifying the exit with the highest
-   top-1 agreement in the table, and the n-gram draft that looks its tokens up in the text, K from
-   :class:`~thoughtjax.synthesis.calibrate.SpeculativeSettings`) and times them against the plain full path here.
-   It also adds the full path in each variant, its quality measured here on every hint's corpora against the
-   float32 full path. Without a matching table the full calibration runs (minutes). The result is stored in
-   the registry.
+   (:func:`~thoughtjax.synthesis.calibrate.recalibrate_latency`, about a minute). The shipped table is what
+   ``thoughtjax registry calibrate`` gives on the default registry: the cut paths, the full path in each variant
+   (quality against the float32 full path on every hint's corpora) and the speculative candidates (the full path
+   verifying the exit with the highest top-1 agreement, and the n-gram draft that looks its tokens up in the
+   text, K from :class:`~thoughtjax.synthesis.calibrate.SpeculativeSettings`). A candidate the table lacks (a
+   table from before it existed) is added by the recalibration, a variant's quality then measured here. Without
+   a matching table the full calibration runs (about 5 minutes on an idle 2-core machine). The result is stored
+   in the registry.
 
 Both files are the package's own (:mod:`thoughtjax.shipped`), wherever the process runs: a ``registry/``
 folder in the working directory changes nothing.
@@ -61,12 +62,12 @@ VARIANTS = ("int8", "int8a8")  # the weight variants the default registry holds 
 
 
 def speculative_settings():
-  """The speculative candidates of the default registry: the calibrate defaults without the int8 full path as a
-  draft (measured at 1.5-1.8x the plain full path's time per token on a 2-core CPU, so never chosen there; the
-  int8 full path is a candidate of its own instead)."""
+  """The speculative candidates of the default registry: the calibrate defaults (no weight variant of the full path
+  drafts: the int8 one measured 1.5-1.8x the plain full path's time per token on a 2-core CPU; it is a candidate of
+  its own instead), so ``thoughtjax registry calibrate`` on it makes the same candidates."""
   from thoughtjax.synthesis.calibrate import SpeculativeSettings
 
-  return SpeculativeSettings(variants=())
+  return SpeculativeSettings()
 
 
 def shipped_table_path() -> Path:
