@@ -19,14 +19,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Protocol
 
 from thoughtjax.errors import UserError
-from thoughtjax.serving.pool import EnginePool, PoolFull
+from thoughtjax.serving.pool import EnginePool, PoolFull, Reservation
 from thoughtjax.synthesis.latency import Load
 
 
@@ -99,6 +100,13 @@ def _next(run: Run):
     return next(run)
   except StopIteration:
     return _END
+
+
+def _unreserve(run) -> None:
+  """Release the pool reservation its plan made, if any (a synthesized run that joins a slot engine)."""
+  r = getattr(run, "reservation", None)
+  if r is not None:
+    r.release()
 
 
 def _hand_back(loop: asyncio.AbstractEventLoop, scheduler: SimpleScheduler, record: RequestRecord) -> None:
@@ -330,8 +338,7 @@ class ContinuousScheduler(SimpleScheduler):
       prefix_block_tokens=prefix_block_tokens,
     )
     self.refused_deadline = 0
-    # Requests are planned one at a time, each reserving its row before the next plans (see _plan_and_reserve).
-    self._planning = threading.Lock()
+    self._planning = threading.Lock()  # one plan at a time (see planning)
 
   def snapshot(self) -> dict:
     return {
@@ -371,7 +378,7 @@ class ContinuousScheduler(SimpleScheduler):
     box: dict[str, Any] = {}  # "start", "insert": futures; "run", "slot": what they gave
     ended = "cancelled"
     try:
-      box["start"] = self._executor.submit(self._plan_and_reserve, start, box)
+      box["start"] = self._executor.submit(start)
       run = box["run"] = await asyncio.wrap_future(box["start"])
       row = run.request.slot()
       self._refuse_late(run, request_id, deadline)  # a run that goes alone too (e.g. a speculative plan)
@@ -394,7 +401,7 @@ class ContinuousScheduler(SimpleScheduler):
         driver.submit, ids, params, on_delta=lambda d: loop.call_soon_threadsafe(ready.put_nowait, d)
       )
       slot = box["slot"] = await asyncio.wrap_future(box["insert"])
-      self._unreserve(box)  # its row is in the engine now
+      _unreserve(run)  # its row is in the engine now
       run.run_in(slot)
       yield run
       while True:
@@ -421,23 +428,19 @@ class ContinuousScheduler(SimpleScheduler):
     finally:
       self._release_slot(box, record, ended, loop)
 
-  def _plan_and_reserve(self, start: Callable[[], Run], box: dict) -> Run:
-    """``start()`` (plan, restore, compose) and, for a run that joins a slot engine, a reservation of its row in the
-    pool (``box["reserved"]``), under one lock: requests that arrive together are planned one after another, each
-    under the load of those planned before it, not all under the load before any was placed. The price: a cold
-    path's restore holds up the plans behind it."""
+  @contextlib.contextmanager
+  def planning(self) -> Iterator[Load]:
+    r"""The engines' load for one plan, every other plan held off until the block ends: a plan that joins an engine
+    :meth:`reserve`\ s its row inside the block, so requests that arrive together are planned one after another,
+    each under the load of those planned before it (not all under the load before any was placed). Only the plan
+    is serialized; restoring and composing its path happen after the block."""
     with self._planning:
-      run = start()
-      row = run.request.slot()
-      if row is not None:
-        ids, params = row
-        box["reserved"] = self.pool.reserve(run.request.model, len(ids) + params.max_tokens)
-    return run
+      yield self.load()
 
-  def _unreserve(self, box: dict) -> None:
-    key = box.pop("reserved", None)  # pop: the loop and the release thread may both get here; one of them acts
-    if key is not None:
-      self.pool.unreserve(key)
+  def reserve(self, path_hash: str, tokens: int) -> Reservation:
+    """Count a request just planned onto ``path_hash`` (``tokens`` prompt + new tokens) in the load of the plans
+    after it, until released (this scheduler releases it once the request is in its engine, or gave up)."""
+    return self.pool.reserve(path_hash, tokens)
 
   def _refuse_late(self, run, request_id: str, deadline: float | None) -> None:
     """DeadlineExpired when the plan's predicted compile + prefill + decode outlasts the deadline."""
@@ -512,7 +515,11 @@ class ContinuousScheduler(SimpleScheduler):
             record.tokens_out = 0 if t is None else sum(t.tokens_out)
         record.closed = True
       finally:
-        self._unreserve(box)
+        f = box.get("start")
+        run = box.get("run")
+        if run is None and f is not None and not f.cancelled() and f.exception() is None:
+          run = f.result()
+        _unreserve(run)
         got = box.get("driver")
         if got is not None and not got.cancelled() and got.exception() is None:
           self.pool.give_back(got.result())  # its slot is free (or it never took one)

@@ -319,9 +319,14 @@ class SynthesizerService:
       max_latency_ms=r.max_latency_ms,
       max_tokens=r.max_tokens,
       pin_sequence=r.pin_sequence,
-      load=self._load(),
+      load=self._book(),
       **r.sampling,
     )
+
+  def _book(self):
+    """What a Synthesize plans under: a continuous scheduler itself (plans one at a time, each reserving its row in
+    the engine pool; see ``ContinuousScheduler.planning``), else None (requests decode alone)."""
+    return self.scheduler if hasattr(self.scheduler, "planning") else None
 
   def _load(self):
     """The slot engines' streams now (a continuous scheduler's), or None where requests decode alone."""

@@ -264,19 +264,25 @@ def test_the_scheduler_refuses_late_requests_without_a_server():
 
 
 def test_requests_arriving_together_are_planned_one_after_another_each_under_the_rows_before_it():
-  """Three requests at once, each plan slow (200 ms): each is planned under the load of those planned before it
-  (their reserved rows, before any has reached its engine), not all three under an idle pool; afterwards nothing
-  stays reserved and each stream gave its alone tokens."""
+  """Three requests at once, each plan slow (200 ms): through the scheduler's planning block each is planned under
+  the load of those planned before it (their reserved rows, before any has reached its engine), not all three under
+  an idle pool; a request blocked before or after its plan holds up no other plan; afterwards nothing stays
+  reserved and each stream gave its alone tokens."""
   model = tiny_engine("llama_gqa", seed=3, chunk=4)
   params = SamplingParams(max_tokens=40, ignore_eos=True)
   prompts = [[5, 6, 7, 8 + i] for i in range(3)]
-  seen = []
+  seen, outside = [], threading.Barrier(3, timeout=30)
 
   def start(ids):
     def plan():
-      seen.append(sched.load().rows)
-      time.sleep(0.2)
-      return RequestRun(model.request([ids], params))
+      outside.wait()  # all three are in their start at once (a restore, say): nothing serializes this part
+      with sched.planning() as load:
+        seen.append(load.rows)
+        time.sleep(0.2)
+        reservation = sched.reserve(model.path_hash, len(ids) + params.max_tokens)
+      run = RequestRun(model.request([ids], params))
+      run.reservation = reservation
+      return run
 
     return plan
 

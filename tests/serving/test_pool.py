@@ -66,22 +66,20 @@ def _kw(p: SamplingParams) -> dict:
 
 def test_a_reserved_request_counts_in_the_occupancy_of_the_engine_it_will_join(model):
   """A request planned onto a path counts in the pool's occupancy from its reservation: in the busiest engine of
-  its path whose ring holds it, or as an engine of its own (not stepped yet) when none does; unreserving takes it
-  back out."""
+  its path whose ring holds it, or as an engine of its own (not stepped yet) when none does; releasing takes it
+  back out, once however often it is released."""
   pool = EnginePool(4, max_engines=2)
+  h = model.path_hash
   try:
     driver = pool.lease(model, 20)
-    assert pool.occupancy() == [(model.path_hash, 0, 64, None)]
-    joins = pool.reserve(model, 30)
-    own = pool.reserve(model, 200)  # no engine of this path holds 200 tokens
-    also = pool.reserve(model, 100)  # fits the 256-token ring the reservation before it will make
-    assert sorted(pool.occupancy(), key=lambda e: e[2]) == [
-      (model.path_hash, 1, 64, None),
-      (model.path_hash, 2, 256, None),
-    ]
-    for key in (joins, own, also):
-      pool.unreserve(key)
-    assert pool.occupancy() == [(model.path_hash, 0, 64, None)]
+    assert pool.occupancy() == [(h, 0, 64, None)]
+    joins = pool.reserve(h, 30)
+    own = pool.reserve(h, 200)  # no engine of this path holds 200 tokens
+    also = pool.reserve(h, 100)  # fits the 256-token ring the reservation before it will make
+    assert sorted(pool.occupancy(), key=lambda e: e[2]) == [(h, 1, 64, None), (h, 2, 256, None)]
+    for r in (joins, own, also, joins):
+      r.release()
+    assert pool.occupancy() == [(h, 0, 64, None)] and joins.released
     pool.give_back(driver)
   finally:
     pool.close()

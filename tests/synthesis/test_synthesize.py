@@ -7,7 +7,9 @@ avoids it (never another version of it), counted.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import types
 
 import pytest
 
@@ -15,7 +17,7 @@ from tests.synthesis.tiny_synthesis import FULL, IDENTITY_SKIP, registry_copy, t
 from thoughtjax.compose import compose
 from thoughtjax.registry import Registry
 from thoughtjax.synthesis.hints import UnknownHintError
-from thoughtjax.synthesis.latency import STAGES
+from thoughtjax.synthesis.latency import IDLE, STAGES
 from thoughtjax.synthesis.planner import NoPathError, SequenceMismatchError
 from thoughtjax.synthesis.synthesize import DEFAULT_HINT, Synthesizer
 
@@ -168,6 +170,49 @@ def test_a_tampered_thoughtlet_degrades_to_the_best_path_avoiding_it_counted(tmp
     snap = syn.planner.counters.snapshot()
     assert snap["degraded_unavailable"] == 1 and snap["unavailable"] == {f"blocks[5:6)@{version}": 1}
     assert reg.stats().integrity_failures == 1
+
+
+class _Book:
+  """A server's load book: plans inside its block one at a time, reservations it hands out."""
+
+  def __init__(self):
+    self.inside, self.plans, self.held = False, 0, []
+
+  @contextlib.contextmanager
+  def planning(self):
+    assert not self.inside
+    self.inside, self.plans = True, self.plans + 1
+    try:
+      yield IDLE
+    finally:
+      self.inside = False
+
+  def reserve(self, path_hash: str, tokens: int):
+    assert self.inside, "a reservation is made inside the planning block, before the next plan"
+    r = types.SimpleNamespace(path_hash=path_hash, tokens=tokens, released=False)
+    r.release = lambda: setattr(r, "released", True)
+    self.held.append(r)
+    return r
+
+
+def test_a_load_book_plans_in_its_block_and_takes_the_reservation_of_a_failed_restore_back(tmp_path):
+  """Attack: the planned path's block is tampered with. Under a load book the first plan reserves its row, its
+  restore fails, that reservation is released and the plan made again (reserving the path that avoids the block),
+  whose reservation the result carries for the caller to release once the request is in its engine."""
+  root = registry_copy(tmp_path / "reg")
+  with Registry.open(root) as reg:
+    version = reg.current["blocks[5:6)"]
+    _tamper(root, "blocks[5:6)", version)
+    syn = Synthesizer.open(reg, _loose_fast_draft())
+    book = _Book()
+    r = syn.synthesize(PROMPT, ["fast_draft"], max_latency_ms=math.inf, max_tokens=4, ignore_eos=True, load=book)
+    assert r.plan.degraded and r.plan.path == "embed, blocks[0:5), head" and book.plans == 2
+    kept = [x for x in book.held if not x.released]
+    assert kept == [r.reservation] and len(book.held) in (1, 2)  # the first plan reserved unless speculative
+    assert r.reservation.path_hash == r.plan.path_hash and r.reservation.tokens == len(syn.prompt_ids(PROMPT)) + 4
+    assert all(x.path_hash != r.plan.path_hash for x in book.held if x.released)
+    r.finish()
+    assert r.trace.tokens_out == 4
 
 
 def test_cancel_stops_and_is_not_learned_from(syn):

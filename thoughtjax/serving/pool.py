@@ -16,8 +16,8 @@ A server (any transport) asks the pool for the engine of a request (:meth:`Engin
   callers (a metrics scrape, another request) never wait for it. Every method may block on the engines' work and
   belongs on a worker thread, not on an event loop; :meth:`stats` and :meth:`drivers` only read.
 * A request planned onto a path and not yet submitted to its engine can be counted in :meth:`occupancy` from the
-  moment it was planned (:meth:`reserve`, :meth:`unreserve`), so requests planned one after another (a burst)
-  each see the rows planned before them.
+  moment it was planned (:meth:`reserve`, :meth:`Reservation.release`), so requests planned one after another (a
+  burst) each see the rows planned before them.
 * Each engine keeps a prefix cache (:class:`~thoughtjax.serving.prefix.PrefixCache`) of ``prefix_cache_bytes``
   (0: none) in blocks of ``prefix_block_tokens``; it goes with its engine. :meth:`stats` adds up their counters.
 """
@@ -35,6 +35,17 @@ from thoughtjax.serving.slots import SlotDriver, SlotEngine
 
 class PoolFull(UserError, RuntimeError):
   """Every engine the pool may hold is in use and the request's path needs another one."""
+
+
+class Reservation:
+  """A request counted in its pool's occupancy from its plan on (:meth:`EnginePool.reserve`)."""
+
+  def __init__(self, pool: EnginePool, key: tuple[str, int]):
+    self._pool, self.key, self.released = pool, key, False
+
+  def release(self) -> None:
+    """Stop counting it (it is in its engine now, or gave up); once, from any thread: later calls do nothing."""
+    self._pool._unreserve(self)
 
 
 class EnginePool:
@@ -100,19 +111,24 @@ class EnginePool:
     """The ring length a request of ``tokens`` prompt + new tokens on ``model``'s path needs."""
     return min(bucket(tokens, self.cache_len), model.config.max_context)
 
-  def reserve(self, model, tokens: int) -> tuple[str, int]:
-    """Count a request planned onto ``model``'s path (``tokens`` prompt + new tokens) in :meth:`occupancy` until
-    :meth:`unreserve` with the key returned (once it was submitted to its engine, or gave up)."""
-    key = (model.path_hash, self._ring(model, tokens))
+  def reserve(self, path_hash: str, tokens: int) -> Reservation:
+    """Count a request planned onto the path ``path_hash`` (``tokens`` prompt + new tokens) in :meth:`occupancy`
+    until :meth:`Reservation.release` (once it was submitted to its engine, or gave up). Its ring is the bucket of
+    ``tokens``: a model whose context is shorter caps the engine's ring, and the reservation then counts as an
+    engine of its own (a prediction's input only)."""
+    key = (path_hash, bucket(tokens, self.cache_len))
     with self._lock:
       self._reserved[key] += 1
-    return key
+    return Reservation(self, key)
 
-  def unreserve(self, key: tuple[str, int]) -> None:
+  def _unreserve(self, r: Reservation) -> None:
     with self._lock:
-      self._reserved[key] -= 1
-      if self._reserved[key] <= 0:
-        del self._reserved[key]
+      if r.released:
+        return
+      r.released = True
+      self._reserved[r.key] -= 1
+      if self._reserved[r.key] <= 0:
+        del self._reserved[r.key]
 
   def give_back(self, driver: SlotDriver) -> None:
     """End one lease on ``driver`` (its request's slot is free, or it never took one)."""

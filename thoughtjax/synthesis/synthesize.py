@@ -44,13 +44,14 @@ Imports inside functions here are deferred for start-up: importing this module d
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
 import threading
 import time
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from thoughtjax.constraint import Constraint
 from thoughtjax.decode.request import RequestRun
@@ -141,6 +142,16 @@ class SynthesisTrace:
     return "\n".join(lines)
 
 
+class LoadBook(Protocol):
+  """Where a server's plans come from one at a time: ``planning()`` holds other plans off while it gives the load
+  now, and ``reserve(path_hash, tokens)`` counts the plan just made in the load of the plans after it until the
+  returned reservation's ``release()``."""
+
+  def planning(self) -> contextlib.AbstractContextManager[Load]: ...
+
+  def reserve(self, path_hash: str, tokens: int) -> Any: ...
+
+
 class SynthesisResult(RequestRun):
   """One synthesized request: ``plan``, ``request`` (the plan's checked
   :class:`~thoughtjax.decode.request.ModelRequest` on its composed path, not started) and ``trace`` (filled in
@@ -154,6 +165,7 @@ class SynthesisResult(RequestRun):
   def __init__(self, plan: Plan, request, trace: SynthesisTrace, on_done, t_request: float):
     super().__init__(request)
     self.plan, self.trace = plan, trace
+    self.reservation = None  # the plan's row reserved in a server's engine pool (a LoadBook's), if any
     self._on_done, self._t0 = on_done, t_request
     self.token_ids: list[int] = []
     self.text = ""
@@ -466,7 +478,7 @@ class Synthesizer:
     max_tokens: int = 64,
     chat: bool = False,
     pin_sequence: int | None = None,
-    load: Load | None = None,
+    load: Load | LoadBook | None = None,
     **sampling,
   ) -> SynthesisResult:
     """Plan, restore and compose, and return the plan with its checked request, not started: iterate the
@@ -475,7 +487,9 @@ class Synthesizer:
 
     ``sampling``: :class:`~thoughtjax.sampling.SamplingParams` fields (temperature, top_k, top_p, seed,
     stop_strings, ...). A thoughtlet that fails verification or restore is planned around (degraded). ``load``:
-    a server's slot engines now, which the request will join (planned in their context, :meth:`context_under`)."""
+    a server's slot engines now, which the request will join (planned in their context, :meth:`context_under`), or
+    a :class:`LoadBook` that gives the load under a lock and takes the plan's reservation (``result.reservation``,
+    for the caller to release once the request is in its engine)."""
     return self._synthesize(prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, None, sampling, load)
 
   def _synthesize(self, prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, residency, sampling, load=None):
@@ -483,30 +497,41 @@ class Synthesizer:
     params = SamplingParams(max_tokens=int(max_tokens), **sampling)  # refused before any planning
     unavailable: dict[str, str] = {}
     synthesis_ms = startup_ms = 0.0
+    book = load if hasattr(load, "planning") else None
     while True:
-      plan, ids, ms, startup = self._plan(
-        prompt,
-        hints,
-        max_latency_ms,
-        max_tokens,
-        chat,
-        pin_sequence,
-        dict(unavailable) or None,
-        params.constraint,
-        residency,
-        load,
-      )
+      reservation = None
+      with book.planning() if book is not None else contextlib.nullcontext(load) as now:
+        plan, ids, ms, startup = self._plan(
+          prompt,
+          hints,
+          max_latency_ms,
+          max_tokens,
+          chat,
+          pin_sequence,
+          dict(unavailable) or None,
+          params.constraint,
+          residency,
+          now,
+        )
+        candidate = next(c for c in self.calibration.candidates if c.path_hash == plan.path_hash)
+        if book is not None and candidate.draft is None:  # a speculative plan decodes alone, in no engine
+          reservation = book.reserve(plan.path_hash, len(ids) + int(max_tokens))
       synthesis_ms += ms
       startup_ms += startup
-      candidate = next(c for c in self.calibration.candidates if c.path_hash == plan.path_hash)
       t = time.perf_counter()
       try:
         model = self._model(candidate)
       except _Unavailable as e:
+        if reservation is not None:
+          reservation.release()
         if e.ref in unavailable:  # pragma: no cover - the planner never returns a blocked path
           raise
         unavailable[e.ref] = e.why
         continue
+      except BaseException:
+        if reservation is not None:
+          reservation.release()
+        raise
       restore_ms = (time.perf_counter() - t) * 1e3
       break
     with self._lock:
@@ -530,7 +555,9 @@ class Synthesizer:
       kind=plan.kind,
       draft=None if plan.draft is None else plan.draft.label,
     )
-    return SynthesisResult(plan, request, trace, self._learn, t_request)
+    result = SynthesisResult(plan, request, trace, self._learn, t_request)
+    result.reservation = reservation
+    return result
 
   def _learn(self, result: SynthesisResult) -> None:
     """Move the latency model toward what the finished request measured, in the context it ran in (unless
