@@ -316,6 +316,10 @@ class ContinuousScheduler(SimpleScheduler):
   (:meth:`release_path`, the server's idle release); a request whose path needs an engine when every one is in
   use is shed with :class:`QueueFull`. A run whose ``request.slot()`` is None (a speculative plan, a batch) runs
   alone, as in :class:`SimpleScheduler`.
+
+  A Synthesize plans through :meth:`planning` (the servicer hands this scheduler to the synthesizer as its load
+  book): one plan at a time, each under the engines' load plus the rows the plans before it reserved
+  (:meth:`reserve`); a reservation is released once its request is in its engine, or when it gave up.
   """
 
   def __init__(
