@@ -77,7 +77,7 @@ class EnginePool:
   def lease(self, model, tokens: int) -> SlotDriver:
     """The driver of ``model``'s path for a request of ``tokens`` prompt + new tokens (made on first use), with a
     lease on it; :class:`PoolFull` when it needs a new engine and every engine is in use."""
-    cache_len = self._ring(model, tokens)
+    cache_len = min(bucket(tokens, self.cache_len), model.config.max_context)
     path = (model.path_hash, tuple(model.layers), model.kernels, model.chunk)
     evicted = None
     with self._lock:
@@ -106,10 +106,6 @@ class EnginePool:
     if evicted is not None:
       evicted.close()  # unused: only its thread stops, and nobody waits on the lock meanwhile
     return driver
-
-  def _ring(self, model, tokens: int) -> int:
-    """The ring length a request of ``tokens`` prompt + new tokens on ``model``'s path needs."""
-    return min(bucket(tokens, self.cache_len), model.config.max_context)
 
   def reserve(self, path_hash: str, tokens: int) -> Reservation:
     """Count a request planned onto the path ``path_hash`` (``tokens`` prompt + new tokens) in :meth:`occupancy`

@@ -521,17 +521,13 @@ class Synthesizer:
       t = time.perf_counter()
       try:
         model = self._model(candidate)
-      except _Unavailable as e:
+      except BaseException as e:  # the plan gives its reservation back; an unavailable path is planned around
         if reservation is not None:
           reservation.release()
-        if e.ref in unavailable:  # pragma: no cover - the planner never returns a blocked path
+        if not isinstance(e, _Unavailable) or e.ref in unavailable:  # the planner never returns a blocked path
           raise
         unavailable[e.ref] = e.why
         continue
-      except BaseException:
-        if reservation is not None:
-          reservation.release()
-        raise
       restore_ms = (time.perf_counter() - t) * 1e3
       break
     with self._lock:
