@@ -294,6 +294,8 @@ def run_path(
   write_at: Array,
   mask: Array,
   embeddings: Array | None = None,
+  *,
+  last: bool = False,
 ):
   """Embed, then each block in order (a block may appear more than once), then the head.
 
@@ -301,7 +303,8 @@ def run_path(
   i32 RoPE positions; caches: one (k, v) pair per block of the path, each
   :func:`kv_cache_shape`;
   write_at: scalar cache slot of the first new token; mask [B, T, S] bool.
-  Returns logits [B, T, V] f32 and the new caches.
+  Returns logits [B, T, V] f32 (``last``: [B, 1, V], the last position's only, as a prefill needs) and the new
+  caches.
   """
   if len(caches) != len(blocks):
     raise ValueError(f"need one cache per path block: {len(blocks)} blocks, {len(caches)} caches")
@@ -313,7 +316,7 @@ def run_path(
     for block, (ck, cv) in zip(blocks, caches, strict=True):
       x, ck, cv = block(x, cos, sin, ck, cv, write_at, mask)
       new_caches.append((ck, cv))
-  return head(x, embed.table[...]), new_caches
+  return head(x[:, -1:] if last else x, embed.table[...]), new_caches
 
 
 def path_config(blocks: Sequence) -> ModelConfig | None:

@@ -75,7 +75,7 @@ class IndexedProgram(Program):
     shape = (len(k.layers), *kv_cache_shape(self.cfg, k.batch, k.cache_len))
     return ((jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32)),)
 
-  def _run(self, parts: StackedParts, tokens, positions, caches, write_at, mask, embeddings=None):
+  def _run(self, parts: StackedParts, tokens, positions, caches, write_at, mask, embeddings=None, *, last=False):
     embed, head = nnx.merge(self.defs.embed, parts.embed), nnx.merge(self.defs.head, parts.head)
     x = embed(tokens) if embeddings is None else embeddings
     cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
@@ -93,4 +93,4 @@ class IndexedProgram(Program):
       return x, keys, values
 
     x, keys, values = jax.lax.fori_loop(0, parts.count, body, (x, keys, values))
-    return head(x, embed.table[...]), ((keys, values),)
+    return head(x[:, -1:] if last else x, embed.table[...]), ((keys, values),)

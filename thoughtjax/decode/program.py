@@ -194,10 +194,11 @@ class Program:
   def _modules(self, parts: PathParts) -> tuple[Embed, list[Block], Head]:
     return merge_path(self.defs, parts, self.key.layers)
 
-  def _run(self, parts, tokens, positions, caches, write_at, mask, embeddings=None):
-    """The path over tokens [B, T] (or ``embeddings`` [B, T, D]): logits [B, T, V] and the new caches."""
+  def _run(self, parts, tokens, positions, caches, write_at, mask, embeddings=None, *, last=False):
+    """The path over tokens [B, T] (or ``embeddings`` [B, T, D]): logits [B, T, V] (``last``: [B, 1, V], the last
+    position's) and the new caches."""
     embed, blocks, head = self._modules(parts)
-    logits, caches = run_path(embed, blocks, head, tokens, positions, caches, write_at, mask, embeddings)
+    logits, caches = run_path(embed, blocks, head, tokens, positions, caches, write_at, mask, embeddings, last=last)
     return logits, tuple(caches)
 
   def _init_caches(self) -> tuple:
@@ -244,7 +245,9 @@ class Program:
         implementation=k.kernels,
       )
       prompt = None
-    logits, caches = self._run(parts, prompt, positions, state.caches, jnp.zeros((), jnp.int32), mask, embeddings)
+    logits, caches = self._run(
+      parts, prompt, positions, state.caches, jnp.zeros((), jnp.int32), mask, embeddings, last=True
+    )
     token, stop = sample(logits[:, -1], samp, state.step, k.mode, k.kernels)
     return self._record(state._replace(caches=caches), token, stop, samp)
 

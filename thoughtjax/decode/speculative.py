@@ -262,7 +262,7 @@ class SpecProgram:
     embed, blocks, head = merge_path(self.defs, parts, k.layers)
     positions, mask = layout.prefill(pad, k.prompt_len, k.cache_len)
     zero = jnp.zeros((), jnp.int32)
-    logits, caches = run_path(embed, blocks, head, prompt, positions, st.caches, zero, mask)
+    logits, caches = run_path(embed, blocks, head, prompt, positions, st.caches, zero, mask, last=True)
     draft_caches = st.draft_caches
     if k.own:  # the draft's own blocks see the prompt too: from the residual after the shared blocks
       _, draft_blocks, _ = merge_path(self.defs, parts, k.draft[: k.shared + k.own])
