@@ -101,8 +101,9 @@ def test_cancel_from_another_thread_while_the_driver_steps(model, engine):
         stepped.set()
         cancelled.wait(60)
 
-    run = driver.insert(engine.prefill([9, 9, 9], params), on_delta=on_delta)
+    # The other request first: once ``run``'s chunk waits in on_delta (holding the engine), nothing can be placed.
     keep = driver.insert(engine.prefill(PROMPTS[2], SamplingParams(max_tokens=7, ignore_eos=True)))
+    run = driver.insert(engine.prefill([9, 9, 9], params), on_delta=on_delta)
     assert stepped.wait(60)  # a decode chunk is running now, however slowly this thread was scheduled
     run.cancel()
     cancelled.set()
