@@ -307,6 +307,42 @@ def test_a_lossless_faster_candidate_wins_the_tie_with_the_full_path():
   assert "bridge[8]@v1" in p.refs  # the draft's own units are the plan's too (restored, and a failure blocks it)
 
 
+def test_a_draft_from_the_text_is_chosen_for_the_hints_it_pays_on_and_not_for_the_others():
+  """Calibration measures an n-gram draft per hint (its acceptance follows the text): at a generous budget the
+  hint it speeds up gets it, a hint it slows down gets the full path, and a request with both hints is priced at
+  the slower of the two; the per-hint factors survive the calibration's JSON."""
+  from thoughtjax.synthesis.candidate import DraftPlan
+  from thoughtjax.synthesis.latency import LatencyParams
+
+  full = CANDIDATES["full"]
+  spec = Candidate.build(full.path, "speculative", full.units, DraftPlan("ngram:3:2", 4))
+  corrections = {
+    "paths": {spec.path_hash: {"decode": 1.05}},  # on the calibration text: a little slower than plain
+    "hints": {
+      "legal_analysis": {spec.path_hash: {"decode": 0.6}},
+      "general_purpose": {spec.path_hash: {"decode": 1.2}},
+    },
+  }
+  lat = dataclasses.replace(latency_params(), corrections=corrections)
+  assert LatencyParams.from_json(lat.to_json(), "t").corrections == corrections
+  cands = {**CANDIDATES, "spec": spec}
+  lossless = {h: HintQuality(q(1.0, 0.0, 0.0), q(1.0, 0.0, 0.0)) for h in FLOORS}
+  cal = Calibration(SEQUENCE, "cpu:test", tuple(cands.values()), {spec.path_hash: lossless}, lat)
+  planner = Planner(cal, FLOORS)
+  code = planner.plan(PlanRequest(("legal_analysis",), 40, 64, 1e9))
+  prose = planner.plan(PlanRequest(("general_purpose",), 40, 64, 1e9))
+  both = planner.plan(PlanRequest(("legal_analysis", "general_purpose"), 40, 64, 1e9))
+  assert code.path_hash == spec.path_hash and code.draft.path == "ngram:3:2" and not code.degraded
+  assert prose.path_hash == both.path_hash == full.path_hash
+  plain = LatencyModel(cal.latency).predict(full, 40, 64)
+  assert code.predicted.decode == pytest.approx(0.6 * plain.decode)
+  model = LatencyModel(cal.latency)
+  assert model.predict(spec, 40, 64, hints=("general_purpose", "legal_analysis")).decode == pytest.approx(
+    1.2 * plain.decode
+  )
+  assert model.predict(spec, 40, 64, hints=("comparative_reasoning",)).decode == pytest.approx(1.05 * plain.decode)
+
+
 def test_a_constrained_request_is_planned_without_speculation_in_the_masked_context():
   """A draft never sees the grammar's masks: a constrained request gets the best plan without one, predicted one
   step per call (its own latency context, with the mask's cost), and the plan says the output is constrained."""

@@ -409,3 +409,25 @@ def test_warming_a_tight_budget_restores_and_compiles_the_int8_path_a_cold_proce
     assert variant.path in warmed
     hot = syn.plan([3] * 16, ["fast_draft"], max_latency_ms=budget, max_tokens=16)
     assert hot.path_hash == variant.path_hash and not hot.degraded
+
+
+def test_drafts_from_the_text_are_timed_per_hint_on_its_router_prompts(original, tmp_path):
+  """With ``hint_prompts``, the n-gram candidate's decode is also measured on each calibrated hint's own requests
+  (the shipped router prompts): one factor per hint, within the bounds, stored beside the path's own and reported
+  with its hint; the other candidates get none."""
+  report = CalibrateReport()
+  settings = dataclasses.replace(SETTINGS.latency, hint_prompts=1, hint_tokens=8)
+  with Registry.open(registry_copy(tmp_path / "reg")) as reg:
+    again = recalibrate_latency(reg, original, settings, report=report)
+    write_calibration(reg, again, sign_key=tiny_setup().key)
+    assert read_calibration(reg).latency.corrections == again.latency.corrections
+  (ngram,) = [c for c in _specs(again) if c.draft.path.startswith("ngram:")]
+  per_hint = again.latency.corrections["hints"]
+  assert set(per_hint) == set(HINTS)
+  for hint in HINTS:
+    assert set(per_hint[hint]) == {ngram.path_hash}
+    assert FACTOR_BOUNDS[0] <= per_hint[hint][ngram.path_hash]["decode"] <= FACTOR_BOUNDS[1]
+  rows = [r for r in report.speculative if "hint" in r]
+  assert sorted(r["hint"] for r in rows) == sorted(HINTS) and {r["path_hash"] for r in rows} == {ngram.path_hash}
+  # Without it (the library default) nothing is measured per hint.
+  assert "hints" not in original.latency.corrections

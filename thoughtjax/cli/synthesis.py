@@ -228,7 +228,7 @@ def front_rows(cal, hint: str, floors, prompt_tokens: int = 32, max_tokens: int 
     q = cal.hint_quality(c.path_hash, hint)
     if q is None:
       continue
-    p = model.predict(c, prompt_tokens, max_tokens, warm)
+    p = model.predict(c, prompt_tokens, max_tokens, warm, hints=(hint,))
     rows.append(
       {
         "path": c.path,
@@ -389,6 +389,7 @@ def _plot(rows, hint: str, floor, out: str, plan=None, budget_ms: float | None =
 def cmd_calibrate(args) -> int:
   from thoughtjax.synthesis import calibrate as cal_lib
   from thoughtjax.synthesis.calibration_store import read_calibration, write_calibration
+  from thoughtjax.synthesis.default_registry import latency_settings
 
   reg = open_registry(args.dir, args)
   sign_key = existing_path(args.sign_key, "--sign-key") if args.sign_key else None
@@ -402,10 +403,10 @@ def cmd_calibrate(args) -> int:
   with _progress_bars() as progress:
     if args.latency_only:
       cal = cal_lib.recalibrate_latency(
-        reg, read_calibration(reg), progress=progress, report=report, kernels=args.kernels
+        reg, read_calibration(reg), latency_settings(), progress=progress, report=report, kernels=args.kernels
       )
     else:
-      settings = cal_lib.CalibrateSettings()
+      settings = cal_lib.CalibrateSettings(latency=latency_settings())
       changes = {}
       if args.hint:
         from thoughtjax.synthesis.dictionary import load_dictionary

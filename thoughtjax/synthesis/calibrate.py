@@ -102,6 +102,12 @@ class LatencySettings:
   # greedy steps alone and as rows_width rows of one batch, interleaved, speculative_reps rounds after a
   # compiling one (0: not measured; a server's load is then priced as if batching saved nothing).
   rows_width: int = 8
+  # Drafts from the text itself (n-gram lookup) per hint: greedy decode of hint_tokens tokens from each of
+  # hint_prompts of the hint's shipped router prompts (training split) as chat requests, plain and drafted
+  # interleaved; the hint's factor is the drafted over the plain decode ms per token (LatencyParams "hints").
+  # Acceptance follows the text: code and structured output repeat themselves, prose does not. 0: not measured.
+  hint_prompts: int = 0
+  hint_tokens: int = 64
 
   def __post_init__(self):
     for f in ("prompt_tokens", "max_tokens"):
@@ -122,12 +128,21 @@ class LatencySettings:
       raise CalibrateError(
         f"LatencySettings.rows_width: expected 0 (not measured) or an integer >= 2, got {self.rows_width!r}"
       )
-    for f in ("speculative_prompts", "speculative_prompt_tokens", "speculative_tokens", "speculative_reps"):
+    if isinstance(self.hint_prompts, bool) or not isinstance(self.hint_prompts, int) or self.hint_prompts < 0:
+      raise CalibrateError(
+        f"LatencySettings.hint_prompts: expected 0 (not measured) or more, got {self.hint_prompts!r}"
+      )
+    for f in (
+      "speculative_prompts",
+      "speculative_prompt_tokens",
+      "speculative_tokens",
+      "speculative_reps",
+      "hint_tokens",
+    ):
       v = getattr(self, f)
-      if isinstance(v, bool) or not isinstance(v, int) or v < (2 if f == "speculative_tokens" else 1):
-        raise CalibrateError(
-          f"LatencySettings.{f}: expected an integer >= {2 if f == 'speculative_tokens' else 1}, got {v!r}"
-        )
+      least = 2 if f in ("speculative_tokens", "hint_tokens") else 1
+      if isinstance(v, bool) or not isinstance(v, int) or v < least:
+        raise CalibrateError(f"LatencySettings.{f}: expected an integer >= {least}, got {v!r}")
 
 
 def _variants(v, where: str) -> tuple[str, ...]:
@@ -691,6 +706,91 @@ def measure_factors(
   return factors
 
 
+def measure_hint_factors(
+  registry,
+  candidates: Sequence[Candidate],
+  hints: Sequence[str],
+  settings: LatencySettings = LatencySettings(),
+  *,
+  progress: CalibrateProgress | None = None,
+  report: CalibrateReport | None = None,
+  kernels: str | None = None,
+) -> dict[str, dict[str, dict[str, float]]]:
+  """``{hint: {path hash: {"decode": factor}}}`` of the candidates that draft from the text itself (n-gram lookup),
+  per hint of ``hints`` that the shipped router prompts cover: each candidate's decode ms per token over the plain
+  full path's on ``settings.hint_prompts`` of the hint's prompts as chat requests (``settings.hint_tokens`` greedy
+  tokens; one compiling run of each program per prompt bucket, then plain and drafted interleaved). Empty when
+  ``settings.hint_prompts`` is 0 or no such candidate exists. Clipped to the latency model's factor bounds."""
+  from thoughtjax.compose import compose
+  from thoughtjax.synthesis.router_data import load_router_prompts
+
+  progress = progress or _nop
+  ngram = [c for c in candidates if c.draft is not None and ngram_order(c.draft.path) is not None]
+  if not ngram or settings.hint_prompts == 0:
+    return {}
+  by_hint: dict[str, list[str]] = {h: [] for h in hints}
+  for r in load_router_prompts("train"):
+    if r.hint in by_hint and len(by_hint[r.hint]) < settings.hint_prompts:
+      by_hint[r.hint].append(r.prompt)
+  by_hint = {h: texts for h, texts in by_hint.items() if texts}
+  if not by_hint:
+    return {}
+  full = next(c for c in candidates if c.kind is CandidateKind.FULL)
+  model = compose(", ".join(u.ref for u in full.units), registry, kernels=kernels)
+  n = settings.hint_tokens
+  room = model.config.max_context - n - max(c.draft.draft_tokens for c in ngram) - 1
+  chat = model.codec.chat_template is not None
+
+  def ms_per_token(ids, c: Candidate | None) -> tuple[float, int, int]:
+    kw = {} if c is None else {"draft": Draft(c.draft.path, vocab=c.draft.vocab), "draft_tokens": c.draft.draft_tokens}
+    g = model.stream(ids, max_tokens=n, ignore_eos=True, **kw)
+    for _ in g:
+      pass
+    t = g.trace
+    return (t.decode_s or 0.0) * 1e3 / max(t.tokens_out[0] - 1, 1), t.drafted, t.accepted
+
+  lo, hi = FACTOR_BOUNDS
+  out: dict[str, dict[str, dict[str, float]]] = {}
+  total = sum(len(v) for v in by_hint.values())
+  done, compiled = 0, set()
+  for hint, texts in by_hint.items():
+    plain, mine = [], {c.path_hash: [] for c in ngram}
+    counts = {c.path_hash: [0, 0] for c in ngram}
+    for text in texts:
+      ids = model.prompt_ids(text, chat=chat)[:room]
+      if bucket(len(ids)) not in compiled:  # its first call compiles: not timed
+        for c in (None, *ngram):
+          ms_per_token(ids, c)
+        compiled.add(bucket(len(ids)))
+      plain.append(ms_per_token(ids, None)[0])
+      for c in ngram:
+        ms, drafted, accepted = ms_per_token(ids, c)
+        mine[c.path_hash].append(ms)
+        counts[c.path_hash][0] += drafted
+        counts[c.path_hash][1] += accepted
+      done += 1
+      progress("latency", done, total, f"drafts from the text on {hint} requests")
+    base = float(np.mean(plain))
+    out[hint] = {
+      h: {"decode": min(hi, max(lo, float(np.mean(v)) / base)) if base > 0 else 1.0} for h, v in mine.items()
+    }
+    if report is not None:
+      for c in ngram:
+        drafted, accepted = counts[c.path_hash]
+        report.speculative.append(
+          {
+            "path_hash": c.path_hash,
+            "draft": c.draft.label,
+            "hint": hint,
+            "plain_ms_per_token": base,
+            "speculative_ms_per_token": float(np.mean(mine[c.path_hash])),
+            "factor": out[hint][c.path_hash]["decode"],
+            "acceptance": accepted / drafted if drafted else 0.0,
+          }
+        )
+  return out
+
+
 def measure_rows(
   registry,
   candidates: Sequence[Candidate],
@@ -769,8 +869,12 @@ def _with_latency(registry, candidates, quality, settings: LatencySettings, prog
   factors = measure_factors(
     registry, candidates, texts or [], settings, progress=progress, report=report, kernels=kernels
   )
-  if factors:  # a speculative or variant candidate's stage: the full path's times its measured factor
-    params = dataclasses.replace(params, corrections={"paths": factors})
+  hints = sorted({h for per_hint in quality.values() for h in per_hint})
+  per_hint = measure_hint_factors(
+    registry, candidates, hints, settings, progress=progress, report=report, kernels=kernels
+  )
+  if factors or per_hint:  # a speculative or variant candidate's stage: the full path's times its measured factor
+    params = dataclasses.replace(params, corrections={"paths": factors, **({"hints": per_hint} if per_hint else {})})
   rows = measure_rows(registry, candidates, texts or [], settings, progress=progress, report=report, kernels=kernels)
   if rows:
     params = dataclasses.replace(params, rows=rows)

@@ -70,6 +70,16 @@ def speculative_settings():
   return SpeculativeSettings()
 
 
+def latency_settings():
+  """The latency measurement of the default registry: the calibrate defaults plus the drafts from the text itself
+  timed per hint on three of each hint's router prompts (LatencySettings.hint_prompts; about 30 s at a first use
+  here), so a code or structured-output request can get the n-gram plan that prose would not. ``thoughtjax registry
+  calibrate`` measures the same."""
+  from thoughtjax.synthesis.calibrate import LatencySettings
+
+  return LatencySettings(hint_prompts=3)
+
+
 def shipped_table_path() -> Path:
   """The package's quality table of the default registry."""
   return shipped_file("default_calibration.json")
@@ -148,9 +158,13 @@ def _ensure_default(progress: Progress | None, *, root: Path, weights: str):
     return _in_form(reg, weights)
   base = stored or shipped_calibration(reg)
   if base is not None:
-    cal = cal_lib.recalibrate_latency(reg, base, speculative=speculative_settings(), variants=VARIANTS, progress=report)
+    cal = cal_lib.recalibrate_latency(
+      reg, base, settings=latency_settings(), speculative=speculative_settings(), variants=VARIANTS, progress=report
+    )
   else:
-    settings = cal_lib.CalibrateSettings(speculative=speculative_settings(), variants=VARIANTS)
+    settings = cal_lib.CalibrateSettings(
+      latency=latency_settings(), speculative=speculative_settings(), variants=VARIANTS
+    )
     cal = cal_lib.calibrate(reg, settings=settings, progress=report)
   write_calibration(reg, cal)
   return _in_form(reg, weights)

@@ -155,7 +155,9 @@ class LatencyParams:
   """Fitted latency parameters of one machine (see the module docstring for the formulas).
 
   ``corrections`` holds learned factors: ``{"global": {stage: g}, "paths": {path_hash: {stage: r}}}`` (a path's
-  factor is g * r; see the module docstring). ``rows``: path hash -> a decode step of ``W`` rows over one row's
+  factor is g * r; see the module docstring), and ``"hints": {hint: {path_hash: {stage: r}}}``: a path's factor
+  measured on one hint's requests, where it differs by hint (a draft from the text itself is accepted more often
+  in code than in prose); a request's hints replace the path's ``r`` with theirs (the largest of them). ``rows``: path hash -> a decode step of ``W`` rows over one row's
   (``rows[h](W)``, 1 at one row), measured at calibration; ``rows["default"]`` (the full path's) prices a path
   measured without one of its own (its layers are the full path's), and without it a step of ``W`` rows costs ``W``
   (no gain from batching).
@@ -253,18 +255,26 @@ def _stage_factors(d: Any, where: str) -> dict[str, float]:
 
 def _corrections_json(d: Any, where: str) -> dict:
   """Validate and copy learned corrections (plain dicts, canonical-JSON ready)."""
-  if not isinstance(d, Mapping) or set(d) - {"global", "paths"}:
+  if not isinstance(d, Mapping) or set(d) - {"global", "paths", "hints"}:
     raise LatencyModelError(
-      f"{where}: expected {{\"global\": {{stage: f}}, \"paths\": {{path_hash: {{stage: f}}}}}}, got {d!r}"
+      f"{where}: expected {{\"global\": {{stage: f}}, \"paths\": {{path_hash: {{stage: f}}}}, \"hints\": "
+      f"{{hint: {{path_hash: {{stage: f}}}}}}}}, got {d!r}"
     )
-  paths = d.get("paths", {})
-  if not isinstance(paths, Mapping):
-    raise LatencyModelError(f"{where}.paths: expected an object, got {paths!r}")
+  paths, hints = d.get("paths", {}), d.get("hints", {})
+  for name, v in (("paths", paths), ("hints", hints)):
+    if not isinstance(v, Mapping):
+      raise LatencyModelError(f"{where}.{name}: expected an object, got {v!r}")
   out: dict = {}
   if d.get("global"):
     out["global"] = _stage_factors(d["global"], f"{where}.global")
   if paths:
     out["paths"] = {h: _stage_factors(f, f"{where}.paths[{h}]") for h, f in paths.items()}
+  if hints:
+    out["hints"] = {}
+    for hint, per_path in hints.items():
+      if not isinstance(per_path, Mapping):
+        raise LatencyModelError(f"{where}.hints[{hint}]: expected an object of path_hash -> stages, got {per_path!r}")
+      out["hints"][hint] = {h: _stage_factors(f, f"{where}.hints[{hint}][{h}]") for h, f in per_path.items()}
   return out
 
 
@@ -628,6 +638,7 @@ class LatencyModel:
     corr = _corrections_json(params.corrections, "latency.corrections")
     self._base_global: dict[str, float] = dict(corr.get("global", {}))
     self._base_paths: dict[str, dict[str, float]] = {h: dict(f) for h, f in corr.get("paths", {}).items()}
+    self._base_hints: dict[str, dict[str, dict[str, float]]] = corr.get("hints", {})
     self._learned: dict[str, Learned] = {}
     for key, rec in (learned or {}).items():
       LatencyContext.from_key(key)  # a malformed key is refused here, not at the first prediction
@@ -709,6 +720,14 @@ class LatencyModel:
     """How much of a context's learned deviation still counts: halves every ``half_life_s`` of silence."""
     return 0.5 ** (max(0.0, now - rec.updated) / self.half_life_s)
 
+  def _hint_bases(self, path_hash: str, hints: Sequence[str]) -> dict[str, float]:
+    """stage -> the largest factor the calibration measured for ``path_hash`` on one of ``hints``' requests."""
+    out: dict[str, float] = {}
+    for hint in hints:
+      for s, r in self._base_hints.get(hint, {}).get(path_hash, {}).items():
+        out[s] = max(out.get(s, 0.0), r)
+    return out
+
   def _bases(self, path_hash: str, stage: str) -> tuple[float, float]:
     return self._base_global.get(stage, 1.0), self._base_paths.get(path_hash, {}).get(stage, 1.0)
 
@@ -744,13 +763,15 @@ class LatencyModel:
     context: LatencyContext | None = None,
     constrained: bool = False,
     load: Load = IDLE,
+    hints: Sequence[str] = (),
   ) -> Prediction:
     """Stage latencies (ms) of ``candidate`` for a prompt of ``prompt_tokens`` and ``max_tokens`` decode
     steps, given what ``residency`` says is already restored and compiled, with the corrections learned in
     the context it runs in (:meth:`context_for`) and no other. ``constrained``: the request decodes one step
     per call under an output constraint, each step :data:`MASKED_STEP_MS` dearer (a ``masked`` context always
     is). ``load``: the slot engines decoding now (module docstring; a speculative candidate decodes alone beside
-    them)."""
+    them). ``hints``: the request's; where the calibration measured the path per hint, the largest of their
+    factors stands for the path's own (:class:`LatencyParams`)."""
     c = self._candidate_costs(candidate)
     ctx = self.context_for(candidate, context)
     T, n = prompt_tokens, max_tokens
@@ -766,6 +787,9 @@ class LatencyModel:
     h = candidate.path_hash
     now = self.clock()
     fs = {s: self._factor_from(h, s, ctx, now) for s in STAGES}
+    for s, r in self._hint_bases(h, hints).items():  # what was learned moves the hints' base as it moves the path's
+      f, _, count = fs[s]
+      fs[s] = (_clip(f * r / self._bases(h, s)[1]), "path", count)
     load_factor, W = 1.0, 1
     if load.engines:
       load_factor, S, W = self._under_load(candidate, (A, B), S, load, fs["decode"][0])

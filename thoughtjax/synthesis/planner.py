@@ -414,7 +414,7 @@ class Planner:
       drafted = {i for i, c in enumerate(cands) if c.draft is not None}
 
     def predict(i: int, under: Load) -> Prediction:
-      return latency_model.predict(cands[i], T, n, residency, context, constrained, under)
+      return latency_model.predict(cands[i], T, n, residency, context, constrained, under, hints)
 
     chosen, seen, rejected, best_ignoring_failures = self._choose(order, drafted, failed, budget, load, predict)
     idle = None  # under load: what an idle machine would have chosen (compared with the choice below)
