@@ -72,7 +72,7 @@ def speculative_settings():
 
 def latency_settings():
   """The latency measurement of the default registry: the calibrate defaults plus the drafts from the text itself
-  timed per hint on three of each hint's router prompts (LatencySettings.hint_prompts; about 30 s at a first use
+  timed per hint on three of each hint's router prompts (LatencySettings.hint_prompts; about 80 s at a first use
   here), so a code or structured-output request can get the n-gram plan that prose would not. ``thoughtjax registry
   calibrate`` measures the same."""
   from thoughtjax.synthesis.calibrate import LatencySettings
