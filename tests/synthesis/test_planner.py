@@ -343,6 +343,33 @@ def test_a_draft_from_the_text_is_chosen_for_the_hints_it_pays_on_and_not_for_th
   assert model.predict(spec, 40, 64, hints=("comparative_reasoning",)).decode == pytest.approx(1.05 * plain.decode)
 
 
+def test_a_run_on_one_hints_text_teaches_the_path_without_moving_the_other_hints_by_its_difference():
+  """A run that decodes as fast as calibration measured for its hint teaches nothing new: the other hints keep
+  their own factors (learning divides the hint's calibrated difference out); a run faster than that moves all."""
+  import types
+
+  from thoughtjax.synthesis.candidate import DraftPlan
+
+  full = CANDIDATES["full"]
+  spec = Candidate.build(full.path, "speculative", full.units, DraftPlan("ngram:3:2", 4))
+  corrections = {
+    "paths": {spec.path_hash: {"decode": 1.05}},
+    "hints": {
+      "legal_analysis": {spec.path_hash: {"decode": 0.6}},
+      "general_purpose": {spec.path_hash: {"decode": 1.2}},
+    },
+  }
+  model = LatencyModel(dataclasses.replace(latency_params(), corrections=corrections))
+  raw = model.predict(spec, 40, 64).raw["decode"]
+  legal = model.predict(spec, 40, 64, hints=("legal_analysis",))
+  assert legal.decode == pytest.approx(0.6 * raw) and legal.hint_scale == {"decode": pytest.approx(0.6 / 1.05)}
+  for _ in range(5):
+    model.update(types.SimpleNamespace(prediction=legal, actual_ms={"decode": 0.6 * raw}))
+  assert model.predict(spec, 40, 64, hints=("general_purpose",)).decode == pytest.approx(1.2 * raw, rel=1e-6)
+  model.update(types.SimpleNamespace(prediction=legal, actual_ms={"decode": 0.3 * raw}))  # twice as fast as measured
+  assert model.predict(spec, 40, 64, hints=("general_purpose",)).decode < 1.2 * raw * 0.99
+
+
 def test_a_constrained_request_is_planned_without_speculation_in_the_masked_context():
   """A draft never sees the grammar's masks: a constrained request gets the best plan without one, predicted one
   step per call (its own latency context, with the mask's cost), and the plan says the output is constrained."""

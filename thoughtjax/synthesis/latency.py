@@ -538,6 +538,9 @@ class Prediction:
   load_factor: float = 1.0
   load: Load = IDLE
   width: int = 1
+  # stage -> the request's hints' factor over the path's own (LatencyParams "hints"), where one applied: learning
+  # divides it out, so what a run on one hint's text teaches the path does not move the other hints twice
+  hint_scale: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
   @property
   def total(self) -> float:
@@ -787,9 +790,10 @@ class LatencyModel:
     h = candidate.path_hash
     now = self.clock()
     fs = {s: self._factor_from(h, s, ctx, now) for s in STAGES}
-    for s, r in self._hint_bases(h, hints).items():  # what was learned moves the hints' base as it moves the path's
+    hint_scale = {s: r / self._bases(h, s)[1] for s, r in self._hint_bases(h, hints).items()}
+    for s, scale in hint_scale.items():  # what was learned moves the hints' base as it moves the path's
       f, _, count = fs[s]
-      fs[s] = (_clip(f * r / self._bases(h, s)[1]), "path", count)
+      fs[s] = (_clip(f * scale), "path", count)
     load_factor, W = 1.0, 1
     if load.engines:
       load_factor, S, W = self._under_load(candidate, (A, B), S, load, fs["decode"][0])
@@ -819,6 +823,7 @@ class LatencyModel:
       load_factor=load_factor,
       load=load if load.engines else IDLE,
       width=W,
+      hint_scale=hint_scale,
     )
 
   def rows_factor(self, path_hash: str, rows: float) -> float:
@@ -880,8 +885,8 @@ class LatencyModel:
         raise LatencyModelError(f"trace actual_ms[{s}]: expected a finite time >= 0, got {ms!r}")
       if first_run and s in ("prefill", "decode"):
         continue  # a first run's device time includes one-off costs (allocation, first execution)
-      if raw[s] > 0:
-        ratios[s] = _clip(ms / raw[s])
+      if raw[s] > 0:  # in the path's own terms: a hint's measured difference is the calibration's, not learned
+        ratios[s] = _clip(ms / raw[s] / p.hint_scale.get(s, 1.0))
     h = p.path_hash
     with self._lock:
       now = self.clock()
