@@ -157,10 +157,10 @@ class LatencyParams:
   ``corrections`` holds learned factors: ``{"global": {stage: g}, "paths": {path_hash: {stage: r}}}`` (a path's
   factor is g * r; see the module docstring), and ``"hints": {hint: {path_hash: {stage: r}}}``: a path's factor
   measured on one hint's requests, where it differs by hint (a draft from the text itself is accepted more often
-  in code than in prose); a request's hints replace the path's ``r`` with theirs (the largest of them). ``rows``: path hash -> a decode step of ``W`` rows over one row's
-  (``rows[h](W)``, 1 at one row), measured at calibration; ``rows["default"]`` (the full path's) prices a path
-  measured without one of its own (its layers are the full path's), and without it a step of ``W`` rows costs ``W``
-  (no gain from batching).
+  in code than in prose); a request's hints replace the path's ``r`` with theirs (the largest of them).
+  ``rows``: path hash -> a decode step of ``W`` rows over one row's (``rows[h](W)``, 1 at one row), measured at
+  calibration; ``rows["default"]`` (the full path's) prices a path measured without one of its own (its layers are
+  the full path's), and without it a step of ``W`` rows costs ``W`` (no gain from batching).
   """
 
   prefill: Mapping[str, LinearCost]
