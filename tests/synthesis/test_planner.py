@@ -343,6 +343,24 @@ def test_a_draft_from_the_text_is_chosen_for_the_hints_it_pays_on_and_not_for_th
   assert model.predict(spec, 40, 64, hints=("comparative_reasoning",)).decode == pytest.approx(1.05 * plain.decode)
 
 
+@pytest.mark.parametrize(
+  "hints",
+  [
+    ["not an object"],
+    {"code_generation": ["h"]},
+    {"code_generation": {"h": {"no_stage": 1.0}}},
+    {"code_generation": {"h": {"decode": 1e9}}},
+  ],
+)
+def test_a_malformed_per_hint_factor_is_refused_by_name(hints):
+  """A calibration whose ``corrections.hints`` is not hint -> path -> stage -> bounded factor is refused, naming it."""
+  from thoughtjax.synthesis.latency import LatencyModelError, LatencyParams
+
+  good = latency_params().to_json()
+  with pytest.raises(LatencyModelError, match="corrections"):
+    LatencyParams.from_json({**good, "corrections": {"hints": hints}}, "t")
+
+
 def test_a_run_on_one_hints_text_teaches_the_path_without_moving_the_other_hints_by_its_difference():
   """A run that decodes as fast as calibration measured for its hint teaches nothing new: the other hints keep
   their own factors (learning divides the hint's calibrated difference out); a run faster than that moves all."""
