@@ -23,7 +23,6 @@ import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -32,15 +31,16 @@ from thoughtjax import assembly
 from thoughtjax import fetch as fetch_lib
 from thoughtjax.decode import indexed, speculative
 from thoughtjax.decode import program as program_lib
+from thoughtjax.decode.interface import COMPILE_CLOCK, DecodeInputs, run_chunks
 from thoughtjax.decode.masks import RowMasks, grammars_for
-from thoughtjax.decode.program import COMPILE_CLOCK, Program, ProgramKey, TemplatePrompt, bucket
+from thoughtjax.decode.program import Program, ProgramKey, TemplatePrompt, bucket
 from thoughtjax.decode.request import DecodeRequest, ModelRequest
 from thoughtjax.decode.stream import Completion, Delta, Generation, RequestError, Rows, Trace
 from thoughtjax.kernels.dispatch import resolve as resolve_kernels
 from thoughtjax.loading import LoadedModel
 from thoughtjax.loading import load as load_model
 from thoughtjax.path_syntax import format_path, hash_refs, parse_path
-from thoughtjax.sampling import SamplingArrays, SamplingParams, sampling_arrays
+from thoughtjax.sampling import SamplingParams, sampling_arrays
 from thoughtjax.template import Template
 from thoughtjax.transformer import GraphDefs, PathParts
 
@@ -71,57 +71,9 @@ class Score:
   perplexity: float
 
 
-class _Request(NamedTuple):
-  """One call's inputs, prepared on the host."""
-
-  program: Program
-  parts: PathParts
-  prompt: jax.Array | TemplatePrompt  # [B, T] i32 token ids, or template rows + user ids
-  pad: jax.Array  # [B] i32 left padding
-  samp: SamplingArrays
-
-
-def _run_chunks(
-  req: _Request, rows: Rows, trace: Trace, cancelled: threading.Event, masks: RowMasks | None = None
+def _run_callback(
+  program: Program, inputs: DecodeInputs, rows: Rows, trace: Trace, cancelled: threading.Event
 ) -> Iterator[Delta]:
-  """Prefill, then one decode chunk per round, each only after the previous deltas were taken.
-
-  With ``masks`` (a constrained batch; the program decodes one step per call) each call gets every row's
-  allowed-token mask from its matcher, and the matchers advance by the tokens the call sampled."""
-  prog = req.program
-  samp = (lambda: req.samp) if masks is None else (lambda: req.samp._replace(allowed=masks.device()))
-  try:
-    if cancelled.is_set():  # cancelled before it started: no device work at all
-      trace.cancelled = True
-      yield from rows.cancel()
-      return
-    trace.device_start = time.perf_counter()
-    with COMPILE_CLOCK.measure() as compile_s:
-      state = prog.advance(req.parts, req.prompt, req.pad, samp(), prog.init_state(req.parts))
-      step, done, out, count = jax.device_get((state.step, state.done, state.out, state.count))
-    trace.compile_s = compile_s[0]
-    trace.first_token = time.perf_counter()
-    seen = 0
-    while True:
-      if masks is not None:
-        masks.advance(out, done, seen, int(step))
-      yield from rows.chunk(out, done, count, seen, int(step))
-      seen = int(step)
-      if rows.all_finished or seen >= prog.key.max_new:
-        return
-      if cancelled.is_set():
-        trace.cancelled = True
-        yield from rows.cancel()
-        return
-      state = prog.advance(req.parts, req.prompt, req.pad, samp(), state)
-      trace.decode_chunks += 1
-      step, done, out, count = jax.device_get((state.step, state.done, state.out, state.count))
-  finally:
-    trace.end = time.perf_counter()
-    trace.tokens_out = list(rows.counts)
-
-
-def _run_callback(req: _Request, rows: Rows, trace: Trace, cancelled: threading.Event) -> Iterator[Delta]:
   """The whole loop in one device call on a worker thread; each step's tokens come back through a
   host callback into a bounded queue. The callback tells the loop to stop once every row has
   finished, the call is cancelled or the consumer has gone; a full queue holds the device back."""
@@ -142,7 +94,7 @@ def _run_callback(req: _Request, rows: Rows, trace: Trace, cancelled: threading.
   def work():
     try:
       with COMPILE_CLOCK.measure() as compile_s:
-        req.program.run_with_callback(req.parts, req.prompt, req.pad, req.samp, on_token)
+        program.run_with_callback(inputs.parts, inputs.prompt, inputs.pad, inputs.samp, on_token)
       trace.compile_s = compile_s[0]
     except BaseException as e:  # handed to the consumer, raised there
       failure.append(e)
@@ -540,12 +492,24 @@ class Model:
         lengths[r] = len(u)
       prompt = TemplatePrompt(template.prefix_rows, template.suffix_rows, _to_device(user_ids), _to_device(lengths))
     samp = sampling_arrays(params, B, self.config.vocab_size, key.stop_width, self.codec.eos_ids, key.has_bias)
-    req = _Request(prog, self._program_parts(len(prog.key.layers)), prompt, _to_device(pad), samp)
+    inputs = DecodeInputs(self._program_parts(len(prog.key.layers)), prompt, _to_device(pad), samp)
     trace = Trace(key, [list(i) for i in ids], start, tokens_out=[0] * len(ids))
     cancelled = threading.Event()
-    runner = _run_chunks if stream_mode == "chunks" else _run_callback
     rows = Rows(self.codec, params, decode.stops)
-    run = runner(req, rows, trace, cancelled) if masks is None else _run_chunks(req, rows, trace, cancelled, masks)
+    if stream_mode == "callback":
+      run = _run_callback(prog, inputs, rows, trace, cancelled)
+    elif masks is None:
+      run = run_chunks(prog, inputs, rows, trace, cancelled)
+    else:  # each call's masks from the matchers; the matchers consume each call's tokens
+      run = run_chunks(
+        prog,
+        inputs,
+        rows,
+        trace,
+        cancelled,
+        before=lambda i: i._replace(samp=i.samp._replace(allowed=masks.device())),
+        after=lambda tokens, seen: masks.advance(tokens.out, tokens.done, seen, tokens.count),
+      )
     return Generation(run, trace, cancelled)
 
   def stream_batch(

@@ -1,4 +1,4 @@
-"""Every program family's key extends :class:`thoughtjax.decode.program.DecodeKey`, and the one program cache holds
+"""Every program family's key extends :class:`thoughtjax.decode.interface.DecodeKey`, and the one program cache holds
 each family's programs under its key's shape: paths of one structure share a program, families never do."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import dataclasses
 from tests.tiny import tiny_engine
 from thoughtjax.decode import program as program_lib
 from thoughtjax.decode import speculative
+from thoughtjax.decode.interface import DecodeKey
 from thoughtjax.decode.request import DecodeRequest
 from thoughtjax.sampling import SamplingParams
 from thoughtjax.serving.slots import SlotKey, slot_program
@@ -31,10 +32,10 @@ def test_plain_speculative_and_slot_programs_share_one_key_type_and_one_cache(mo
   }
   for name, (a, b) in progs.items():
     assert a is b, f"two paths of one shape compiled two {name} programs"
-    assert isinstance(a.key, program_lib.DecodeKey) and a.key.layers == (0, 1, 2, 3), name
+    assert isinstance(a.key, DecodeKey) and a.key.layers == (0, 1, 2, 3), name
   assert isinstance(progs["slot"][0].key, SlotKey)
   stats = program_lib.PROGRAMS.stats()
   assert (stats.misses, stats.hits, stats.size) == (3, 3, 3)  # one program per family, each family its own
   # A key of one family never names another's program, even where the fields it shares agree.
-  assert SlotKey((0, 1, 2, 3), 1, 32, 8, None) != program_lib.DecodeKey((0, 1, 2, 3))
+  assert SlotKey((0, 1, 2, 3), 1, 32, 8, None) != DecodeKey((0, 1, 2, 3))
   assert speculative.SpecKey(**dataclasses.asdict(plain)) != plain

@@ -7,6 +7,7 @@ import pytest
 import thoughtjax
 from tests.tiny import greedy_reference, tiny_engine, tiny_model
 from thoughtjax.decode import program as program_lib
+from thoughtjax.decode.interface import DecodeInputs
 from thoughtjax.sampling import SamplingParams
 
 
@@ -141,7 +142,7 @@ def test_chunked_program_has_no_host_callbacks(engine):
   key = program_lib.ProgramKey(engine.layers, 1, 16, 16, 4, program_lib.SamplingMode.SAMPLE, False)
   prog = program_lib.Program(key, engine.defs, engine.config)
   samp = sampling_arrays([SamplingParams(temperature=1.0)], 1, engine.config.vocab_size, 4, 2, False)
-  hlo = prog.lower(engine.parts, jnp.zeros((1, 16), jnp.int32), jnp.zeros(1, jnp.int32), samp).as_text()
+  hlo = prog.lower(DecodeInputs(engine.parts, jnp.zeros((1, 16), jnp.int32), jnp.zeros(1, jnp.int32), samp)).as_text()
   assert "while" in hlo
   assert "callback" not in hlo.lower()
 

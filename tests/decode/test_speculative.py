@@ -340,7 +340,7 @@ def test_draft_and_verify_run_in_one_program_with_no_host_callbacks(engine):
   req = speculative.prepare(
     engine, DecodeRequest([PROMPTS[0]], params, stops), "embed, blocks[0:2), head", draft_tokens=3
   )
-  hlo = req.program.lower(req.parts, req.prompt, req.pad, req.samp, req.vocab_ids).as_text()
+  hlo = req.program.lower(req.inputs).as_text()
   assert "callback" not in hlo.lower()
   assert hlo.count("stablehlo.while") >= 2  # the decode loop and the draft loop inside it
 
@@ -436,7 +436,7 @@ def test_an_ngram_draft_runs_in_one_program_without_draft_weights(engine):
   req = speculative.prepare(engine, DecodeRequest([PROMPTS[0]], params, stops), "ngram", draft_tokens=3)
   key = req.program.key
   assert key.ngram == speculative.NGRAM_DEFAULT and key.draft == () and key.shared == 0 and key.own == 0
-  hlo = req.program.lower(req.parts, req.prompt, req.pad, req.samp, req.vocab_ids).as_text()
+  hlo = req.program.lower(req.inputs).as_text()
   assert "callback" not in hlo.lower() and hlo.count("stablehlo.while") >= 1
 
 

@@ -12,6 +12,7 @@ import pytest
 from tests.tiny import TINY_CONFIGS, tiny_engine, tiny_model
 from thoughtjax import transformer
 from thoughtjax.decode import program as program_lib
+from thoughtjax.decode.interface import DecodeInputs
 from thoughtjax.sampling import SamplingMode, SamplingParams, sampling_arrays
 
 
@@ -103,7 +104,7 @@ def test_compiled_decode_loop_updates_every_cache_in_place(batch):
   prog = program_lib.Program(key, engine.defs, engine.config)
   samp = sampling_arrays([SamplingParams(max_tokens=32)] * batch, batch, engine.config.vocab_size, 4, None, False)
   tokens, pad = jnp.zeros((batch, 16), jnp.int32), jnp.zeros(batch, jnp.int32)
-  hlo = prog.lower(engine.parts, tokens, pad, samp).compile().as_text()
+  hlo = prog.lower(DecodeInputs(engine.parts, tokens, pad, samp)).compile().as_text()
   cache = transformer.kv_cache_shape(engine.config, batch, key.cache_len)
   copies, cache_copies = program_lib.loop_copies(hlo, cache)
   assert "while" in hlo and f"f32[{','.join(map(str, cache))}]" in hlo  # the loop and the caches are there

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tests.tiny import tiny_engine
-from thoughtjax.decode.program import COMPILE_CLOCK
+from thoughtjax.decode.interface import COMPILE_CLOCK
 from thoughtjax.sampling import SamplingParams
 from thoughtjax.serving import PrefixCache, PrefixCacheError, SlotDriver, SlotEngine, generate_in_slots
 

@@ -1,5 +1,7 @@
 """Decoding: what every way of generating tokens shares.
 
+* :mod:`~thoughtjax.decode.interface`  the decode program interface every program family implements (init_state,
+  prefill, advance, read), the key type every family's key extends, the one host loop of a call that runs alone
 * :mod:`~thoughtjax.decode.program`  plain programs (prefill, then chunks of decode steps) and the process's one
   bounded program cache that every program family shares
 * :mod:`~thoughtjax.decode.speculative`  self-speculative programs: a draft/verify advance over the same layout

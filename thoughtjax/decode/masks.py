@@ -47,12 +47,12 @@ class RowMasks:
         m.fill(self.words[r])
     return jax.device_put(self.words)
 
-  def advance(self, out: np.ndarray, done: np.ndarray, seen: int, step: int) -> None:
-    """Feed each constrained row the tokens it produced in steps [seen, step) (``out`` [B, N], -1: none)."""
+  def advance(self, out: np.ndarray, done: np.ndarray, seen: Sequence[int], count: np.ndarray) -> None:
+    """Feed each constrained row r the tokens it produced since the last call: ``out[r, seen[r]:count[r]]``."""
     for r, m in enumerate(self.matchers):
       if m is None or self._ended[r]:
         continue
-      for tok in out[r, seen:step]:
+      for tok in out[r, seen[r] : int(count[r])]:
         if tok >= 0:
           m.consume(int(tok))
       if done[r]:

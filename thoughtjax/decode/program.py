@@ -8,14 +8,16 @@ loads. Elsewhere ``jax.jit`` compiles what no request runs: thoughtlet profiling
 calibration's quality measurements, the router's features and training, bridge training, and the
 benchmarks.
 
-A program serves one :class:`ProgramKey` (a :class:`DecodeKey`, which every program family's key extends):
-path shape, batch bucket, prompt bucket, new-token bucket, stop-set width, sampling mode, bias on/off, decode
-chunk, kernels, template widths, masked; and the graph definitions and model config it was built for. Its
-single entry point ``advance(parts, prompt, pad, sampling, state)`` runs, inside XLA,
+A program serves one :class:`ProgramKey` (a :class:`~thoughtjax.decode.interface.DecodeKey`, which every program
+family's key extends): path shape, batch bucket, prompt bucket, new-token bucket, stop-set width, sampling mode, bias
+on/off, decode chunk, kernels, template widths, masked; and the graph definitions and model config it was built for.
+It implements the decode program interface (:class:`~thoughtjax.decode.interface.DecodeProgram`: ``init_state``,
+``prefill``, ``advance``, ``read``) with one compiled executable, ``_advance(parts, prompt, pad, sampling,
+state)``, which runs, inside XLA,
 
-* on the first call (``state.step == 0``): the prefill over the left-padded prompt
+* on an empty state (``state.step == 0``, :meth:`Program.prefill`): the prefill over the left-padded prompt
   [B, T] and the first sampled token, so the first token is out after one prefill;
-* on later calls: up to ``chunk`` decode steps in a ``lax.while_loop`` over the KV
+* on later calls (:meth:`Program.advance`): up to ``chunk`` decode steps in a ``lax.while_loop`` over the KV
   cache, ending early when every row has stopped.
 
 Tokens reach the host after every call (short fixed-size chunks), so a caller that stops
@@ -42,12 +44,11 @@ masked out.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import os
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -58,6 +59,7 @@ from jax.experimental import io_callback
 
 from thoughtjax import cachedir, exported, settings
 from thoughtjax.decode import layout
+from thoughtjax.decode.interface import DecodeInputs, DecodeKey, DecodeProgram, Tokens
 from thoughtjax.kernels.template_embed import template_embed
 from thoughtjax.sampling import SamplingArrays, SamplingMode, sample
 
@@ -70,7 +72,6 @@ from thoughtjax.transformer import (
   PathParts,
   merge_path,
   path_config,
-  path_shape,
   run_path,
 )
 
@@ -97,19 +98,6 @@ def bucket(n: int, minimum: int = 16) -> int:
   while size < n:
     size *= 2
   return size
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeKey:
-  """What a compiled decode program is keyed by; every program family's key extends it (:class:`ProgramKey`, the
-  speculative ``SpecKey``, the serving ``SlotKey``). :data:`PROGRAMS` holds a program under its key's
-  :meth:`shape`, so paths of one structure share it: weights are arguments."""
-
-  layers: tuple[int, ...]  # path as layer indices, repeats allowed
-
-  def shape(self) -> DecodeKey:
-    """This key with its path numbered by position (:func:`~thoughtjax.transformer.path_shape`)."""
-    return dataclasses.replace(self, layers=path_shape(self.layers))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +165,7 @@ def on_device_of(state, parts: PathParts | None):
   return jax.device_put(state, next(iter(devices))) if len(devices) == 1 else state
 
 
-class Program:
+class Program(DecodeProgram):
   """One compiled generation program; see the module docstring."""
 
   def __init__(self, key: ProgramKey, defs: GraphDefs, cfg):
@@ -276,21 +264,29 @@ class Program:
   def _advance_impl(self, parts, prompt, pad, samp, state):
     return jax.lax.cond(state.step == 0, self._prefill, self._decode_chunk, parts, prompt, pad, samp, state)
 
-  # ---- host API --------------------------------------------------------------------
+  # ---- host API (thoughtjax.decode.interface.DecodeProgram) ---------------------------------
   def init_state(self, parts: PathParts | None = None) -> DecodeState:
-    """The empty state, committed to the one device ``parts`` live on: ``advance`` returns a committed
-    state, and an uncommitted first one would make the first decode chunk compile the program again."""
+    """The empty state, committed to the one device ``parts`` live on: the program returns a committed state,
+    and an uncommitted first one would make the first decode chunk compile the program again."""
     return on_device_of(self._init(), parts)
 
-  def advance(
-    self, parts: PathParts, prompt: jax.Array, pad: jax.Array, samp: SamplingArrays, state: DecodeState
-  ) -> DecodeState:
-    """Prefill (first call) or up to ``chunk`` decode steps; ``state`` is donated."""
-    return self._advance(parts, prompt, pad, samp, state)
+  def prefill(self, inputs: DecodeInputs, state: DecodeState) -> DecodeState:
+    """The prefill of every row and its first token (``state`` empty, donated). Prefill and decode chunks are
+    one executable that branches on ``state.step``: one compile per key, one exported program."""
+    return self._advance(inputs.parts, inputs.prompt, inputs.pad, inputs.samp, state)
 
-  def lower(self, parts, prompt, pad, samp):
+  def advance(self, inputs: DecodeInputs, state: DecodeState) -> DecodeState:
+    """Up to ``chunk`` decode steps (``state`` donated)."""
+    return self._advance(inputs.parts, inputs.prompt, inputs.pad, inputs.samp, state)
+
+  def read(self, state: DecodeState) -> Tokens:
+    # A row runs from the first step until it stops, so its tokens are the first count[r] columns of out.
+    return Tokens(state.out, state.count, state.done)
+
+  def lower(self, inputs: DecodeInputs):
+    """The lowered program of these inputs' shapes (HLO inspection)."""
     state = jax.eval_shape(self._init_impl)
-    return self._advance.trace(parts, prompt, pad, samp, state).lower()
+    return self._advance.trace(inputs.parts, inputs.prompt, inputs.pad, inputs.samp, state).lower()
 
   def run_with_callback(self, parts, prompt, pad, samp, on_token: Callable[[int, np.ndarray, np.ndarray], bool]):
     """Prefill and the whole decode loop in one call; ``on_token(step, tokens[B], done[B])``
@@ -471,48 +467,3 @@ class ProgramCache:
 
 
 PROGRAMS = ProgramCache()
-
-
-class _CompileClock:
-  """Seconds JAX spends tracing, lowering and compiling in the calling thread.
-
-  Fed by ``jax.monitoring`` time spans; nested traces (a jitted kernel inside the program)
-  overlap their parent, so the union of the spans is measured, not their sum.
-  """
-
-  EVENTS = (
-    "/jax/core/compile/jaxpr_trace_duration",
-    "/jax/core/compile/jaxpr_to_mlir_module_duration",
-    "/jax/core/compile/backend_compile_duration",
-  )
-
-  def __init__(self):
-    self._local = threading.local()
-    jax.monitoring.register_event_time_span_listener(self._on_span)
-
-  def _on_span(self, event: str, start: float, end: float, **_):
-    spans = getattr(self._local, "spans", None)
-    if spans is not None and event in self.EVENTS:
-      spans.append((start, end))
-
-  @contextlib.contextmanager
-  def measure(self) -> Iterator[list[float]]:
-    """``with CLOCK.measure() as out:`` ... then ``out[0]`` holds the compile seconds."""
-    outer = getattr(self._local, "spans", None)
-    self._local.spans = spans = []
-    out = [0.0]
-    try:
-      yield out
-    finally:
-      self._local.spans = outer
-      if outer is not None:
-        outer.extend(spans)
-      total, reach = 0.0, float("-inf")
-      for a, b in sorted(spans):
-        if b > reach:
-          total += b - max(a, reach)
-          reach = b
-      out[0] = total
-
-
-COMPILE_CLOCK = _CompileClock()

@@ -46,8 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal, NamedTuple
 
 import jax
@@ -57,7 +56,8 @@ import numpy as np
 from thoughtjax import quantized
 from thoughtjax.decode import layout
 from thoughtjax.decode import program as program_lib
-from thoughtjax.decode.program import COMPILE_CLOCK, ProgramKey
+from thoughtjax.decode.interface import DecodeInputs, DecodeProgram, Tokens, run_chunks
+from thoughtjax.decode.program import ProgramKey
 from thoughtjax.decode.request import DecodeRequest
 from thoughtjax.decode.stream import Generation, Rows, Trace
 from thoughtjax.errors import UserError
@@ -213,11 +213,12 @@ def transformed_probs(logits, samp: SamplingArrays, mode: SamplingMode, bias=Non
   return jax.nn.softmax(x, axis=-1).reshape(B, J, V)
 
 
-class SpecProgram:
+class SpecProgram(DecodeProgram):
   """One compiled speculative generation program; see the module docstring.
 
-  ``advance(parts, prompt, pad, samp, vocab_ids, state)``: the prefill and first token on the first
-  call, up to ``chunk`` draft-and-verify iterations on later ones; ``state`` is donated.
+  The decode program interface (:class:`~thoughtjax.decode.interface.DecodeProgram`) over one executable:
+  :meth:`prefill` runs the plain program's prefill and first token, :meth:`advance` up to ``chunk``
+  draft-and-verify iterations; both donate the state. Its inputs carry the draft's truncated vocabulary.
   """
 
   def __init__(self, key: SpecKey, defs: GraphDefs, cfg):
@@ -248,12 +249,19 @@ class SpecProgram:
     uncommitted first one would make the first decode chunk compile the program a second time."""
     return program_lib.on_device_of(self._init(), parts)
 
-  def advance(self, parts, prompt, pad, samp, vocab_ids, state) -> SpecState:
-    return self._advance(parts, prompt, pad, samp, vocab_ids, state)
+  def prefill(self, inputs: DecodeInputs, state: SpecState) -> SpecState:
+    return self._advance(inputs.parts, inputs.prompt, inputs.pad, inputs.samp, inputs.vocab_ids, state)
 
-  def lower(self, parts, prompt, pad, samp, vocab_ids):
+  def advance(self, inputs: DecodeInputs, state: SpecState) -> SpecState:
+    return self._advance(inputs.parts, inputs.prompt, inputs.pad, inputs.samp, inputs.vocab_ids, state)
+
+  def read(self, state: SpecState) -> Tokens:
+    return Tokens(state.out, state.count, state.done)
+
+  def lower(self, inputs: DecodeInputs):
+    """The lowered program of these inputs' shapes (HLO inspection)."""
     state = jax.eval_shape(self._init_impl)
-    return self._advance.trace(parts, prompt, pad, samp, vocab_ids, state).lower()
+    return self._advance.trace(inputs.parts, inputs.prompt, inputs.pad, inputs.samp, inputs.vocab_ids, state).lower()
 
   # ---- traced code -------------------------------------------------------------
   def _prefill(self, parts, prompt, pad, samp, vocab_ids, st):
@@ -665,45 +673,12 @@ def get_program(key: SpecKey, defs: GraphDefs, cfg) -> SpecProgram:
   return program_lib.PROGRAMS.get(key, defs, cfg, SpecProgram)
 
 
-def _run(prog, parts, prompt, pad, samp, vocab_ids, rows, trace, cancelled: threading.Event) -> Iterator:
-  """Prefill, then ``chunk`` draft-and-verify iterations per device call, each after the last deltas were taken."""
-  n = len(rows.finished)
-  seen = [0] * n
-  state = None
-  try:
-    if cancelled.is_set():
-      trace.cancelled = True
-      yield from rows.cancel()
-      return
-    trace.device_start = time.perf_counter()
-    with COMPILE_CLOCK.measure() as compile_s:
-      state = prog.advance(parts, prompt, pad, samp, vocab_ids, prog.init_state(parts))
-      out, done, count = jax.device_get((state.out, state.done, state.count))
-    trace.compile_s = compile_s[0]
-    trace.first_token = time.perf_counter()
-    while True:
-      for r in range(n):
-        c = int(count[r])
-        d = rows.emit(r, [int(t) for t in out[r, seen[r] : c]], bool(done[r]), c)
-        seen[r] = c
-        if d is not None:
-          yield d
-      if rows.all_finished:
-        return
-      if cancelled.is_set():
-        trace.cancelled = True
-        yield from rows.cancel()
-        return
-      state = prog.advance(parts, prompt, pad, samp, vocab_ids, state)
-      trace.decode_chunks += 1
-      out, done, count = jax.device_get((state.out, state.done, state.count))
-  finally:
-    trace.end = time.perf_counter()
-    trace.tokens_out = list(rows.counts)
-    if state is not None:
-      drafted, accepted, passes = jax.device_get((state.drafted, state.accepted, state.passes))
-      trace.drafted, trace.accepted = int(drafted[:n].sum()), int(accepted[:n].sum())
-      trace.verify_passes = int(passes[:n].sum())
+def _count_drafts(trace: Trace, rows: int, state: SpecState | None) -> None:
+  """The trace's drafted, accepted and verify-pass counts of the call's ``rows`` rows, from its last state."""
+  if state is not None:
+    drafted, accepted, passes = jax.device_get((state.drafted, state.accepted, state.passes))
+    trace.drafted, trace.accepted = int(drafted[:rows].sum()), int(accepted[:rows].sum())
+    trace.verify_passes = int(passes[:rows].sum())
 
 
 class SpecRequest(NamedTuple):
@@ -711,11 +686,7 @@ class SpecRequest(NamedTuple):
 
   key: SpecKey  # the call's own key (the program's holds its shape)
   program: SpecProgram
-  parts: PathParts
-  prompt: jax.Array  # [B, T] i32, left-padded
-  pad: jax.Array  # [B] i32
-  samp: SamplingArrays
-  vocab_ids: jax.Array | None  # [Vd] i32
+  inputs: DecodeInputs
 
 
 def prepare(
@@ -756,7 +727,7 @@ def prepare(
   tokens, pad = request.left_padded(B, T)
   samp = sampling_arrays(request.params, B, model.config.vocab_size, key.stop_width, model.codec.eos_ids, key.has_bias)
   parts = d.parts.by_position(key.layers, key.draft)
-  return SpecRequest(key, prog, parts, jnp.asarray(tokens), jnp.asarray(pad), samp, d.vocab_ids)
+  return SpecRequest(key, prog, DecodeInputs(parts, jnp.asarray(tokens), jnp.asarray(pad), samp, d.vocab_ids))
 
 
 def stream_batch(
@@ -774,5 +745,6 @@ def stream_batch(
   trace = Trace(req.key, [list(i) for i in request.ids], start, tokens_out=[0] * len(request.ids))
   cancelled = threading.Event()
   rows = Rows(model.codec, request.params, request.stops)
-  run = _run(req.program, req.parts, req.prompt, req.pad, req.samp, req.vocab_ids, rows, trace, cancelled)
+  n = len(request.ids)
+  run = run_chunks(req.program, req.inputs, rows, trace, cancelled, finish=lambda st: _count_drafts(trace, n, st))
   return Generation(run, trace, cancelled)

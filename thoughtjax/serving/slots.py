@@ -76,8 +76,9 @@ import numpy as np
 from thoughtjax.constraint import Matcher
 from thoughtjax.decode import layout
 from thoughtjax.decode import program as program_lib
+from thoughtjax.decode.interface import COMPILE_CLOCK, DecodeInputs, DecodeKey, DecodeProgram, Tokens
 from thoughtjax.decode.masks import ALL, grammars_for
-from thoughtjax.decode.program import COMPILE_CLOCK, ProgramKey, bucket
+from thoughtjax.decode.program import ProgramKey, bucket
 from thoughtjax.decode.stream import Delta, Rows, Trace
 from thoughtjax.errors import UserError
 from thoughtjax.sampling import (
@@ -118,6 +119,7 @@ class SlotState(NamedTuple):
   cursor: jax.Array  # [] i32, absolute position the next step writes (ring index cursor mod S)
   done: jax.Array  # [N] bool
   count: jax.Array  # [N] i32, tokens generated per slot (the prefill's first token included)
+  out: jax.Array  # [N, S] i32, each slot's tokens at [0, count), -1 after (what ``read`` returns)
 
 
 @dataclasses.dataclass
@@ -283,7 +285,7 @@ class SlotRun:
 
 
 @dataclasses.dataclass(frozen=True)
-class SlotKey(program_lib.DecodeKey):
+class SlotKey(DecodeKey):
   """A slot program's key: the path, the number of slots, the ring's length, decode steps per chunk, kernels."""
 
   slots: int
@@ -292,8 +294,14 @@ class SlotKey(program_lib.DecodeKey):
   kernels: str | None
 
 
-class SlotProgram:
-  """The compiled functions of one slot layout (shared by every engine of that layout; see :func:`slot_program`)."""
+class SlotProgram(DecodeProgram):
+  """The compiled functions of one slot layout (shared by every engine of that layout; see :func:`slot_program`).
+
+  It is the decode program interface (:class:`~thoughtjax.decode.interface.DecodeProgram`) over N slots:
+  :meth:`prefill` puts N prompts into the N slots, :meth:`advance` runs a decode chunk of every slot in use,
+  :meth:`read` gives each slot's tokens; a :class:`SlotEngine` uses the same executables piecewise
+  (``prefill_rows`` of waiting requests apart, ``insert`` into a free slot, ``chunk`` / ``chunk_rows``) so
+  requests join and leave between chunks."""
 
   def __init__(self, key: SlotKey, defs: GraphDefs, cfg):
     self.key, self.defs, self.cfg, self.layers, self.kernels = key, defs, cfg, key.layers, key.kernels
@@ -301,7 +309,7 @@ class SlotProgram:
     self.init = jax.jit(self._init_impl)
     self.chunk = jax.jit(self._chunk_impl, static_argnums=(4,), donate_argnums=(2,))
     self.chunk_rows = jax.jit(self._chunk_rows_impl, static_argnums=(5,), donate_argnums=(2,))
-    self.prefill = jax.jit(self._prefill_impl, static_argnums=(4,))
+    self.prefill_rows = jax.jit(self._prefill_impl, static_argnums=(4,))
     self.prefill_after = jax.jit(self._prefill_after_impl, static_argnums=(6,))
     self.blocks = jax.jit(self._blocks_impl, static_argnums=(2,))
     self.insert = jax.jit(self._insert_impl, donate_argnums=(0,))
@@ -311,7 +319,36 @@ class SlotProgram:
     N = self.slots
     caches = layout.empty_caches(self.cfg, self.layers, N, self.cache_len)
     zeros = jnp.zeros(N, jnp.int32)
-    return SlotState(caches, zeros, zeros, jnp.zeros((), jnp.int32), jnp.ones(N, bool), zeros)
+    out = jnp.full((N, self.cache_len), -1, jnp.int32)
+    return SlotState(caches, zeros, zeros, jnp.zeros((), jnp.int32), jnp.ones(N, bool), zeros, out)
+
+  # ---- the decode program interface (a pool of N slots filled at once) --------------------------
+  def init_state(self, parts=None) -> SlotState:
+    return program_lib.on_device_of(self.init(), parts)
+
+  def prefill(self, inputs: DecodeInputs, state: SlotState) -> SlotState:
+    """The N prompts of ``inputs`` ([N, T], left-padded) prefilled in one call, prompt p into slot p at the
+    cursor; ``inputs.mode`` is their sampling mode, ``inputs.samp`` has N rows (a slot's prompt + max_tokens
+    must fit the ring). ``state`` is donated."""
+    tokens = inputs.prompt
+    P, T = tokens.shape
+    if P != self.slots or inputs.mode is None:
+      raise SlotRequestError(f"a slot program's prefill takes {self.slots} prompts and a sampling mode; got {P}")
+    kv, token, done = self.prefill_rows(inputs.parts, tokens, inputs.pad, inputs.samp, inputs.mode)
+    lengths = T - np.asarray(jax.device_get(inputs.pad))
+    one = jnp.int32(1)
+    for p in range(P):
+      p_ = jnp.int32(p)
+      state = self.insert(state, kv, p_, p_, jnp.int32(lengths[p]), token, (done[p], one))
+    return state
+
+  def advance(self, inputs: DecodeInputs, state: SlotState) -> SlotState:
+    """One decode chunk of every slot still running (``state`` donated)."""
+    state, _, _ = self.chunk(inputs.parts, inputs.samp, state, jnp.ones(self.slots, bool), inputs.mode)
+    return state
+
+  def read(self, state: SlotState) -> Tokens:
+    return Tokens(state.out, state.count, state.done)
 
   def _chunk_impl(self, parts, samp: SamplingArrays, state: SlotState, active, mode: SamplingMode):
     """Up to ``chunk`` decode steps of every slot; returns the state, tokens [N, chunk] (-1: none), steps."""
@@ -328,6 +365,7 @@ class SlotProgram:
       state.cursor,
       state.done[rows],
       state.count[rows],
+      state.out[rows],
     )
     sub, out, steps = self._decode(parts, jax.tree.map(lambda x: x[rows], samp), sub, active, mode)
     state = SlotState(
@@ -339,6 +377,7 @@ class SlotProgram:
       sub.cursor,
       state.done.at[rows].set(sub.done),
       state.count.at[rows].set(sub.count),
+      state.out.at[rows].set(sub.out),
     )
     return state, jnp.full((self.slots, self.steps_per_chunk), -1, jnp.int32).at[rows].set(out), steps
 
@@ -357,7 +396,8 @@ class SlotProgram:
       count = st.count + live.astype(jnp.int32)
       done = st.done | (live & stop) | (live & (count >= samp.max_new))
       out = jax.lax.dynamic_update_slice(out, jnp.where(live, token, -1)[:, None], (jnp.zeros((), jnp.int32), i))
-      st = SlotState(tuple(caches), jnp.where(live, token, st.token), st.start, c + 1, done, count)
+      hist = st.out.at[jnp.arange(N), jnp.where(live, st.count, S)].set(token, mode="drop")  # a row's token #count
+      st = SlotState(tuple(caches), jnp.where(live, token, st.token), st.start, c + 1, done, count, hist)
       return i + 1, st, out
 
     def cond(carry):
@@ -466,6 +506,7 @@ class SlotProgram:
         rows.append(jnp.where(valid[None, :, None], jnp.take(one, src, axis=1), 0).astype(ck.dtype))
       caches.append((ck.at[slot].set(rows[0]), cv.at[slot].set(rows[1])))
     done, count = done_count
+    first = jnp.where(jnp.arange(S) == 0, token[row], -1)  # the prefill's token is the slot's first
     return SlotState(
       tuple(caches),
       state.token.at[slot].set(token[row]),
@@ -473,6 +514,7 @@ class SlotProgram:
       c,
       state.done.at[slot].set(done),
       state.count.at[slot].set(count),
+      state.out.at[slot].set(first),
     )
 
 
@@ -696,7 +738,7 @@ class SlotEngine:
     started = time.perf_counter()
     with COMPILE_CLOCK.measure() as compile_s:
       if chains is None:
-        kv, token, done = self.program.prefill(
+        kv, token, done = self.program.prefill_rows(
           self.parts, jnp.asarray(tokens), jnp.asarray(pad), samp, program_mode(params)
         )
       else:
@@ -759,7 +801,7 @@ class SlotEngine:
         samp = sampling_arrays([params] * P, P, self.cfg.vocab_size, self.stop_width, self.model.codec.eos_ids, bias)
         # From host arrays, as requests come: the transfer of each shape is compiled too.
         tokens, pad = jnp.asarray(np.zeros((P, T), np.int32)), jnp.asarray(np.full((P,), T - 1, np.int32))
-        kv, token, _ = self.program.prefill(self.parts, tokens, pad, samp, mode)
+        kv, token, _ = self.program.prefill_rows(self.parts, tokens, pad, samp, mode)
         self._warm_insert(kv, token)
         if self.prefix_cache is not None:  # a new prompt's blocks are cut from its prefill's keys into the cache
           block = _block_at(self.program.blocks(kv, pad, self.prefix_cache.block_tokens), jnp.int32(0), jnp.int32(0))
