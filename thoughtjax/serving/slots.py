@@ -417,16 +417,9 @@ class SlotProgram(DecodeProgram):
     P, T = tokens.shape
     positions, mask = layout.prefill(pad, T, T)
     caches = layout.empty_caches(self.cfg, self.layers, P, T)
-    # run_path's loop, stopping before the head: only the last position's logits are needed.
-    x = embed(tokens)
-    cfg = path_config(blocks)
-    cos, sin = (None, None) if cfg is None else rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-    out = []
-    for block, (ck, cv) in zip(blocks, caches, strict=True):
-      x, ck, cv = block(x, cos, sin, ck, cv, jnp.zeros((), jnp.int32), mask)
-      out.append((ck, cv))
-    logits = head(x[:, -1:], embed.table[...])
-    token, stop = sample(logits[:, -1], samp, jnp.zeros((), jnp.int32), mode, self.kernels)
+    zero = jnp.zeros((), jnp.int32)
+    logits, out = run_path(embed, blocks, head, tokens, positions, caches, zero, mask, last=True)
+    token, stop = sample(logits[:, -1], samp, zero, mode, self.kernels)
     return tuple(out), token, stop | (samp.max_new <= 1)
 
   def _prefill_after_impl(self, parts, prefix, tokens, pad, have, samp: SamplingArrays, mode: SamplingMode):
