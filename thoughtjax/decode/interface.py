@@ -1,8 +1,7 @@
 """The decode program interface: what plain, speculative and slot programs share, and the one host loop over it.
 
-In the spirit of JetStream's engine API, a program is compiled for one key (a
-:class:`DecodeKey`; paths of one shape share it, their weights are arguments) and drives
-a device state the host never copies back whole:
+In the spirit of JetStream's engine API, a program is compiled for one key (a :class:`DecodeKey`; paths of one
+shape share it, their weights are arguments) and drives a device state the host never copies back whole:
 
 >>> state = program.init_state(inputs.parts)   # empty rows, on the device the parts live on
 >>> state = program.prefill(inputs, state)     # every prompt into its row, its first token sampled
@@ -42,9 +41,10 @@ from thoughtjax.transformer import path_shape
 
 @dataclasses.dataclass(frozen=True)
 class DecodeKey:
-  """What a compiled decode program is keyed by; every program family's key extends it (:class:`~thoughtjax.decode.program.ProgramKey`, the
-  speculative ``SpecKey``, the serving ``SlotKey``). :data:`~thoughtjax.decode.program.PROGRAMS` holds a program under its key's
-  :meth:`shape`, so paths of one structure share it: weights are arguments."""
+  """What a compiled decode program is keyed by; every program family's key extends it
+  (:class:`~thoughtjax.decode.program.ProgramKey`, the speculative ``SpecKey``, the serving ``SlotKey``).
+  :data:`~thoughtjax.decode.program.PROGRAMS` holds a program under its key's :meth:`shape`, so paths of one
+  structure share it: weights are arguments."""
 
   layers: tuple[int, ...]  # path as layer indices, repeats allowed
 
@@ -140,6 +140,11 @@ class DecodeProgram(abc.ABC):
     """The state's tokens (device arrays; the caller fetches them)."""
 
 
+def _fetch(program: DecodeProgram, state) -> Tokens:
+  """The state's tokens on the host, in one transfer."""
+  return Tokens(*jax.device_get(tuple(program.read(state))))
+
+
 def run_chunks(
   program: DecodeProgram,
   inputs: DecodeInputs,
@@ -169,7 +174,7 @@ def run_chunks(
     trace.device_start = time.perf_counter()
     with COMPILE_CLOCK.measure() as compile_s:
       state = program.prefill(call(inputs), program.init_state(inputs.parts))
-      tokens = Tokens(*jax.device_get(tuple(program.read(state))))
+      tokens = _fetch(program, state)
     trace.compile_s = compile_s[0]
     trace.first_token = time.perf_counter()
     while True:
@@ -189,7 +194,7 @@ def run_chunks(
         return
       state = program.advance(call(inputs), state)
       trace.decode_chunks += 1
-      tokens = Tokens(*jax.device_get(tuple(program.read(state))))
+      tokens = _fetch(program, state)
   finally:
     trace.end = time.perf_counter()
     trace.tokens_out = list(rows.counts)

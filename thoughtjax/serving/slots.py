@@ -387,7 +387,7 @@ class SlotProgram(DecodeProgram):
     N, S, C = state.token.shape[0], self.cache_len, self.steps_per_chunk
 
     def body(carry):
-      i, st, out = carry
+      i, st = carry
       c = st.cursor
       live = active & ~st.done
       positions, mask, w = layout.ring_step(c, st.start, S)
@@ -395,18 +395,21 @@ class SlotProgram(DecodeProgram):
       token, stop = sample(logits[:, -1], samp, c, mode, self.kernels)
       count = st.count + live.astype(jnp.int32)
       done = st.done | (live & stop) | (live & (count >= samp.max_new))
-      out = jax.lax.dynamic_update_slice(out, jnp.where(live, token, -1)[:, None], (jnp.zeros((), jnp.int32), i))
       hist = st.out.at[jnp.arange(N), jnp.where(live, st.count, S)].set(token, mode="drop")  # a row's token #count
       st = SlotState(tuple(caches), jnp.where(live, token, st.token), st.start, c + 1, done, count, hist)
-      return i + 1, st, out
+      return i + 1, st
 
     def cond(carry):
-      i, st, _ = carry
+      i, st = carry
       return (i < C) & jnp.any(active & ~st.done)
 
-    init = (jnp.zeros((), jnp.int32), state, jnp.full((N, C), -1, jnp.int32))
-    steps, state, out = jax.lax.while_loop(cond, body, init)
-    return state, out, steps
+    start = state.count
+    steps, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
+    # A row runs from the chunk's first step until it stops, so its chunk tokens follow its earlier ones in the
+    # history: [N, C], -1 where a row produced none.
+    j = jnp.arange(C)[None, :]
+    got = jnp.take_along_axis(state.out, jnp.minimum(start[:, None] + j, S - 1), axis=1)
+    return state, jnp.where(j < (state.count - start)[:, None], got, -1), steps
 
   def _prefill_impl(self, parts, tokens, pad, samp: SamplingArrays, mode: SamplingMode):
     """The prefill of P left-padded prompts [P, T] (row p's prompt in [pad[p], T)): per path block (k, v)
