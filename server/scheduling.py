@@ -400,12 +400,17 @@ class ContinuousScheduler(SimpleScheduler):
       box["driver"] = self._executor.submit(self._lease, run.request.model, len(ids) + params.max_tokens)
       driver = await asyncio.wrap_future(box["driver"])
       ready: asyncio.Queue = asyncio.Queue()
+
       # The driver prefills it with the others waiting then; its first token goes out as soon as that call ends.
-      box["insert"] = self._executor.submit(
-        driver.submit, ids, params, on_delta=lambda d: loop.call_soon_threadsafe(ready.put_nowait, d)
-      )
+      def submit():
+        slot = driver.submit(ids, params, on_delta=lambda d: loop.call_soon_threadsafe(ready.put_nowait, d))
+        # Its row counts in the engine from now: released here, not once back on the loop, so no plan meanwhile
+        # sees it twice (in the engine and as reserved).
+        _unreserve(run)
+        return slot
+
+      box["insert"] = self._executor.submit(submit)
       slot = box["slot"] = await asyncio.wrap_future(box["insert"])
-      _unreserve(run)  # its row is in the engine now
       run.run_in(slot)
       yield run
       while True:
