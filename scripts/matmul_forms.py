@@ -190,13 +190,13 @@ def build_step(engine, batch: int, prompt: int = 8, new: int = 64):
 
   def chunk() -> tuple[float, float]:
     state = prog.init_state(engine.parts)
-    state = state._replace(step=jnp.ones((), jnp.int32), token=jnp.ones((batch,), jnp.int32))
+    state = state._replace(cursor=jnp.int32(T), start=pad, token=jnp.ones((batch,), jnp.int32))  # as after a prefill
     state = jax.block_until_ready(compiled(engine.parts, tokens, pad, samp, state))  # first chunk: warm
-    before = int(state.step)  # the state is donated to the next call
+    before = int(state.cursor)  # the state is donated to the next call
     c, t = time.process_time(), time.perf_counter()
     after = jax.block_until_ready(compiled(engine.parts, tokens, pad, samp, state))
     wall, cpu = (time.perf_counter() - t) * 1e3, (time.process_time() - c) * 1e3
-    steps = int(after.step) - before
+    steps = int(after.cursor) - before
     return wall / steps, cpu / steps
 
   return chunk

@@ -97,3 +97,35 @@ def test_a_slot_programs_prefill_fills_every_slot(model):
     slots.prefill(inputs._replace(mode=program_mode(PARAMS)), slots.init_state())
   with pytest.raises(TypeError, match="abstract"):
     type("Half", (DecodeProgram,), {"init_state": lambda self, parts=None: None})()
+
+
+def test_plain_generation_is_a_pool_of_one_prefill_the_slot_step_continues(model):
+  """A plain program's state is a pool's state: after its prefill and a chunk, the slot program of the same rows and
+  ring continues it, step for step, to the tokens and keys the plain program reaches on its own."""
+  request = _request(model)
+  fields = request.key_fields()
+  B, T, N = fields["batch"], fields["prompt_len"], fields["max_new"]
+  tokens, pad = request.left_padded(B, T)
+  samp = sampling_arrays(PARAMS, B, model.config.vocab_size, fields["stop_width"], None, False)
+  defs = GraphDefs.from_model(model.module)
+  key = program_lib.ProgramKey(model.layers, **fields, chunk=model.chunk)
+  plain = program_lib.PROGRAMS.get(key, defs, model.config, program_lib.Program)
+  slots = slot_program(defs, model.config, model.layers, B, T + N, model.chunk, None)
+  inputs = DecodeInputs(model.parts.by_position(model.layers), jax.device_put(tokens), jax.device_put(pad), samp)
+
+  def started():
+    return plain.advance(inputs, plain.prefill(inputs, plain.init_state(inputs.parts)))
+
+  alone, pooled = started(), started()
+  assert type(alone) is type(pooled) is type(slots.init_state())
+  assert int(alone.cursor) == T + model.chunk and int(jax.device_get(alone.count).min()) > 1
+  alone = plain.advance(inputs, alone)
+  pooled = slots.advance(inputs._replace(mode=program_mode(PARAMS)), pooled)
+  a, p = jax.device_get(alone), jax.device_get(pooled)
+  assert int(a.cursor) == int(p.cursor) > T + model.chunk
+  np.testing.assert_array_equal(a.count, p.count)
+  np.testing.assert_array_equal(a.out, p.out)
+  np.testing.assert_array_equal(a.done, p.done)
+  for (ak, av), (pk, pv) in zip(a.caches, p.caches, strict=True):
+    np.testing.assert_array_equal(ak, pk)
+    np.testing.assert_array_equal(av, pv)

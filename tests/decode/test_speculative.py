@@ -142,7 +142,7 @@ def test_an_int8_draft_has_caches_of_its_own_and_agrees_more_than_a_cut_path(eng
     engine, DecodeRequest([PROMPTS[0]], [SamplingParams(max_tokens=8)], [[]]), "embed, blocks[0:3)@int8, head"
   )
   state = jax.eval_shape(req.program._init_impl)
-  assert len(state.draft_caches) == 3 and state.draft_caches[0][0].shape == state.caches[0][0].shape
+  assert len(state.draft_caches) == 3 and state.draft_caches[0][0].shape == state.rows.caches[0][0].shape
 
   def acceptance(draft):
     t = engine.stream(PROMPTS[2], max_tokens=40, ignore_eos=True, draft=draft, draft_tokens=4)

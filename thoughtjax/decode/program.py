@@ -15,10 +15,14 @@ It implements the decode program interface (:class:`~thoughtjax.decode.interface
 ``prefill``, ``advance``, ``read``) with one compiled executable, ``_advance(parts, prompt, pad, sampling,
 state)``, which runs, inside XLA,
 
-* on an empty state (``state.step == 0``, :meth:`Program.prefill`): the prefill over the left-padded prompt
+* on an empty state (no prompt in yet, :meth:`Program.prefill`): the prefill over the left-padded prompt
   [B, T] and the first sampled token, so the first token is out after one prefill;
 * on later calls (:meth:`Program.advance`): up to ``chunk`` decode steps in a ``lax.while_loop`` over the KV
   cache, ending early when every row has stopped.
+
+Plain generation is a pool of B rows filled by that one prefill and never refilled: its state is the
+:class:`~thoughtjax.decode.state.DecodeState` a slot engine's pool keeps, and its decode chunk is the same traced
+step (:func:`~thoughtjax.decode.state.decode_chunk`) over a ring of ``T + N`` slots that never wraps.
 
 Tokens reach the host after every call (short fixed-size chunks), so a caller that stops
 asking stops the device work at the next chunk. A variant that pushes each token out through
@@ -59,9 +63,11 @@ from jax.experimental import io_callback
 
 from thoughtjax import cachedir, exported, settings
 from thoughtjax.decode import layout
+from thoughtjax.decode import state as state_lib
 from thoughtjax.decode.interface import DecodeInputs, DecodeKey, DecodeProgram, Tokens
+from thoughtjax.decode.state import DecodeState
 from thoughtjax.kernels.template_embed import template_embed
-from thoughtjax.sampling import SamplingArrays, SamplingMode, sample
+from thoughtjax.sampling import SamplingMode, sample
 
 # GraphDefs, PathParts and merge_path live with the model; re-exported here for old imports.
 from thoughtjax.transformer import (
@@ -149,15 +155,6 @@ def sequence_logits(defs: GraphDefs, layers: tuple[int, ...], parts: PathParts, 
 score_logits = jax.jit(sequence_logits, static_argnums=(0, 1))
 
 
-class DecodeState(NamedTuple):
-  caches: tuple[tuple[jax.Array, jax.Array], ...]  # per path entry (layout.empty_caches): keys, values
-  token: jax.Array  # [B] i32, last sampled
-  step: jax.Array  # i32, tokens generated so far
-  done: jax.Array  # [B] bool
-  out: jax.Array  # [B, N] i32, generated tokens, -1 where none
-  count: jax.Array  # [B] i32, tokens generated per row
-
-
 def on_device_of(state, parts: PathParts | None):
   """``state`` committed to the one device ``parts`` live on (as it is when they span none or several)."""
   leaves = jax.tree.leaves(parts) if parts is not None else []
@@ -195,28 +192,11 @@ class Program(DecodeProgram):
 
   def _init_impl(self) -> DecodeState:
     k = self.key
-    caches = self._init_caches()
-    return DecodeState(
-      caches,
-      jnp.zeros(k.batch, jnp.int32),
-      jnp.zeros((), jnp.int32),
-      jnp.zeros(k.batch, bool),
-      jnp.full((k.batch, k.max_new), -1, jnp.int32),
-      jnp.zeros(k.batch, jnp.int32),
-    )
-
-  def _record(self, state: DecodeState, token, stop, samp: SamplingArrays) -> DecodeState:
-    live = ~state.done
-    out = jax.lax.dynamic_update_slice(
-      state.out, jnp.where(live, token, -1)[:, None], (jnp.zeros((), jnp.int32), state.step)
-    )
-    count = state.count + live.astype(jnp.int32)
-    done = state.done | (live & stop) | (count >= samp.max_new)
-    return state._replace(
-      token=jnp.where(live, token, state.token), step=state.step + 1, done=done, out=out, count=count
-    )
+    return state_lib.empty(self._init_caches(), k.batch, k.max_new, free=False)
 
   def _prefill(self, parts, prompt, pad, samp, state):
+    """The prefill of every row at ring slots [0, T) (row b's prompt from ``pad[b]``, so it starts there) and its
+    first token, sampled as step 0."""
     k = self.key
     T = k.prompt_len
     positions, mask = layout.prefill(pad, T, k.cache_len)
@@ -236,33 +216,32 @@ class Program(DecodeProgram):
     logits, caches = self._run(
       parts, prompt, positions, state.caches, jnp.zeros((), jnp.int32), mask, embeddings, last=True
     )
-    token, stop = sample(logits[:, -1], samp, state.step, k.mode, k.kernels)
-    return self._record(state._replace(caches=caches), token, stop, samp)
+    token, stop = sample(logits[:, -1], samp, jnp.zeros((), jnp.int32), k.mode, k.kernels)
+    return state_lib.prefilled(state, caches, pad, T, token, stop, samp)
 
-  def _decode_step(self, parts, pad, samp, state):
+  def _decode_chunk(self, parts, prompt, pad, samp, state, steps=None):
+    """Up to ``steps`` (default the key's chunk) decode steps: the one decode step of every pool
+    (:func:`~thoughtjax.decode.state.decode_chunk`); step n (the prefill's token is step 0) writes at slot
+    T + n - 1 and samples step n, and no step writes past T + N - 2 (N tokens in all)."""
+    del prompt, pad
     k = self.key
-    slot = k.prompt_len + state.step - 1
-    positions, mask = layout.step_at(pad, slot, k.cache_len)
-    logits, caches = self._run(parts, state.token[:, None], positions, state.caches, slot, mask)
-    token, stop = sample(logits[:, -1], samp, state.step, k.mode, k.kernels)
-    return self._record(state._replace(caches=caches), token, stop, samp)
-
-  def _decode_chunk(self, parts, prompt, pad, samp, state):
-    del prompt
-    k = self.key
-
-    def cond(c):
-      i, st = c
-      return (i < k.chunk) & (st.step < k.max_new) & ~jnp.all(st.done)
-
-    def body(c):
-      i, st = c
-      return i + 1, self._decode_step(parts, pad, samp, st)
-
-    return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))[1]
+    T = k.prompt_len
+    return state_lib.decode_chunk(
+      lambda *a: self._run(parts, *a),
+      state,
+      samp,
+      jnp.ones(k.batch, bool),
+      k.mode,
+      k.kernels,
+      steps=k.chunk if steps is None else steps,
+      ring=k.cache_len,
+      base=T - 1,
+      limit=T + k.max_new - 1,
+    )[0]
 
   def _advance_impl(self, parts, prompt, pad, samp, state):
-    return jax.lax.cond(state.step == 0, self._prefill, self._decode_chunk, parts, prompt, pad, samp, state)
+    empty = state.cursor == 0  # no prompt in yet
+    return jax.lax.cond(empty, self._prefill, self._decode_chunk, parts, prompt, pad, samp, state)
 
   # ---- host API (thoughtjax.decode.interface.DecodeProgram) ---------------------------------
   def init_state(self, parts: PathParts | None = None) -> DecodeState:
@@ -272,7 +251,7 @@ class Program(DecodeProgram):
 
   def prefill(self, inputs: DecodeInputs, state: DecodeState) -> DecodeState:
     """The prefill of every row and its first token (``state`` empty, donated). Prefill and decode chunks are
-    one executable that branches on ``state.step``: one compile per key, one exported program."""
+    one executable that branches on whether the state is empty: one compile per key, one exported program."""
     return self._advance(inputs.parts, inputs.prompt, inputs.pad, inputs.samp, state)
 
   def advance(self, inputs: DecodeInputs, state: DecodeState) -> DecodeState:
@@ -299,14 +278,16 @@ class Program(DecodeProgram):
 
   def _callback_impl(self, parts, prompt, pad, samp, slot):
     k = self.key
+    T = k.prompt_len
 
     def emit(st):
+      step = st.cursor - (T - 1)  # tokens generated so far (every row that runs has this many)
       return io_callback(
         _CALLBACKS.dispatch,
         jax.ShapeDtypeStruct((), jnp.bool_),
         slot,
-        st.step,
-        jax.lax.dynamic_index_in_dim(st.out, st.step - 1, axis=1, keepdims=False),
+        step,
+        jax.lax.dynamic_index_in_dim(st.out, step - 1, axis=1, keepdims=False),
         st.done,
         ordered=True,
       )
@@ -316,11 +297,11 @@ class Program(DecodeProgram):
 
     def cond(c):
       st, cancel = c
-      return (st.step < k.max_new) & ~jnp.all(st.done) & ~cancel
+      return (st.cursor < T + k.max_new - 1) & ~jnp.all(st.done) & ~cancel
 
     def body(c):
       st, _ = c
-      st = self._decode_step(parts, pad, samp, st)
+      st = self._decode_chunk(parts, None, pad, samp, st, steps=1)
       return st, emit(st)
 
     return jax.lax.while_loop(cond, body, (state, cancel))[0]

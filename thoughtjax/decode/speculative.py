@@ -56,9 +56,11 @@ import numpy as np
 from thoughtjax import quantized
 from thoughtjax.decode import layout
 from thoughtjax.decode import program as program_lib
+from thoughtjax.decode import state as state_lib
 from thoughtjax.decode.interface import DecodeInputs, DecodeProgram, Tokens, run_chunks
 from thoughtjax.decode.program import ProgramKey
 from thoughtjax.decode.request import DecodeRequest
+from thoughtjax.decode.state import DecodeState
 from thoughtjax.decode.stream import Generation, Rows, Trace
 from thoughtjax.errors import UserError
 from thoughtjax.path_syntax import format_path, parse_path
@@ -142,12 +144,10 @@ class SpecKey(ProgramKey):
 
 
 class SpecState(NamedTuple):
-  caches: tuple[tuple[jax.Array, jax.Array], ...]  # per full-path block (bridges: placeholders)
-  token: jax.Array  # [B] i32, last token, not yet in the cache
-  count: jax.Array  # [B] i32, tokens generated per row
-  done: jax.Array  # [B] bool
-  out: jax.Array  # [B, N + K + 1] i32, row b's tokens at [0, count[b]), -1 after
-  started: jax.Array  # bool, prefill done
+  """A pool's rows (:class:`~thoughtjax.decode.state.DecodeState`: the full path's caches, tokens, counts; ``out``
+  [B, N + K + 1]) and what the draft adds."""
+
+  rows: DecodeState
   drafted: jax.Array  # [B] i32
   accepted: jax.Array  # [B] i32
   passes: jax.Array  # [B] i32, verify passes
@@ -231,12 +231,7 @@ class SpecProgram(DecodeProgram):
     caches = layout.empty_caches(self.cfg, k.layers, k.batch, k.cache_len)
     zeros = jnp.zeros(k.batch, jnp.int32)
     return SpecState(
-      caches,
-      zeros,
-      zeros,
-      jnp.zeros(k.batch, bool),
-      jnp.full((k.batch, k.max_new + k.draft_tokens + 1), -1, jnp.int32),
-      jnp.zeros((), bool),
+      state_lib.empty(caches, k.batch, k.max_new + k.draft_tokens + 1, free=False),
       zeros,
       zeros,
       zeros,
@@ -256,7 +251,7 @@ class SpecProgram(DecodeProgram):
     return self._advance(inputs.parts, inputs.prompt, inputs.pad, inputs.samp, inputs.vocab_ids, state)
 
   def read(self, state: SpecState) -> Tokens:
-    return Tokens(state.out, state.count, state.done)
+    return Tokens(state.rows.out, state.rows.count, state.rows.done)
 
   def lower(self, inputs: DecodeInputs):
     """The lowered program of these inputs' shapes (HLO inspection)."""
@@ -270,7 +265,7 @@ class SpecProgram(DecodeProgram):
     embed, blocks, head = merge_path(self.defs, parts, k.layers)
     positions, mask = layout.prefill(pad, k.prompt_len, k.cache_len)
     zero = jnp.zeros((), jnp.int32)
-    logits, caches = run_path(embed, blocks, head, prompt, positions, st.caches, zero, mask, last=True)
+    logits, caches = run_path(embed, blocks, head, prompt, positions, st.rows.caches, zero, mask, last=True)
     draft_caches = st.draft_caches
     if k.own:  # the draft's own blocks see the prompt too: from the residual after the shared blocks
       _, draft_blocks, _ = merge_path(self.defs, parts, k.draft[: k.shared + k.own])
@@ -284,16 +279,8 @@ class SpecProgram(DecodeProgram):
         new.append((ck, cv))
       draft_caches = tuple(new)
     token, stop = sample(logits[:, -1], samp, zero, k.mode, k.kernels)
-    count = jnp.ones_like(st.count)
-    return st._replace(
-      caches=tuple(caches),
-      draft_caches=draft_caches,
-      token=token,
-      count=count,
-      done=stop | (count >= samp.max_new),
-      out=st.out.at[:, 0].set(token),
-      started=jnp.ones((), bool),
-    )
+    rows = state_lib.prefilled(st.rows, caches, pad, k.prompt_len, token, stop, samp)
+    return st._replace(rows=rows, draft_caches=draft_caches)
 
   def _blocks(self, blocks, slots, x, positions, caches, write_at, mask):
     """Run ``blocks`` (path slots ``slots``) over x [B, J, D]; row b writes its J keys at slot write_at[b]."""
@@ -331,16 +318,17 @@ class SpecProgram(DecodeProgram):
     greedy_only = k.mode is SamplingMode.GREEDY
     embed, full_blocks, head = merge_path(self.defs, parts, k.layers)
     _, draft_blocks, _ = merge_path(self.defs, parts, k.draft) if k.draft else (None, [], None)
-    B = st.token.shape[0]
-    slot0 = k.prompt_len + st.count - 1  # [B] cache slot of d_0
-    live = ~st.done
+    pool = st.rows
+    B = pool.token.shape[0]
+    slot0 = pool.cursor + pool.count - 1  # [B] cache slot of d_0 (the cursor stays where the prefill left it)
+    live = ~pool.done
     draft_bias = None
     if samp.logit_bias is not None:
       draft_bias = samp.logit_bias if vocab_ids is None else jnp.take(samp.logit_bias, vocab_ids, axis=1)
     keys = None
     if not greedy_only:  # per (seed, tokens so far): a row draws the same whatever its batch
       keys = jax.vmap(lambda sd, c: jax.random.split(jax.random.fold_in(jax.random.key(sd), c), K + 2))(
-        samp.seed, st.count
+        samp.seed, pool.count
       )
 
     def shared_pass(caches, tok, j):
@@ -376,16 +364,16 @@ class SpecProgram(DecodeProgram):
       return caches, dcaches, toks, resid, qlog
 
     if k.ngram:
-      toks = jnp.concatenate([st.token[:, None], proposal], axis=1)
-      caches, dcaches, resid, qlog = st.caches, st.draft_caches, None, None
+      toks = jnp.concatenate([pool.token[:, None], proposal], axis=1)
+      caches, dcaches, resid, qlog = pool.caches, st.draft_caches, None, None
     else:
       D = self.cfg.d_model
       Vd = self.cfg.vocab_size if vocab_ids is None else k.draft_vocab
-      toks = jnp.zeros((B, K + 1), jnp.int32).at[:, 0].set(st.token)
+      toks = jnp.zeros((B, K + 1), jnp.int32).at[:, 0].set(pool.token)
       resid = jnp.zeros((B, K + 1, D), jnp.float32)
       qlog = jnp.zeros((B, K if not greedy_only else 0, Vd), jnp.float32)  # the draft's raw logits per step
       caches, dcaches, toks, resid, qlog = jax.lax.fori_loop(
-        0, K, draft_step, (st.caches, st.draft_caches, toks, resid, qlog)
+        0, K, draft_step, (pool.caches, st.draft_caches, toks, resid, qlog)
       )
 
     # Verify the K + 1 positions d_0..d_K in one pass.
@@ -445,23 +433,21 @@ class SpecProgram(DecodeProgram):
     new = jnp.where(j == n[:, None], bonus[:, None], new)
     stop = _is_stop(new, samp.stop_ids) & (j <= n[:, None])
     first_stop = jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1), K + 1)
-    take = jnp.minimum(jnp.minimum(n + 1, first_stop + 1), jnp.maximum(samp.max_new - st.count, 0))
+    take = jnp.minimum(jnp.minimum(n + 1, first_stop + 1), jnp.maximum(samp.max_new - pool.count, 0))
     take = jnp.where(live, take, 0)
-    idx = st.count[:, None] + j
+    idx = pool.count[:, None] + j
     written = jnp.where(j < take[:, None], new, -1)
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], idx.shape)
-    out = st.out.at[rows, idx].set(jnp.where(j < take[:, None], written, st.out[rows, idx]), mode="drop")
+    out = pool.out.at[rows, idx].set(jnp.where(j < take[:, None], written, pool.out[rows, idx]), mode="drop")
     last = jnp.take_along_axis(new, jnp.maximum(take - 1, 0)[:, None], axis=1)[:, 0]
-    count = st.count + take
-    done = st.done | (live & ((first_stop < take) | (count >= samp.max_new)))
+    count = pool.count + take
+    done = pool.done | (live & ((first_stop < take) | (count >= samp.max_new)))
     live_i = live.astype(jnp.int32)
     return st._replace(
-      caches=tuple(caches),
+      rows=pool._replace(
+        caches=tuple(caches), token=jnp.where(take > 0, last, pool.token), count=count, done=done, out=out
+      ),
       draft_caches=dcaches,
-      token=jnp.where(take > 0, last, st.token),
-      count=count,
-      done=done,
-      out=out,
       drafted=st.drafted + live_i * K,
       accepted=st.accepted + live_i * jnp.minimum(n, take),
       passes=st.passes + (live_i if K else 0),
@@ -470,17 +456,17 @@ class SpecProgram(DecodeProgram):
   def _decode_chunk(self, parts, prompt, pad, samp, vocab_ids, st):
     def cond(c):
       i, st = c
-      return (i < self.key.chunk) & ~jnp.all(st.done)
+      return (i < self.key.chunk) & ~jnp.all(st.rows.done)
 
     def body(c):
       i, st = c
       if not self.key.ngram:
         return i + 1, self._iteration(parts, pad, samp, vocab_ids, st)
       # History: the left-padded prompt at [pad, T), then the generated tokens at T + [0, count); d_0 is last.
-      hist = jnp.concatenate([prompt, st.out], axis=1)  # [B, S]
+      hist = jnp.concatenate([prompt, st.rows.out], axis=1)  # [B, S]
       k = self.key
-      proposal, matched = ngram_proposal(hist, pad, k.prompt_len + st.count - 1, k.ngram, k.draft_tokens)
-      draft = jnp.any(~st.done & (matched >= k.ngram_min))
+      proposal, matched = ngram_proposal(hist, pad, k.prompt_len + st.rows.count - 1, k.ngram, k.draft_tokens)
+      draft = jnp.any(~st.rows.done & (matched >= k.ngram_min))
       st = jax.lax.cond(
         draft,
         lambda st: self._iteration(parts, pad, samp, vocab_ids, st, proposal),
@@ -492,7 +478,8 @@ class SpecProgram(DecodeProgram):
     return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), st))[1]
 
   def _advance_impl(self, parts, prompt, pad, samp, vocab_ids, st):
-    return jax.lax.cond(st.started, self._decode_chunk, self._prefill, parts, prompt, pad, samp, vocab_ids, st)
+    started = st.rows.cursor > 0  # the prefill moved the cursor past the prompt
+    return jax.lax.cond(started, self._decode_chunk, self._prefill, parts, prompt, pad, samp, vocab_ids, st)
 
 
 # ---- host side ------------------------------------------------------------------------

@@ -48,7 +48,9 @@ every slot (the number of decode steps the engine has run): each step writes all
 ``c`` with ``n`` prompt tokens gets its prompt keys at absolute positions ``[c - n, c)``: its start is
 ``c - n``, its RoPE position at cursor ``c'`` is ``c' - start``, and ring index ``s`` (absolute position
 ``c' - ((c' - s) mod S)``) is visible to it when that position is ``>= start``. A request fits when
-``n + max_tokens <= S``, so its keys never wrap onto themselves; other slots live in other rows.
+``n + max_tokens <= S``, so its keys never wrap onto themselves; other slots live in other rows. The state
+(:class:`~thoughtjax.decode.state.DecodeState`) and the decode step (:func:`~thoughtjax.decode.state.decode_chunk`)
+are those of plain generation, whose pool of rows is filled once by its prefill and whose ring never wraps.
 
 Exactness: greedy tokens of a request in a slot equal those of the request alone through ``Model.generate``
 (tested with staggered arrivals, different lengths and cancelled neighbours); sampled tokens follow the
@@ -76,9 +78,11 @@ import numpy as np
 from thoughtjax.constraint import Matcher
 from thoughtjax.decode import layout
 from thoughtjax.decode import program as program_lib
+from thoughtjax.decode import state as state_lib
 from thoughtjax.decode.interface import COMPILE_CLOCK, DecodeInputs, DecodeKey, DecodeProgram, Tokens
 from thoughtjax.decode.masks import ALL, grammars_for
 from thoughtjax.decode.program import ProgramKey, bucket
+from thoughtjax.decode.state import DecodeState
 from thoughtjax.decode.stream import Delta, Rows, Trace
 from thoughtjax.errors import UserError
 from thoughtjax.sampling import (
@@ -108,18 +112,6 @@ class SlotsClosed(RuntimeError):
 
 class SlotRequestError(UserError, ValueError):
   """A request a slot engine cannot hold as given; the message names the limit and the fix."""
-
-
-class SlotState(NamedTuple):
-  """The device state every slot shares."""
-
-  caches: tuple[tuple[jax.Array, jax.Array], ...]  # per path block: [N, K, S, E] x2 (a bridge: [N, 1, 1, 1])
-  token: jax.Array  # [N] i32, each slot's last token
-  start: jax.Array  # [N] i32, absolute position of each slot's first prompt key
-  cursor: jax.Array  # [] i32, absolute position the next step writes (ring index cursor mod S)
-  done: jax.Array  # [N] bool
-  count: jax.Array  # [N] i32, tokens generated per slot (the prefill's first token included)
-  out: jax.Array  # [N, S] i32, each slot's tokens at [0, count), -1 after (what ``read`` returns)
 
 
 @dataclasses.dataclass
@@ -315,18 +307,16 @@ class SlotProgram(DecodeProgram):
     self.insert = jax.jit(self._insert_impl, donate_argnums=(0,))
 
   # ---- traced code (under jit) -------------------------------------------------------------------
-  def _init_impl(self) -> SlotState:
+  def _init_impl(self) -> DecodeState:
     N = self.slots
     caches = layout.empty_caches(self.cfg, self.layers, N, self.cache_len)
-    zeros = jnp.zeros(N, jnp.int32)
-    out = jnp.full((N, self.cache_len), -1, jnp.int32)
-    return SlotState(caches, zeros, zeros, jnp.zeros((), jnp.int32), jnp.ones(N, bool), zeros, out)
+    return state_lib.empty(caches, N, self.cache_len, free=True)
 
   # ---- the decode program interface (a pool of N slots filled at once) --------------------------
-  def init_state(self, parts=None) -> SlotState:
+  def init_state(self, parts=None) -> DecodeState:
     return program_lib.on_device_of(self.init(), parts)
 
-  def prefill(self, inputs: DecodeInputs, state: SlotState) -> SlotState:
+  def prefill(self, inputs: DecodeInputs, state: DecodeState) -> DecodeState:
     """The N prompts of ``inputs`` ([N, T], left-padded) prefilled in one call, prompt p into slot p at the
     cursor; ``inputs.mode`` is their sampling mode, ``inputs.samp`` has N rows (a slot's prompt + max_tokens
     must fit the ring). ``state`` is donated."""
@@ -342,23 +332,23 @@ class SlotProgram(DecodeProgram):
       state = self.insert(state, kv, p_, p_, jnp.int32(lengths[p]), token, (done[p], one))
     return state
 
-  def advance(self, inputs: DecodeInputs, state: SlotState) -> SlotState:
+  def advance(self, inputs: DecodeInputs, state: DecodeState) -> DecodeState:
     """One decode chunk of every slot still running (``state`` donated)."""
     state, _, _ = self.chunk(inputs.parts, inputs.samp, state, jnp.ones(self.slots, bool), inputs.mode)
     return state
 
-  def read(self, state: SlotState) -> Tokens:
+  def read(self, state: DecodeState) -> Tokens:
     return Tokens(state.out, state.count, state.done)
 
-  def _chunk_impl(self, parts, samp: SamplingArrays, state: SlotState, active, mode: SamplingMode):
+  def _chunk_impl(self, parts, samp: SamplingArrays, state: DecodeState, active, mode: SamplingMode):
     """Up to ``chunk`` decode steps of every slot; returns the state, tokens [N, chunk] (-1: none), steps."""
     return self._decode(parts, samp, state, active, mode)
 
-  def _chunk_rows_impl(self, parts, samp: SamplingArrays, state: SlotState, rows, active, mode: SamplingMode):
+  def _chunk_rows_impl(self, parts, samp: SamplingArrays, state: DecodeState, rows, active, mode: SamplingMode):
     """:meth:`_chunk_impl` computed on the W slots ``rows`` only (W < N, distinct; ``active`` [W] marks the
     slots in use among them): their caches and settings are gathered, decoded, and written back, so a step costs
     W rows, not N. Returns the state, tokens [N, chunk] (-1 for every other slot) and the steps run."""
-    sub = SlotState(
+    sub = DecodeState(
       tuple((k[rows], v[rows]) for k, v in state.caches),
       state.token[rows],
       state.start[rows],
@@ -368,7 +358,7 @@ class SlotProgram(DecodeProgram):
       state.out[rows],
     )
     sub, out, steps = self._decode(parts, jax.tree.map(lambda x: x[rows], samp), sub, active, mode)
-    state = SlotState(
+    state = DecodeState(
       tuple(
         (k.at[rows].set(sk), v.at[rows].set(sv)) for (k, v), (sk, sv) in zip(state.caches, sub.caches, strict=True)
       ),
@@ -381,30 +371,17 @@ class SlotProgram(DecodeProgram):
     )
     return state, jnp.full((self.slots, self.steps_per_chunk), -1, jnp.int32).at[rows].set(out), steps
 
-  def _decode(self, parts, samp: SamplingArrays, state: SlotState, active, mode: SamplingMode):
-    """Up to ``chunk`` decode steps of the rows of ``state`` (any number of them, all sharing the cursor)."""
+  def _decode(self, parts, samp: SamplingArrays, state: DecodeState, active, mode: SamplingMode):
+    """Up to ``chunk`` decode steps of the rows of ``state`` (any number of them, all sharing the cursor): the one
+    decode step of every pool (:func:`~thoughtjax.decode.state.decode_chunk`), sampling step ``cursor``."""
     embed, blocks, head = merge_path(self.defs, parts, self.layers)
-    N, S, C = state.token.shape[0], self.cache_len, self.steps_per_chunk
+    S, C = self.cache_len, self.steps_per_chunk
 
-    def body(carry):
-      i, st = carry
-      c = st.cursor
-      live = active & ~st.done
-      positions, mask, w = layout.ring_step(c, st.start, S)
-      logits, caches = run_path(embed, blocks, head, st.token[:, None], positions, st.caches, w, mask)
-      token, stop = sample(logits[:, -1], samp, c, mode, self.kernels)
-      count = st.count + live.astype(jnp.int32)
-      done = st.done | (live & stop) | (live & (count >= samp.max_new))
-      hist = st.out.at[jnp.arange(N), jnp.where(live, st.count, S)].set(token, mode="drop")  # a row's token #count
-      st = SlotState(tuple(caches), jnp.where(live, token, st.token), st.start, c + 1, done, count, hist)
-      return i + 1, st
-
-    def cond(carry):
-      i, st = carry
-      return (i < C) & jnp.any(active & ~st.done)
+    def run(tokens, positions, caches, write_at, mask):
+      return run_path(embed, blocks, head, tokens, positions, caches, write_at, mask)
 
     start = state.count
-    steps, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
+    state, steps = state_lib.decode_chunk(run, state, samp, active, mode, self.kernels, steps=C, ring=S)
     # A row runs from the chunk's first step until it stops, so its chunk tokens follow its earlier ones in the
     # history: [N, C], -1 where a row produced none.
     j = jnp.arange(C)[None, :]
@@ -482,7 +459,7 @@ class SlotProgram(DecodeProgram):
     # [L, 2, P, K, NB * B, E] -> [P, NB, L, 2, K, B, E]
     return moved.reshape(len(real), 2, P, K, NB, B, E).transpose(2, 4, 0, 1, 3, 5, 6)
 
-  def _insert_impl(self, state: SlotState, kv, slot, row, n, token, done_count) -> SlotState:
+  def _insert_impl(self, state: DecodeState, kv, slot, row, n, token, done_count) -> DecodeState:
     """Write row ``row`` of a prefill's keys (the prompt of ``n`` tokens) into ``slot``'s ring at absolute
     positions [cursor - n, cursor)."""
     S = self.cache_len
@@ -503,7 +480,7 @@ class SlotProgram(DecodeProgram):
       caches.append((ck.at[slot].set(rows[0]), cv.at[slot].set(rows[1])))
     done, count = done_count
     first = jnp.where(jnp.arange(S) == 0, token[row], -1)  # the prefill's token is the slot's first
-    return SlotState(
+    return DecodeState(
       tuple(caches),
       state.token.at[slot].set(token[row]),
       state.start.at[slot].set(c - n),
@@ -600,7 +577,7 @@ class SlotEngine:
     return list(self._runs)
 
   @property
-  def state(self) -> SlotState:
+  def state(self) -> DecodeState:
     """The slots' device state (KV caches, last tokens, counters) as of the last insert or step; read only: the
     engine replaces it at each insert and step."""
     return self._state
