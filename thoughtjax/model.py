@@ -197,7 +197,7 @@ class Model:
       )
     self._templates: dict[str | None, Template] = {}
     self._templates_lock = threading.Lock()
-    self._stacked = None  # the held blocks stacked, for the indexed layout (made on its first request)
+    self._stacked: indexed.Stack | None = None  # held blocks stacked for the indexed layout (made on first use)
 
   @property
   def parts(self) -> PathParts:
@@ -312,9 +312,9 @@ class Model:
       other = Model.composed(
         layers_or_path, source, mesh=self.mesh, dtype=self.dtype, kernels=self.kernels, chunk=self.chunk
       )
-      if other.layout == self.layout or (self.layout == "indexed" and any(i < 0 for i in other.layers)):
+      if self.layout == "indexed" and any(i < 0 for i in other.layers):
         return other  # a path with a bridge has no indexed form: it runs unrolled
-      return other.with_layout(self.layout)
+      return self._share_stack(other if other.layout == self.layout else other.with_layout(self.layout))
     layers = tuple(int(i) for i in layers_or_path)
     if parts is None:
       missing = sorted(set(layers) - set(self._parts.blocks))
@@ -325,17 +325,35 @@ class Model:
           f"layers {missing} are not held by this composed model; compose a path "
           f"string that includes them, e.g. model.with_path('embed, blocks[0:30), head')"
         )
-    return self._replace(layers=layers, parts=parts, links=None)
+    return self._share_stack(self._replace(layers=layers, parts=parts, links=None))
+
+  def _share_stack(self, other: Model) -> Model:
+    """``other`` (a path over this model's weights) running on this model's stacked blocks when they hold every
+    block it runs, the same arrays: its indexed program then takes arguments of the same shapes as this one's, so
+    every such path shares one executable (a stack of only its own blocks would differ in its leading axis). This
+    model's stack is made for it if this model holds its own weights (a loaded model) or has run indexed."""
+    if self.layout != "indexed" or other.layout != "indexed" or other._parts is None:
+      return other
+    if self._stacked is None and self.source is not None:
+      return other
+    stacked = self._stack()
+    if indexed.covers(stacked, self._parts, other._parts):
+      other._stacked = stacked
+    return other
 
   def _program_parts(self, positions: int):
     """What this path's program takes: its parts by position, or (indexed) the held blocks stacked and the path
     as an index vector over ``positions``."""
     if self.layout == "unrolled":
       return self._parts.by_position(self.layers)
+    return indexed.stacked_parts(self._parts, self._stack(), self.layers, positions)
+
+  def _stack(self) -> indexed.Stack:
+    """The held blocks stacked for the indexed layout (made once, on first use)."""
     with self._templates_lock:
       if self._stacked is None:
         self._stacked = indexed.stack(self._parts)
-    return indexed.stacked_parts(self._parts, self._stacked, self.layers, positions)
+      return self._stacked
 
   # ---- prompts ------------------------------------------------------------------
   def _check_system(self, system: str | None) -> None:

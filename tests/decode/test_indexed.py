@@ -78,3 +78,16 @@ def test_a_path_string_keeps_the_layout_and_runs_its_own_layers(engine):
   assert composed.generate(ids, max_tokens=6, ignore_eos=True).token_ids == greedy_reference(
     engine.with_path((0, 1)), ids, 6
   )
+
+
+def test_a_path_over_fewer_of_the_models_blocks_runs_on_its_stack_and_compiles_nothing(engine):
+  """A path composed over an indexed model's own weights that holds fewer blocks than the model (here 0 and 1 of
+  0, 1, 2) runs on the model's stack, so its arguments have the same shapes and it compiles nothing."""
+  fast = engine.with_layout("indexed")
+  ids = [31, 32, 33]
+  fast.generate(ids, max_tokens=5, ignore_eos=True)
+  for other in (fast.with_path("embed, blocks[0:2), blocks[1:2), head"), fast.with_path((0, 1, 1))):
+    g = other.stream(ids, max_tokens=5, ignore_eos=True)
+    got = g.completions()[0].token_ids
+    assert g.trace.compile_s == 0, g.trace.compile_s
+    assert got == greedy_reference(engine.with_path((0, 1, 1)), ids, 5)

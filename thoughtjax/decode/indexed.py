@@ -39,12 +39,33 @@ class StackedParts(NamedTuple):
   count: jax.Array  # i32: positions in use
 
 
-def stack(parts: PathParts) -> nnx.State:
+class Stack(NamedTuple):
+  """Blocks stacked for an indexed program: ``blocks`` holds layer ``held[r]`` at row r."""
+
+  held: tuple[int, ...]  # the stacked layers, ascending
+  blocks: nnx.State  # every leaf [len(held), ...]
+
+
+def stack(parts: PathParts) -> Stack:
   """The blocks ``parts`` holds, stacked along a new leading axis in ascending layer order (a copy)."""
-  held = sorted(parts.blocks)
+  held = tuple(sorted(parts.blocks))
   if any(i < 0 for i in held):
     raise ValueError("a path with a bridge has no layer-indexed form; run it unrolled")
-  return jax.tree.map(lambda *xs: jnp.stack(xs), *[parts.blocks[i] for i in held])
+  return Stack(held, jax.tree.map(lambda *xs: jnp.stack(xs), *[parts.blocks[i] for i in held]))
+
+
+def covers(stacked: Stack, source: PathParts, parts: PathParts) -> bool:
+  """Whether ``stacked`` (the :func:`stack` of ``source``) serves ``parts`` too: every block ``parts`` holds is
+  ``source``'s block of that layer, the same arrays (a path composed over the same loaded weights). Then the
+  path runs on that stack, whose shape is the same for every such path, so they share one executable."""
+  held = set(stacked.held)
+  for i, block in parts.blocks.items():
+    if i not in held:
+      return False
+    mine, theirs = jax.tree.leaves(block), jax.tree.leaves(source.blocks[i])
+    if len(mine) != len(theirs) or any(x is not y for x, y in zip(mine, theirs, strict=True)):
+      return False
+  return True
 
 
 def max_layers(path_len: int, num_layers: int) -> int:
@@ -55,13 +76,13 @@ def max_layers(path_len: int, num_layers: int) -> int:
   return n
 
 
-def stacked_parts(parts: PathParts, blocks: nnx.State, layers: Sequence[int], positions: int) -> StackedParts:
-  """``layers`` as an index vector over ``blocks`` (the :func:`stack` of ``parts``), padded to ``positions``."""
-  held = sorted(parts.blocks)
-  row = {layer: r for r, layer in enumerate(held)}
+def stacked_parts(parts: PathParts, stacked: Stack, layers: Sequence[int], positions: int) -> StackedParts:
+  """``layers`` as an index vector over ``stacked`` (holding every layer of ``layers``), padded to ``positions``;
+  embedding and head from ``parts``."""
+  row = {layer: r for r, layer in enumerate(stacked.held)}
   index = np.zeros(positions, np.int32)
   index[: len(layers)] = [row[i] for i in layers]
-  return StackedParts(parts.embed, blocks, parts.head, jnp.asarray(index), jnp.asarray(len(layers), jnp.int32))
+  return StackedParts(parts.embed, stacked.blocks, parts.head, jnp.asarray(index), jnp.asarray(len(layers), jnp.int32))
 
 
 class IndexedProgram(Program):
