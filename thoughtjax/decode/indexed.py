@@ -5,7 +5,9 @@ executable grows with the path and a path of another length compiles again. This
 holds once (every weight gets a leading axis over the held layers, :func:`stack`) and runs a ``lax.fori_loop``
 over the path's positions: position p reads the weights of layer ``index[p]`` and its own KV cache, ``count``
 positions in all. The path is data, so every path over the same held blocks of at most ``max_layers`` positions
-(the model's layer count, doubled until the path fits) runs one compiled program.
+(the model's layer count, doubled until the path fits) runs one compiled program. A path composed over a model's
+own weights runs on that model's stack when the stack holds every block it runs (:func:`covers`; the model's
+``with_path``), so a path holding fewer of the blocks shares that executable too.
 
 It computes what the unrolled form computes, block by block in the same order (``tests/decode/test_indexed.py``
 checks tokens against it); paths with bridges have no indexed form. Which form is faster on this machine, and by
