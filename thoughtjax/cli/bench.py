@@ -1,34 +1,29 @@
-"""``thoughtjax bench NAME [ARGS...]``: the arguments after the name go to the benchmark ``thoughtjax.bench.NAME``."""
+"""``thoughtjax bench NAME [ARGS...]``: the arguments after the name go to the benchmark ``thoughtjax.bench.NAME``.
+
+Each benchmark is a subcommand of ``bench`` only for its name and one-line description in ``bench --help``;
+:func:`thoughtjax.cli.main` hands everything after the name to the benchmark's own parser
+(``thoughtjax bench NAME --help`` prints that one).
+"""
 
 from __future__ import annotations
 
 import importlib
 
-BENCHMARKS = (
-  "decode",
-  "kernels",
-  "registry",
-  "synthesis",
-  "speculative",
-  "serve",
-  "structured",
-  "prefix",
-  "idle",
-  "shapes",
-  "layers",
-)
+from thoughtjax.bench import BENCHMARKS
 
 
 def cmd_bench(args, rest: list[str]) -> int:
-  if args.what not in BENCHMARKS:
-    raise SystemExit(f"unknown benchmark {args.what!r}; choose one of {', '.join(BENCHMARKS)}")
   # Imported when chosen: each benchmark pulls in what it measures.
   return importlib.import_module(f"thoughtjax.bench.{args.what}").main(rest)
 
 
 def add_parser(subparsers) -> None:
   p = subparsers.add_parser(
-    "bench", help=f"benchmarks: {', '.join(BENCHMARKS)} (the arguments after the name go to it)"
+    "bench",
+    help="benchmarks that print a table and write JSON (`thoughtjax bench NAME --help` for one's arguments)",
+    description="Run one benchmark; the arguments after its name go to it (`thoughtjax bench NAME --help`).",
   )
-  p.add_argument("what", choices=BENCHMARKS)
+  sub = p.add_subparsers(dest="what", required=True, metavar="NAME")
+  for name, description in BENCHMARKS.items():
+    sub.add_parser(name, help=description, add_help=False)  # its own parser answers --help
   p.set_defaults(fn=cmd_bench, passthrough=True)
