@@ -1,5 +1,6 @@
 """The grpc.aio server of :class:`~thoughtjax.server.servicer.SynthesizerService`: health, reflection, TLS, keepalive,
-metrics, the optional OpenAI-compatible HTTP endpoint, idle release and drain.
+metrics, the OpenAI-compatible HTTP endpoint (``http_port``; off unless set, ``thoughtjax serve`` sets it), idle
+release and drain.
 
 :class:`ServerApp` binds the port first and answers NOT_SERVING (every call UNAVAILABLE) while the registry
 loads and the configured hints warm, then SERVING; SIGTERM drains (NOT_SERVING, the streams in flight finish up
@@ -120,8 +121,8 @@ class ServerApp:
       except OSError as e:
         await self.stop(0)
         raise ConfigError(
-          f"cannot serve HTTP on {cfg.bind}:{cfg.http_port} ({e}); pick a free http_port (0: any free port) or "
-          f"set it to null"
+          f"cannot serve HTTP on {cfg.bind}:{cfg.http_port} ({e}); pick a free port (--http-port N, config "
+          f"http_port; 0: any free port) or serve gRPC only (--no-http, http_port: null)"
         ) from None
     self._warm_task = asyncio.get_running_loop().create_task(self._warm())
     log.info(

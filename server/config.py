@@ -2,6 +2,12 @@
 
 Unknown keys and wrong types are a :class:`ConfigError` naming the file, the key, the expected and the
 received value, so a typo never silently falls back to a default.
+
+``thoughtjax serve`` reads its settings here and nowhere else (:func:`serve_config`): a command-line flag wins
+over a ``THOUGHTJAX_*`` environment variable (:data:`ENVIRONMENT`), which wins over the YAML file, which wins
+over the built-in default (:data:`SERVE_DEFAULTS`: the OpenAI HTTP endpoint on :data:`DEFAULT_HTTP_PORT`; the
+Python API's :class:`ServerConfig` keeps HTTP off unless asked, so servers made in tests and benchmarks never
+contend for one fixed port).
 """
 
 from __future__ import annotations
@@ -159,6 +165,7 @@ class ServerConfig:
   http_port: int | None = None  # OpenAI-compatible HTTP (server/http.py) on ``bind``; None: off, 0: any free port
   http_max_body_bytes: int = 1024 * 1024  # a larger request body is refused (413) before it is parsed
   model_name: str | None = None  # the model id /v1/models lists and requests name; None: the registry's folder
+  strict_fields: bool = False  # HTTP: an unknown body field is a 400 (False: ignored, with a logged warning)
   max_stop_strings: int = 16  # stop strings per request
   max_stop_chars: int = 256  # characters per stop string
   max_path_layers: int | None = None  # pieces and layers of an explicit path; None: twice the model's layers
@@ -203,6 +210,8 @@ class ServerConfig:
       raise ConfigError(
         f"model_name: expected a non-empty model id or null (the registry's folder name), got {self.model_name!r}"
       )
+    if not isinstance(self.strict_fields, bool):
+      raise ConfigError(f"strict_fields: expected true or false, got {self.strict_fields!r}")
     if self.max_path_layers is not None:
       _positive_int(self.max_path_layers, "max_path_layers")
     _check_idle_release(self.idle_release_s)
@@ -365,6 +374,11 @@ def from_mapping(data: Mapping | None, where: str = "server config", base: Path 
 def load_config(path: str | os.PathLike | None = None) -> ServerConfig:
   """The settings in ``path`` (default: the shipped ``server/config.yaml``)."""
 
+  path, data = _read_yaml(path)
+  return from_mapping(data, f"server config {path}", path.parent)
+
+
+def _read_yaml(path: str | os.PathLike | None) -> tuple[Path, dict]:
   path = Path(path) if path is not None else DEFAULT_CONFIG
   try:
     data = yaml.safe_load(path.read_text())
@@ -374,4 +388,98 @@ def load_config(path: str | os.PathLike | None = None) -> ServerConfig:
     raise ConfigError(f"server config {path}: not valid YAML ({e}); fix the file") from None
   if data is not None and not isinstance(data, Mapping):
     raise ConfigError(f"server config {path}: expected a mapping of settings, got {type(data).__name__}")
-  return from_mapping(data, f"server config {path}", path.parent)
+  return path, dict(data or {})
+
+
+# ---- thoughtjax serve: flags > environment > YAML > built-in defaults ----------------------------------------
+DEFAULT_HTTP_PORT = 8080  # llama-server's port; gRPC beside it on ServerConfig.port (50051)
+# What `thoughtjax serve` uses where its YAML file does not set the key (``http_port: null`` in the file: off).
+SERVE_DEFAULTS: dict[str, Any] = {"http_port": DEFAULT_HTTP_PORT}
+# Environment variable -> the setting it gives (dotted: a key of a section), below flags and above the YAML file.
+ENVIRONMENT = {
+  "THOUGHTJAX_API_KEY": "clients.token",
+  "THOUGHTJAX_MODEL_ALIAS": "model_name",
+  "THOUGHTJAX_SLOTS": "max_concurrent",
+  "THOUGHTJAX_WARM": "warm.hints",
+}
+# Setting -> the flag of `thoughtjax serve` that gives it, for errors that name what the user typed.
+FLAGS = {
+  "clients.token": "--api-key",
+  "model_name": "--alias/--served-model-name",
+  "max_concurrent": "--parallel/-np/--slots",
+  "warm.hints": "--warm",
+}
+
+
+def _from_text(key: str, value: str, source: str) -> Any:
+  """An environment variable's or flag's text as the value of setting ``key``; a :class:`ConfigError` naming
+  ``source`` (the variable or the flag) when it cannot be one."""
+  text = value.strip()
+  if key == "max_concurrent":
+    try:
+      n = int(text)
+    except ValueError:
+      n = 0
+    if n < 1:
+      raise ConfigError(f"{source}: expected the number of slots, an integer >= 1, got {value!r}; e.g. 4")
+    return n
+  if key == "warm.hints":
+    hints = [h.strip() for h in text.split(",")]
+    if not text or not all(hints):
+      raise ConfigError(f"{source}: expected hint names separated by commas, got {value!r}; e.g. general_purpose")
+    return hints
+  if key == "clients.token" and len(text) < 16:
+    raise ConfigError(
+      f"{source}: expected a client token of at least 16 characters, got {len(text)}; generate a long random one "
+      f"(e.g. `openssl rand -hex 24`)"
+    )
+  if not text:
+    raise ConfigError(f"{source}: expected a non-empty value, got {value!r}; unset it to take the config's")
+  return text
+
+
+def _put(data: dict, key: str, value: Any) -> None:
+  """Set the dotted ``key`` of the raw settings ``data``; a client token replaces a configured token file."""
+  if "." not in key:
+    data[key] = value
+    return
+  section, name = key.split(".", 1)
+  inner = data.get(section)
+  inner = dict(inner) if isinstance(inner, Mapping) else {}
+  inner[name] = value
+  if key == "clients.token":
+    inner["token_file"] = None
+  data[section] = inner
+
+
+def serve_config(
+  path: str | os.PathLike | None = None,
+  flags: Mapping[str, Any] | None = None,
+  environ: Mapping[str, str] | None = None,
+  defaults: Mapping[str, Any] | None = None,
+) -> ServerConfig:
+  """The settings of ``thoughtjax serve``: ``flags`` (setting -> value, dotted for a section's key; a value of
+  None is a flag not given, except ``http_port`` from ``--no-http``, which the caller passes as ``"off"``) over
+  the :data:`ENVIRONMENT` variables of ``environ`` (default ``os.environ``; unset or empty: not given) over the
+  YAML file ``path`` (default: the shipped one) over :data:`SERVE_DEFAULTS` and ``defaults`` (a key the file
+  leaves out or sets to null; ``http_port: null`` is kept: HTTP off)."""
+  path, data = _read_yaml(path)
+  where = f"server config {path}"
+  for key, value in {**SERVE_DEFAULTS, **(defaults or {})}.items():
+    if key == "http_port":
+      data.setdefault(key, value)
+    elif data.get(key) is None:
+      data[key] = value
+  environ = os.environ if environ is None else environ
+  for var, key in ENVIRONMENT.items():
+    if environ.get(var):
+      _put(data, key, _from_text(key, environ[var], var))
+  for key, value in (flags or {}).items():
+    if value is None:
+      continue
+    if key == "http_port" and value == "off":
+      value = None
+    elif isinstance(value, str) and key in FLAGS:
+      value = _from_text(key, value, FLAGS[key])
+    _put(data, key, value)
+  return from_mapping(data, where, path.parent)

@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP on the gRPC server's event loop and engines: ``POST /v1/chat/completions``,
-``POST /v1/completions`` and ``GET /v1/models`` (``http_port`` in the server config).
+``POST /v1/completions`` and ``GET /v1/models``, with llama-server's ``GET /health``, ``POST /tokenize`` and
+``POST /detokenize`` and the server's Prometheus ``GET /metrics`` (``http_port`` in the server config).
 
 Transport only. A body becomes a ``thoughtjax.v1.SynthesizeRequest`` (:func:`synthesize_request`) and goes
 through the servicer's own steps: the client credential (:meth:`SynthesizerService.check_client`),
@@ -7,14 +8,19 @@ validation and admission (:meth:`~SynthesizerService.admit`), then scheduling an
 (:meth:`~SynthesizerService.responses`). The limits, the queue, the slots and the metrics are those of the
 gRPC ``Synthesize``; only the framing differs.
 
-Body fields: ``model`` (the id ``/v1/models`` lists; another is 404 ``model_not_found``; omitted: the served
-one), ``messages`` (text content; roles system, user, assistant) or ``prompt`` (a string), ``max_tokens`` /
+Body fields: ``model`` (the id ``/v1/models`` lists, or the registry's folder name; another is 404
+``model_not_found``; omitted: the served one), ``messages`` (text content; roles system, user, assistant, and
+developer as system) or ``prompt`` (a string), ``max_tokens`` /
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop`` (string or list), ``logit_bias``,
 ``n`` (1 only), ``stream``, ``stream_options.include_usage``, ``response_format`` (``text``; ``json_object``
 and ``json_schema`` map to the request's ``json_schema``). Extensions: ``top_k``, ``synthesis_hints`` (at most
-3), ``max_latency_ms``, ``path``, ``regex``, ``grammar``. Unset fields take the gRPC defaults (greedy, 64 new
-tokens), not OpenAI's. A field OpenAI defines but this server cannot honour (tools, logprobs, penalties) is
-refused unless it asks for the default; an unknown field is refused: a typo never silently does nothing.
+3), ``max_latency_ms``, ``path``, ``regex``, ``grammar``. Unset fields take OpenAI's defaults: temperature 1,
+top_p 1, and no ``max_tokens`` generates until the end of text or ``max_tokens_limit`` or the context runs out,
+whichever comes first. A field OpenAI defines but this server cannot honour (tools, logprobs, penalties) is
+refused unless it asks for the default. An unknown field (another server's extension: ``min_p``,
+``repetition_penalty``, ``cache_prompt``) is ignored, named once in the log and in the answer's
+``thoughtjax.ignored_fields``, as vLLM and llama-server do; ``strict_fields`` in the config refuses it (400) so
+that a typo never silently does nothing. A body is JSON with or without a ``Content-Type``.
 
 Answers: ``chat.completion`` / ``text_completion`` objects, or server-sent ``data:`` chunks ending with
 ``data: [DONE]``; the plan, the trace and the request id in a ``thoughtjax`` field (the last chunk's when
@@ -29,6 +35,7 @@ functions that need them do.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -37,11 +44,13 @@ import math
 import re
 import ssl
 import time
+from collections.abc import Collection
 from typing import Any, Literal
 
 import grpc
 from aiohttp import web
 from google.protobuf.json_format import MessageToDict
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from thoughtjax.errors import UserError
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
@@ -71,6 +80,11 @@ ERROR_TYPE = {
   504: "server_error",
 }  # any other status: server_error
 CHAT, COMPLETIONS, MODELS = "/v1/chat/completions", "/v1/completions", "/v1/models"
+HEALTH, METRICS, TOKENIZE, DETOKENIZE = "/health", "/metrics", "/tokenize", "/detokenize"
+ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
+# Content types a client sends by default with a JSON body (curl -d: form-urlencoded): taken when the body is
+# JSON, else 415. A JSON type or none at all: parsed (400 when it is not JSON). Any other type: 415.
+_LENIENT_TYPES = ("text/plain", "application/x-www-form-urlencoded")
 MAX_HINTS = 3
 FINISH_REASON = {"stop": "stop", "stop_string": "stop", "length": "length"}  # the engine's -> OpenAI's
 
@@ -132,6 +146,8 @@ class Options:
   stream: bool = False
   include_usage: bool = False
   max_tokens_field: str = "max_tokens"  # the body's name for it, for errors
+  until_eos: bool = False  # no max_tokens: as many as fit (OpenAI's default; server/validation.py)
+  ignored: tuple[str, ...] = ()  # unknown body fields left out (strict_fields off)
 
 
 def _bad(message: str, param: str | None) -> HttpError:
@@ -198,13 +214,13 @@ def _messages(body: dict) -> list[pb.ChatMessage]:
   for i, msg in enumerate(msgs):
     if not isinstance(msg, dict):
       raise _bad(f"messages[{i}]: expected an object with role and content, got a {_kind(msg)}", "messages")
-    extra = sorted(set(msg) - {"role", "content", "name"})
+    extra = sorted(k for k, v in msg.items() if v is not None and k not in ("role", "content", "name"))
     if extra:
       raise _bad(f"messages[{i}]: fields {extra} are not served (tool calls, audio); send role and content", "messages")
     role = msg.get("role")
     if not isinstance(role, str):
       raise _bad(f"messages[{i}].role: expected a string, got a {_kind(role)}", "messages")
-    out.append(pb.ChatMessage(role=role, content=_text_content(msg.get("content"), i)))
+    out.append(pb.ChatMessage(role=ROLES.get(role, role), content=_text_content(msg.get("content"), i)))
   return out
 
 
@@ -262,28 +278,45 @@ def _response_format(body: dict) -> str | None:
   raise _bad(f"response_format.type: expected text, json_object or json_schema, got {kind[:40]!r}", "response_format")
 
 
+def _unknown(body: dict, known: frozenset[str], strict: bool) -> tuple[str, ...]:
+  """The fields of ``body`` not in ``known``, removed from it (sorted); with ``strict`` a 400 naming them."""
+  unknown = sorted(set(body) - known)
+  if unknown and strict:
+    raise _bad(
+      f"unknown fields {unknown[:8]}; this endpoint takes {sorted(known - set(_IGNORED))} (strict_fields: true "
+      f"in the server config; false ignores them)",
+      unknown[0],
+    )
+  for k in unknown:
+    del body[k]
+  return tuple(unknown)
+
+
 def synthesize_request(
-  body: Any, endpoint: Literal["chat", "completion"], model: str | None, request_id: str = ""
+  body: Any,
+  endpoint: Literal["chat", "completion"],
+  model: str | Collection[str] | None,
+  request_id: str = "",
+  *,
+  strict: bool = False,
 ) -> tuple[pb.SynthesizeRequest, Options]:
-  """The SynthesizeRequest of an OpenAI ``body`` and how to answer it; :class:`HttpError` (400, 404 for
-  another ``model``) naming the field. Types and ranges the proto cannot hold are checked here; the rest
-  (sampling ranges, context, hints, path) is the servicer's validation."""
+  """The SynthesizeRequest of an OpenAI ``body`` and how to answer it; :class:`HttpError` (400, 404 for a
+  ``model`` other than the served ids ``model``) naming the field. Types and ranges the proto cannot hold are
+  checked here; the rest (sampling ranges, context, hints, path) is the servicer's validation. ``strict``: an
+  unknown field is a 400 (else it is left out and named in :attr:`Options.ignored`)."""
   if not isinstance(body, dict):
     raise HttpError(400, f"the request body must be a JSON object, got a JSON {_kind(body)}")
   body = {k: v for k, v in body.items() if v is not None}  # OpenAI: null is the default
-  unknown = sorted(set(body) - FIELDS[endpoint])
-  if unknown:
-    raise _bad(
-      f"unknown fields {unknown[:8]}; this endpoint takes {sorted(FIELDS[endpoint] - set(_IGNORED))}", unknown[0]
-    )
+  ignored = _unknown(body, FIELDS[endpoint], strict)
   for key, defaults in _DEFAULT_ONLY.items():
     if key in body and not any(body[key] == d and type(body[key]) is type(d) for d in defaults):
       raise _bad(f"{key}: not supported by this server; omit it or send {defaults[0]!r}", key)
   name = _str(body, "model")
-  if name is not None and model is not None and name != model:
+  served = (model,) if isinstance(model, str) else tuple(model or ())
+  if name is not None and served and name not in served:
     raise HttpError(
       404,
-      f"The model '{name[:200]}' does not exist; this server serves '{model}' (GET /v1/models)",
+      f"The model '{name[:200]}' does not exist; this server serves '{served[0]}' (GET /v1/models)",
       "model",
       "model_not_found",
     )
@@ -311,6 +344,10 @@ def synthesize_request(
   for key in ("temperature", "top_p", "max_latency_ms"):
     if (x := _number(body, key)) is not None:
       setattr(m, key, x)
+  # OpenAI's defaults, not the gRPC ones (greedy): sampled at temperature 1 over the whole distribution.
+  for key in ("temperature", "top_p"):
+    if not m.HasField(key):
+      setattr(m, key, 1.0)
   if (k := _int(body, "top_k", 0, limit)) is not None:
     m.top_k = k
   if (s := _int(body, "seed", 0, 2**64 - 1)) is not None:
@@ -341,7 +378,7 @@ def synthesize_request(
   if so and not stream:
     raise _bad("stream_options: only with stream: true", "stream_options")
   max_field = fields[-1] if fields else "max_tokens"
-  return m, Options(endpoint, stream, bool(so.get("include_usage", False)), max_field)
+  return m, Options(endpoint, stream, bool(so.get("include_usage", False)), max_field, not got, ignored)
 
 
 # The servicer's messages start with the request field ("max_tokens: ...", "sampling: temperature ...").
@@ -390,6 +427,7 @@ class OpenAIHttp:
     self.service = service
     self.runner: web.AppRunner | None = None
     self.created = int(time.time())
+    self._warned: set[str] = set()  # unknown fields named in the log once each, not on every request
 
   # ---- lifecycle -------------------------------------------------------------------------
   async def start(self, bind: str, port: int) -> int:
@@ -398,6 +436,11 @@ class OpenAIHttp:
     app.router.add_post(CHAT, self.chat)
     app.router.add_post(COMPLETIONS, self.completions)
     app.router.add_get(MODELS, self.models)
+    app.router.add_get(HEALTH, self.health)
+    app.router.add_get("/v1" + HEALTH, self.health)
+    app.router.add_get(METRICS, self.metrics)
+    app.router.add_post(TOKENIZE, self.tokenize)
+    app.router.add_post(DETOKENIZE, self.detokenize)
     # handler_cancellation: a client that disconnects cancels its handler, and so its run, at once.
     self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=cfg.grace_s)
     await self.runner.setup()
@@ -421,6 +464,24 @@ class OpenAIHttp:
     if s.config.model_name is not None:
       return s.config.model_name
     return None if s.serving is None else s.serving.registry.root.name
+
+  def model_names(self) -> tuple[str, ...]:
+    """The ids a request may name: the served one (``model_name``, the alias) and the registry's folder name."""
+    s = self.service
+    folder = () if s.serving is None else (s.serving.registry.root.name,)
+    return tuple(dict.fromkeys(x for x in (self.model_id(), *folder) if x is not None))
+
+  def _ignoring(self, fields: tuple[str, ...], method: str) -> None:
+    """Log the unknown fields a request carried, each name once per server (clients repeat them every call)."""
+    new = [f for f in fields if f not in self._warned]
+    if new:
+      self._warned.update(new)
+      log.warning(
+        "%s: ignoring unknown request fields %s (not used by this server; strict_fields: true refuses them); "
+        "each is logged once",
+        method,
+        [f[:64] for f in new[:16]],
+      )
 
   def _refusal(self, e: BaseException, method: str, request_id: str | None = None, opts: Options | None = None):
     """The status and the OpenAI error body of ``e`` (an :class:`HttpError` or a servicer failure)."""
@@ -451,8 +512,10 @@ class OpenAIHttp:
 
   async def _body(self, request: web.Request) -> Any:
     limit = self.service.config.http_max_body_bytes
-    ctype = request.content_type
-    if ctype != "application/json":
+    # aiohttp reads an absent Content-Type as application/octet-stream: look at the header itself.
+    ctype = request.content_type if "Content-Type" in request.headers else None
+    json_type = ctype is None or ctype == "application/json" or ctype.endswith("+json")
+    if not json_type and ctype not in _LENIENT_TYPES:
       raise HttpError(415, f"Content-Type: expected application/json, got {ctype!r}; send the body as JSON")
     if request.content_length is not None and request.content_length > limit:
       raise HttpError(
@@ -472,17 +535,96 @@ class OpenAIHttp:
         "request_too_large",
       ) from None
     try:
-      return json.loads(raw.decode("utf-8"))  # decoded here: json.loads would guess UTF-16 from bytes
-    except UnicodeDecodeError:
-      raise HttpError(400, "the request body is not UTF-8 text; send UTF-8 JSON") from None
-    except RecursionError:
-      raise HttpError(400, "the request body nests JSON too deeply; send a flat request object") from None
-    except json.JSONDecodeError as e:
-      raise HttpError(
-        400, f"the request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
-      ) from None
+      return _parse_json(raw)
+    except HttpError:
+      if not json_type:  # a form or plain text that is not JSON after all: the type said so
+        raise HttpError(
+          415, f"Content-Type: expected application/json, got {ctype!r} with a body that is not JSON; send JSON"
+        ) from None
+      raise
 
   # ---- endpoints -------------------------------------------------------------------------
+  async def health(self, request: web.Request) -> web.Response:
+    """llama-server's probe: 200 ``{"status": "ok"}`` when serving, 503 while loading, warming or draining. No
+    client token (a probe or load balancer carries none); it says only what grpc.health.v1 says."""
+    s = self.service
+    state = "draining" if s.draining else "loading" if s.serving is None else "warming" if not s.ready else None
+    if state is None:
+      return _json({"status": "ok"})
+    message = {
+      "draining": "the server is draining (shutting down)",
+      "loading": "the server is loading its registry",
+      "warming": "the server is warming up",
+    }[state]
+    return _json({"status": state, **error_body(503, message, None, "unavailable")}, 503)
+
+  async def metrics(self, request: web.Request) -> web.Response:
+    """The Prometheus text of the server's metrics (the registry the metrics port serves), behind the client
+    token when one is set: the series name paths, hints and request counts."""
+    try:
+      self.service.check_client(request.headers.get("Authorization"), METRICS)
+    except Exception as e:
+      return self._error(e, METRICS)
+    return web.Response(
+      body=generate_latest(self.service.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )
+
+  async def tokenize(self, request: web.Request) -> web.Response:
+    """llama-server's ``{"content": TEXT, "add_special": false, "with_pieces": false}`` -> ``{"tokens": [...]}``
+    with the served model's tokenizer (``add_special``: the BOS the model's prompts start with, if any;
+    ``with_pieces``: each token as ``{"id", "piece"}``)."""
+    try:
+      self.service.check_client(request.headers.get("Authorization"), TOKENIZE)
+      self.service.check_loaded()
+      body = await self._body(request)
+      if not isinstance(body, dict):
+        raise HttpError(400, f"the request body must be a JSON object, got a JSON {_kind(body)}")
+      body = {k: v for k, v in body.items() if v is not None}
+      self._ignoring(_unknown(body, frozenset(("content", "add_special", "with_pieces")), self._strict), TOKENIZE)
+      text = _str(body, "content")
+      if text is None:
+        raise _bad("content: expected the text to tokenize, a string", "content")
+      flags = {k: body.get(k, False) for k in ("add_special", "with_pieces")}
+      for k, v in flags.items():
+        if not isinstance(v, bool):
+          raise _bad(f"{k}: expected true or false, got a {_kind(v)}", k)
+      codec = self.service.registry.codec
+      ids = await _on_worker(lambda: _encode(codec, text, flags["add_special"]))
+      if flags["with_pieces"]:
+        ids = await _on_worker(lambda: [{"id": t, "piece": codec.decode([t], skip_special=False)} for t in ids])
+    except Exception as e:
+      return self._error(e, TOKENIZE)
+    self.service.answered(TOKENIZE, "OK")
+    return _json({"tokens": ids})
+
+  async def detokenize(self, request: web.Request) -> web.Response:
+    """llama-server's ``{"tokens": [ID, ...]}`` -> ``{"content": TEXT}`` (special tokens written out)."""
+    try:
+      self.service.check_client(request.headers.get("Authorization"), DETOKENIZE)
+      self.service.check_loaded()
+      body = await self._body(request)
+      if not isinstance(body, dict):
+        raise HttpError(400, f"the request body must be a JSON object, got a JSON {_kind(body)}")
+      body = {k: v for k, v in body.items() if v is not None}
+      self._ignoring(_unknown(body, frozenset(("tokens",)), self._strict), DETOKENIZE)
+      ids = body.get("tokens", [])
+      vocab = self.service.serving.vocab
+      if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise _bad(f"tokens: expected an array of token ids (integers), got a {_kind(ids)}", "tokens")
+      bad = next((t for t in ids if not 0 <= t < vocab), None)
+      if bad is not None:
+        raise _bad(f"tokens: id {bad} is outside the vocabulary [0, {vocab}); send ids /tokenize gave", "tokens")
+      codec = self.service.registry.codec
+      text = await _on_worker(lambda: codec.decode(ids, skip_special=False))
+    except Exception as e:
+      return self._error(e, DETOKENIZE)
+    self.service.answered(DETOKENIZE, "OK")
+    return _json({"content": text})
+
+  @property
+  def _strict(self) -> bool:
+    return self.service.config.strict_fields
+
   async def models(self, request: web.Request) -> web.Response:
     try:
       self.service.check_client(request.headers.get("Authorization"), MODELS)
@@ -505,8 +647,10 @@ class OpenAIHttp:
     try:
       svc.check_client(request.headers.get("Authorization"), method)
       body = await self._body(request)
-      m, opts = synthesize_request(body, endpoint, self.model_id(), request.headers.get("X-Request-Id", ""))
-      r = await svc.admit(m, None)
+      rid = request.headers.get("X-Request-Id", "")
+      m, opts = synthesize_request(body, endpoint, self.model_names(), rid, strict=self._strict)
+      self._ignoring(opts.ignored, method)
+      r = await svc.admit(m, None, until_eos=opts.until_eos)
     except Exception as e:
       return self._error(e, method, None, opts)
     out = _Answer(endpoint, self.model_id() or "", r.request_id, opts)
@@ -546,6 +690,32 @@ class OpenAIHttp:
       return sse
 
 
+def _parse_json(raw: bytes) -> Any:
+  """``raw`` as JSON, or a 400 :class:`HttpError` saying why not."""
+  try:
+    return json.loads(raw.decode("utf-8"))  # decoded here: json.loads would guess UTF-16 from bytes
+  except UnicodeDecodeError:
+    raise HttpError(400, "the request body is not UTF-8 text; send UTF-8 JSON") from None
+  except RecursionError:
+    raise HttpError(400, "the request body nests JSON too deeply; send a flat request object") from None
+  except json.JSONDecodeError as e:
+    raise HttpError(400, f"the request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+
+
+async def _on_worker(fn):
+  """``fn()`` on the loop's executor: tokenizing a body up to http_max_body_bytes long must not hold the loop."""
+  return await asyncio.get_running_loop().run_in_executor(None, fn)
+
+
+def _encode(codec, text: str, add_special: bool) -> list[int]:
+  """``text``'s token ids; the BOS the codec puts first only with ``add_special`` (llama-server's default: none)."""
+  ids = codec.encode(text)
+  bos = getattr(codec, "bos_id", None)
+  if not add_special and getattr(codec, "add_bos", False) and bos is not None and ids[:1] == [bos]:
+    ids = ids[1:]
+  return ids
+
+
 async def _send(sse: web.StreamResponse, data: dict) -> None:
   await sse.write(b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n")
 
@@ -583,6 +753,8 @@ class _Answer:
     """The ``thoughtjax`` field: request id, the engine's finish reason, plan, trace and compute."""
     proto = lambda msg: MessageToDict(msg, preserving_proto_field_name=True)
     out = {"request_id": self.request_id, "plan": proto(self.plan)}
+    if self.opts.ignored:
+      out["ignored_fields"] = list(self.opts.ignored)
     if self.final is not None:
       out.update(
         finish_reason=self.final.finish_reason,

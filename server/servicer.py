@@ -404,14 +404,15 @@ class SynthesizerService:
     return not models
 
   # ---- methods ------------------------------------------------------------------------
-  async def admit(self, m: pb.SynthesizeRequest, time_remaining: float | None) -> Request:
+  async def admit(self, m: pb.SynthesizeRequest, time_remaining: float | None, *, until_eos: bool = False) -> Request:
     """The server serving and ``m`` validated: the first step of a request on either transport (after its
-    credential is checked). ``time_remaining``: the call's deadline in seconds (None: none)."""
+    credential is checked). ``time_remaining``: the call's deadline in seconds (None: none); ``until_eos``: an
+    unset ``max_tokens`` means as many as fit (OpenAI's default, :func:`validate`)."""
     self._check_serving()
     # Tokenizing a prompt up to max_message_bytes long must not hold the event loop.
     # ``self.serving`` is read on the worker: a reload that switched meanwhile is taken.
     return await asyncio.get_running_loop().run_in_executor(
-      None, lambda: validate(m, time_remaining, self.serving, self.config)
+      None, lambda: validate(m, time_remaining, self.serving, self.config, until_eos=until_eos)
     )
 
   async def _request(self, raw: bytes, context, method: str) -> Request:

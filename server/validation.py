@@ -100,9 +100,13 @@ def parse(raw: bytes, cls):
   return msg
 
 
-def validate(m: pb.SynthesizeRequest, deadline_s: float | None, s: Serving, config: ServerConfig) -> Request:
+def validate(
+  m: pb.SynthesizeRequest, deadline_s: float | None, s: Serving, config: ServerConfig, *, until_eos: bool = False
+) -> Request:
   """A :class:`Request` on ``s`` under ``config``'s limits, or :class:`Refused` naming the field (no model
-  work; tokenization only). ``deadline_s``: the call's remaining deadline in seconds (None: none)."""
+  work; tokenization only). ``deadline_s``: the call's remaining deadline in seconds (None: none).
+  ``max_tokens`` unset: :data:`DEFAULT_MAX_TOKENS`, or with ``until_eos`` (OpenAI's meaning, the HTTP endpoint)
+  as many as fit: ``max_tokens_limit`` or the context left after the prompt, whichever is smaller."""
   bad = lambda msg: Refused(grpc.StatusCode.INVALID_ARGUMENT, msg)
   rid = m.request_id or uuid.uuid4().hex
   if len(rid) > MAX_REQUEST_ID or not rid.isprintable() or not rid.isascii():
@@ -134,7 +138,17 @@ def validate(m: pb.SynthesizeRequest, deadline_s: float | None, s: Serving, conf
     normalize_hints(list(m.hints), s.syn.dictionary)
   except UserError as e:
     raise bad(f"hints: {e}") from None
-  n = int(m.max_tokens) if m.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+  if m.HasField("max_tokens"):
+    n = int(m.max_tokens)
+  elif until_eos:
+    n = min(config.max_tokens_limit, s.max_context - len(ids))
+    if n < 1:
+      raise Refused(
+        grpc.StatusCode.OUT_OF_RANGE,
+        f"the prompt's {len(ids)} tokens fill the model's context of {s.max_context}; shorten the prompt",
+      )
+  else:
+    n = DEFAULT_MAX_TOKENS
   if not 1 <= n <= config.max_tokens_limit:
     raise bad(f"max_tokens: expected 1..{config.max_tokens_limit} (the server's max_tokens_limit), got {n}")
   if m.HasField("max_latency_ms"):

@@ -107,9 +107,10 @@ def test_a_chat_body_becomes_the_synthesize_request_of_the_same_fields():
   assert m.temperature == 0.5 and m.top_p == pytest.approx(0.9) and m.max_latency_ms == 250.0
   assert dict(m.logit_bias) == {5: -100.0, 6: 2.5} and m.path == "embed, blocks[0:6), head" and m.request_id == "rid-1"
   assert opts.stream and opts.include_usage and opts.max_tokens_field == "max_completion_tokens"
-  # Unset fields stay unset: the servicer's defaults apply (greedy, 64 tokens).
+  # Unset fields take OpenAI's defaults: temperature 1, top_p 1, and as many tokens as fit (until_eos).
   m, opts = synthesize_request({"prompt": "x"}, "completion", "tiny")
-  assert m.prompt == "x" and not m.HasField("temperature") and not m.HasField("max_tokens") and not opts.stream
+  assert m.prompt == "x" and (m.temperature, m.top_p) == (1.0, 1.0) and not m.HasField("max_tokens")
+  assert opts.until_eos and not opts.stream and opts.ignored == ()
 
 
 @pytest.mark.parametrize(
@@ -165,16 +166,22 @@ def test_regex_and_grammar_extensions_map_to_their_fields_and_exclude_a_json_for
     ({"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options", "only with stream"),
     ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools", "not supported"),
     ({"messages": CHAT, "frequency_penalty": 0.5}, "frequency_penalty", "not supported"),
-    ({"messages": CHAT, "temprature": 0}, "temprature", "unknown fields ['temprature']"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "only text parts"),
     ({"messages": []}, "messages", "non-empty array"),
-    ({"prompt": PROMPT}, "prompt", "unknown fields"),
+    ({"prompt": PROMPT}, "messages", "non-empty array"),  # a completion's field is no chat field: ignored
   ],
 )
 def test_each_bad_body_is_a_400_naming_the_field(body, param, match):
   with pytest.raises(HttpError, match=match.replace("[", r"\[").replace("(", r"\(")) as e:
     synthesize_request(body, "chat", None)
   assert e.value.status == 400 and e.value.param == param
+
+
+def test_strict_fields_refuses_an_unknown_field_by_name():
+  for body, param in (({"messages": CHAT, "temprature": 0}, "temprature"), ({"prompt": PROMPT}, "prompt")):
+    with pytest.raises(HttpError, match=r"unknown fields \['" + param) as e:
+      synthesize_request(body, "chat", None, strict=True)
+    assert e.value.status == 400 and e.value.param == param and "strict_fields" in str(e.value)
 
 
 def test_another_model_is_404_model_not_found():
@@ -197,7 +204,7 @@ def test_chat_and_completion_give_what_grpc_gives_for_the_same_greedy_request(ht
     want_chat = g.generate(messages=CHAT, max_tokens=9)
     want_text = g.generate(PROMPT, max_tokens=9)
   chat = c.chat.completions.with_raw_response.create(
-    model=model_of(srv), messages=CHAT, max_tokens=9, extra_headers={"X-Request-Id": "http-chat-1"}
+    model=model_of(srv), messages=CHAT, max_tokens=9, temperature=0, extra_headers={"X-Request-Id": "http-chat-1"}
   )
   assert chat.headers["x-request-id"] == "http-chat-1"
   chat = chat.parse()
@@ -212,7 +219,7 @@ def test_chat_and_completion_give_what_grpc_gives_for_the_same_greedy_request(ht
   assert ext["request_id"] == "http-chat-1" and ext["plan"]["path"] == ext["trace"]["path"]
   assert {"kind", "predicted_ms", "path_hash"} <= set(ext["plan"]) and "total" in ext["trace"]["actual_ms"]
 
-  text = c.completions.create(model=model_of(srv), prompt=PROMPT, max_tokens=9)
+  text = c.completions.create(model=model_of(srv), prompt=PROMPT, max_tokens=9, temperature=0)
   assert text.object == "text_completion" and text.choices[0].text == want_text.text
   assert text.usage.completion_tokens == want_text.usage.tokens_out
   m = srv.app.service.metrics  # counted per endpoint, beside the gRPC methods
@@ -232,6 +239,7 @@ def test_a_json_schema_response_format_gives_json_that_validates(http_served):
   chat = client_of(http_served).chat.completions.create(
     model=model_of(http_served),
     messages=CHAT,
+    temperature=0,
     max_tokens=190,  # the grammar bounds it: whitespace between tokens is at most a newline and 20 indents
     response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema, "strict": True}},
   )
@@ -244,12 +252,9 @@ def test_a_json_schema_response_format_gives_json_that_validates(http_served):
 def test_a_stream_sends_role_deltas_finish_usage_and_done(http_served):
   srv = http_served
   c = client_of(srv)
-  whole = c.chat.completions.create(model=model_of(srv), messages=CHAT, max_tokens=9).choices[0].message.content
-  chunks = list(
-    c.chat.completions.create(
-      model=model_of(srv), messages=CHAT, max_tokens=9, stream=True, stream_options={"include_usage": True}
-    )
-  )
+  greedy = dict(model=model_of(srv), messages=CHAT, max_tokens=9, temperature=0)
+  whole = c.chat.completions.create(**greedy).choices[0].message.content
+  chunks = list(c.chat.completions.create(**greedy, stream=True, stream_options={"include_usage": True}))
   assert all(ch.object == "chat.completion.chunk" and ch.id == chunks[0].id for ch in chunks)
   assert chunks[0].choices[0].delta.role == "assistant"
   assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == whole
