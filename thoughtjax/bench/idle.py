@@ -65,6 +65,7 @@ class _Server:
       f"idle_release_s: {idle_s}\nidle_release_programs: {str(programs).lower()}\nmax_concurrent: {slots}\n"
     )
     cmd = [sys.executable, "-m", "thoughtjax.cli", "serve", "--config", str(cfg), "--port", "0", "--metrics-port", "0"]
+    cmd.append("--no-http")  # gRPC is what it measures; HTTP's default port may be taken
     if registry:
       cmd += ["--registry", registry]
     root = str(Path(__file__).resolve().parents[2])  # the checkout this module runs from (server/ lives there)

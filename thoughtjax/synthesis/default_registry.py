@@ -31,6 +31,15 @@ unchanged), the calibration stored before carries over to the new sequence, and 
 candidate.
 Progress goes to ``progress(stage, done, total, item)``.
 
+Another GGUF (:func:`ensure_gguf`, ``thoughtjax serve --model FILE.gguf``) gets a registry of its own beside it,
+``<cache dir>/registry/gguf-<sha256 prefix>`` (keyed by the file's content, so a renamed copy finds it and an
+edited file gets another), built and calibrated on first use the cheapest honest way: no semantic mapping is
+known for it, so it is cut into the embedding, the chat template (when it has one), all its layers as one block
+thoughtlet and the head, and its calibration holds the full path only (quality trivially the model's own on every
+hint; latency measured here, as for the default registry). Synthesis then always runs the full path: hints and
+budgets choose nothing else until ``thoughtjax registry build`` with a mapping and ``registry calibrate`` make
+cut paths.
+
 Imports inside functions here are deferred for start-up: importing this module does not load ``registry``,
 ``registry.layout``, ``synthesis.calibrate``, ``synthesis.calibration``, ``synthesis.calibration_store``,
 ``synthesis.synthesize``; the functions that need them do.
@@ -114,16 +123,112 @@ def ensure_default(progress: Progress | None = None, *, root: Path | None = None
   """Build and calibrate the default registry if needed; returns it opened (:class:`Registry`) with restores
   in ``weights`` (f32, or native: the blocks kept packed). Calibration measures the f32 form."""
   root = Path(root) if root is not None else default_registry_dir()
+  with _first_use(root):
+    return _ensure_default(progress, root=root, weights=weights)
+
+
+@contextlib.contextmanager
+def _first_use(root: Path):
+  """Held while ``root`` is built or checked: two processes on first use (two commands, two test workers): one
+  builds and measures, the other waits for it and then finds the registry and its calibration (measuring twice
+  at once would also skew both)."""
   root.parent.mkdir(parents=True, exist_ok=True)
-  # Two processes on first use (two commands, two test workers): one builds and measures, the other waits for
-  # it and then finds the registry and its calibration (measuring twice at once would also skew both).
   fd = os.open(root.with_name(root.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
   try:
     with contextlib.suppress(ImportError):  # no flock (Windows): builds stay atomic, only not shared
       fcntl.flock(fd, fcntl.LOCK_EX)
-    return _ensure_default(progress, root=root, weights=weights)
+    yield
   finally:
     os.close(fd)
+
+
+def gguf_registry_dir(digest: str) -> Path:
+  """Where :func:`ensure_gguf` keeps the registry of the GGUF whose sha256 is ``digest``."""
+  return fetch_lib.cache_dir() / "registry" / f"gguf-{digest[:16]}"
+
+
+def gguf_calibration_settings():
+  """The calibration of a GGUF's own registry: the full path only (no exits, skips, repeats, drafts or weight
+  variants to measure), its quality on a few windows per hint, latency as the calibrate defaults measure it."""
+  from thoughtjax.synthesis.calibrate import CalibrateSettings
+  from thoughtjax.synthesis.candidates import CandidateSettings
+
+  return CalibrateSettings(
+    candidates=CandidateSettings(exits=[], single_skips=0, greedy_removals=0, repeats=[]),
+    max_windows=2,
+    speculative=_no_drafts(),
+    variants=(),
+  )
+
+
+def _no_drafts():
+  from thoughtjax.synthesis.calibrate import SpeculativeSettings
+
+  return SpeculativeSettings(drafts=0, ngram=())
+
+
+def ensure_gguf(path: str | os.PathLike, progress: Progress | None = None, *, weights: str = "f32"):
+  """The registry serving the GGUF at ``path``, opened with restores in ``weights``: the default registry when
+  the file is the default model (same sha256), else its own (see the module docstring), built and calibrated
+  on first use."""
+  path = Path(path)
+  digest = fetch_lib.sha256_file(path)
+  if digest == fetch_lib.KNOWN_MODELS[fetch_lib.DEFAULT_MODEL].sha256:
+    return ensure_default(progress, weights=weights)
+  root = gguf_registry_dir(digest)
+  with _first_use(root):
+    return _ensure_gguf(path, progress or (lambda stage, done, total, item: None), root, weights)
+
+
+def _ensure_gguf(path: Path, report: Progress, root: Path, weights: str):
+  from thoughtjax.registry import Registry, is_registry
+  from thoughtjax.synthesis import calibrate as cal_lib
+  from thoughtjax.synthesis.calibration_store import MissingCalibrationError, read_calibration, write_calibration
+
+  if not is_registry(root):
+    _build_gguf(path, root, report)
+  reg = Registry.open(root)
+  try:
+    stored = read_calibration(reg)
+  except MissingCalibrationError:
+    stored = None
+  if stored is not None and stored.fingerprint == cal_lib.machine_fingerprint():
+    return _in_form(reg, weights)
+  if stored is not None:  # measured on another machine: its latency again, the full path's quality kept
+    cal = cal_lib.recalibrate_latency(reg, stored, speculative=_no_drafts(), variants=(), progress=report)
+  else:
+    cal = cal_lib.calibrate(reg, settings=gguf_calibration_settings(), progress=report)
+  write_calibration(reg, cal)
+  return _in_form(reg, weights)
+
+
+def gguf_mapping_text(name: str, num_layers: int, chat: bool) -> str:
+  """The semantic mapping of a model no mapping is known for: embedding, chat template, every layer in one
+  block thoughtlet, head."""
+  template = "  - kind: template\n    system: null\n" if chat else ""
+  return (
+    f"format: 1\nmodel: {json.dumps(name)}\nnum_layers: {num_layers}\nthoughtlets:\n  - kind: embed\n{template}"
+    f"  - kind: blocks\n    layers: [0, {num_layers}]\n    description: every layer of the model\n  - kind: head\n"
+  )
+
+
+def _build_gguf(path: Path, root: Path, report: Progress) -> None:
+  from thoughtjax.loading import load
+  from thoughtjax.mapping import load_mapping
+  from thoughtjax.registry import build
+
+  report("build load", 0, 1, str(path))
+  loaded = load(path, weights="native")  # a quantized GGUF's blocks stored packed, as the default registry's
+  chat = bool(getattr(loaded.codec, "chat_template", None))
+  text = gguf_mapping_text(path.name, loaded.config.num_layers, chat)
+  mapping = load_mapping(f"{path.name} (the full model)", loaded.config.num_layers, text=text)
+  build(
+    root,
+    mapping,
+    loaded,
+    settings=None,
+    progress=lambda stage, name, done, total: report(f"build {stage}", done, total, name),
+  )
 
 
 def _ensure_default(progress: Progress | None, *, root: Path, weights: str):
