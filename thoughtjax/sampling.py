@@ -26,6 +26,11 @@ from thoughtjax.constraint import Constraint
 from thoughtjax.errors import UserError
 from thoughtjax.kernels.sample_stop import sample_stop, unpack_allowed
 
+# New tokens a request generates when it does not say. One number for the library and every command that runs
+# or predicts a request (generate, plan, synthesize, paths, registry warm), so the same request costs the same
+# whichever way it is made.
+DEFAULT_MAX_TOKENS = 64
+
 
 class SamplingError(UserError, ValueError):
   """Sampling settings out of range; the message names the setting, its range and the value."""
@@ -43,7 +48,7 @@ class SamplingMode(enum.Enum):
 class SamplingParams:
   """How to pick tokens for one request. temperature 0 is greedy."""
 
-  max_tokens: int = 64
+  max_tokens: int = DEFAULT_MAX_TOKENS
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
