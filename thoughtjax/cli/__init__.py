@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from thoughtjax.cli import bench, model_commands, registry, serve, synthesis
+from thoughtjax.cli.args import Parser
 from thoughtjax.cli.registry import load_from_registry
 from thoughtjax.errors import UserError
 
@@ -26,7 +27,8 @@ __all__ = ["build_parser", "command_name", "load_from_registry", "main", "versio
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="thoughtjax", description=__doc__.splitlines()[0])
+  # A Parser's subparsers, nested ones too, are Parsers: every command's --help shows its defaults.
+  parser = Parser(prog="thoughtjax", description=__doc__.splitlines()[0])
   parser.add_argument("--version", action="version", version=f"thoughtjax {version()}")
   sub = parser.add_subparsers(dest="command", required=True)
   model_commands.add_parsers(sub)

@@ -1,20 +1,58 @@
-"""Arguments shared by several commands: paths a user types, ``--kernels``, and the trust flags.
+"""Arguments shared by several commands: the help formatter, paths a user types, ``--registry``, ``--kernels``,
+and the trust flags.
 
 A path the user gives is checked where it is taken, so a missing file is a :class:`CommandLineError`
 (one line, exit status 2) naming the flag, never a ``FileNotFoundError`` from deep inside a loader.
+
+Every parser of the command line is a :class:`Parser` (``add_subparsers`` makes its children of the parent's
+class), so every ``--help``, nested ones such as ``registry build --help`` included, shows each option's default.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from thoughtjax.errors import UserError
 from thoughtjax.kernels import dispatch
+from thoughtjax.sampling import DEFAULT_MAX_TOKENS
 
 
 class CommandLineError(UserError, ValueError):
   """A command-line argument names something that does not exist, or flags that do not go together."""
+
+
+class HelpFormatter(argparse.HelpFormatter):
+  """argparse's ``ArgumentDefaultsHelpFormatter``, without the noise: an option's help ends with
+  ``(default: X)`` unless there is nothing to show (``None``, a flag's ``False``, an empty list) or the help
+  already says what the default is (it names "default", as where the default is computed at run time)."""
+
+  def _get_help_string(self, action: argparse.Action) -> str:
+    text = action.help or ""
+    shown = _shown_default(action.default)
+    if shown is None or "default" in text.lower():
+      return text
+    if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+      return text  # a required positional has no default to show
+    return f"{text} (default: {shown})" if text else f"default: {shown}"
+
+
+def _shown_default(default) -> str | None:
+  if default is None or default is argparse.SUPPRESS or default is False:
+    return None
+  if isinstance(default, (list, tuple)):
+    return " ".join(_shown_default(d) or "" for d in default) or None
+  if isinstance(default, float) and math.isinf(default):
+    return "inf" if default > 0 else "-inf"
+  return str(default).replace("%", "%%")  # help strings are %-formatted
+
+
+class Parser(argparse.ArgumentParser):
+  """The command line's parser: :class:`HelpFormatter` unless told otherwise; its subparsers are Parsers too."""
+
+  def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
+    super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
 
 def existing_path(text: str, flag: str, *, kind: str = "file") -> Path:
@@ -47,6 +85,35 @@ def model_source(text: str | None, flag: str = "--model") -> str | None:
   )
 
 
+def add_registry_arg(
+  p: argparse.ArgumentParser, help: str = "thoughtlet registry directory", *, positional: bool = True
+) -> None:
+  """``--registry DIR``, the one documented way to name a registry; ``positional`` also takes the older
+  ``COMMAND DIR`` form (hidden from the help, kept for scripts). :func:`registry_dir` reads the two."""
+  p.add_argument("--registry", default=None, metavar="DIR", help=help if not positional else f"{help} (required)")
+  if positional:
+    p.add_argument("dir", nargs="?", default=None, help=argparse.SUPPRESS)
+
+
+def registry_dir(args, *, required: bool = True, others: tuple[str, ...] = ()) -> tuple[str | None, str]:
+  """The registry directory the user gave and how to name it in an error (the flag, or "registry directory"
+  for the positional form): ``--registry DIR``, the positional ``DIR``, or an older flag named in ``others``
+  (``registry build --out``). Two of them naming different directories is a :class:`CommandLineError`, and
+  so is none when ``required``."""
+  given = [(f"--{f.replace('_', '-')}", getattr(args, f, None)) for f in ("registry", *others)]
+  given.append(("registry directory", getattr(args, "dir", None)))
+  given = [(label, text) for label, text in given if text is not None]
+  if len({Path(text).expanduser().resolve() for _, text in given}) > 1:
+    shown = " and ".join(f"{'DIR' if label == 'registry directory' else label} {text!r}" for label, text in given)
+    raise CommandLineError(f"two registry directories given: {shown}; give one, as --registry DIR")
+  if not given:
+    if required:
+      raise CommandLineError("no registry directory given; pass --registry DIR")
+    return None, "--registry"
+  label, text = given[0]
+  return text, label
+
+
 def add_kernels_arg(p: argparse.ArgumentParser) -> None:
   p.add_argument(
     "--kernels",
@@ -55,6 +122,17 @@ def add_kernels_arg(p: argparse.ArgumentParser) -> None:
     help="implementation of both kernel ops, sampling and template embedding (default: xla on every "
     "backend until the GPU check earns pallas; see thoughtjax/kernels/dispatch.py)",
   )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+  """``--max-tokens``, ``--temperature``, ``--top-k``, ``--top-p``, ``--seed``, ``--stop``: the same flags, help
+  and defaults for every command that generates (``generate``, ``synthesize``)."""
+  p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="new tokens to generate at most")
+  p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+  p.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens; 0 = off")
+  p.add_argument("--top-p", type=float, default=1.0, help="sample within this cumulative probability; 1 = off")
+  p.add_argument("--seed", type=int, default=0, help="sampling seed (32-bit)")
+  p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
 def add_constraint_args(p: argparse.ArgumentParser) -> None:
@@ -119,3 +197,9 @@ def open_registry(directory: str, args, flag: str = "registry directory", *, wei
   from thoughtjax.registry import Registry
 
   return Registry.open(existing_path(directory, flag, kind="dir"), trust=trust_policy(args), weights=weights)
+
+
+def open_given_registry(args, *, weights: str = "f32"):
+  """The registry of ``--registry DIR`` (or the positional DIR), opened under the trust flags."""
+  directory, label = registry_dir(args)
+  return open_registry(directory, args, label, weights=weights)

@@ -1,4 +1,4 @@
-"""``thoughtjax registry heal DIR --path P [--steps N] [--rank R]``: train and publish a bridge for a cut path.
+"""``thoughtjax registry heal --registry DIR --path P [--steps N] [--rank R]``: train and publish a bridge for a cut path.
 
 Trains on text the model generates itself plus the calibration splits of the hint corpora; the held-out
 splits measure quality before and after (top-1 agreement, KL, ΔNLL), which is printed and stored in the
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
-from thoughtjax.cli.args import CommandLineError, add_trust_args, existing_path, open_registry
+from thoughtjax.cli.args import CommandLineError, add_registry_arg, add_trust_args, existing_path, open_given_registry
 
 
 def _corpora(args) -> tuple[list[str], list[str]]:
@@ -35,7 +35,7 @@ def cmd_heal(args) -> int:
   from thoughtjax.synthesis.heal import HealError, HealSettings, heal, publish_bridge
   from thoughtjax.thoughtlet import ProfileSettings
 
-  reg = open_registry(args.dir, args)
+  reg = open_given_registry(args)
   sign_key = existing_path(args.sign_key, "--sign-key") if args.sign_key else None
   if reg.signed and sign_key is None:
     raise CommandLineError(
@@ -94,7 +94,7 @@ def cmd_heal(args) -> int:
 
 def add_heal_parser(sub) -> None:
   h = sub.add_parser("heal", help="train a bridge that heals a cut path (distillation) and publish it")
-  h.add_argument("dir")
+  add_registry_arg(h, "registry directory to publish the bridge into")
   h.add_argument("--path", required=True, help='the cut path, e.g. "embed, blocks[0:10), head"')
   h.add_argument("--steps", type=int, default=300, help="optimizer steps")
   h.add_argument("--rank", type=int, default=64, help="bridge rank R (down [D, R], up [R, D])")
@@ -102,7 +102,7 @@ def add_heal_parser(sub) -> None:
   h.add_argument("--batch", type=int, default=8, help="windows per step")
   h.add_argument("--window", type=int, default=64, help="tokens per window")
   h.add_argument("--generated", type=int, default=32, help="continuations the model generates to train on")
-  h.add_argument("--seed", type=int, default=0)
+  h.add_argument("--seed", type=int, default=0, help="seed of the initialization, the batches and the generated text")
   h.add_argument(
     "--dictionary", default=None, help="synthesis_dict.yaml whose corpora to use (default: the package's own)"
   )

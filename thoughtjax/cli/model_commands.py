@@ -10,18 +10,20 @@ from thoughtjax.cli.args import (
   CommandLineError,
   add_constraint_args,
   add_kernels_arg,
+  add_sampling_args,
   add_trust_args,
   constraint_kwargs,
   model_source,
   registry_weights,
 )
+from thoughtjax.fetch import DEFAULT_MODEL, KNOWN_MODELS
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument(
     "--model",
     default=None,
-    help="known model name or path to a .gguf / safetensors dir (default: smollm2-135m-instruct)",
+    help=f"known model name or path to a .gguf / safetensors dir (default: {DEFAULT_MODEL})",
   )
   p.add_argument(
     "--path", default=None, help='thoughtlet path, e.g. "embed, blocks[0:12), head" (default: the full model)'
@@ -203,22 +205,17 @@ def cmd_score(args) -> int:
 
 
 def add_parsers(sub) -> None:
-  p = sub.add_parser("fetch", help="download and verify the default model")
-  p.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+  p = sub.add_parser("fetch", help="download and verify a known model into the cache directory")
+  p.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=tuple(KNOWN_MODELS), help="known model to fetch")
   p.add_argument("--force", action="store_true", help="download again even if cached")
   p.set_defaults(fn=cmd_fetch)
 
   p = sub.add_parser("generate", help="stream a continuation or a chat answer")
   _add_model_args(p)
-  p.add_argument("--prompt", required=True)
+  p.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
   p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
   p.add_argument("--system", default=None, help="system message (with --chat)")
-  p.add_argument("--max-tokens", type=int, default=128)
-  p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-  p.add_argument("--top-k", type=int, default=0)
-  p.add_argument("--top-p", type=float, default=1.0)
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--stop", action="append", help="stop string (repeatable)")
+  add_sampling_args(p)
   p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
   add_constraint_args(p)
   p.add_argument(
@@ -234,14 +231,19 @@ def add_parsers(sub) -> None:
     "--draft-tokens", type=int, default=None, metavar="K", help="tokens drafted per verify pass (default 4)"
   )
   p.add_argument(
-    "--draft-vocab", type=int, default=None, metavar="N", help="the draft's head reads only the N most frequent ids"
+    "--draft-vocab",
+    type=int,
+    default=None,
+    metavar="N",
+    help="the draft's head reads only token ids 0..N-1 (a BPE vocabulary's lowest ids, its earliest merges, "
+    "stand in for the most frequent tokens; default: the whole vocabulary)",
   )
   p.set_defaults(fn=cmd_generate)
 
   p = sub.add_parser("score", help="per-position top-K logits and log-likelihood of a sequence")
   _add_model_args(p)
-  p.add_argument("--text", default=None)
-  p.add_argument("--token-ids", default=None, help="comma-separated ids, e.g. 1,2,3")
-  p.add_argument("--top-k", type=int, default=5)
-  p.add_argument("--json", action="store_true")
+  p.add_argument("--text", default=None, help="text to score (tokenized by the model; or give --token-ids)")
+  p.add_argument("--token-ids", default=None, help="comma-separated ids to score, e.g. 1,2,3 (or give --text)")
+  p.add_argument("--top-k", type=int, default=5, help="top logits listed per position")
+  p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
   p.set_defaults(fn=cmd_score)

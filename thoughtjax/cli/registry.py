@@ -1,6 +1,8 @@
 """``thoughtjax registry ...``: build, verify, keygen, validate, list, show, gc, accept, revoke-key, heal.
 
-``thoughtjax generate`` and ``thoughtjax score`` take ``--registry DIR`` too: the
+Every subcommand that opens a registry names it with ``--registry DIR``; the older positional form
+(``registry verify DIR``, and ``registry build --out DIR``) still works, and two of them naming different
+directories is refused. ``thoughtjax generate`` and ``thoughtjax score`` take ``--registry DIR`` too: the
 ``--path`` is then composed from that registry (versions, templates and type checks
 included) instead of slicing a freshly loaded model.
 """
@@ -13,13 +15,17 @@ from pathlib import Path
 
 from thoughtjax.cli.args import (
   CommandLineError,
+  add_registry_arg,
   add_trust_args,
   existing_path,
   model_source,
+  open_given_registry,
   open_registry,
   output_dir,
+  registry_dir,
   trust_policy,
 )
+from thoughtjax.fetch import DEFAULT_MODEL
 from thoughtjax.shipped import shipped_file
 
 
@@ -47,10 +53,9 @@ def cmd_build(args) -> int:
   from rich.console import Console
   from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-  from thoughtjax.fetch import DEFAULT_MODEL
   from thoughtjax.registry import build
 
-  out = output_dir(args.out, "--out")
+  out = output_dir(*registry_dir(args, others=("out",)))
   mapping = existing_path(args.mapping, "--mapping") if args.mapping else _default_mapping()
   sign_key = existing_path(args.sign_key, "--sign-key") if args.sign_key else None
   model_source(args.model)  # a wrong --model fails before the progress bars start
@@ -128,16 +133,12 @@ def _print_table(reg) -> None:
   Console().print(table)
 
 
-def _open(args):
-  return open_registry(args.dir, args)
-
-
 def cmd_verify(args) -> int:
   from thoughtjax.registry import ResourceProfileMismatch, Tolerance
 
   if args.hardware:
     import thoughtjax.synthesis.router_store  # noqa: F401  (registers the router kind's profile step)
-  reg = _open(args)
+  reg = open_given_registry(args)
   tol = Tolerance(
     flops=args.flops_tolerance,
     peak_memory=args.memory_tolerance,
@@ -197,14 +198,14 @@ def cmd_validate(args) -> int:
 
 
 def cmd_list(args) -> int:
-  _print_table(_open(args))
+  _print_table(open_given_registry(args))
   return 0
 
 
 def cmd_show(args) -> int:
   from thoughtjax.path_syntax import parse_path
 
-  reg = _open(args)
+  reg = open_given_registry(args)
   ref = parse_path(args.ref)[0]
   print(json.dumps(reg.manifest(ref.name, ref.version).raw, indent=1, sort_keys=True))
   return 0
@@ -214,7 +215,7 @@ def cmd_gc(args) -> int:
   from thoughtjax.registry import collect_garbage
 
   report = collect_garbage(
-    existing_path(args.dir, "registry directory", kind="dir"),
+    existing_path(*registry_dir(args), kind="dir"),
     keep=args.keep,
     dry_run=args.dry_run,
     trust=trust_policy(args),
@@ -234,7 +235,7 @@ def cmd_gc(args) -> int:
 def cmd_accept(args) -> int:
   from thoughtjax.registry import accept
 
-  root = existing_path(args.dir, "registry directory", kind="dir")
+  root = existing_path(*registry_dir(args), kind="dir")
   entry = accept(root, trust_policy(args))
   print(
     f"accepted {root} as registry {entry['registry_id']} at sequence {entry['sequence']} "
@@ -246,7 +247,10 @@ def cmd_accept(args) -> int:
 
 
 def cmd_revoke_key(args) -> int:
-  reg = _open(args)
+  if args.registry and args.dir is not None and Path(args.registry).resolve() != Path(args.dir).resolve():
+    # With --registry every positional is a key id; argparse gave the first to the older DIR slot.
+    args.key_id, args.dir = [args.dir, *args.key_id], None
+  reg = open_given_registry(args)
   before = reg.sequence
   reg.publish([], sign_key=existing_path(args.sign_key, "--sign-key"), settings=None, revoke_keys=args.key_id)
   print(
@@ -270,13 +274,14 @@ def add_parser(subparsers) -> None:
   sub = p.add_subparsers(dest="registry_command", required=True)
 
   b = sub.add_parser("build", help="cut a model into thoughtlets along a mapping and publish them")
-  b.add_argument("--model", default=None, help="known model name or path (default: smollm2-135m-instruct)")
+  b.add_argument("--model", default=None, help=f"known model name or path (default: {DEFAULT_MODEL})")
   b.add_argument(
     "--mapping",
     default=None,
     help="semantic_mapping.yaml (default: the package's own, registry/semantic_mapping.yaml of its checkout)",
   )
-  b.add_argument("--out", required=True, help="registry directory (created, or updated atomically)")
+  add_registry_arg(b, "registry directory to build (created, or updated atomically)")
+  b.add_argument("--out", default=None, metavar="DIR", help="the older name of --registry")
   b.add_argument("--sign-key", default=None, help="Ed25519 private key (PEM) from `registry keygen`")
   b.add_argument("--batch", type=int, default=1, help="profile: rows per decode step")
   b.add_argument("--context", type=int, default=256, help="profile: KV cache length")
@@ -301,13 +306,13 @@ def add_parser(subparsers) -> None:
   b.add_argument(
     "--replace-old-format",
     action="store_true",
-    help="--out holds a registry of an older format: remove it (its thoughtlets too) and build a new one there",
+    help="the directory holds a registry of an older format: remove it (its thoughtlets too) and build a new one",
   )
   add_trust_args(b, keys_help="trusted public key (repeatable) for the existing index the build publishes onto")
   b.set_defaults(fn=cmd_build)
 
   v = sub.add_parser("verify", help="check digests, signatures, versioned hashes (and profiles)")
-  v.add_argument("dir")
+  add_registry_arg(v, "registry directory to verify")
   v.add_argument("--hardware", action="store_true", help="re-measure resource profiles here")
   add_trust_args(
     v,
@@ -327,36 +332,40 @@ def add_parser(subparsers) -> None:
     default=0.1,
     help="latency differences smaller than this never count as a mismatch",
   )
-  v.add_argument("--flops-tolerance", type=float, default=0.02)
-  v.add_argument("--memory-tolerance", type=float, default=0.25)
-  v.add_argument("--json", action="store_true")
+  v.add_argument(
+    "--flops-tolerance", type=float, default=0.02, help="with --hardware: allowed relative FLOP count difference"
+  )
+  v.add_argument(
+    "--memory-tolerance", type=float, default=0.25, help="with --hardware: allowed relative peak memory difference"
+  )
+  v.add_argument("--json", action="store_true", help="print one JSON object")
   v.set_defaults(fn=cmd_verify)
 
   k = sub.add_parser("keygen", help="create an Ed25519 key pair PATH.key / PATH.pub")
-  k.add_argument("path")
+  k.add_argument("path", help="where to write the pair: PATH.key (private, mode 0600) and PATH.pub")
   k.add_argument("--force", action="store_true", help="overwrite an existing pair")
   k.set_defaults(fn=cmd_keygen)
 
   m = sub.add_parser("validate", help="check a semantic_mapping.yaml")
-  m.add_argument("mapping")
+  m.add_argument("mapping", help="the semantic_mapping.yaml to check")
   m.add_argument("--num-layers", type=int, default=None, help="check spans against this many layers")
   m.set_defaults(fn=cmd_validate)
 
   ls = sub.add_parser("list", help="current thoughtlets with signatures and profiles")
-  ls.add_argument("dir")
+  add_registry_arg(ls)
   add_trust_args(ls)
   ls.set_defaults(fn=cmd_list)
 
   sh = sub.add_parser("show", help="print one manifest (NAME or NAME@VERSION)")
-  sh.add_argument("dir")
-  sh.add_argument("ref")
+  add_registry_arg(sh)
+  sh.add_argument("ref", metavar="REF", help="thoughtlet NAME or NAME@VERSION")
   add_trust_args(sh)
   sh.set_defaults(fn=cmd_show)
 
   g = sub.add_parser("gc", help="remove version directories that are neither current nor recent")
-  g.add_argument("dir")
+  add_registry_arg(g)
   g.add_argument("--keep", type=int, default=2, help="versions kept per thoughtlet, current included")
-  g.add_argument("--dry-run", action="store_true")
+  g.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
   add_trust_args(g, keys_help="trusted public key (repeatable); gc verifies the index before it removes anything")
   g.set_defaults(fn=cmd_gc)
 
@@ -364,15 +373,17 @@ def add_parser(subparsers) -> None:
     "accept",
     help="accept a deliberately rebuilt or replaced registry at DIR (readers refuse a swap or rollback until then)",
   )
-  a.add_argument("dir")
+  add_registry_arg(a, "registry directory to accept")
   add_trust_args(
     a, keys_help="trusted public key (repeatable); the registry is verified under it before it is accepted"
   )
   a.set_defaults(fn=cmd_accept)
 
   r = sub.add_parser("revoke-key", help="publish an index that revokes signing keys (key rotation)")
-  r.add_argument("dir")
-  r.add_argument("key_id", nargs="+", help="id of a signing key to revoke (`registry verify --json` lists them)")
+  add_registry_arg(r)
+  r.add_argument(
+    "key_id", nargs="+", metavar="KEY_ID", help="id of a signing key to revoke (`registry verify --json` lists them)"
+  )
   r.add_argument("--sign-key", required=True, help="private key (PEM) that signs the new index; not a revoked one")
   add_trust_args(r)
   r.set_defaults(fn=cmd_revoke_key)

@@ -1,4 +1,4 @@
-"""``thoughtjax registry train-router DIR``: train the hint router on the registry's embed and store it signed.
+"""``thoughtjax registry train-router --registry DIR``: train the hint router on the registry's embed and store it signed.
 
 Prints the held-out report (accuracy, per-hint precision/recall, confusion matrix, time per prompt) and the
 published ref; ``--json`` prints one object: the report's fields plus ``ref``, ``version`` and
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from thoughtjax.cli.args import add_trust_args, existing_path, open_registry
+from thoughtjax.cli.args import add_registry_arg, add_trust_args, existing_path, open_given_registry
 
 
 def cmd_train_router(args) -> int:
@@ -17,7 +17,7 @@ def cmd_train_router(args) -> int:
   from thoughtjax.synthesis.router_data import load_router_prompts
   from thoughtjax.synthesis.router_store import train_registry_router
 
-  reg = open_registry(args.dir, args)
+  reg = open_given_registry(args)
   sign_key = existing_path(args.sign_key, "--sign-key") if args.sign_key else None
   prompts = existing_path(args.prompts, "--prompts", kind="dir") if args.prompts else None
   train, heldout = load_router_prompts("train", prompts), load_router_prompts("heldout", prompts)
@@ -50,7 +50,7 @@ def cmd_train_router(args) -> int:
 def add_router_parser(sub) -> None:
   """``registry train-router`` (added to the ``registry`` group)."""
   r = sub.add_parser("train-router", help="train the hint router on the registry's embed; store it signed")
-  r.add_argument("dir")
+  add_registry_arg(r, "registry directory whose embed the router reads and where it is published")
   r.add_argument("--sign-key", default=None, help="Ed25519 private key (required when the registry is signed)")
   r.add_argument(
     "--prompts", default=None, help="directory with train.jsonl and heldout.jsonl (default: registry/router_prompts)"
@@ -62,9 +62,9 @@ def add_router_parser(sub) -> None:
     help="hints the router chooses among (repeatable; default: every dictionary hint)",
   )
   r.add_argument("--steps", type=int, default=300, help="optimizer steps (full batch)")
-  r.add_argument("--seed", type=int, default=0)
+  r.add_argument("--seed", type=int, default=0, help="training seed")
   r.add_argument("--name", default="router", help="thoughtlet name of the router")
   r.add_argument("--no-publish", action="store_true", help="train and report only")
-  r.add_argument("--json", action="store_true")
+  r.add_argument("--json", action="store_true", help="print one JSON object")
   add_trust_args(r)
   r.set_defaults(fn=cmd_train_router)

@@ -9,7 +9,8 @@ Contracts (checked by tools that read the output):
                      prefill, decode, synthesis, startup} (startup: the first request's one-off imports and
                      tokenizer loading, not predicted)
   corrections        the learned latency corrections per execution context; --reset forgets them
-  paths DIR --hint H the hint's calibrated front; --plot FILE.png plots quality against predicted latency,
+  paths --registry DIR --hint H
+                     the hint's calibrated front; --plot FILE.png plots quality against predicted latency,
                      --max-latency-ms MS marks the plan chosen within that budget
                      (matplotlib: the plot extra, pip install 'thoughtjax[plot]'; without it, exit 2)
 A misspelt hint is corrected and the correction printed to stderr; an unknown one exits 2 with the list.
@@ -29,12 +30,17 @@ from thoughtjax.cli.args import (
   CommandLineError,
   add_constraint_args,
   add_kernels_arg,
+  add_registry_arg,
+  add_sampling_args,
   add_trust_args,
   constraint_kwargs,
   existing_path,
+  open_given_registry,
   open_registry,
+  registry_dir,
   registry_weights,
 )
+from thoughtjax.sampling import DEFAULT_MAX_TOKENS
 
 
 @contextlib.contextmanager
@@ -215,7 +221,7 @@ def cmd_synthesize(args) -> int:
 
 
 # ------------------------------------------------------------------------------ paths
-def front_rows(cal, hint: str, floors, prompt_tokens: int = 32, max_tokens: int = 64) -> list[dict]:
+def front_rows(cal, hint: str, floors, prompt_tokens: int = 32, max_tokens: int = DEFAULT_MAX_TOKENS) -> list[dict]:
   """Every candidate calibrated on ``hint``: held-out quality, predicted warm latency (restored and
   compiled) for a ``prompt_tokens`` prompt and ``max_tokens`` tokens, floor met, on the Pareto front."""
   from thoughtjax.synthesis.latency import LatencyModel
@@ -284,7 +290,7 @@ def cmd_paths(args) -> int:
   from thoughtjax.synthesis.hints import normalize_hints
   from thoughtjax.synthesis.planner import floors_of
 
-  reg = open_registry(args.dir, args)
+  reg = open_given_registry(args)
   cal = read_calibration(reg)
   dictionary = load_dictionary()
   res = normalize_hints([args.hint], dictionary)
@@ -294,7 +300,7 @@ def cmd_paths(args) -> int:
   if hint not in cal.hints:
     raise CommandLineError(
       f"hint {hint!r} is not calibrated in {reg.root} (calibrated: {', '.join(cal.hints)}); "
-      f"calibrate it: thoughtjax registry calibrate {reg.root} --hint {hint}"
+      f"calibrate it: thoughtjax registry calibrate --registry {reg.root} --hint {hint}"
     )
   floors = floors_of(dictionary)
   rows = front_rows(cal, hint, floors, args.prompt_tokens, args.max_tokens)
@@ -391,7 +397,7 @@ def cmd_calibrate(args) -> int:
   from thoughtjax.synthesis.calibration_store import read_calibration, write_calibration
   from thoughtjax.synthesis.default_registry import latency_settings
 
-  reg = open_registry(args.dir, args)
+  reg = open_given_registry(args)
   sign_key = existing_path(args.sign_key, "--sign-key") if args.sign_key else None
   if (reg.signed or reg.signing_keys) and sign_key is None:  # refuse before minutes of measurement
     raise CommandLineError(
@@ -446,7 +452,7 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_warm(args) -> int:
-  reg = open_registry(args.dir, args)
+  reg = open_given_registry(args)
   syn = _synthesizer(args, reg)
   t0 = time.perf_counter()
   bad = [b for b in args.budget_ms if not b > 0]
@@ -472,7 +478,8 @@ def cmd_corrections(args) -> int:
   if path is None:
     print(f"learned latency corrections are kept in process only ({corr_lib.ENV}=off); nothing stored")
     return 0
-  reg = open_registry(args.registry, args, "--registry") if args.registry else None
+  directory, label = registry_dir(args, required=False)
+  reg = open_registry(directory, args, label) if directory else None
   registry_id = corr_lib.EVERY_REGISTRY if reg is None else reg.registry_id
   prefix = None if reg is None else f"{reg.registry_id or 'unnamed'}|"
   if args.reset:
@@ -502,56 +509,54 @@ def cmd_corrections(args) -> int:
 
 
 # ------------------------------------------------------------------------------ parsers
+HINT_HELP = "hint from registry/synthesis_dict.yaml, repeatable, in priority order (at most 3)"
+
+
 def _request_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument(
-    "--registry",
-    default=None,
-    metavar="DIR",
-    help="registry with a stored calibration (default: the default registry in the cache dir, "
+  add_registry_arg(
+    p,
+    "registry with a stored calibration (default: the default registry in the cache dir, "
     "built and calibrated on first use)",
+    positional=False,
   )
   p.add_argument(
     "--hint",
     action="append",
     default=None,
-    help="hint from registry/synthesis_dict.yaml, repeatable, in priority order (at most 3; none: general_purpose)",
+    help=f"{HINT_HELP}; optional (default: the registry's hint router picks one, else general_purpose)",
   )
-  p.add_argument("--max-latency-ms", type=float, required=True, help="latency budget of the whole request")
-  p.add_argument("--prompt", required=True)
+  p.add_argument("--max-latency-ms", type=float, required=True, help="latency budget of the whole request (inf: none)")
+  p.add_argument("--prompt", required=True, help="the request's text (with --chat: the user's message)")
   p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-  p.add_argument("--max-tokens", type=int, default=64)
   p.add_argument("--explain", action="store_true", help="also print the notes and the rejected alternatives")
   p.add_argument("--json", action="store_true", help="print one JSON object")
   add_trust_args(p, keys_help="with --registry: trusted Ed25519 public key (repeatable)")
   p.add_argument(
     "--weights",
-    choices=("native", "f32", "int8"),
-    default=None,
-    help="the form restores give: f32 (dequantized float32, the default) or native (a quantized model's blocks "
-    "kept packed, computed in float32: the same logits); int8 is refused: int8 blocks are variants a path names",
+    choices=("f32", "native"),
+    default="f32",
+    help="the form restores give: f32 (dequantized float32) or native (a quantized model's blocks kept packed, "
+    "computed in float32: the same logits); int8 blocks are variants a path names (blocks[a:b)@int8)",
   )
 
 
 def add_parsers(sub) -> None:
   p = sub.add_parser("plan", help="the path GetOptimalPath chooses for hints, a prompt and a latency budget")
   _request_args(p)
+  p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="new tokens the request generates at most")
   add_constraint_args(p)
   p.set_defaults(fn=cmd_plan)
 
   p = sub.add_parser("synthesize", help="plan, then run the chosen path: the answer streamed, the trace on stderr")
   _request_args(p)
   add_kernels_arg(p)
-  p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-  p.add_argument("--top-k", type=int, default=0)
-  p.add_argument("--top-p", type=float, default=1.0)
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--stop", action="append", help="stop string (repeatable)")
+  add_sampling_args(p)
   add_constraint_args(p)
   p.set_defaults(fn=cmd_synthesize)
 
   p = sub.add_parser("paths", help="a hint's calibrated paths: quality against predicted latency")
-  p.add_argument("dir", help="registry with a stored calibration")
-  p.add_argument("--hint", required=True)
+  add_registry_arg(p, "registry with a stored calibration")
+  p.add_argument("--hint", required=True, help="the hint whose calibrated paths to list (a misspelling is corrected)")
   p.add_argument(
     "--plot",
     default=None,
@@ -565,9 +570,9 @@ def add_parsers(sub) -> None:
     default=None,
     help="also mark the plan synthesis chooses within this budget (warm), in the table, --json and --plot",
   )
-  p.add_argument("--prompt-tokens", type=int, default=32)
-  p.add_argument("--max-tokens", type=int, default=64)
-  p.add_argument("--json", action="store_true")
+  p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length the latency is predicted for")
+  p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="new tokens the latency is predicted for")
+  p.add_argument("--json", action="store_true", help="print one JSON object")
   add_trust_args(p)
   p.set_defaults(fn=cmd_paths)
 
@@ -575,24 +580,26 @@ def add_parsers(sub) -> None:
     "corrections",
     help="the latency corrections learned from requests on this machine, per execution context; --reset forgets",
   )
-  p.add_argument("--registry", default=None, metavar="DIR", help="only this registry's (default: every registry's)")
+  add_registry_arg(p, "only this registry's (default: every registry's)", positional=False)
   p.add_argument("--reset", action="store_true", help="forget them: predictions use the calibration alone again")
-  p.add_argument("--json", action="store_true")
-  add_trust_args(p)
+  p.add_argument("--json", action="store_true", help="print one JSON object")
+  add_trust_args(p, keys_help="with --registry: trusted Ed25519 public key (repeatable)")
   p.set_defaults(fn=cmd_corrections)
 
 
 def add_registry_parsers(sub) -> None:
   """``registry calibrate`` and ``registry warm`` (added to the ``registry`` group)."""
   c = sub.add_parser("calibrate", help="measure candidate paths per hint and this machine's latency; store signed")
-  c.add_argument("dir")
+  add_registry_arg(c)
   c.add_argument("--sign-key", default=None, help="Ed25519 private key (required when the registry is signed)")
   c.add_argument(
     "--latency-only",
     action="store_true",
     help="keep the stored candidates and quality, re-measure latency on this machine",
   )
-  c.add_argument("--hint", action="append", default=None, help="calibrate these hints only (repeatable)")
+  c.add_argument(
+    "--hint", action="append", default=None, help="calibrate these hints only (repeatable; default: every hint)"
+  )
   c.add_argument("--window", type=int, default=None, help="tokens per quality window (default 128)")
   c.add_argument(
     "--max-windows",
@@ -605,10 +612,12 @@ def add_registry_parsers(sub) -> None:
   c.set_defaults(fn=cmd_calibrate)
 
   w = sub.add_parser("warm", help="restore and compile the chosen paths of hints ahead of time")
-  w.add_argument("dir")
+  add_registry_arg(w)
   w.add_argument("--hint", action="append", default=None, help="hints to warm (default: every calibrated hint)")
   w.add_argument("--prompt-tokens", type=int, nargs="+", default=[16], help="prompt lengths (shape buckets)")
-  w.add_argument("--max-tokens", type=int, nargs="+", default=[64], help="decode lengths (shape buckets)")
+  w.add_argument(
+    "--max-tokens", type=int, nargs="+", default=[DEFAULT_MAX_TOKENS], help="new-token lengths (shape buckets)"
+  )
   w.add_argument(
     "--budget-ms",
     type=float,
