@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import logging
 import threading
 import types
 
@@ -493,3 +494,164 @@ def test_an_unknown_route_or_method_is_an_openai_error(http_served):
   status, got = raw(http_served, "POST", "/v1/engines/x/completions", b"{}")
   assert status == 404 and "error" in got
   assert_serves(http_served)
+
+
+# ---- what llama-server and vLLM clients send --------------------------------------------------------------------
+OTHER_SERVERS = {"min_p": 0.05, "repetition_penalty": 1.1, "cache_prompt": True}
+
+
+def test_fields_of_other_servers_are_ignored_and_logged_once_by_name(http_served, caplog):
+  c = client_of(http_served)
+  with caplog.at_level(logging.WARNING, logger="thoughtjax.server.http"):
+    for _ in range(2):
+      got = c.chat.completions.create(
+        model=model_of(http_served), messages=CHAT, max_tokens=2, extra_body=OTHER_SERVERS
+      )
+      assert got.usage.completion_tokens >= 1
+      assert got.model_extra["thoughtjax"]["ignored_fields"] == sorted(OTHER_SERVERS)
+  warned = [r.getMessage() for r in caplog.records if "ignoring unknown request fields" in r.getMessage()]
+  assert len(warned) <= 1 and all(f in "".join(warned) for f in OTHER_SERVERS)  # once per name and server
+
+
+def test_strict_fields_keeps_the_400(synthesizer):
+  with BackgroundServer(synthesizer, config(http_port=0, strict_fields=True)) as srv:
+    wait_ready(srv)
+    status, got = post(srv, {"messages": CHAT, "max_tokens": 2, **OTHER_SERVERS})
+    assert status == 400 and got["error"]["param"] == "cache_prompt" and "strict_fields" in got["error"]["message"]
+    status, got = raw(srv, "POST", "/tokenize", json.dumps({"content": "x", "parse_special": True}).encode())
+    assert status == 400 and got["error"]["param"] == "parse_special"
+
+
+def test_unset_fields_take_openais_defaults(http_served, synthesizer):
+  """Sampled at temperature 1 and top_p 1, and no max_tokens generates until the end of text or the bound:
+  max_tokens_limit or the context left after the prompt, whichever is smaller."""
+  from thoughtjax.server.validation import Serving, validate
+
+  c = client_of(http_served)
+  x = http_served.app.service.registry.codec.encode("x")[-1]
+  got = c.completions.create(model=model_of(http_served), prompt=PROMPT, logit_bias={str(x): 50.0})  # no early stop
+  context = http_served.app.service.serving.max_context
+  assert got.choices[0].finish_reason == "length" and got.usage.total_tokens == context
+  s = Serving.of(synthesizer)
+  m, opts = synthesize_request({"prompt": PROMPT}, "completion", None)
+  assert validate(m, None, s, config(max_tokens_limit=5), until_eos=opts.until_eos).max_tokens == 5
+  r = validate(m, None, s, config(), until_eos=True)
+  assert r.max_tokens == context - len(r.prompt_ids) and (r.sampling["temperature"], r.sampling["top_p"]) == (1, 1)
+  assert validate(m, None, s, config(), until_eos=False).max_tokens == 64  # gRPC's unset max_tokens
+  long = pb.SynthesizeRequest(prompt="x" * (context + 10))
+  with pytest.raises(Exception, match="fill the model's context"):
+    validate(long, None, s, config(), until_eos=True)
+
+
+def test_the_developer_role_is_the_system_role(http_served):
+  c = client_of(http_served)
+  as_developer = [{"role": "developer", "content": "Be brief."}, CHAT[1]]
+  want = c.chat.completions.create(model=model_of(http_served), messages=CHAT, max_tokens=6, temperature=0)
+  got = c.chat.completions.create(model=model_of(http_served), messages=as_developer, max_tokens=6, temperature=0)
+  assert got.choices[0].message.content == want.choices[0].message.content
+
+
+def test_a_json_body_needs_no_content_type_and_a_clearly_other_type_is_415(http_served):
+  body = json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode()
+  conn = http.client.HTTPConnection("127.0.0.1", http_served.app.http_port, timeout=120)
+  try:
+    conn.putrequest("POST", "/v1/completions")  # no Content-Type header at all
+    conn.putheader("Content-Length", str(len(body)))
+    conn.endheaders(body)
+    r = conn.getresponse()
+    assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] >= 1
+  finally:
+    conn.close()
+  for ctype, status in (
+    ("application/x-www-form-urlencoded", 200),  # curl -d's default, with a JSON body
+    ("application/json; charset=utf-8", 200),
+    ("text/html", 415),
+    ("multipart/form-data; boundary=x", 415),
+  ):
+    got_status, got = raw(http_served, "POST", "/v1/completions", body, {"Content-Type": ctype})
+    assert got_status == status, (ctype, got)
+
+
+def test_the_model_is_named_by_its_alias_or_the_registry_folder(synthesizer):
+  with BackgroundServer(synthesizer, config(http_port=0, model_name="my-model")) as srv:
+    wait_ready(srv)
+    c = client_of(srv)
+    assert [m.id for m in c.models.list().data] == ["my-model"]
+    for name in ("my-model", srv.app.service.registry.root.name):
+      got = c.chat.completions.create(model=name, messages=CHAT, max_tokens=2)
+      assert got.model == "my-model" and got.usage.completion_tokens >= 1
+    with pytest.raises(openai.NotFoundError) as e:
+      c.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=2)
+    assert e.value.body["code"] == "model_not_found" and "'my-model'" in e.value.body["message"]
+
+
+def test_health_is_503_while_loading_warming_or_draining_and_200_when_serving(synthesizer):
+  loaded, warmed = threading.Event(), threading.Event()
+
+  def load():
+    assert loaded.wait(60)
+    return synthesizer
+
+  with BackgroundServer(None, config(http_port=0), load=load, warm=lambda: warmed.wait(60)) as srv:
+    for state, release in (("loading", loaded), ("warming", warmed)):
+      status, got = raw(srv, "GET", "/health")
+      assert (status, got["status"], got["error"]["code"]) == (503, state, "unavailable"), got
+      release.set()
+      if state == "loading":
+        srv.call(lambda: _until(lambda: srv.app.service.serving is not None))
+    wait_ready(srv)
+    assert raw(srv, "GET", "/health") == (200, {"status": "ok"}) == raw(srv, "GET", "/v1/health")
+    srv.call(srv.app.begin_drain)
+    status, got = raw(srv, "GET", "/health")
+    assert status == 503 and got["status"] == "draining"
+
+
+def test_metrics_tokenize_and_detokenize_on_the_http_port_take_the_client_token(synthesizer):
+  with BackgroundServer(synthesizer, config(http_port=0, clients=ClientsConfig(token=TOKEN))) as srv:
+    wait_ready(srv)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    assert raw(srv, "GET", "/health") == (200, {"status": "ok"})  # probes carry no token
+    body = json.dumps({"content": PROMPT}).encode()
+    for method, path, data in (("GET", "/metrics", None), ("POST", "/tokenize", body), ("POST", "/detokenize", b"{}")):
+      status, got = raw(srv, method, path, data)
+      assert status == 401 and got["error"]["code"] == "unauthenticated", (path, got)
+    client_of(srv, TOKEN).chat.completions.create(model=model_of(srv), messages=CHAT, max_tokens=2)
+    conn = http.client.HTTPConnection("127.0.0.1", srv.app.http_port, timeout=60)
+    try:
+      conn.request("GET", "/metrics", headers=auth)
+      r = conn.getresponse()
+      text = r.read().decode()
+    finally:
+      conn.close()
+    assert r.status == 200 and r.getheader("Content-Type").startswith("text/plain")
+    assert 'thoughtjax_requests_total{code="OK",method="/v1/chat/completions"} 1.0' in text  # the same registry
+
+    codec = srv.app.service.registry.codec
+    status, got = raw(srv, "POST", "/tokenize", body, auth)
+    assert status == 200 and got["tokens"] == codec.encode(PROMPT)[1 if codec.add_bos else 0 :]
+    tokens = got["tokens"]
+    status, got = raw(srv, "POST", "/tokenize", json.dumps({"content": PROMPT, "add_special": True}).encode(), auth)
+    assert got["tokens"] == codec.encode(PROMPT)
+    status, got = raw(srv, "POST", "/tokenize", json.dumps({"content": "ab", "with_pieces": True}).encode(), auth)
+    assert "".join(p["piece"] for p in got["tokens"]) == "ab" and all(isinstance(p["id"], int) for p in got["tokens"])
+    status, got = raw(srv, "POST", "/detokenize", json.dumps({"tokens": tokens}).encode(), auth)
+    assert (status, got) == (200, {"content": PROMPT})
+    for bad in ({"tokens": [10**9]}, {"tokens": "abc"}, {"tokens": [1.5]}):
+      status, got = raw(srv, "POST", "/detokenize", json.dumps(bad).encode(), auth)
+      assert status == 400 and got["error"]["param"] == "tokens", got
+    status, got = raw(srv, "POST", "/tokenize", json.dumps({"content": 5}).encode(), auth)
+    assert status == 400 and got["error"]["param"] == "content"
+
+
+def test_client_token_flag_reaches_a_server_that_requires_one(synthesizer, capsys, monkeypatch):
+  from thoughtjax.cli import main
+
+  monkeypatch.delenv("THOUGHTJAX_API_KEY", raising=False)
+  with BackgroundServer(synthesizer, config(clients=ClientsConfig(token=TOKEN))) as srv:
+    wait_ready(srv)
+    argv = ["client", "--target", f"127.0.0.1:{srv.port}", "--prompt", PROMPT, "--max-tokens", "2", "--timeout", "60"]
+    assert main([*argv, "--json"]) == 2 and "UNAUTHENTICATED" in capsys.readouterr().err
+    assert main([*argv, "--json", "--token", TOKEN]) == 0
+    assert json.loads(capsys.readouterr().out)["final"]["usage"]["tokensOut"] >= 1
+    monkeypatch.setenv("THOUGHTJAX_API_KEY", TOKEN)  # the server's variable serves the client too
+    assert main([*argv, "--json"]) == 0
