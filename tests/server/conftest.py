@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
 from thoughtjax.proto.v1 import synthesis_pb2_grpc as rpc
@@ -38,6 +39,16 @@ def config(**changes) -> ServerConfig:
 def wait_ready(srv: BackgroundServer) -> None:
   """Until the warm-up finished (an awaited task, not a poll)."""
   assert srv.call(srv.app.wait_ready), srv.app.warm_error
+
+
+def wait_serving(target: str, timeout: float = 300) -> bool:
+  """Until grpc.health.v1 reports SERVING (the server listens before its registry is loaded): a Watch stream,
+  which sends each status change, not a poll."""
+  with grpc.insecure_channel(target) as ch:
+    for r in health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=timeout):
+      if r.status == health_pb2.HealthCheckResponse.SERVING:
+        return True
+  return False
 
 
 def stub_of(srv: BackgroundServer, **kw) -> tuple[grpc.Channel, rpc.SynthesizerStub]:

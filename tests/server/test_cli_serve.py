@@ -14,21 +14,9 @@ import urllib.request
 import openai
 import pytest
 
+from tests.server.conftest import wait_serving
 from thoughtjax.cli import main
 from thoughtjax.client import Client
-
-
-def wait_serving(target: str) -> bool:
-  """Until grpc.health.v1 reports SERVING (the server listens before its registry is loaded): a Watch stream,
-  which sends each status change, not a poll."""
-  import grpc
-  from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-  with grpc.insecure_channel(target) as ch:
-    for r in health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=300):
-      if r.status == health_pb2.HealthCheckResponse.SERVING:
-        return True
-  return False
 
 
 @pytest.fixture
