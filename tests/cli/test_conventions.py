@@ -228,3 +228,12 @@ def test_trust_flags_wherever_a_registry_is_opened():
     flags = {s for a in parser._actions for s in a.option_strings}
     if "--registry" in flags and not name.startswith("thoughtjax bench"):
       assert {"--public-key", "--require-signatures"} <= flags, name
+
+
+def test_bench_commands_that_open_a_registry_take_the_trust_flags(capsys):
+  assert cli.main(["bench", "synthesis", "--require-signatures"]) == 2
+  assert "check a registry you name: add --registry DIR" in capsys.readouterr().err
+  for argv in (["bench", "speculative", "--require-signatures"], ["bench", "serve", "--peer", "llama-server"]):
+    with pytest.raises(SystemExit) as info:
+      cli.main([*argv, "--public-key", "k.pub"])
+    assert info.value.code == 2 and "--public-key" in capsys.readouterr().err

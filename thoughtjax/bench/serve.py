@@ -33,6 +33,7 @@ import time
 import numpy as np
 
 from thoughtjax.bench import common
+from thoughtjax.cli.args import CommandLineError, add_trust_args, trust_policy
 
 
 def _rss_mib() -> float:
@@ -200,7 +201,9 @@ def _open(args):
   from thoughtjax.registry import Registry
 
   if args.registry:
-    return Registry.open(args.registry)
+    return Registry.open(args.registry, trust=trust_policy(args))
+  if args.public_key or args.require_signatures:
+    raise CommandLineError("--public-key and --require-signatures check a registry you name: add --registry DIR")
   from thoughtjax.synthesis.default_registry import ensure_default
 
   return ensure_default(lambda stage, done, total, item: print(f"{stage} {done}/{total} {item}", flush=True))
@@ -228,8 +231,12 @@ def _positive_list(text: str) -> list[int]:
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="thoughtjax bench serve", description=__doc__.splitlines()[0])
   p.add_argument(
-    "--registry", default=None, help="registry to serve (default: the default registry); with --peer, also needs --gguf"
+    "--registry",
+    default=None,
+    metavar="DIR",
+    help="registry to serve (default: the default registry); with --peer, also needs --gguf",
   )
+  add_trust_args(p, keys_help="with --registry, without --peer: trusted Ed25519 public key (repeatable)")
   p.add_argument("--path", default=None, help="the path every request runs (default: the registry's full path)")
   p.add_argument(
     "--quick",
@@ -306,6 +313,8 @@ def main(argv=None) -> int:
   else:
     if given(GRPC_ONLY):
       p.error(f"{', '.join(given(GRPC_ONLY))}: not with --peer (thoughtjax serve runs its default config)")
+    if args.public_key or args.require_signatures:  # the serve subprocess opens the registry; it is not given them
+      p.error("--public-key/--require-signatures: not with --peer (its thoughtjax serve process opens the registry)")
     args.requests_per_user = 1 if args.requests_per_user is None else args.requests_per_user
     if args.requests_per_user < 1:
       p.error(f"--requests-per-user: expected at least 1, got {args.requests_per_user}")

@@ -32,6 +32,7 @@ import argparse
 import sys
 
 from thoughtjax.bench import common
+from thoughtjax.cli.args import add_trust_args, trust_policy
 from thoughtjax.errors import UserError
 
 REPEATING = (  # the continuation repeats text of the prompt or of itself
@@ -133,7 +134,7 @@ def _bridges(args, model, depths) -> dict[int, tuple[dict, str]]:
   if args.registry:
     from thoughtjax.registry import Registry
 
-    reg = Registry.open(args.registry)
+    reg = Registry.open(args.registry, trust=trust_policy(args))
     for d in depths:
       name = f"bridge.{d}-{L}"
       if name in reg.names:
@@ -161,7 +162,8 @@ def main(argv=None) -> int:
   p.add_argument("--prompts", type=int, default=None, help="prompts at batch 1 (default 4; quick 2)")
   p.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default 64; quick 8)")
   p.add_argument("--batch", type=int, default=None, help="the larger batch (default 8; quick 2)")
-  p.add_argument("--registry", default=None, help="registry holding bridges bridge.d-L for the exits")
+  p.add_argument("--registry", default=None, metavar="DIR", help="registry holding bridges bridge.d-L for the exits")
+  add_trust_args(p, keys_help="with --registry: trusted Ed25519 public key (repeatable)")
   p.add_argument("--heal-steps", type=int, default=0, help="train a bridge per exit here with this many steps")
   p.add_argument("--heal-rank", type=int, default=64)
   p.add_argument("--no-int8", action="store_true", help="leave out the int8 weight-variant drafts")
@@ -178,6 +180,8 @@ def main(argv=None) -> int:
   p.add_argument("--kernels", default=None, choices=("xla", "pallas"))
   p.add_argument("--json", default=None, type=common.json_path, help="write the results here")
   args = p.parse_args(argv)
+  if (args.public_key or args.require_signatures) and not args.registry:
+    p.error("--public-key and --require-signatures check a registry you name: add --registry DIR")
 
   import thoughtjax
   from thoughtjax.decode.speculative import Draft

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from thoughtjax.bench import common
+from thoughtjax.cli.args import CommandLineError, add_trust_args, trust_policy
 
 FILLER = (
   "The history of the city spans many centuries, from its founding as a small settlement on the river "
@@ -496,7 +497,9 @@ def _open(args):
   from thoughtjax.registry import Registry
 
   if args.registry:
-    return Registry.open(args.registry, weights=args.weights)
+    return Registry.open(args.registry, weights=args.weights, trust=trust_policy(args))
+  if args.public_key or args.require_signatures:
+    raise CommandLineError("--public-key and --require-signatures check a registry you name: add --registry DIR")
   from thoughtjax.synthesis.default_registry import ensure_default
 
   return ensure_default(
@@ -510,7 +513,8 @@ def _f(x: Any, spec: str) -> str:
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="thoughtjax bench synthesis", description=__doc__.splitlines()[0])
-  p.add_argument("--registry", default=None, help="calibrated registry (default: the default registry)")
+  p.add_argument("--registry", default=None, metavar="DIR", help="calibrated registry (default: the default registry)")
+  add_trust_args(p, keys_help="with --registry: trusted Ed25519 public key (repeatable)")
   p.add_argument("--quick", action="store_true", help="small sizes everywhere (CI)")
   p.add_argument("--requests", type=int, default=None, help="prediction requests (default 60; quick 6)")
   p.add_argument("--plan-calls", type=int, default=None, help="plan() calls timed (default 2000; quick 200)")
