@@ -1,20 +1,23 @@
-"""Property-based fuzzing over loopback: over 10,000 random and malformed requests, each answered with a
-precise status (never UNKNOWN or INTERNAL), and the server stays healthy and idle afterwards.
+"""Property-based fuzzing over loopback: 2,000 random and malformed requests (10,100 with ``THOUGHTJAX_FUZZ=full``,
+tests/fuzzing.py), each answered with a precise status (never UNKNOWN or INTERNAL), and the server stays healthy
+and idle afterwards.
 
 Requests go in batches of 25 concurrent calls: GetOptimalPath with random fields (planning only), Synthesize
 with fields that fail validation (no model work), and random bytes that may or may not parse.
 
 Then valid-shaped Synthesize requests with random sampling values (edges of their types included), stop sets,
-explicit paths and hint lists reach the model (a few hundred, a few tokens each): each stream ends OK or with
+explicit paths and hint lists reach the model (96, or 240 in full, a few tokens each): each stream ends OK or with
 a documented status, never UNKNOWN or INTERNAL, and the server serves afterwards."""
 
 from __future__ import annotations
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from tests import fuzzing
 from tests.server.conftest import config, wait_ready
 from tests.synthesis.tiny_synthesis import FULL, IDENTITY_SKIP
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
@@ -22,7 +25,7 @@ from thoughtjax.proto.v1 import synthesis_pb2_grpc as rpc
 from thoughtjax.server.app import BackgroundServer
 
 C = grpc.StatusCode
-BATCH, EXAMPLES = 25, 404
+BATCH, EXAMPLES = 25, fuzzing.count(80, 404)
 PLAN_OK = {C.OK, C.INVALID_ARGUMENT, C.OUT_OF_RANGE, C.FAILED_PRECONDITION}
 REFUSED = PLAN_OK - {C.OK}
 HINTS = [
@@ -100,15 +103,22 @@ def invalid(m: pb.SynthesizeRequest) -> pb.SynthesizeRequest:
   return m
 
 
-def test_ten_thousand_random_and_malformed_requests_each_get_a_status(served):
+def _malformed(port: int, examples: int, **given_settings) -> dict:
+  """Send ``examples`` batches of random and malformed calls; every answer a documented status (asserted per call).
+  Returns the count of each status."""
   statuses: dict = {}
   sent = [0]
-  ch = grpc.insecure_channel(f"127.0.0.1:{served.port}")
+  ch = grpc.insecure_channel(f"127.0.0.1:{port}")
   stub = rpc.SynthesizerStub(ch)
   raw = ch.unary_unary("/thoughtjax.v1.Synthesizer/GetOptimalPath")
 
   @settings(
-    max_examples=EXAMPLES, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    max_examples=examples,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+    **given_settings,
   )
   @given(
     st.lists(
@@ -139,18 +149,42 @@ def test_ten_thousand_random_and_malformed_requests_each_get_a_status(served):
 
   with ch:
     batch()
-    assert sent[0] >= 10_000, sent[0]
+    assert sent[0] == BATCH * examples, sent[0]
     health = health_pb2_grpc.HealthStub(ch)
     assert health.Check(health_pb2.HealthCheckRequest(), timeout=30).status == health_pb2.HealthCheckResponse.SERVING
     final = list(stub.Synthesize(pb.SynthesizeRequest(prompt="The quick brown fox", max_tokens=4), timeout=120))[-1]
     assert final.final.usage.tokens_out >= 1
+  return statuses
+
+
+def test_thousands_of_random_and_malformed_requests_each_get_a_status(served):
+  statuses = _malformed(served.port, EXAMPLES)
   assert statuses.get("INVALID_ARGUMENT", 0) > 0 and statuses.get("OK", 0) > 0
   assert served.call(lambda: served.app.service.scheduler.wait_idle(60))
   assert "UNKNOWN" not in served.app.service.statuses
 
 
+def test_the_tier_count_finds_a_planted_crash(synthesizer, monkeypatch):
+  """The count the test tiers run still finds a fault of the kind this fuzz is for: here a validation that crashes
+  (UNKNOWN) on a chat message with a role it does not know, instead of refusing it by name."""
+  from thoughtjax.server import servicer
+
+  real = servicer.validate
+
+  def planted(m, *args, **kwargs):
+    if any(msg.role not in ("system", "user", "assistant") for msg in m.messages):
+      raise KeyError(m.messages[0].role)
+    return real(m, *args, **kwargs)
+
+  monkeypatch.setattr(servicer, "validate", planted)
+  with BackgroundServer(synthesizer, config()) as srv:  # a server of its own: this one counts UNKNOWN statuses
+    wait_ready(srv)
+    with pytest.raises(AssertionError, match=r"StatusCode\.(UNKNOWN|INTERNAL)"):
+      _malformed(srv.port, EXAMPLES, phases=[Phase.explicit, Phase.generate])  # found, not shrunk
+
+
 # ---------------------------------------------------------------------------------- requests that reach the model
-RUN_BATCH, RUN_EXAMPLES = 8, 30
+RUN_BATCH, RUN_EXAMPLES = 8, fuzzing.count(12, 30)
 # What a valid-shaped request may be answered besides OK (server/servicer.py's module docstring lists each).
 RUN_ALLOWED = {
   C.OK,
