@@ -1,4 +1,5 @@
-"""The server over the default model's registry (built and calibrated on first use): a chat request streams."""
+"""The server over the default model's registry (built and calibrated on first use), started as a user starts it:
+the OpenAI client, curl and the gRPC client get answers from one process."""
 
 from __future__ import annotations
 
@@ -6,33 +7,11 @@ import pytest
 
 
 @pytest.mark.slow
-def test_serves_a_chat_request_on_the_default_model():
-  from tests.server.conftest import config, wait_ready
-  from thoughtjax.client import Client
-  from thoughtjax.server.app import BackgroundServer
-  from thoughtjax.synthesis.default_registry import open_default
-
-  with BackgroundServer(open_default(), config(), timeout=600) as srv:
-    wait_ready(srv)
-    with Client(f"127.0.0.1:{srv.port}", timeout=600) as c:
-      text = "".join(
-        c.stream(
-          messages=[{"role": "user", "content": "What is the capital of France?"}],
-          hints=["general_purpose"],
-          max_tokens=12,
-        )
-      )
-      final = c.last_final
-  assert text.strip() and final.text == text and final.usage.tokens_out >= 1
-  assert final.trace.refs and final.trace.actual_ms["total"] > 0
-  assert c.last_trailer.trace == final.trace and c.last_trailer.usage == final.usage
-
-
-@pytest.mark.slow
-def test_serve_model_gguf_with_no_config_answers_the_openai_client_and_curl(tmp_path):
+def test_serve_model_gguf_with_no_config_answers_the_openai_client_curl_and_grpc(tmp_path):
   """``thoughtjax serve --model <the default GGUF>``, no config file, as a llama-server user starts it: the official
   ``openai`` client and ``curl`` (with and without a Content-Type) get answers, fields the server does not use
-  included; /health, /tokenize and /metrics answer on the same port."""
+  included; /health, /tokenize and /metrics answer on the same port; a gRPC chat request streams with its trace in
+  the trailer."""
   import json
   import shutil
   import signal
@@ -43,6 +22,7 @@ def test_serve_model_gguf_with_no_config_answers_the_openai_client_and_curl(tmp_
 
   from tests.server.conftest import wait_serving
   from thoughtjax import fetch as fetch_lib
+  from thoughtjax.client import Client
 
   gguf = fetch_lib.fetch(fetch_lib.DEFAULT_MODEL, progress=False)
   argv = ["serve", "--model", str(gguf), "--port", "0", "--http-port", "0", "--parallel", "2"]
@@ -94,6 +74,19 @@ def test_serve_model_gguf_with_no_config_answers_the_openai_client_and_curl(tmp_
     assert run_curl(f"{root}/detokenize", "-d", json.dumps({"tokens": tokens})) == {"content": "Hello world"}
     metrics = subprocess.run([curl, "-sS", f"{root}/metrics"], capture_output=True, text=True, check=True).stdout
     assert 'thoughtjax_requests_total{code="OK",method="/v1/completions"}' in metrics
+
+    with Client(serving.split()[-1], timeout=600) as c:
+      text = "".join(
+        c.stream(
+          messages=[{"role": "user", "content": "What is the capital of France?"}],
+          hints=["general_purpose"],
+          max_tokens=12,
+        )
+      )
+      final = c.last_final
+    assert text.strip() and final.text == text and final.usage.tokens_out >= 1
+    assert final.trace.refs and final.trace.actual_ms["total"] > 0
+    assert c.last_trailer.trace == final.trace and c.last_trailer.usage == final.usage
 
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(120) == 0
