@@ -28,12 +28,11 @@ from thoughtjax.decode.request import ContextError, check_request
 from thoughtjax.errors import UserError
 from thoughtjax.path_syntax import parse_path
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
-from thoughtjax.sampling import SamplingParams
+from thoughtjax.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from thoughtjax.server.config import ServerConfig
 from thoughtjax.synthesis.hints import normalize_hints
 
 MAX_REQUEST_ID = 128
-DEFAULT_MAX_TOKENS = 64
 ROLES = ("system", "user", "assistant")
 
 

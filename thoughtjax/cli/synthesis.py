@@ -474,12 +474,12 @@ def cmd_warm(args) -> int:
 def cmd_corrections(args) -> int:
   from thoughtjax.synthesis import corrections as corr_lib
 
+  directory, label = registry_dir(args, required=False)
+  reg = open_registry(directory, args, label) if directory else None  # a wrong --registry is an error either way
   path = corr_lib.corrections_path()
   if path is None:
     print(f"learned latency corrections are kept in process only ({corr_lib.ENV}=off); nothing stored")
     return 0
-  directory, label = registry_dir(args, required=False)
-  reg = open_registry(directory, args, label) if directory else None
   registry_id = corr_lib.EVERY_REGISTRY if reg is None else reg.registry_id
   prefix = None if reg is None else f"{reg.registry_id or 'unnamed'}|"
   if args.reset:

@@ -58,7 +58,7 @@ from thoughtjax.decode.request import RequestRun
 from thoughtjax.decode.speculative import Draft
 from thoughtjax.errors import UserError
 from thoughtjax.kernels.dispatch import resolve as resolve_kernels
-from thoughtjax.sampling import SamplingParams
+from thoughtjax.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from thoughtjax.synthesis.calibration import Calibration
 from thoughtjax.synthesis.candidate import path_hash_of
 from thoughtjax.synthesis.latency import IDLE, STAGES, LatencyContext, LatencyModel, LatencyTrace, Load, Residency
@@ -370,7 +370,7 @@ class Synthesizer:
     hints: Sequence[str] | None = None,
     *,
     max_latency_ms: float,
-    max_tokens: int = 64,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
     chat: bool = False,
     pin_sequence: int | None = None,
     unavailable=None,
@@ -475,7 +475,7 @@ class Synthesizer:
     hints: Sequence[str] | None = None,
     *,
     max_latency_ms: float | None,
-    max_tokens: int = 64,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
     chat: bool = False,
     pin_sequence: int | None = None,
     load: Load | LoadBook | None = None,
@@ -604,7 +604,7 @@ def synthesize(
   hints: Sequence[str] | None = None,
   *,
   max_latency_ms: float | None,
-  max_tokens: int = 64,
+  max_tokens: int = DEFAULT_MAX_TOKENS,
   chat: bool = False,
   **sampling,
 ) -> SynthesisResult:
