@@ -93,7 +93,8 @@ def test_an_edited_calibration_is_refused_loudly_and_counted(setup, tmp_path):
     path = calibration_path(root, reg.sequence)
     doc = json.loads(path.read_bytes())
     # The attack: make a lossy path look lossless on a hint.
-    h = next(iter(doc["calibration"]["quality"]))
+    quality = doc["calibration"]["quality"]
+    h = next(h for h, q in quality.items() if q["fast_draft"]["calibration"]["top1_agreement"] < 1.0)
     doc["calibration"]["quality"][h]["fast_draft"]["calibration"]["top1_agreement"] = 1.0
     path.write_bytes(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
     before = reg.stats().signature_failures
