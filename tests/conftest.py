@@ -152,25 +152,6 @@ def pytest_configure(config):
   if not USER_SET_OPTIMIZATIONS:
     os.environ[OPTIMIZATIONS_ENV] = "1"
     jax.config.update("jax_disable_most_optimizations", True)
-  if RUN.owner and os.environ.get("PYTEST_XDIST_WORKER") is None and config.getoption("markexpr") == "slow":
-    _PREBUILD.append(_start_default_registry_build())
-
-
-_PREBUILD: list = []
-
-
-def _start_default_registry_build():
-  """The integration tier's first process starts the default registry's first use (build, latency measurement)
-  in a process of its own at once: the workers run the tiny-model integration tests meanwhile (they come first),
-  instead of one worker building while the other waits on the first-use lock. A test that needs the registry
-  before it is done waits on that lock; if this process fails, the first test to need the registry builds it."""
-  import subprocess
-  import sys
-
-  log = open(RUN.root / "default-registry-first-use.log", "w")  # closed in pytest_unconfigure
-  env = {**os.environ, OPTIMIZATIONS_ENV: os.environ.get(OPTIMIZATIONS_ENV, "0") if USER_SET_OPTIMIZATIONS else "0"}
-  code = "from thoughtjax.synthesis.default_registry import ensure_default; ensure_default().close()"
-  return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=log, stderr=subprocess.STDOUT), log
 
 
 @pytest.fixture(autouse=True)
@@ -200,24 +181,13 @@ def pytest_collection_modifyitems(config, items):
     if any(item.nodeid == ref or item.nodeid.startswith(ref + "[") for ref in listed):
       item.add_marker(pytest.mark.slow)
       item.stash[MOVED] = True
-  # The tiny-model integration tests come before the real model's, which wait for its registry's first use.
-  # Of those, the notebooks (minutes each) first.
-  items.sort(
-    key=lambda item: (
-      item.get_closest_marker("slow") is None,
-      uses_real_model(item),
-      not item.nodeid.startswith("tests/test_notebooks.py"),
-    )
-  )  # stable: otherwise in file order
+  # The real model's tests first (minutes each); the first of them to need its registry builds it and measures its
+  # latency, with the other worker on a real-model test or waiting for the registry, not on the many short tests.
+  items.sort(key=lambda item: (item.get_closest_marker("slow") is None, not uses_real_model(item)))  # stable
 
 
 def pytest_unconfigure(config):
   """The process that made the run's cache removes it at the end (xdist workers end before it)."""
-  for proc, log in _PREBUILD:
-    if proc.poll() is None:  # the run ended first (-x, or no test needed it yet)
-      proc.terminate()
-    proc.wait(60)
-    log.close()
   isolation.leave_run(RUN)
 
 
