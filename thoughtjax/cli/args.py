@@ -119,8 +119,8 @@ def add_kernels_arg(p: argparse.ArgumentParser) -> None:
     "--kernels",
     choices=tuple(dispatch.IMPLEMENTATIONS),
     default=None,
-    help="implementation of both kernel ops, sampling and template embedding (default: xla on every "
-    "backend until the GPU check earns pallas; see thoughtjax/kernels/dispatch.py)",
+    help="implementation of both kernel ops, sampling and template embedding (default: pallas on a GPU, xla "
+    "elsewhere; see thoughtjax/kernels/dispatch.py)",
   )
 
 
