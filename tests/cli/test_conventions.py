@@ -11,8 +11,8 @@ import re
 import pytest
 
 from thoughtjax import cli
-from thoughtjax.bench import BENCHMARKS
 from thoughtjax.cli import args as args_lib
+from thoughtjax.cli.bench import BENCHMARKS
 from thoughtjax.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 
 # The other engineer's commands (thoughtjax/cli/serve.py): the formatter reaches them, their help texts are theirs.

@@ -9,7 +9,20 @@ from __future__ import annotations
 
 import importlib
 
-from thoughtjax.bench import BENCHMARKS
+# Each benchmark module of thoughtjax.bench with the line `bench --help` shows for it (none is imported for it).
+BENCHMARKS = {
+  "decode": "prefill/decode throughput, first-token latency, start-up and memory (llama.cpp beside it if installed)",
+  "kernels": "each kernel op: XLA reference against the Pallas kernel and a CUDA C kernel",
+  "registry": "what restoring from a registry costs and what composing into one program buys",
+  "synthesis": "what planning costs, how well it predicts latency, what it buys, and the hint router",
+  "speculative": "how well a model's own early exits (and n-grams) draft for it, and what speculation buys",
+  "serve": "the gRPC server with continuous batching against the library's static batch (or llama-server)",
+  "structured": "whether extraction outputs parse and validate, with and without a JSON schema",
+  "prefix": "time to first token in a slot engine with and without the prefix cache",
+  "idle": "scale to zero and back on a real `thoughtjax serve` process",
+  "shapes": "a second path of the same shape in a warm process, against the path that has run",
+  "layers": "the unrolled program against the layer-indexed one, in the same run",
+}
 
 
 def cmd_bench(args, rest: list[str]) -> int:
