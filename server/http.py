@@ -292,6 +292,15 @@ def _unknown(body: dict, known: frozenset[str], strict: bool) -> tuple[str, ...]
   return tuple(unknown)
 
 
+def _fields(body: Any, known: frozenset[str], strict: bool) -> tuple[dict, tuple[str, ...]]:
+  """A request body as a JSON object without its null fields (OpenAI: null is the default), and the unknown
+  fields it carried (:func:`_unknown`: a 400 when ``strict``); :class:`HttpError` 400 for any other JSON."""
+  if not isinstance(body, dict):
+    raise HttpError(400, f"the request body must be a JSON object, got a JSON {_kind(body)}")
+  body = {k: v for k, v in body.items() if v is not None}
+  return body, _unknown(body, known, strict)
+
+
 def synthesize_request(
   body: Any,
   endpoint: Literal["chat", "completion"],
@@ -304,10 +313,7 @@ def synthesize_request(
   ``model`` other than the served ids ``model``) naming the field. Types and ranges the proto cannot hold are
   checked here; the rest (sampling ranges, context, hints, path) is the servicer's validation. ``strict``: an
   unknown field is a 400 (else it is left out and named in :attr:`Options.ignored`)."""
-  if not isinstance(body, dict):
-    raise HttpError(400, f"the request body must be a JSON object, got a JSON {_kind(body)}")
-  body = {k: v for k, v in body.items() if v is not None}  # OpenAI: null is the default
-  ignored = _unknown(body, FIELDS[endpoint], strict)
+  body, ignored = _fields(body, FIELDS[endpoint], strict)
   for key, defaults in _DEFAULT_ONLY.items():
     if key in body and not any(body[key] == d and type(body[key]) is type(d) for d in defaults):
       raise _bad(f"{key}: not supported by this server; omit it or send {defaults[0]!r}", key)
@@ -471,6 +477,15 @@ class OpenAIHttp:
     folder = () if s.serving is None else (s.serving.registry.root.name,)
     return tuple(dict.fromkeys(x for x in (self.model_id(), *folder) if x is not None))
 
+  async def _tool_body(self, request: web.Request, method: str, known: frozenset[str]) -> dict:
+    """The JSON object body of a llama-server style call (/tokenize, /detokenize) once the client is let in and
+    the model is loaded; its unknown fields logged (or refused under strict_fields)."""
+    self.service.check_client(request.headers.get("Authorization"), method)
+    self.service.check_loaded()
+    body, ignored = _fields(await self._body(request), known, self._strict)
+    self._ignoring(ignored, method)
+    return body
+
   def _ignoring(self, fields: tuple[str, ...], method: str) -> None:
     """Log the unknown fields a request carried, each name once per server (clients repeat them every call)."""
     new = [f for f in fields if f not in self._warned]
@@ -574,13 +589,7 @@ class OpenAIHttp:
     with the served model's tokenizer (``add_special``: the BOS the model's prompts start with, if any;
     ``with_pieces``: each token as ``{"id", "piece"}``)."""
     try:
-      self.service.check_client(request.headers.get("Authorization"), TOKENIZE)
-      self.service.check_loaded()
-      body = await self._body(request)
-      if not isinstance(body, dict):
-        raise HttpError(400, f"the request body must be a JSON object, got a JSON {_kind(body)}")
-      body = {k: v for k, v in body.items() if v is not None}
-      self._ignoring(_unknown(body, frozenset(("content", "add_special", "with_pieces")), self._strict), TOKENIZE)
+      body = await self._tool_body(request, TOKENIZE, frozenset(("content", "add_special", "with_pieces")))
       text = _str(body, "content")
       if text is None:
         raise _bad("content: expected the text to tokenize, a string", "content")
@@ -600,13 +609,7 @@ class OpenAIHttp:
   async def detokenize(self, request: web.Request) -> web.Response:
     """llama-server's ``{"tokens": [ID, ...]}`` -> ``{"content": TEXT}`` (special tokens written out)."""
     try:
-      self.service.check_client(request.headers.get("Authorization"), DETOKENIZE)
-      self.service.check_loaded()
-      body = await self._body(request)
-      if not isinstance(body, dict):
-        raise HttpError(400, f"the request body must be a JSON object, got a JSON {_kind(body)}")
-      body = {k: v for k, v in body.items() if v is not None}
-      self._ignoring(_unknown(body, frozenset(("tokens",)), self._strict), DETOKENIZE)
+      body = await self._tool_body(request, DETOKENIZE, frozenset(("tokens",)))
       ids = body.get("tokens", [])
       vocab = self.service.serving.vocab
       if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
