@@ -47,7 +47,7 @@ CASES = [
       "meeting the floor:",
       "streams decoding in 1 engine; a step of the busy engine takes",
       "tight, under load",
-      "under load variant",
+      "\nunder load ",  # a choice made under load, measured in the pool (which path it is depends on this machine)
       "corrected hints:",
       "degraded=True reason=budget",
       "tokens fit; predicted",

@@ -431,3 +431,34 @@ def test_drafts_from_the_text_are_timed_per_hint_on_its_router_prompts(original,
   assert sorted(r["hint"] for r in rows) == sorted(HINTS) and {r["path_hash"] for r in rows} == {ngram.path_hash}
   # Without it (the library default) nothing is measured per hint.
   assert "hints" not in original.latency.corrections
+
+
+def test_kept_ratios_are_not_measured_again_and_what_is_lacking_is(original, tmp_path):
+  """``keep_ratios`` (the default registry's first use, from the shipped table): the times are measured here, the
+  stored ratios (a drafted or variant path's factor, the per-hint factors, how a path batches) are kept as they
+  were, and a candidate the stored table holds no ratio for is timed."""
+  settings = dataclasses.replace(SETTINGS.latency, hint_prompts=1, hint_tokens=8)
+  with Registry.open(registry_copy(tmp_path / "reg")) as reg:
+    measured = recalibrate_latency(reg, original, settings)
+    per_hint, paths = measured.latency.corrections["hints"], measured.latency.corrections["paths"]
+    assert per_hint and paths and measured.latency.rows
+    report = CalibrateReport()
+    kept = recalibrate_latency(reg, measured, settings, report=report, keep_ratios=True)
+    assert kept.latency.corrections == measured.latency.corrections
+    assert kept.latency.rows == measured.latency.rows
+    assert report.speculative == [] and report.variants == [] and report.rows == []  # nothing ratio-timed again
+    assert report.latency_runs  # the times themselves are measured here
+    # One drafted path's factor dropped from the stored table: that one alone is timed; the others are kept.
+    (spec, ngram) = _specs(measured)
+    lacking = dataclasses.replace(
+      measured.latency,
+      corrections={"paths": {h: f for h, f in paths.items() if h != spec.path_hash}, "hints": per_hint},
+    )
+    report = CalibrateReport()
+    again = recalibrate_latency(
+      reg, dataclasses.replace(measured, latency=lacking), settings, report=report, keep_ratios=True
+    )
+    assert [r["path_hash"] for r in report.speculative] == [spec.path_hash]
+    assert again.latency.corrections["paths"][ngram.path_hash] == paths[ngram.path_hash]
+    assert FACTOR_BOUNDS[0] <= again.latency.corrections["paths"][spec.path_hash]["decode"] <= FACTOR_BOUNDS[1]
+    assert again.latency.corrections["hints"] == per_hint

@@ -380,8 +380,15 @@ def recalibrate_latency(
   progress: CalibrateProgress | None = None,
   report: CalibrateReport | None = None,
   kernels: str | None = None,
+  keep_ratios: bool = False,
 ) -> Calibration:
   """``stored``'s candidates and quality with latency re-measured on this machine (``--latency-only``).
+
+  ``keep_ratios``: the times (restore, compile, prefill, decode) are measured here, and the ratios ``stored``
+  holds are kept for the candidates it holds them for: a speculative or variant path's factor over the full path,
+  the per-hint factors of the drafts from the text, and how a path batches (a ratio of two times on one machine,
+  which moves far less between machines than the times do). Only the ratios it lacks are measured. The default
+  registry's first use does this with the shipped table; ``registry calibrate --latency-only`` measures all.
 
   The speculative candidates ``speculative`` chooses as :func:`calibrate` does (the drafts from the stored
   quality on the first calibrated hint of the dictionary) that ``stored`` lacks (one made before
@@ -416,7 +423,37 @@ def recalibrate_latency(
   texts = None
   if any(c.draft is not None or c.kind is CandidateKind.VARIANT for c in candidates):
     texts = _calibration_text(registry, stored.hints, settings)  # factors are measured on calibration text
-  return _with_latency(registry, candidates, quality, settings, progress, report, kernels, texts)
+  kept = _kept_ratios(stored, candidates) if keep_ratios else None
+  return _with_latency(registry, candidates, quality, settings, progress, report, kernels, texts, kept)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ratios:
+  """Latency ratios a stored calibration already holds (see :func:`recalibrate_latency`'s ``keep_ratios``)."""
+
+  paths: dict[str, dict[str, float]]  # path hash -> {stage: factor over the full path}
+  hints: dict[str, dict[str, dict[str, float]]]  # hint -> path hash -> {stage: factor}
+  rows: dict[str, LinearCost]  # path hash (or ROWS_DEFAULT) -> batching fit
+
+
+def _kept_ratios(stored: Calibration, candidates: Sequence[Candidate]) -> _Ratios:
+  """``stored``'s ratios re-keyed to ``candidates`` (their cost keys may have changed the path hashes); a hint's
+  factors are kept only when they cover every draft from the text."""
+  renamed = {c.path_hash: with_cost_keys(c).path_hash for c in stored.candidates}
+  corrections = stored.latency.corrections
+  paths = {renamed[h]: dict(f) for h, f in corrections.get("paths", {}).items() if h in renamed}
+  ngram = {c.path_hash for c in candidates if c.draft is not None and ngram_order(c.draft.path) is not None}
+  hints = {}
+  for hint, per in corrections.get("hints", {}).items():
+    mine = {renamed[h]: dict(f) for h, f in per.items() if h in renamed}
+    if ngram <= set(mine):
+      hints[hint] = mine
+  rows = {
+    (h if h == ROWS_DEFAULT else renamed[h]): c
+    for h, c in stored.latency.rows.items()
+    if h == ROWS_DEFAULT or h in renamed
+  }
+  return _Ratios(paths, hints, rows)
 
 
 def first_hint(hints: Sequence[str]) -> str | None:
@@ -863,19 +900,35 @@ def _nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
   return nnls(A, y)[0]
 
 
-def _with_latency(registry, candidates, quality, settings: LatencySettings, progress, report, kernels, texts=None):
+def _with_latency(
+  registry, candidates, quality, settings: LatencySettings, progress, report, kernels, texts=None, kept=None
+):
+  """Latency measured here for ``candidates``; the ratios ``kept`` (a :class:`_Ratios`) holds are not re-measured."""
   t0 = time.perf_counter()
+  kept = kept or _Ratios({}, {}, {})
   params = measure_latency(registry, candidates, settings, progress=progress, report=report, kernels=kernels)
-  factors = measure_factors(
-    registry, candidates, texts or [], settings, progress=progress, report=report, kernels=kernels
+  full = [c for c in candidates if c.kind is CandidateKind.FULL]
+  lacking = full + [c for c in candidates if c.kind is not CandidateKind.FULL and c.path_hash not in kept.paths]
+  factors = {h: f for h, f in kept.paths.items() if any(c.path_hash == h for c in candidates)}
+  factors |= measure_factors(
+    registry, lacking, texts or [], settings, progress=progress, report=report, kernels=kernels
   )
   hints = sorted({h for per_hint in quality.values() for h in per_hint})
-  per_hint = measure_hint_factors(
-    registry, candidates, hints, settings, progress=progress, report=report, kernels=kernels
+  per_hint = {h: kept.hints[h] for h in hints if h in kept.hints}
+  per_hint |= measure_hint_factors(
+    registry,
+    candidates,
+    [h for h in hints if h not in kept.hints],
+    settings,
+    progress=progress,
+    report=report,
+    kernels=kernels,
   )
   if factors or per_hint:  # a speculative or variant candidate's stage: the full path's times its measured factor
     params = dataclasses.replace(params, corrections={"paths": factors, **({"hints": per_hint} if per_hint else {})})
-  rows = measure_rows(registry, candidates, texts or [], settings, progress=progress, report=report, kernels=kernels)
+  rows = {h: c for h, c in kept.rows.items() if h == ROWS_DEFAULT or any(x.path_hash == h for x in candidates)}
+  unbatched = [c for c in candidates if c.path_hash not in rows]
+  rows |= measure_rows(registry, unbatched, texts or [], settings, progress=progress, report=report, kernels=kernels)
   if rows:
     params = dataclasses.replace(params, rows=rows)
   draft = Calibration(registry.sequence, machine_fingerprint(), candidates, quality, params, registry.current)

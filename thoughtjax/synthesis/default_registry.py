@@ -11,7 +11,9 @@ dir, built and calibrated on first use.
 2. **calibrate**: quality comes from the shipped table ``default_calibration.json`` when its
    candidates pin to exactly this registry's current versions (versions are content hashes, so a build
    of the same model and mapping gives the same ones); latency is always measured here
-   (:func:`~thoughtjax.synthesis.calibrate.recalibrate_latency`, about a minute). The shipped table is what
+   (:func:`~thoughtjax.synthesis.calibrate.recalibrate_latency`); the ratios the table holds (a drafted or variant
+   path's factor over the full path, per hint for the drafts from the text, how a path batches) are kept, about a
+   minute in all on an idle 2-core machine. The shipped table is what
    ``thoughtjax registry calibrate`` gives on the default registry: the cut paths, the full path in each variant
    (quality against the float32 full path on every hint's corpora) and the speculative candidates (the full path
    verifying the exit with the highest top-1 agreement, and the n-gram draft that looks its tokens up in the
@@ -81,9 +83,9 @@ def speculative_settings():
 
 def latency_settings():
   """The latency measurement of the default registry: the calibrate defaults plus the drafts from the text itself
-  timed per hint on three of each hint's router prompts (LatencySettings.hint_prompts; about 80 s at a first use
-  here), so a code or structured-output request can get the n-gram plan that prose would not. ``thoughtjax registry
-  calibrate`` measures the same."""
+  timed per hint on three of each hint's router prompts (LatencySettings.hint_prompts; about 100 s here), so a code
+  or structured-output request can get the n-gram plan that prose would not. ``thoughtjax registry calibrate``
+  measures the same; a first use keeps the shipped table's per-hint factors instead of timing them."""
   from thoughtjax.synthesis.calibrate import LatencySettings
 
   return LatencySettings(hint_prompts=3)
@@ -264,7 +266,13 @@ def _ensure_default(progress: Progress | None, *, root: Path, weights: str):
   base = stored or shipped_calibration(reg)
   if base is not None:
     cal = cal_lib.recalibrate_latency(
-      reg, base, settings=latency_settings(), speculative=speculative_settings(), variants=VARIANTS, progress=report
+      reg,
+      base,
+      settings=latency_settings(),
+      speculative=speculative_settings(),
+      variants=VARIANTS,
+      progress=report,
+      keep_ratios=True,
     )
   else:
     settings = cal_lib.CalibrateSettings(
