@@ -448,7 +448,11 @@ class OpenAIHttp:
     app.router.add_post(TOKENIZE, self.tokenize)
     app.router.add_post(DETOKENIZE, self.detokenize)
     # handler_cancellation: a client that disconnects cancels its handler, and so its run, at once.
-    self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=cfg.grace_s)
+    # auto_decompress off: a compressed request body is refused by name (_body), never inflated (a small gzip
+    # body can inflate to gigabytes before any limit sees it).
+    self.runner = web.AppRunner(
+      app, handler_cancellation=True, access_log=None, shutdown_timeout=cfg.grace_s, auto_decompress=False
+    )
     await self.runner.setup()
     site = web.TCPSite(self.runner, bind, port, ssl_context=ssl_context(cfg.tls))
     try:
@@ -532,6 +536,11 @@ class OpenAIHttp:
     json_type = ctype is None or ctype == "application/json" or ctype.endswith("+json")
     if not json_type and ctype not in _LENIENT_TYPES:
       raise HttpError(415, f"Content-Type: expected application/json, got {ctype!r}; send the body as JSON")
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding != "identity":
+      raise HttpError(
+        415, f"Content-Encoding: {encoding[:40]!r} bodies are not accepted (never inflated); send the body uncompressed"
+      )
     if request.content_length is not None and request.content_length > limit:
       raise HttpError(
         413,

@@ -38,6 +38,7 @@ from thoughtjax.registry import (
   RegistryError,
   RestoreError,
   RollbackError,
+  ScratchSpaceError,
   SignatureDowngradeError,
   SignatureError,
   UnknownThoughtletError,
@@ -61,6 +62,8 @@ def status_of(e: BaseException) -> grpc.StatusCode | None:
     return grpc.StatusCode.FAILED_PRECONDITION
   if isinstance(e, UnknownThoughtletError):
     return grpc.StatusCode.INVALID_ARGUMENT
+  if isinstance(e, ScratchSpaceError):  # the server's disk, not the client's request: retry later
+    return grpc.StatusCode.RESOURCE_EXHAUSTED
   if isinstance(e, RegistryError):
     return grpc.StatusCode.FAILED_PRECONDITION
   if isinstance(e, UserError):

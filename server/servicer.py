@@ -15,7 +15,8 @@ Status of each failure:
                        path (max_path_layers), bad request_id
   OUT_OF_RANGE         prompt tokens + max_tokens beyond the model's context
   RESOURCE_EXHAUSTED   every turn taken and the waiting queue full (at once, before any work); a ReloadRegistry
-                       within admin.reload_interval_s of the last
+                       within admin.reload_interval_s of the last; no disk space left to copy a thoughtlet's
+                       files for its verified restore
   UNAVAILABLE          loading the registry or warming up (health NOT_SERVING), or draining
   UNAUTHENTICATED      an admin call (ReloadRegistry, RegistryStats) with no credential; any other call without
                        the configured client token (clients.token), or with another

@@ -480,6 +480,20 @@ def test_a_wrong_content_type_is_415(http_served):
   assert_serves(http_served)
 
 
+def test_a_compressed_body_is_refused_unread_not_inflated(http_served):
+  """A gzip body that inflates to 1 GiB of zeros (about 1 MiB on the wire, under the body cap) is a named 415: the
+  server never inflates a request body."""
+  import gzip
+
+  limit = http_served.app.config.http_max_body_bytes
+  bomb = gzip.compress(b"0" * (64 << 20), compresslevel=9) * 16  # 16 gzip members: 1 GiB inflated
+  assert len(bomb) < limit
+  for encoding in ("gzip", "deflate", "br"):
+    status, got = raw(http_served, "POST", "/v1/chat/completions", bomb, {"Content-Encoding": encoding})
+    assert status == 415 and "Content-Encoding" in got["error"]["message"] and encoding in got["error"]["message"]
+  assert_serves(http_served)
+
+
 def test_negative_max_tokens_n_2_and_a_wrong_type_are_named_400s(http_served):
   model = model_of(http_served)
   for fields, param in (({"max_tokens": -5}, "max_tokens"), ({"n": 2}, "n"), ({"temperature": [1]}, "temperature")):

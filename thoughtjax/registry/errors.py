@@ -50,6 +50,10 @@ class RestoreError(RegistryError):
   """Orbax could not restore a version whose files passed their checks (memory, sharding, I/O)."""
 
 
+class ScratchSpaceError(RestoreError):
+  """No room to copy a version's files for a verified restore (the memory-backed scratch and the temp dir full)."""
+
+
 class IntegrityError(RegistryError):
   """A registry file does not match its signed digest (corruption or tampering)."""
 
