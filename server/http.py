@@ -54,6 +54,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from thoughtjax.errors import UserError
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
+from thoughtjax.server.messages import log_safe
 
 log = logging.getLogger("thoughtjax.server.http")
 
@@ -322,7 +323,7 @@ def synthesize_request(
   if name is not None and served and name not in served:
     raise HttpError(
       404,
-      f"The model '{name[:200]}' does not exist; this server serves '{served[0]}' (GET /v1/models)",
+      f"The model {name[:200]!r} does not exist; this server serves {served[0]!r} (GET /v1/models)",
       "model",
       "model_not_found",
     )
@@ -506,7 +507,7 @@ class OpenAIHttp:
     """The status and the OpenAI error body of ``e`` (an :class:`HttpError` or a servicer failure)."""
     if isinstance(e, HttpError):
       self.service.answered(method, "NOT_FOUND" if e.status == 404 else "INVALID_ARGUMENT")
-      log.info("%s refused %d: %s", method, e.status, e)
+      log.info("%s refused %d: %s", method, e.status, log_safe(e))
       return e.status, error_body(e.status, str(e), e.param, e.code)
     code, message = self.service.failure(e, method, request_id)
     status = HTTP_STATUS.get(code, 500)

@@ -89,6 +89,15 @@ def failure_field(e: BaseException) -> str | None:
 _ABS_PATH = re.compile(r"(?<![\w:/.~-])~?/[^\s'\"`,;()\[\]{}<>]+")
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f\u2028\u2029]")
+
+
+def log_safe(text: object, limit: int = 4000) -> str:
+  """``text`` for one log line: control characters (a client's newline could forge a log line) escaped."""
+  text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
+  return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def public_message(text: str, limit: int = 2000) -> str:
   """``text`` as a client may read it: filesystem paths replaced by ``<path>``, at most ``limit`` characters."""
   text = _ABS_PATH.sub("<path>", text)

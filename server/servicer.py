@@ -73,6 +73,7 @@ from thoughtjax.server.messages import (
   PathShape,
   explicit_plan,
   final_message,
+  log_safe,
   plan_message,
   public_message,
   run_plan,
@@ -174,7 +175,7 @@ class SynthesizerService:
       log.error("request %s: %s failed", rid, method or "call", exc_info=e)
       self.answered(method, "INTERNAL")
       return grpc.StatusCode.INTERNAL, f"internal error; the server log has the details under request id {rid}"
-    log.info("request %s: %s answered %s: %s: %s", rid, method or "call", code.name, type(e).__name__, e)
+    log.info("request %s: %s answered %s: %s: %s", rid, method or "call", code.name, type(e).__name__, log_safe(e))
     self.answered(method, code.name)
     return code, f"{public_message(str(e))} (request id {rid})"
 

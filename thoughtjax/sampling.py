@@ -30,6 +30,7 @@ from thoughtjax.kernels.sample_stop import sample_stop, unpack_allowed
 # or predicts a request (generate, plan, synthesize, paths, registry warm), so the same request costs the same
 # whichever way it is made.
 DEFAULT_MAX_TOKENS = 64
+LOGIT_BIAS_LIMIT = 100.0  # |bias| at most this (OpenAI's range): -100 bans a token, 100 forces it
 
 
 class SamplingError(UserError, ValueError):
@@ -78,8 +79,11 @@ class SamplingParams:
       _int_in("stop_token_ids", tok, 0, INT32_MAX, "send token ids of the model's vocabulary")
     for tok, bias in (self.logit_bias or {}).items():
       _int_in("logit_bias token", tok, 0, INT32_MAX, "send token ids of the model's vocabulary")
-      if not _finite(bias):
-        raise SamplingError(f"logit_bias[{tok}] must be a finite number, got {bias}; send a finite bias")
+      if not _finite(bias) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+        raise SamplingError(
+          f"logit_bias[{tok}] must be a number in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}] (OpenAI's range), "
+          f"got {bias}; -100 bans a token, 100 forces it"
+        )
     if isinstance(self.stop_strings, str):
       raise SamplingError(f"stop_strings must be a sequence of strings, got the string {self.stop_strings[:40]!r}")
     for i, s in enumerate(self.stop_strings):

@@ -79,8 +79,8 @@ def _full_disk(monkeypatch, full: set[Path]):
 def test_a_full_scratch_falls_back_and_two_full_ones_are_a_named_refusal(built, tmp_path, monkeypatch):
   """The memory-backed scratch fills up mid-copy: the restore copies to the next place instead; when every place
   is full it is ScratchSpaceError (RESOURCE_EXHAUSTED over the wire, never INTERNAL), nothing left behind."""
-  from server.messages import status_of
   from thoughtjax.registry import ScratchSpaceError, checkpoint
+  from thoughtjax.server.messages import status_of
 
   shm, other = tmp_path / "shm", tmp_path / "tmp"
   shm.mkdir(), other.mkdir()

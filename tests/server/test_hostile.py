@@ -136,7 +136,9 @@ def test_stop_limits_are_configurable_and_checked():
     ({"temperature": math.nan}, "temperature must be a finite number"),
     ({"top_p": math.nan}, "top_p must be in (0, 1]"),
     ({"seed": 2**64 - 1}, "seed must be an integer"),
-    ({"logit_bias": {3: math.inf}}, "logit_bias[3] must be a finite number"),
+    ({"logit_bias": {3: math.inf}}, "logit_bias[3] must be a number in [-100, 100]"),
+    ({"logit_bias": {3: 1e30}}, "logit_bias[3] must be a number in [-100, 100] (OpenAI's range)"),
+    ({"logit_bias": {3: -100.5}}, "logit_bias[3] must be a number in [-100, 100]"),
     ({"logit_bias": {-5: 1.0}}, "logit_bias token must be an integer"),
     ({"logit_bias": {2**31 - 1: 1.0}}, "outside the vocabulary"),
     ({"stop_token_ids": [-1]}, "stop_token_ids must be an integer"),
@@ -166,6 +168,9 @@ def test_the_library_refuses_the_same_values_as_the_server():
   check_request([[1] * 7], [SamplingParams(top_k=64, max_tokens=9)], vocab_size=64, max_context=16)
   with pytest.raises(SamplingError, match="empty stop string"):
     SamplingParams(stop_strings=("",))
+  with pytest.raises(SamplingError, match=r"logit_bias\[7\] must be a number in \[-100, 100\]"):
+    SamplingParams(logit_bias={7: 101.0})
+  SamplingParams(logit_bias={7: -100.0, 8: 100.0})  # the ends of the range are allowed
 
 
 # ---------------------------------------------------------------------------------- 13: admin calls, error text

@@ -494,6 +494,25 @@ def test_a_compressed_body_is_refused_unread_not_inflated(http_served):
   assert_serves(http_served)
 
 
+def test_a_client_string_cannot_forge_a_log_line(http_served, caplog):
+  """A model name (or any client text an error repeats) with a newline and a terminal escape is logged escaped, on
+  the line of its own request."""
+  forged = "x\nINFO:thoughtjax.server:request 0 answered OK\x1b[2K"
+  with caplog.at_level("INFO", logger="thoughtjax.server"):
+    status, got = post(http_served, {"model": forged, "messages": CHAT})
+    code, details = 0, ""
+    with grpc.insecure_channel(f"127.0.0.1:{http_served.port}") as ch:
+      try:
+        rpc.SynthesizerStub(ch).GetOptimalPath(pb.SynthesizeRequest(prompt=PROMPT, hints=[forged]), timeout=60)
+      except grpc.RpcError as e:
+        code, details = e.code(), e.details()
+  assert status == 404 and "\\n" in got["error"]["message"]  # the client's name comes back escaped too
+  assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+  logged = [r.getMessage() for r in caplog.records]
+  assert sum("x\\nINFO" in m for m in logged) >= 2, logged  # both requests logged, each escaped
+  assert not [m for m in logged if "\n" in m or "\x1b" in m], logged
+
+
 def test_negative_max_tokens_n_2_and_a_wrong_type_are_named_400s(http_served):
   model = model_of(http_served)
   for fields, param in (({"max_tokens": -5}, "max_tokens"), ({"n": 2}, "n"), ({"temperature": [1]}, "temperature")):
