@@ -45,9 +45,43 @@ def test_a_default_registry_without_a_variant_gets_it_in_place(tmp_path, monkeyp
     assert {n: reg.current[n] for n in before} == before  # nothing else changed version
     assert reg.sequence > old_sequence
     ((sequence, stored, variants),) = seen
-    assert sequence == reg.sequence and variants == default_registry.VARIANTS
+    # Recalibrated at the upgraded sequence; the router (trained after) is one publish more.
+    assert sequence == reg.sequence - 1 and "router" in reg.names and variants == default_registry.VARIANTS
     # The calibration of the sequence before, carried over: the same candidates and quality, not the shipped table.
-    assert stored.sequence == reg.sequence and stored.candidates == tiny_cal.candidates
+    assert stored.sequence == sequence and stored.candidates == tiny_cal.candidates
     assert stored.quality == tiny_cal.quality
     assert read_calibration(reg).candidates == tiny_cal.candidates  # stored at the new sequence
   assert any(s.startswith("upgrade: adding the int8a8 variant") for s in stages)
+
+
+def test_the_default_registry_holds_a_router_so_a_request_without_hints_is_routed(tmp_path, monkeypatch):
+  """First use trains the hint router on the shipped prompts and publishes it (the calibration moves to the new
+  sequence unchanged); a later use finds it and trains nothing; a plan without hints names the router's choice."""
+  from thoughtjax.synthesis import router_store
+  from thoughtjax.synthesis.synthesize import Synthesizer
+
+  setup = tiny_setup()
+  model = make_model(identity=2)
+  root = tmp_path / "default"
+  build(root, setup.root / "mapping.yaml", model.loaded, settings=None, variants=default_registry.VARIANTS)
+  with Registry.open(setup.registry) as signed:
+    tiny_cal = read_calibration(signed)
+  with Registry.open(root) as reg:
+    write_calibration(
+      reg, dataclasses.replace(tiny_cal, sequence=reg.sequence, fingerprint=cal_lib.machine_fingerprint())
+    )
+    assert router_store.ROUTER_NAME not in reg.names
+  monkeypatch.setattr(default_registry, "_lacks_speculative", lambda reg, cal: False)
+  stages = []
+  with default_registry.ensure_default(lambda stage, done, total, item: stages.append((stage, item)), root=root) as reg:
+    assert router_store.ROUTER_NAME in reg.names
+    cal = read_calibration(reg)
+    assert cal.sequence == reg.sequence and cal.candidates == tiny_cal.candidates
+    plan = Synthesizer(reg, cal).plan("Write a Python function that reverses a list", max_latency_ms=1e9)
+    routed = [n for n in plan.notes if n.startswith("no hints given")]
+    assert routed and "the router picked" in routed[0] and plan.hints[0] in routed[0], plan.notes
+  assert [s for s, _ in stages].count("router") == 2 and "held-out accuracy" in stages[-1][1]
+  trained = []
+  monkeypatch.setattr(router_store, "train_registry_router", lambda *a, **k: trained.append(1))
+  with default_registry.ensure_default(root=root) as reg:
+    assert router_store.ROUTER_NAME in reg.names and not trained  # found, not trained again

@@ -22,6 +22,10 @@ dir, built and calibrated on first use.
    a matching table the full calibration runs (about 5 minutes on an idle 2-core machine). The result is stored
    in the registry.
 
+3. **route**: the hint router (:mod:`~thoughtjax.synthesis.router_store`) is trained on the shipped router prompts
+   over the registry's embed and published into it (a few seconds), so a request without hints (every OpenAI
+   request) is routed; a default registry made before this gets its router at its next use.
+
 Both files are the package's own (:mod:`thoughtjax.shipped`), wherever the process runs: a ``registry/``
 folder in the working directory changes nothing.
 
@@ -261,8 +265,17 @@ def _ensure_default(progress: Progress | None, *, root: Path, weights: str):
   except MissingCalibrationError:
     stored = carried
   fingerprint = cal_lib.machine_fingerprint()
-  if stored is not None and stored.fingerprint == fingerprint and not _lacks_speculative(reg, stored):
-    return _in_form(reg, weights)
+  if stored is None or stored.fingerprint != fingerprint or _lacks_speculative(reg, stored):
+    write_calibration(reg, _calibrated(reg, stored, report))
+  _ensure_router(reg, report)
+  return _in_form(reg, weights)
+
+
+def _calibrated(reg, stored, report):
+  """``reg``'s calibration for this machine, from ``stored`` (another machine's, or lacking candidates) or the
+  shipped table (latency measured here, its ratios kept), else a full calibration."""
+  from thoughtjax.synthesis import calibrate as cal_lib
+
   base = stored or shipped_calibration(reg)
   if base is not None:
     cal = cal_lib.recalibrate_latency(
@@ -279,8 +292,20 @@ def _ensure_default(progress: Progress | None, *, root: Path, weights: str):
       latency=latency_settings(), speculative=speculative_settings(), variants=VARIANTS
     )
     cal = cal_lib.calibrate(reg, settings=settings, progress=report)
-  write_calibration(reg, cal)
-  return _in_form(reg, weights)
+  return cal
+
+
+def _ensure_router(reg, report) -> None:
+  """Train the hint router on the shipped router prompts and publish it, when ``reg`` holds none: a request without
+  hints (every OpenAI request) is then routed. The calibration moves to the new sequence unchanged (no path reads
+  the router)."""
+  from thoughtjax.synthesis.router_store import ROUTER_NAME, train_registry_router
+
+  if ROUTER_NAME in reg.names:
+    return
+  report("router", 0, 1, "training the hint router on the shipped prompts")
+  _, got, _ = train_registry_router(reg)
+  report("router", 1, 1, f"held-out accuracy {got.accuracy:.3f} on {got.n_heldout} prompts")
 
 
 def _build(root: Path, report, *, replace_old_format: bool = False) -> None:
