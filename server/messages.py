@@ -98,6 +98,16 @@ def log_safe(text: object, limit: int = 4000) -> str:
   return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# An exception class's name (RestoreError, KeyError, ...): what failed is said in words, never by the class.
+_CLASS_NAME = re.compile(r"\b[A-Z]\w*(?:Error|Exception)\b")
+
+
+def public_note(text: str, limit: int = 2000) -> str:
+  """A plan's or trace's text (reason, note, rejection) as a client may read it: :func:`public_message`, and no
+  exception class name."""
+  return public_message(_CLASS_NAME.sub("failure", text), limit)
+
+
 def public_message(text: str, limit: int = 2000) -> str:
   """``text`` as a client may read it: filesystem paths replaced by ``<path>``, at most ``limit`` characters."""
   text = _ABS_PATH.sub("<path>", text)
@@ -130,14 +140,16 @@ def plan_message(plan, request_id: str) -> pb.Plan:
     hints=list(plan.hints),
     predicted_ms={k: float(v) for k, v in j["predicted_ms"].items()},
     degraded=plan.degraded,
-    reason=plan.reason,
-    notes=list(plan.notes),
+    reason=public_note(plan.reason),
+    notes=[public_note(n) for n in plan.notes],
     registry_sequence=plan.sequence,
     max_tokens=plan.max_tokens,
     quality_json=json.dumps(j["quality"]),
     request_id=request_id,
     corrected_hints=[pb.HintCorrection(given=a, corrected=b) for a, b in plan.corrected_hints],
-    rejected=[pb.Rejection(path=x.path, path_hash=x.path_hash, why=x.why, detail=x.detail) for x in plan.rejected],
+    rejected=[
+      pb.Rejection(path=x.path, path_hash=x.path_hash, why=x.why, detail=public_note(x.detail)) for x in plan.rejected
+    ],
   )
   if plan.tokens_that_fit is not None:
     out.tokens_that_fit = plan.tokens_that_fit
@@ -249,7 +261,7 @@ def _final_of(run, last) -> pb.Final:
     refs=list(t.refs),
     hints=list(t.hints),
     degraded=t.degraded,
-    reason=t.reason,
+    reason=public_note(t.reason),
     predicted_ms={k: float(v) for k, v in t.predicted_ms.items()},
     actual_ms={k: float(v) for k, v in t.actual_ms.items()},
     registry_sequence=run.plan.sequence,

@@ -513,6 +513,35 @@ def test_a_client_string_cannot_forge_a_log_line(http_served, caplog):
   assert not [m for m in logged if "\n" in m or "\x1b" in m], logged
 
 
+def test_no_plan_note_or_trace_names_a_filesystem_path_or_an_exception_class(http_served, monkeypatch):
+  """A request without hints on a registry without a router gets a note saying so, over both protocols, without the
+  registry's path; a plan whose texts carry a path and a class name (a failed restore's) reaches clients without
+  either."""
+  import dataclasses
+
+  from thoughtjax.server.messages import plan_message
+
+  root = str(http_served.app.service.syn.registry.root)
+  status, got = post(http_served, {"messages": CHAT, "max_tokens": 2})
+  assert status == 200, got
+  ext = json.dumps(got["thoughtjax"])
+  with grpc.insecure_channel(f"127.0.0.1:{http_served.port}") as ch:
+    plan = rpc.SynthesizerStub(ch).GetOptimalPath(pb.SynthesizeRequest(prompt=PROMPT, max_tokens=2), timeout=60)
+  for text in (ext, str(plan)):
+    assert "no hints given" in text and "train-router --registry DIR" in text, text[:2000]
+    assert root not in text and "Error" not in text
+  syn = http_served.app.service.syn
+  real = syn.plan(PROMPT, ["general_purpose"], max_latency_ms=1e9, max_tokens=2)
+  leaky = dataclasses.replace(
+    real,
+    reason=f"unavailable: blocks[0:2)@v1 failed restore (RestoreError) from {root}/versions/x",
+    notes=(f"restoring head from {root}/versions/y failed with OSError: [Errno 5]",),
+  )
+  msg = plan_message(leaky, "rid")
+  assert root not in str(msg) and "RestoreError" not in str(msg) and "OSError" not in str(msg)
+  assert "failed restore (failure) from <path>" in msg.reason and "<path>" in msg.notes[0]
+
+
 def test_negative_max_tokens_n_2_and_a_wrong_type_are_named_400s(http_served):
   model = model_of(http_served)
   for fields, param in (({"max_tokens": -5}, "max_tokens"), ({"n": 2}, "n"), ({"temperature": [1]}, "temperature")):

@@ -117,7 +117,7 @@ def test_tampered_router_checkpoint_is_refused_named_and_counted(stored, tmp_pat
     # Synthesis without hints does not route with it: the default hint, and the note says why.
     clear_cache()
     hint, note = route_hint(reg, "cab bead faced", "general_purpose")
-    assert hint == "general_purpose" and "IntegrityError" in note
+    assert hint == "general_purpose" and "the stored router was refused (integrity check failed" in note
     assert reg.stats().integrity_failures == before + 2
 
 

@@ -273,12 +273,12 @@ def stored_router(registry, name: str = ROUTER_NAME) -> tuple[Router | None, str
       return got[1], got[2]
     router, why = None, None
     if name not in registry.names:
-      why = f"no router in this registry (train one: thoughtjax registry train-router {registry.root})"
+      why = "no router in this registry (train one: thoughtjax registry train-router --registry DIR)"
     else:
       try:
         router = load_router(registry, name)
       except (RegistryError, RouterError) as e:
-        why = f"the stored router was refused ({type(e).__name__}: {e})"
+        why = f"the stored router was refused ({e})"
     _ROUTERS[registry] = (seq, router, why)
     return router, why
 

@@ -303,7 +303,7 @@ class Synthesizer:
       except IntegrityError as e:
         raise _Unavailable(u.ref, f"verification ({e.reason})") from e
       except RegistryError as e:
-        raise _Unavailable(u.ref, f"restore ({type(e).__name__})") from e
+        raise _Unavailable(u.ref, "restore (not tampering: memory, sharding or I/O)") from e
     if got is not None:
       return got
     model = compose(", ".join(u.ref for u in candidate.units), self.registry, kernels=self.kernels)
