@@ -405,10 +405,13 @@ def test_warming_a_tight_budget_restores_and_compiles_the_int8_path_a_cold_proce
     syn.warm(["fast_draft"], prompt_tokens=(16,), max_tokens=(16,))  # the generous plan only: the variant stays cold
     cold = syn.plan([3] * 16, ["fast_draft"], max_latency_ms=budget, max_tokens=16)
     assert cold.path_hash != variant.path_hash and cold.degraded
+    # The plan says why, and what a process with every path warm would choose (paths --max-latency-ms shows that).
+    assert [n for n in cold.notes if "every path restored and compiled would choose " + variant.path in n], cold.notes
     warmed = syn.warm(["fast_draft"], prompt_tokens=(16,), max_tokens=(16,), budgets=(math.inf, budget))
     assert variant.path in warmed
     hot = syn.plan([3] * 16, ["fast_draft"], max_latency_ms=budget, max_tokens=16)
     assert hot.path_hash == variant.path_hash and not hot.degraded
+    assert not [n for n in hot.notes if "would choose" in n], hot.notes
 
 
 def test_drafts_from_the_text_are_timed_per_hint_on_its_router_prompts(original, tmp_path):

@@ -391,10 +391,11 @@ class Planner:
     unavailable: Unavailable = None,
     load: Load = IDLE,
     context: LatencyContext | None = None,
+    count: bool = True,
   ) -> Plan:
     """The plan for ``request`` (see the module docstring for the rule). ``load``: the slot engines decoding now
     (a server's), predicted in ``context`` (default: the latency model's); the reason says when the load moved
-    the choice away from an idle machine's."""
+    the choice away from an idle machine's. ``count=False``: a what-if plan, left out of :attr:`counters`."""
     self._check(request, pin_sequence)
     if latency_model is None:
       latency_model = self._models.get(0) or self._models.setdefault(0, LatencyModel(self.calibration.latency))
@@ -442,7 +443,8 @@ class Planner:
       rejected.append(Rejection(cands[i].path, cands[i].path_hash, "unavailable", detail))
 
     if chosen is None and not seen:
-      self.counters._add(no_path=True)
+      if count:
+        self.counters._add(no_path=True)
       raise NoPathError(self._no_path_message(request, order, failed))
 
     notes: list[str] = []
@@ -480,7 +482,8 @@ class Planner:
         reason = f"{reason} {moved}"
     elif load.engines:
       notes.append(f"predicted under load ({load.describe()}); idle the choice is the same")
-    self.counters._add(budget=reason == BUDGET, unavailable=degraded_refs, moved=idle is not None)
+    if count:
+      self.counters._add(budget=reason == BUDGET, unavailable=degraded_refs, moved=idle is not None)
 
     i, p = chosen
     c = cands[i]

@@ -456,17 +456,27 @@ class Synthesizer:
       constraint=None if constraint is None else constraint.describe(),
     )
     residency = self.residency() if residency is None else residency
-    plan = self.planner.plan(
-      req,
-      self.latency,
-      residency,
+    kw = dict(
       pin_sequence=pin_sequence,
       unavailable=unavailable,
       load=load or IDLE,
       context=None if load is None else self.context_under(load),
     )
-    if routed:
-      plan = dataclasses.replace(plan, notes=plan.notes + (routed[1],))
+    plan = self.planner.plan(req, self.latency, residency, **kw)
+    notes = (routed[1],) if routed else ()
+    everything = self.latency.warm_residency(self.calibration.candidates, len(ids), int(max_tokens))
+    if not (everything.resident <= residency.resident and everything.compiled <= residency.compiled):
+      # Not everything is warm here: would a process where it is choose otherwise? (a what-if, not counted)
+      warm = self.planner.plan(req, self.latency, everything, count=False, **kw)
+      if warm.path_hash != plan.path_hash:
+        what = warm.kind + (f", {warm.draft.label} drafting" if warm.draft is not None else "")
+        notes += (
+          f"planned with what this process holds (restore {plan.predicted.restore:.0f} ms and compile "
+          f"{plan.predicted.compile:.0f} ms priced); a process with every path restored and compiled would choose "
+          f"{warm.path} ({what}, predicted {warm.predicted.total:.0f} ms)",
+        )
+    if notes:
+      plan = dataclasses.replace(plan, notes=plan.notes + notes)
     return plan, ids, (time.perf_counter() - t0) * 1e3, startup
 
   def synthesize(
