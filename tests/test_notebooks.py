@@ -52,6 +52,7 @@ CASES = [
       "degraded=True reason=budget",
       "tokens fit; predicted",
       "router (",
+      "    note: ",  # a fresh `thoughtjax plan --json` process's choice and its last note
     ),
   ),
   Case(
