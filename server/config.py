@@ -65,16 +65,28 @@ class WarmConfig:
   budgets_ms: tuple[float, ...] = (math.inf,)
 
 
+_TOKEN_FILES: dict[Path, tuple[tuple[int, int, int], str]] = {}  # path -> (stat signature, secret read)
+
+
 def _bearer(token: str | None, token_file: Path | None, where: str) -> str | None:
-  """``token``, or the secret in ``token_file`` (read each call, so a rotated file takes effect)."""
+  """``token``, or the secret in ``token_file``: read again only when the file changed (its inode, size or mtime:
+  a rotated file takes effect at the next call; an unchanged one costs a stat, not a read, on the event loop)."""
   if token_file is None:
     return token
   try:
+    st = os.stat(token_file)
+    signature = (st.st_ino, st.st_size, st.st_mtime_ns)
+    cached = _TOKEN_FILES.get(token_file)
+    if cached is not None and cached[0] == signature:
+      return cached[1]
     token = token_file.read_text().strip()
   except OSError as e:
+    _TOKEN_FILES.pop(token_file, None)
     raise ConfigError(f"{where}.token_file {token_file}: cannot read it ({e.strerror}); fix the path") from None
   if len(token) < 16:
+    _TOKEN_FILES.pop(token_file, None)
     raise ConfigError(f"{where}.token_file {token_file}: expected a secret of at least 16 characters")
+  _TOKEN_FILES[token_file] = (signature, token)
   return token
 
 
@@ -164,6 +176,9 @@ class ServerConfig:
   clients: ClientsConfig = ClientsConfig()
   http_port: int | None = None  # OpenAI-compatible HTTP (server/http.py) on ``bind``; None: off, 0: any free port
   http_max_body_bytes: int = 1024 * 1024  # a larger request body is refused (413) before it is parsed
+  # Without a client token, the HTTP front answers only requests whose Host is a loopback name, the bind address or
+  # one of these (a web page that rebinds its DNS name to this machine must not reach a tokenless server).
+  http_allowed_hosts: tuple[str, ...] = ()
   model_name: str | None = None  # the model id /v1/models lists and requests name; None: the registry's folder
   strict_fields: bool = False  # HTTP: an unknown body field is a 400 (False: ignored, with a logged warning)
   max_stop_strings: int = 16  # stop strings per request
@@ -186,6 +201,12 @@ class ServerConfig:
       "http_max_body_bytes",
     ):
       _positive_int(getattr(self, name), name)
+    hosts = self.http_allowed_hosts
+    if (
+      isinstance(hosts, str) or not isinstance(hosts, (list, tuple)) or not all(isinstance(h, str) and h for h in hosts)
+    ):
+      raise ConfigError(f"http_allowed_hosts: expected a list of host names (no port), got {hosts!r}")
+    object.__setattr__(self, "http_allowed_hosts", tuple(h.strip().lower().strip("[]") for h in hosts))
     if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
       raise ConfigError(f"max_queue: expected an integer >= 0, got {self.max_queue!r}")
     if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:

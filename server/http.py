@@ -427,6 +427,17 @@ def _json(data: dict, status: int = 200, headers: dict | None = None) -> web.Res
   return web.json_response(data, status=status, headers=headers, dumps=lambda d: json.dumps(d, ensure_ascii=False))
 
 
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def host_name(header: str) -> str:
+  """The name of a Host header, without its port, lower case (``[::1]:8080`` -> ``::1``)."""
+  h = header.strip().lower()
+  if h.startswith("["):
+    return h[1 : h.find("]")] if "]" in h else h
+  return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+
+
 class OpenAIHttp:
   """The endpoint of one :class:`~thoughtjax.server.servicer.SynthesizerService` (``start`` returns the bound port)."""
 
@@ -439,7 +450,12 @@ class OpenAIHttp:
   # ---- lifecycle -------------------------------------------------------------------------
   async def start(self, bind: str, port: int) -> int:
     cfg = self.service.config
-    app = web.Application(client_max_size=cfg.http_max_body_bytes, middlewares=[self._errors])
+    app = web.Application(client_max_size=cfg.http_max_body_bytes, middlewares=[self._hosts, self._errors])
+    self._allowed_hosts = frozenset({*LOOPBACK_HOSTS, bind.strip("[]").lower(), *cfg.http_allowed_hosts}) - {
+      "0.0.0.0",
+      "::",
+      "",
+    }
     app.router.add_post(CHAT, self.chat)
     app.router.add_post(COMPLETIONS, self.completions)
     app.router.add_get(MODELS, self.models)
@@ -518,6 +534,24 @@ class OpenAIHttp:
   def _error(self, e: BaseException, method: str, request_id: str | None = None, opts: Options | None = None):
     status, body = self._refusal(e, method, request_id, opts)
     return _json(body, status)
+
+  @web.middleware
+  async def _hosts(self, request: web.Request, handler):
+    """Without a client token, only a Host this server is known by (DNS rebinding: a web page whose name now resolves
+    to this machine sends its own name as Host)."""
+    clients = self.service.config.clients
+    if clients.token is None and clients.token_file is None:
+      host = host_name(request.headers.get("Host", ""))
+      if host not in self._allowed_hosts:
+        self.service.answered("HTTP", "HTTP_403")
+        message = (
+          f"Host {host[:100]!r} is not one this server answers without a client token; connect by a loopback name "
+          f"or the bind address, or (the operator) set a client token (--api-key) or list the name in "
+          f"http_allowed_hosts"
+        )
+        log.info("HTTP refused 403: %s", log_safe(message))
+        return _json(error_body(403, message, None, "host_not_allowed"), 403)
+    return await handler(request)
 
   @web.middleware
   async def _errors(self, request: web.Request, handler):

@@ -21,7 +21,7 @@ from thoughtjax.client import Client
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
 from thoughtjax.proto.v1 import synthesis_pb2_grpc as rpc
 from thoughtjax.server.app import BackgroundServer
-from thoughtjax.server.config import ClientsConfig
+from thoughtjax.server.config import ClientsConfig, ConfigError
 from thoughtjax.server.http import HttpError, synthesize_request
 
 PROMPT = "The quick brown fox"
@@ -328,6 +328,52 @@ def test_the_client_token_guards_both_protocols(synthesizer):
       assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with Client(f"127.0.0.1:{srv.port}", timeout=120, token=TOKEN) as g:
       assert g.generate(PROMPT, max_tokens=2).usage.tokens_out >= 1
+    # With a token, the Host is not what authenticates: a request by another name with the token is answered.
+    status, _ = raw(
+      srv, "GET", "/v1/models", headers={"Host": "thoughtjax.internal", "Authorization": f"Bearer {TOKEN}"}
+    )
+    assert status == 200
+
+
+def test_a_tokenless_server_answers_only_its_own_host_names(synthesizer):
+  """DNS rebinding: a page at evil.example whose name now resolves to 127.0.0.1 sends Host: evil.example. A server
+  without a client token refuses it (403, named) before any work; loopback names, the bind address and the names in
+  http_allowed_hosts are answered."""
+  with BackgroundServer(synthesizer, config(http_port=0, http_allowed_hosts=["Models.LAN"])) as srv:
+    wait_ready(srv)
+    port = srv.app.http_port
+    for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example", "192.168.1.20"):
+      status, got = raw(srv, "POST", "/v1/chat/completions", json.dumps({"messages": CHAT}).encode(), {"Host": host})
+      assert (
+        status == 403 and got["error"]["code"] == "host_not_allowed" and "http_allowed_hosts" in got["error"]["message"]
+      )
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "models.lan", f"MODELS.LAN:{port}"):
+      status, got = raw(srv, "GET", "/v1/models", headers={"Host": host})
+      assert status == 200, (host, got)
+    assert_serves(srv)
+  with pytest.raises(ConfigError, match="http_allowed_hosts: expected a list of host names"):
+    config(http_allowed_hosts="models.lan")
+
+
+def test_a_token_file_is_read_again_only_when_it_changes(tmp_path, monkeypatch):
+  """The client token file is stat-ed per request and read only when it changed: a rotated secret takes effect at
+  once, an unchanged one is not re-read on the event loop."""
+  from pathlib import Path
+
+  from thoughtjax.server import config as config_mod
+
+  f = tmp_path / "token"
+  f.write_text("first-secret-0123456789\n")
+  clients = ClientsConfig(token_file=f)
+  reads = []
+  real = Path.read_text
+  monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: reads.append(self) or real(self, *a, **k))
+  assert [clients.bearer() for _ in range(5)] == ["first-secret-0123456789"] * 5 and reads == [f]
+  f.write_text("second-secret-0123456789-rotated\n")
+  assert clients.bearer() == "second-secret-0123456789-rotated" and reads == [f, f]
+  f.unlink()
+  with pytest.raises(config_mod.ConfigError, match="cannot read it"):
+    clients.bearer()
 
 
 def test_a_full_queue_is_429_and_a_warming_or_draining_server_503(synthesizer):
