@@ -82,6 +82,9 @@ class Scheduler(Protocol):
 
   async def wait_idle(self, timeout: float | None = None) -> bool: ...
 
+  def shed_if_full(self, request_id: str) -> None:
+    """:class:`QueueFull` at once when no turn and no queue place is left (before any costly work)."""
+
   def snapshot(self) -> dict: ...
 
 
@@ -185,10 +188,9 @@ class SimpleScheduler:
 
     asyncio.get_running_loop().create_task(notify())
 
-  async def _admit(self, request_id: str, deadline: float | None) -> RequestRecord:
-    """Admit (or :class:`QueueFull` at once), then wait for a turn (:class:`DeadlineExpired` past
-    ``deadline``); returns the request's record with its queue wait, counted as running."""
-    self._bind()
+  def shed_if_full(self, request_id: str) -> None:
+    """:class:`QueueFull` (counted as shed) when every turn is taken and the queue is full: a server asks before
+    any costly work on a request (tokenizing, compiling its constraint), and again when it admits it."""
     if self.waiting + self.running >= self.max_concurrent + self.max_queue:
       self.shed += 1
       raise QueueFull(
@@ -196,6 +198,12 @@ class SimpleScheduler:
         f"{self.max_concurrent}) and {self.waiting} waiting (max_queue {self.max_queue}); "
         f"retry with backoff, or raise max_queue/max_concurrent in the server config"
       )
+
+  async def _admit(self, request_id: str, deadline: float | None) -> RequestRecord:
+    """Admit (or :class:`QueueFull` at once), then wait for a turn (:class:`DeadlineExpired` past
+    ``deadline``); returns the request's record with its queue wait, counted as running."""
+    self._bind()
+    self.shed_if_full(request_id)
     record = RequestRecord(request_id)
     self.waiting += 1
     t0 = time.monotonic()

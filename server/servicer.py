@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import hmac
 import json
@@ -82,7 +83,7 @@ from thoughtjax.server.messages import (
 )
 from thoughtjax.server.metrics import ServerMetrics, failure_totals
 from thoughtjax.server.reload import Reloader
-from thoughtjax.server.scheduling import Scheduler, make_scheduler
+from thoughtjax.server.scheduling import QueueFull, Scheduler, make_scheduler
 from thoughtjax.server.validation import Refused, Request, Serving, parse, validate
 from thoughtjax.serving.idle import IdleTracker, drop_compiled_programs, trim_memory
 from thoughtjax.synthesis.router_store import ROUTER_NAME, forget_router, loaded_router
@@ -105,6 +106,10 @@ class SynthesizerService:
     self.config = config
     # None until the registry is loaded (``install``): the server listens first and answers UNAVAILABLE.
     self.serving: Serving | None = None if synthesizer is None else Serving.of(synthesizer)
+    # Request checks (tokenizing, compiling a constraint) on two workers of their own, at most max_concurrent +
+    # max_queue in flight (admit).
+    self._validation_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="thoughtjax-validate")
+    self._validating = 0
     self.scheduler = scheduler or make_scheduler(config)  # config.scheduler: continuous (slot engines) or simple
     self.ready = False
     self.draining = False
@@ -139,7 +144,8 @@ class SynthesizerService:
     return failure_totals(*current, *(s.registry.stats() for s in self.reloader.retired), refused)
 
   def close(self) -> None:
-    """Release the registries the server opened itself (reloads)."""
+    """Release the registries the server opened itself (reloads) and the request checks' workers."""
+    self._validation_pool.shutdown(wait=False, cancel_futures=True)
     for s in [*self.reloader.retired, *([] if self.serving is None else [self.serving])]:
       if s.owned:
         s.registry.close()
@@ -411,11 +417,25 @@ class SynthesizerService:
     credential is checked). ``time_remaining``: the call's deadline in seconds (None: none); ``until_eos``: an
     unset ``max_tokens`` means as many as fit (OpenAI's default, :func:`validate`)."""
     self._check_serving()
-    # Tokenizing a prompt up to max_message_bytes long must not hold the event loop.
-    # ``self.serving`` is read on the worker: a reload that switched meanwhile is taken.
-    return await asyncio.get_running_loop().run_in_executor(
-      None, lambda: validate(m, time_remaining, self.serving, self.config, until_eos=until_eos)
-    )
+    # Admission before any costly work: a full server refuses at once, before tokenizing the prompt or compiling
+    # its constraint; validations in flight are bounded as the queue is, on a pool of their own (planning and
+    # idle release keep the default one).
+    self.scheduler.shed_if_full(m.request_id or "(no id)")
+    bound = self.config.max_concurrent + self.config.max_queue
+    if self._validating >= bound:
+      raise QueueFull(
+        f"request {m.request_id or '(no id)'}: {self._validating} requests are being checked (at most "
+        f"max_concurrent + max_queue = {bound}); retry with backoff"
+      )
+    self._validating += 1  # the event loop's own counter: only this coroutine changes it
+    try:
+      # Tokenizing a prompt up to max_message_bytes long must not hold the event loop.
+      # ``self.serving`` is read on the worker: a reload that switched meanwhile is taken.
+      return await asyncio.get_running_loop().run_in_executor(
+        self._validation_pool, lambda: validate(m, time_remaining, self.serving, self.config, until_eos=until_eos)
+      )
+    finally:
+      self._validating -= 1
 
   async def _request(self, raw: bytes, context, method: str) -> Request:
     self.check_client(_metadata(context, "authorization"), method)

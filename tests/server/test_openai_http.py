@@ -414,6 +414,53 @@ def test_a_full_queue_is_429_and_a_warming_or_draining_server_503(synthesizer):
     assert status == 503 and "draining" in got["error"]["message"] and got["error"]["code"] == "unavailable"
 
 
+def test_a_full_server_refuses_before_any_costly_check(synthesizer, monkeypatch):
+  """Every turn taken, no queue: a request with a large prompt and a regex is refused (429, gRPC RESOURCE_EXHAUSTED)
+  before its prompt is tokenized or its constraint compiled: the request checks never run for it."""
+  from thoughtjax.server import servicer as servicer_mod
+
+  gate, entered = threading.Event(), threading.Semaphore(0)
+  checked = []
+  real_validate = servicer_mod.validate
+
+  def counting_validate(m, *a, **kw):
+    checked.append(m.request_id)
+    return real_validate(m, *a, **kw)
+
+  monkeypatch.setattr(servicer_mod, "validate", counting_validate)
+
+  class Gated:
+    def __getattr__(self, name):
+      return getattr(synthesizer, name)
+
+    def synthesize(self, *a, **kw):
+      entered.release()
+      gate.wait(60)
+      return synthesizer.synthesize(*a, **kw)
+
+  with BackgroundServer(Gated(), config(max_concurrent=1, max_queue=0, http_port=0)) as srv:
+    wait_ready(srv)
+    first = threading.Thread(target=lambda: post(srv, {"messages": CHAT, "max_tokens": 2}))
+    first.start()
+    try:
+      assert entered.acquire(timeout=60)  # the first holds the only turn
+      before = len(checked)
+      costly = {"messages": [{"role": "user", "content": "word " * 50_000}], "max_tokens": 2}
+      status, got = post(srv, {**costly, "regex": "[a-z]{1,40}( [a-z]{1,40}){0,30}"})
+      assert status == 429 and got["error"]["code"] == "resource_exhausted", got
+      with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+        with pytest.raises(grpc.RpcError) as e:
+          rpc.SynthesizerStub(ch).GetOptimalPath(
+            pb.SynthesizeRequest(prompt="word " * 50_000, regex="[a-z]+"), timeout=60
+          )
+      assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+      assert len(checked) == before  # neither refused request was tokenized or compiled
+    finally:
+      gate.set()
+      first.join(120)
+    assert_serves(srv)
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_slot_within_one_chunk(http_served):
   srv = http_served
   x = srv.app.service.registry.codec.encode("x")[-1]  # a token with text: every delta is a chunk
