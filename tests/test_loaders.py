@@ -282,14 +282,14 @@ def test_safetensors_keeps_every_eos_id_and_generation_stops_on_each(tmp_path):
   assert loaded.codec.eos_ids == (2, 7, 11) and loaded.codec.eos_id == 2 and loaded.config.eos_id == 2
   prompt = [5, 9, 100]
   for eos in (7, 11):  # a bias makes the second (third) EOS id the greedy choice: generation ends on it
-    out = loaded.generate(prompt, max_tokens=6, logit_bias={eos: 1e4})
+    out = loaded.generate(prompt, max_tokens=6, logit_bias={eos: 100.0})
     assert out.token_ids == [eos] and out.finish_reason == "stop"
   # Without the extra ids the same biased run goes on to max_tokens: the stop above came from eos_ids.
   (d / "config.json").write_text(json.dumps(raw | {"eos_token_id": 2}))
   (d / "generation_config.json").unlink()
   single = thoughtjax.load(str(d), compile_cache=False)
   assert single.codec.eos_ids == (2,)
-  out = single.generate(prompt, max_tokens=3, logit_bias={7: 1e4})
+  out = single.generate(prompt, max_tokens=3, logit_bias={7: 100.0})
   assert out.token_ids == [7, 7, 7] and out.finish_reason == "length"
 
 

@@ -24,7 +24,7 @@ def test_cached_decode_matches_full_recompute(engine):
 
 def test_eos_stops_by_default_and_ignore_eos_runs_on(engine):
   eos = engine.config.eos_id
-  forced = {eos: 1e4}  # make EOS the greedy choice at every step
+  forced = {eos: 100.0}  # make EOS the greedy choice at every step
   assert engine.generate([4, 5], max_tokens=6, logit_bias=forced).token_ids == [eos]
   assert engine.generate([4, 5], max_tokens=6, logit_bias=forced, ignore_eos=True).token_ids == [eos] * 6
 
@@ -92,7 +92,7 @@ def test_top_k_sampling_streams_are_pinned(engine, top_k, seed, temperature, str
 
 
 def test_logit_bias_forces_a_token(engine):
-  out = engine.generate([4, 5, 6], max_tokens=5, logit_bias={123: 1e4}).token_ids
+  out = engine.generate([4, 5, 6], max_tokens=5, logit_bias={123: 100.0}).token_ids
   assert out == [123] * 5
 
 
@@ -107,7 +107,7 @@ def test_stop_token_ends_the_row_and_is_reported(engine):
 
 def test_stop_string_cuts_text(engine):
   # Sample among a few letters (equal large bias) so the text is varied and printable.
-  letters = {t: 1e3 for t in engine.codec.encode("abcdefghij")}
+  letters = {t: 100.0 for t in engine.codec.encode("abcdefghij")}
   kw = dict(max_tokens=16, ignore_eos=True, temperature=5.0, seed=11, logit_bias=letters)
   full = engine.generate([4, 5, 6], **kw)
   text = full.text

@@ -114,7 +114,7 @@ def test_trace_counts_add_up(engine):
 
 def test_eos_inside_an_accepted_run_ends_the_row(engine):
   eos = engine.config.eos_id
-  bias = {eos: 1e4}  # every path, draft included, picks EOS: the first pass accepts it
+  bias = {eos: 100.0}  # every path, draft included, picks EOS: the first pass accepts it
   out = engine.generate([4, 5], max_tokens=6, logit_bias=bias, draft="embed, blocks[0:1), head", draft_tokens=3)
   assert out.token_ids == [eos] and out.finish_reason == "stop"
   out = engine.generate(

@@ -520,7 +520,7 @@ def test_a_client_that_leaves_a_non_streaming_request_frees_its_turn(synthesizer
     wait_ready(srv)
     body = json.dumps({"prompt": PROMPT, "max_tokens": 120}).encode()
     with socket.create_connection(("127.0.0.1", srv.app.http_port), timeout=60) as sock:
-      head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+      head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
       sock.sendall(f"{head}X-Request-Id: http-gone\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
       assert generating.wait(60)  # the run is generating, nothing answered yet
     sched = srv.app.service.scheduler

@@ -173,7 +173,7 @@ def test_stop_strings_stop_ids_and_eos_per_slot(model, engine):
   reqs = [
     (PROMPTS[1], SamplingParams(max_tokens=16, stop_strings=(stop,), ignore_eos=True)),
     (PROMPTS[1], SamplingParams(max_tokens=16, stop_token_ids=(free.token_ids[5],), ignore_eos=True)),
-    (PROMPTS[0], SamplingParams(max_tokens=16, logit_bias={eos: 1e4})),  # EOS at once: never takes a slot
+    (PROMPTS[0], SamplingParams(max_tokens=16, logit_bias={eos: 100.0})),  # EOS at once: never takes a slot
     (PROMPTS[3], SamplingParams(max_tokens=9, ignore_eos=True)),
   ]
   runs = generate_in_slots(engine, reqs, arrivals=[0, 0, 1, 1])
@@ -192,7 +192,7 @@ def test_per_slot_bias_and_sampling_settings(model, engine):
   sampled rows produce their max_tokens."""
   reqs = [
     (PROMPTS[0], SamplingParams(max_tokens=12, ignore_eos=True)),
-    (PROMPTS[3], SamplingParams(max_tokens=12, logit_bias={77: 1e4}, ignore_eos=True)),
+    (PROMPTS[3], SamplingParams(max_tokens=12, logit_bias={77: 100.0}, ignore_eos=True)),
     (PROMPTS[1], SamplingParams(max_tokens=12, temperature=0.9, top_k=20, top_p=0.9, seed=5, ignore_eos=True)),
   ]
   runs = generate_in_slots(engine, reqs)
