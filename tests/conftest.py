@@ -26,6 +26,10 @@ from tests import isolation  # noqa: E402
 
 RUN = isolation.enter_run()
 
+import thoughtjax  # noqa: E402
+
+thoughtjax.use_memory_scheduler()  # the XLA:CPU scheduler the commands and the server run with
+
 import hypothesis  # noqa: E402
 import jax  # noqa: E402  (after XLA_FLAGS: the device count is read at import)
 import numpy as np  # noqa: E402

@@ -124,16 +124,27 @@ def test_aligned_file_is_valid_safetensors_with_every_tensor_aligned(tmp_path):
   assert all(np.array_equal(read[k], v) for k, v in tensors.items())
 
 
-def test_import_selects_the_memory_minimizing_cpu_scheduler_unless_xla_flags_name_it():
-  flag = "xla_cpu_enable_concurrency_optimized_scheduler"
-  probe = "import os, thoughtjax; print(os.environ.get('XLA_FLAGS', ''))"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-  got = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-  assert got.stdout.split() == ["--xla_force_host_platform_device_count=2", thoughtjax.MEMORY_SCHEDULER_FLAG]
-  env["XLA_FLAGS"] = f"--{flag}=true"
-  got = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-  assert got.stdout.split() == [f"--{flag}=true"]  # the user's choice stands
+def _xla_flags_after(code: str, xla_flags: str) -> list[str]:
+  """XLA_FLAGS as a fresh interpreter prints it after ``code``, started with ``xla_flags``."""
+  env = {**os.environ, "XLA_FLAGS": xla_flags}
+  probe = f"import os\n{code}\nprint(os.environ.get('XLA_FLAGS', ''))"
+  return subprocess.run(
+    [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+  ).stdout.split()
+
+
+def test_import_changes_no_flag_and_the_commands_select_the_memory_minimizing_cpu_scheduler():
+  devices, flag = "--xla_force_host_platform_device_count=2", thoughtjax.MEMORY_SCHEDULER_FLAG
+  # import thoughtjax starts nothing and changes nothing: no JAX, no flag.
+  assert _xla_flags_after("import sys, thoughtjax\nassert 'jax' not in sys.modules", devices) == [devices]
+  assert _xla_flags_after("import thoughtjax\nthoughtjax.use_memory_scheduler()", devices) == [devices, flag]
+  # The command line selects it before any command runs (--version exits at once, after main set it).
+  command = "import contextlib, io\nfrom thoughtjax import cli\nwith contextlib.suppress(SystemExit), "
+  command += "contextlib.redirect_stdout(io.StringIO()):\n  cli.main(['--version'])"
+  assert _xla_flags_after(command, "") == [flag]
+  # The user's choice stands.
+  mine = "--xla_cpu_enable_concurrency_optimized_scheduler=true"
+  assert _xla_flags_after(command, mine) == [mine]
 
 
 def test_commands_trim_the_heap_once_after_each_long_compile(monkeypatch):

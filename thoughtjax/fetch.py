@@ -47,9 +47,6 @@ import urllib.request
 import zipfile
 from pathlib import Path
 
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-
 from thoughtjax import durable
 from thoughtjax.cachedir import cache_dir as cache_dir  # where callers have always found it
 from thoughtjax.cachedir import cache_subdir
@@ -381,6 +378,7 @@ def _copy_with_progress(src, dst, total: int, label: str, progress: bool) -> Non
   if not progress:
     shutil.copyfileobj(src, dst, 1 << 22)
     return
+  from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
   with Progress(
     TextColumn("{task.description}"),
@@ -397,5 +395,6 @@ def _copy_with_progress(src, dst, total: int, label: str, progress: bool) -> Non
 
 
 def _stderr_console():
+  from rich.console import Console  # here: the command line starts without it
 
   return Console(stderr=True)

@@ -23,13 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from thoughtjax.constraint import Constraint
+from thoughtjax.defaults import DEFAULT_MAX_TOKENS as DEFAULT_MAX_TOKENS  # where callers have found it
 from thoughtjax.errors import UserError
 from thoughtjax.kernels.sample_stop import sample_stop, unpack_allowed
 
-# New tokens a request generates when it does not say. One number for the library and every command that runs
-# or predicts a request (generate, plan, synthesize, paths, registry warm), so the same request costs the same
-# whichever way it is made.
-DEFAULT_MAX_TOKENS = 64
 LOGIT_BIAS_LIMIT = 100.0  # |bias| at most this (OpenAI's range): -100 bans a token, 100 forces it
 
 

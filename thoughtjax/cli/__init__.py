@@ -46,6 +46,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   how) is printed as ``thoughtjax <command>: error: <Type>: <message>`` on stderr, exit status 2.
   Anything else is a bug and propagates with its traceback. argparse usage errors exit 2 too.
   """
+  import thoughtjax
+
+  thoughtjax.use_memory_scheduler()  # a process-level choice: before any command starts JAX
   argv = list(sys.argv[1:] if argv is None else argv)
   parser = build_parser()
   if len(argv) >= 2 and argv[0] == "bench":  # everything after the benchmark's name is its own

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import jax
-
 from thoughtjax.errors import UserError
 
 Implementation = Literal["xla", "pallas"]
@@ -59,6 +57,8 @@ def resolve(kernels: str | None, backend: str | None = None, *, name: str = "ker
 def default(backend: str | None = None) -> Implementation:
   """The implementation used when the caller does not choose (see :data:`PALLAS_DEFAULT_ON_GPU`)."""
   if backend is None:
+    import jax  # here: the command line reads IMPLEMENTATIONS without starting JAX
+
     backend = jax.default_backend()
   if backend == "gpu" and PALLAS_DEFAULT_ON_GPU:
     return "pallas"
@@ -68,5 +68,7 @@ def default(backend: str | None = None) -> Implementation:
 def interpret_default(backend: str | None = None) -> bool:
   """Whether a Pallas kernel runs in interpret mode: everywhere but on a GPU, where it compiles."""
   if backend is None:
+    import jax
+
     backend = jax.default_backend()
   return backend != "gpu"
