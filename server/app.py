@@ -241,10 +241,12 @@ async def serve(
   on_port: Callable[[int], None] | None = None,
   on_metrics_port: Callable[[int], None] | None = None,
   on_http_port: Callable[[int], None] | None = None,
+  on_ready: Callable[[Any], None] | None = None,
 ) -> None:
   """Run until SIGTERM or SIGINT (then drain, see :meth:`ServerApp.drain`). With ``load`` (and no
   ``synthesizer``) the port is bound first and the registry loaded behind NOT_SERVING; a load that fails
-  stops the server and raises its error."""
+  stops the server and raises its error. ``on_ready(registry)``: called once health says SERVING, with the
+  registry served."""
   app = ServerApp(synthesizer, config, load=load)
   port = await app.start()
   if on_port is not None:
@@ -258,9 +260,11 @@ async def serve(
     loop.add_signal_handler(sig, lambda: loop.create_task(app.drain()))
 
   async def stop_if_load_fails():
-    await app.wait_ready()
+    ready = await app.wait_ready()
     if app.load_error is not None:
       await app.stop(0)
+    elif ready and on_ready is not None:
+      on_ready(app.service.serving.registry)
 
   watch = loop.create_task(stop_if_load_fails())
   await app.wait()

@@ -522,6 +522,7 @@ class SynthesizerService:
         if holding["path"] is not None:
           self.idle.let_go(holding["path"])
     final = final_message(run, last, (started[0] - t_admit) * 1e3 if started else None)
+    final.prompt_token_ids.extend(r.prompt_ids)
     ran = run.generation.trace.first_token is not None
     self.metrics.finished(final.trace, final.usage, final.trace.program_cache_hit if ran else None)
     yield pb.SynthesizeResponse(request_id=r.request_id, final=final)

@@ -27,6 +27,9 @@ import tempfile
 from pathlib import Path
 
 RUN_ENV = "THOUGHTJAX_TEST_RUN_DIR"
+NO_SERVER_ENV = (
+  "THOUGHTJAX_NO_SERVER"  # thoughtjax.local_server's; not imported: this runs before any thoughtjax import
+)
 KEEP_ENV = "THOUGHTJAX_TEST_CACHE"
 # thoughtjax's own per-user paths: unset, so each falls back to <THOUGHTJAX_CACHE>/...
 OVERRIDES = (
@@ -83,6 +86,9 @@ def enter_run() -> Run:
   os.environ["THOUGHTJAX_CACHE"] = str(cache)
   for name in OVERRIDES:
     os.environ.pop(name, None)
+  # A command a test runs starts in-process, as the test expects, even while another test's `thoughtjax serve` of
+  # the same registry runs: tests/server/test_cli_local_server.py lifts this for its own commands.
+  os.environ[NO_SERVER_ENV] = "1"
   for name, sub in TOOL_DIRS.items():
     os.environ[name] = str(root / sub)
     (root / sub).mkdir(parents=True, exist_ok=True)

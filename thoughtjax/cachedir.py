@@ -61,6 +61,11 @@ def cache_dir() -> Path:
   return private_dir(cache_root(), "the thoughtjax cache directory")
 
 
+def default_registry_dir() -> Path:
+  """Where the default model's registry lives (built and calibrated on first use)."""
+  return cache_dir() / "registry" / "default"
+
+
 def cache_subdir(name: str) -> Path:
   """``<cache>/<name>``, created with mode 0700 or checked."""
   return private_dir(cache_dir() / name, f"the thoughtjax cache's {name}/")

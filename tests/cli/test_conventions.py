@@ -237,3 +237,20 @@ def test_bench_commands_that_open_a_registry_take_the_trust_flags(capsys):
     with pytest.raises(SystemExit) as info:
       cli.main([*argv, "--public-key", "k.pub"])
     assert info.value.code == 2 and "--public-key" in capsys.readouterr().err
+
+
+def test_the_command_line_and_the_client_start_without_jax():
+  """``import thoughtjax``, the whole parser tree, the gRPC client and the local-server lookup load no JAX: a
+  command that talks to a running server never pays for it."""
+  import subprocess
+  import sys
+
+  probe = (
+    "import sys, thoughtjax, thoughtjax.client, thoughtjax.local_server, thoughtjax.cli.remote\n"
+    "from thoughtjax.cli import build_parser\n"
+    "build_parser().parse_args(['generate', '--prompt', 'x'])\n"
+    "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'numpy', 'flax', 'orbax'))\n"
+    "print(heavy)"
+  )
+  got = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+  assert got.stdout.strip() == "[]"

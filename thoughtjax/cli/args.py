@@ -14,9 +14,9 @@ import argparse
 import math
 from pathlib import Path
 
+from thoughtjax.defaults import DEFAULT_MAX_TOKENS
 from thoughtjax.errors import UserError
 from thoughtjax.kernels import dispatch
-from thoughtjax.sampling import DEFAULT_MAX_TOKENS
 
 
 class CommandLineError(UserError, ValueError):
@@ -112,6 +112,15 @@ def registry_dir(args, *, required: bool = True, others: tuple[str, ...] = ()) -
     return None, "--registry"
   label, text = given[0]
   return text, label
+
+
+def add_no_server_arg(p: argparse.ArgumentParser) -> None:
+  p.add_argument(
+    "--no-server",
+    action="store_true",
+    help="run in this process even when a local `thoughtjax serve` of the same registry is running (by default "
+    "the command uses it: its weights and programs are warm; env THOUGHTJAX_NO_SERVER=1 does the same)",
+  )
 
 
 def add_kernels_arg(p: argparse.ArgumentParser) -> None:

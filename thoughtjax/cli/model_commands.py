@@ -10,6 +10,7 @@ from thoughtjax.cli.args import (
   CommandLineError,
   add_constraint_args,
   add_kernels_arg,
+  add_no_server_arg,
   add_sampling_args,
   add_trust_args,
   constraint_kwargs,
@@ -112,6 +113,15 @@ def cmd_fetch(args) -> int:
 
 
 def cmd_generate(args) -> int:
+  from thoughtjax.cli import remote
+
+  # The default model is the default registry's; another --model is not a server's (in-process).
+  if args.model is None or (args.registry is None and args.model == DEFAULT_MODEL):
+    server = remote.server_for(args, args.registry)
+    if server is not None:
+      code = remote.generate(args, server)
+      if code is not None:
+        return code
   from thoughtjax.sampling import SamplingParams
 
   model = _load(args)
@@ -218,6 +228,7 @@ def add_parsers(sub) -> None:
   add_sampling_args(p)
   p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
   add_constraint_args(p)
+  add_no_server_arg(p)
   p.add_argument(
     "--draft",
     default=None,

@@ -256,9 +256,34 @@ def cmd_serve(args) -> int:
     scheme = "https" if config.tls.enabled else "http"
     print(f"openai http on {scheme}://{config.bind}:{port}/v1", flush=True)
 
-  asyncio.run(
-    serve(None, config, load=load, on_port=on_port, on_metrics_port=on_metrics_port, on_http_port=on_http_port)
-  )
+  announced, bound = [], []
+
+  def on_ready(reg) -> None:
+    # Found by `thoughtjax generate`/`synthesize` on this machine (thoughtjax/local_server.py) from now on.
+    from thoughtjax import local_server
+    from thoughtjax.assembly import full_path
+
+    target = local_server.dial_address(config.bind, bound[0])
+    token = config.clients.token is not None or config.clients.token_file is not None
+    announced.append(local_server.announce(target, reg.root, full_path(reg), token=token, tls=config.tls.enabled))
+
+  try:
+    asyncio.run(
+      serve(
+        None,
+        config,
+        load=load,
+        on_port=lambda port: (bound.append(port), on_port(port)),
+        on_metrics_port=on_metrics_port,
+        on_http_port=on_http_port,
+        on_ready=on_ready,
+      )
+    )
+  finally:
+    for file in announced:
+      from thoughtjax import local_server
+
+      local_server.withdraw(file)
   return 0
 
 

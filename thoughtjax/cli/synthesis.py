@@ -30,6 +30,7 @@ from thoughtjax.cli.args import (
   CommandLineError,
   add_constraint_args,
   add_kernels_arg,
+  add_no_server_arg,
   add_registry_arg,
   add_sampling_args,
   add_trust_args,
@@ -40,7 +41,7 @@ from thoughtjax.cli.args import (
   registry_dir,
   registry_weights,
 )
-from thoughtjax.sampling import DEFAULT_MAX_TOKENS
+from thoughtjax.defaults import DEFAULT_MAX_TOKENS
 
 
 @contextlib.contextmanager
@@ -188,6 +189,13 @@ def cmd_plan(args) -> int:
 
 
 def cmd_synthesize(args) -> int:
+  from thoughtjax.cli import remote
+
+  server = remote.server_for(args, args.registry)
+  if server is not None:
+    code = remote.synthesize(args, server)
+    if code is not None:
+      return code
   reg = _registry(args)
   syn = _synthesizer(args, reg)
   result = syn.synthesize(
@@ -534,8 +542,8 @@ def _request_args(p: argparse.ArgumentParser) -> None:
   p.add_argument(
     "--weights",
     choices=("f32", "native"),
-    default="f32",
-    help="the form restores give: f32 (dequantized float32) or native (a quantized model's blocks kept packed, "
+    default=None,
+    help="the form restores give (default f32): f32 (dequantized float32) or native (a quantized model's blocks kept packed, "
     "computed in float32: the same logits); int8 blocks are variants a path names (blocks[a:b)@int8)",
   )
 
@@ -549,6 +557,7 @@ def add_parsers(sub) -> None:
 
   p = sub.add_parser("synthesize", help="plan, then run the chosen path: the answer streamed, the trace on stderr")
   _request_args(p)
+  add_no_server_arg(p)
   add_kernels_arg(p)
   add_sampling_args(p)
   add_constraint_args(p)

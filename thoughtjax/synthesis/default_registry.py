@@ -62,15 +62,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from thoughtjax import fetch as fetch_lib
+from thoughtjax.cachedir import default_registry_dir as default_registry_dir  # where callers find it
 from thoughtjax.path_syntax import split_variant
 from thoughtjax.shipped import shipped_file
 
 Progress = Callable[[str, int, int, str], None]
-
-
-def default_registry_dir() -> Path:
-
-  return fetch_lib.cache_dir() / "registry" / "default"
 
 
 VARIANTS = ("int8", "int8a8")  # the weight variants the default registry holds of every block

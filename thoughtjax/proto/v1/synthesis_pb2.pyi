@@ -179,16 +179,18 @@ class Trace(_message.Message):
     def __init__(self, path: _Optional[str] = ..., path_hash: _Optional[str] = ..., refs: _Optional[_Iterable[str]] = ..., hints: _Optional[_Iterable[str]] = ..., degraded: _Optional[bool] = ..., reason: _Optional[str] = ..., predicted_ms: _Optional[_Mapping[str, float]] = ..., actual_ms: _Optional[_Mapping[str, float]] = ..., registry_sequence: _Optional[int] = ..., corrected_hints: _Optional[_Iterable[_Union[HintCorrection, _Mapping]]] = ..., decode_chunks: _Optional[int] = ..., program_cache_hit: _Optional[bool] = ..., prefix_cache_tokens: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("finish_reason", "usage", "trace", "text")
+    __slots__ = ("finish_reason", "usage", "trace", "text", "prompt_token_ids")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     usage: Usage
     trace: Trace
     text: str
-    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., trace: _Optional[_Union[Trace, _Mapping]] = ..., text: _Optional[str] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., trace: _Optional[_Union[Trace, _Mapping]] = ..., text: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SynthesizeResponse(_message.Message):
     __slots__ = ("request_id", "plan", "delta", "final")
