@@ -112,6 +112,8 @@ def test_generate_and_synthesize_use_the_running_server_and_answer_as_in_process
     assert remote[k] == local[k], k
   assert len(remote["token_ids"]) == 6
   assert "server" not in _json([*gen, "--json", "--kernels", "xla"], capsys)[0]  # a flag the server does not take
+  # Sampling: the server's random stream is its engine's, so the seed's in-process text comes from in-process.
+  assert "server" not in _json([*gen, "--json", "--temperature", "0.8", "--seed", "3"], capsys)[0]
 
   assert main(gen) == 0  # streamed text through the server too
   assert capsys.readouterr().out.strip() == local["text"].strip()

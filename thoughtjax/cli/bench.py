@@ -22,6 +22,7 @@ BENCHMARKS = {
   "idle": "scale to zero and back on a real `thoughtjax serve` process",
   "shapes": "a second path of the same shape in a warm process, against the path that has run",
   "layers": "the unrolled program against the layer-indexed one, in the same run",
+  "startup": "process start to exit of generate and synthesize, in-process and through a running server",
 }
 
 

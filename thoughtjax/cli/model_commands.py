@@ -115,8 +115,11 @@ def cmd_fetch(args) -> int:
 def cmd_generate(args) -> int:
   from thoughtjax.cli import remote
 
-  # The default model is the default registry's; another --model is not a server's (in-process).
-  if args.model is None or (args.registry is None and args.model == DEFAULT_MODEL):
+  # The default model is the default registry's; another --model is not a server's (in-process). Sampling runs
+  # in-process too: a server's slot engine keys its random stream by its own step and row, so the same seed would
+  # give other text there (greedy tokens are the same).
+  ours = args.model is None or (args.registry is None and args.model == DEFAULT_MODEL)
+  if ours and args.temperature == 0:
     server = remote.server_for(args, args.registry)
     if server is not None:
       code = remote.generate(args, server)

@@ -1,9 +1,10 @@
 """``generate`` and ``synthesize`` through a running local ``thoughtjax serve`` (:mod:`thoughtjax.local_server`).
 
 The server holds the weights and compiled programs warm, so the command costs an interpreter start, the gRPC
-client and one call; in-process it costs JAX, a restore and a compile-cache load. The output is the same:
-the same text and token ids (greedy decoding is exact on every weight form the server runs), the same
-``--json`` fields, plus ``server`` (the address that answered). A server that does not answer before the first
+client and one call; in-process it costs JAX, a restore and a compile-cache load. ``generate`` comes here for
+greedy requests only, whose text and token ids are the in-process ones (greedy decoding is exact on every weight
+form the server runs); ``synthesize`` gets the server's plan. The ``--json`` fields are the in-process ones plus
+``server`` (the address that answered). A server that does not answer before the first
 token (gone, draining) is noted on stderr and the command runs in-process instead; a refusal (a bad request,
 an exhausted server) is the command's error, as in-process.
 
