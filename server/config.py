@@ -176,6 +176,12 @@ class ServerConfig:
   clients: ClientsConfig = ClientsConfig()
   http_port: int | None = None  # OpenAI-compatible HTTP (server/http.py) on ``bind``; None: off, 0: any free port
   http_max_body_bytes: int = 1024 * 1024  # a larger request body is refused (413) before it is parsed
+  # Open HTTP connections at most; one more is answered 503 and closed before anything of it is read.
+  http_max_connections: int = 256
+  # A connection that has not sent a whole request head this long after it opened (or after its last response) is
+  # closed: idle keep-alive and half-open or slowly written heads alike.
+  http_idle_timeout_s: float = 15.0
+  http_body_timeout_s: float = 30.0  # a request body not received whole this long after its head: 408, closed
   # Without a client token, the HTTP front answers only requests whose Host is a loopback name, the bind address or
   # one of these (a web page that rebinds its DNS name to this machine must not reach a tokenless server).
   http_allowed_hosts: tuple[str, ...] = ()
@@ -199,8 +205,13 @@ class ServerConfig:
       "max_stop_strings",
       "max_stop_chars",
       "http_max_body_bytes",
+      "http_max_connections",
     ):
       _positive_int(getattr(self, name), name)
+    for name in ("http_idle_timeout_s", "http_body_timeout_s"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ConfigError(f"{name}: expected a finite number of seconds > 0, got {v!r}")
     hosts = self.http_allowed_hosts
     if (
       isinstance(hosts, str) or not isinstance(hosts, (list, tuple)) or not all(isinstance(h, str) and h for h in hosts)

@@ -438,12 +438,43 @@ def host_name(header: str) -> str:
   return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
 
 
+class _ConnectionGate:
+  """The listening socket's protocol factory: aiohttp's request handler while fewer than ``cap`` HTTP connections
+  are open, else a protocol that answers 503 and closes without reading anything (a flood of idle or half-open
+  sockets cannot grow past the cap; each open one is closed by aiohttp's idle timeout)."""
+
+  def __init__(self, server: web.Server, cap: int, service):
+    self.server, self.cap, self.service = server, cap, service
+
+  def __call__(self) -> asyncio.BaseProtocol:
+    if len(self.server.connections) < self.cap:
+      return self.server()
+    self.service.answered("HTTP", "HTTP_503")
+    return _Refused(self.cap)
+
+
+class _Refused(asyncio.Protocol):
+  def __init__(self, cap: int):
+    self.cap = cap
+
+  def connection_made(self, transport: asyncio.BaseTransport) -> None:
+    message = f"the server holds its most HTTP connections ({self.cap}, http_max_connections); retry shortly"
+    body = json.dumps(error_body(503, message, None, "too_many_connections")).encode()
+    head = (
+      "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+      f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    transport.write(head.encode() + body)  # type: ignore[attr-defined]
+    transport.close()
+
+
 class OpenAIHttp:
   """The endpoint of one :class:`~thoughtjax.server.servicer.SynthesizerService` (``start`` returns the bound port)."""
 
   def __init__(self, service):
     self.service = service
     self.runner: web.AppRunner | None = None
+    self._listener: asyncio.Server | None = None
     self.created = int(time.time())
     self._warned: set[str] = set()  # unknown fields named in the log once each, not on every request
 
@@ -467,19 +498,33 @@ class OpenAIHttp:
     # handler_cancellation: a client that disconnects cancels its handler, and so its run, at once.
     # auto_decompress off: a compressed request body is refused by name (_body), never inflated (a small gzip
     # body can inflate to gigabytes before any limit sees it).
+    # keepalive_timeout: aiohttp closes a connection whose handler still waits for a whole request head this long
+    # after the connection opened or its last response ended (http_idle_timeout_s). lingering_time: how long the
+    # unread rest of a refused body is drained before the close, at most the body's own timeout.
     self.runner = web.AppRunner(
-      app, handler_cancellation=True, access_log=None, shutdown_timeout=cfg.grace_s, auto_decompress=False
+      app,
+      handler_cancellation=True,
+      access_log=None,
+      shutdown_timeout=cfg.grace_s,
+      auto_decompress=False,
+      keepalive_timeout=cfg.http_idle_timeout_s,
+      lingering_time=min(10.0, cfg.http_body_timeout_s),
     )
     await self.runner.setup()
-    site = web.TCPSite(self.runner, bind, port, ssl_context=ssl_context(cfg.tls))
+    gate = _ConnectionGate(self.runner.server, cfg.http_max_connections, self.service)
     try:
-      await site.start()
+      self._listener = await asyncio.get_running_loop().create_server(
+        gate, bind.strip("[]") or None, port, ssl=ssl_context(cfg.tls), reuse_address=True
+      )
     except OSError:
       await self.runner.cleanup()
       raise
-    return int(self.runner.addresses[-1][1])
+    return int(self._listener.sockets[0].getsockname()[1])
 
   async def stop(self) -> None:
+    if self._listener is not None:
+      self._listener.close()  # no new connections; those open finish under the runner's shutdown below
+      self._listener = None
     if self.runner is not None:
       await self.runner.cleanup()
       self.runner = None
@@ -533,7 +578,10 @@ class OpenAIHttp:
 
   def _error(self, e: BaseException, method: str, request_id: str | None = None, opts: Options | None = None):
     status, body = self._refusal(e, method, request_id, opts)
-    return _json(body, status)
+    response = _json(body, status)
+    if status == 408:  # the rest of the body may still come: the connection ends with this answer
+      response.force_close()
+    return response
 
   @web.middleware
   async def _hosts(self, request: web.Request, handler):
@@ -584,8 +632,17 @@ class OpenAIHttp:
         None,
         "request_too_large",
       )
+    timeout = self.service.config.http_body_timeout_s
     try:
-      raw = await request.read()  # at most client_max_size (= limit) bytes, else HTTPRequestEntityTooLarge
+      async with asyncio.timeout(timeout):  # a body sent slowly, or never, does not hold the connection
+        raw = await request.read()  # at most client_max_size (= limit) bytes, else HTTPRequestEntityTooLarge
+    except TimeoutError:
+      raise HttpError(
+        408,
+        f"the request body did not arrive within {timeout:g} s (http_body_timeout_s); send it whole",
+        None,
+        "request_timeout",
+      ) from None
     except web.HTTPRequestEntityTooLarge:
       raise HttpError(
         413,
