@@ -128,8 +128,10 @@ def run(*, repeats: int, prompt: str, max_tokens: int, registry: str | None, ser
     measure("generate (in-process)", [*gen, "--no-server"], env, repeats, None),
     measure("synthesize (in-process)", [*syn, "--no-server"], env, repeats, None),
   ]
+  target = None
   if server:
     srv = _Server(registry, env, timeout)
+    target = srv.target
     try:
       rows.append(measure("generate (server)", gen, env, repeats, srv.target))
       rows.append(measure("synthesize (server)", syn, env, repeats, srv.target))
@@ -142,6 +144,7 @@ def run(*, repeats: int, prompt: str, max_tokens: int, registry: str | None, ser
     "prompt": prompt,
     "max_tokens": max_tokens,
     "rows": rows,
+    "server": target,
     "targets_met": {
       **{name: by[name]["median_s"] <= t for name, t in TARGETS_S.items() if name in by},
       "generate peak RSS <= 0.6 GB": gen_rss <= GENERATE_RSS_TARGET_MIB,
