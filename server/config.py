@@ -144,10 +144,14 @@ class PrefixCacheConfig:
   """Per slot engine (continuous scheduler), the prompt keys of recent prompts by token prefix, so a request that
   starts like an earlier one (system prompt, chat template rows, few-shot block, earlier turns) prefills only the
   rest: ``max_mb`` MiB at most (least recently used blocks evicted first; 0: off), in blocks of ``block_tokens``
-  tokens (a prefix is reused in whole blocks)."""
+  tokens (a prefix is reused in whole blocks). Requests share keys only within one ``cache_salt`` (none: the shared
+  scope); ``report_reuse`` tells every request its reuse (Trace.prefix_cache_tokens, the trailer), which lets a
+  client of the shared scope learn whether another sent a prefix: off by default, when only salted requests are
+  told theirs."""
 
   max_mb: int = 128
   block_tokens: int = 16
+  report_reuse: bool = False
 
   def __post_init__(self):
     if isinstance(self.max_mb, bool) or not isinstance(self.max_mb, int) or self.max_mb < 0:
@@ -155,6 +159,8 @@ class PrefixCacheConfig:
     b = self.block_tokens
     if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 1024:
       raise ConfigError(f"prefix_cache.block_tokens: expected an integer in [1, 1024] (16 suits most), got {b!r}")
+    if not isinstance(self.report_reuse, bool):
+      raise ConfigError(f"prefix_cache.report_reuse: expected true or false, got {self.report_reuse!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -123,6 +123,7 @@ _COMMON = (
   "path",
   "regex",
   "grammar",
+  "cache_salt",
 )
 FIELDS = {
   "chat": frozenset((*_COMMON, "messages", "max_completion_tokens", *_DEFAULT_ONLY, *_IGNORED)),
@@ -368,7 +369,7 @@ def synthesize_request(
   if len(hints) > MAX_HINTS:
     raise _bad(f"synthesis_hints: at most {MAX_HINTS} (priority order), got {len(hints)}", "synthesis_hints")
   m.hints.extend(hints)
-  for key in ("path", "regex", "grammar"):
+  for key in ("path", "regex", "grammar", "cache_salt"):
     if (x := _str(body, key)) is not None:
       setattr(m, key, x)
   schema = _response_format(body)

@@ -76,9 +76,12 @@ class Run(Protocol):
 
 
 class Scheduler(Protocol):
-  def stream(self, start: Callable[[], Run], *, request_id: str, deadline: float | None = None) -> AsyncIterator[Any]:
+  def stream(
+    self, start: Callable[[], Run], *, request_id: str, deadline: float | None = None, cache_scope: str = ""
+  ) -> AsyncIterator[Any]:
     """Admit (or raise :class:`QueueFull` at once), wait for a turn (``deadline``: ``time.monotonic()``
-    seconds, :class:`DeadlineExpired` past it), run ``start`` and yield the run, then each delta."""
+    seconds, :class:`DeadlineExpired` past it), run ``start`` and yield the run, then each delta.
+    ``cache_scope``: the request's prefix-cache scope (a slot engine reuses keys within a scope only)."""
 
   async def wait_idle(self, timeout: float | None = None) -> bool: ...
 
@@ -224,8 +227,9 @@ class SimpleScheduler:
     return record
 
   async def stream(
-    self, start: Callable[[], Run], *, request_id: str, deadline: float | None = None
+    self, start: Callable[[], Run], *, request_id: str, deadline: float | None = None, cache_scope: str = ""
   ) -> AsyncIterator[Any]:
+    del cache_scope  # one generation per request: no prefix cache to scope
     record = await self._admit(request_id, deadline)
     loop = asyncio.get_running_loop()
     run: list[Run] = []
@@ -383,7 +387,7 @@ class ContinuousScheduler(SimpleScheduler):
     return self.pool.resident_paths()
 
   async def stream(
-    self, start: Callable[[], Run], *, request_id: str, deadline: float | None = None
+    self, start: Callable[[], Run], *, request_id: str, deadline: float | None = None, cache_scope: str = ""
   ) -> AsyncIterator[Any]:
     record = await self._admit(request_id, deadline)
     loop = asyncio.get_running_loop()
@@ -411,7 +415,9 @@ class ContinuousScheduler(SimpleScheduler):
 
       # The driver prefills it with the others waiting then; its first token goes out as soon as that call ends.
       def submit():
-        slot = driver.submit(ids, params, on_delta=lambda d: loop.call_soon_threadsafe(ready.put_nowait, d))
+        slot = driver.submit(
+          ids, params, on_delta=lambda d: loop.call_soon_threadsafe(ready.put_nowait, d), scope=cache_scope
+        )
         # Its row counts in the engine from now: released here, not once back on the loop, so no plan meanwhile
         # sees it twice (in the engine and as reserved).
         _unreserve(run)

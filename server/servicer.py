@@ -498,7 +498,7 @@ class SynthesizerService:
             self.idle.hold(model.path_hash)
       return run
 
-    stream = self.scheduler.stream(start, request_id=r.request_id, deadline=deadline)
+    stream = self.scheduler.stream(start, request_id=r.request_id, deadline=deadline, cache_scope=r.cache_salt)
     run, last, t_prev = None, None, None
     try:
       async for item in stream:
@@ -525,6 +525,10 @@ class SynthesizerService:
     final.prompt_token_ids.extend(r.prompt_ids)
     ran = run.generation.trace.first_token is not None
     self.metrics.finished(final.trace, final.usage, final.trace.program_cache_hit if ran else None)
+    # The prefix cache's reuse is told to a salted request (its own scope's: no other client's prompt shows in it),
+    # or to every client where the operator allows it (prefix_cache.report_reuse); the metrics count it either way.
+    if not (r.cache_salt or self.config.prefix_cache.report_reuse):
+      final.trace.ClearField("prefix_cache_tokens")
     yield pb.SynthesizeResponse(request_id=r.request_id, final=final)
 
   async def ListThoughtlets(self, raw: bytes, context) -> pb.ListThoughtletsResponse:

@@ -33,6 +33,7 @@ from thoughtjax.server.config import ServerConfig
 from thoughtjax.synthesis.hints import normalize_hints
 
 MAX_REQUEST_ID = 128
+MAX_CACHE_SALT = 256  # characters of a cache_salt
 ROLES = ("system", "user", "assistant")
 
 
@@ -81,6 +82,7 @@ class Request:
   sampling: dict
   path: str | None
   pin_sequence: int | None
+  cache_salt: str = ""  # prefix-cache scope: keys are reused only between requests with the same salt
   serving: Serving | None = dataclasses.field(default=None, compare=False, repr=False)  # what it runs on
 
 
@@ -207,7 +209,13 @@ def validate(
       f"registry_sequence: the request pins {pin}, this server plans at sequence {served}; pin "
       f"{served}, or send it to a server of sequence {pin}",
     )
-  return Request(rid, tuple(ids), tuple(m.hints), float(budget), n, sampling, path, pin, s)
+  salt = m.cache_salt
+  if len(salt) > MAX_CACHE_SALT or not salt.isprintable():
+    raise bad(
+      f"cache_salt: expected at most {MAX_CACHE_SALT} printable characters, got {len(salt)} characters; send a "
+      "shorter salt (e.g. a hash of the tenant's id)"
+    )
+  return Request(rid, tuple(ids), tuple(m.hints), float(budget), n, sampling, path, pin, cache_salt=salt, serving=s)
 
 
 def check_path(path: str, s: Serving, config: ServerConfig) -> None:

@@ -92,9 +92,11 @@ def request(
   json_schema: str | dict | None = None,
   regex: str | None = None,
   grammar: str | None = None,
+  cache_salt: str = "",
 ):
   """A ``thoughtjax.v1.SynthesizeRequest`` (unset optional fields take the server's defaults); ``json_schema``
-  (JSON text or a dict), ``regex`` or ``grammar``: the output constraint, at most one."""
+  (JSON text or a dict), ``regex`` or ``grammar``: the output constraint, at most one; ``cache_salt``: the prefix
+  cache's scope (keys are reused only between requests with the same salt)."""
   from thoughtjax.proto.v1 import synthesis_pb2 as pb
 
   m = pb.SynthesizeRequest(
@@ -104,6 +106,7 @@ def request(
     stop_token_ids=list(stop_token_ids),
     path=path or "",
     request_id=request_id,
+    cache_salt=cache_salt,
   )
   for msg in messages or ():
     m.messages.add(role=msg["role"], content=msg["content"])

@@ -147,6 +147,8 @@ def test_regex_and_grammar_extensions_map_to_their_fields_and_exclude_a_json_for
   with pytest.raises(HttpError, match="send one") as e:
     synthesize_request({"prompt": "x", "regex": "a", "response_format": {"type": "json_object"}}, "completion", None)
   assert e.value.param == "response_format"
+  m, _ = synthesize_request({"messages": [{"role": "user", "content": "x"}], "cache_salt": "tenant-a"}, "chat", None)
+  assert m.cache_salt == "tenant-a"  # the prefix cache's scope (vLLM's field)
 
 
 @pytest.mark.parametrize(

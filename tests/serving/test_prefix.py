@@ -43,6 +43,17 @@ def test_equal_tokens_after_different_prefixes_are_different_blocks():
   assert [float(a[0]) for a in cache.lookup([1, 2, 7, 7, 0], 4)] == [0.0, 1.0]
 
 
+def test_scopes_never_share_a_block():
+  cache = PrefixCache(block_tokens=2, max_bytes=1 << 20)
+  ids = [1, 2, 3, 4, 5]
+  cache.add(ids, 0, _blocks(2, 0.0), "tenant-a")
+  assert cache.lookup(ids, 4) == [] and cache.peek(ids, 4, "tenant-b") == 0  # the shared scope, another tenant
+  assert cache.first_missing(ids, "tenant-b") == 0 and cache.first_missing(ids, "tenant-a") == 2
+  cache.add(ids, 0, _blocks(2, 10.0))  # the same tokens in the shared scope: blocks of their own
+  assert [float(a[0]) for a in cache.lookup(ids, 4, "tenant-a")] == [0.0, 1.0]
+  assert [float(a[0]) for a in cache.lookup(ids, 4)] == [10.0, 11.0] and cache.blocks == 4
+
+
 def test_eviction_takes_the_least_recently_used_leaf_and_keeps_the_bound():
   cache = PrefixCache(block_tokens=2, max_bytes=4 * 16)  # room for four blocks
   shared = [1, 2, 3, 4]

@@ -10,7 +10,8 @@ Layout: a trie of blocks. A node holds the keys of ``block_tokens`` prompt token
 e.g. [L, 2, K, block, E]: every path block's K and V) and is found by (its parent node, its tokens), so a block
 stands for its whole prefix: equal tokens after different prefixes are different nodes, and prefixes shared by
 many prompts are stored once. Keys are the token tuples themselves (no hash stands in for them): a match is an
-exact match.
+exact match. A ``scope`` (e.g. a client's ``cache_salt``) roots a chain of its own: requests of different scopes
+never share a block, so one cannot learn from its reuse what another sent.
 
 Bound: at most ``max_bytes`` of node arrays are held; adding past it evicts the least recently used blocks
 first. A lookup or an add marks every node of its chain used, leaf first, so a parent is always more recent than
@@ -47,6 +48,11 @@ class _Node:
   children: int = 0
 
 
+def _root(scope: str) -> int | tuple:
+  """The parent key of a scope's first blocks: 0 (no node has id 0) for the shared scope, else the scope's own."""
+  return ("scope", scope) if scope else 0
+
+
 class PrefixCache:
   """A bounded cache of prompt keys by token prefix, in blocks of ``block_tokens`` (see the module docstring)."""
 
@@ -68,9 +74,9 @@ class PrefixCache:
     """Blocks held."""
     return len(self._nodes)
 
-  def _walk(self, ids: Sequence[int], blocks: int) -> list[_Node]:
-    """The cached chain of ``ids``' first ``blocks`` full blocks, as far as it goes."""
-    B, chain, parent = self.block_tokens, [], 0
+  def _walk(self, ids: Sequence[int], blocks: int, scope: str) -> list[_Node]:
+    """The cached chain of ``ids``' first ``blocks`` full blocks in ``scope``, as far as it goes."""
+    B, chain, parent = self.block_tokens, [], _root(scope)
     for j in range(blocks):
       node = self._nodes.get((parent, tuple(ids[j * B : (j + 1) * B])))
       if node is None:
@@ -83,16 +89,16 @@ class PrefixCache:
     for node in reversed(chain):  # leaf first: each parent ends up more recent than its children
       self._lru.move_to_end(node.id)
 
-  def peek(self, ids: Sequence[int], limit: int) -> int:
+  def peek(self, ids: Sequence[int], limit: int, scope: str = "") -> int:
     """Tokens of ``ids`` a :meth:`lookup` with this ``limit`` would reuse now; counts and marks nothing."""
     with self._lock:
-      return len(self._walk(ids, max(limit, 0) // self.block_tokens)) * self.block_tokens
+      return len(self._walk(ids, max(limit, 0) // self.block_tokens, scope)) * self.block_tokens
 
-  def lookup(self, ids: Sequence[int], limit: int) -> list[Any]:
-    """The arrays of the longest cached prefix of ``ids`` of at most ``limit`` tokens (whole blocks), first
-    block first; [] on a miss. Counts a hit or a miss and the tokens reused; marks the chain used."""
+  def lookup(self, ids: Sequence[int], limit: int, scope: str = "") -> list[Any]:
+    """The arrays of the longest cached prefix of ``ids`` in ``scope`` of at most ``limit`` tokens (whole blocks),
+    first block first; [] on a miss. Counts a hit or a miss and the tokens reused; marks the chain used."""
     with self._lock:
-      chain = self._walk(ids, max(limit, 0) // self.block_tokens)
+      chain = self._walk(ids, max(limit, 0) // self.block_tokens, scope)
       self._touch(chain)
       if chain:
         self.hits += 1
@@ -101,18 +107,18 @@ class PrefixCache:
         self.misses += 1
       return [n.array for n in chain]
 
-  def first_missing(self, ids: Sequence[int]) -> int:
-    """Index of the first full block of ``ids`` not cached (the number of full blocks when all are)."""
+  def first_missing(self, ids: Sequence[int], scope: str = "") -> int:
+    """Index of the first full block of ``ids`` not cached in ``scope`` (the number of full blocks when all are)."""
     with self._lock:
-      return len(self._walk(ids, len(ids) // self.block_tokens))
+      return len(self._walk(ids, len(ids) // self.block_tokens, scope))
 
-  def add(self, ids: Sequence[int], first: int, arrays: Sequence[Any]) -> int:
-    """Cache ``arrays[i]`` as the keys of block ``first + i`` of ``ids`` (blocks already cached are kept as they
-    are). Nothing is added past a block whose parent is no longer cached, nor what the bound cannot hold
-    beside the chain itself. Returns the blocks added."""
+  def add(self, ids: Sequence[int], first: int, arrays: Sequence[Any], scope: str = "") -> int:
+    """Cache ``arrays[i]`` as the keys of block ``first + i`` of ``ids`` in ``scope`` (blocks already cached are
+    kept as they are). Nothing is added past a block whose parent is no longer cached, nor what the bound cannot
+    hold beside the chain itself. Returns the blocks added."""
     B = self.block_tokens
     with self._lock:
-      chain = self._walk(ids, first)
+      chain = self._walk(ids, first, scope)
       if len(chain) < first:  # a parent was evicted meanwhile: the blocks would hang from nothing
         return 0
       self._touch(chain)
@@ -124,7 +130,7 @@ class PrefixCache:
         if len(tokens) < B:
           break
         parent = chain[-1] if chain else None
-        key = (parent.id if parent else 0, tokens)
+        key = (parent.id if parent else _root(scope), tokens)
         node = self._nodes.get(key)
         if node is None:
           size = int(array.nbytes)

@@ -131,6 +131,7 @@ class Prefilled:
   row: int = 0
   batch: int = 1  # requests prefilled in the same call (padding rows not counted)
   matcher: Matcher | None = None  # a constrained request's grammar state, past its first token
+  scope: str = ""  # its prefix-cache scope (a client's cache_salt): blocks are shared within a scope only
 
 
 class _Request(NamedTuple):
@@ -141,6 +142,7 @@ class _Request(NamedTuple):
   trace: Trace
   rows: Rows
   matcher: Matcher | None = None  # a constrained request's grammar state
+  scope: str = ""  # prefix-cache scope (see Prefilled.scope)
 
 
 class SlotRun:
@@ -157,6 +159,7 @@ class SlotRun:
   def __init__(self, engine: SlotEngine, req: _Request | Prefilled, on_delta: Callable[[Delta | None], None] | None):
     self.engine, self.ids, self.params, self.trace, self.rows = engine, req.ids, req.params, req.trace, req.rows
     self.matcher = req.matcher  # a constrained request's grammar state (the driver prefills it from the run)
+    self.scope = req.scope  # its prefix-cache scope
     self.slot: int | None = None
     self.prefill_batch: int | None = None  # requests prefilled in the same program call as this one
     self.max_prefills_between_chunks = 0  # most prefill calls run between two of its decode chunks
@@ -590,9 +593,10 @@ class SlotEngine:
     with self._lock:
       yield
 
-  def request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> _Request:
+  def request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, scope: str = "") -> _Request:
     """Check a request against the engine's limits (:class:`SlotRequestError` names the limit and the fix) and
-    make its trace and row bookkeeping; no device work. Any thread."""
+    make its trace and row bookkeeping; no device work. ``scope``: its prefix-cache scope (blocks are reused
+    within a scope only). Any thread."""
     params = params or SamplingParams()
     ids = [int(t) for t in prompt_ids]
     stops = stop_ids_for(params, self.model.codec.eos_ids)
@@ -613,7 +617,7 @@ class SlotEngine:
     trace = Trace(key, [ids], time.perf_counter(), tokens_out=[0])
     c = params.constraint
     matcher = None if c is None else self._grammars.matcher(c)
-    return _Request(ids, params, trace, Rows(self.model.codec, [params], [stops]), matcher)
+    return _Request(ids, params, trace, Rows(self.model.codec, [params], [stops]), matcher, scope)
 
   @property
   def _grammars(self):
@@ -628,26 +632,27 @@ class SlotEngine:
     slot. Any thread."""
     return self._prefill([self.request(ids, params) for ids, params in requests])
 
-  def prefill_group(self, prompt_ids: Sequence[int]) -> tuple:
+  def prefill_group(self, prompt_ids: Sequence[int], scope: str = "") -> tuple:
     """The prefill program a prompt would go through now: ("whole", prompt bucket), or ("rest", bucket of the
     tokens after its cached prefix) when the prefix cache holds some of it. Requests of one group share a prefill
     call (:class:`SlotDriver`, :meth:`insert_batch`); a peek, nothing is counted."""
     n = len(prompt_ids)
-    have = 0 if self.prefix_cache is None else self.prefix_cache.peek(prompt_ids, self._reuse_limit(prompt_ids))
+    cache = self.prefix_cache
+    have = 0 if cache is None else cache.peek(prompt_ids, self._reuse_limit(prompt_ids, scope), scope)
     return ("rest", bucket(n - have)) if have else ("whole", bucket(n))
 
-  def _reuse_limit(self, ids: Sequence[int]) -> int:
+  def _reuse_limit(self, ids: Sequence[int], scope: str) -> int:
     """The most prompt tokens a prefix-cache hit may reuse: all but the last (the first token comes from a forward
     over it), and none when the prefix cached now would not shrink the prefill's bucket (the call would cost the
     same, in a program of its own, split from the batch's other prefills)."""
     n = len(ids)
-    have = self.prefix_cache.peek(ids, n - 1)
+    have = self.prefix_cache.peek(ids, n - 1, scope)
     return n - 1 if have and bucket(n - have) < bucket(n) else 0
 
   def prefill_runs(self, runs: Sequence[SlotRun]) -> list[Prefilled]:
     """Prefill runs made before their prefill (a driver's queue: :meth:`SlotDriver.submit`) as :meth:`prefill_batch`
     does requests, each with the run's own trace, rows and grammar state; takes no slot."""
-    return self._prefill([_Request(r.ids, r.params, r.trace, r.rows, r.matcher) for r in runs])
+    return self._prefill([_Request(r.ids, r.params, r.trace, r.rows, r.matcher, r.scope) for r in runs])
 
   def _prefill(self, reqs: Sequence[_Request]) -> list[Prefilled]:
     """The prefill of ``reqs``: one program call for those whose prompt starts with a cached prefix (only the
@@ -655,7 +660,7 @@ class SlotEngine:
     cache = self.prefix_cache
     if cache is None:
       return self._prefill_call(reqs, None)
-    chains = [cache.lookup(r.ids, self._reuse_limit(r.ids)) for r in reqs]
+    chains = [cache.lookup(r.ids, self._reuse_limit(r.ids, r.scope), r.scope) for r in reqs]
     for r, chain in zip(reqs, chains, strict=True):
       r.trace.prefix_cache_tokens = len(chain) * cache.block_tokens
     out: list[Prefilled | None] = [None] * len(reqs)
@@ -672,7 +677,7 @@ class SlotEngine:
     cache, B = self.prefix_cache, self.prefix_cache.block_tokens
     cut: dict[int, jax.Array] = {}
     for pre in pres:
-      first, full = cache.first_missing(pre.ids), len(pre.ids) // B
+      first, full = cache.first_missing(pre.ids, pre.scope), len(pre.ids) // B
       if first >= full:
         continue
       key = id(pre.kv)
@@ -684,7 +689,7 @@ class SlotEngine:
             pad[q.row] = T - len(q.ids)
         cut[key] = self.program.blocks(pre.kv, jnp.asarray(pad), B)
       arrays = [_block_at(cut[key], jnp.int32(pre.row), jnp.int32(j)) for j in range(first, full)]
-      cache.add(pre.ids, first, arrays)
+      cache.add(pre.ids, first, arrays, pre.scope)
 
   def _prefill_call(self, reqs: Sequence[_Request], chains: Sequence[list] | None) -> list[Prefilled]:
     """One prefill program call for ``reqs``: whole prompts (``chains`` None), or each prompt after its cached
@@ -737,7 +742,20 @@ class SlotEngine:
     for p, r in enumerate(reqs):
       r.trace.device_start, r.trace.first_token, r.trace.compile_s = started, first, compile_s[0]
       out.append(
-        Prefilled(r.ids, r.params, kv, token, bool(done[p]), 1, r.trace, r.rows, row=p, batch=n, matcher=r.matcher)
+        Prefilled(
+          r.ids,
+          r.params,
+          kv,
+          token,
+          bool(done[p]),
+          1,
+          r.trace,
+          r.rows,
+          row=p,
+          batch=n,
+          matcher=r.matcher,
+          scope=r.scope,
+        )
       )
     return out
 
@@ -1072,12 +1090,12 @@ def _widest(modes: set[SamplingMode]) -> SamplingMode:
   return SamplingMode.GREEDY
 
 
-def _by_group(items: Sequence[tuple], group: Callable[[Sequence[int]], tuple]) -> list[list[tuple]]:
+def _by_group(items: Sequence[tuple], group: Callable[[Sequence[int], str], tuple]) -> list[list[tuple]]:
   """(key, request) pairs grouped by the request's prefill group (:meth:`SlotEngine.prefill_group`), in order of
   first appearance."""
   groups: dict[tuple, list[tuple]] = {}
   for item in items:
-    groups.setdefault(group(item[1].ids), []).append(item)
+    groups.setdefault(group(item[1].ids, item[1].scope), []).append(item)
   return list(groups.values())
 
 
@@ -1144,10 +1162,12 @@ class SlotDriver:
     params: SamplingParams | None = None,
     *,
     on_delta: Callable[[Delta | None], None] | None = None,
+    scope: str = "",
   ) -> SlotRun:
     """Queue a request for the driver's next prefill call; returns its run at once (its first delta comes
-    when the prefill ran). The engine's limits are checked here (:class:`SlotRequestError`). Any thread."""
-    run = SlotRun(self.engine, self.engine.request(prompt_ids, params), on_delta)
+    when the prefill ran). The engine's limits are checked here (:class:`SlotRequestError`). ``scope``: its
+    prefix-cache scope. Any thread."""
+    run = SlotRun(self.engine, self.engine.request(prompt_ids, params, scope), on_delta)
     with self._cond:
       if self._closed:
         raise SlotsClosed(f"the slot driver of path {self.engine.model.path!r} was closed")
@@ -1179,10 +1199,10 @@ class SlotDriver:
     free = self.engine.free
     if self._pending and free:
       group = self.engine.prefill_group
-      want = group(self._pending[0].ids)
+      want = group(self._pending[0].ids, self._pending[0].scope)
       keep: collections.deque[SlotRun] = collections.deque()
       for r in self._pending:
-        (batch if len(batch) < free and group(r.ids) == want else keep).append(r)
+        (batch if len(batch) < free and group(r.ids, r.scope) == want else keep).append(r)
       self._pending = keep
     return dropped, batch
 

@@ -15,7 +15,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class SynthesizeRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "hints", "max_latency_ms", "max_tokens", "temperature", "top_k", "top_p", "seed", "logit_bias", "stop_strings", "stop_token_ids", "path", "registry_sequence", "request_id", "json_schema", "regex", "grammar")
+    __slots__ = ("prompt", "messages", "hints", "max_latency_ms", "max_tokens", "temperature", "top_k", "top_p", "seed", "logit_bias", "stop_strings", "stop_token_ids", "path", "registry_sequence", "request_id", "json_schema", "regex", "grammar", "cache_salt")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class SynthesizeRequest(_message.Message):
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     hints: _containers.RepeatedScalarFieldContainer[str]
@@ -59,7 +60,8 @@ class SynthesizeRequest(_message.Message):
     json_schema: str
     regex: str
     grammar: str
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., hints: _Optional[_Iterable[str]] = ..., max_latency_ms: _Optional[float] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., path: _Optional[str] = ..., registry_sequence: _Optional[int] = ..., request_id: _Optional[str] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., hints: _Optional[_Iterable[str]] = ..., max_latency_ms: _Optional[float] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., path: _Optional[str] = ..., registry_sequence: _Optional[int] = ..., request_id: _Optional[str] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Rejection(_message.Message):
     __slots__ = ("path", "path_hash", "why", "detail")
