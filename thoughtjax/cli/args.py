@@ -154,6 +154,20 @@ def add_constraint_args(p: argparse.ArgumentParser) -> None:
   )
 
 
+def sampling_kwargs(args) -> dict:
+  """The request fields of :func:`add_sampling_args`' flags and the constraint flags (:func:`constraint_kwargs`):
+  SamplingParams' keywords, and the wire request's."""
+  return dict(
+    max_tokens=args.max_tokens,
+    temperature=args.temperature,
+    top_k=args.top_k,
+    top_p=args.top_p,
+    seed=args.seed,
+    stop_strings=tuple(args.stop or ()),
+    **constraint_kwargs(args),
+  )
+
+
 def constraint_kwargs(args) -> dict:
   """The SamplingParams fields of the constraint flags, files read (a missing one: :class:`CommandLineError`)."""
   out = {}

@@ -13,9 +13,9 @@ from thoughtjax.cli.args import (
   add_no_server_arg,
   add_sampling_args,
   add_trust_args,
-  constraint_kwargs,
   model_source,
   registry_weights,
+  sampling_kwargs,
 )
 from thoughtjax.fetch import DEFAULT_MODEL, KNOWN_MODELS
 
@@ -128,15 +128,7 @@ def cmd_generate(args) -> int:
   from thoughtjax.sampling import SamplingParams
 
   model = _load(args)
-  params = SamplingParams(
-    max_tokens=args.max_tokens,
-    temperature=args.temperature,
-    top_k=args.top_k,
-    top_p=args.top_p,
-    seed=args.seed,
-    stop_strings=tuple(args.stop or ()),
-    **constraint_kwargs(args),
-  )
+  params = SamplingParams(**sampling_kwargs(args))
   ids: list[int] = []
   text, reason = "", None
   # Leaving the block early (an interrupt, a closed stdout) abandons the generation: no more device work.

@@ -21,7 +21,7 @@ import sys
 import time
 
 from thoughtjax import local_server
-from thoughtjax.cli.args import constraint_kwargs
+from thoughtjax.cli.args import sampling_kwargs
 
 # Flags whose request the server does not take as given: with any of them set, the command runs in-process.
 _IN_PROCESS_FLAGS = ("weights", "kernels", "draft", "draft_vocab", "draft_tokens", "public_key", "require_signatures")
@@ -59,7 +59,7 @@ def generate(args, server: local_server.Announcement) -> int | None:
     prompt=None if messages else args.prompt,
     messages=messages,
     path=args.path or server.full_path,
-    **_sampling(args),
+    **sampling_kwargs(args),
   )
   if out is None:
     return None
@@ -93,7 +93,7 @@ def synthesize(args, server: local_server.Announcement) -> int | None:
     messages=messages,
     hints=args.hint or (),
     max_latency_ms=budget if math.isfinite(budget) else None,
-    **_sampling(args),
+    **sampling_kwargs(args),
   )
   if out is None:
     return None
@@ -128,18 +128,6 @@ def synthesize(args, server: local_server.Announcement) -> int | None:
     file=sys.stderr,
   )
   return 0
-
-
-def _sampling(args) -> dict:
-  return dict(
-    max_tokens=args.max_tokens,
-    temperature=args.temperature,
-    top_k=args.top_k,
-    top_p=args.top_p,
-    seed=args.seed,
-    stop_strings=tuple(args.stop or ()),
-    **constraint_kwargs(args),
-  )
 
 
 @dataclasses.dataclass

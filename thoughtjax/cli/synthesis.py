@@ -40,6 +40,7 @@ from thoughtjax.cli.args import (
   open_registry,
   registry_dir,
   registry_weights,
+  sampling_kwargs,
 )
 from thoughtjax.defaults import DEFAULT_MAX_TOKENS
 
@@ -202,14 +203,8 @@ def cmd_synthesize(args) -> int:
     args.prompt,
     args.hint,
     max_latency_ms=_budget(args),
-    max_tokens=args.max_tokens,
     chat=args.chat,
-    temperature=args.temperature,
-    top_k=args.top_k,
-    top_p=args.top_p,
-    seed=args.seed,
-    stop_strings=tuple(args.stop or ()),
-    **constraint_kwargs(args),
+    **sampling_kwargs(args),
   )
   _print_corrections(result.plan)
   if args.explain and not args.json:
