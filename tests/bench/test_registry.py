@@ -40,6 +40,8 @@ def test_restore_rows_cover_every_thoughtlet_and_path(deep_registry):
   reg = Registry.open(deep_registry)
   assert [r["thoughtlet"] for r in per_thoughtlet] == list(reg.names)
   assert all(r["bytes"] == reg.manifest(r["thoughtlet"]).param_bytes for r in per_thoughtlet)
+  assert all({"restore_s", "orbax_only_s", "mapped_s"} <= set(r) for r in per_thoughtlet)
+  assert all({"restore_s", "restore_checkpoint_s", "compose_s", "compose_checkpoint_s"} <= set(r) for r in per_path)
   assert [r["path"] for r in per_path] == list(bench.PATHS)
   for r in per_path:
     assert r["resident_bytes"] == compose(r["refs"], Registry.open(deep_registry), compile_cache=False).resident_bytes

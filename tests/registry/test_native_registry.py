@@ -326,3 +326,20 @@ def test_cli_registry_route_takes_weights_native_and_names_int8_as_a_variant(ggu
   assert np.array_equal(m.logits(IDS), native.logits(IDS))
   with pytest.raises(CommandLineError, match=r"@int8.*--variants int8"):
     _load(argparse.Namespace(**args, weights="int8"))
+
+
+@pytest.mark.parametrize("form", ["native", "f32"])
+def test_a_mapped_restore_gives_the_checkpoints_arrays_bit_for_bit(ggufs, form):
+  """The second restore maps the mapped form the first one kept; native weights come back packed, same kind."""
+  _, _, _, root = ggufs["Q4_1"]
+  first = Registry.open(root, weights=form).restore("blocks[0:1)")
+  reg = Registry.open(root, weights=form)
+  got = reg.restore("blocks[0:1)")
+  assert reg.stats().mapped_restores == 1
+  want = Registry.open(root, weights=form, mapped=False).restore("blocks[0:1)")
+  for tree in (first, got):
+    assert jax.tree.structure(tree) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(want), strict=True):
+      assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+  w = got["0"]["attn"]["q"]
+  assert (isinstance(w, quantized.BlockQuant) and w.kind == "Q4_1") == (form == "native")

@@ -38,50 +38,50 @@ PROMPT = "The history of the city spans many centuries, from its founding as a s
 
 # ---------------------------------------------------------------------------- restores
 def bench_restores(root: Path, repeats: int) -> tuple[list[dict], list[dict]]:
+  """Per thoughtlet: a restore from the checkpoint (files checked; and Orbax alone, checks off) and a mapped one
+  (the verified mapped form the first restore kept); per path: restoring its thoughtlets and composing it, both
+  ways. Warm page cache: each figure is a median over ``repeats`` after one untimed restore."""
   from thoughtjax.assembly import full_path
   from thoughtjax.compose import compose
   from thoughtjax.registry import Registry
 
+  ways = {"restore_s": dict(mapped=False), "orbax_only_s": dict(mapped=False, verify_files=False), "mapped_s": {}}
   per_thoughtlet = []
   base = Registry.open(root)
   for name in base.names:
-    checked, raw = [], []
-    for verify in (True, False):
-      reg = Registry.open(root, verify_files=verify)
+    row = {"thoughtlet": name, "bytes": base.manifest(name).param_bytes}
+    for field, kw in ways.items():
+      reg = Registry.open(root, **kw)
+      reg.restore(name)  # untimed: the page cache warm, the mapped form kept
+      times = []
       for _ in range(repeats):
         reg.evict_all()
         t = time.perf_counter()
         reg.restore(name)
-        (checked if verify else raw).append(time.perf_counter() - t)
-    nbytes = base.manifest(name).param_bytes
-    per_thoughtlet.append(
-      {
-        "thoughtlet": name,
-        "bytes": nbytes,
-        "restore_s": common.median(checked),
-        "orbax_only_s": common.median(raw),
-        "gb_per_s": nbytes / common.median(checked) / 1e9,
-      }
-    )
+        times.append(time.perf_counter() - t)
+      row[field] = common.median(times)
+    row["gb_per_s"] = row["bytes"] / row["restore_s"] / 1e9
+    per_thoughtlet.append(row)
   per_path = []
   paths = dict(PATHS, **{"full 30": full_path(base)})
   for label, path in paths.items():
-    times, resident = [], 0
-    for _ in range(repeats):
-      reg = Registry.open(root)
-      t = time.perf_counter()
-      m = compose(path, reg, compile_cache=False)
-      times.append(time.perf_counter() - t)
-      resident = m.resident_bytes
-    per_path.append(
-      {
-        "path": label,
-        "refs": path,
-        "compose_s": common.median(times),
-        "resident_bytes": resident,
-        "thoughtlets": len(m.refs),
-      }
-    )
+    row = {"path": label}
+    for way, kw in (("", {}), ("_checkpoint", dict(mapped=False))):
+      compose(path, Registry.open(root, **kw), compile_cache=False)  # untimed
+      composed, restored = [], []
+      for _ in range(repeats):
+        reg = Registry.open(root, **kw)
+        t = time.perf_counter()
+        m = compose(path, reg, compile_cache=False)
+        composed.append(time.perf_counter() - t)
+        units = [tuple(r.rsplit("@", 1)) for r in m.refs]
+        reg.evict_all()
+        t = time.perf_counter()
+        reg.restore_many(units)
+        restored.append(time.perf_counter() - t)
+      row[f"compose{way}_s"], row[f"restore{way}_s"] = common.median(composed), common.median(restored)
+    row.update(refs=path, resident_bytes=m.resident_bytes, thoughtlets=len(m.refs))
+    per_path.append(row)
   return per_thoughtlet, per_path
 
 
@@ -271,23 +271,32 @@ def main(argv=None) -> int:
     result["restore_per_thoughtlet"], result["restore_per_path"] = per_t, per_p
     _table(
       "restore per thoughtlet (median; warm page cache)",
-      ["thoughtlet", "MiB", "checked+restored ms", "Orbax only ms", "GB/s"],
+      ["thoughtlet", "MiB", "checked+restored ms", "Orbax only ms", "mapped ms", "GB/s checked"],
       [
         [
           r["thoughtlet"],
           f"{r['bytes'] / 2**20:.1f}",
           f"{r['restore_s'] * 1e3:.1f}",
           f"{r['orbax_only_s'] * 1e3:.1f}",
+          f"{r['mapped_s'] * 1e3:.2f}",
           f"{r['gb_per_s']:.2f}",
         ]
         for r in per_t
       ],
     )
     _table(
-      "compose per path (resolve + type-check + restore + assemble; median)",
-      ["path", "thoughtlets", "resident MiB", "compose ms"],
+      "per path: restore its thoughtlets, and compose (resolve + type-check + restore + assemble); median ms",
+      ["path", "thoughtlets", "resident MiB", "restore mapped", "restore checkpoint", "compose", "compose ckpt"],
       [
-        [r["path"], r["thoughtlets"], f"{r['resident_bytes'] / 2**20:.1f}", f"{r['compose_s'] * 1e3:.1f}"]
+        [
+          r["path"],
+          r["thoughtlets"],
+          f"{r['resident_bytes'] / 2**20:.1f}",
+          f"{r['restore_s'] * 1e3:.1f}",
+          f"{r['restore_checkpoint_s'] * 1e3:.1f}",
+          f"{r['compose_s'] * 1e3:.1f}",
+          f"{r['compose_checkpoint_s'] * 1e3:.1f}",
+        ]
         for r in per_p
       ],
     )

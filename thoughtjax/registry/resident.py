@@ -22,6 +22,8 @@ class RegistryStats:
   downgrade_refusals: int = 0  # a signed registry presented an unsigned file, or a keyless publish into it
   rollback_refusals: int = 0  # an index sequence lower than one seen
   restore_failures: int = 0  # Orbax failed on files that passed their checks (memory, sharding, I/O)
+  mapped_restores: int = 0  # restores served by mapping a version's verified mapped form (registry/mapped.py)
+  mapped_refusals: int = 0  # a mapped form changed after its verification: refused, restored from the checkpoint
   writer_refusals: int = 0  # a publish refused to build on an index or version that failed verification
   # The last FAILURE_DETAILS refusals, {"kind", "thoughtlet", "file", "reason"}; the counters above count all,
   # failures_dropped those whose details were dropped (a client repeating a refused request cannot grow it).
@@ -55,6 +57,7 @@ FAILURE_COUNTERS = {
   "rollback": ("rollback_refusals",),
   "restore": ("restore_failures",),
   "writer": ("writer_refusals",),
+  "mapped": ("mapped_refusals",),
 }
 
 

@@ -26,6 +26,12 @@ bit for bit the arrays a float32 registry held; ``"native"`` keeps them packed
 returns the checkpoint's arrays as they are (what the versioned hash covers). Int8 variants come back
 as their stored ``{"int8", "scale"}`` arrays in every form (:func:`thoughtjax.quantized.from_stored`).
 
+**Mapped restore.** A verified restore on one device also keeps what it returned as a page-aligned file in the
+cache (:mod:`.mapped`), verified once (its SHA-256 recorded as it is written, from arrays whose files matched
+their signed digests); later restores of the same content, in this process or another, map that file after
+checking that it is unchanged, which on the CPU backend costs no copy. A changed file is refused (counted as
+``mapped_refusals``), removed, and the version restored from its checkpoint. ``mapped=False`` turns it off.
+
 **Multi-host.** With ``jax.distributed.initialize()`` called first in every process, pass a
 ``Mesh`` spanning all processes' devices to :meth:`restore` / :func:`thoughtjax.compose.compose`:
 Orbax then restores on each process only the shards its devices hold (the SHA-256 file checks
@@ -40,6 +46,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import logging
 import os
 import re
 import shutil
@@ -61,6 +68,7 @@ from thoughtjax.registry.errors import IntegrityError, Mismatch, RegistryError, 
 from thoughtjax.registry.layout import VERSION_LEN, UnsafeFile, _nest, _read_index, _sha256_regular, _tree, dir_name
 from thoughtjax.registry.lease import ReaderLease
 from thoughtjax.registry.manifest import Manifest
+from thoughtjax.registry.mapped import MAPPED, MappedFileChanged, MappedStore, content_key, source_identities
 from thoughtjax.registry.publish import StepHook, _publish
 from thoughtjax.registry.resident import RegistryStats, ResidentSet, _Resident
 from thoughtjax.registry.sharding import _sharding_key, param_partition
@@ -79,6 +87,8 @@ MANIFEST_CACHE = 4096
 
 # What a restore returns (module docstring): f32 and native are the weight formats a path runs in.
 RESTORE_FORMS = ("f32", "native", "stored")
+
+log = logging.getLogger(__name__)
 
 
 def _check_form(weights: str) -> str:
@@ -174,8 +184,11 @@ class Registry:
     trusted_keys: Iterable | None = None,
     require_signatures: bool | None = None,
     weights: str = "f32",
+    mapped: bool | str | os.PathLike = True,
   ):
     self.root = Path(root).absolute()  # Orbax takes absolute paths only
+    # Mapped restores (module docstring): True keeps them in <cache>/mapped, a path elsewhere, False not at all.
+    self._mapped: MappedStore | bool | None = MappedStore(mapped) if isinstance(mapped, str | os.PathLike) else mapped
     self.weights = _check_form(weights)
     if trusted_keys is not None or require_signatures is not None:
       # The keywords TrustPolicy replaces, still accepted from callers not yet moved over.
@@ -237,12 +250,15 @@ class Registry:
   def _hold_lease(self, also: tuple[str, str] | None = None) -> None:
     """The lease holds the current versions and every version this reader resolved by name."""
     with self._lock:
+      current = {(dir_name(n), e["version"]) for n, e in self._index["current"].items()}
       if also is not None:
         if also in self._held:
           return
         self._held.add(also)
+        if also in current:  # held already: the lease file stays as written (a restore writes nothing)
+          return
       if self._lease is not None:
-        self._lease.hold(self._held | {(dir_name(n), e["version"]) for n, e in self._index["current"].items()})
+        self._lease.hold(self._held | current)
 
   @property
   def sequence(self) -> int:
@@ -461,12 +477,17 @@ class Registry:
     form = _check_form(weights or self.weights)
     return (name, version, None if dtype is None else np.dtype(dtype).name, _sharding_key(mesh), form)
 
-  def _resident_need(self, m: Manifest, target, dtype, weights: str) -> int:
-    """Bytes version ``m`` takes resident once restored in form ``weights``."""
+  def _resident_need(self, m: Manifest, dtype, weights: str) -> int:
+    """Bytes version ``m`` takes resident once restored in form ``weights`` (float arrays cast to ``dtype``)."""
     packed = _packed_nodes(m.params)
-    flat = {p: x for p, x in m.params.items() if p.rpartition("/")[0] not in packed}
-    plain = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(target))
-    plain -= sum(int(np.prod(s["shape"])) * np.dtype(s["dtype"]).itemsize for p, s in m.params.items() if p not in flat)
+    plain = 0
+    for path, spec in m.params.items():
+      if path.rpartition("/")[0] in packed:
+        continue
+      dt = np.dtype(spec["dtype"])
+      if dtype is not None and np.issubdtype(dt, np.floating):
+        dt = np.dtype(dtype)
+      plain += int(np.prod(spec["shape"])) * dt.itemsize
     return plain + sum(_packed_bytes(m.params, parent, kind, weights, dtype) for parent, kind in packed.items())
 
   def _present(self, m: Manifest, params: dict, dtype, mesh, weights: str) -> dict:
@@ -533,14 +554,12 @@ class Registry:
         return entry.params
       self._stats.misses += 1
       m = self.manifest(name, version)
-      target = self._target(m, dtype, mesh)
-      need = self._resident_need(m, target, dtype, weights)
+      need = self._resident_need(m, dtype, weights)
       for _ in self._resident.make_room(need, set(pinned or ()) | {key}, m.ref):
         self._stats.evictions += 1
-    params, seconds = self._read(m, target)  # outside the lock: restores may overlap
     t0 = time.perf_counter()
-    params = self._present(m, params, dtype, mesh, weights)
-    seconds += time.perf_counter() - t0
+    params = self._load(m, dtype, mesh, weights)  # outside the lock: restores may overlap
+    seconds = time.perf_counter() - t0
     with self._lock:
       self._stats.restore_seconds[m.ref] = seconds
       self._stats.restores += 1
@@ -550,6 +569,50 @@ class Registry:
         return entry.params
       self._resident.put(key, _Resident(params, need, m.ref))
       return params
+
+  def _mapped_store(self) -> MappedStore | None:
+    if self._mapped is True:
+      from thoughtjax import cachedir
+
+      try:
+        self._mapped = MappedStore(cachedir.cache_subdir("mapped"))
+      except OSError as e:  # an unsafe or unwritable cache: restores read the checkpoints
+        log.warning("restores will not be mapped: %s", e)
+        self._mapped = None
+    return self._mapped or None
+
+  def _load(self, m: Manifest, dtype, mesh, weights: str) -> dict:
+    """Version ``m``'s arrays in form ``weights``: mapped from its verified mapped form when its checkpoint files
+    are the ones checked for it (one device only), else restored from the checkpoint and, when its files were
+    checked, kept mapped for the next restore (module docstring, "Mapped restore")."""
+    store = self._mapped_store() if mesh is None else None
+    if store is None:
+      return self._present(m, self._read(m, self._target(m, dtype, mesh))[0], dtype, mesh, weights)
+    key = content_key(m, weights, dtype)
+    vdir = self.version_dir(m.name, m.version)
+    sources = source_identities(vdir / rel for rel in sorted(m.files))
+    if sources is not None:
+      if self.verify_files:
+        self._check_unlisted(m, vdir)
+      params = self._mapped_load(store, key, sources, m)
+      if params is not None:
+        with self._lock:
+          self._stats.mapped_restores += 1
+        return params
+    params = self._present(m, self._read(m, self._target(m, dtype, mesh))[0], dtype, mesh, weights)
+    # Kept only from files that were checked and did not change while they were read.
+    if self.verify_files and sources is not None and source_identities(sources) == sources:
+      if store.save(key, params, sources):
+        params = self._mapped_load(store, key, sources, m) or params  # the arrays alias the file; the copy goes
+    return params
+
+  def _mapped_load(self, store: MappedStore, key: str, sources: dict, m: Manifest) -> dict | None:
+    try:
+      return store.load(key, sources)
+    except MappedFileChanged as e:
+      self._count(MAPPED, m.ref, str(store.dir / key), str(e))
+      log.warning("refused the mapped form of %s: %s; restoring it from its checkpoint", m.ref, e)
+      return None
 
   def _read(self, m: Manifest, target) -> tuple[dict, float]:
     """Restore a version with Orbax from a private copy of its files whose bytes were hashed on the
@@ -605,7 +668,7 @@ class Registry:
         need = 0
         for n, v in missing:
           m = self.manifest(n, v)
-          need += self._resident_need(m, self._target(m, dtype, None), dtype, weights)
+          need += self._resident_need(m, dtype, weights)
         for _ in self._resident.make_room(need, keyed, "this path"):
           self._stats.evictions += 1
     kw = dict(dtype=dtype, mesh=mesh, pinned=keyed, weights=weights)
