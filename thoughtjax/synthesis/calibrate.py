@@ -254,10 +254,22 @@ class CalibrateReport:
 LATENCY_MODEL = 3
 
 
-def machine_fingerprint() -> str:
-  """This machine and software, as a short string: ``platform/device kind/cpus/jax version/<hash>/lm<form>``."""
+# XLA flags a latency calibration holds across: the scheduler choice the command line and the server make
+# (thoughtjax.use_memory_scheduler; a library user, a notebook, does not) and the host device count the tests fake
+# (one device's program runs on the same cores either way). Counted, every switch between the command line and
+# Python would measure the machine again (20 s and more for the default registry) and undo the other's calibration.
+LATENCY_NEUTRAL_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler", "--xla_force_host_platform_device_count")
 
-  fp = fingerprint()
+
+def machine_fingerprint() -> str:
+  """This machine and software, as a short string: ``platform/device kind/cpus/jax version/<hash>/lm<form>``.
+  The hash leaves out what latency does not depend on: :data:`LATENCY_NEUTRAL_FLAGS`, and on the CPU the number
+  of host devices those flags make."""
+
+  fp = dict(fingerprint())
+  fp["xla_flags"] = " ".join(f for f in fp.get("xla_flags", "").split() if not f.startswith(LATENCY_NEUTRAL_FLAGS))
+  if fp.get("platform") == "cpu":
+    fp.pop("device_count", None)
   digest = hashlib.sha3_256(canonical_json(fp)).hexdigest()[:12]
   return f"{fp['platform']}/{fp['device_kind']}/{fp['cpu_count']}cpu/jax{fp['jax']}/{digest}/lm{LATENCY_MODEL}"
 
