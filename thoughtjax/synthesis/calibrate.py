@@ -888,7 +888,9 @@ def measure_rows(
   for c in paths:
     one, wide = (float(np.median(runs[(c.path_hash, r)])) for r in (1, W))
     ratio = wide / one if one > 0 else float(W)
-    fits[c.path_hash] = fit_linear([(1, 1.0), (W, max(ratio, 1.0))], f"rows[{c.path_hash}]")
+    # Between 1 (rows for free) and W (no cheaper than W steps of one row): a measured ratio past W is other
+    # work on the same cores during the wide steps, and would bend the fit off its point (1, 1).
+    fits[c.path_hash] = fit_linear([(1, 1.0), (W, min(max(ratio, 1.0), float(W)))], f"rows[{c.path_hash}]")
     if c.kind is CandidateKind.FULL:  # a cut path's layers are the full path's: it batches as they do
       fits[ROWS_DEFAULT] = fits[c.path_hash]
     if report is not None:
