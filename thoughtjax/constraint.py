@@ -54,6 +54,13 @@ _DESCRIPTION = {"json_schema": "JSON schema", "regex": "regular expression", "gr
 # Pretty-printed output stays possible; a weak model cannot fill max_tokens with blank lines.
 _JSON_DEFAULTS = {"whitespace_pattern": r"(\x20|\x0A[\x20\x09]{0,20})"}
 _CACHE_SIZE = 64
+# llguidance's resource limits for every matcher. Its defaults allow 250 000 lexer states (1-2 kB each: up to
+# ~500 MB for one hostile pattern); a fifth of that still holds the largest schemas and grammars we test. Errors
+# leave out the parser's state and the grammar (verbose_errors): a message says what failed, not what it read.
+# The fuel limits (per-token work) keep llguidance's defaults. A row whose output runs past a limit ends with a
+# ConstraintError of its own (Matcher); other rows go on.
+_LIMITS = llguidance.LLParserLimits(max_lexer_states=50_000, verbose_errors=False)
+_QUIET = re.compile(r"\s*<non-verbose/>\s*")
 
 
 class ConstraintError(UserError, ValueError):
@@ -146,7 +153,7 @@ _LOCATION = re.compile(r"^at \d+\(\d+\): ")
 
 
 def _short(kind: str, message: str, limit: int = 300) -> str:
-  lines = [ln.strip() for ln in message.splitlines() if ln.strip() and not _NOISE.match(ln)]
+  lines = [ln.strip() for ln in _QUIET.sub(" ", message).splitlines() if ln.strip() and not _NOISE.match(ln)]
   text = " ".join(lines)
   if kind != "grammar":  # a position in the Lark text llguidance built from a schema or pattern means nothing here
     text = _LOCATION.sub("", text)
@@ -207,7 +214,7 @@ class Grammars:
         return found
     tokenizer = self._tokenizer()
     # Compiled outside the lock (llguidance drops the GIL): one slow grammar does not hold up other requests.
-    compiled = llguidance.LLMatcher(tokenizer, _grammar_text(c), log_level=0)
+    compiled = llguidance.LLMatcher(tokenizer, _grammar_text(c), log_level=0, limits=_LIMITS)
     if compiled.is_error():
       raise ConstraintError(f"{c.kind}: cannot be compiled: {_short(c.kind, compiled.get_error())}")
     with self._lock:
@@ -315,7 +322,14 @@ class Matcher:
     self._finish(out)
 
   def _finish(self, out: np.ndarray) -> None:
-    """Clear ids past the tokenizer and the logits, set or clear the eos ids by ``accepting``."""
+    """Clear ids past the tokenizer and the logits, set or clear the eos ids by ``accepting``; a matcher that ran
+    past llguidance's limits (it allows nothing but eos from then on) raises :class:`ConstraintError` instead."""
+    if self._ll.is_error():
+      kind = self.constraint.kind
+      raise ConstraintError(
+        f"{kind}: after {self._consumed} output tokens the {_DESCRIPTION[kind]} needs more than the matcher's "
+        f"limits allow ({_short(kind, self._ll.get_error())}); send a simpler one"
+      )
     if self._limit % 32 and self._limit // 32 < self._words:  # ids past the tokenizer or the logits, same word
       out[self._limit // 32] &= np.uint32((1 << (self._limit % 32)) - 1)
     accepting = self._ll.is_accepting()

@@ -103,6 +103,34 @@ def test_a_cancelled_stream_frees_its_slot_within_one_chunk(batched):
   assert sched.snapshot()["slots_in_use"] == 0 and sched.free_turns == sched.max_concurrent
 
 
+def test_a_constraint_past_its_matchers_limits_ends_its_own_stream_and_its_neighbours_go_on(batched, synthesizer):
+  """Attack: a regex whose matcher needs ever more lexer expressions (nested counted repeats) with every output
+  token pushed to 'a' runs past llguidance's limits after 16 tokens, in the slot engine beside another stream. The
+  hostile stream ends INVALID_ARGUMENT naming the limits (no parser state in the message); the neighbour, in the
+  same engine, gives the greedy tokens it gives alone (it used to end with the same error)."""
+  from tests.tiny import tiny_tokenizer
+
+  a = tiny_tokenizer().token_to_id("a")
+  n = 48
+  alone = _alone(synthesizer, PROMPTS[2], n)
+  sched = batched.app.service.scheduler
+  ch, stub = stub_of(batched)
+  with ch:
+    neighbour = stub.Synthesize(_request(PROMPTS[2], n, "neighbour"), timeout=120)
+    it = iter(neighbour)
+    assert next(it).WhichOneof("kind") == "plan" and next(it).WhichOneof("kind") == "delta"  # in its slot
+    hostile = _request("aaaa", 40, "hostile", regex="((((a{1,100}){1,100}){1,100}){1,100})", logit_bias={a: 100.0})
+    code, details = code_of(stub.Synthesize, hostile, timeout=120)
+    rest = list(it)
+  assert code == C.INVALID_ARGUMENT and "limits" in details and "regular expression" in details, (code, details)
+  assert "<" not in details and "⟦" not in details  # no parser state or token dump
+  ids = [t for r in rest[:-1] for t in r.delta.token_ids]
+  first = alone.token_ids[: len(alone.token_ids) - len(ids)]
+  assert first + ids == alone.token_ids and rest[-1].final.text == alone.text
+  assert batched.call(lambda: sched.wait_idle(60))
+  assert sched.snapshot()["slots_in_use"] == 0
+
+
 def test_plans_are_predicted_under_the_engines_load_in_their_context(batched, synthesizer):
   """While a stream holds a slot, the scheduler reports its engine's streams, and a plan (GetOptimalPath or a
   Synthesize's) is predicted under that load in the slot engines' context; once it ends the machine is idle."""

@@ -75,7 +75,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from thoughtjax.constraint import Matcher
+from thoughtjax.constraint import ConstraintError, Matcher
 from thoughtjax.decode import layout
 from thoughtjax.decode import program as program_lib
 from thoughtjax.decode import state as state_lib
@@ -963,13 +963,14 @@ class SlotEngine:
       finally:
         self._lock.release()
 
-  def _free(self, b: int) -> None:
+  def _free(self, b: int, error: BaseException | None = None) -> None:
+    """Free slot ``b``; its run ends (with ``error``: its iterator raises it)."""
     run = self._runs[b]
     self.freed_total += 1  # before the slot reads as free: whoever sees it free sees it counted
     self._runs[b] = None
     self._matchers[b] = None
     run.chunks_at_free = self.chunks
-    run._end()
+    run._end(error)
 
   def _free_cancelled(self) -> None:
     with self._cancel_lock:
@@ -1007,11 +1008,16 @@ class SlotEngine:
       if not live:
         return {}
       mode, samp = self._sampling()
-      active = np.zeros(self.slots, bool)
-      active[live] = True
       program, constrained = self.program, [b for b in live if self._matchers[b] is not None]
       if constrained:
-        program, samp = self._masked_step(samp, constrained)
+        program, samp, refused = self._masked_step(samp, constrained)
+        if refused:  # those slots ended with their constraint's error; the others step
+          live = [b for b in live if b not in refused]
+          constrained = [b for b in constrained if b not in refused]
+          if not live:
+            return {}
+      active = np.zeros(self.slots, bool)
+      active[live] = True
       t0 = time.perf_counter()
       width = _width(len(live), self.slots)
       if width < self.slots:  # compute only the slots in use (padded to a power of two with free ones)
@@ -1022,9 +1028,13 @@ class SlotEngine:
       else:
         self._state, out, steps = program.chunk(self.parts, samp, self._state, jnp.asarray(active), mode)
       out, done, count, steps = jax.device_get((out, self._state.done, self._state.count, steps))
+      refused = {}
       for b in constrained:  # out holds -1 where a slot sampled nothing (it had stopped)
-        for t in out[b][out[b] >= 0]:
-          self._matchers[b].consume(int(t))
+        try:
+          for t in out[b][out[b] >= 0]:
+            self._matchers[b].consume(int(t))
+        except ConstraintError as e:
+          refused[b] = e
       self.chunk_seconds.append(time.perf_counter() - t0)
       if not constrained:
         self._step_ms.append((width, self.chunk_seconds[-1] * 1e3 / max(int(steps), 1)))
@@ -1035,6 +1045,9 @@ class SlotEngine:
       for b in live:
         run = self._runs[b]
         run._stepped(int(steps), width, self.prefill_calls)
+        if b in refused:
+          self._free(b, refused[b])
+          continue
         ids = [int(t) for t in out[b] if t >= 0]
         new[b] = ids
         d = run.rows.emit(0, ids, bool(done[b]), int(count[b]))
@@ -1055,16 +1068,23 @@ class SlotEngine:
     w = got[-1][0]
     return w, float(np.median([ms for width, ms in got if width == w]))
 
-  def _masked_step(self, samp: SamplingArrays, constrained: list[int]) -> tuple[SlotProgram, SamplingArrays]:
+  def _masked_step(self, samp: SamplingArrays, constrained: list[int]) -> tuple[SlotProgram, SamplingArrays, set[int]]:
     """The one-step program and sampling arrays carrying every slot's allowed-token mask (unconstrained slots
-    allow everything)."""
+    allow everything), and the slots whose matcher refused to give one (past llguidance's limits): each of those
+    runs ends with its :class:`~thoughtjax.constraint.ConstraintError` here, and its slot is free."""
     if self._words is None:
       self._words = np.full((self.slots, self._grammars.words), ALL, np.uint32)
     self._words[:] = ALL
+    refused = set()
     for b in constrained:
-      self._matchers[b].fill(self._words[b])
+      try:
+        self._matchers[b].fill(self._words[b])
+      except ConstraintError as e:
+        self._words[b] = ALL
+        refused.add(b)
+        self._free(b, e)
     program = slot_program(self.defs, self.cfg, self.layers, self.slots, self.cache_len, 1, self.kernels)
-    return program, samp._replace(allowed=jax.device_put(self._words))
+    return program, samp._replace(allowed=jax.device_put(self._words)), refused
 
   def fail(self, error: BaseException) -> None:
     """End every run in a slot with ``error`` (a device failure): their iterators raise it."""
