@@ -188,6 +188,9 @@ class ServerConfig:
   # closed: idle keep-alive and half-open or slowly written heads alike.
   http_idle_timeout_s: float = 15.0
   http_body_timeout_s: float = 30.0  # a request body not received whole this long after its head: 408, closed
+  # A streamed answer whose next event the client has not taken this long (it stopped reading, and the socket's
+  # buffers are full) ends: the connection is reset, the request's turn and slot are freed.
+  http_write_timeout_s: float = 30.0
   # Without a client token, the HTTP front answers only requests whose Host is a loopback name, the bind address or
   # one of these (a web page that rebinds its DNS name to this machine must not reach a tokenless server).
   http_allowed_hosts: tuple[str, ...] = ()
@@ -214,7 +217,7 @@ class ServerConfig:
       "http_max_connections",
     ):
       _positive_int(getattr(self, name), name)
-    for name in ("http_idle_timeout_s", "http_body_timeout_s"):
+    for name in ("http_idle_timeout_s", "http_body_timeout_s", "http_write_timeout_s"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
         raise ConfigError(f"{name}: expected a finite number of seconds > 0, got {v!r}")

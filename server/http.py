@@ -777,21 +777,34 @@ class OpenAIHttp:
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "x-request-id": r.request_id}
       )
       await sse.prepare(request)
-      await _send(sse, out.first_chunk())
+      within = svc.config.http_write_timeout_s
       try:
-        async for x in responses:
-          for chunk in out.chunks(x):
-            await _send(sse, chunk)
+        try:
+          await _send(sse, out.first_chunk(), within)
+          async for x in responses:
+            for chunk in out.chunks(x):
+              await _send(sse, chunk, within)
+        except (_Stalled, ConnectionError):
+          raise
+        except Exception as e:
+          _, err = self._refusal(e, method, r.request_id, opts)
+          await _send(sse, err, within)
+          return sse
+        svc.answered(method, "OK")
+        await _send(sse, b"data: [DONE]\n\n", within)
+        async with asyncio.timeout(within):
+          await sse.write_eof()
+      except (_Stalled, TimeoutError):  # the client stopped reading: reset (a close would wait for it to read)
+        log.warning(
+          "request %s: %s client took no data for %g s (http_write_timeout_s); connection reset",
+          r.request_id,
+          method,
+          within,
+        )
+        if request.transport is not None:
+          request.transport.abort()
       except ConnectionError:  # the client left; closing the responses frees the slot
         log.info("request %s: %s client disconnected", r.request_id, method)
-        return sse
-      except Exception as e:
-        _, err = self._refusal(e, method, r.request_id, opts)
-        await _send(sse, err)
-        return sse
-      svc.answered(method, "OK")
-      await sse.write(b"data: [DONE]\n\n")
-      await sse.write_eof()
       return sse
 
 
@@ -821,8 +834,19 @@ def _encode(codec, text: str, add_special: bool) -> list[int]:
   return ids
 
 
-async def _send(sse: web.StreamResponse, data: dict) -> None:
-  await sse.write(b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n")
+class _Stalled(Exception):
+  """A streamed event the client did not take within http_write_timeout_s."""
+
+
+async def _send(sse: web.StreamResponse, data: dict | bytes, within: float) -> None:
+  """One server-sent event (``data`` as JSON, or bytes as they are); :class:`_Stalled` when its write (it waits
+  while the socket's buffers are full) has not finished within ``within`` seconds."""
+  event = data if isinstance(data, bytes) else b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+  try:
+    async with asyncio.timeout(within):
+      await sse.write(event)
+  except TimeoutError:
+    raise _Stalled from None
 
 
 class _Answer:

@@ -6,10 +6,12 @@ connections within the cap keep being answered."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import json
 import socket
 import time
+import types
 
 import pytest
 
@@ -92,12 +94,80 @@ def test_silent_and_half_written_heads_are_closed_and_slow_bodies_get_408(synthe
     assert _health(port) == 200  # a prompt client is served as before
 
 
+class _Chatty:
+  """A synthesizer whose runs go alone and stream each delta's text 20 000 times over: a few tokens fill any
+  socket buffer."""
+
+  def __init__(self, synthesizer):
+    self._syn = synthesizer
+
+  def __getattr__(self, name):
+    return getattr(self._syn, name)
+
+  def synthesize(self, *a, **kw):
+    return _LoudRun(self._syn.synthesize(*a, **kw))
+
+
+class _LoudRun:
+  def __init__(self, run):
+    self.__dict__["_run"] = run
+
+  def __getattr__(self, name):
+    return getattr(self._run, name)
+
+  request = types.SimpleNamespace(slot=lambda: None)  # runs alone, delta by delta
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    d = next(self._run)
+    return dataclasses.replace(d, text=d.text * 20_000) if d.text else d
+
+
+def test_a_streaming_client_that_stops_reading_is_reset_and_its_turn_freed(synthesizer):
+  """Attack: a client asks for a stream and never reads it (a tiny receive buffer, nothing read). Once the socket's
+  buffers are full the server's next write waits; after ``http_write_timeout_s`` the connection is reset and the
+  request's turn comes back, so the next client is served (it used to hold the turn as long as the client did)."""
+  cfg = config(http_port=0, http_write_timeout_s=0.5, max_concurrent=1, max_queue=0)
+  with BackgroundServer(_Chatty(synthesizer), cfg) as srv:
+    wait_ready(srv)
+    port, sched = srv.app.http_port, srv.app.service.scheduler
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 64, "stream": True}).encode()
+    head = (
+      f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+      f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.socket() as stalled:
+      stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+      stalled.connect(("127.0.0.1", port))
+      stalled.sendall(head + body)
+      deadline = time.monotonic() + 60
+      while sched.free_turns == sched.max_concurrent and time.monotonic() < deadline:
+        time.sleep(0.02)  # until it holds the one turn
+      assert sched.free_turns == 0
+      # Its turn comes back within the write timeout (and the time the buffers take to fill), unread.
+      assert srv.call(lambda: sched.wait_idle(60)) and sched.free_turns == sched.max_concurrent
+      closed, _ = _closed_within(stalled, 10)  # reset: what it had not read is gone with the connection
+      assert closed
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+      conn.request(
+        "POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2}), {"Content-Type": "application/json"}
+      )
+      r = conn.getresponse()
+      assert r.status == 200 and json.loads(r.read())["choices"][0]["text"]
+    finally:
+      conn.close()
+
+
 @pytest.mark.parametrize(
   "data, match",
   [
     ({"http_max_connections": 0}, "http_max_connections"),
     ({"http_idle_timeout_s": 0}, "http_idle_timeout_s"),
     ({"http_body_timeout_s": float("inf")}, "http_body_timeout_s"),
+    ({"http_write_timeout_s": -1}, "http_write_timeout_s"),
   ],
 )
 def test_the_limits_refuse_nonsense(data, match):
