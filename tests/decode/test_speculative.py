@@ -291,26 +291,30 @@ def test_sampling_with_top_k_top_p_and_truncated_draft_vocab_is_reproducible(eng
 
 @pytest.mark.slow
 def test_default_model_greedy_speculation_is_identical_to_plain_greedy(default_model):
-  # The exactness prompts with the exit-24 draft and the n-gram one; the other two drafts each on one more prompt (every
-  # speculative program is its own compile per prompt bucket: the test stays within the suite's time). Speculation sees
-  # token ids only, so the non-ASCII prompt (a bucket of its own, 35 s of compiles) adds nothing the others don't.
-  others = (
+  # The exactness prompts as one batch (rows of different lengths, left-padded), under four drafts: the exit-24 cut,
+  # the n-gram lookup, a short cut with a truncated vocabulary and the int8 weight variant (its own KV cache). One
+  # batch compiles each speculative program once instead of once per prompt bucket. Speculation sees token ids only,
+  # so the non-ASCII prompt (a bucket of its own, 35 s of compiles) adds nothing the others don't.
+  prompts = [(label, text) for label, text in DEFAULT_MODEL_PROMPTS if label != "non_ascii"]
+  assert len(prompts) == 3
+  ids = [
+    default_model.prompt_ids("What is the capital of France?", chat=True)
+    if text is None
+    else default_model.prompt_ids(text)
+    for _, text in prompts
+  ]
+  params = SamplingParams(max_tokens=32)
+  plain = [c.token_ids for c in default_model.generate_batch(ids, params)]
+  drafts = (
+    ("embed, blocks[0:24), head", 4),
+    ("ngram:3", 4),  # no weights
     (Draft("embed, blocks[0:8), head", vocab=8192), 3),
     ("embed, blocks[0:30)@int8, head", 4),  # a weight variant: its own KV cache
   )
-  prompts = [(label, text) for label, text in DEFAULT_MODEL_PROMPTS if label != "non_ascii"]
-  assert len(prompts) == 3
-  for i, (label, text) in enumerate(prompts):
-    ids = (
-      default_model.prompt_ids("What is the capital of France?", chat=True)
-      if text is None
-      else default_model.prompt_ids(text)
-    )
-    plain = default_model.generate(ids, max_tokens=32).token_ids
-    drafts = (("embed, blocks[0:24), head", 4), ("ngram:3", 4), *others[i : i + 1])  # n-gram: no weights
-    for draft, k in drafts:
-      got = default_model.generate(ids, max_tokens=32, draft=draft, draft_tokens=k).token_ids
-      assert got == plain, f"{label}: draft {draft} K={k} gave {got}, plain greedy {plain}"
+  for draft, k in drafts:
+    got = [c.token_ids for c in default_model.generate_batch(ids, params, draft=draft, draft_tokens=k)]
+    for (label, _), g, want in zip(prompts, got, plain, strict=True):
+      assert g == want, f"{label}: draft {draft} K={k} gave {g}, plain greedy {want}"
 
 
 def test_cli_generate_with_a_draft_prints_the_plain_tokens_and_the_counts(tmp_path, capsys):
