@@ -9,8 +9,8 @@ Starts the server as a subprocess with a short ``idle_release_s`` (and its metri
    grows), the RSS then, and one request after idle: its time to first token and the restore (and compile) its
    trace reports.
 
-Targets (issue 19): RSS after release within 150 MB of the baseline; first token after idle at most
-1.5 x a warm request's TTFT + 300 ms. Times are wall clock on the client's side of a loopback channel.
+Targets: RSS after release within 50 MiB of the baseline; first token after idle at most a warm request's TTFT +
+100 ms. Times are wall clock on the client's side of a loopback channel.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from pathlib import Path
 from thoughtjax.bench import common
 
 PROMPT = "Write two sentences about the sea."
-RSS_TARGET_MIB = 150e6 / 2**20  # 150 MB
-TTFT_FACTOR, TTFT_SLACK_MS = 1.5, 300.0
+RSS_TARGET_MIB = 50.0
+TTFT_SLACK_MS = 100.0  # first token after idle: at most the warm one's + this
 
 
 def rss_mib(pid: int) -> float:
@@ -179,6 +179,7 @@ def run(
       warms = [_request(c, hints, max_tokens, timeout) for _ in range(warm)]
       out["warm"] = warms
       out["warm_ttft_ms"] = statistics.median(w["ttft_ms"] for w in warms)
+      out["warm_prefill_ms"] = statistics.median(w["prefill_ms"] for w in warms)
       out["rss_warm_mib"] = rss_mib(server.pid)
       out["cycles"] = []
       for _ in range(cycles):
@@ -204,6 +205,7 @@ def run(
   released = [cy["rss_released_mib"] for cy in out["cycles"]]
   after = [cy["after_idle"]["ttft_ms"] for cy in out["cycles"]]
   restores = [cy["after_idle"]["restore_ms"] for cy in out["cycles"]]
+  prefills = [cy["after_idle"]["prefill_ms"] for cy in out["cycles"]]
   out["summary"] = {
     "rss_baseline_mib": base,
     "rss_warm_mib": out["rss_warm_mib"],
@@ -214,9 +216,11 @@ def run(
     "after_idle_ttft_ms_max": max(after) if after else None,
     "after_idle_restore_ms_max": max(restores) if restores else None,
     "after_idle_compile_ms_max": max(cy["after_idle"]["compile_ms"] for cy in out["cycles"]) if after else None,
-    "ttft_target_ms": TTFT_FACTOR * warm_ttft + TTFT_SLACK_MS,
+    "after_idle_prefill_ms_max": max(prefills) if prefills else None,
+    "warm_prefill_ms": out["warm_prefill_ms"],
+    "ttft_target_ms": warm_ttft + TTFT_SLACK_MS,
     "rss_target_met": bool(released) and max(released) - base <= RSS_TARGET_MIB,
-    "ttft_target_met": bool(after) and max(after) <= TTFT_FACTOR * warm_ttft + TTFT_SLACK_MS,
+    "ttft_target_met": bool(after) and max(after) <= warm_ttft + TTFT_SLACK_MS,
   }
   return out
 
@@ -261,13 +265,15 @@ def main(argv=None) -> int:
       ["RSS baseline (SERVING, no request) MiB", _f(s["rss_baseline_mib"], ".0f")],
       ["RSS warm MiB", _f(s["rss_warm_mib"], ".0f")],
       ["RSS after release MiB (max)", _f(s["rss_released_mib_max"], ".0f")],
-      ["  over baseline MiB (target <= 143)", _f(s["rss_released_over_baseline_mib"], ".0f")],
+      [f"  over baseline MiB (target <= {RSS_TARGET_MIB:.0f})", _f(s["rss_released_over_baseline_mib"], ".0f")],
       ["TTFT cold (restore + compile) ms", _f(s["cold_ttft_ms"], ".0f")],
       ["TTFT warm (median) ms", _f(s["warm_ttft_ms"], ".0f")],
       ["TTFT after idle ms (max)", _f(s["after_idle_ttft_ms_max"], ".0f")],
-      ["  target ms (1.5 x warm + 300)", _f(s["ttft_target_ms"], ".0f")],
+      [f"  target ms (warm + {TTFT_SLACK_MS:.0f})", _f(s["ttft_target_ms"], ".0f")],
       ["restore after idle ms (max, from the trace)", _f(s["after_idle_restore_ms_max"], ".0f")],
       ["compile after idle ms (max, from the trace)", _f(s["after_idle_compile_ms_max"], ".0f")],
+      ["prefill after idle ms (max, from the trace)", _f(s["after_idle_prefill_ms_max"], ".0f")],
+      ["prefill warm ms (median, from the trace)", _f(s["warm_prefill_ms"], ".0f")],
       ["RSS target met", s["rss_target_met"]],
       ["TTFT target met", s["ttft_target_met"]],
     ],
