@@ -127,6 +127,47 @@ def test_a_slot_driver_prefills_constrained_requests_with_their_masks(model):
     assert ids == model.stream_batch([p], sp).result().token_ids
 
 
+def test_a_constraint_without_a_first_mask_fails_alone_in_its_prefill_batch(model, monkeypatch):
+  """Attack: a pattern whose matcher runs past llguidance's limits at its first mask (hostile patterns do so on a
+  large vocabulary; here the matchers of one pattern fail as those do) arrives in the same prefill batch as a plain
+  request and a constrained one. Only its run ends, with its ConstraintError; the others give the tokens they give
+  alone (the whole batch used to end with its error)."""
+  from thoughtjax.constraint import Matcher
+
+  hostile = "h+q"
+  fill = Matcher.fill
+
+  def past_the_limits(self, out):
+    if self.constraint.source == hostile:
+      raise ConstraintError("regex: after 0 output tokens the regular expression needs more than the matcher's limits")
+    return fill(self, out)
+
+  monkeypatch.setattr(Matcher, "fill", past_the_limits)
+  engine = SlotEngine(model, slots=3, cache_len=64)
+  prompt = list(range(40, 52))
+  reqs = [
+    (prompt, SamplingParams(max_tokens=12, ignore_eos=True)),
+    (prompt, SamplingParams(max_tokens=12, regex=hostile)),
+    (prompt, SamplingParams(max_tokens=12, regex=REGEX)),
+  ]
+  driver = SlotDriver(engine)
+  try:
+    with driver._cond:  # queued together: one prefill batch
+      runs = [driver.submit(p, sp) for p, sp in reqs]
+    got = []
+    for run in runs:
+      try:
+        got.append([t for d in run for t in d.token_ids])
+      except ConstraintError as e:
+        got.append(e)
+  finally:
+    driver.close()
+  assert runs[0].prefill_batch == 2  # the plain and the good constrained request, prefilled together
+  assert isinstance(got[1], ConstraintError) and "limits" in str(got[1])
+  for i in (0, 2):
+    assert got[i] == model.stream_batch([reqs[i][0]], reqs[i][1]).result().token_ids
+
+
 def test_two_constraints_at_once_are_refused_by_name():
   with pytest.raises(ConstraintError, match="regex") as e:
     SamplingParams(json_schema=SCHEMA, regex=REGEX)

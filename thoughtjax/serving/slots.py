@@ -494,6 +494,16 @@ class SlotProgram(DecodeProgram):
     )
 
 
+class ConstraintsRefused(ConstraintError):
+  """Requests of one prefill whose constraint could not give its first mask (past llguidance's limits), raised
+  before the prefill ran: ``refused``, (matcher, :class:`~thoughtjax.constraint.ConstraintError`) pairs. A driver
+  ends those requests with their errors and prefills the others."""
+
+  def __init__(self, refused: list[tuple[Matcher, ConstraintError]]):
+    super().__init__(str(refused[0][1]))
+    self.refused = refused
+
+
 def slot_program(defs, cfg, layers, slots, cache_len, chunk, kernels) -> SlotProgram:
   """The slot program of this layout from the process's one program cache (:data:`thoughtjax.decode.program.PROGRAMS`):
   a new engine of the same layout compiles nothing.
@@ -656,7 +666,19 @@ class SlotEngine:
 
   def _prefill(self, reqs: Sequence[_Request]) -> list[Prefilled]:
     """The prefill of ``reqs``: one program call for those whose prompt starts with a cached prefix (only the
-    rest is computed), one for the others; then each prompt's new full blocks go into the prefix cache."""
+    rest is computed), one for the others; then each prompt's new full blocks go into the prefix cache. Every
+    constraint gives its first mask before any call: :class:`ConstraintsRefused` names those that cannot, with
+    nothing of any request changed."""
+    constrained = any(r.matcher is not None for r in reqs)
+    refused, scratch = [], np.empty(self._grammars.words, np.uint32) if constrained else None
+    for r in reqs:
+      if r.matcher is not None:
+        try:
+          r.matcher.fill(scratch)
+        except ConstraintError as e:
+          refused.append((r.matcher, e))
+    if refused:
+      raise ConstraintsRefused(refused)
     cache = self.prefix_cache
     if cache is None:
       return self._prefill_call(reqs, None)
@@ -1260,9 +1282,25 @@ class SlotDriver:
         stalls = 0
 
   def _start(self, batch: list[SlotRun]) -> None:
-    """One prefill call for ``batch``, each run's first token out, then each into a free slot."""
+    """One prefill call for ``batch``, each run's first token out, then each into a free slot. A run whose
+    constraint cannot give its first mask ends with that error; the others are prefilled without it."""
     engine = self.engine
-    pres = engine.prefill_runs(batch)
+    try:
+      pres = engine.prefill_runs(batch)
+    except ConstraintsRefused as e:
+      errors = {id(m): err for m, err in e.refused}
+      rest = []
+      for run in batch:
+        err = errors.get(id(run.matcher)) if run.matcher is not None else None
+        if err is None:
+          rest.append(run)
+        else:
+          run.abandon(err)
+      if rest and len(rest) < len(batch):
+        self._start(rest)
+      elif rest:
+        raise
+      return
     for run, pre in zip(batch, pres, strict=True):
       engine.deliver(run, pre)
     for run, pre in zip(batch, pres, strict=True):
