@@ -17,108 +17,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
-import threading
 import time
-import urllib.request
-from pathlib import Path
 
 from thoughtjax.bench import common
+from thoughtjax.bench.process import Server, metric, rss_mib, until
 
 PROMPT = "Write two sentences about the sea."
 RSS_TARGET_MIB = 50.0
 TTFT_SLACK_MS = 100.0  # first token after idle: at most the warm one's + this
-
-
-def rss_mib(pid: int) -> float:
-  """Resident set size of process ``pid`` now (MiB), from /proc (Linux); NaN elsewhere."""
-  try:
-    with open(f"/proc/{pid}/status") as f:
-      for line in f:
-        if line.startswith("VmRSS:"):
-          return int(line.split()[1]) / 1024
-  except OSError:
-    pass
-  return float("nan")
-
-
-def metric(url: str, name: str) -> float:
-  """The value of the unlabelled series ``name`` on a Prometheus text endpoint (0 when absent)."""
-  with urllib.request.urlopen(url, timeout=10) as r:
-    for line in r.read().decode().splitlines():
-      if line.startswith(name + " "):
-        return float(line.split()[1])
-  return 0.0
-
-
-class _Server:
-  """``thoughtjax serve`` in a subprocess: its pid, gRPC target and metrics URL, read from its first lines."""
-
-  def __init__(self, registry: str | None, idle_s: float, slots: int, timeout: float, programs: bool = False):
-    self.dir = tempfile.TemporaryDirectory(prefix="thoughtjax-bench-idle-")
-    cfg = Path(self.dir.name) / "server.yaml"
-    cfg.write_text(
-      f"idle_release_s: {idle_s}\nidle_release_programs: {str(programs).lower()}\nmax_concurrent: {slots}\n"
-    )
-    cmd = [sys.executable, "-m", "thoughtjax.cli", "serve", "--config", str(cfg), "--port", "0", "--metrics-port", "0"]
-    cmd.append("--no-http")  # gRPC is what it measures; HTTP's default port may be taken
-    if registry:
-      cmd += ["--registry", registry]
-    root = str(Path(__file__).resolve().parents[2])  # the checkout this module runs from (server/ lives there)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    self.lines: list[str] = []
-    self.target = self.metrics = None
-    got = threading.Event()
-
-    def read():
-      try:
-        for line in self.proc.stdout:
-          self.lines.append(line.rstrip())
-          if line.startswith("serving on "):
-            self.target = line.split()[-1]
-          elif line.startswith("metrics on "):
-            self.metrics = line.split()[-1]
-          if self.target and self.metrics:
-            got.set()
-      except (OSError, ValueError):  # closed by close() while reading
-        pass
-      got.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not got.wait(timeout) or self.target is None or self.metrics is None:
-      self.close()
-      raise RuntimeError("the server did not start:\n" + "\n".join(self.lines[-20:]))
-
-  @property
-  def pid(self) -> int:
-    return self.proc.pid
-
-  def close(self) -> None:
-    if self.proc.poll() is None:
-      self.proc.terminate()
-      try:
-        self.proc.wait(30)
-      except subprocess.TimeoutExpired:
-        self.proc.kill()
-        self.proc.wait()
-    if self.proc.stdout is not None:
-      self.proc.stdout.close()
-    self.dir.cleanup()
-
-
-def _until(cond, timeout: float, what: str, server: _Server, every: float = 0.05) -> None:
-  t_end = time.monotonic() + timeout
-  while not cond():
-    if server.proc.poll() is not None:
-      raise RuntimeError(f"the server exited while waiting for {what}:\n" + "\n".join(server.lines[-20:]))
-    if time.monotonic() > t_end:
-      raise RuntimeError(f"{what} did not happen within {timeout:.0f} s")
-    time.sleep(every)
 
 
 def _request(client, hints: list[str], max_tokens: int, timeout: float) -> dict:
@@ -155,7 +62,8 @@ def run(
   """Measure one server process (see the module docstring); a dict of plain JSON values."""
   from thoughtjax.client import Client
 
-  server = _Server(registry, idle_s, slots, timeout, programs)
+  config = f"idle_release_s: {idle_s}\nidle_release_programs: {str(programs).lower()}\nmax_concurrent: {slots}\n"
+  server = Server(registry, config, timeout, prefix="idle")
   try:
     with Client(server.target, timeout=timeout) as c:
 
@@ -165,7 +73,7 @@ def run(
         except Exception:
           return False
 
-      _until(serving, timeout, "SERVING", server, every=0.2)
+      until(serving, timeout, "SERVING", server, every=0.2)
       time.sleep(1.0)  # let start-up's freed pages settle before the baseline
       out: dict = {
         "idle_release_s": idle_s,
@@ -185,7 +93,7 @@ def run(
       for _ in range(cycles):
         before = metric(server.metrics, "thoughtjax_idle_releases_total")
         t_idle = time.monotonic()
-        _until(
+        until(
           lambda b=before: metric(server.metrics, "thoughtjax_idle_releases_total") > b,
           idle_s * 4 + timeout,
           "the idle release",

@@ -20,6 +20,7 @@ BENCHMARKS = {
   "structured": "whether extraction outputs parse and validate, with and without a JSON schema",
   "prefix": "time to first token in a slot engine with and without the prefix cache",
   "idle": "scale to zero and back on a real `thoughtjax serve` process",
+  "soak": "a real `thoughtjax serve` under hostile load (half-open sockets, hostile regexes) beside its users",
   "shapes": "a second path of the same shape in a warm process, against the path that has run",
   "layers": "the unrolled program against the layer-indexed one, in the same run",
   "startup": "process start to exit of generate and synthesize, in-process and through a running server",
