@@ -75,9 +75,12 @@ class ServerApp:
     if not w.hints:
       return []
     # The continuous scheduler's engines are what requests run in: warmed there, not as a lone generation.
-    pool = getattr(self.service.scheduler, "pool", None)
     return self.service.syn.warm(
-      w.hints, prompt_tokens=w.prompt_tokens, max_tokens=w.max_tokens, pool=pool, budgets=w.budgets_ms
+      w.hints,
+      prompt_tokens=w.prompt_tokens,
+      max_tokens=w.max_tokens,
+      pool=self.service.scheduler.pool,
+      budgets=w.budgets_ms,
     )
 
   async def _set_health(self, status) -> None:
@@ -198,9 +201,7 @@ class ServerApp:
       await self.http.stop()
     if self.server is not None:
       await self.server.stop(grace)
-    close = getattr(self.service.scheduler, "close", None)
-    if close is not None:
-      close()
+    self.service.scheduler.close()
     self.service.metrics.stop()
     self.service.close()
     self._stopped.set()

@@ -193,7 +193,7 @@ def final_message(run, last, queue_ms: float | None = None) -> pb.Final:
     out.trace.actual_ms["queue"] = queue_ms
   gt = run.generation.trace
   out.trace.program_cache_hit = gt.first_token is not None and gt.compile_s == 0.0
-  reused = getattr(gt, "prefix_cache_tokens", None)  # set by a slot engine that has a prefix cache
+  reused = gt.prefix_cache_tokens  # set by a slot engine that has a prefix cache
   if reused is not None:
     out.trace.prefix_cache_tokens = reused
   return out

@@ -54,13 +54,16 @@ class RequestRecord:
 
 
 class Run(Protocol):
-  """What ``start`` returns (a :class:`~thoughtjax.synthesis.synthesize.SynthesisResult`), not started: an
-  iterator of deltas with ``cancel()``/``close()``, its checked ``request`` (a
-  :class:`~thoughtjax.decode.request.ModelRequest`) and, once started, a ``generation`` whose ``trace`` counts
-  decode chunks. The scheduler runs it alone (:meth:`start`) or in a slot engine (:meth:`run_in`)."""
+  """What ``start`` returns (a :class:`~thoughtjax.synthesis.synthesize.SynthesisResult`, or a
+  :class:`~thoughtjax.decode.request.RequestRun` on a given path), not started: an iterator of deltas with
+  ``cancel()``/``close()``, its checked ``request`` (a :class:`~thoughtjax.decode.request.ModelRequest`) and, once
+  started, a ``generation`` whose ``trace`` counts decode chunks. The scheduler runs it alone (:meth:`start`) or in
+  a slot engine (:meth:`run_in`)."""
 
   generation: Any  # None until start() or run_in()
   request: Any
+  plan: Any  # a synthesized run's plan (its predicted stages), None on a given path
+  reservation: Reservation | None  # the row its plan reserved in an engine pool, released once it is in its engine
 
   def __next__(self) -> Any: ...
 
@@ -90,6 +93,28 @@ class Scheduler(Protocol):
 
   def snapshot(self) -> dict: ...
 
+  def book(self) -> ContinuousScheduler | None:
+    """What a Synthesize plans under (one plan at a time, each reserving its row in the engine pool: a
+    :class:`~thoughtjax.synthesis.synthesize.LoadBook`), or None where requests decode alone."""
+
+  def load(self) -> Load | None:
+    """The slot engines' streams now, or None where requests decode alone."""
+
+  @property
+  def pool(self) -> EnginePool | None:
+    """The slot engines requests run in, or None where they decode alone."""
+
+  def resident_paths(self) -> set[str]:
+    """Path hashes whose engines are resident."""
+
+  def resident_models(self) -> list:
+    """The composed models those engines hold."""
+
+  def release_path(self, path_hash: str) -> bool:
+    """Drop the engines of ``path_hash``; False when one is in use (nothing dropped)."""
+
+  def close(self) -> None: ...
+
 
 _END = object()
 
@@ -110,7 +135,7 @@ def _next(run: Run):
 
 def _unreserve(run) -> None:
   """Release the pool reservation its plan made, if any (a synthesized run that joins a slot engine)."""
-  r = getattr(run, "reservation", None)
+  r = run.reservation
   if r is not None:
     r.release()
 
@@ -163,6 +188,26 @@ class SimpleScheduler:
   @property
   def idle(self) -> bool:
     return self.waiting == 0 and self.running == 0 and self.draining == 0
+
+  # Requests decode alone here: no engines, no load to plan under.
+  @property
+  def pool(self) -> EnginePool | None:
+    return None
+
+  def book(self) -> ContinuousScheduler | None:
+    return None
+
+  def load(self) -> Load | None:
+    return None
+
+  def resident_paths(self) -> set[str]:
+    return set()
+
+  def resident_models(self) -> list:
+    return []
+
+  def release_path(self, path_hash: str) -> bool:
+    return True
 
   @property
   def free_turns(self) -> int:
@@ -346,7 +391,7 @@ class ContinuousScheduler(SimpleScheduler):
     prefix_block_tokens: int = 16,
   ):
     super().__init__(max_concurrent, max_queue, keep_records=keep_records)
-    self.pool = EnginePool(
+    self._pool = EnginePool(
       max_concurrent,
       max_engines=max_engines,
       cache_len=cache_len,
@@ -371,6 +416,13 @@ class ContinuousScheduler(SimpleScheduler):
     except PoolFull as e:
       self.shed += 1
       raise QueueFull(str(e)) from None
+
+  @property
+  def pool(self) -> EnginePool:
+    return self._pool
+
+  def book(self) -> ContinuousScheduler:
+    return self
 
   def load(self) -> Load:
     """The engines' streams now, what a plan joining them is predicted under."""
@@ -467,7 +519,7 @@ class ContinuousScheduler(SimpleScheduler):
 
   def _refuse_late(self, run, request_id: str, deadline: float | None) -> None:
     """DeadlineExpired when the plan's predicted compile + prefill + decode outlasts the deadline."""
-    plan = getattr(run, "plan", None)
+    plan = run.plan
     if deadline is None or plan is None:
       return
     p = plan.predicted
@@ -557,13 +609,11 @@ class ContinuousScheduler(SimpleScheduler):
 
 def make_scheduler(config) -> Scheduler:
   """The scheduler a server config names (``scheduler: continuous|simple``)."""
-  kind = getattr(config, "scheduler", "simple")
-  if kind == "continuous":
-    prefix = getattr(config, "prefix_cache", None)
+  if config.scheduler == "continuous":
     return ContinuousScheduler(
       config.max_concurrent,
       config.max_queue,
-      prefix_cache_bytes=prefix.max_mb << 20 if prefix is not None else 0,
-      prefix_block_tokens=prefix.block_tokens if prefix is not None else 16,
+      prefix_cache_bytes=config.prefix_cache.max_mb << 20,
+      prefix_block_tokens=config.prefix_cache.block_tokens,
     )
   return SimpleScheduler(config.max_concurrent, config.max_queue)

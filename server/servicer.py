@@ -116,7 +116,7 @@ class SynthesizerService:
     self.statuses: collections.Counter[str] = collections.Counter()  # status name -> answers
     self.metrics = metrics or ServerMetrics()
     # ReloadRegistry: its counts, and the registries it replaced (their counters stay in the totals).
-    self.reloader = Reloader(config, self.metrics, pool=getattr(self.scheduler, "pool", None))
+    self.reloader = Reloader(config, self.metrics, pool=self.scheduler.pool)
     self.metrics.bind(
       self.scheduler.snapshot, self.failure_totals, lambda: 0 if self.serving is None else self.serving.sequence
     )
@@ -288,7 +288,7 @@ class SynthesizerService:
       max_tokens=r.max_tokens,
       pin_sequence=r.pin_sequence,
       constraint=SamplingParams(max_tokens=r.max_tokens, **r.sampling).constraint,
-      load=self._load(),
+      load=self.scheduler.load(),
     )
 
   @staticmethod
@@ -327,19 +327,9 @@ class SynthesizerService:
       max_latency_ms=r.max_latency_ms,
       max_tokens=r.max_tokens,
       pin_sequence=r.pin_sequence,
-      load=self._book(),
+      book=self.scheduler.book(),
       **r.sampling,
     )
-
-  def _book(self):
-    """What a Synthesize plans under: a continuous scheduler itself (plans one at a time, each reserving its row in
-    the engine pool; see ``ContinuousScheduler.planning``), else None (requests decode alone)."""
-    return self.scheduler if hasattr(self.scheduler, "planning") else None
-
-  def _load(self):
-    """The slot engines' streams now (a continuous scheduler's), or None where requests decode alone."""
-    load = getattr(self.scheduler, "load", None)
-    return None if load is None else load()
 
   # ---- idle release (scale to zero) ----------------------------------------------------------
   def resident_paths(self) -> set[str]:
@@ -350,8 +340,7 @@ class SynthesizerService:
     out = {m.path_hash for m in s.syn.models()} | set(self.idle.resident())
     with s.paths_lock:
       out |= {m.path_hash for m in s.paths.values()}
-    paths = getattr(self.scheduler, "resident_paths", None)
-    return out | (paths() if paths is not None else set())
+    return out | self.scheduler.resident_paths()
 
   def release_idle(self, now: float | None = None) -> list[str]:
     """Release every path unused for ``idle_release_s`` at ``now`` (default: the tracker's clock) that no
@@ -384,8 +373,7 @@ class SynthesizerService:
 
   def _release_path(self, path: str, s: Serving) -> bool:
     """Drop the references ``s`` and the scheduler hold to ``path``'s weights; False when its engines are busy."""
-    release = getattr(self.scheduler, "release_path", None)
-    if release is not None and not release(path):
+    if not self.scheduler.release_path(path):
       return False
     models = s.syn.drop_models({path})
     with s.paths_lock:
@@ -399,7 +387,7 @@ class SynthesizerService:
     stored router (and every draft) goes too. True when none is left (scaled to zero)."""
     with s.paths_lock:
       models = [*s.syn.models(), *s.paths.values()]
-    models += getattr(self.scheduler, "resident_models", list)()
+    models += self.scheduler.resident_models()
     keep = {ref for m in models for ref in m.refs}
     router = loaded_router(s.registry)
     if not models:  # scaled to zero
@@ -491,11 +479,10 @@ class SynthesizerService:
       started.append(time.perf_counter())  # the scheduler gave the request its turn: the queue wait ends
       with self.idle.starting():  # no idle release drops what this composes from meanwhile
         run = self._start(r)
-        model = getattr(run, "model", None)
         with holding_lock:
-          if model is not None and not holding["ended"]:
-            holding["path"] = model.path_hash
-            self.idle.hold(model.path_hash)
+          if not holding["ended"]:
+            holding["path"] = run.model.path_hash
+            self.idle.hold(run.model.path_hash)
       return run
 
     stream = self.scheduler.stream(start, request_id=r.request_id, deadline=deadline, cache_scope=r.cache_salt)

@@ -196,7 +196,7 @@ def test_a_link_to_dev_zero_is_refused_without_reading_it(reg_dir):
   reg = Registry.open(reg_dir)
   err = _bounded(lambda: reg.restore(NAME))
   assert isinstance(err, IntegrityError) and "symbolic link" in str(err)
-  err = _bounded(lambda: reg._check_files(reg.manifest(NAME), victim.parents[1]))
+  err = _bounded(lambda: reg.check_files(reg.manifest(NAME), victim.parents[1]))
   assert isinstance(err, IntegrityError)
 
 

@@ -264,6 +264,8 @@ def test_the_scheduler_refuses_late_requests_without_a_server():
       Gen.closed = True
 
   class Run:
+    reservation = None
+
     def __init__(self):
       self.generation = Gen()
 
@@ -349,6 +351,7 @@ def test_a_request_draining_when_the_serving_loop_stops_is_still_counted():
   class Run:
     generation = Gen()
     cancelled = False
+    plan = reservation = None
 
     def start(self):
       pass

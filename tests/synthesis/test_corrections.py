@@ -211,7 +211,7 @@ def test_corrections_learned_in_a_slot_engine_do_not_change_a_plain_programs_pre
   planned = _plan(syn)
   candidate = next(c for c in syn.calibration.candidates if c.path_hash == planned.path_hash)
   calibrated = syn.latency.predict(candidate, planned.predicted.prompt_tokens, 9)  # cold
-  engine = SlotEngine(syn._model(candidate), 4, cache_len=64)
+  engine = SlotEngine(syn.model_of(candidate), 4, cache_len=64)
   for _ in range(3):  # the first teaches compile only; the others prefill and decode too
     r = syn.synthesize(PROMPT, ["general_purpose"], max_latency_ms=math.inf, max_tokens=9, ignore_eos=True)
     run = engine.insert(syn.prompt_ids(PROMPT), SamplingParams(max_tokens=9, ignore_eos=True))

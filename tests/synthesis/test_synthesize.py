@@ -205,7 +205,7 @@ def test_a_load_book_plans_in_its_block_and_takes_the_reservation_of_a_failed_re
     _tamper(root, "blocks[5:6)", version)
     syn = Synthesizer.open(reg, _loose_fast_draft())
     book = _Book()
-    r = syn.synthesize(PROMPT, ["fast_draft"], max_latency_ms=math.inf, max_tokens=4, ignore_eos=True, load=book)
+    r = syn.synthesize(PROMPT, ["fast_draft"], max_latency_ms=math.inf, max_tokens=4, ignore_eos=True, book=book)
     assert r.plan.degraded and r.plan.path == "embed, blocks[0:5), head" and book.plans == 2
     kept = [x for x in book.held if not x.released]
     assert kept == [r.reservation] and len(book.held) in (1, 2)  # the first plan reserved unless speculative

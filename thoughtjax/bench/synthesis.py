@@ -142,7 +142,7 @@ def _tok_s(syn, candidate, ids: list[int], tokens: int) -> float:
   """Greedy decode tok/s of one candidate path (second run: compiled)."""
   from thoughtjax.sampling import SamplingParams
 
-  model = syn._model(candidate)
+  model = syn.model_of(candidate)
   params = SamplingParams(max_tokens=tokens, ignore_eos=True)
   for _ in range(2):
     g = model.stream_batch([ids], params)
@@ -218,17 +218,13 @@ def bench_load(syn, codec, *, streams: int, budget_ms: float | None, prompt_toke
   T = len(syn.prompt_ids(prompt))
   forced = [cal.full, *(c for c in cal.candidates if c.kind.value == "variant")]
   if budget_ms is None:
-    idle_plan = syn._plan(
+    idle_plan = syn.plan(
       prompt,
       [cal.hints[0]],
-      math.inf,
-      tokens,
-      False,
-      None,
-      None,
-      None,
-      syn.latency.warm_residency(cal.candidates, T, tokens),
-    )[0]
+      max_latency_ms=math.inf,
+      max_tokens=tokens,
+      residency=syn.latency.warm_residency(cal.candidates, T, tokens),
+    )
     budget_ms = round(1.15 * idle_plan.predicted.total)
   config = ServerConfig(port=0, scheduler="continuous", max_concurrent=8, max_queue=32)
   out: dict = {"streams": streams, "budget_ms": budget_ms, "prompt_tokens": T, "tokens": tokens, "plans": []}
@@ -275,7 +271,7 @@ def bench_load(syn, codec, *, streams: int, budget_ms: float | None, prompt_toke
     del out["plans"][:]
     plans("idle")
     # Long enough to outlast what is measured under it, within the model's context.
-    load_tokens = min(1200, syn._model(cal.full).config.max_context - T - 1)
+    load_tokens = min(1200, syn.model_of(cal.full).config.max_context - T - 1)
     request = pb.SynthesizeRequest(prompt=prompt, path=cal.full.path, max_tokens=load_tokens, logit_bias=bias)
     loaders = [stub.Synthesize(request, timeout=3600) for _ in range(streams)]
     done = threading.Event()

@@ -165,6 +165,9 @@ class RequestRun:
   slot engine's run of ``request.slot()`` (:meth:`run_in`). ``cancel()`` and ``close()`` hold before it starts
   too: a cancelled request starts and ends at once with finish_reason ``cancelled``, a closed one never starts."""
 
+  plan = None  # a synthesized run's plan (SynthesisResult)
+  reservation = None  # the row its plan reserved in a server's engine pool, if any
+
   def __init__(self, request: ModelRequest):
     self.request = request
     self.generation = None

@@ -202,12 +202,12 @@ class Registry:
     self._lock = threading.RLock()
     # Counts a refusal; closes over the stats, not self, so a dropped Registry is freed (and its lease
     # released) at once rather than by the cycle collector.
-    self._count = _counter(self._stats, self._lock)
+    self.record_failure = _counter(self._stats, self._lock)
     self._codec = None
     self._index: dict | None = None
     self._held: set[tuple[str, str]] = set()  # (dir name, version) resolved explicitly
     self._manifests: dict[tuple, tuple] = {}  # (name, version, check) -> (stamp, Manifest): see manifest()
-    self._verifier = Verifier(self.root, self.trust, self._count)
+    self.verifier = Verifier(self.root, self.trust, self.record_failure)
     self._lease = ReaderLease.acquire(self.root)  # before the index is read: gc then sees this reader
     try:
       self.refresh()
@@ -239,10 +239,10 @@ class Registry:
     body, sig = _read_index(self.root)
     same = self._index is not None and self._index.get("registry_id") == body.get("registry_id")
     seen = sequence_of(self._index) if same else None  # a registry rebuilt at this path starts over
-    verifier = Verifier(self.root, self.trust, self._count)
+    verifier = Verifier(self.root, self.trust, self.record_failure)
     verifier.check_index(body, sig, state, seen=seen)
     with self._lock:
-      self._verifier, self._index, self._index_record = verifier, body, sig
+      self.verifier, self._index, self._index_record = verifier, body, sig
       self.config = ModelConfig.from_json(body["model"]["config"])
       self._manifests.clear()
     self._hold_lease()
@@ -344,8 +344,8 @@ class Registry:
     return self.root / "thoughtlets" / dir_name(name) / version
 
   # ---- failures -----------------------------------------------------------------------------
-  def _count_failure(self, thoughtlet: str, file: str, reason: str, sig: bool = False) -> None:
-    self._count(SIGNATURE if sig else INTEGRITY, thoughtlet, file, reason)
+  def count_failure(self, thoughtlet: str, file: str, reason: str, sig: bool = False) -> None:
+    self.record_failure(SIGNATURE if sig else INTEGRITY, thoughtlet, file, reason)
 
   # ---- manifests ------------------------------------------------------------------------
   def manifest(self, name: str, version: str | None = None, *, check: bool = True) -> Manifest:
@@ -355,7 +355,7 @@ class Registry:
     version = self.resolve(name, version)
     vdir = self.version_dir(name, version)
     key = (name, version, check)
-    stamp = (id(self._verifier), self.sequence, _stat_key(vdir / "manifest.json"), _stat_key(vdir / "manifest.sig"))
+    stamp = (id(self.verifier), self.sequence, _stat_key(vdir / "manifest.json"), _stat_key(vdir / "manifest.sig"))
     with self._lock:
       hit = self._manifests.get(key)
     if hit is not None and hit[0] == stamp and stamp[2] is not None:
@@ -370,14 +370,14 @@ class Registry:
   def _check_manifest(self, name: str, version: str, vdir: Path, check: bool) -> Manifest:
     ref = f"{name}@{version}"
     digest = (self._index.get("manifest_sha256") or {}).get(ref)
-    _, raw = self._verifier.check_manifest(name, version, vdir, digest, check_signature=check, index_signed=self.signed)
+    _, raw = self.verifier.check_manifest(name, version, vdir, digest, check_signature=check, index_signed=self.signed)
     try:
       m = Manifest.from_json(raw)
     except (KeyError, TypeError, ValueError, RegistryError) as e:
-      self._count_failure(ref, "manifest.json", f"malformed: {e}")
+      self.count_failure(ref, "manifest.json", f"malformed: {e}")
       raise IntegrityError(name, version, str(vdir / "manifest.json"), f"not a manifest ({e})") from None
     if (m.name, m.version) != (name, version) or not m.versioned_hash.startswith(version):
-      self._count_failure(ref, "manifest.json", "names another thoughtlet or version")
+      self.count_failure(ref, "manifest.json", "names another thoughtlet or version")
       raise IntegrityError(name, version, str(vdir / "manifest.json"), f"it describes {m.name}@{m.version}, not {ref}")
     return m
 
@@ -393,7 +393,7 @@ class Registry:
     except FileNotFoundError:
       entries = {}
     except UnsafeFile as e:
-      self._count_failure(m.ref, "checkpoint", str(e))
+      self.count_failure(m.ref, "checkpoint", str(e))
       raise IntegrityError(
         m.name, m.version, str(vdir / "checkpoint"), f"{e}; nothing is read through a link"
       ) from None
@@ -401,15 +401,15 @@ class Registry:
       key = f"checkpoint/{rel}"
       if kind in ("link", "special"):
         what = "a symbolic link" if kind == "link" else "not a regular file (a FIFO, socket or device)"
-        self._count_failure(m.ref, key, what)
+        self.count_failure(m.ref, key, what)
         raise IntegrityError(
           m.name, m.version, str(vdir / key), f"{what}; a checkpoint holds plain files only, and none is read"
         )
       if kind == "file" and key not in m.files:
-        self._count_failure(m.ref, key, "not listed in the manifest")
+        self.count_failure(m.ref, key, "not listed in the manifest")
         raise IntegrityError(m.name, m.version, str(vdir / key), "the file is not listed in the signed manifest")
 
-  def _check_files(self, m: Manifest, vdir: Path) -> None:
+  def check_files(self, m: Manifest, vdir: Path) -> None:
     listed = {rel: spec for rel, spec in m.files.items()}
     self._check_unlisted(m, vdir)
     base = vdir.relative_to(self.root)
@@ -431,13 +431,13 @@ class Registry:
     for rel in sorted(listed):
       got, why = results[rel]
       if why is not None:
-        self._count_failure(m.ref, rel, why)
+        self.count_failure(m.ref, rel, why)
         raise IntegrityError(m.name, m.version, str(vdir / rel), why)
       if got is None:
-        self._count_failure(m.ref, rel, "missing")
+        self.count_failure(m.ref, rel, "missing")
         raise IntegrityError(m.name, m.version, str(vdir / rel), "the file is missing")
       if got != listed[rel]["sha256"]:
-        self._count_failure(m.ref, rel, "sha256 mismatch")
+        self.count_failure(m.ref, rel, "sha256 mismatch")
         raise IntegrityError(
           m.name,
           m.version,
@@ -610,7 +610,7 @@ class Registry:
     try:
       return store.load(key, sources)
     except MappedFileChanged as e:
-      self._count(MAPPED, m.ref, str(store.dir / key), str(e))
+      self.record_failure(MAPPED, m.ref, str(store.dir / key), str(e))
       log.warning("refused the mapped form of %s: %s; restoring it from its checkpoint", m.ref, e)
       return None
 
@@ -625,14 +625,14 @@ class Registry:
       self._check_unlisted(m, vdir)
 
       def fail(rel, reason):
-        self._count_failure(m.ref, rel, reason)
+        self.count_failure(m.ref, rel, reason)
         return IntegrityError(m.name, m.version, str(vdir / rel), reason)
 
       copy = verified_copy(vdir, m.files, fail, root=self.root)
     try:
       params = jax.block_until_ready(_restore_checkpoint(_checkpointer(), (copy or vdir) / "checkpoint", target))
     except Exception as e:
-      self._count(RESTORE, m.ref, "checkpoint", f"{type(e).__name__}: {e}")
+      self.record_failure(RESTORE, m.ref, "checkpoint", f"{type(e).__name__}: {e}")
       checked = (
         "every file matched its signed sha256 digest, so this is not tampering"
         if self.verify_files
@@ -721,7 +721,7 @@ class Registry:
       cdir = self.root / entry["dir"]
 
       def fail(rel, reason):
-        self._count_failure("codec", rel, reason)
+        self.count_failure("codec", rel, reason)
         return IntegrityError("codec", None, str(cdir / rel), f"{reason} (checked against the index)")
 
       self._codec = load_codec(cdir, entry["files"], fail, root=self.root)
@@ -780,7 +780,7 @@ class Registry:
       model=None,
       codec=None,
       trust=self.trust,
-      on_failure=self._count,
+      on_failure=self.record_failure,
       revoke=tuple(revoke_keys),
     )
     self.refresh()

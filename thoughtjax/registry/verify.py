@@ -79,13 +79,13 @@ def verify_registry(
   todo = [(n, v) for n in reg.names for v in (reg.versions(n) if all_versions else [reg.resolve(n)])]
   for name, version in todo:
     m = reg.manifest(name, version)
-    reg._check_files(m, reg.version_dir(name, version))
+    reg.check_files(m, reg.version_dir(name, version))
     status = {"ref": m.ref, "signed_by": m.signed_by, "files": len(m.files)}
     if deep:
       params = reg.restore(name, version, weights="stored")  # the arrays the hash covers, as stored
       got = versioned_hash(m.identity(), params)
       if got != m.versioned_hash:
-        reg._count_failure(m.ref, "checkpoint", "versioned hash mismatch")
+        reg.count_failure(m.ref, "checkpoint", "versioned hash mismatch")
         raise IntegrityError(
           name,
           version,

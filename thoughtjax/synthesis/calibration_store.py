@@ -70,7 +70,9 @@ def write_calibration(registry, calibration, *, sign_key=None) -> Path:
   key = signing.load_private_key(sign_key) if isinstance(sign_key, (str, os.PathLike)) else sign_key
   root = Path(registry.root)
   if key is None and (registry.signed or registry.signing_keys):
-    registry._count(DOWNGRADE, "calibration", str(root / DIRNAME), "calibration without a key into a signed registry")
+    registry.record_failure(
+      DOWNGRADE, "calibration", str(root / DIRNAME), "calibration without a key into a signed registry"
+    )
     raise SignatureDowngradeError(
       f"{root}: the registry is signed (keys {registry.signing_keys}) but no signing key was given for its "
       f"calibration; an unsigned calibration would be refused by every reader. Pass sign_key= (CLI: "
@@ -110,7 +112,7 @@ def read_calibration(registry, sequence: int | None = None):
   root = Path(registry.root)
   path = calibration_path(root, seq)
   what = f"calibration {path}"
-  count = registry._count
+  count = registry.record_failure
 
   def integrity(reason: str) -> IntegrityError:
     count(INTEGRITY, "calibration", str(path), reason)
@@ -134,7 +136,7 @@ def read_calibration(registry, sequence: int | None = None):
       record = signing.SignatureRecord.from_json(
         json.loads(_read_regular(root, sig_path.relative_to(root), MAX_SIG_BYTES))
       )
-      signing.verify(registry._verifier.keys(), data, record, what)
+      signing.verify(registry.verifier.keys(), data, record, what)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, UnsafeFile, signing.SignatureError) as e:
       count(SIGNATURE, "calibration", str(sig_path), str(e))
       raise SignatureError(

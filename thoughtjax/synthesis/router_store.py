@@ -182,7 +182,7 @@ def publish_router(
     model=None,
     codec=None,
     trust=registry.trust,
-    on_failure=registry._count,
+    on_failure=registry.record_failure,
   )
   registry.refresh()
   if calibration is not None:

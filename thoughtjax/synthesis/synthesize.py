@@ -59,6 +59,7 @@ from thoughtjax.decode.speculative import Draft
 from thoughtjax.errors import UserError
 from thoughtjax.kernels.dispatch import resolve as resolve_kernels
 from thoughtjax.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from thoughtjax.serving.slots import SlotRun
 from thoughtjax.synthesis.calibration import Calibration
 from thoughtjax.synthesis.candidate import path_hash_of
 from thoughtjax.synthesis.latency import IDLE, STAGES, LatencyContext, LatencyModel, LatencyTrace, Load, Residency
@@ -284,7 +285,7 @@ class Synthesizer:
       composed = {u.ref for h in self._models for c in self.calibration.candidates if c.path_hash == h for u in c.units}
       return Residency(set(self.registry.stats().resident) | composed, set(self._compiled))
 
-  def _model(self, candidate):
+  def model_of(self, candidate):
     """The composed model of ``candidate``'s units (cached; a speculative candidate shares the full path's);
     each unit, a draft's too, restored alone, so a failure names its ref."""
     from thoughtjax.compose import compose
@@ -376,12 +377,14 @@ class Synthesizer:
     unavailable=None,
     constraint: Constraint | None = None,
     load: Load | None = None,
+    residency: Residency | None = None,
   ) -> Plan:
     """GetOptimalPath for this request (hints normalized and corrected against the dictionary); ``constraint``:
     the request's output constraint (planned without speculation, predicted one step per call); ``load``: a
-    server's slot engines now (:meth:`context_under`)."""
+    server's slot engines now (:meth:`context_under`); ``residency``: what the plan takes as restored and compiled
+    (default: what this process holds now)."""
     return self._plan(
-      prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, unavailable, constraint, None, load
+      prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, unavailable, constraint, residency, load
     )[0]
 
   def context_under(self, load: Load | None) -> LatencyContext:
@@ -488,7 +491,8 @@ class Synthesizer:
     max_tokens: int = DEFAULT_MAX_TOKENS,
     chat: bool = False,
     pin_sequence: int | None = None,
-    load: Load | LoadBook | None = None,
+    load: Load | None = None,
+    book: LoadBook | None = None,
     **sampling,
   ) -> SynthesisResult:
     """Plan, restore and compose, and return the plan with its checked request, not started: iterate the
@@ -497,17 +501,20 @@ class Synthesizer:
 
     ``sampling``: :class:`~thoughtjax.sampling.SamplingParams` fields (temperature, top_k, top_p, seed,
     stop_strings, ...). A thoughtlet that fails verification or restore is planned around (degraded). ``load``:
-    a server's slot engines now, which the request will join (planned in their context, :meth:`context_under`), or
-    a :class:`LoadBook` that gives the load under a lock and takes the plan's reservation (``result.reservation``,
-    for the caller to release once the request is in its engine)."""
-    return self._synthesize(prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, None, sampling, load)
+    a server's slot engines now, which the request will join (planned in their context, :meth:`context_under`);
+    ``book`` (instead of ``load``): a :class:`LoadBook` that gives the load under a lock and takes the plan's
+    reservation (``result.reservation``, for the caller to release once the request is in its engine)."""
+    if load is not None and book is not None:
+      raise ValueError("give a request's load or the book it is planned under, not both")
+    return self._synthesize(prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, None, sampling, load, book)
 
-  def _synthesize(self, prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, residency, sampling, load=None):
+  def _synthesize(
+    self, prompt, hints, max_latency_ms, max_tokens, chat, pin_sequence, residency, sampling, load=None, book=None
+  ):
     t_request = time.perf_counter()
     params = SamplingParams(max_tokens=int(max_tokens), **sampling)  # refused before any planning
     unavailable: dict[str, str] = {}
     synthesis_ms = startup_ms = 0.0
-    book = load if hasattr(load, "planning") else None
     while True:
       reservation = None
       with book.planning() if book is not None else contextlib.nullcontext(load) as now:
@@ -530,7 +537,7 @@ class Synthesizer:
       startup_ms += startup
       t = time.perf_counter()
       try:
-        model = self._model(candidate)
+        model = self.model_of(candidate)
       except BaseException as e:  # the plan gives its reservation back; an unavailable path is planned around
         if reservation is not None:
           reservation.release()
@@ -573,14 +580,15 @@ class Synthesizer:
     gen = result.generation.trace
     if self.learn and tokens and not gen.cancelled:
       # compile_s > 0: this call traced or compiled its program (its first run in this process).
-      width = getattr(result.generation, "mean_width", None)  # a slot engine's run: the rows its steps computed
+      run = result.generation
+      width = run.mean_width if isinstance(run, SlotRun) else None  # a slot engine's run: the rows its steps computed
       trace = LatencyTrace(
         result.plan.predicted,
         actual,
         tokens,
         compiled=gen.compile_s > 0,
         context=self.ran_in(result),
-        width=width if isinstance(width, float) else None,
+        width=width,
       )
       self.latency.update(trace)
       self._store.learned()
@@ -590,11 +598,9 @@ class Synthesizer:
   def ran_in(self, result: SynthesisResult) -> LatencyContext:
     """The context ``result`` ran in: the one its plan predicted for, or, when a server's scheduler moved it
     into a slot engine (its generation is then that engine's run), that engine's."""
-    engine = getattr(result.generation, "engine", None)
-    slots = getattr(engine, "slots", None)
-    if isinstance(slots, int) and not isinstance(slots, bool) and slots >= 1:
-      kernels = getattr(engine, "kernels", None) or self.context.kernels
-      return LatencyContext("slots", self.context.weights, slots, kernels)
+    if isinstance(result.generation, SlotRun):
+      engine = result.generation.engine
+      return LatencyContext("slots", self.context.weights, engine.slots, engine.kernels or self.context.kernels)
     return result.plan.predicted.context
 
   def save_corrections(self) -> None:
