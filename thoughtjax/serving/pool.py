@@ -26,11 +26,27 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Iterable
+from typing import TypeVar
 
 from thoughtjax.decode.program import bucket
 from thoughtjax.errors import UserError
 from thoughtjax.serving.prefix import PrefixCache
 from thoughtjax.serving.slots import SlotDriver, SlotEngine
+
+T = TypeVar("T")
+
+
+def choose_engine(engines: Iterable[tuple[T, int, int]], ring: int) -> T | None:
+  """The engine a request whose prompt and new tokens need a ring of ``ring`` slots joins, of ``engines``
+  (engine, streams, ring length): of those whose ring holds it, the one with the most streams (so requests of
+  different lengths share one batch), ties the smallest ring; None when none holds it. The pool leases by it and
+  the latency model predicts by it (:meth:`Load.of <thoughtjax.synthesis.latency.Load.of>`)."""
+  best = None
+  for engine, streams, length in engines:
+    if length >= ring and (best is None or (-streams, length) < best[0]):
+      best = ((-streams, length), engine)
+  return None if best is None else best[1]
 
 
 class PoolFull(UserError, RuntimeError):
@@ -83,9 +99,9 @@ class EnginePool:
     with self._lock:
       if self._closed:
         raise PoolFull("the engine pool is closed (the server is stopping); retry on another replica")
-      fits = [(-self._leases[d], k[-1], k) for k, d in self._engines.items() if k[:-1] == path and k[-1] >= cache_len]
-      if fits:
-        key = min(fits)[2]
+      mine = ((k, self._leases[d], k[-1]) for k, d in self._engines.items() if k[:-1] == path)
+      key = choose_engine(mine, cache_len)
+      if key is not None:
         self._engines.move_to_end(key)
         driver = self._engines[key]
       else:
@@ -205,9 +221,11 @@ class EnginePool:
     out = [[d.engine.model.path_hash, d.rows, d.engine.cache_len, d.engine.recent_step()] for d in drivers]
     made: list[list] = []  # the engines reserved requests will make, longest ring first
     for (h, ring), n in sorted(reserved.items(), key=lambda kv: -kv[0][1]):
-      fits = [e for e in out if e[0] == h and e[2] >= ring] or [e for e in made if e[0] == h and e[2] >= ring]
-      if fits:  # the engine a lease would join: of those that hold it, the one with the most streams
-        max(fits, key=lambda e: (e[1], -e[2]))[1] += n
+      # The engine a lease would join (of the engines now, else of those reserved requests will make).
+      joins = choose_engine(((e, e[1], e[2]) for e in out if e[0] == h), ring)
+      joins = joins or choose_engine(((e, e[1], e[2]) for e in made if e[0] == h), ring)
+      if joins is not None:
+        joins[1] += n
       else:
         made.append([h, n, ring, None])
     return [tuple(e) for e in out + made]

@@ -840,7 +840,7 @@ class SlotEngine:
     jax.block_until_ready(self._state)
 
   def _warm_chunks(self, mode: SamplingMode, bias: bool) -> None:
-    """Run the decode chunk at every width :func:`_width` gives, with no slot active: each compiles, none steps
+    """Run the decode chunk at every width :func:`width` gives, with no slot active: each compiles, none steps
     (the loop stops before its first step), the state stays as it was."""
     with self._lock:
       samp = self._slot_arrays(bias)
@@ -1041,9 +1041,9 @@ class SlotEngine:
       active = np.zeros(self.slots, bool)
       active[live] = True
       t0 = time.perf_counter()
-      width = _width(len(live), self.slots)
-      if width < self.slots:  # compute only the slots in use (padded to a power of two with free ones)
-        rows = live + [b for b in range(self.slots) if b not in set(live)][: width - len(live)]
+      W = width(len(live), self.slots)
+      if W < self.slots:  # compute only the slots in use (padded to a power of two with free ones)
+        rows = live + [b for b in range(self.slots) if b not in set(live)][: W - len(live)]
         self._state, out, steps = program.chunk_rows(
           self.parts, samp, self._state, jnp.asarray(np.asarray(rows, np.int32)), jnp.asarray(active[rows]), mode
         )
@@ -1059,14 +1059,14 @@ class SlotEngine:
           refused[b] = e
       self.chunk_seconds.append(time.perf_counter() - t0)
       if not constrained:
-        self._step_ms.append((width, self.chunk_seconds[-1] * 1e3 / max(int(steps), 1)))
+        self._step_ms.append((W, self.chunk_seconds[-1] * 1e3 / max(int(steps), 1)))
       self.chunks += 1
-      self.rows_computed += width
+      self.rows_computed += W
       self.steps += int(steps)
       new: dict[int, list[int]] = {}
       for b in live:
         run = self._runs[b]
-        run._stepped(int(steps), width, self.prefill_calls)
+        run._stepped(int(steps), W, self.prefill_calls)
         if b in refused:
           self._free(b, refused[b])
           continue
@@ -1118,10 +1118,10 @@ class SlotEngine:
           run._end(error)
 
 
-def _width(live: int, slots: int) -> int:
-  """The rows a decode chunk computes for ``live`` slots in use: the next power of two, at most ``slots``
-  (a few compiled widths serve every occupancy)."""
-  return min(1 << max(live - 1, 0).bit_length(), slots)
+def width(live: int, slots: int) -> int:
+  """The rows a decode chunk computes for ``live`` slots in use: the next power of two, at most ``slots`` (a few
+  compiled widths serve every occupancy). The latency model prices a joining stream by it."""
+  return min(1 << max(int(live) - 1, 0).bit_length(), max(int(slots), 1))
 
 
 def _widest(modes: set[SamplingMode]) -> SamplingMode:

@@ -67,6 +67,8 @@ import numpy as np
 
 from thoughtjax.decode.program import bucket
 from thoughtjax.errors import UserError
+from thoughtjax.serving.pool import choose_engine
+from thoughtjax.serving.slots import width
 
 if TYPE_CHECKING:
   from thoughtjax.synthesis.candidate import Candidate
@@ -429,11 +431,6 @@ class Residency:
 COLD = Residency()
 
 
-def width(rows: int, slots: int) -> int:
-  """The rows a slot engine computes for ``rows`` streams: the next power of two, at most its ``slots``."""
-  return min(1 << max(int(rows) - 1, 0).bit_length(), max(int(slots), 1))
-
-
 @dataclasses.dataclass(frozen=True)
 class EngineLoad:
   """One slot engine now: its path, the streams in its slots or waiting for them (``rows``), its ring length
@@ -490,8 +487,7 @@ class Load:
   def of(self, path_hash: str, cache_len: int = 1) -> EngineLoad | None:
     """The engine of ``path_hash`` a request attending over ``cache_len`` slots joins (of those whose ring holds
     it, the one with the most streams, as an engine pool picks), or None."""
-    fits = (e for e in self.engines if e.path_hash == path_hash and e.cache_len >= cache_len)
-    return max(fits, key=lambda e: (e.rows, -e.cache_len), default=None)
+    return choose_engine(((e, e.rows, e.cache_len) for e in self.engines if e.path_hash == path_hash), cache_len)
 
   def describe(self) -> str:
     if not self.engines:
