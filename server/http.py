@@ -52,6 +52,7 @@ from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from thoughtjax.defaults import MAX_HINTS
 from thoughtjax.errors import UserError
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
 from thoughtjax.server.messages import log_safe
@@ -86,7 +87,6 @@ ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
 # Content types a client sends by default with a JSON body (curl -d: form-urlencoded): taken when the body is
 # JSON, else 415. A JSON type or none at all: parsed (400 when it is not JSON). Any other type: 415.
 _LENIENT_TYPES = ("text/plain", "application/x-www-form-urlencoded")
-MAX_HINTS = 3
 FINISH_REASON = {"stop": "stop", "stop_string": "stop", "length": "length"}  # the engine's -> OpenAI's
 
 # Fields OpenAI defines that this server does not implement: accepted only at their default value.

@@ -36,6 +36,7 @@ from thoughtjax.decode.masks import RowMasks, grammars_for
 from thoughtjax.decode.program import Program, ProgramKey, TemplatePrompt, bucket
 from thoughtjax.decode.request import DecodeRequest, ModelRequest
 from thoughtjax.decode.stream import Completion, Delta, Generation, RequestError, Rows, Trace
+from thoughtjax.defaults import DEFAULT_DRAFT_TOKENS
 from thoughtjax.kernels.dispatch import resolve as resolve_kernels
 from thoughtjax.loading import LoadedModel
 from thoughtjax.loading import load as load_model
@@ -420,7 +421,7 @@ class Model:
     system: str | None = None,
     *,
     draft=None,
-    draft_tokens: int = 4,
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
   ) -> ModelRequest:
     """The checked decode request of ``prompts`` on this path, before any device work: run it alone with
     :meth:`run`, or hand its one row to a slot engine (:meth:`ModelRequest.slot
@@ -539,7 +540,7 @@ class Model:
     stream_mode: str = "chunks",
     *,
     draft=None,
-    draft_tokens: int = 4,
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
   ) -> Generation:
     """Generate for several prompts at once (:meth:`request` then :meth:`run`); the returned
     :class:`Generation` yields deltas as tokens are produced (``stream_mode``: ``"chunks"``, or ``"callback"``
@@ -563,7 +564,7 @@ class Model:
     system: str | None = None,
     stream_mode: str = "chunks",
     draft=None,
-    draft_tokens: int = 4,
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     **sampling,
   ) -> Generation:
     """Deltas of one prompt's continuation as they are produced."""
@@ -589,7 +590,7 @@ class Model:
     system: str | None = None,
     stream_mode: str = "chunks",
     draft=None,
-    draft_tokens: int = 4,
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     **sampling,
   ) -> Completion:
     """The whole continuation of one prompt (``draft``: see :meth:`stream_batch`)."""

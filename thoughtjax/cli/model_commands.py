@@ -17,6 +17,7 @@ from thoughtjax.cli.args import (
   registry_weights,
   sampling_kwargs,
 )
+from thoughtjax.defaults import DEFAULT_DRAFT_TOKENS
 from thoughtjax.fetch import DEFAULT_MODEL, KNOWN_MODELS
 
 
@@ -139,7 +140,7 @@ def cmd_generate(args) -> int:
     draft = Draft(args.draft, vocab=args.draft_vocab)
   elif args.draft_vocab is not None or args.draft_tokens is not None:
     raise CommandLineError("--draft-tokens and --draft-vocab set up a draft: add --draft PATH or drop them")
-  draft_kw = {} if draft is None else {"draft": draft, "draft_tokens": args.draft_tokens or 4}
+  draft_kw = {} if draft is None else {"draft": draft, "draft_tokens": args.draft_tokens or DEFAULT_DRAFT_TOKENS}
   with model.stream_batch([args.prompt], params, chat=args.chat, system=args.system, **draft_kw) as stream:
     for d in stream:
       ids.extend(d.token_ids)
@@ -234,7 +235,11 @@ def add_parsers(sub) -> None:
     "(greedy output identical, sampling keeps its distribution)",
   )
   p.add_argument(
-    "--draft-tokens", type=int, default=None, metavar="K", help="tokens drafted per verify pass (default 4)"
+    "--draft-tokens",
+    type=int,
+    default=None,
+    metavar="K",
+    help=f"tokens drafted per verify pass (default {DEFAULT_DRAFT_TOKENS})",
   )
   p.add_argument(
     "--draft-vocab",

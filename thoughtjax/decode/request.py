@@ -29,6 +29,7 @@ import numpy as np
 
 from thoughtjax.decode.program import bucket
 from thoughtjax.decode.stream import RequestError
+from thoughtjax.defaults import DEFAULT_DRAFT_TOKENS
 from thoughtjax.sampling import SamplingParams, program_mode, stop_ids_for
 
 
@@ -149,7 +150,7 @@ class ModelRequest:
   template: Any = None
   user: tuple[tuple[int, ...], ...] | None = None
   draft: Any = None
-  draft_tokens: int = 4
+  draft_tokens: int = DEFAULT_DRAFT_TOKENS
 
   def slot(self) -> tuple[tuple[int, ...], SamplingParams] | None:
     """``(prompt ids, SamplingParams)`` of a plain one-prompt request, which a slot engine may run (the server's

@@ -62,6 +62,7 @@ from thoughtjax.decode.program import ProgramKey
 from thoughtjax.decode.request import DecodeRequest
 from thoughtjax.decode.state import DecodeState
 from thoughtjax.decode.stream import Generation, Rows, Trace
+from thoughtjax.defaults import DEFAULT_DRAFT_TOKENS
 from thoughtjax.errors import UserError
 from thoughtjax.path_syntax import format_path, parse_path
 from thoughtjax.sampling import (
@@ -73,7 +74,6 @@ from thoughtjax.sampling import (
 )
 from thoughtjax.transformer import GraphDefs, PathParts, merge_path, path_shape, rope_tables, run_path
 
-DEFAULT_DRAFT_TOKENS = 4
 NGRAM_DEFAULT = 3  # "ngram" alone: look up the last 3 tokens, then 2, then 1
 NGRAM_MAX = 16
 # "always" and "resample" are deliberately wrong rules, the statistical tests' controls: accept every draft;

@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from typing import TypeVar
 
 from thoughtjax.decode.program import bucket
+from thoughtjax.defaults import DEFAULT_CACHE_LEN
 from thoughtjax.errors import UserError
 from thoughtjax.serving.prefix import PrefixCache
 from thoughtjax.serving.slots import SlotDriver, SlotEngine
@@ -73,7 +74,7 @@ class EnginePool:
     slots: int,
     *,
     max_engines: int = 4,
-    cache_len: int = 64,
+    cache_len: int = DEFAULT_CACHE_LEN,
     prefix_cache_bytes: int = 0,
     prefix_block_tokens: int = 16,
   ):

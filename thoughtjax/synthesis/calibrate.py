@@ -54,6 +54,7 @@ import numpy as np
 from thoughtjax.assembly import full_path
 from thoughtjax.decode.program import bucket
 from thoughtjax.decode.speculative import Draft, DraftError, ngram_order
+from thoughtjax.defaults import DEFAULT_DRAFT_TOKENS
 from thoughtjax.errors import UserError
 from thoughtjax.path_syntax import VARIANTS, Ref, parse_path
 from thoughtjax.sampling import SamplingParams
@@ -173,7 +174,7 @@ class SpeculativeSettings:
   """
 
   drafts: int = 1
-  draft_tokens: int = 4
+  draft_tokens: int = DEFAULT_DRAFT_TOKENS
   vocab: int | None = None
   variants: tuple[str, ...] = ()
   ngram: tuple[str, ...] = ("3:2",)

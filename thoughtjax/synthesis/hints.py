@@ -21,10 +21,10 @@ import dataclasses
 import re
 from collections.abc import Iterable
 
+from thoughtjax.defaults import MAX_HINTS
 from thoughtjax.errors import UserError
 from thoughtjax.synthesis.dictionary import SynthesisDictionary
 
-MAX_HINTS = 3
 MAX_DISTANCE = 2
 _SEPARATORS = re.compile(r"[\s\-_]+")
 

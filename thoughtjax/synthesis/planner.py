@@ -41,13 +41,13 @@ from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
+from thoughtjax.defaults import MAX_HINTS
 from thoughtjax.errors import UserError
 from thoughtjax.path_syntax import VARIANTS
 from thoughtjax.synthesis.calibration import Calibration, PathQuality
 from thoughtjax.synthesis.candidate import DraftPlan
 from thoughtjax.synthesis.latency import COLD, IDLE, LatencyContext, LatencyModel, Load, Prediction, Residency
 
-MAX_HINTS = 3
 BUDGET = "budget"
 
 # A failed-thoughtlet report: refs (``name@version``, or a bare name for every version of it) that
