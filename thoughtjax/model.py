@@ -461,6 +461,19 @@ class Model:
       draft_tokens,
     )
 
+  def program_key(self, request: ModelRequest) -> ProgramKey:
+    """The key of the plain program ``request`` runs alone in (its shape buckets, sampling mode, template widths,
+    masked when a row is constrained); no device work. A slot engine records it in the request's trace."""
+    masked = RowMasks.needed([p.constraint for p in request.decode.params])
+    return ProgramKey(
+      layers=self.layers,
+      **request.decode.key_fields(),
+      chunk=1 if masked else self.chunk,  # each step's mask depends on the token before it
+      kernels=self.kernels,
+      template=None if request.template is None else request.template.widths,
+      masked=masked,
+    )
+
   def run(self, request: ModelRequest, stream_mode: str = "chunks") -> Generation:
     """Start ``request`` (from :meth:`request`) alone on this path; the :class:`Generation` yields deltas as
     tokens are produced (``stream_mode``: ``"chunks"``, or ``"callback"`` for comparison)."""
@@ -483,14 +496,7 @@ class Model:
       if stream_mode != "chunks":
         raise RequestError(f"draft= streams in chunks; got stream_mode={stream_mode!r}, drop it or drop draft=")
       return speculative.stream_batch(self, decode, start, request.draft, request.draft_tokens)
-    key = ProgramKey(
-      layers=self.layers,
-      **decode.key_fields(),
-      chunk=1 if masks else self.chunk,  # each step's mask depends on the token before it
-      kernels=self.kernels,
-      template=None if template is None else template.widths,
-      masked=masks is not None,
-    )
+    key = self.program_key(request)
     if self.layout == "indexed":  # the program holds max_layers positions; the trace keeps the path
       positions = tuple(range(indexed.max_layers(len(self.layers), self.config.num_layers)))
       shape = dataclasses.replace(key, layers=positions, layout="indexed")

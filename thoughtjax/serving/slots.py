@@ -81,7 +81,7 @@ from thoughtjax.decode import program as program_lib
 from thoughtjax.decode import state as state_lib
 from thoughtjax.decode.interface import COMPILE_CLOCK, DecodeInputs, DecodeKey, DecodeProgram, Tokens
 from thoughtjax.decode.masks import ALL, grammars_for
-from thoughtjax.decode.program import ProgramKey, bucket
+from thoughtjax.decode.program import bucket
 from thoughtjax.decode.state import DecodeState
 from thoughtjax.decode.stream import Delta, Rows, Trace
 from thoughtjax.errors import UserError
@@ -621,9 +621,8 @@ class SlotEngine:
         f"{len(stops)} stop ids (stop_token_ids and end-of-sequence ids) exceed the slot engine's "
         f"stop_width of {self.stop_width}; send fewer stop ids or make the engine with a larger stop_width"
       )
-    gen = self.model.stream_batch([ids], params)  # the alone run's program key and checks; never iterated
-    key: ProgramKey = gen.trace.program
-    gen.close()
+    # The model's checks, and the key of the program the request would run alone in (its trace names it).
+    key = self.model.program_key(self.model.request([ids], params))
     trace = Trace(key, [ids], time.perf_counter(), tokens_out=[0])
     c = params.constraint
     matcher = None if c is None else self._grammars.matcher(c)
