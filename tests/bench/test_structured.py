@@ -347,12 +347,15 @@ def test_mask_overhead_times_a_free_and_a_constrained_batch_of_different_schemas
     )
     for i in range(8)
   ]
-  for batch in (1, 8):
-    o = structured.mask_overhead(model, items, batch, max_tokens=6, repeats=1)
-    assert o["batch"] == batch and o["plain_ms_per_step"] > 0 and o["masked_ms_per_step"] > 0
+  for batch, constrained in ((1, None), (8, None), (8, 1)):
+    o = structured.mask_overhead(model, items, batch, constrained=constrained, max_tokens=6, repeats=1)
+    assert o["batch"] == batch and o["constrained"] == (constrained or batch)
+    assert o["plain_ms_per_step"] > 0 and o["masked_ms_per_step"] > 0
     assert o["overhead"] == pytest.approx(o["masked_ms_per_step"] / o["plain_ms_per_step"] - 1)
   with pytest.raises(structured.BenchStructuredError, match="needs 8 prompts"):
     structured.mask_overhead(model, items[:3], 8)
+  with pytest.raises(structured.BenchStructuredError, match="constrained rows: expected 1 to 8, got 9"):
+    structured.mask_overhead(model, items, 8, constrained=9)
 
 
 def test_a_peer_that_dies_while_starting_is_a_named_error_quoting_its_output(tmp_path):
