@@ -134,11 +134,11 @@ def _next(run: Run):
     return _END
 
 
-def _unreserve(run) -> None:
-  """Release the pool reservation its plan made, if any (a synthesized run that joins a slot engine)."""
-  r = run.reservation
-  if r is not None:
-    r.release()
+def _unreserve(run: Run | None) -> None:
+  """Release the pool reservation its plan made, if any (a synthesized run that joins a slot engine). ``None``: the
+  call ended before its run was made (a refused request), so nothing was reserved."""
+  if run is not None and run.reservation is not None:
+    run.reservation.release()
 
 
 def _hand_back(loop: asyncio.AbstractEventLoop, scheduler: SimpleScheduler, record: RequestRecord) -> None:
