@@ -468,8 +468,8 @@ class ContinuousScheduler(SimpleScheduler):
 
       # The driver prefills it with the others waiting then; its first token goes out as soon as that call ends.
       def submit():
-        slot = driver.submit(
-          ids, params, on_delta=lambda d: loop.call_soon_threadsafe(ready.put_nowait, d), scope=cache_scope
+        slot = driver.submit_checked(  # checked once, by the plan's Model.request
+          run.request, on_delta=lambda d: loop.call_soon_threadsafe(ready.put_nowait, d), scope=cache_scope
         )
         # Its row counts in the engine from now: released here, not once back on the loop, so no plan meanwhile
         # sees it twice (in the engine and as reserved).

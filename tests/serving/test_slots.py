@@ -395,3 +395,26 @@ def test_engines_on_paths_of_one_shape_share_one_program_and_each_runs_its_own_l
   for path, engine in ((first, a), (second, b)):
     (run,) = generate_in_slots(engine, [(PROMPTS[1], params)])
     assert run.token_ids == alone(path, PROMPTS[1], **_kw(params)).token_ids
+
+
+def test_a_request_the_model_checked_is_not_checked_again_and_gives_its_alone_tokens(model, engine, monkeypatch):
+  """submit_checked takes the model's checked request (a server's plan made it): the engine checks only its own
+  limits, never the model's again, and the stream gives the alone tokens; a batch is refused by name, and the
+  engine's limits still hold."""
+  params = SamplingParams(max_tokens=9, ignore_eos=True)
+  checked = model.request([PROMPTS[1]], params)
+  calls = []
+  real = type(model).request
+  monkeypatch.setattr(type(model), "request", lambda self, *a, **k: calls.append(a) or real(self, *a, **k))
+  driver = SlotDriver(engine)
+  try:
+    run = driver.submit_checked(checked)
+    got = [t for d in run for t in d.token_ids]  # the stream, to its end
+    assert calls == []  # the engine did not run the model's checks again
+    assert got == run.token_ids == alone(model, PROMPTS[1], max_tokens=9, ignore_eos=True).token_ids
+    with pytest.raises(SlotRequestError, match="one plain prompt on its own path"):
+      driver.submit_checked(real(model, [PROMPTS[0], PROMPTS[2]], params))
+    with pytest.raises(SlotRequestError, match="exceeds the slot engine's cache of 64 tokens"):
+      driver.submit_checked(real(model, [PROMPTS[0]], SamplingParams(max_tokens=62)))
+  finally:
+    driver.close()

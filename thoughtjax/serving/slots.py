@@ -82,6 +82,7 @@ from thoughtjax.decode import state as state_lib
 from thoughtjax.decode.interface import COMPILE_CLOCK, DecodeInputs, DecodeKey, DecodeProgram, Tokens
 from thoughtjax.decode.masks import ALL, grammars_for
 from thoughtjax.decode.program import bucket
+from thoughtjax.decode.request import ModelRequest
 from thoughtjax.decode.state import DecodeState
 from thoughtjax.decode.stream import Delta, Rows, Trace
 from thoughtjax.errors import UserError
@@ -604,28 +605,48 @@ class SlotEngine:
       yield
 
   def request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, scope: str = "") -> _Request:
-    """Check a request against the engine's limits (:class:`SlotRequestError` names the limit and the fix) and
-    make its trace and row bookkeeping; no device work. ``scope``: its prefix-cache scope (blocks are reused
-    within a scope only). Any thread."""
+    """Check a request against the engine's limits (:class:`SlotRequestError` names the limit and the fix) and the
+    model's (:meth:`Model.request <thoughtjax.model.Model.request>`), and make its trace and row bookkeeping; no
+    device work. ``scope``: its prefix-cache scope (blocks are reused within a scope only). Any thread."""
     params = params or SamplingParams()
     ids = [int(t) for t in prompt_ids]
-    stops = stop_ids_for(params, self.model.codec.eos_ids)
+    self._check_limits(ids, params)
+    return self._request_of(self.model.request([ids], params), ids, params, scope)
+
+  def checked(self, request: ModelRequest, scope: str = "") -> _Request:
+    """:meth:`request` for one the model already checked (``Model.request`` of one plain prompt on this engine's
+    path, e.g. a synthesized request's): only the engine's own limits are checked here."""
+    row = request.slot()
+    if row is None or request.model.path_hash != self.model.path_hash:
+      raise SlotRequestError(
+        "a slot engine runs one plain prompt on its own path; run a batch or a drafted request alone "
+        "(Model.run), or submit it to the engine of its path"
+      )
+    ids, params = list(row[0]), row[1]
+    self._check_limits(ids, params)
+    return self._request_of(request, ids, params, scope)
+
+  def _check_limits(self, ids: list[int], params: SamplingParams) -> None:
     if len(ids) + params.max_tokens > self.cache_len:
       raise SlotRequestError(
         f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {len(ids) + params.max_tokens} exceeds "
         f"the slot engine's cache of {self.cache_len} tokens; shorten the prompt, lower max_tokens or make the "
         f"engine with a larger cache_len (at most the model's context, {self.cfg.max_context})"
       )
+    stops = stop_ids_for(params, self.model.codec.eos_ids)
     if len(stops) > self.stop_width:
       raise SlotRequestError(
         f"{len(stops)} stop ids (stop_token_ids and end-of-sequence ids) exceed the slot engine's "
         f"stop_width of {self.stop_width}; send fewer stop ids or make the engine with a larger stop_width"
       )
-    # The model's checks, and the key of the program the request would run alone in (its trace names it).
-    key = self.model.program_key(self.model.request([ids], params))
+
+  def _request_of(self, request: ModelRequest, ids: list[int], params: SamplingParams, scope: str) -> _Request:
+    # The trace names the program the request would run alone in, from its token ids (as the engine takes it).
+    key = self.model.program_key(dataclasses.replace(request, template=None, user=None))
     trace = Trace(key, [ids], time.perf_counter(), tokens_out=[0])
     c = params.constraint
     matcher = None if c is None else self._grammars.matcher(c)
+    stops = stop_ids_for(params, self.model.codec.eos_ids)
     return _Request(ids, params, trace, Rows(self.model.codec, [params], [stops]), matcher, scope)
 
   @property
@@ -1208,7 +1229,15 @@ class SlotDriver:
     """Queue a request for the driver's next prefill call; returns its run at once (its first delta comes
     when the prefill ran). The engine's limits are checked here (:class:`SlotRequestError`). ``scope``: its
     prefix-cache scope. Any thread."""
-    run = SlotRun(self.engine, self.engine.request(prompt_ids, params, scope), on_delta)
+    return self._queue(SlotRun(self.engine, self.engine.request(prompt_ids, params, scope), on_delta))
+
+  def submit_checked(
+    self, request: ModelRequest, *, on_delta: Callable[[Delta | None], None] | None = None, scope: str = ""
+  ) -> SlotRun:
+    """:meth:`submit` a request the model already checked (:meth:`SlotEngine.checked`: not checked again)."""
+    return self._queue(SlotRun(self.engine, self.engine.checked(request, scope), on_delta))
+
+  def _queue(self, run: SlotRun) -> SlotRun:
     with self._cond:
       if self._closed:
         raise SlotsClosed(f"the slot driver of path {self.engine.model.path!r} was closed")
