@@ -63,13 +63,11 @@ def trim_heap_after_compiles() -> bool:
   policy, so the commands install it and the library does not. False where libc has no ``malloc_trim``.
   """
   global _TRIM_INSTALLED
-  import ctypes
-
   import jax
 
-  try:
-    trim = ctypes.CDLL("libc.so.6").malloc_trim
-  except (OSError, AttributeError):  # not glibc: nothing to trim
+  from thoughtjax import heap
+
+  if not heap.trim():  # not glibc: nothing to trim
     return False
   if _TRIM_INSTALLED:  # once per process, however many commands run in it
     return True
@@ -77,7 +75,7 @@ def trim_heap_after_compiles() -> bool:
 
   def on_duration(event: str, seconds: float, **_) -> None:
     if event == "/jax/core/compile/backend_compile_duration" and seconds >= TRIM_AFTER_COMPILE_S:
-      trim(0)
+      heap.trim()
 
   jax.monitoring.register_event_duration_secs_listener(on_duration)
   return True

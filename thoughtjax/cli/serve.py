@@ -202,6 +202,9 @@ def served_model(text: str, weights: str):
 def cmd_serve(args) -> int:
   import asyncio
 
+  from thoughtjax import heap
+
+  heap.cap_arenas()  # first, before the server's threads allocate (thoughtjax.heap: RSS under a flood)
   from thoughtjax.server.app import serve
   from thoughtjax.server.config import serve_config
   from thoughtjax.synthesis.synthesize import Synthesizer

@@ -19,7 +19,6 @@ release shows in the process's RSS rather than only in the allocator's free list
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import threading
 import time
@@ -27,6 +26,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 
 import jax
 
+from thoughtjax import heap
 from thoughtjax.decode import program
 
 
@@ -136,13 +136,6 @@ class IdleTracker:
     return None if not times else max(0.0, min(times) + self.idle_s - now)
 
 
-def _malloc_trim() -> Callable[[int], int] | None:
-  try:
-    return ctypes.CDLL("libc.so.6").malloc_trim
-  except (OSError, AttributeError):  # not glibc: the allocator keeps what it keeps
-    return None
-
-
 def drop_compiled_programs() -> None:
   """Forget every compiled program of this process: the program cache's (plain, slot and speculative programs)
   and jax's own executables. Each program's next call compiles again (from the persistent compilation cache
@@ -157,7 +150,4 @@ def trim_memory() -> dict:
   unreachable, "trimmed": whether malloc_trim ran}``. Call it after dropping the last references to large
   buffers (jax frees a CPU buffer when its last array is deleted; glibc keeps the pages until trimmed)."""
   collected = gc.collect()
-  trim = _malloc_trim()
-  if trim is not None:
-    trim(0)
-  return {"collected": collected, "trimmed": trim is not None}
+  return {"collected": collected, "trimmed": heap.trim()}
