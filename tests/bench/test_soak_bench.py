@@ -30,4 +30,6 @@ def test_bench_soak_answers_every_client_and_reports_each_group(tmp_path, capsys
   assert s["user_stream_s_alone"] > 0 and s["user_stream_s_max"] >= s["user_stream_s_p50"] > 0
   assert d["clients_stuck"] == 0 and d["after_finish_reason"]
   assert d["rss_mib"]["before"] > 0 and len(d["rss_series"]) >= 4
+  half = next(r for t, r in d["rss_series"] if t >= d["seconds"] / 2)
+  assert s["rss_growth_second_half_mib"] == d["rss_series"][-1][1] - half
   assert "soak:" in printed and "INTERNAL or UNKNOWN answers" in printed
