@@ -446,12 +446,23 @@ class _ConnectionGate:
 
   def __init__(self, server: web.Server, cap: int, service):
     self.server, self.cap, self.service = server, cap, service
+    # Handlers handed out whose connection has not started yet. The loop accepts every socket waiting in the
+    # backlog at once and calls this for each before any handler's connection_made (which puts it in
+    # ``server.connections``) runs, so counting only those would let a whole burst in.
+    self._opening = 0
 
   def __call__(self) -> asyncio.BaseProtocol:
-    if len(self.server.connections) < self.cap:
+    if len(self.server.connections) + self._opening < self.cap:
+      self._opening += 1
+      # Runs just before the transport's own call_soon(connection_made) for this socket (the transport is made
+      # right after this returns): the handler stops counting here and counts in server.connections from there.
+      asyncio.get_running_loop().call_soon(self._opened)
       return self.server()
     self.service.answered("HTTP", "HTTP_503")
     return _Refused(self.cap)
+
+  def _opened(self) -> None:
+    self._opening -= 1
 
 
 class _Refused(asyncio.Protocol):

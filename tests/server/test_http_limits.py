@@ -48,6 +48,20 @@ def _closed_within(sock: socket.socket, seconds: float) -> tuple[bool, bytes]:
   return True, got
 
 
+def _sent_yet(sock: socket.socket) -> bytes | None:
+  """What the server sent on ``sock`` before closing it, or None while it holds it open and silent."""
+  sock.setblocking(False)
+  got = b""
+  try:
+    while chunk := sock.recv(65536):
+      got += chunk
+  except BlockingIOError:
+    return got or None
+  except ConnectionResetError:
+    pass
+  return got
+
+
 def test_connections_past_the_cap_get_503_unread_and_the_rest_are_served(synthesizer):
   cap = 6
   with BackgroundServer(synthesizer, config(http_port=0, http_max_connections=cap)) as srv:
@@ -70,6 +84,24 @@ def test_connections_past_the_cap_get_503_unread_and_the_rest_are_served(synthes
     while srv.app.http.runner.server.connections and time.monotonic() < deadline:
       time.sleep(0.05)
     assert _health(port) == 200  # closed ones free their places
+
+
+def test_a_burst_accepted_at_once_is_held_to_the_cap(synthesizer):
+  """The sockets the loop accepts together (it was busy while they queued) each count from their accept, not from
+  their handler's start: at most ``cap`` are held, the rest get 503."""
+  cap, burst = 6, 40
+  with BackgroundServer(synthesizer, config(http_port=0, http_max_connections=cap)) as srv:
+    wait_ready(srv)
+    port = srv.app.http_port
+    with contextlib.ExitStack() as stack:
+      srv.loop.call_soon_threadsafe(time.sleep, 1.0)  # the loop is busy while the burst queues in the backlog
+      time.sleep(0.1)
+      socks = [stack.enter_context(socket.create_connection(("127.0.0.1", port))) for _ in range(burst)]
+      time.sleep(2.0)  # the loop is back and has answered (well within the idle timeout)
+      answers = [_sent_yet(s) for s in socks]
+      held, refused = answers.count(None), sum(a.startswith(b"HTTP/1.1 503 ") for a in answers if a is not None)
+      assert held == cap and refused == burst - cap, answers
+      assert len(srv.app.http.runner.server.connections) == cap
 
 
 def test_silent_and_half_written_heads_are_closed_and_slow_bodies_get_408(synthesizer):
