@@ -170,6 +170,11 @@ class ServerConfig:
   tls: TlsConfig = TlsConfig()
   keepalive: KeepaliveConfig = KeepaliveConfig()
   max_message_bytes: int = 4 * 1024 * 1024
+  # Open gRPC connections at most (the HTTP front's are counted apart, http_max_connections); one more is closed at
+  # once, before its handshake. A connection that has not finished its HTTP/2 handshake (the client's preface and
+  # settings) this long after it opened is sent GOAWAY and closed.
+  grpc_max_connections: int = 512
+  grpc_handshake_timeout_s: float = 15.0
   max_concurrent: int = 16
   max_queue: int = 64
   max_tokens_limit: int = 2048
@@ -215,9 +220,10 @@ class ServerConfig:
       "max_stop_chars",
       "http_max_body_bytes",
       "http_max_connections",
+      "grpc_max_connections",
     ):
       _positive_int(getattr(self, name), name)
-    for name in ("http_idle_timeout_s", "http_body_timeout_s", "http_write_timeout_s"):
+    for name in ("http_idle_timeout_s", "http_body_timeout_s", "http_write_timeout_s", "grpc_handshake_timeout_s"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
         raise ConfigError(f"{name}: expected a finite number of seconds > 0, got {v!r}")
@@ -281,9 +287,12 @@ class ServerConfig:
     return f"{host}:{self.port}"
 
   def grpc_options(self) -> list[tuple[str, Any]]:
-    """Channel arguments of the server: message limits and keepalive that tolerates pinging clients."""
+    """Channel arguments of the server: message limits, the connection cap and handshake timeout, and keepalive
+    that tolerates pinging clients."""
     k = self.keepalive
     return [
+      ("grpc.max_allowed_incoming_connections", self.grpc_max_connections),
+      ("grpc.server_handshake_timeout_ms", round(self.grpc_handshake_timeout_s * 1000)),
       ("grpc.max_receive_message_length", self.max_message_bytes),
       ("grpc.max_send_message_length", self.max_message_bytes),
       ("grpc.keepalive_time_ms", k.time_ms),

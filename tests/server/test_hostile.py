@@ -302,3 +302,38 @@ def test_a_registry_that_fails_to_load_stops_serve_with_its_error():
   with pytest.raises(Broken, match="cannot be built"):
     asyncio.run(serve(None, config(), load=load, on_port=ports.append))
   assert ports  # it listened before loading
+
+
+def test_half_open_grpc_sockets_are_capped_and_timed_out_and_clients_are_served_after(synthesizer):
+  """Raw TCP sockets that never speak HTTP/2 against the gRPC port: past ``grpc_max_connections`` one is closed at
+  once; the held ones get GOAWAY after ``grpc_handshake_timeout_s``; then a client is served."""
+  import socket
+  import time
+
+  cap = 3
+  with BackgroundServer(synthesizer, config(grpc_max_connections=cap, grpc_handshake_timeout_s=1.0)) as srv:
+    wait_ready(srv)
+    held = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(cap)]
+    try:
+      time.sleep(0.3)
+      with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as extra:
+        assert extra.recv(4096) == b""  # closed before any byte of the server's HTTP/2 preface
+      t0 = time.monotonic()
+      for s in held:
+        got = b""
+        while chunk := s.recv(65536):  # the server's settings, then GOAWAY, then the close
+          got += chunk
+        assert b"handshake timeout" in got
+      assert time.monotonic() - t0 < 8
+    finally:
+      for s in held:
+        s.close()
+    with Client(f"127.0.0.1:{srv.port}", timeout=30) as c:
+      assert c.health() == "SERVING"
+      assert c.generate(PROMPT, ["general_purpose"], max_tokens=2).finish_reason
+
+
+def test_grpc_connection_limits_are_checked():
+  for bad in ({"grpc_max_connections": 0}, {"grpc_handshake_timeout_s": 0}, {"grpc_handshake_timeout_s": math.inf}):
+    with pytest.raises(ConfigError, match=next(iter(bad))):
+      from_mapping(bad)
