@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Protocol
 
-from thoughtjax.defaults import DEFAULT_CACHE_LEN
+from thoughtjax.defaults import MIN_POOL_RING
 from thoughtjax.errors import UserError
 from thoughtjax.serving.pool import EnginePool, PoolFull, Reservation
 from thoughtjax.synthesis.latency import Load
@@ -386,7 +386,7 @@ class ContinuousScheduler(SimpleScheduler):
     max_queue: int,
     *,
     max_engines: int = 4,
-    cache_len: int = DEFAULT_CACHE_LEN,
+    cache_len: int = MIN_POOL_RING,
     keep_records: int = 256,
     prefix_cache_bytes: int = 0,
     prefix_block_tokens: int = 16,

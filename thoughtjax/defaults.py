@@ -14,5 +14,9 @@ MAX_HINTS = 3
 # Tokens a self-speculative draft proposes per verify pass when the caller does not say.
 DEFAULT_DRAFT_TOKENS = 4
 
-# The shortest ring a server's slot engine is made with (a request's prompt + new tokens, bucketed, at least this).
-DEFAULT_CACHE_LEN = 64
+# The shortest ring an engine pool (a server's slot engines) makes an engine with: a request's prompt + new tokens,
+# bucketed, at least this.
+MIN_POOL_RING = 64
+
+# The ring (KV cache length, tokens) of a slot engine made directly without saying.
+DEFAULT_SLOT_CACHE_LEN = 512

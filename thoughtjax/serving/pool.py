@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from typing import TypeVar
 
 from thoughtjax.decode.program import bucket
-from thoughtjax.defaults import DEFAULT_CACHE_LEN
+from thoughtjax.defaults import MIN_POOL_RING
 from thoughtjax.errors import UserError
 from thoughtjax.serving.prefix import PrefixCache
 from thoughtjax.serving.slots import SlotDriver, SlotEngine
@@ -74,7 +74,7 @@ class EnginePool:
     slots: int,
     *,
     max_engines: int = 4,
-    cache_len: int = DEFAULT_CACHE_LEN,
+    cache_len: int = MIN_POOL_RING,
     prefix_cache_bytes: int = 0,
     prefix_block_tokens: int = 16,
   ):

@@ -85,6 +85,7 @@ from thoughtjax.decode.program import bucket
 from thoughtjax.decode.request import ModelRequest
 from thoughtjax.decode.state import DecodeState
 from thoughtjax.decode.stream import Delta, Rows, Trace
+from thoughtjax.defaults import DEFAULT_SLOT_CACHE_LEN
 from thoughtjax.errors import UserError
 from thoughtjax.sampling import (
   SamplingArrays,
@@ -99,7 +100,6 @@ from thoughtjax.serving.prefix import PrefixCache
 from thoughtjax.transformer import GraphDefs, merge_path, path_config, rope_tables, run_path
 
 DEFAULT_SLOTS = 8
-DEFAULT_CACHE_LEN = 512
 DEFAULT_STOP_WIDTH = 16
 
 
@@ -532,7 +532,7 @@ class SlotEngine:
       raise SlotRequestError(f"slots must be >= 1, got {slots}")
     self.model, self.slots = model, int(slots)
     self.cfg = model.config
-    self.cache_len = int(min(cache_len or DEFAULT_CACHE_LEN, self.cfg.max_context))
+    self.cache_len = int(min(cache_len or DEFAULT_SLOT_CACHE_LEN, self.cfg.max_context))
     self.chunk = int(chunk or model.chunk)
     if self.chunk < 1 or self.cache_len < 2:
       raise SlotRequestError(f"chunk must be >= 1 and cache_len >= 2, got chunk={self.chunk} cache_len={cache_len}")
