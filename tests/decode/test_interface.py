@@ -17,7 +17,8 @@ from thoughtjax.decode.interface import DecodeInputs, DecodeProgram, run_chunks
 from thoughtjax.decode.request import DecodeRequest
 from thoughtjax.decode.stream import Rows, Trace
 from thoughtjax.sampling import SamplingParams, program_mode, sampling_arrays
-from thoughtjax.serving.slots import SlotProgram, SlotRequestError, slot_program
+from thoughtjax.serving import SlotRequestError
+from thoughtjax.serving.slot_program import SlotProgram, slot_program
 from thoughtjax.transformer import GraphDefs
 
 IDS = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 12]]

@@ -11,7 +11,7 @@ from thoughtjax.decode import speculative
 from thoughtjax.decode.interface import DecodeKey
 from thoughtjax.decode.request import DecodeRequest
 from thoughtjax.sampling import SamplingParams
-from thoughtjax.serving.slots import SlotKey, slot_program
+from thoughtjax.serving.slot_program import SlotKey, slot_program
 from thoughtjax.transformer import GraphDefs
 
 

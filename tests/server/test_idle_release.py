@@ -287,14 +287,14 @@ def test_scaled_to_zero_with_idle_release_programs_drops_compiled_programs_too(s
   """``idle_release_programs``: once no path is resident the compiled programs go (the program cache empties);
   the next request compiles again and answers token for token as before."""
   from thoughtjax.decode import program
-  from thoughtjax.serving import slots
+  from thoughtjax.serving import slot_program
 
   cfg = config(max_concurrent=2, max_queue=2, idle_release_s=IDLE_S, idle_release_programs=True)
   with BackgroundServer(syn, cfg) as s:
     wait_ready(s)
     want = _ask(s, path, request_id="programs-1")
-    assert program.PROGRAMS.held(slots.SlotProgram)
+    assert program.PROGRAMS.held(slot_program.SlotProgram)
     assert _release(s)
     assert len(program.PROGRAMS) == 0 and not s.app.service.resident_paths()
     assert _ask(s, path, request_id="programs-2") == want
-    assert program.PROGRAMS.held(slots.SlotProgram)
+    assert program.PROGRAMS.held(slot_program.SlotProgram)

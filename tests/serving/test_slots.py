@@ -369,7 +369,7 @@ def test_slot_and_speculative_programs_live_in_the_one_bounded_program_cache(mod
   """Every program family shares :data:`thoughtjax.decode.program.PROGRAMS`: its bound holds slot and speculative
   programs too, and its counts see them. An evicted slot program keeps serving the engine that holds it."""
   from thoughtjax.decode import program, speculative
-  from thoughtjax.serving.slots import SlotProgram
+  from thoughtjax.serving.slot_program import SlotProgram
 
   monkeypatch.setattr(program, "PROGRAMS", program.ProgramCache(capacity=1))
   a = SlotEngine(model, slots=2, cache_len=64)

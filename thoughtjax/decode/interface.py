@@ -13,7 +13,7 @@ shape share it, their weights are arguments) and drives a device state the host 
 * :class:`~thoughtjax.decode.program.Program` (and its layer-indexed form): the rows are the request's prompts,
   left-padded to one bucket;
 * :class:`~thoughtjax.decode.speculative.SpecProgram`: the same rows; its advance is a draft/verify iteration;
-* :class:`~thoughtjax.serving.slots.SlotProgram`: the rows are a ring of slots; ``prefill`` puts prompts into free
+* :class:`~thoughtjax.serving.slot_program.SlotProgram`: the rows are a ring of slots; ``prefill`` puts prompts into free
   slots at the shared cursor, and a slot engine also prefills a request apart and ``insert``s it while other slots
   decode (continuous batching).
 

@@ -1,7 +1,7 @@
 """The engine pool: slot engines per path and ring length, shared by every request, with leases and eviction.
 
 A server (any transport) asks the pool for the engine of a request (:meth:`EnginePool.lease`) and gets its
-:class:`~thoughtjax.serving.slots.SlotDriver` with a lease on it; the lease is given back
+:class:`~thoughtjax.serving.driver.SlotDriver` with a lease on it; the lease is given back
 (:meth:`EnginePool.give_back`) once the request's slot is free, or when it never took one.
 
 * Engines are made lazily per path and ring length (the request's prompt + max_tokens bucket, at least
@@ -32,8 +32,9 @@ from typing import TypeVar
 from thoughtjax.decode.program import bucket
 from thoughtjax.defaults import MIN_POOL_RING
 from thoughtjax.errors import UserError
+from thoughtjax.serving.driver import SlotDriver
 from thoughtjax.serving.prefix import PrefixCache
-from thoughtjax.serving.slots import SlotDriver, SlotEngine
+from thoughtjax.serving.slots import SlotEngine
 
 T = TypeVar("T")
 

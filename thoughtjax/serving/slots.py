@@ -5,9 +5,9 @@
 >>> while engine.active: engine.step()                   # one decode chunk for every slot in use
 >>> [d.text for d in run.deltas()]                        # what the request produced
 
-Or with a :class:`SlotDriver`, a thread that prefills waiting requests and steps while any slot is in use:
-``driver.submit(ids, params)`` returns a :class:`SlotRun` at once, to iterate (deltas as they are produced) or
-``cancel()`` from any thread.
+Or with a :class:`~thoughtjax.serving.driver.SlotDriver`, a thread that prefills waiting requests and steps while
+any slot is in use: ``driver.submit(ids, params)`` returns a :class:`SlotRun` at once, to iterate (deltas as they
+are produced) or ``cancel()`` from any thread.
 
 Prefill: requests waiting at the same moment are prefilled together, in one call of the engine's prefill program
 (:meth:`SlotEngine.prefill_batch`: prompts left-padded to their shared prompt bucket T, rows padded to a power of
@@ -16,9 +16,8 @@ into its own slot. A request's prefill is computed as in its alone run (same lef
 first-token sampling), so its first token and keys are the alone run's. :meth:`SlotEngine.prefill` takes no slot
 and touches no engine state (any thread); :meth:`SlotEngine.insert` writes the keys into a free slot and the
 request joins at the next decode chunk. A server splits insert in two: :meth:`SlotEngine.admit` hands out the
-prefill's token at once, :meth:`SlotEngine.place` takes the slot once the chunk running ends. A
-:class:`SlotDriver` does all of it on its thread: ``driver.submit(ids, params)`` queues a request; between two
-decode chunks the driver runs at most one prefill call (every request waiting in the oldest one's prompt
+prefill's token at once, :meth:`SlotEngine.place` takes the slot once the chunk running ends. A driver does all
+of it on its thread: ``driver.submit(ids, params)`` queues a request; between two decode chunks the driver runs at most one prefill call (every request waiting in the oldest one's prompt
 bucket, up to the free slots), so a running stream waits for at most one prefill between its chunks
 (``SlotRun.max_prefills_between_chunks``).
 
@@ -76,43 +75,28 @@ import jax.numpy as jnp
 import numpy as np
 
 from thoughtjax.constraint import ConstraintError, Matcher
-from thoughtjax.decode import layout
-from thoughtjax.decode import program as program_lib
-from thoughtjax.decode import state as state_lib
-from thoughtjax.decode.interface import COMPILE_CLOCK, DecodeInputs, DecodeKey, DecodeProgram, Tokens
+from thoughtjax.decode.interface import COMPILE_CLOCK
 from thoughtjax.decode.masks import ALL, grammars_for
 from thoughtjax.decode.program import bucket
 from thoughtjax.decode.request import ModelRequest
 from thoughtjax.decode.state import DecodeState
 from thoughtjax.decode.stream import Delta, Rows, Trace
 from thoughtjax.defaults import DEFAULT_SLOT_CACHE_LEN
-from thoughtjax.errors import UserError
 from thoughtjax.sampling import (
   SamplingArrays,
   SamplingMode,
   SamplingParams,
   program_mode,
-  sample,
   sampling_arrays,
   stop_ids_for,
 )
+from thoughtjax.serving.errors import ConstraintsRefused, SlotRequestError, SlotsFull
 from thoughtjax.serving.prefix import PrefixCache
-from thoughtjax.transformer import GraphDefs, merge_path, path_config, rope_tables, run_path
+from thoughtjax.serving.slot_program import SlotProgram, slot_program
+from thoughtjax.transformer import GraphDefs
 
 DEFAULT_SLOTS = 8
 DEFAULT_STOP_WIDTH = 16
-
-
-class SlotsFull(UserError, RuntimeError):
-  """Every slot of the engine holds a request; wait for one to be freed (or use a SlotDriver's queue)."""
-
-
-class SlotsClosed(RuntimeError):
-  """The engine's driver was closed (the server stopped) while the request held a slot."""
-
-
-class SlotRequestError(UserError, ValueError):
-  """A request a slot engine cannot hold as given; the message names the limit and the fix."""
 
 
 @dataclasses.dataclass
@@ -280,240 +264,6 @@ class SlotRun:
     self.cancel()
 
 
-@dataclasses.dataclass(frozen=True)
-class SlotKey(DecodeKey):
-  """A slot program's key: the path, the number of slots, the ring's length, decode steps per chunk, kernels."""
-
-  slots: int
-  cache_len: int
-  chunk: int
-  kernels: str | None
-
-
-class SlotProgram(DecodeProgram):
-  """The compiled functions of one slot layout (shared by every engine of that layout; see :func:`slot_program`).
-
-  It is the decode program interface (:class:`~thoughtjax.decode.interface.DecodeProgram`) over N slots:
-  :meth:`prefill` puts N prompts into the N slots, :meth:`advance` runs a decode chunk of every slot in use,
-  :meth:`read` gives each slot's tokens; a :class:`SlotEngine` uses the same executables piecewise
-  (``prefill_rows`` of waiting requests apart, ``insert`` into a free slot, ``chunk`` / ``chunk_rows``) so
-  requests join and leave between chunks."""
-
-  def __init__(self, key: SlotKey, defs: GraphDefs, cfg):
-    self.key, self.defs, self.cfg, self.layers, self.kernels = key, defs, cfg, key.layers, key.kernels
-    self.slots, self.cache_len, self.steps_per_chunk = key.slots, key.cache_len, key.chunk
-    self.init = jax.jit(self._init_impl)
-    self.chunk = jax.jit(self._chunk_impl, static_argnums=(4,), donate_argnums=(2,))
-    self.chunk_rows = jax.jit(self._chunk_rows_impl, static_argnums=(5,), donate_argnums=(2,))
-    self.prefill_rows = jax.jit(self._prefill_impl, static_argnums=(4,))
-    self.prefill_after = jax.jit(self._prefill_after_impl, static_argnums=(6,))
-    self.blocks = jax.jit(self._blocks_impl, static_argnums=(2,))
-    self.insert = jax.jit(self._insert_impl, donate_argnums=(0,))
-
-  # ---- traced code (under jit) -------------------------------------------------------------------
-  def _init_impl(self) -> DecodeState:
-    N = self.slots
-    caches = layout.empty_caches(self.cfg, self.layers, N, self.cache_len)
-    return state_lib.empty(caches, N, self.cache_len, free=True)
-
-  # ---- the decode program interface (a pool of N slots filled at once) --------------------------
-  def init_state(self, parts=None) -> DecodeState:
-    return program_lib.on_device_of(self.init(), parts)
-
-  def prefill(self, inputs: DecodeInputs, state: DecodeState) -> DecodeState:
-    """The N prompts of ``inputs`` ([N, T], left-padded) prefilled in one call, prompt p into slot p at the
-    cursor; ``inputs.mode`` is their sampling mode, ``inputs.samp`` has N rows (a slot's prompt + max_tokens
-    must fit the ring). ``state`` is donated."""
-    tokens = inputs.prompt
-    P, T = tokens.shape
-    if P != self.slots or inputs.mode is None:
-      raise SlotRequestError(f"a slot program's prefill takes {self.slots} prompts and a sampling mode; got {P}")
-    kv, token, done = self.prefill_rows(inputs.parts, tokens, inputs.pad, inputs.samp, inputs.mode)
-    lengths = T - np.asarray(jax.device_get(inputs.pad))
-    one = jnp.int32(1)
-    for p in range(P):
-      p_ = jnp.int32(p)
-      state = self.insert(state, kv, p_, p_, jnp.int32(lengths[p]), token, (done[p], one))
-    return state
-
-  def advance(self, inputs: DecodeInputs, state: DecodeState) -> DecodeState:
-    """One decode chunk of every slot still running (``state`` donated)."""
-    state, _, _ = self.chunk(inputs.parts, inputs.samp, state, jnp.ones(self.slots, bool), inputs.mode)
-    return state
-
-  def read(self, state: DecodeState) -> Tokens:
-    return Tokens(state.out, state.count, state.done)
-
-  def _chunk_impl(self, parts, samp: SamplingArrays, state: DecodeState, active, mode: SamplingMode):
-    """Up to ``chunk`` decode steps of every slot; returns the state, tokens [N, chunk] (-1: none), steps."""
-    return self._decode(parts, samp, state, active, mode)
-
-  def _chunk_rows_impl(self, parts, samp: SamplingArrays, state: DecodeState, rows, active, mode: SamplingMode):
-    """:meth:`_chunk_impl` computed on the W slots ``rows`` only (W < N, distinct; ``active`` [W] marks the
-    slots in use among them): their caches and settings are gathered, decoded, and written back, so a step costs
-    W rows, not N. Returns the state, tokens [N, chunk] (-1 for every other slot) and the steps run."""
-    sub = DecodeState(
-      tuple((k[rows], v[rows]) for k, v in state.caches),
-      state.token[rows],
-      state.start[rows],
-      state.cursor,
-      state.done[rows],
-      state.count[rows],
-      state.out[rows],
-    )
-    sub, out, steps = self._decode(parts, jax.tree.map(lambda x: x[rows], samp), sub, active, mode)
-    state = DecodeState(
-      tuple(
-        (k.at[rows].set(sk), v.at[rows].set(sv)) for (k, v), (sk, sv) in zip(state.caches, sub.caches, strict=True)
-      ),
-      state.token.at[rows].set(sub.token),
-      state.start,
-      sub.cursor,
-      state.done.at[rows].set(sub.done),
-      state.count.at[rows].set(sub.count),
-      state.out.at[rows].set(sub.out),
-    )
-    return state, jnp.full((self.slots, self.steps_per_chunk), -1, jnp.int32).at[rows].set(out), steps
-
-  def _decode(self, parts, samp: SamplingArrays, state: DecodeState, active, mode: SamplingMode):
-    """Up to ``chunk`` decode steps of the rows of ``state`` (any number of them, all sharing the cursor): the one
-    decode step of every pool (:func:`~thoughtjax.decode.state.decode_chunk`), sampling step ``cursor``."""
-    embed, blocks, head = merge_path(self.defs, parts, self.layers)
-    S, C = self.cache_len, self.steps_per_chunk
-
-    def run(tokens, positions, caches, write_at, mask):
-      return run_path(embed, blocks, head, tokens, positions, caches, write_at, mask)
-
-    start = state.count
-    state, steps = state_lib.decode_chunk(run, state, samp, active, mode, self.kernels, steps=C, ring=S)
-    # A row runs from the chunk's first step until it stops, so its chunk tokens follow its earlier ones in the
-    # history: [N, C], -1 where a row produced none.
-    j = jnp.arange(C)[None, :]
-    got = jnp.take_along_axis(state.out, jnp.minimum(start[:, None] + j, S - 1), axis=1)
-    return state, jnp.where(j < (state.count - start)[:, None], got, -1), steps
-
-  def _prefill_impl(self, parts, tokens, pad, samp: SamplingArrays, mode: SamplingMode):
-    """The prefill of P left-padded prompts [P, T] (row p's prompt in [pad[p], T)): per path block (k, v)
-    [P, K, T, E], each row's first token [P] and whether it stopped there [P]. Positions, mask and sampling are
-    those of the alone run's prefill (:class:`~thoughtjax.decode.program.Program`); the head sees only the last
-    position, the one the first token comes from."""
-    embed, blocks, head = merge_path(self.defs, parts, self.layers)
-    P, T = tokens.shape
-    positions, mask = layout.prefill(pad, T, T)
-    caches = layout.empty_caches(self.cfg, self.layers, P, T)
-    zero = jnp.zeros((), jnp.int32)
-    logits, out = run_path(embed, blocks, head, tokens, positions, caches, zero, mask, last=True)
-    token, stop = sample(logits[:, -1], samp, zero, mode, self.kernels)
-    return tuple(out), token, stop | (samp.max_new <= 1)
-
-  def _prefill_after_impl(self, parts, prefix, tokens, pad, have, samp: SamplingArrays, mode: SamplingMode):
-    """The prefill of P prompts whose first ``have[p]`` tokens' keys are given: only the rest is computed.
-
-    prefix: P * NB block arrays [L, 2, K, B, E] (L: the path's blocks with keys), row p's NB blocks in a row,
-    its cached prefix right-aligned (zero blocks before it); tokens [P, Ts] the rest of each prompt, left-padded
-    (row p's in [pad[p], Ts)). The prefix keys sit at [Sp - have, Sp) of a [P, K, Sp + Ts, E] cache (Sp = NB * B)
-    and the rest is written at [Sp, Sp + Ts), at RoPE positions have, have + 1, ...; each query sees its row's
-    prefix and its own tokens up to itself. Returns what :meth:`_prefill_impl` returns, the keys moved to its
-    layout (each row's whole prompt left-padded, ending at Sp + Ts), so :meth:`_insert_impl` takes them as they are.
-    """
-    embed, blocks, head = merge_path(self.defs, parts, self.layers)
-    P, Ts = tokens.shape
-    NB = len(prefix) // P
-    L, _, K, B, E = prefix[0].shape
-    Sp = NB * B
-    S = Sp + Ts
-    # [P * NB, L, 2, K, B, E] -> [L, 2, P, K, Sp, E]
-    pre = jnp.stack(prefix).reshape(P, NB, L, 2, K, B, E).transpose(2, 3, 0, 4, 1, 5, 6).reshape(L, 2, P, K, Sp, E)
-    rest = jnp.zeros((P, K, Ts, E), pre.dtype)
-    caches, i = [], 0
-    for layer in self.layers:
-      if layer < 0:  # a bridge keeps no keys
-        caches.append((jnp.zeros((P, 1, 1, 1)),) * 2)
-        continue
-      caches.append((jnp.concatenate([pre[i, 0], rest], axis=2), jnp.concatenate([pre[i, 1], rest], axis=2)))
-      i += 1
-    positions, mask = layout.after_prefix(pad, have, Sp, Ts)
-    s = jnp.arange(S)
-    x = embed(tokens)
-    cfg = path_config(blocks)
-    cos, sin = (None, None) if cfg is None else rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-    out = []
-    # Cache index t of the prefill layout holds the rest's key t when t >= Sp + pad, else the prefix's key t - pad.
-    src = jnp.where(s[None, :] >= (Sp + pad)[:, None], s[None, :], jnp.maximum(s[None, :] - pad[:, None], 0))
-    src = src[:, None, :, None]  # [P, 1, S, 1]
-    for layer, block, (ck, cv) in zip(self.layers, blocks, caches, strict=True):
-      x, ck, cv = block(x, cos, sin, ck, cv, jnp.int32(Sp), mask)
-      if layer >= 0:
-        ck, cv = jnp.take_along_axis(ck, src, axis=2), jnp.take_along_axis(cv, src, axis=2)
-      out.append((ck, cv))
-    logits = head(x[:, -1:], embed.table[...])
-    token, stop = sample(logits[:, -1], samp, jnp.zeros((), jnp.int32), mode, self.kernels)
-    return tuple(out), token, stop | (samp.max_new <= 1)
-
-  def _blocks_impl(self, kv, pad, block_tokens: int):
-    """Each row's prompt keys from a prefill's ``kv`` (row p's prompt in [pad[p], T)) cut into blocks:
-    [P, T // B, L, 2, K, B, E] (B = ``block_tokens``; L: the path's blocks with keys), block j of row p holding
-    prompt positions [j * B, (j + 1) * B) (past the prompt's end: whatever the cache held)."""
-    real = [(k, v) for layer, (k, v) in zip(self.layers, kv, strict=True) if layer >= 0]
-    P, K, T, E = real[0][0].shape
-    B = block_tokens
-    NB = T // B
-    src = jnp.clip(jnp.arange(NB * B)[None, :] + pad[:, None], 0, T - 1)[:, None, :, None]  # [P, 1, NB * B, 1]
-    moved = jnp.stack([jnp.stack([jnp.take_along_axis(a, src, axis=2) for a in pair]) for pair in real])
-    # [L, 2, P, K, NB * B, E] -> [P, NB, L, 2, K, B, E]
-    return moved.reshape(len(real), 2, P, K, NB, B, E).transpose(2, 4, 0, 1, 3, 5, 6)
-
-  def _insert_impl(self, state: DecodeState, kv, slot, row, n, token, done_count) -> DecodeState:
-    """Write row ``row`` of a prefill's keys (the prompt of ``n`` tokens) into ``slot``'s ring at absolute
-    positions [cursor - n, cursor)."""
-    S = self.cache_len
-    c = state.cursor
-    d = layout.ring_behind(c, S)
-    valid = (d >= 1) & (d <= n)
-    caches = []
-    for layer, (ck, cv), (pk, pv) in zip(self.layers, state.caches, kv, strict=True):
-      if layer < 0:  # a bridge keeps no keys
-        caches.append((ck, cv))
-        continue
-      T = pk.shape[2]
-      src = jnp.clip(T - d, 0, T - 1)  # the prefill cache holds the prompt left-padded in [T - n, T)
-      rows = []
-      for pre in (pk, pv):
-        one = jax.lax.dynamic_index_in_dim(pre, row, 0, keepdims=False)  # [K, T, E]
-        rows.append(jnp.where(valid[None, :, None], jnp.take(one, src, axis=1), 0).astype(ck.dtype))
-      caches.append((ck.at[slot].set(rows[0]), cv.at[slot].set(rows[1])))
-    done, count = done_count
-    first = jnp.where(jnp.arange(S) == 0, token[row], -1)  # the prefill's token is the slot's first
-    return DecodeState(
-      tuple(caches),
-      state.token.at[slot].set(token[row]),
-      state.start.at[slot].set(c - n),
-      c,
-      state.done.at[slot].set(done),
-      state.count.at[slot].set(count),
-      state.out.at[slot].set(first),
-    )
-
-
-class ConstraintsRefused(ConstraintError):
-  """Requests of one prefill whose constraint could not give its first mask (past llguidance's limits), raised
-  before the prefill ran: ``refused``, (matcher, :class:`~thoughtjax.constraint.ConstraintError`) pairs. A driver
-  ends those requests with their errors and prefills the others."""
-
-  def __init__(self, refused: list[tuple[Matcher, ConstraintError]]):
-    super().__init__(str(refused[0][1]))
-    self.refused = refused
-
-
-def slot_program(defs, cfg, layers, slots, cache_len, chunk, kernels) -> SlotProgram:
-  """The slot program of this layout from the process's one program cache (:data:`thoughtjax.decode.program.PROGRAMS`):
-  a new engine of the same layout compiles nothing.
-
-  Keyed by the path's shape (:func:`~thoughtjax.transformer.path_shape`): it runs any path of that shape on the
-  path's parts :meth:`~thoughtjax.transformer.PathParts.by_position`."""
-  return program_lib.PROGRAMS.get(SlotKey(tuple(layers), slots, cache_len, chunk, kernels), defs, cfg, SlotProgram)
-
-
 class SlotEngine:
   """N slots over one path's model (see the module docstring). Thread-safe: ``prefill`` runs anywhere,
   ``insert``/``step`` serialize on the engine, ``cancel`` never waits for a chunk."""
@@ -665,7 +415,7 @@ class SlotEngine:
   def prefill_group(self, prompt_ids: Sequence[int], scope: str = "") -> tuple:
     """The prefill program a prompt would go through now: ("whole", prompt bucket), or ("rest", bucket of the
     tokens after its cached prefix) when the prefix cache holds some of it. Requests of one group share a prefill
-    call (:class:`SlotDriver`, :meth:`insert_batch`); a peek, nothing is counted."""
+    call (:class:`~thoughtjax.serving.driver.SlotDriver`, :meth:`insert_batch`); a peek, nothing is counted."""
     n = len(prompt_ids)
     cache = self.prefix_cache
     have = 0 if cache is None else cache.peek(prompt_ids, self._reuse_limit(prompt_ids, scope), scope)
@@ -1166,203 +916,3 @@ def _block_at(blocks: jax.Array, row: jax.Array, j: jax.Array) -> jax.Array:
   """Block ``j`` of row ``row`` of a :meth:`SlotProgram._blocks_impl` cut, as its own array (one program per cut
   shape, whatever the indices)."""
   return jax.lax.dynamic_index_in_dim(jax.lax.dynamic_index_in_dim(blocks, row, 0, False), j, 0, False)
-
-
-class SlotDriver:
-  """A thread that runs one :class:`SlotEngine`: it prefills the requests waiting (``submit``), places them in
-  free slots and steps while any slot is in use (idle otherwise). A prefill call takes every waiting request in
-  the oldest one's prompt bucket, up to the free slots; waiting requests beyond the free slots stay queued in
-  order. Between two decode chunks it runs at most ``prefills_between_chunks`` prefill calls while slots are in
-  use (a call when none is, e.g. the first of a burst, makes nobody wait)."""
-
-  def __init__(self, engine: SlotEngine, prefills_between_chunks: int = 1):
-    if prefills_between_chunks < 1:
-      raise SlotRequestError(f"prefills_between_chunks must be >= 1, got {prefills_between_chunks}")
-    self.engine, self.prefills_between_chunks = engine, int(prefills_between_chunks)
-    self._cond = threading.Condition()
-    self._closed = False
-    self._pending: collections.deque[SlotRun] = collections.deque()
-    self._prefilling = 0  # runs taken from the queue and not yet placed (or ended): see busy
-    self.error: BaseException | None = None
-    self._thread = threading.Thread(target=self._loop, name="thoughtjax-slot-driver", daemon=True)
-    self._thread.start()
-
-  @property
-  def waiting(self) -> int:
-    """Requests submitted and not yet prefilled."""
-    return len(self._pending)
-
-  @property
-  def alive(self) -> bool:
-    """The driver's thread runs (False once closed)."""
-    return self._thread.is_alive()
-
-  @property
-  def closed(self) -> bool:
-    """:meth:`close` has begun: new requests are refused (the thread may still be ending its chunk)."""
-    return self._closed
-
-  def on_driver_thread(self) -> bool:
-    """Whether the calling thread is the driver's own (the one that prefills, steps and delivers deltas)."""
-    return threading.current_thread() is self._thread
-
-  @property
-  def rows(self) -> int:
-    """Streams in the engine's slots, being prefilled or placed, or queued for it: what it will decode."""
-    with self._cond:
-      return len(self._pending) + self._prefilling + self.engine.active
-
-  @property
-  def busy(self) -> bool:
-    """Work queued, being prefilled or placed, or in a slot: closing the driver now would end it."""
-    with self._cond:
-      return bool(self._pending) or self._prefilling > 0 or self.engine.active > 0
-
-  def submit(
-    self,
-    prompt_ids: Sequence[int],
-    params: SamplingParams | None = None,
-    *,
-    on_delta: Callable[[Delta | None], None] | None = None,
-    scope: str = "",
-  ) -> SlotRun:
-    """Queue a request for the driver's next prefill call; returns its run at once (its first delta comes
-    when the prefill ran). The engine's limits are checked here (:class:`SlotRequestError`). ``scope``: its
-    prefix-cache scope. Any thread."""
-    return self._queue(SlotRun(self.engine, self.engine.request(prompt_ids, params, scope), on_delta))
-
-  def submit_checked(
-    self, request: ModelRequest, *, on_delta: Callable[[Delta | None], None] | None = None, scope: str = ""
-  ) -> SlotRun:
-    """:meth:`submit` a request the model already checked (:meth:`SlotEngine.checked`: not checked again)."""
-    return self._queue(SlotRun(self.engine, self.engine.checked(request, scope), on_delta))
-
-  def _queue(self, run: SlotRun) -> SlotRun:
-    with self._cond:
-      if self._closed:
-        raise SlotsClosed(f"the slot driver of path {self.engine.model.path!r} was closed")
-      self._pending.append(run)
-      self._cond.notify_all()
-    return run
-
-  def insert(self, pre: Prefilled, on_delta=None) -> SlotRun:
-    """Insert a prefilled request now (a slot must be free) and wake the driver."""
-    run = self.engine.insert(pre, on_delta=on_delta)
-    self.wake()
-    return run
-
-  def place(self, run: SlotRun, pre: Prefilled) -> None:
-    """:meth:`SlotEngine.place` an admitted run and wake the driver."""
-    self.engine.place(run, pre)
-    self.wake()
-
-  def wake(self) -> None:
-    with self._cond:
-      self._cond.notify_all()
-
-  def _take(self) -> tuple[list[SlotRun], list[SlotRun]]:
-    """(cancelled runs to end, runs to prefill now); called holding the condition."""
-    dropped = [r for r in self._pending if r.cancel_requested]
-    if dropped:
-      self._pending = collections.deque(r for r in self._pending if not r.cancel_requested)
-    batch: list[SlotRun] = []
-    free = self.engine.free
-    if self._pending and free:
-      group = self.engine.prefill_group
-      want = group(self._pending[0].ids, self._pending[0].scope)
-      keep: collections.deque[SlotRun] = collections.deque()
-      for r in self._pending:
-        (batch if len(batch) < free and group(r.ids, r.scope) == want else keep).append(r)
-      self._pending = keep
-    return dropped, batch
-
-  def _loop(self) -> None:
-    stalls = 0  # prefill calls since the last chunk that made slots in use wait
-    while True:
-      with self._cond:
-        self._cond.wait_for(lambda: self._closed or self.engine.active > 0 or bool(self._pending))
-        if self._closed:
-          return
-        dropped, batch = [], []
-        if stalls < self.prefills_between_chunks or not self.engine.active:
-          dropped, batch = self._take()
-          self._prefilling = len(batch)
-      for run in dropped:
-        run.abandon()
-      if batch:
-        stalls += self.engine.active > 0
-        try:
-          self._start(batch)
-        except BaseException as e:  # the batch's requests get the error; those in slots go on
-          self.error = e
-          for run in batch:
-            if not run.finished and run.slot is None:
-              run.abandon(e)
-        finally:
-          with self._cond:
-            self._prefilling = 0
-      elif self.engine.active:
-        try:
-          self.engine.step()
-        except BaseException as e:  # every request in a slot gets the error; the driver goes on
-          self.error = e
-          self.engine.fail(e)
-        stalls = 0
-
-  def _start(self, batch: list[SlotRun]) -> None:
-    """One prefill call for ``batch``, each run's first token out, then each into a free slot. A run whose
-    constraint cannot give its first mask ends with that error; the others are prefilled without it."""
-    engine = self.engine
-    try:
-      pres = engine.prefill_runs(batch)
-    except ConstraintsRefused as e:
-      errors = {id(m): err for m, err in e.refused}
-      rest = []
-      for run in batch:
-        err = errors.get(id(run.matcher)) if run.matcher is not None else None
-        if err is None:
-          rest.append(run)
-        else:
-          run.abandon(err)
-      if rest and len(rest) < len(batch):
-        self._start(rest)
-      elif rest:
-        raise
-      return
-    for run, pre in zip(batch, pres, strict=True):
-      engine.deliver(run, pre)
-    for run, pre in zip(batch, pres, strict=True):
-      engine.place(run, pre)
-
-  def close(self) -> None:
-    """Stop; runs still in a slot or waiting end with an error (nobody would step them again)."""
-    with self._cond:
-      self._closed = True
-      pending, self._pending = list(self._pending), collections.deque()
-      self._cond.notify_all()
-    self._thread.join(timeout=60)
-    error = SlotsClosed(f"the slot driver of path {self.engine.model.path!r} was closed")
-    for run in pending:
-      run.abandon(error)
-    self.engine.fail(error)
-
-
-def generate_in_slots(
-  engine: SlotEngine, requests: Sequence[tuple[Sequence[int], SamplingParams]], arrivals: Sequence[int] | None = None
-) -> list[SlotRun]:
-  """Run ``requests`` through ``engine`` on this thread, request i inserted before decode chunk
-  ``arrivals[i]`` (default: all at once; a request that finds no free slot waits for one; requests inserted
-  before the same chunk are prefilled together). Returns the runs, ended. For tests, notebooks and benchmarks."""
-  arrivals = list(arrivals) if arrivals is not None else [0] * len(requests)
-  pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
-  runs: list[SlotRun | None] = [None] * len(requests)
-  chunk = 0
-  while pending or engine.active:
-    now = [i for i in pending if arrivals[i] <= chunk][: engine.free]  # prefilled together
-    if now:
-      pending = [i for i in pending if i not in now]
-      for i, run in zip(now, engine.insert_batch([requests[i] for i in now]), strict=True):
-        runs[i] = run
-    engine.step()
-    chunk += 1
-  return runs
