@@ -163,7 +163,7 @@ class SimpleScheduler:
     )
     self._turns: asyncio.Semaphore | None = None
     self._held = 0  # turns acquired and not yet given back
-    self._changed: asyncio.Condition | None = None
+    self._changed: asyncio.Event | None = None  # set (and replaced) on every change of the counts
     self.waiting = self.running = self.draining = 0
     self.shed = self.completed = self.cancelled = self.failed = 0
     self.records: collections.deque[RequestRecord] = collections.deque(maxlen=keep_records)
@@ -171,7 +171,7 @@ class SimpleScheduler:
   def _bind(self) -> None:
     if self._turns is None:  # made on the serving loop
       self._turns = asyncio.Semaphore(self.max_concurrent)
-      self._changed = asyncio.Condition()
+      self._changed = asyncio.Event()
 
   def snapshot(self) -> dict:
     return {
@@ -221,8 +221,11 @@ class SimpleScheduler:
     self._bind()
 
     async def until_idle():
-      async with self._changed:
-        await self._changed.wait_for(lambda: self.idle)
+      while True:
+        changed = self._changed  # taken before the check: a change after it sets this one (no lost wake-up)
+        if self.idle:
+          return
+        await changed.wait()
 
     try:
       await asyncio.wait_for(until_idle(), timeout)
@@ -231,11 +234,11 @@ class SimpleScheduler:
       return False
 
   def _notify(self) -> None:
-    async def notify():
-      async with self._changed:
-        self._changed.notify_all()
-
-    asyncio.get_running_loop().create_task(notify())
+    """Wake whoever waits for a change (on the serving loop; synchronous: no task is left behind when the loop
+    closes right after)."""
+    if self._changed is not None:
+      changed, self._changed = self._changed, asyncio.Event()
+      changed.set()
 
   def shed_if_full(self, request_id: str) -> None:
     """:class:`QueueFull` (counted as shed) when every turn is taken and the queue is full: a server asks before
