@@ -23,5 +23,8 @@ def test_both_layouts_are_measured_and_reported(tmp_path, monkeypatch, capsys):
   for name in layers.LAYOUTS:
     assert all(s > 0 for s in report["compile_s"][name].values()) and report["executable_cache_bytes"][name] > 0
     assert all(len(v) == 1 and v[0] > 0 for v in report["rates"][name].values())
-    assert len(report["startup_first_token_s"][name]) == 1
+    assert len(report["startup_first_token_s"][name]) == 1 and report["startup_first_token_s"][name][0] > 0
+    # The start-up process found its programs in the cache the compile process filled, and loaded them.
+    (load,) = report["startup_executable_load_s"][name]
+    assert 0 < load <= report["startup_first_token_s"][name][0]
   assert report["prompt_tokens"] == 20

@@ -11,7 +11,10 @@ For each layout (``unrolled``: every block traced into the program; ``indexed``:
   over the time after the first), and prefill tok/s of a ``--prompt-tokens`` prompt at batch 1 (prompt tokens
   over the time from the device call to the first token): medians of ``--repeats``, the layouts alternating;
 * start-up: a new process (``python -c``) that loads the model, runs one request and prints the seconds from its
-  start to the first token, with that layout's compilation cache warm: median of ``--startup-runs``.
+  start to the first token, with that layout's compilation cache warm (an untimed process ran the same request
+  first): median of ``--startup-runs``; and in that process the executable load: the seconds JAX spends reading
+  and loading the request's compiled programs from the persistent cache (its ``cache_retrieval_time_sec`` events;
+  tracing and lowering not included).
 
 ``--json FILE`` writes the report. The layout with the higher batch-1 and batch-8 decode is the one to default to.
 """
@@ -37,11 +40,17 @@ TEXT = (
 )
 
 # A new process, with the compilation cache argv[1]: "compile" runs each shape's first request and prints the
-# compile seconds of each; "startup" prints the seconds from its start to the first token of one request.
+# compile seconds of each; "startup" prints the seconds from its start to the first token of one request and the
+# seconds its programs took to load from the cache.
 _CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
+import jax
 import thoughtjax
+loads = []
+jax.monitoring.register_event_duration_secs_listener(
+  lambda e, s, **_: loads.append(s) if e == "/jax/compilation_cache/cache_retrieval_time_sec" else None
+)
 from thoughtjax.decode import program
 from thoughtjax.bench import layers
 program.configure_compilation_cache(sys.argv[1])
@@ -49,7 +58,7 @@ model = thoughtjax.load(sys.argv[2] or None, weights=sys.argv[3], compile_cache=
 if sys.argv[5] == "startup":
   g = model.stream([1, 2, 3, 4], max_tokens=2, ignore_eos=True)
   next(iter(g))
-  print(json.dumps(time.perf_counter() - t0))
+  print(json.dumps({"first_token_s": time.perf_counter() - t0, "executable_load_s": sum(loads), "loads": len(loads)}))
 else:
   short, batch8, ids = layers.prompts(model, int(sys.argv[6]))
   new = int(sys.argv[7])
@@ -129,9 +138,14 @@ def run(
       rates[name]["batch8"].append(decode_rate(m, batch8, new_tokens)[0])
       rates[name]["prefill"].append(prefill_rate(m, ids)[0])
   startup: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+  load_s: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+  for name in LAYOUTS if startup_runs else ():  # the start-up request's own shapes into the cache, not timed
+    _child(caches[name], model_name, weights, name, "startup")
   for _ in range(startup_runs):
     for name in LAYOUTS:
-      startup[name].append(_child(caches[name], model_name, weights, name, "startup"))
+      got = _child(caches[name], model_name, weights, name, "startup")
+      startup[name].append(got["first_token_s"])
+      load_s[name].append(got["executable_load_s"])
   med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
   return {
     "model": base.loaded.name,
@@ -145,7 +159,13 @@ def run(
     "median": {name: {k: med(v) for k, v in rates[name].items()} for name in LAYOUTS},
     "startup_first_token_s": startup,
     "startup_median_s": {name: med(startup[name]) for name in LAYOUTS},
+    "startup_executable_load_s": load_s,
+    "startup_executable_load_median_s": {name: med(load_s[name]) for name in LAYOUTS},
   }
+
+
+def _ms(seconds: float | None) -> float | None:
+  return None if seconds is None else seconds * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,9 +203,11 @@ def main(argv: list[str] | None = None) -> int:
         common.fmt(sum(comp[name].values()), ".2f"),
         common.fmt(res["executable_cache_bytes"][name] / 2**20, ".2f"),
         common.fmt(res["startup_median_s"][name], ".2f"),
+        common.fmt(_ms(res["startup_executable_load_median_s"][name]), ".0f"),
       )
     )
   cols = ["layout", "decode b1 tok/s", "decode b8 tok/s", "prefill tok/s", "compile s", "cache MiB", "start-up s"]
+  cols += ["executable load ms"]
   common.print_table(
     f"thoughtjax bench layers: {res['model']} ({args.weights}), {args.new_tokens} new tokens, prefill of "
     f"{res['prompt_tokens']} tokens, medians of {args.repeats}",
