@@ -3,8 +3,8 @@
 One concept per module: :mod:`.errors`, :mod:`.layout` (on-disk layout, file I/O, fsync),
 :mod:`.manifest`, :mod:`.codec`, :mod:`.checkpoint` (Orbax I/O, verified copies), :mod:`.trust`
 (TrustPolicy, rollback state, verification of indexes and manifests), :mod:`.lease` (reader leases),
-:mod:`.resident` (resident set, stats), :mod:`.store` (the read-only :class:`Registry`),
-:mod:`.publish`, :mod:`.verify`, :mod:`.build`, :mod:`.sharding`, :mod:`.gc`.
+:mod:`.resident` (resident set, stats), :mod:`.store` (the read-only :class:`Registry`), :mod:`.forms` (what a
+restore in each weight form reads and returns), :mod:`.versions` (naming a version by a prefix), :mod:`.publish`, :mod:`.verify`, :mod:`.build`, :mod:`.sharding`, :mod:`.gc`.
 """
 
 from thoughtjax.registry.build import build, cut_thoughtlets

@@ -18,13 +18,9 @@ with hit/miss/eviction counts.
 naming one thoughtlet many times costs one read and one signature check, and a file changed in any way is
 read and checked again. :meth:`refresh` drops the cache.
 
-**Weight forms.** A registry built from a quantized GGUF stores its matrices packed
-(:mod:`thoughtjax.thoughtlet.stored`). ``weights`` (per registry, or per :meth:`Registry.restore`) says
-what a restore returns: ``"f32"`` (default) dequantizes them at restore into the model's float32 layout,
-bit for bit the arrays a float32 registry held; ``"native"`` keeps them packed
-(:class:`~thoughtjax.quantized.BlockQuant`, computed in float32 from the packed bytes); ``"stored"``
-returns the checkpoint's arrays as they are (what the versioned hash covers). Int8 variants come back
-as their stored ``{"int8", "scale"}`` arrays in every form (:func:`thoughtjax.quantized.from_stored`).
+**Weight forms.** ``weights`` (per registry, or per :meth:`Registry.restore`) says what a restore returns:
+``"f32"`` (default), ``"native"`` or ``"stored"``; :mod:`.forms` states each, and computes the restore targets,
+the conversion and the resident bytes.
 
 **Mapped restore.** A verified restore on one device also keeps what it returned as a page-aligned file in the
 cache (:mod:`.mapped`), verified once (its SHA-256 recorded as it is written, from arrays whose files matched
@@ -45,10 +41,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import logging
 import os
-import re
 import shutil
 import threading
 import time
@@ -57,94 +51,28 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from thoughtjax import quantized
 from thoughtjax.config import ModelConfig
 from thoughtjax.registry.checkpoint import _checkpointer, _restore_checkpoint, verified_copy
 from thoughtjax.registry.codec import load_codec
 from thoughtjax.registry.errors import IntegrityError, Mismatch, RegistryError, RestoreError, UnknownThoughtletError
-from thoughtjax.registry.layout import VERSION_LEN, UnsafeFile, _nest, _read_index, _sha256_regular, _tree, dir_name
+from thoughtjax.registry.forms import check_form, resident_bytes, restore_targets, to_form
+from thoughtjax.registry.layout import UnsafeFile, _nest, _read_index, _sha256_regular, _tree, dir_name
 from thoughtjax.registry.lease import ReaderLease
 from thoughtjax.registry.manifest import Manifest
 from thoughtjax.registry.mapped import MAPPED, MappedFileChanged, MappedStore, content_key, source_identities
 from thoughtjax.registry.publish import StepHook, _publish
 from thoughtjax.registry.resident import RegistryStats, ResidentSet, _Resident
-from thoughtjax.registry.sharding import _sharding_key, param_partition
+from thoughtjax.registry.sharding import _sharding_key
 from thoughtjax.registry.trust import INTEGRITY, RESTORE, SIGNATURE, RollbackState, TrustPolicy, Verifier, sequence_of
 from thoughtjax.registry.verify import Tolerance, VerifyReport, verify_hardware, verify_registry
+from thoughtjax.registry.versions import match_version
 from thoughtjax.thoughtlet import Kind, ProfileSettings, Thoughtlet, measure_profile
-from thoughtjax.thoughtlet.stored import block_from_stored, in_dims, model_layout, stored_kind
-from thoughtjax.transformer import abstract_model
 
-# A version named in a path or a call: the full 16 hex digits or a prefix this long (a client cannot pick
-# an arbitrary old version with one character, and a prefix stays unambiguous as history grows).
-MIN_VERSION_PREFIX = 12
-_VERSION_PREFIX_RE = re.compile(f"[0-9a-f]{{{MIN_VERSION_PREFIX},{VERSION_LEN}}}")
 # Checked manifests kept per open registry (module docstring, "Manifest cache").
 MANIFEST_CACHE = 4096
 
-# What a restore returns (module docstring): f32 and native are the weight formats a path runs in.
-RESTORE_FORMS = ("f32", "native", "stored")
-
 log = logging.getLogger(__name__)
-
-
-def _check_form(weights: str) -> str:
-  if weights not in RESTORE_FORMS:
-    raise RegistryError(
-      f"weights={weights!r}: a registry restores weights as one of {', '.join(RESTORE_FORMS)} (f32: dequantized "
-      f"float32; native: the GGUF's blocks kept packed; stored: the checkpoint's arrays). int8 is a variant a path "
-      f"names (blocks[a:b)@int8, from `registry build --variants int8`), not a restore form"
-    )
-  return weights
-
-
-def _packed_nodes(params: dict) -> dict[str, str]:
-  """Parent path -> block type of every stored native weight in a manifest's ``params`` spec."""
-  children: dict[str, dict] = {}
-  for path in params:
-    parent, _, leaf = path.rpartition("/")
-    children.setdefault(parent, {})[leaf] = None
-  out = {}
-  for parent, keys in children.items():
-    kind = stored_kind(keys)
-    if kind in quantized.KINDS:
-      out[parent] = kind
-  return out
-
-
-@functools.lru_cache(maxsize=8)
-def _layout_shapes(cfg: ModelConfig) -> dict:
-  """Model-layout shapes of the parameters of each kind's module (one block stands for all)."""
-
-  abstract = abstract_model(cfg)
-
-  def shapes(module):
-    return jax.tree.map(lambda x: tuple(x.shape), nnx.to_pure_dict(nnx.state(module)))
-
-  return {"embed": shapes(abstract.embed), "head": shapes(abstract.head), "blocks": shapes(abstract.blocks[0])}
-
-
-def _layout_shape(cfg: ModelConfig, kind: str, parent: str) -> tuple[int, ...]:
-  node = _layout_shapes(cfg)[kind]
-  for key in parent.split("/")[1:] if kind == "blocks" else parent.split("/"):
-    node = node[key]
-  return node
-
-
-def _packed_bytes(params: dict, parent: str, kind: str, weights: str, dtype) -> int:
-  """Bytes a stored native weight takes resident in form ``weights``."""
-  rows, cols = params[f"{parent}/scale"]["shape"]
-  n = rows * cols * quantized.BLOCK
-  if weights == "f32":
-    return n * np.dtype(dtype or np.float32).itemsize
-  if weights == "native":  # one byte per value, float32 scale (and minimum) per block
-    return n + rows * cols * 4 * (2 if kind == "Q4_1" else 1)
-  return sum(
-    int(np.prod(s["shape"])) * np.dtype(s["dtype"]).itemsize for p, s in params.items() if p.startswith(parent + "/")
-  )
 
 
 def _stat_key(path: Path) -> tuple | None:
@@ -169,7 +97,7 @@ class Registry:
   """A registry directory opened for reading (and, with :meth:`publish`, writing).
 
   ``trust`` (a :class:`TrustPolicy`, default ``TrustPolicy()``) decides which keys are trusted and
-  how unsigned files are treated; ``weights`` is the form restores return by default (module docstring);
+  how unsigned files are treated; ``weights`` is the form restores return by default (:mod:`.forms`);
   every refusal is a named :class:`RegistryError`, counted in :meth:`stats`. An open registry holds a reader lease (see :mod:`.lease`) until :meth:`close`
   (or garbage collection), so ``gc`` keeps the versions it may restore; use it as a context manager.
   """
@@ -189,7 +117,7 @@ class Registry:
     self.root = Path(root).absolute()  # Orbax takes absolute paths only
     # Mapped restores (module docstring): True keeps them in <cache>/mapped, a path elsewhere, False not at all.
     self._mapped: MappedStore | bool | None = MappedStore(mapped) if isinstance(mapped, str | os.PathLike) else mapped
-    self.weights = _check_form(weights)
+    self.weights = check_form(weights)
     if trusted_keys is not None or require_signatures is not None:
       # The keywords TrustPolicy replaces, still accepted from callers not yet moved over.
       if trust is not None:
@@ -312,33 +240,21 @@ class Registry:
 
   def resolve(self, name: str, version: str | None = None) -> str:
     """The full version of ``name`` for ``version``, or the current one. ``version`` is the full version
-    or a prefix of at least :data:`MIN_VERSION_PREFIX` hex digits that names one published version still
+    or a prefix of at least :data:`~.versions.MIN_VERSION_PREFIX` hex digits that names one published version still
     present in the registry (one that gc removed is listed in the history only: :class:`UnknownThoughtletError`)."""
     self._known(name)
     current = self._index["current"][name]["version"]
     if version is None:
       return current
-    history = self._index["history"][name]
-    recent = ", ".join(history[-8:]) + (f" (and {len(history) - 8} older)" if len(history) > 8 else "")
-    if not (isinstance(version, str) and _VERSION_PREFIX_RE.fullmatch(version)):
+    found = match_version(name, version, self._index["history"][name])
+    self._hold_lease((dir_name(name), found))  # before anything is read: gc keeps it from now on
+    vdir = self.version_dir(name, found)
+    if found != current and not (vdir.is_dir() and not vdir.is_symlink()):
       raise UnknownThoughtletError(
-        f"{name}@{repr(version)[:40]}: name a version by its {VERSION_LEN} lowercase hex digits or a prefix of at "
-        f"least {MIN_VERSION_PREFIX} of them; versions of {name}: {recent}"
-      )
-    found = [v for v in history if v.startswith(version)]
-    if len(found) != 1:
-      raise UnknownThoughtletError(
-        f"{name}@{version}: {'no' if not found else 'more than one'} published version matches; "
-        f"versions of {name}: {recent}"
-      )
-    self._hold_lease((dir_name(name), found[0]))  # before anything is read: gc keeps it from now on
-    vdir = self.version_dir(name, found[0])
-    if found[0] != current and not (vdir.is_dir() and not vdir.is_symlink()):
-      raise UnknownThoughtletError(
-        f"{name}@{found[0]} was removed from {self.root} (by `thoughtjax registry gc`); the index lists it in "
+        f"{name}@{found} was removed from {self.root} (by `thoughtjax registry gc`); the index lists it in "
         f"the history only. Use the current version {current}, or publish that version again"
       )
-    return found[0]
+    return found
 
   def version_dir(self, name: str, version: str) -> Path:
     return self.root / "thoughtlets" / dir_name(name) / version
@@ -446,89 +362,9 @@ class Registry:
         )
 
   # ---- restore --------------------------------------------------------------------------
-  def _target(self, m: Manifest, dtype, mesh):
-
-    flat = {}
-    model_size = 1 if mesh is None else int(mesh.shape.get("model", 1))
-    if mesh is not None and any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
-      raise RegistryError(
-        "the mesh has Explicit axes; thoughtjax's model leaves sharding to XLA's propagation, so build the "
-        "mesh with Auto axes: jax.sharding.Mesh(devices, ('data', 'model')) or "
-        "jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * 2)"
-      )
-    packed = _packed_nodes(m.params)
-    for path, spec in m.params.items():
-      dt = np.dtype(spec["dtype"])
-      if path.rpartition("/")[0] in packed:  # read as stored (small), converted after the restore
-        flat[path] = jax.ShapeDtypeStruct(
-          tuple(spec["shape"]), dt, sharding=SingleDeviceSharding(jax.local_devices()[0])
-        )
-        continue
-      if dtype is not None and np.issubdtype(dt, np.floating):
-        dt = np.dtype(dtype)
-      if mesh is None:
-        sharding = SingleDeviceSharding(jax.devices()[0])
-      else:
-        sharding = NamedSharding(mesh, param_partition(m.kind.value, path, spec["shape"], model_size))
-      flat[path] = jax.ShapeDtypeStruct(tuple(spec["shape"]), dt, sharding=sharding)
-    return _nest(flat)
-
   def _key(self, name: str, version: str, dtype, mesh, weights: str | None = None) -> tuple:
-    form = _check_form(weights or self.weights)
+    form = check_form(weights or self.weights)
     return (name, version, None if dtype is None else np.dtype(dtype).name, _sharding_key(mesh), form)
-
-  def _resident_need(self, m: Manifest, dtype, weights: str) -> int:
-    """Bytes version ``m`` takes resident once restored in form ``weights`` (float arrays cast to ``dtype``)."""
-    packed = _packed_nodes(m.params)
-    plain = 0
-    for path, spec in m.params.items():
-      if path.rpartition("/")[0] in packed:
-        continue
-      dt = np.dtype(spec["dtype"])
-      if dtype is not None and np.issubdtype(dt, np.floating):
-        dt = np.dtype(dtype)
-      plain += int(np.prod(spec["shape"])) * dt.itemsize
-    return plain + sum(_packed_bytes(m.params, parent, kind, weights, dtype) for parent, kind in packed.items())
-
-  def _present(self, m: Manifest, params: dict, dtype, mesh, weights: str) -> dict:
-    """Restored stored arrays in form ``weights``: native weights kept packed or dequantized (module docstring)."""
-
-    packed = _packed_nodes(m.params)
-    if weights == "stored" or not packed:
-      return params
-    model_size = 1 if mesh is None else int(mesh.shape.get("model", 1))
-    out = jax.tree.map(lambda x: x, params)  # a new tree: the stored one stays as Orbax gave it
-    for parent in packed:
-      *up, leaf = parent.split("/")
-      node = out
-      for key in up:
-        node = node[key]
-      w = block_from_stored({k: np.asarray(v) for k, v in node[leaf].items()})
-      shape = _layout_shape(m.config, m.kind.value, parent)
-      spec = param_partition(m.kind.value, parent, shape, model_size) if mesh is not None else PartitionSpec()
-      if weights == "f32":
-        dense = model_layout(leaf, quantized.dequantize(w), shape).astype(np.dtype(dtype or np.float32))
-        sharding = SingleDeviceSharding(jax.devices()[0]) if mesh is None else NamedSharding(mesh, spec)
-        node[leaf] = jax.device_put(dense, sharding)
-        continue
-      # Native: rows are outputs, so a model-axis split of an output dim splits q's rows, one of an
-      # input dim splits its columns (whole blocks only, else replicated).
-      axis = next((i for i, a in enumerate(spec) if a == "model"), None)
-      n_in = in_dims(leaf, w.shape, shape)
-      axis = None if axis is None else (1 if n_in is not None and axis < n_in else 0)
-      if axis == 1 and (w.shape[1] // quantized.BLOCK) % model_size:
-        axis = None
-
-      def put(a, axis=axis):
-        if mesh is None:
-          return jax.device_put(a, SingleDeviceSharding(jax.devices()[0]))
-        parts = [None] * a.ndim
-        if axis is not None:
-          parts[axis] = "model"
-        return jax.device_put(a, NamedSharding(mesh, PartitionSpec(*parts)))
-
-      node[leaf] = w.map(put)
-    return out
 
   def restore(
     self,
@@ -542,10 +378,10 @@ class Registry:
   ) -> dict:
     """The weights of one thoughtlet version as a nested dict of arrays (from the resident
     set if there, else read, checked and restored into ``dtype`` and ``mesh`` sharding), native weights
-    in form ``weights`` (default: the registry's; see the module docstring). ``dtype`` casts float
+    in form ``weights`` (default: the registry's; see :mod:`.forms`). ``dtype`` casts float
     arrays; packed native weights keep their narrow types (they compute in float32)."""
     version = self.resolve(name, version)
-    weights = _check_form(weights or self.weights)
+    weights = check_form(weights or self.weights)
     key = self._key(name, version, dtype, mesh, weights)
     with self._lock:
       entry = self._resident.get(key)
@@ -554,7 +390,7 @@ class Registry:
         return entry.params
       self._stats.misses += 1
       m = self.manifest(name, version)
-      need = self._resident_need(m, dtype, weights)
+      need = resident_bytes(m, dtype, weights)
       for _ in self._resident.make_room(need, set(pinned or ()) | {key}, m.ref):
         self._stats.evictions += 1
     t0 = time.perf_counter()
@@ -587,7 +423,7 @@ class Registry:
     checked, kept mapped for the next restore (module docstring, "Mapped restore")."""
     store = self._mapped_store() if mesh is None else None
     if store is None:
-      return self._present(m, self._read(m, self._target(m, dtype, mesh))[0], dtype, mesh, weights)
+      return to_form(m, self._read(m, _nest(restore_targets(m, dtype, mesh)))[0], dtype, mesh, weights)
     key = content_key(m, weights, dtype)
     vdir = self.version_dir(m.name, m.version)
     sources = source_identities(vdir / rel for rel in sorted(m.files))
@@ -599,7 +435,7 @@ class Registry:
         with self._lock:
           self._stats.mapped_restores += 1
         return params
-    params = self._present(m, self._read(m, self._target(m, dtype, mesh))[0], dtype, mesh, weights)
+    params = to_form(m, self._read(m, _nest(restore_targets(m, dtype, mesh)))[0], dtype, mesh, weights)
     # Kept only from files that were checked and did not change while they were read.
     if self.verify_files and sources is not None and source_identities(sources) == sources:
       if store.save(key, params, sources):
@@ -659,7 +495,7 @@ class Registry:
   ) -> list[dict]:
     """Restore several versions that must be resident together (one path), up to ``workers``
     at a time; the byte budget is checked for all of them before anything is read."""
-    weights = _check_form(weights or self.weights)
+    weights = check_form(weights or self.weights)
     with self._lock:
       resolved = [(n, self.resolve(n, v)) for n, v in units]
       keyed = {self._key(n, v, dtype, mesh, weights) for n, v in resolved}
@@ -668,7 +504,7 @@ class Registry:
         need = 0
         for n, v in missing:
           m = self.manifest(n, v)
-          need += self._resident_need(m, dtype, weights)
+          need += resident_bytes(m, dtype, weights)
         for _ in self._resident.make_room(need, keyed, "this path"):
           self._stats.evictions += 1
     kw = dict(dtype=dtype, mesh=mesh, pinned=keyed, weights=weights)
