@@ -2,25 +2,14 @@
 ``POST /v1/completions`` and ``GET /v1/models``, with llama-server's ``GET /health``, ``POST /tokenize`` and
 ``POST /detokenize`` and the server's Prometheus ``GET /metrics`` (``http_port`` in the server config).
 
-Transport only. A body becomes a ``thoughtjax.v1.SynthesizeRequest`` (:func:`synthesize_request`) and goes
+Transport only. A body becomes a ``thoughtjax.v1.SynthesizeRequest``
+(:func:`~thoughtjax.server.openai_request.synthesize_request`, which states the body fields) and goes
 through the servicer's own steps: the client credential (:meth:`SynthesizerService.check_client`),
 validation and admission (:meth:`~SynthesizerService.admit`), then scheduling and the run
 (:meth:`~SynthesizerService.responses`). The limits, the queue, the slots and the metrics are those of the
-gRPC ``Synthesize``; only the framing differs.
-
-Body fields: ``model`` (the id ``/v1/models`` lists, or the registry's folder name; another is 404
-``model_not_found``; omitted: the served one), ``messages`` (text content; roles system, user, assistant, and
-developer as system) or ``prompt`` (a string), ``max_tokens`` /
-``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop`` (string or list), ``logit_bias``,
-``n`` (1 only), ``stream``, ``stream_options.include_usage``, ``response_format`` (``text``; ``json_object``
-and ``json_schema`` map to the request's ``json_schema``). Extensions: ``top_k``, ``synthesis_hints`` (at most
-3), ``max_latency_ms``, ``path``, ``regex``, ``grammar``. Unset fields take OpenAI's defaults: temperature 1,
-top_p 1, and no ``max_tokens`` generates until the end of text or ``max_tokens_limit`` or the context runs out,
-whichever comes first. A field OpenAI defines but this server cannot honour (tools, logprobs, penalties) is
-refused unless it asks for the default. An unknown field (another server's extension: ``min_p``,
-``repetition_penalty``, ``cache_prompt``) is ignored, named once in the log and in the answer's
-``thoughtjax.ignored_fields``, as vLLM and llama-server do; ``strict_fields`` in the config refuses it (400) so
-that a typo never silently does nothing. A body is JSON with or without a ``Content-Type``.
+gRPC ``Synthesize``; only the framing differs. Who may connect (the connection cap, the Host names answered
+without a client token) is ``server/http_access.py``. An unknown body field is named once in the log (and
+refused under ``strict_fields``). A body is JSON with or without a ``Content-Type``.
 
 Answers: ``chat.completion`` / ``text_completion`` objects, or server-sent ``data:`` chunks ending with
 ``data: [DONE]``; the plan, the trace and the request id in a ``thoughtjax`` field (the last chunk's when
@@ -37,25 +26,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
-import math
-import re
-import ssl
 import time
-from collections.abc import Collection
-from typing import Any, Literal
+from typing import Any
 
 import grpc
 from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from thoughtjax.defaults import MAX_HINTS
-from thoughtjax.errors import UserError
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
+from thoughtjax.server.http_access import ConnectionGate, allowed_hosts, host_name
 from thoughtjax.server.messages import log_safe
+from thoughtjax.server.openai_request import (
+  HttpError,
+  Options,
+  body_fields,
+  error_body,
+  invalid_value,
+  json_kind,
+  param_of,
+  parse_json,
+  str_field,
+  synthesize_request,
+)
 
 log = logging.getLogger("thoughtjax.server.http")
 
@@ -69,415 +64,16 @@ HTTP_STATUS = {
   C.UNAVAILABLE: 503,
   C.DEADLINE_EXCEEDED: 504,
 }  # any other status: 500
-ERROR_TYPE = {
-  400: "invalid_request_error",
-  401: "authentication_error",
-  403: "permission_error",
-  404: "invalid_request_error",
-  405: "invalid_request_error",
-  413: "invalid_request_error",
-  415: "invalid_request_error",
-  429: "rate_limit_error",
-  503: "server_error",
-  504: "server_error",
-}  # any other status: server_error
 CHAT, COMPLETIONS, MODELS = "/v1/chat/completions", "/v1/completions", "/v1/models"
 HEALTH, METRICS, TOKENIZE, DETOKENIZE = "/health", "/metrics", "/tokenize", "/detokenize"
-ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
 # Content types a client sends by default with a JSON body (curl -d: form-urlencoded): taken when the body is
 # JSON, else 415. A JSON type or none at all: parsed (400 when it is not JSON). Any other type: 415.
 _LENIENT_TYPES = ("text/plain", "application/x-www-form-urlencoded")
 FINISH_REASON = {"stop": "stop", "stop_string": "stop", "length": "length"}  # the engine's -> OpenAI's
 
-# Fields OpenAI defines that this server does not implement: accepted only at their default value.
-_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
-  "frequency_penalty": (0, 0.0),
-  "presence_penalty": (0, 0.0),
-  "logprobs": (False,),
-  "top_logprobs": (0,),
-  "tools": ([],),
-  "tool_choice": ("none",),
-  "functions": ([],),
-  "function_call": ("none",),
-  "echo": (False,),
-  "best_of": (1,),
-  "suffix": ("",),
-  "modalities": (["text"],),
-}
-_IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")  # no effect on the output
-_COMMON = (
-  "model",
-  "max_tokens",
-  "temperature",
-  "top_p",
-  "seed",
-  "stop",
-  "logit_bias",
-  "n",
-  "stream",
-  "stream_options",
-  "response_format",
-  "top_k",
-  "synthesis_hints",
-  "max_latency_ms",
-  "path",
-  "regex",
-  "grammar",
-  "cache_salt",
-)
-FIELDS = {
-  "chat": frozenset((*_COMMON, "messages", "max_completion_tokens", *_DEFAULT_ONLY, *_IGNORED)),
-  "completion": frozenset((*_COMMON, "prompt", *_DEFAULT_ONLY, *_IGNORED)),
-}
-
-
-class HttpError(UserError):
-  """A request refused by the HTTP layer itself (before it is a SynthesizeRequest): ``status`` and OpenAI's
-  ``param`` and ``code``."""
-
-  def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-    super().__init__(message)
-    self.status, self.param, self.code = status, param, code
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-  """How to answer a request (what the SynthesizeRequest does not say)."""
-
-  endpoint: Literal["chat", "completion"]
-  stream: bool = False
-  include_usage: bool = False
-  max_tokens_field: str = "max_tokens"  # the body's name for it, for errors
-  until_eos: bool = False  # no max_tokens: as many as fit (OpenAI's default; server/validation.py)
-  ignored: tuple[str, ...] = ()  # unknown body fields left out (strict_fields off)
-
-
-def _bad(message: str, param: str | None) -> HttpError:
-  return HttpError(400, message, param, "invalid_value" if param else None)
-
-
-def _kind(v: Any) -> str:
-  return "null" if v is None else {dict: "object", list: "array", str: "string", bool: "boolean"}.get(type(v), "number")
-
-
-def _int(body: dict, key: str, lo: int, hi: int) -> int | None:
-  v = body.get(key)
-  if v is None:
-    return None
-  if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-    got = repr(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else f"a {_kind(v)}"
-    raise _bad(f"{key}: expected an integer in [{lo}, {hi}], got {got}", key)
-  return v
-
-
-def _number(body: dict, key: str) -> float | None:
-  v = body.get(key)
-  if v is None:
-    return None
-  if isinstance(v, bool) or not isinstance(v, (int, float)):
-    raise _bad(f"{key}: expected a number, got a {_kind(v)}", key)
-  if not math.isfinite(v):
-    raise _bad(f"{key}: expected a finite number, got {v!r}", key)
-  return float(v)
-
-
-def _str(body: dict, key: str) -> str | None:
-  v = body.get(key)
-  if v is None:
-    return None
-  if not isinstance(v, str):
-    raise _bad(f"{key}: expected a string, got a {_kind(v)}", key)
-  return v
-
-
-def _text_content(content: Any, i: int) -> str:
-  """A message's content: a string, or a list of ``{"type": "text", "text": ...}`` parts (joined)."""
-  where = f"messages[{i}].content"
-  if isinstance(content, str):
-    return content
-  if isinstance(content, list):
-    parts = []
-    for j, part in enumerate(content):
-      if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-        kind = part.get("type") if isinstance(part, dict) else _kind(part)
-        raise _bad(
-          f"{where}[{j}]: only text parts ({{'type': 'text', 'text': ...}}) are served, got {kind!r}", "messages"
-        )
-      parts.append(part["text"])
-    return "".join(parts)
-  raise _bad(f"{where}: expected a string or a list of text parts, got a {_kind(content)}", "messages")
-
-
-def _messages(body: dict) -> list[pb.ChatMessage]:
-  msgs = body.get("messages")
-  if not isinstance(msgs, list) or not msgs:
-    raise _bad(f"messages: expected a non-empty array of {{role, content}} objects, got {_kind(msgs)}", "messages")
-  out = []
-  for i, msg in enumerate(msgs):
-    if not isinstance(msg, dict):
-      raise _bad(f"messages[{i}]: expected an object with role and content, got a {_kind(msg)}", "messages")
-    extra = sorted(k for k, v in msg.items() if v is not None and k not in ("role", "content", "name"))
-    if extra:
-      raise _bad(f"messages[{i}]: fields {extra} are not served (tool calls, audio); send role and content", "messages")
-    role = msg.get("role")
-    if not isinstance(role, str):
-      raise _bad(f"messages[{i}].role: expected a string, got a {_kind(role)}", "messages")
-    out.append(pb.ChatMessage(role=ROLES.get(role, role), content=_text_content(msg.get("content"), i)))
-  return out
-
-
-def _stop(body: dict) -> list[str]:
-  v = body.get("stop")
-  if v is None:
-    return []
-  if isinstance(v, str):
-    return [v]
-  if isinstance(v, list) and all(isinstance(s, str) for s in v):
-    return v
-  raise _bad(f"stop: expected a string or an array of strings, got a {_kind(v)}", "stop")
-
-
-def _logit_bias(body: dict) -> dict[int, float]:
-  v = body.get("logit_bias")
-  if v is None:
-    return {}
-  if not isinstance(v, dict):
-    raise _bad(f"logit_bias: expected an object of token id -> bias, got a {_kind(v)}", "logit_bias")
-  out = {}
-  for k, b in v.items():
-    try:
-      tid = int(k)
-    except ValueError:
-      raise _bad(f"logit_bias: key {k[:40]!r} is not a token id (an integer)", "logit_bias") from None
-    if not -(2**31) <= tid < 2**31:
-      raise _bad(f"logit_bias: token id {tid} is out of range", "logit_bias")
-    if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b):
-      raise _bad(f"logit_bias[{k}]: expected a finite number, got {b!r}", "logit_bias")
-    out[tid] = float(b)
-  return out
-
-
-def _response_format(body: dict) -> str | None:
-  """The request's ``json_schema`` (JSON text) for ``response_format``; None: unconstrained text."""
-  v = body.get("response_format")
-  if v is None:
-    return None
-  if not isinstance(v, dict) or not isinstance(v.get("type"), str):
-    raise _bad("response_format: expected an object with a type (text, json_object or json_schema)", "response_format")
-  kind = v["type"]
-  if kind == "text":
-    return None
-  if kind == "json_object":
-    return json.dumps({"type": "object"})
-  if kind == "json_schema":
-    spec = v.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-      raise _bad(
-        "response_format.json_schema: expected {name, schema: {...}, strict} with the JSON Schema object in schema",
-        "response_format",
-      )
-    return json.dumps(spec["schema"])
-  raise _bad(f"response_format.type: expected text, json_object or json_schema, got {kind[:40]!r}", "response_format")
-
-
-def _unknown(body: dict, known: frozenset[str], strict: bool) -> tuple[str, ...]:
-  """The fields of ``body`` not in ``known``, removed from it (sorted); with ``strict`` a 400 naming them."""
-  unknown = sorted(set(body) - known)
-  if unknown and strict:
-    raise _bad(
-      f"unknown fields {unknown[:8]}; this endpoint takes {sorted(known - set(_IGNORED))} (strict_fields: true "
-      f"in the server config; false ignores them)",
-      unknown[0],
-    )
-  for k in unknown:
-    del body[k]
-  return tuple(unknown)
-
-
-def _fields(body: Any, known: frozenset[str], strict: bool) -> tuple[dict, tuple[str, ...]]:
-  """A request body as a JSON object without its null fields (OpenAI: null is the default), and the unknown
-  fields it carried (:func:`_unknown`: a 400 when ``strict``); :class:`HttpError` 400 for any other JSON."""
-  if not isinstance(body, dict):
-    raise HttpError(400, f"the request body must be a JSON object, got a JSON {_kind(body)}")
-  body = {k: v for k, v in body.items() if v is not None}
-  return body, _unknown(body, known, strict)
-
-
-def synthesize_request(
-  body: Any,
-  endpoint: Literal["chat", "completion"],
-  model: str | Collection[str] | None,
-  request_id: str = "",
-  *,
-  strict: bool = False,
-) -> tuple[pb.SynthesizeRequest, Options]:
-  """The SynthesizeRequest of an OpenAI ``body`` and how to answer it; :class:`HttpError` (400, 404 for a
-  ``model`` other than the served ids ``model``) naming the field. Types and ranges the proto cannot hold are
-  checked here; the rest (sampling ranges, context, hints, path) is the servicer's validation. ``strict``: an
-  unknown field is a 400 (else it is left out and named in :attr:`Options.ignored`)."""
-  body, ignored = _fields(body, FIELDS[endpoint], strict)
-  for key, defaults in _DEFAULT_ONLY.items():
-    if key in body and not any(body[key] == d and type(body[key]) is type(d) for d in defaults):
-      raise _bad(f"{key}: not supported by this server; omit it or send {defaults[0]!r}", key)
-  name = _str(body, "model")
-  served = (model,) if isinstance(model, str) else tuple(model or ())
-  if name is not None and served and name not in served:
-    raise HttpError(
-      404,
-      f"The model {name[:200]!r} does not exist; this server serves {served[0]!r} (GET /v1/models)",
-      "model",
-      "model_not_found",
-    )
-  m = pb.SynthesizeRequest(request_id=request_id)
-  if endpoint == "chat":
-    m.messages.extend(_messages(body))
-  else:
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str):
-      raise _bad(f"prompt: expected a string (arrays and token ids are not served), got a {_kind(prompt)}", "prompt")
-    m.prompt = prompt
-  n = body.get("n", 1)
-  if isinstance(n, bool) or n != 1:
-    raise _bad(f"n: this server returns one choice per request (n: 1), got {n!r}; send n requests instead", "n")
-  limit = 2**32 - 1
-  fields = [f for f in ("max_tokens", "max_completion_tokens") if f in body]
-  got = {f: _int(body, f, 0, limit) for f in fields}  # 0 and the server's limit: the servicer's message
-  if len(set(got.values())) > 1:
-    raise _bad(
-      f"max_tokens ({got['max_tokens']}) and max_completion_tokens ({got['max_completion_tokens']}) differ; send one",
-      "max_completion_tokens",
-    )
-  if got:
-    m.max_tokens = next(iter(got.values()))
-  for key in ("temperature", "top_p", "max_latency_ms"):
-    if (x := _number(body, key)) is not None:
-      setattr(m, key, x)
-  # OpenAI's defaults, not the gRPC ones (greedy): sampled at temperature 1 over the whole distribution.
-  for key in ("temperature", "top_p"):
-    if not m.HasField(key):
-      setattr(m, key, 1.0)
-  if (k := _int(body, "top_k", 0, limit)) is not None:
-    m.top_k = k
-  if (s := _int(body, "seed", 0, 2**64 - 1)) is not None:
-    m.seed = s
-  m.stop_strings.extend(_stop(body))
-  for tid, b in _logit_bias(body).items():
-    m.logit_bias[tid] = b
-  hints = body.get("synthesis_hints", [])
-  if not isinstance(hints, list) or not all(isinstance(h, str) for h in hints):
-    raise _bad(f"synthesis_hints: expected an array of hint names, got a {_kind(hints)}", "synthesis_hints")
-  if len(hints) > MAX_HINTS:
-    raise _bad(f"synthesis_hints: at most {MAX_HINTS} (priority order), got {len(hints)}", "synthesis_hints")
-  m.hints.extend(hints)
-  for key in ("path", "regex", "grammar", "cache_salt"):
-    if (x := _str(body, key)) is not None:
-      setattr(m, key, x)
-  schema = _response_format(body)
-  if schema is not None:
-    if m.regex or m.grammar:
-      raise _bad("response_format (JSON) and regex/grammar constrain the same output: send one", "response_format")
-    m.json_schema = schema
-  stream = body.get("stream", False)
-  if not isinstance(stream, bool):
-    raise _bad(f"stream: expected true or false, got a {_kind(stream)}", "stream")
-  so = body.get("stream_options", {})
-  if not isinstance(so, dict) or set(so) - {"include_usage"} or not isinstance(so.get("include_usage", False), bool):
-    raise _bad("stream_options: expected {include_usage: true|false}", "stream_options")
-  if so and not stream:
-    raise _bad("stream_options: only with stream: true", "stream_options")
-  max_field = fields[-1] if fields else "max_tokens"
-  return m, Options(endpoint, stream, bool(so.get("include_usage", False)), max_field, not got, ignored)
-
-
-# The servicer's messages start with the request field ("max_tokens: ...", "sampling: temperature ...").
-_LEADING = re.compile(r"^(?:sampling: )?([a-z_]+)")
-_PARAM = {
-  "max_tokens": "max_tokens",
-  "temperature": "temperature",
-  "top_p": "top_p",
-  "top_k": "top_k",
-  "seed": "seed",
-  "logit_bias": "logit_bias",
-  "stop_strings": "stop",
-  "hints": "synthesis_hints",
-  "max_latency_ms": "max_latency_ms",
-  "path": "path",
-  "messages": "messages",
-  "json_schema": "response_format",
-  "regex": "regex",
-  "grammar": "grammar",
-}
-
-
-def param_of(message: str, opts: Options | None) -> str | None:
-  """The body field a servicer message names (None: none known)."""
-  got = _LEADING.match(message)
-  name = got and _PARAM.get(got.group(1))
-  if name == "max_tokens" and opts is not None:
-    return opts.max_tokens_field
-  if name is None and ("prompt" in message or "give exactly one" in message):
-    return "messages" if opts is not None and opts.endpoint == "chat" else "prompt"
-  return name
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-  return {"error": {"message": message, "type": ERROR_TYPE.get(status, "server_error"), "param": param, "code": code}}
-
 
 def _json(data: dict, status: int = 200, headers: dict | None = None) -> web.Response:
   return web.json_response(data, status=status, headers=headers, dumps=lambda d: json.dumps(d, ensure_ascii=False))
-
-
-LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
-
-
-def host_name(header: str) -> str:
-  """The name of a Host header, without its port, lower case (``[::1]:8080`` -> ``::1``)."""
-  h = header.strip().lower()
-  if h.startswith("["):
-    return h[1 : h.find("]")] if "]" in h else h
-  return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
-
-
-class _ConnectionGate:
-  """The listening socket's protocol factory: aiohttp's request handler while fewer than ``cap`` HTTP connections
-  are open, else a protocol that answers 503 and closes without reading anything (a flood of idle or half-open
-  sockets cannot grow past the cap; each open one is closed by aiohttp's idle timeout)."""
-
-  def __init__(self, server: web.Server, cap: int, service):
-    self.server, self.cap, self.service = server, cap, service
-    # Handlers handed out whose connection has not started yet. The loop accepts every socket waiting in the
-    # backlog at once and calls this for each before any handler's connection_made (which puts it in
-    # ``server.connections``) runs, so counting only those would let a whole burst in.
-    self._opening = 0
-
-  def __call__(self) -> asyncio.BaseProtocol:
-    if len(self.server.connections) + self._opening < self.cap:
-      self._opening += 1
-      # Runs just before the transport's own call_soon(connection_made) for this socket (the transport is made
-      # right after this returns): the handler stops counting here and counts in server.connections from there.
-      asyncio.get_running_loop().call_soon(self._opened)
-      return self.server()
-    self.service.answered("HTTP", "HTTP_503")
-    return _Refused(self.cap)
-
-  def _opened(self) -> None:
-    self._opening -= 1
-
-
-class _Refused(asyncio.Protocol):
-  def __init__(self, cap: int):
-    self.cap = cap
-
-  def connection_made(self, transport: asyncio.BaseTransport) -> None:
-    message = f"the server holds its most HTTP connections ({self.cap}, http_max_connections); retry shortly"
-    body = json.dumps(error_body(503, message, None, "too_many_connections")).encode()
-    head = (
-      "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-      f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    transport.write(head.encode() + body)  # type: ignore[attr-defined]
-    transport.close()
 
 
 class OpenAIHttp:
@@ -492,13 +88,11 @@ class OpenAIHttp:
 
   # ---- lifecycle -------------------------------------------------------------------------
   async def start(self, bind: str, port: int) -> int:
+    from thoughtjax.server.tls import ssl_context  # deferred: importing this module does not load server.tls
+
     cfg = self.service.config
     app = web.Application(client_max_size=cfg.http_max_body_bytes, middlewares=[self._hosts, self._errors])
-    self._allowed_hosts = frozenset({*LOOPBACK_HOSTS, bind.strip("[]").lower(), *cfg.http_allowed_hosts}) - {
-      "0.0.0.0",
-      "::",
-      "",
-    }
+    self._allowed_hosts = allowed_hosts(bind, cfg.http_allowed_hosts)
     app.router.add_post(CHAT, self.chat)
     app.router.add_post(COMPLETIONS, self.completions)
     app.router.add_get(MODELS, self.models)
@@ -523,7 +117,7 @@ class OpenAIHttp:
       lingering_time=min(10.0, cfg.http_body_timeout_s),
     )
     await self.runner.setup()
-    gate = _ConnectionGate(self.runner.server, cfg.http_max_connections, self.service)
+    gate = ConnectionGate(self.runner.server, cfg.http_max_connections, self.service)
     try:
       self._listener = await asyncio.get_running_loop().create_server(
         gate, bind.strip("[]") or None, port, ssl=ssl_context(cfg.tls), reuse_address=True
@@ -560,7 +154,7 @@ class OpenAIHttp:
     the model is loaded; its unknown fields logged (or refused under strict_fields)."""
     self.service.check_client(request.headers.get("Authorization"), method)
     self.service.check_loaded()
-    body, ignored = _fields(await self._body(request), known, self._strict)
+    body, ignored = body_fields(await self._body(request), known, self._strict)
     self._ignoring(ignored, method)
     return body
 
@@ -663,7 +257,7 @@ class OpenAIHttp:
         "request_too_large",
       ) from None
     try:
-      return _parse_json(raw)
+      return parse_json(raw)
     except HttpError:
       if not json_type:  # a form or plain text that is not JSON after all: the type said so
         raise HttpError(
@@ -703,13 +297,13 @@ class OpenAIHttp:
     ``with_pieces``: each token as ``{"id", "piece"}``)."""
     try:
       body = await self._tool_body(request, TOKENIZE, frozenset(("content", "add_special", "with_pieces")))
-      text = _str(body, "content")
+      text = str_field(body, "content")
       if text is None:
-        raise _bad("content: expected the text to tokenize, a string", "content")
+        raise invalid_value("content: expected the text to tokenize, a string", "content")
       flags = {k: body.get(k, False) for k in ("add_special", "with_pieces")}
       for k, v in flags.items():
         if not isinstance(v, bool):
-          raise _bad(f"{k}: expected true or false, got a {_kind(v)}", k)
+          raise invalid_value(f"{k}: expected true or false, got a {json_kind(v)}", k)
       codec = self.service.registry.codec
       ids = await _on_worker(lambda: _encode(codec, text, flags["add_special"]))
       if flags["with_pieces"]:
@@ -726,10 +320,12 @@ class OpenAIHttp:
       ids = body.get("tokens", [])
       vocab = self.service.serving.vocab
       if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise _bad(f"tokens: expected an array of token ids (integers), got a {_kind(ids)}", "tokens")
+        raise invalid_value(f"tokens: expected an array of token ids (integers), got a {json_kind(ids)}", "tokens")
       bad = next((t for t in ids if not 0 <= t < vocab), None)
       if bad is not None:
-        raise _bad(f"tokens: id {bad} is outside the vocabulary [0, {vocab}); send ids /tokenize gave", "tokens")
+        raise invalid_value(
+          f"tokens: id {bad} is outside the vocabulary [0, {vocab}); send ids /tokenize gave", "tokens"
+        )
       codec = self.service.registry.codec
       text = await _on_worker(lambda: codec.decode(ids, skip_special=False))
     except Exception as e:
@@ -817,18 +413,6 @@ class OpenAIHttp:
       except ConnectionError:  # the client left; closing the responses frees the slot
         log.info("request %s: %s client disconnected", r.request_id, method)
       return sse
-
-
-def _parse_json(raw: bytes) -> Any:
-  """``raw`` as JSON, or a 400 :class:`HttpError` saying why not."""
-  try:
-    return json.loads(raw.decode("utf-8"))  # decoded here: json.loads would guess UTF-16 from bytes
-  except UnicodeDecodeError:
-    raise HttpError(400, "the request body is not UTF-8 text; send UTF-8 JSON") from None
-  except RecursionError:
-    raise HttpError(400, "the request body nests JSON too deeply; send a flat request object") from None
-  except json.JSONDecodeError as e:
-    raise HttpError(400, f"the request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
 
 
 async def _on_worker(fn):
@@ -945,20 +529,3 @@ class _Answer:
     if not self.opts.include_usage:
       return [{**last, "thoughtjax": self.extension()}]
     return [last, self._chunk([], usage=self.usage(), thoughtjax=self.extension())]
-
-
-def ssl_context(tls) -> ssl.SSLContext | None:
-  """The HTTP endpoint's TLS from the gRPC server's ``tls`` settings (client certificates required when
-  ``client_ca`` is set), so the endpoint is never a plaintext way around them. None: plaintext."""
-  if not tls.enabled:
-    return None
-  from thoughtjax.server.tls import _read
-
-  _read(tls.cert, "cert"), _read(tls.key, "key")  # a readable PEM each, or the ConfigError naming the key
-  ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-  ctx.load_cert_chain(tls.cert, tls.key)
-  if tls.mutual:
-    _read(tls.client_ca, "client_ca")
-    ctx.load_verify_locations(tls.client_ca)
-    ctx.verify_mode = ssl.CERT_REQUIRED
-  return ctx

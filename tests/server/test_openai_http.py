@@ -22,7 +22,7 @@ from thoughtjax.proto.v1 import synthesis_pb2 as pb
 from thoughtjax.proto.v1 import synthesis_pb2_grpc as rpc
 from thoughtjax.server.app import BackgroundServer
 from thoughtjax.server.config import ClientsConfig, ConfigError
-from thoughtjax.server.http import HttpError, synthesize_request
+from thoughtjax.server.openai_request import HttpError, synthesize_request
 
 PROMPT = "The quick brown fox"
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
