@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from thoughtjax.defaults import MIN_POOL_RING
 from thoughtjax.errors import UserError
 from thoughtjax.serving.pool import EnginePool, PoolFull, Reservation
-from thoughtjax.synthesis.latency import Load
+from thoughtjax.synthesis.latency_load import Load
 
 
 class QueueFull(UserError, RuntimeError):

@@ -18,7 +18,8 @@ from thoughtjax.synthesis.candidate import CandidateKind
 from thoughtjax.synthesis.candidates import bridged_proposals
 from thoughtjax.synthesis.dictionary import load_dictionary
 from thoughtjax.synthesis.heal import HealSettings, heal, publish_bridge
-from thoughtjax.synthesis.latency import LatencyModel, Residency
+from thoughtjax.synthesis.latency import LatencyModel
+from thoughtjax.synthesis.latency_load import Residency
 from thoughtjax.synthesis.planner import Floor, Planner, PlanRequest
 from thoughtjax.thoughtlet import ProfileSettings
 

@@ -14,13 +14,9 @@ import pytest
 
 from tests.synthesis.tiny_synthesis import FULL, HINTS, IDENTITY_SKIP, registry_copy, tiny_setup
 from thoughtjax.registry import IntegrityError, Registry, SignatureDowngradeError, SignatureError
-from thoughtjax.synthesis.calibrate import (
-  CalibrateError,
-  LatencySettings,
-  load,
-  machine_fingerprint,
-  recalibrate_latency,
-)
+from thoughtjax.synthesis.calibrate import load, recalibrate_latency
+from thoughtjax.synthesis.calibrate_latency import machine_fingerprint
+from thoughtjax.synthesis.calibrate_settings import CalibrateError, LatencySettings
 from thoughtjax.synthesis.calibration_store import (
   MissingCalibrationError,
   calibration_path,
@@ -28,7 +24,9 @@ from thoughtjax.synthesis.calibration_store import (
   write_calibration,
 )
 from thoughtjax.synthesis.candidate import CandidateKind
-from thoughtjax.synthesis.latency import ROWS_DEFAULT, EngineLoad, LatencyModel, Load
+from thoughtjax.synthesis.latency import LatencyModel
+from thoughtjax.synthesis.latency_load import EngineLoad, Load
+from thoughtjax.synthesis.latency_params import ROWS_DEFAULT
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +199,8 @@ def test_the_shipped_default_table_pins_to_the_default_registry_and_reproduces()
   """registry/default_calibration.json (made by `registry calibrate` on the default registry) names exactly
   the versions a build of the default model gives, and re-measuring two of its paths on one hint gives its
   numbers."""
-  from thoughtjax.synthesis.calibrate import CalibrateSettings, _token_docs, full_model
+  from thoughtjax.synthesis.calibrate import _token_docs, full_model
+  from thoughtjax.synthesis.calibrate_settings import CalibrateSettings
   from thoughtjax.synthesis.default_registry import ensure_default, shipped_calibration, shipped_table_path
   from thoughtjax.synthesis.dictionary import load_dictionary
   from thoughtjax.synthesis.quality import measure_candidates

@@ -33,7 +33,7 @@ from thoughtjax.synthesis.candidates import (
   propose,
   unit_spans,
 )
-from thoughtjax.synthesis.latency import LatencyParams, LinearCost
+from thoughtjax.synthesis.latency_params import LatencyParams, LinearCost
 from thoughtjax.synthesis.quality import measure, measure_candidates, windows
 from thoughtjax.thoughtlet import capture
 from thoughtjax.transformer import GraphDefs

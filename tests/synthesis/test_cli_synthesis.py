@@ -193,7 +193,7 @@ def test_registry_calibrate_latency_only_and_warm(capsys, tmp_path, monkeypatch)
 
   from thoughtjax.registry import Registry
   from thoughtjax.synthesis import corrections as corr
-  from thoughtjax.synthesis.latency import Learned
+  from thoughtjax.synthesis.latency_context import Learned
 
   root = registry_copy(tmp_path / "reg")
   with Registry.open(root) as reg:

@@ -14,7 +14,8 @@ import pytest
 from tests.synthesis.tiny_synthesis import tiny_setup
 from thoughtjax.registry import Registry
 from thoughtjax.synthesis import corrections as corr
-from thoughtjax.synthesis.latency import MAX_AGE_S, LatencyContext, LatencyTrace, Learned
+from thoughtjax.synthesis.latency import LatencyTrace
+from thoughtjax.synthesis.latency_context import MAX_AGE_S, LatencyContext, Learned
 from thoughtjax.synthesis.synthesize import Synthesizer
 
 PROMPT = "The quick brown fox"
@@ -181,7 +182,7 @@ def test_re_measured_latency_starts_from_fresh_factors(reg):
   import dataclasses
 
   from thoughtjax.synthesis.calibration_store import read_calibration
-  from thoughtjax.synthesis.latency import LinearCost
+  from thoughtjax.synthesis.latency_params import LinearCost
 
   cal = read_calibration(reg)
   other = dataclasses.replace(cal.latency, restore=LinearCost(cal.latency.restore.a + 1.0, cal.latency.restore.b))

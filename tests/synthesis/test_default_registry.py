@@ -11,6 +11,7 @@ from thoughtjax import fetch as fetch_lib
 from thoughtjax.registry import Registry, build
 from thoughtjax.synthesis import calibrate as cal_lib
 from thoughtjax.synthesis import default_registry
+from thoughtjax.synthesis.calibrate_latency import machine_fingerprint
 from thoughtjax.synthesis.calibration_store import read_calibration, write_calibration
 
 
@@ -67,9 +68,7 @@ def test_the_default_registry_holds_a_router_so_a_request_without_hints_is_route
   with Registry.open(setup.registry) as signed:
     tiny_cal = read_calibration(signed)
   with Registry.open(root) as reg:
-    write_calibration(
-      reg, dataclasses.replace(tiny_cal, sequence=reg.sequence, fingerprint=cal_lib.machine_fingerprint())
-    )
+    write_calibration(reg, dataclasses.replace(tiny_cal, sequence=reg.sequence, fingerprint=machine_fingerprint()))
     assert router_store.ROUTER_NAME not in reg.names
   monkeypatch.setattr(default_registry, "_lacks_speculative", lambda reg, cal: False)
   stages = []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from thoughtjax import MEMORY_SCHEDULER_FLAG
-from thoughtjax.synthesis.calibrate import machine_fingerprint
+from thoughtjax.synthesis.calibrate_latency import machine_fingerprint
 
 
 def test_the_scheduler_flag_and_fake_host_devices_keep_the_fingerprint(monkeypatch):

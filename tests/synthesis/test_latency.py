@@ -8,27 +8,19 @@ import math
 import numpy as np
 import pytest
 
+from thoughtjax.serving.slots import width
 from thoughtjax.synthesis.candidate import Candidate, Unit
-from thoughtjax.synthesis.latency import (
-  COLD,
-  CONTENTION,
+from thoughtjax.synthesis.latency import CONTENTION, LatencyModel, LatencyTrace
+from thoughtjax.synthesis.latency_context import HALF_LIFE_S, LatencyContext, Learned
+from thoughtjax.synthesis.latency_load import COLD, IDLE, EngineLoad, Load, Residency
+from thoughtjax.synthesis.latency_params import (
   FACTOR_BOUNDS,
-  HALF_LIFE_S,
-  IDLE,
   ROWS_DEFAULT,
-  EngineLoad,
-  LatencyContext,
-  LatencyModel,
   LatencyModelError,
   LatencyParams,
-  LatencyTrace,
-  Learned,
   LinearCost,
-  Load,
   Measurements,
-  Residency,
   fit_linear,
-  width,
 )
 
 MB = 1 << 20

@@ -13,16 +13,10 @@ from hypothesis import strategies as st
 
 from thoughtjax.synthesis.calibration import FORMAT_VERSION, Calibration, HintQuality, PathQuality
 from thoughtjax.synthesis.candidate import CalibrationError, Candidate, Unit
-from thoughtjax.synthesis.latency import (
-  COLD,
-  EngineLoad,
-  LatencyContext,
-  LatencyModel,
-  LatencyParams,
-  LinearCost,
-  Load,
-  Residency,
-)
+from thoughtjax.synthesis.latency import LatencyModel
+from thoughtjax.synthesis.latency_context import LatencyContext
+from thoughtjax.synthesis.latency_load import COLD, EngineLoad, Load, Residency
+from thoughtjax.synthesis.latency_params import LatencyParams, LinearCost
 from thoughtjax.synthesis.planner import (
   Floor,
   NoPathError,
@@ -312,7 +306,7 @@ def test_a_draft_from_the_text_is_chosen_for_the_hints_it_pays_on_and_not_for_th
   hint it speeds up gets it, a hint it slows down gets the full path, and a request with both hints is priced at
   the slower of the two; the per-hint factors survive the calibration's JSON."""
   from thoughtjax.synthesis.candidate import DraftPlan
-  from thoughtjax.synthesis.latency import LatencyParams
+  from thoughtjax.synthesis.latency_params import LatencyParams
 
   full = CANDIDATES["full"]
   spec = Candidate.build(full.path, "speculative", full.units, DraftPlan("ngram:3:2", 4))
@@ -354,7 +348,7 @@ def test_a_draft_from_the_text_is_chosen_for_the_hints_it_pays_on_and_not_for_th
 )
 def test_a_malformed_per_hint_factor_is_refused_by_name(hints):
   """A calibration whose ``corrections.hints`` is not hint -> path -> stage -> bounded factor is refused, naming it."""
-  from thoughtjax.synthesis.latency import LatencyModelError, LatencyParams
+  from thoughtjax.synthesis.latency_params import LatencyModelError, LatencyParams
 
   good = latency_params().to_json()
   with pytest.raises(LatencyModelError, match="corrections"):
@@ -392,7 +386,8 @@ def test_a_constrained_request_is_planned_without_speculation_in_the_masked_cont
   """A draft never sees the grammar's masks: a constrained request gets the best plan without one, predicted one
   step per call (its own latency context, with the mask's cost), and the plan says the output is constrained."""
   from thoughtjax.synthesis.candidate import DraftPlan
-  from thoughtjax.synthesis.latency import MASKED_STEP_MS, LatencyContext
+  from thoughtjax.synthesis.latency import MASKED_STEP_MS
+  from thoughtjax.synthesis.latency_context import LatencyContext
 
   bridge = Unit("bridge[8]", "v1", 1 * MB, 0, "bridge")
   full = CANDIDATES["full"]

@@ -13,10 +13,13 @@ import pytest
 from tests.synthesis.tiny_synthesis import FULL, HINTS, tiny_setup
 from thoughtjax.compose import compose
 from thoughtjax.registry import Registry
-from thoughtjax.synthesis.calibrate import load, speculative_candidates
+from thoughtjax.synthesis.calibrate import load
 from thoughtjax.synthesis.calibration import Calibration
 from thoughtjax.synthesis.candidate import CalibrationError, Candidate, CandidateKind
-from thoughtjax.synthesis.latency import FACTOR_BOUNDS, STAGES, LatencyModel, Residency
+from thoughtjax.synthesis.derived_candidates import speculative_candidates
+from thoughtjax.synthesis.latency import LatencyModel
+from thoughtjax.synthesis.latency_load import Residency
+from thoughtjax.synthesis.latency_params import FACTOR_BOUNDS, STAGES
 from thoughtjax.synthesis.planner import Floor, Planner, PlanRequest
 from thoughtjax.synthesis.synthesize import Synthesizer
 

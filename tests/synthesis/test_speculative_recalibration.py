@@ -17,20 +17,15 @@ import pytest
 from tests.synthesis.tiny_synthesis import FULL, HINTS, IDENTITY_SKIP, SETTINGS, make_model, registry_copy, tiny_setup
 from thoughtjax.compose import compose
 from thoughtjax.registry import Registry, build
-from thoughtjax.synthesis.calibrate import (
-  CalibrateError,
-  CalibrateReport,
-  SpeculativeSettings,
-  first_hint,
-  load,
-  missing_speculative,
-  recalibrate_latency,
-  speculative_candidates,
-)
+from thoughtjax.synthesis.calibrate import first_hint, load, recalibrate_latency
+from thoughtjax.synthesis.calibrate_settings import CalibrateError, CalibrateReport, SpeculativeSettings
 from thoughtjax.synthesis.calibration import Calibration
 from thoughtjax.synthesis.calibration_store import read_calibration, write_calibration
 from thoughtjax.synthesis.candidate import CalibrationError, Candidate, CandidateKind, Unit
-from thoughtjax.synthesis.latency import FACTOR_BOUNDS, STAGES, LatencyModel, Residency
+from thoughtjax.synthesis.derived_candidates import missing_speculative, speculative_candidates
+from thoughtjax.synthesis.latency import LatencyModel
+from thoughtjax.synthesis.latency_load import Residency
+from thoughtjax.synthesis.latency_params import FACTOR_BOUNDS, STAGES
 from thoughtjax.synthesis.planner import Floor, Planner, PlanRequest
 from thoughtjax.synthesis.synthesize import Synthesizer
 

@@ -17,7 +17,8 @@ from tests.synthesis.tiny_synthesis import FULL, IDENTITY_SKIP, registry_copy, t
 from thoughtjax.compose import compose
 from thoughtjax.registry import Registry
 from thoughtjax.synthesis.hints import UnknownHintError
-from thoughtjax.synthesis.latency import IDLE, STAGES
+from thoughtjax.synthesis.latency_load import IDLE
+from thoughtjax.synthesis.latency_params import STAGES
 from thoughtjax.synthesis.planner import NoPathError, SequenceMismatchError
 from thoughtjax.synthesis.synthesize import DEFAULT_HINT, Synthesizer
 

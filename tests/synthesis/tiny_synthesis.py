@@ -23,7 +23,7 @@ from flax import nnx
 import thoughtjax
 from tests.registry.helpers import TINY_SPANS, mapping_text, tiny_codec, tiny_config
 from thoughtjax.loading import LoadedModel
-from thoughtjax.synthesis.calibrate import CalibrateReport, CalibrateSettings, LatencySettings
+from thoughtjax.synthesis.calibrate_settings import CalibrateReport, CalibrateSettings, LatencySettings
 from thoughtjax.synthesis.candidates import CandidateSettings
 from thoughtjax.transformer import init_random
 

@@ -460,7 +460,8 @@ def bench_router(reg, quick: bool) -> dict:
 
 # ------------------------------------------------------------------------------ 5. calibrate
 def bench_calibrate(reg, quick: bool) -> dict:
-  from thoughtjax.synthesis.calibrate import CalibrateSettings, LatencySettings, calibrate
+  from thoughtjax.synthesis.calibrate import calibrate
+  from thoughtjax.synthesis.calibrate_settings import CalibrateSettings, LatencySettings
   from thoughtjax.synthesis.candidates import CandidateSettings
 
   settings = CalibrateSettings()

@@ -296,7 +296,7 @@ def serving_context(config, registry, kernels: str | None):
   with a one-shot program's corrections; ``None`` (a plain program per request) for the simple scheduler."""
   # Imported here: the command line starts without JAX and the synthesis stack.
   from thoughtjax.kernels.dispatch import resolve as resolve_kernels
-  from thoughtjax.synthesis.latency import LatencyContext
+  from thoughtjax.synthesis.latency_context import LatencyContext
 
   if config.scheduler != "continuous":
     return None

@@ -397,6 +397,7 @@ def _plot(rows, hint: str, floor, out: str, plan=None, budget_ms: float | None =
 # ------------------------------------------------------------------------------ registry calibrate / warm
 def cmd_calibrate(args) -> int:
   from thoughtjax.synthesis import calibrate as cal_lib
+  from thoughtjax.synthesis.calibrate_settings import CalibrateReport, CalibrateSettings
   from thoughtjax.synthesis.calibration_store import read_calibration, write_calibration
   from thoughtjax.synthesis.default_registry import latency_settings
 
@@ -407,7 +408,7 @@ def cmd_calibrate(args) -> int:
       f"{reg.root} is signed (keys {reg.signing_keys}); its calibration must be signed too: "
       f"pass --sign-key with the private key of one of its signing keys"
     )
-  report = cal_lib.CalibrateReport()
+  report = CalibrateReport()
   t0 = time.perf_counter()
   with _progress_bars() as progress:
     if args.latency_only:
@@ -415,7 +416,7 @@ def cmd_calibrate(args) -> int:
         reg, read_calibration(reg), latency_settings(), progress=progress, report=report, kernels=args.kernels
       )
     else:
-      settings = cal_lib.CalibrateSettings(latency=latency_settings())
+      settings = CalibrateSettings(latency=latency_settings())
       changes = {}
       if args.hint:
         from thoughtjax.synthesis.dictionary import load_dictionary

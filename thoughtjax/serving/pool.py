@@ -43,7 +43,7 @@ def choose_engine(engines: Iterable[tuple[T, int, int]], ring: int) -> T | None:
   """The engine a request whose prompt and new tokens need a ring of ``ring`` slots joins, of ``engines``
   (engine, streams, ring length): of those whose ring holds it, the one with the most streams (so requests of
   different lengths share one batch), ties the smallest ring; None when none holds it. The pool leases by it and
-  the latency model predicts by it (:meth:`Load.of <thoughtjax.synthesis.latency.Load.of>`)."""
+  the latency model predicts by it (:meth:`Load.of <thoughtjax.synthesis.latency_load.Load.of>`)."""
   best = None
   for engine, streams, length in engines:
     if length >= ring and (best is None or (-streams, length) < best[0]):

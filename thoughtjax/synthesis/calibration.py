@@ -7,7 +7,7 @@ machine (``fingerprint``). It holds
   versions current at that sequence (:class:`Candidate`); exactly one is the full path;
 * ``quality[path_hash][hint]``: :class:`HintQuality`, measured against the full path on the hint's
   calibration split and, separately, its held-out split (:class:`PathQuality`);
-* ``latency``: the fitted :class:`~thoughtjax.synthesis.latency.LatencyParams` of this machine.
+* ``latency``: the fitted :class:`~thoughtjax.synthesis.latency_params.LatencyParams` of this machine.
 
 The full path is lossless by definition (agreement 1, KL 0, ΔNLL 0) and need not be measured. So is a
 *speculative* candidate (kind ``speculative``): the full path's units verifying what a :class:`DraftPlan`
@@ -39,7 +39,8 @@ from thoughtjax.synthesis.candidate import (
   _number,
   _obj,
 )
-from thoughtjax.synthesis.latency import LatencyModel, LatencyModelError, LatencyParams
+from thoughtjax.synthesis.latency import LatencyModel
+from thoughtjax.synthesis.latency_params import LatencyModelError, LatencyParams
 from thoughtjax.thoughtlet import canonical_json
 
 FORMAT = "thoughtjax.calibration"

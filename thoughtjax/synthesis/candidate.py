@@ -233,7 +233,7 @@ class Candidate:
     if (self.kind is CandidateKind.SPECULATIVE) != (self.draft is not None):
       raise CalibrationError(
         f"candidate {self.path!r}: kind {self.kind.value!r} with draft {self.draft!r}; a draft is given exactly "
-        f"for kind 'speculative' (build it with thoughtjax.synthesis.calibrate.speculative_candidates)"
+        f"for kind 'speculative' (build it with thoughtjax.synthesis.derived_candidates.speculative_candidates)"
       )
     want = path_hash_of(self.units, self.draft)
     if self.path_hash != want:

@@ -18,11 +18,11 @@ Layout (``<cache dir>/latency-corrections.json``; ``THOUGHTJAX_LATENCY_CORRECTIO
 
 An entry is keyed by the registry, the machine fingerprint and a digest of the fitted latency parameters the
 factors correct, so a re-measured latency model (``calibrate --latency-only``) starts from fresh factors. Inside
-an entry, corrections are kept per execution context (:class:`~thoughtjax.synthesis.latency.LatencyContext`):
+an entry, corrections are kept per execution context (:class:`~thoughtjax.synthesis.latency_context.LatencyContext`):
 what a server's slot engine learned is never applied to a plain program's prediction. The file is bounded: at
 most :data:`MAX_ENTRIES` entries (the least recently updated go first), :data:`MAX_CONTEXTS` contexts per entry
 and :data:`MAX_PATHS` per-path factor sets per context; a context silent for
-:data:`~thoughtjax.synthesis.latency.MAX_AGE_S` is dropped (its factors have decayed to nothing). Writes are
+:data:`~thoughtjax.synthesis.latency_context.MAX_AGE_S` is dropped (its factors have decayed to nothing). Writes are
 atomic (a temporary file in the same folder, fsynced, then one ``os.replace``) under an advisory lock, merging
 with what other processes wrote: a writer replaces only the contexts it learned in. A file that cannot be read
 or does not follow this format is named in a :class:`LatencyCorrectionsWarning` and ignored (and replaced at
@@ -48,7 +48,8 @@ from pathlib import Path
 from thoughtjax import settings
 from thoughtjax.errors import UserError
 from thoughtjax.fetch import cache_dir
-from thoughtjax.synthesis.latency import MAX_AGE_S, LatencyContext, LatencyModelError, LatencyParams, Learned
+from thoughtjax.synthesis.latency_context import MAX_AGE_S, LatencyContext, Learned
+from thoughtjax.synthesis.latency_params import LatencyModelError, LatencyParams
 
 FORMAT = "thoughtjax.latency-corrections"
 # 2: a path's factor is relative to the global one (latency module docstring); 3: corrections per execution
@@ -146,7 +147,7 @@ def read_entries(path: Path | None = None) -> dict:
 
 
 def load_corrections(key: str, path: Path | None = None) -> dict[str, Learned]:
-  """The learned corrections of entry ``key``, context key -> :class:`~thoughtjax.synthesis.latency.Learned`
+  """The learned corrections of entry ``key``, context key -> :class:`~thoughtjax.synthesis.latency_context.Learned`
   (``{}`` when none; a bad file is warned about and ignored; contexts past their age are left out)."""
   path = corrections_path() if path is None else path
   if path is None:
@@ -212,7 +213,7 @@ def _write(path: Path, entries: dict) -> None:
 
 
 def save_corrections(key: str, contexts: Mapping[str, Learned], updates: int, path: Path | None = None) -> Path | None:
-  """Store the ``contexts`` (context key -> :class:`~thoughtjax.synthesis.latency.Learned`) this process
+  """Store the ``contexts`` (context key -> :class:`~thoughtjax.synthesis.latency_context.Learned`) this process
   learned in under entry ``key``, keeping the entry's other contexts and the other entries (bounded, atomic).
   Returns the file written, or ``None`` when disabled or the write failed (warned)."""
   path = corrections_path() if path is None else path

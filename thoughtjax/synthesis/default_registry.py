@@ -17,7 +17,7 @@ dir, built and calibrated on first use.
    ``thoughtjax registry calibrate`` gives on the default registry: the cut paths, the full path in each variant
    (quality against the float32 full path on every hint's corpora) and the speculative candidates (the full path
    verifying the exit with the highest top-1 agreement, and the n-gram draft that looks its tokens up in the
-   text, K from :class:`~thoughtjax.synthesis.calibrate.SpeculativeSettings`). A candidate the table lacks (a
+   text, K from :class:`~thoughtjax.synthesis.calibrate_settings.SpeculativeSettings`). A candidate the table lacks (a
    table from before it existed) is added by the recalibration, a variant's quality then measured here. Without
    a matching table the full calibration runs (about 5 minutes on an idle 2-core machine). The result is stored
    in the registry.
@@ -47,8 +47,8 @@ budgets choose nothing else until ``thoughtjax registry build`` with a mapping a
 cut paths.
 
 Imports inside functions here are deferred for start-up: importing this module does not load ``registry``,
-``registry.layout``, ``synthesis.calibrate``, ``synthesis.calibration``, ``synthesis.calibration_store``,
-``synthesis.synthesize``; the functions that need them do.
+``registry.layout``, ``synthesis.calibrate`` (nor its ``calibrate_*`` and ``derived_candidates`` step modules),
+``synthesis.calibration``, ``synthesis.calibration_store``, ``synthesis.synthesize``; the functions that need them do.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def speculative_settings():
   """The speculative candidates of the default registry: the calibrate defaults (no weight variant of the full path
   drafts: the int8 one measured 1.5-1.8x the plain full path's time per token on a 2-core CPU; it is a candidate of
   its own instead), so ``thoughtjax registry calibrate`` on it makes the same candidates."""
-  from thoughtjax.synthesis.calibrate import SpeculativeSettings
+  from thoughtjax.synthesis.calibrate_settings import SpeculativeSettings
 
   return SpeculativeSettings()
 
@@ -86,7 +86,7 @@ def latency_settings():
   timed per hint on three of each hint's router prompts (LatencySettings.hint_prompts; about 100 s here), so a code
   or structured-output request can get the n-gram plan that prose would not. ``thoughtjax registry calibrate``
   measures the same; a first use keeps the shipped table's per-hint factors instead of timing them."""
-  from thoughtjax.synthesis.calibrate import LatencySettings
+  from thoughtjax.synthesis.calibrate_settings import LatencySettings
 
   return LatencySettings(hint_prompts=3)
 
@@ -152,7 +152,7 @@ def gguf_registry_dir(digest: str) -> Path:
 def gguf_calibration_settings():
   """The calibration of a GGUF's own registry: the full path only (no exits, skips, repeats, drafts or weight
   variants to measure), its quality on a few windows per hint, latency as the calibrate defaults measure it."""
-  from thoughtjax.synthesis.calibrate import CalibrateSettings
+  from thoughtjax.synthesis.calibrate_settings import CalibrateSettings
   from thoughtjax.synthesis.candidates import CandidateSettings
 
   return CalibrateSettings(
@@ -164,7 +164,7 @@ def gguf_calibration_settings():
 
 
 def _no_drafts():
-  from thoughtjax.synthesis.calibrate import SpeculativeSettings
+  from thoughtjax.synthesis.calibrate_settings import SpeculativeSettings
 
   return SpeculativeSettings(drafts=0, ngram=())
 
@@ -185,6 +185,7 @@ def ensure_gguf(path: str | os.PathLike, progress: Progress | None = None, *, we
 def _ensure_gguf(path: Path, report: Progress, root: Path, weights: str):
   from thoughtjax.registry import Registry, is_registry
   from thoughtjax.synthesis import calibrate as cal_lib
+  from thoughtjax.synthesis.calibrate_latency import machine_fingerprint
   from thoughtjax.synthesis.calibration_store import MissingCalibrationError, read_calibration, write_calibration
 
   if not is_registry(root):
@@ -194,7 +195,7 @@ def _ensure_gguf(path: Path, report: Progress, root: Path, weights: str):
     stored = read_calibration(reg)
   except MissingCalibrationError:
     stored = None
-  if stored is not None and stored.fingerprint == cal_lib.machine_fingerprint():
+  if stored is not None and stored.fingerprint == machine_fingerprint():
     return _in_form(reg, weights)
   if stored is not None:  # measured on another machine: its latency again, the full path's quality kept
     cal = cal_lib.recalibrate_latency(reg, stored, speculative=_no_drafts(), variants=(), progress=report)
@@ -236,7 +237,7 @@ def _build_gguf(path: Path, root: Path, report: Progress) -> None:
 def _ensure_default(progress: Progress | None, *, root: Path, weights: str):
   from thoughtjax.registry import Registry, is_older_format, is_registry
   from thoughtjax.registry.layout import index_format
-  from thoughtjax.synthesis import calibrate as cal_lib
+  from thoughtjax.synthesis.calibrate_latency import machine_fingerprint
   from thoughtjax.synthesis.calibration_store import MissingCalibrationError, read_calibration, write_calibration
 
   report = progress or (lambda stage, done, total, item: None)
@@ -260,7 +261,7 @@ def _ensure_default(progress: Progress | None, *, root: Path, weights: str):
     stored = read_calibration(reg)
   except MissingCalibrationError:
     stored = carried
-  fingerprint = cal_lib.machine_fingerprint()
+  fingerprint = machine_fingerprint()
   if stored is None or stored.fingerprint != fingerprint or _lacks_speculative(reg, stored):
     write_calibration(reg, _calibrated(reg, stored, report))
   _ensure_router(reg, report)
@@ -271,6 +272,7 @@ def _calibrated(reg, stored, report):
   """``reg``'s calibration for this machine, from ``stored`` (another machine's, or lacking candidates) or the
   shipped table (latency measured here, its ratios kept), else a full calibration."""
   from thoughtjax.synthesis import calibrate as cal_lib
+  from thoughtjax.synthesis.calibrate_settings import CalibrateSettings
 
   base = stored or shipped_calibration(reg)
   if base is not None:
@@ -284,9 +286,7 @@ def _calibrated(reg, stored, report):
       keep_ratios=True,
     )
   else:
-    settings = cal_lib.CalibrateSettings(
-      latency=latency_settings(), speculative=speculative_settings(), variants=VARIANTS
-    )
+    settings = CalibrateSettings(latency=latency_settings(), speculative=speculative_settings(), variants=VARIANTS)
     cal = cal_lib.calibrate(reg, settings=settings, progress=report)
   return cal
 
@@ -348,13 +348,14 @@ def _lacks_speculative(reg, cal) -> bool:
   """``cal`` lacks a speculative or weight-variant candidate a recalibration would add (a calibration stored by
   a thoughtjax before they, or n-gram drafts, existed)."""
   from thoughtjax.synthesis import calibrate as cal_lib
+  from thoughtjax.synthesis.derived_candidates import missing_speculative, missing_variants
 
   hint = cal_lib.first_hint(cal.hints)
   if hint is None:
     return False
   return bool(
-    cal_lib.missing_speculative(cal.candidates, cal.quality, hint, speculative_settings(), registry=reg)
-    or cal_lib.missing_variants(reg, cal.candidates, VARIANTS)
+    missing_speculative(cal.candidates, cal.quality, hint, speculative_settings(), registry=reg)
+    or missing_variants(reg, cal.candidates, VARIANTS)
   )
 
 

@@ -15,43 +15,48 @@ prefill runs over the prompt left-padded to its bucket P and yields the first to
 decode steps attends over the whole KV cache of S slots (masked), whatever the context so far. So prefill
 cost steps at bucket edges and a decode step costs the same throughout one request.
 
-Under load (:class:`Load`, a server's slot engines with the streams they decode now), a request that joins its
-path's busy engine pays that engine's step, as the engine measured it over its latest chunks, at the width it
-computes with one row more (scaled by ``rows[path]``, how the path batches, measured at calibration:
-:attr:`LatencyParams.rows`); an engine that has not stepped yet is priced by the fits at that width. A request
-in an engine of its own shares the cores with every busy engine: its step costs ``1 + CONTENTION * k`` idle
-steps beside ``k`` of them. So a variant alone beside a busy engine can cost far less per token than joining
-that engine.
+Under load (:class:`~thoughtjax.synthesis.latency_load.Load`, a server's slot engines with the streams they decode
+now), a request that joins its path's busy engine pays that engine's step, as the engine measured it over its latest
+chunks, at the width it computes with one row more (scaled by ``rows[path]``, how the path batches, measured at
+calibration: :attr:`~thoughtjax.synthesis.latency_params.LatencyParams.rows`); an engine that has not stepped yet is
+priced by the fits at that width. A request in an engine of its own shares the cores with every busy engine: its
+step costs ``1 + CONTENTION * k`` idle steps beside ``k`` of them. So a variant alone beside a busy engine can cost
+far less per token than joining that engine.
 
-Units are counted as executed, so a repeated span costs twice in prefill and decode but is
-restored once. Each linear cost is fitted by least squares from measurements at several sizes
-(:func:`fit_linear`) and is non-negative by construction, so decode cost is non-decreasing in the
-number of tokens and "how many tokens fit the budget" is a monotone search.
+Units are counted as executed, so a repeated span costs twice in prefill and decode but is restored once. Each
+linear cost is fitted by least squares from measurements at several sizes
+(:func:`~thoughtjax.synthesis.latency_params.fit_linear`) and is non-negative by construction, so decode cost is
+non-decreasing in the number of tokens and "how many tokens fit the budget" is a monotone search.
 
-Learning from traces (:meth:`LatencyModel.update`): the model keeps multiplicative corrections per
-stage, **per execution context** (:class:`LatencyContext`: engine — plain, speculative or a slot engine —,
-weight form, batch width, kernels). A correction belongs to the context that taught it and a prediction
-applies only its own context's: a server's slot engine, slower per stream and under load, never moves the
-prediction of a command line's plain program. Within a context: a global factor g (how this machine runs now:
-load, clocks) and, per path hash, a relative factor r (how that path deviates from the rest); a path's factor
-is g * r (r = 1 for a path never traced). An observed ratio q = ``actual / raw`` moves g toward q (step
-``global_alpha``) and the path's own factor g * r toward q (step ``alpha``), stored as r relative to the new
-g: an observation's weight halves after about 7 later ones (g) or 2 (a path's own). Because load moves g for
-every path at once, a path that has run is not made to look slower than one that has not merely because the
-machine got busier. Corrections also decay with age: a context's factors relax halfway back to the
-calibration's every :data:`HALF_LIFE_S` (6 hours) without an observation there, and a context silent for
-:data:`MAX_AGE_S` is dropped. Ratios and factors are clipped to ``[1/4, 4]`` so one outlier cannot swing a
-plan by more than 4x. Stages predicted at zero (already resident, already compiled) carry no information
-and are not learned from, and a run that compiled its program teaches only restore and compile: its prefill
-and decode carry one-off first-run costs that a warm request never pays (``LatencyTrace.compiled``). A run in a
-slot engine is learned at the width its steps computed (``LatencyTrace.width``, the mean over its steps): streams
-that joined or left its engine after it was planned scale its raw decode by the path's batching fit, so a burst
-of requests, each planned before the next arrived, does not teach the model that every path got slower.
-A candidate whose cost is not the sum of its units (a speculative plan: draft and verify in one
-program) starts from a per-path factor that calibration measured, stored in ``corrections``: its units are
-the full path's, so its raw decode is the full path's, and its decode factor is its measured decode time per
-token over the full path's, on the calibration text (acceptance included). Its draft's own units add to
+Learning from traces (:meth:`LatencyModel.update`): the model keeps multiplicative corrections per stage, **per
+execution context** (:class:`~thoughtjax.synthesis.latency_context.LatencyContext`: engine — plain, speculative or a
+slot engine —, weight form, batch width, kernels). A correction belongs to the context that taught it and a
+prediction applies only its own context's: a server's slot engine, slower per stream and under load, never moves the
+prediction of a command line's plain program. Within a context: a global factor g (how this machine runs now: load,
+clocks) and, per path hash, a relative factor r (how that path deviates from the rest); a path's factor is g * r
+(r = 1 for a path never traced). An observed ratio q = ``actual / raw`` moves g toward q (step ``global_alpha``) and
+the path's own factor g * r toward q (step ``alpha``), stored as r relative to the new g: an observation's weight
+halves after about 7 later ones (g) or 2 (a path's own). Because load moves g for every path at once, a path that
+has run is not made to look slower than one that has not merely because the machine got busier. Corrections also
+decay with age: a context's factors relax halfway back to the calibration's every
+:data:`~thoughtjax.synthesis.latency_context.HALF_LIFE_S` (6 hours) without an observation there, and a context
+silent for :data:`~thoughtjax.synthesis.latency_context.MAX_AGE_S` is dropped. Ratios and factors are clipped to
+``[1/4, 4]`` so one outlier cannot swing a plan by more than 4x. Stages predicted at zero (already resident, already
+compiled) carry no information and are not learned from, and a run that compiled its program teaches only restore
+and compile: its prefill and decode carry one-off first-run costs that a warm request never pays
+(``LatencyTrace.compiled``). A run in a slot engine is learned at the width its steps computed
+(``LatencyTrace.width``, the mean over its steps): streams that joined or left its engine after it was planned scale
+its raw decode by the path's batching fit, so a burst of requests, each planned before the next arrived, does not
+teach the model that every path got slower. A candidate whose cost is not the sum of its units (a speculative plan:
+draft and verify in one program) starts from a per-path factor that calibration measured, stored in ``corrections``:
+its units are the full path's, so its raw decode is the full path's, and its decode factor is its measured decode
+time per token over the full path's, on the calibration text (acceptance included). Its draft's own units add to
 restore, and the draft's layers to compile.
+
+Layout: this module is the model (:class:`LatencyModel`, its :class:`Prediction` and the :class:`LatencyTrace` it
+learns from). The fitted costs and their file form are :mod:`~thoughtjax.synthesis.latency_params`; where a
+correction belongs and what a context learned, :mod:`~thoughtjax.synthesis.latency_context`; what is warm and what
+slot engines decode now, :mod:`~thoughtjax.synthesis.latency_load`. Each imports only those before it.
 """
 
 from __future__ import annotations
@@ -60,228 +65,26 @@ import dataclasses
 import math
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from thoughtjax.decode.program import bucket
-from thoughtjax.errors import UserError
-from thoughtjax.serving.pool import choose_engine
 from thoughtjax.serving.slots import width
+from thoughtjax.synthesis.latency_context import HALF_LIFE_S, LatencyContext, Learned
+from thoughtjax.synthesis.latency_load import COLD, IDLE, Load, Residency
+from thoughtjax.synthesis.latency_params import (
+  FACTOR_BOUNDS,
+  ROWS_DEFAULT,
+  STAGES,
+  LatencyModelError,
+  LatencyParams,
+  LinearCost,
+  corrections_json,
+)
 
 if TYPE_CHECKING:
   from thoughtjax.synthesis.candidate import Candidate
 
-STAGES = ("synthesis", "restore", "compile", "prefill", "decode")
-FACTOR_BOUNDS = (0.25, 4.0)
-
-
-class LatencyModelError(UserError, ValueError):
-  """Latency parameters are missing, malformed, or cannot be fitted; the message says which and how to fix."""
-
-
-# ----------------------------------------------------------------------------- fitting
-@dataclasses.dataclass(frozen=True)
-class LinearCost:
-  """``ms = a + b * x`` with ``a, b >= 0``."""
-
-  a: float
-  b: float = 0.0
-
-  def __call__(self, x: float) -> float:
-    return self.a + self.b * x
-
-  def to_json(self) -> dict:
-    return {"a": float(self.a), "b": float(self.b)}
-
-  @classmethod
-  def from_json(cls, d: Any, where: str) -> LinearCost:
-    if not isinstance(d, Mapping) or set(d) != {"a", "b"}:
-      raise LatencyModelError(f"{where}: expected an object {{\"a\": ms, \"b\": ms per unit}}, got {d!r}")
-    vals = []
-    for k in ("a", "b"):
-      v = d[k]
-      if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise LatencyModelError(f"{where}.{k}: expected a finite number >= 0, got {v!r}")
-      vals.append(float(v))
-    return cls(*vals)
-
-
-def fit_linear(points: Iterable[tuple[float, float]], what: str) -> LinearCost:
-  """Least-squares ``ms = a + b x`` through measured ``(x, ms)`` points, kept non-negative.
-
-  One distinct ``x`` gives a constant (``b = 0``). A negative slope (noise on a flat cost) refits
-  a constant; a negative intercept refits a line through the origin. ``what`` names the fit in errors.
-  """
-  pts = np.asarray(list(points), dtype=np.float64).reshape(-1, 2)
-  if len(pts) == 0:
-    raise LatencyModelError(
-      f"{what}: no measurements to fit; measure at least one size (thoughtjax registry calibrate --latency-only)"
-    )
-  if not np.isfinite(pts).all() or (pts < 0).any():
-    raise LatencyModelError(f"{what}: measurements must be finite and >= 0, got {pts.tolist()}")
-  x, y = pts[:, 0], pts[:, 1]
-  if len(np.unique(x)) < 2:
-    return LinearCost(float(y.mean()))
-  A = np.stack([np.ones_like(x), x], axis=1)
-  (a, b), *_ = np.linalg.lstsq(A, y, rcond=None)
-  if b < 0:
-    return LinearCost(float(y.mean()))
-  if a < 0:
-    return LinearCost(0.0, float((x @ y) / (x @ x)))
-  return LinearCost(float(a), float(b))
-
-
-@dataclasses.dataclass(frozen=True)
-class Measurements:
-  """Raw latency measurements, one list of ``(x, ms)`` points per fit.
-
-  ``prefill[cost_key]``: (prompt tokens, ms of one prefill through that thoughtlet);
-  ``decode[cost_key]``: (context length, ms of one decode step through it); ``restore``: (bytes, ms);
-  ``compile[prompt bucket]``: (layers run, ms); ``step``: per-step fixed overhead samples (ms);
-  ``synthesis``: planning overhead samples (ms). Batch size 1.
-  """
-
-  prefill: Mapping[str, Sequence[tuple[float, float]]]
-  decode: Mapping[str, Sequence[tuple[float, float]]]
-  restore: Sequence[tuple[float, float]]
-  compile: Mapping[int, Sequence[tuple[float, float]]]
-  step: Sequence[float] = (0.0,)
-  synthesis: Sequence[float] = (0.0,)
-
-
-# ---------------------------------------------------------------------------- parameters
-@dataclasses.dataclass(frozen=True)
-class LatencyParams:
-  """Fitted latency parameters of one machine (see the module docstring for the formulas).
-
-  ``corrections`` holds learned factors: ``{"global": {stage: g}, "paths": {path_hash: {stage: r}}}`` (a path's
-  factor is g * r; see the module docstring), and ``"hints": {hint: {path_hash: {stage: r}}}``: a path's factor
-  measured on one hint's requests, where it differs by hint (a draft from the text itself is accepted more often
-  in code than in prose); a request's hints replace the path's ``r`` with theirs (the largest of them).
-  ``rows``: path hash -> a decode step of ``W`` rows over one row's (``rows[h](W)``, 1 at one row), measured at
-  calibration; ``rows["default"]`` (the full path's) prices a path measured without one of its own (its layers are
-  the full path's), and without it a step of ``W`` rows costs ``W`` (no gain from batching).
-  """
-
-  prefill: Mapping[str, LinearCost]
-  decode: Mapping[str, LinearCost]
-  restore: LinearCost
-  compile: Mapping[int, LinearCost]
-  step_ms: float = 0.0
-  synthesis_ms: float = 0.0
-  corrections: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-  rows: Mapping[str, LinearCost] = dataclasses.field(default_factory=dict)
-
-  def __post_init__(self):
-    if not self.compile:
-      raise LatencyModelError(
-        "latency parameters have no compile fit; measure compile time for at least "
-        "one prompt bucket (thoughtjax registry calibrate --latency-only)"
-      )
-    for name in ("step_ms", "synthesis_ms"):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise LatencyModelError(f"latency {name}: expected a finite number >= 0, got {v!r}")
-
-  @classmethod
-  def fit(cls, m: Measurements) -> LatencyParams:
-    """Least-squares fits of every cost from raw measurements."""
-    return cls(
-      prefill={k: fit_linear(v, f"prefill[{k}]") for k, v in m.prefill.items()},
-      decode={k: fit_linear(v, f"decode[{k}]") for k, v in m.decode.items()},
-      restore=fit_linear(m.restore, "restore"),
-      compile={int(k): fit_linear(v, f"compile[{k}]") for k, v in m.compile.items()},
-      step_ms=max(0.0, float(np.mean(m.step))),
-      synthesis_ms=max(0.0, float(np.mean(m.synthesis))),
-    )
-
-  def to_json(self) -> dict:
-    return {
-      "prefill": {k: c.to_json() for k, c in self.prefill.items()},
-      "decode": {k: c.to_json() for k, c in self.decode.items()},
-      "restore": self.restore.to_json(),
-      "compile": {str(k): c.to_json() for k, c in self.compile.items()},
-      "step_ms": float(self.step_ms),
-      "synthesis_ms": float(self.synthesis_ms),
-      "corrections": _corrections_json(self.corrections, "latency.corrections"),
-      **({"rows": {h: c.to_json() for h, c in self.rows.items()}} if self.rows else {}),
-    }
-
-  @classmethod
-  def from_json(cls, d: Any, where: str = "latency") -> LatencyParams:
-    keys = {"prefill", "decode", "restore", "compile", "step_ms", "synthesis_ms", "corrections", "rows"}
-    if not isinstance(d, Mapping):
-      raise LatencyModelError(f"{where}: expected an object, got {type(d).__name__}")
-    if set(d) - keys or {"prefill", "decode", "restore", "compile"} - set(d):
-      raise LatencyModelError(
-        f"{where}: expected keys {sorted(keys)} (corrections, rows, step_ms, synthesis_ms optional), got {sorted(d)}"
-      )
-
-    def table(name):
-      t = d[name]
-      if not isinstance(t, Mapping):
-        raise LatencyModelError(f"{where}.{name}: expected an object of cost key -> {{a, b}}, got {t!r}")
-      return {k: LinearCost.from_json(v, f"{where}.{name}[{k}]") for k, v in t.items()}
-
-    compile_ = {}
-    for k, v in table("compile").items():
-      if not str(k).isdigit() or int(k) <= 0:
-        raise LatencyModelError(f"{where}.compile: keys are prompt buckets (positive integers), got {k!r}")
-      compile_[int(k)] = v
-    return cls(
-      prefill=table("prefill"),
-      decode=table("decode"),
-      restore=LinearCost.from_json(d["restore"], f"{where}.restore"),
-      compile=compile_,
-      step_ms=d.get("step_ms", 0.0),
-      synthesis_ms=d.get("synthesis_ms", 0.0),
-      corrections=_corrections_json(d.get("corrections", {}), f"{where}.corrections"),
-      rows=table("rows") if "rows" in d else {},
-    )
-
-
-def _factor(v: Any, where: str) -> float:
-  lo, hi = FACTOR_BOUNDS
-  if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-    raise LatencyModelError(f"{where}: expected a correction factor in [{lo}, {hi}], got {v!r}")
-  return float(v)
-
-
-def _stage_factors(d: Any, where: str) -> dict[str, float]:
-  if not isinstance(d, Mapping) or set(d) - set(STAGES):
-    raise LatencyModelError(f"{where}: expected an object of stage -> factor with stages {list(STAGES)}, got {d!r}")
-  return {s: _factor(v, f"{where}.{s}") for s, v in d.items()}
-
-
-def _corrections_json(d: Any, where: str) -> dict:
-  """Validate and copy learned corrections (plain dicts, canonical-JSON ready)."""
-  if not isinstance(d, Mapping) or set(d) - {"global", "paths", "hints"}:
-    raise LatencyModelError(
-      f"{where}: expected {{\"global\": {{stage: f}}, \"paths\": {{path_hash: {{stage: f}}}}, \"hints\": "
-      f"{{hint: {{path_hash: {{stage: f}}}}}}}}, got {d!r}"
-    )
-  paths, hints = d.get("paths", {}), d.get("hints", {})
-  for name, v in (("paths", paths), ("hints", hints)):
-    if not isinstance(v, Mapping):
-      raise LatencyModelError(f"{where}.{name}: expected an object, got {v!r}")
-  out: dict = {}
-  if d.get("global"):
-    out["global"] = _stage_factors(d["global"], f"{where}.global")
-  if paths:
-    out["paths"] = {h: _stage_factors(f, f"{where}.paths[{h}]") for h, f in paths.items()}
-  if hints:
-    out["hints"] = {}
-    for hint, per_path in hints.items():
-      if not isinstance(per_path, Mapping):
-        raise LatencyModelError(f"{where}.hints[{hint}]: expected an object of path_hash -> stages, got {per_path!r}")
-      out["hints"][hint] = {h: _stage_factors(f, f"{where}.hints[{hint}][{h}]") for h, f in per_path.items()}
-  return out
-
-
-# ----------------------------------------------------------------------------- contexts
-ENGINES = ("plain", "speculative", "slots", "masked")
 # What a constrained request's decode step costs beyond a plain one, before any correction is learned: the
 # program steps once per call instead of once per chunk, and the host fills the row's allowed-token mask
 # from its grammar matcher. ``thoughtjax bench structured --overhead`` on the default model (f32, batch 1, quiet
@@ -292,211 +95,6 @@ MASKED_STEP_MS = 1.9
 # full path's 64 tokens took 1.38x to 1.79x their time alone (median 1.6x of 8 runs) beside a float32 slot engine
 # decoding 7 streams.
 CONTENTION = 0.6
-# The key of LatencyParams.rows whose fit prices a path measured without one of its own (the full path's).
-ROWS_DEFAULT = "default"
-# A context's learned factors relax halfway back to the calibration's every this many seconds without a new
-# observation there (the machine, its load and its software change; an old correction is a guess).
-HALF_LIFE_S = 6 * 3600.0
-# Past this age a context's corrections weigh under 1/256 of what they did: dropped, not kept around.
-MAX_AGE_S = 8 * HALF_LIFE_S
-
-
-@dataclasses.dataclass(frozen=True)
-class LatencyContext:
-  """Where a program runs, which is what a learned correction belongs to (a correction learned in one context
-  never moves a prediction in another).
-
-  ``engine``: ``plain`` (one request's own program), ``speculative`` (draft and verify in one program) or
-  ``slots`` (a slot engine's shared decode program: a server's continuous batching) or ``masked`` (one
-  request's own program stepping once per call under an output constraint); ``weights``: the form
-  restores give (f32, native); ``batch``: the program's batch width (1 alone; a slot engine's slot count,
-  which it decodes whole every chunk whatever the rows in use); ``kernels``: the kernel implementation.
-  """
-
-  engine: str = "plain"
-  weights: str = "f32"
-  batch: int = 1
-  kernels: str = "xla"
-
-  def __post_init__(self):
-    if self.engine not in ENGINES:
-      raise LatencyModelError(f"latency context engine: expected one of {list(ENGINES)}, got {self.engine!r}")
-    if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
-      raise LatencyModelError(f"latency context batch: expected an integer >= 1, got {self.batch!r}")
-    for name in ("weights", "kernels"):
-      v = getattr(self, name)
-      if not isinstance(v, str) or not v or "|" in v:
-        raise LatencyModelError(f"latency context {name}: expected a non-empty name without '|', got {v!r}")
-
-  @property
-  def key(self) -> str:
-    """``engine|weights|b<batch>|kernels``: the context's name in the corrections file and in plans."""
-    return f"{self.engine}|{self.weights}|b{self.batch}|{self.kernels}"
-
-  @classmethod
-  def from_key(cls, key: Any) -> LatencyContext:
-    parts = key.split("|") if isinstance(key, str) else []
-    if len(parts) != 4 or not parts[2].startswith("b") or not parts[2][1:].isdigit():
-      raise LatencyModelError(f"latency context {key!r}: expected 'engine|weights|b<batch>|kernels'")
-    return cls(parts[0], parts[1], int(parts[2][1:]), parts[3])
-
-  def label(self) -> str:
-    """The context in words (what ``plan --explain`` prints)."""
-    engine = {
-      "plain": "plain program",
-      "speculative": "speculative program",
-      "slots": f"slot engine of {self.batch} slots",
-      "masked": "constrained program (one step per call)",
-    }[self.engine]
-    batch = "" if self.engine == "slots" else f", batch {self.batch}"
-    return f"{engine}, {self.weights} weights{batch}, {self.kernels} kernels"
-
-
-def _count_json(v: Any, where: str) -> int:
-  if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-    raise LatencyModelError(f"{where}: expected a count >= 0, got {v!r}")
-  return v
-
-
-def _learned_stages(d: Any, where: str) -> tuple[dict[str, float], dict[str, int]]:
-  """``{stage: {"factor": f, "observations": n}}`` -> (factors, counts)."""
-  if not isinstance(d, Mapping) or set(d) - set(STAGES):
-    raise LatencyModelError(f"{where}: expected an object of stage -> {{factor, observations}}, got {d!r}")
-  factors, counts = {}, {}
-  for s, v in d.items():
-    if not isinstance(v, Mapping) or set(v) != {"factor", "observations"}:
-      raise LatencyModelError(f"{where}.{s}: expected {{\"factor\": f, \"observations\": n}}, got {v!r}")
-    factors[s] = _factor(v["factor"], f"{where}.{s}.factor")
-    counts[s] = _count_json(v["observations"], f"{where}.{s}.observations")
-  return factors, counts
-
-
-@dataclasses.dataclass(frozen=True)
-class Learned:
-  """What one context learned: the machine-wide factor per stage (``glob``), each path's factor relative to
-  it (``paths``), how many observations taught each (``n_glob``, ``n_paths``), how many runs in all
-  (``observations``) and when it last learned (``updated``, unix seconds). Replaced whole on every update."""
-
-  glob: Mapping[str, float] = dataclasses.field(default_factory=dict)
-  paths: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
-  n_glob: Mapping[str, int] = dataclasses.field(default_factory=dict)
-  n_paths: Mapping[str, Mapping[str, int]] = dataclasses.field(default_factory=dict)
-  observations: int = 0
-  updated: float = 0.0
-
-  def to_json(self) -> dict:
-    def stages(f, n):
-      return {s: {"factor": float(f[s]), "observations": int(n.get(s, 0))} for s in f}
-
-    out: dict = {"updated": float(self.updated), "observations": int(self.observations)}
-    if self.glob:
-      out["global"] = stages(self.glob, self.n_glob)
-    if self.paths:
-      out["paths"] = {h: stages(f, self.n_paths.get(h, {})) for h, f in self.paths.items() if f}
-    return out
-
-  @classmethod
-  def from_json(cls, d: Any, where: str) -> Learned:
-    if not isinstance(d, Mapping) or set(d) - {"updated", "observations", "global", "paths"}:
-      raise LatencyModelError(
-        f"{where}: expected {{updated, observations, global: {{stage: {{factor, observations}}}}, paths: "
-        f"{{path_hash: {{stage: ...}}}}}}, got {d!r}"
-      )
-    updated = d.get("updated")
-    if isinstance(updated, bool) or not isinstance(updated, (int, float)) or not math.isfinite(updated):
-      raise LatencyModelError(f"{where}.updated: expected unix seconds, got {updated!r}")
-    glob, n_glob = _learned_stages(d.get("global", {}), f"{where}.global")
-    paths = d.get("paths", {})
-    if not isinstance(paths, Mapping):
-      raise LatencyModelError(f"{where}.paths: expected an object, got {paths!r}")
-    pf, pn = {}, {}
-    for h, v in paths.items():
-      pf[str(h)], pn[str(h)] = _learned_stages(v, f"{where}.paths[{h}]")
-    return cls(glob, pf, n_glob, pn, _count_json(d.get("observations", 0), f"{where}.observations"), float(updated))
-
-
-# ----------------------------------------------------------------------------- predicting
-@dataclasses.dataclass(frozen=True)
-class Residency:
-  """What is warm right now: resident thoughtlet refs (``name@version``) and compiled program keys."""
-
-  resident: frozenset[str] = frozenset()
-  compiled: frozenset[str] = frozenset()
-
-  def __post_init__(self):
-    object.__setattr__(self, "resident", frozenset(self.resident))
-    object.__setattr__(self, "compiled", frozenset(self.compiled))
-
-
-COLD = Residency()
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineLoad:
-  """One slot engine now: its path, the streams in its slots or waiting for them (``rows``), its ring length
-  (``cache_len``, the cache every step attends over) and, once it has stepped, the wall ms of one of its latest
-  steps (``step_ms``, a median) at the width it then computed (``width``)."""
-
-  path_hash: str
-  rows: int
-  cache_len: int
-  width: int = 0
-  step_ms: float | None = None
-
-  def __post_init__(self):
-    for name, least in (("rows", 0), ("cache_len", 1), ("width", 0)):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, int) or v < least:
-        raise LatencyModelError(f"engine load {name}: expected an integer >= {least}, got {v!r}")
-    if self.step_ms is not None and (
-      isinstance(self.step_ms, bool)
-      or not isinstance(self.step_ms, (int, float))
-      or not math.isfinite(self.step_ms)
-      or self.step_ms <= 0
-      or self.width < 1
-    ):
-      raise LatencyModelError(
-        f"engine load step_ms: expected None or ms > 0 measured at a width >= 1, got {self.step_ms!r} at "
-        f"width {self.width!r}"
-      )
-
-
-@dataclasses.dataclass(frozen=True)
-class Load:
-  """What a server's slot engines (``slots`` slots each) decode now (:class:`EngineLoad` each, idle ones
-  dropped); ``Load()`` is an idle machine without slot engines."""
-
-  engines: tuple[EngineLoad, ...] = ()
-  slots: int = 1
-
-  def __post_init__(self):
-    if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1:
-      raise LatencyModelError(f"load slots: expected an integer >= 1, got {self.slots!r}")
-    object.__setattr__(self, "engines", tuple(e for e in self.engines if e.rows > 0))
-
-  @classmethod
-  def of_pool(cls, pool) -> Load:
-    """The load of an engine pool now (:meth:`EnginePool.occupancy <thoughtjax.serving.pool.EnginePool.occupancy>`)."""
-    engines = (EngineLoad(h, rows, ring, *(recent or (0, None))) for h, rows, ring, recent in pool.occupancy())
-    return cls(tuple(engines), pool.slots)
-
-  @property
-  def rows(self) -> int:
-    return sum(e.rows for e in self.engines)
-
-  def of(self, path_hash: str, cache_len: int = 1) -> EngineLoad | None:
-    """The engine of ``path_hash`` a request attending over ``cache_len`` slots joins (of those whose ring holds
-    it, the one with the most streams, as an engine pool picks), or None."""
-    return choose_engine(((e, e.rows, e.cache_len) for e in self.engines if e.path_hash == path_hash), cache_len)
-
-  def describe(self) -> str:
-    if not self.engines:
-      return "idle"
-    n = len(self.engines)
-    return f"{self.rows} stream{'s' * (self.rows != 1)} decoding in {n} engine{'s' * (n != 1)}"
-
-
-IDLE = Load()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -634,7 +232,7 @@ class LatencyModel:
     self.clock = clock or time.time
     # The calibration's own factors (a speculative plan's measured decode): the base of every context, what
     # learned factors start from and decay back to.
-    corr = _corrections_json(params.corrections, "latency.corrections")
+    corr = corrections_json(params.corrections, "latency.corrections")
     self._base_global: dict[str, float] = dict(corr.get("global", {}))
     self._base_paths: dict[str, dict[str, float]] = {h: dict(f) for h, f in corr.get("paths", {}).items()}
     self._base_hints: dict[str, dict[str, dict[str, float]]] = corr.get("hints", {})

@@ -13,7 +13,7 @@ Rule (DESIGN.md "GetOptimalPath", issue 8 item 5):
    the lossless choices that fit; its plan names the draft (``Plan.draft``).
 3. The plan is the best eligible candidate whose predicted total (synthesis + restore + compile +
    prefill + decode, given what is resident and compiled) is within ``max_latency_ms``. In a server the
-   prediction is made under its load (the slot engines' streams now, :class:`~thoughtjax.synthesis.latency.Load`):
+   prediction is made under its load (the slot engines' streams now, :class:`~thoughtjax.synthesis.latency_load.Load`):
    the path an idle machine would get is kept while it still fits under the load; when it does not and another
    path is chosen, the reason (or, for ``budget``, a note) says so and names the idle choice (``Plan.idle_path``),
    counted as ``moved_by_load``.
@@ -46,7 +46,9 @@ from thoughtjax.errors import UserError
 from thoughtjax.path_syntax import VARIANTS
 from thoughtjax.synthesis.calibration import Calibration, PathQuality
 from thoughtjax.synthesis.candidate import DraftPlan
-from thoughtjax.synthesis.latency import COLD, IDLE, LatencyContext, LatencyModel, Load, Prediction, Residency
+from thoughtjax.synthesis.latency import LatencyModel, Prediction
+from thoughtjax.synthesis.latency_context import LatencyContext
+from thoughtjax.synthesis.latency_load import COLD, IDLE, Load, Residency
 
 BUDGET = "budget"
 

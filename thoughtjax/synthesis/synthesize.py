@@ -37,7 +37,7 @@ another version is never used in its place. With no hints, the registry's stored
 (:func:`~thoughtjax.synthesis.router_store.route_hint`; without one, ``general_purpose``); the notes say which.
 
 Imports inside functions here are deferred for start-up: importing this module does not load ``compose``,
-``registry``, ``synthesis.calibrate``, ``synthesis.calibration_store``, ``synthesis.corrections``,
+``registry``, ``synthesis.calibrate_latency``, ``synthesis.calibration_store``, ``synthesis.corrections``,
 ``synthesis.dictionary``, ``synthesis.hints``, ``synthesis.router_store``; the functions that need them do.
 """
 
@@ -62,7 +62,10 @@ from thoughtjax.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 from thoughtjax.serving.slots import SlotRun
 from thoughtjax.synthesis.calibration import Calibration
 from thoughtjax.synthesis.candidate import path_hash_of
-from thoughtjax.synthesis.latency import IDLE, STAGES, LatencyContext, LatencyModel, LatencyTrace, Load, Residency
+from thoughtjax.synthesis.latency import LatencyModel, LatencyTrace
+from thoughtjax.synthesis.latency_context import LatencyContext
+from thoughtjax.synthesis.latency_load import IDLE, Load, Residency
+from thoughtjax.synthesis.latency_params import STAGES
 from thoughtjax.synthesis.planner import Plan, Planner, PlanRequest, floors_of
 
 if TYPE_CHECKING:
@@ -241,7 +244,7 @@ class Synthesizer:
     context: LatencyContext | None = None,
   ):
     from thoughtjax.synthesis import corrections as corr_lib
-    from thoughtjax.synthesis.calibrate import machine_fingerprint
+    from thoughtjax.synthesis.calibrate_latency import machine_fingerprint
     from thoughtjax.synthesis.dictionary import load_dictionary
 
     if calibration.sequence != registry.sequence:
