@@ -183,6 +183,29 @@ def test_a_tiny_models_program_from_its_artifact_gives_the_same_tokens(tmp_path,
     assert exported.EXPORT_STATS[expect] == 1
 
 
+@pytest.mark.parametrize("draft", ["ngram:3", "embed, blocks[0:1), head"])
+def test_a_speculative_program_from_its_artifact_gives_the_same_tokens(tmp_path, monkeypatch, draft):
+  """A drafted request's program is exported too: a later process loads draft and verify instead of tracing them."""
+  from thoughtjax.decode.speculative import Draft
+
+  def tokens():
+    engine = tiny_engine("llama_gqa", seed=3)
+    g = engine.generate([5, 6, 7, 8, 5, 6, 7], max_tokens=12, ignore_eos=True, draft=Draft(draft), draft_tokens=3)
+    assert g.trace.verify_passes > 0
+    return g.token_ids
+
+  monkeypatch.setenv("THOUGHTJAX_EXPORT_CACHE", "off")
+  monkeypatch.setattr(program, "PROGRAMS", program.ProgramCache())
+  plain = tokens()
+  assert not exported.EXPORT_STATS
+
+  monkeypatch.setenv("THOUGHTJAX_EXPORT_CACHE", str(tmp_path))
+  for expect in ("exported", "loaded"):
+    monkeypatch.setattr(program, "PROGRAMS", program.ProgramCache())  # a new process's empty program cache
+    assert tokens() == plain
+    assert exported.EXPORT_STATS[expect] >= 1
+
+
 # ---- attacks on the cache: planted, forged, linked artifacts and directories others may write ------------------
 
 

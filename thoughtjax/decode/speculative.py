@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from thoughtjax import quantized
+from thoughtjax import exported, quantized
 from thoughtjax.decode import layout
 from thoughtjax.decode import program as program_lib
 from thoughtjax.decode import state as state_lib
@@ -223,7 +223,11 @@ class SpecProgram(DecodeProgram):
 
   def __init__(self, key: SpecKey, defs: GraphDefs, cfg):
     self.key, self.defs, self.cfg = key, defs, cfg
-    self._advance = jax.jit(self._advance_impl, donate_argnums=(5,))
+    # Exported as the plain program is (thoughtjax.exported): a later process loads the lowered program instead of
+    # tracing and lowering draft and verify again, which took ~4 s of its compile stage (the state, 5, donated).
+    self._advance = exported.wrap(
+      jax.jit(self._advance_impl, donate_argnums=(5,)), key=(key, defs, cfg), donate_argnums=(5,), out_like=5
+    )
     self._init = jax.jit(self._init_impl)
 
   def _init_impl(self) -> SpecState:
