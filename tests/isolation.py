@@ -14,7 +14,8 @@ tool writes per-user state) pointing into one directory outside the user's home,
 * **Everything else per user, redirected.** ``XDG_CACHE_HOME`` (pip, torch), ``MPLCONFIGDIR``, ``HF_HOME``,
   ``IPYTHONDIR`` and the Jupyter directories, ``TRITON_CACHE_DIR``; thoughtjax's own overrides
   (``THOUGHTJAX_TRUST_STATE``, ``THOUGHTJAX_LATENCY_CORRECTIONS``, ``THOUGHTJAX_EXPORT_CACHE``,
-  ``THOUGHTJAX_COMPILE_CACHE``) are removed so each defaults to the run's cache. The suite then runs with a
+  ``THOUGHTJAX_COMPILE_CACHE``) are removed so each defaults to the run's cache, and ``THOUGHTJAX_PROGRAM_LEDGER``
+  is ``off`` (a plan does not depend on which programs earlier tests compiled). The suite then runs with a
   read-only home (``tests/test_isolation.py``).
 """
 
@@ -31,6 +32,7 @@ NO_SERVER_ENV = (
   "THOUGHTJAX_NO_SERVER"  # thoughtjax.local_server's; not imported: this runs before any thoughtjax import
 )
 KEEP_ENV = "THOUGHTJAX_TEST_CACHE"
+LEDGER_ENV = "THOUGHTJAX_PROGRAM_LEDGER"  # thoughtjax.settings.PROGRAM_LEDGER (not imported: see NO_SERVER_ENV)
 # thoughtjax's own per-user paths: unset, so each falls back to <THOUGHTJAX_CACHE>/...
 OVERRIDES = (
   "THOUGHTJAX_TRUST_STATE",
@@ -89,6 +91,9 @@ def enter_run() -> Run:
   # A command a test runs starts in-process, as the test expects, even while another test's `thoughtjax serve` of
   # the same registry runs: tests/server/test_cli_local_server.py lifts this for its own commands.
   os.environ[NO_SERVER_ENV] = "1"
+  # A plan prices compiles from the calibration alone, whichever programs earlier tests of the run compiled into the
+  # shared compilation cache: tests/synthesis/test_program_ledger.py turns the ledger on for its own synthesizers.
+  os.environ[LEDGER_ENV] = "off"
   for name, sub in TOOL_DIRS.items():
     os.environ[name] = str(root / sub)
     (root / sub).mkdir(parents=True, exist_ok=True)

@@ -51,6 +51,31 @@ def test_second_process_hits_the_persistent_compile_cache(tiny_dir, tmp_path):
   assert any((tmp_path / "xla").iterdir())
 
 
+_MISS_PROBE = """
+import sys, json
+import thoughtjax
+m = thoughtjax.load(sys.argv[1])
+g = m.generate([5, 6, 7], max_tokens=4)
+print("TRACE", json.dumps([g.trace.compile_s, g.trace.compile_misses]))
+"""
+
+
+def test_a_trace_tells_a_compile_from_a_load_out_of_the_persistent_cache(tiny_dir, tmp_path):
+  """What the program ledger records: the first process compiled its programs (misses), the second loaded them
+  (time spent, no miss)."""
+  env = {**os.environ, "THOUGHTJAX_CACHE": str(tmp_path)}
+  got = []
+  for _ in range(2):
+    r = subprocess.run(
+      [sys.executable, "-c", _MISS_PROBE, str(tiny_dir)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert r.returncode == 0, r.stderr
+    got.append(json.loads(r.stdout.split("TRACE")[1]))
+  (first_s, first_misses), (second_s, second_misses) = got
+  assert first_s > 0 and first_misses >= 1
+  assert second_s > 0 and second_misses == 0
+
+
 _EXPORT_PROBE = """
 import sys, json
 from jax._src import monitoring

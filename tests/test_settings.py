@@ -25,12 +25,14 @@ def test_each_variable_lands_in_its_field():
       "THOUGHTJAX_LATENCY_CORRECTIONS": " /x/corr.json ",
       "THOUGHTJAX_PROGRAM_CACHE": "4",
       "THOUGHTJAX_VERIFY_CACHE": "full",
+      "THOUGHTJAX_PROGRAM_LEDGER": " Off",
     }
   )
   assert s.cache == Path("~/c").expanduser() and s.compile_cache == Path("/x/xla")
   assert (s.export_cache, s.export_off) == (Path("/x/exported"), False)
   assert s.trust_state == Path("/x/trust.json") and s.latency_corrections == Path("/x/corr.json")
   assert (s.program_cache, s.verify_cache_full, s.corrections_off) == (4, True, False)
+  assert s.program_ledger_off and not settings.current({}).program_ledger_off
 
 
 @pytest.mark.parametrize("off", ["off", "OFF", "0", "none", ""])

@@ -94,9 +94,9 @@ def _run_callback(
 
   def work():
     try:
-      with COMPILE_CLOCK.measure() as compile_s:
+      with COMPILE_CLOCK.measure() as compiled:
         program.run_with_callback(inputs.parts, inputs.prompt, inputs.pad, inputs.samp, on_token)
-      trace.compile_s = compile_s[0]
+      trace.compile_s, trace.compile_misses = compiled.seconds, compiled.cache_misses
     except BaseException as e:  # handed to the consumer, raised there
       failure.append(e)
     finally:

@@ -17,6 +17,10 @@ variable                            field                       meaning (unset: 
                                     ``corrections_off``         (``<cache>/latency-corrections.json``); ``off``
                                                                 keeps it in the process only
 ``THOUGHTJAX_PROGRAM_CACHE``        ``program_cache``           compiled programs held per process (32)
+``THOUGHTJAX_PROGRAM_LEDGER``       ``program_ledger_off``      ``off``: plans price a program an earlier process
+                                                                compiled as a full compile, not as the load it is
+                                                                (the ledger beside the compilation cache is kept
+                                                                in the process only)
 ``THOUGHTJAX_VERIFY_CACHE``         ``verify_cache_full``       ``full``: re-hash every converted weight on load
 ==================================  ==========================  ==================================================
 """
@@ -36,6 +40,7 @@ EXPORT_CACHE = "THOUGHTJAX_EXPORT_CACHE"
 TRUST_STATE = "THOUGHTJAX_TRUST_STATE"
 LATENCY_CORRECTIONS = "THOUGHTJAX_LATENCY_CORRECTIONS"
 PROGRAM_CACHE = "THOUGHTJAX_PROGRAM_CACHE"
+PROGRAM_LEDGER = "THOUGHTJAX_PROGRAM_LEDGER"
 VERIFY_CACHE = "THOUGHTJAX_VERIFY_CACHE"
 _OFF = ("off", "0", "none", "")
 
@@ -56,6 +61,7 @@ class Settings:
   latency_corrections: Path | None = None
   corrections_off: bool = False
   program_cache: int = 32
+  program_ledger_off: bool = False
   verify_cache_full: bool = False
 
 
@@ -85,5 +91,6 @@ def current(environ: Mapping[str, str] = os.environ) -> Settings:
     latency_corrections=None if corrections_off else _path(corrections),
     corrections_off=corrections_off,
     program_cache=program_cache,
+    program_ledger_off=environ.get(PROGRAM_LEDGER, "").strip().lower() == "off",
     verify_cache_full=environ.get(VERIFY_CACHE) == "full",
   )

@@ -189,7 +189,7 @@ def test_warm_also_compiles_the_prefill_after_a_repeated_prompt_s_prefix(model):
       cached.step()  # three slots in use: chunks of all four rows
   assert [r.trace.prefix_cache_tokens for r in runs] == [32] * 3 and [r.prefill_batch for r in runs] == [3] * 3
   assert [first.trace.compile_s] + [r.trace.compile_s for r in runs] == [0.0] * 4
-  assert compiled[0] == 0.0  # nor did a decode chunk, a block cut or a transfer
+  assert compiled.seconds == 0.0  # nor did a decode chunk, a block cut or a transfer
   want = generate_in_slots(SlotEngine(model, slots=4, cache_len=96), [(prompt, GREEDY)])[0].token_ids
   assert first.token_ids == want and [r.token_ids for r in runs] == [want] * 3
 

@@ -53,10 +53,20 @@ class DecodeKey:
     return dataclasses.replace(self, layers=path_shape(self.layers))
 
 
-class _CompileClock:
-  """Seconds JAX spends tracing, lowering and compiling in the calling thread.
+@dataclasses.dataclass
+class CompileTime:
+  """What a :meth:`_CompileClock.measure` block spent: ``seconds`` tracing, lowering and compiling, and
+  ``cache_misses``, the programs it compiled because JAX's persistent compilation cache did not hold them (0 with
+  ``seconds`` > 0: every program it needed was loaded from that cache, or the cache is off)."""
 
-  Fed by ``jax.monitoring`` time spans; nested traces (a jitted kernel inside the program)
+  seconds: float = 0.0
+  cache_misses: int = 0
+
+
+class _CompileClock:
+  """Seconds JAX spends tracing, lowering and compiling in the calling thread, and the persistent-cache misses.
+
+  Fed by ``jax.monitoring`` time spans and events; nested traces (a jitted kernel inside the program)
   overlap their parent, so the union of the spans is measured, not their sum.
   """
 
@@ -65,26 +75,34 @@ class _CompileClock:
     "/jax/core/compile/jaxpr_to_mlir_module_duration",
     "/jax/core/compile/backend_compile_duration",
   )
+  MISS = "/jax/compilation_cache/cache_misses"
 
   def __init__(self):
     self._local = threading.local()
     jax.monitoring.register_event_time_span_listener(self._on_span)
+    jax.monitoring.register_event_listener(self._on_event)
 
   def _on_span(self, event: str, start: float, end: float, **_):
     spans = getattr(self._local, "spans", None)
     if spans is not None and event in self.EVENTS:
       spans.append((start, end))
 
+  def _on_event(self, event: str, **_):
+    if event == self.MISS and getattr(self._local, "spans", None) is not None:
+      self._local.misses += 1
+
   @contextlib.contextmanager
-  def measure(self) -> Iterator[list[float]]:
-    """``with CLOCK.measure() as out:`` ... then ``out[0]`` holds the compile seconds."""
-    outer = getattr(self._local, "spans", None)
-    self._local.spans = spans = []
-    out = [0.0]
+  def measure(self) -> Iterator[CompileTime]:
+    """``with CLOCK.measure() as t:`` ... then ``t.seconds`` and ``t.cache_misses`` hold what the block spent."""
+    outer, outer_misses = getattr(self._local, "spans", None), getattr(self._local, "misses", 0)
+    spans: list[tuple[float, float]] = []
+    self._local.spans, self._local.misses = spans, 0
+    out = CompileTime()
     try:
       yield out
     finally:
-      self._local.spans = outer
+      out.cache_misses = self._local.misses
+      self._local.spans, self._local.misses = outer, outer_misses + out.cache_misses
       if outer is not None:
         outer.extend(spans)
       total, reach = 0.0, float("-inf")
@@ -92,7 +110,7 @@ class _CompileClock:
         if b > reach:
           total += b - max(a, reach)
           reach = b
-      out[0] = total
+      out.seconds = total
 
 
 COMPILE_CLOCK = _CompileClock()
@@ -172,10 +190,10 @@ def run_chunks(
       yield from rows.cancel()
       return
     trace.device_start = time.perf_counter()
-    with COMPILE_CLOCK.measure() as compile_s:
+    with COMPILE_CLOCK.measure() as compiled:
       state = program.prefill(call(inputs), program.init_state(inputs.parts))
       tokens = _fetch(program, state)
-    trace.compile_s = compile_s[0]
+    trace.compile_s, trace.compile_misses = compiled.seconds, compiled.cache_misses
     trace.first_token = time.perf_counter()
     while True:
       if after is not None:

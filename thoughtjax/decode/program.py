@@ -53,6 +53,7 @@ import os
 import re
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -84,13 +85,19 @@ from thoughtjax.transformer import (
 DEFAULT_CHUNK = 8
 
 
+def compilation_cache_dir(directory: str | os.PathLike | None = None) -> Path:
+  """The folder of JAX's persistent compilation cache: ``directory``, else the settings' ``compile_cache``, else
+  ``<cache>/xla`` (made 0700, or refused with :class:`~thoughtjax.cachedir.UnsafeCacheError`)."""
+  where = directory or settings.current().compile_cache
+  return Path(cachedir.private_dir(where, "the XLA compilation cache") if where else cachedir.cache_subdir("xla"))
+
+
 def configure_compilation_cache(directory: str | os.PathLike | None = None) -> str:
   """Turn on JAX's persistent compilation cache, small programs included.
 
   JAX loads the compiled programs it finds there and runs them unchecked, so the directory must be writable by
   this user alone: created 0700, else refused with :class:`~thoughtjax.cachedir.UnsafeCacheError`."""
-  where = directory or settings.current().compile_cache
-  path = str(cachedir.private_dir(where, "the XLA compilation cache") if where else cachedir.cache_subdir("xla"))
+  path = str(compilation_cache_dir(directory))
   jax.config.update("jax_compilation_cache_dir", path)
   # JAX skips programs that compile in under 1 s unless told otherwise.
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -50,6 +50,7 @@ class Trace:
   first_token: float | None = None
   end: float | None = None
   compile_s: float = 0.0
+  compile_misses: int = 0  # programs of compile_s compiled anew (not loaded from the persistent compilation cache)
   decode_chunks: int = 0  # decode calls run on the device (callback streaming: decode steps)
   tokens_out: list[int] = dataclasses.field(default_factory=list)  # per row
   cancelled: bool = False
@@ -89,6 +90,7 @@ class Trace:
       "generated": list(self.tokens_out),
       "queue_s": self.queue_s,
       "compile_s": self.compile_s,
+      "compile_misses": self.compile_misses,
       "prefill_s": self.prefill_s,
       "decode_s": self.decode_s,
       "decode_chunks": self.decode_chunks,

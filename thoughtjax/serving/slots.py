@@ -506,7 +506,7 @@ class SlotEngine:
         reqs[p].matcher.fill(words[p])
       samp = samp._replace(allowed=jax.device_put(words))
     started = time.perf_counter()
-    with COMPILE_CLOCK.measure() as compile_s:
+    with COMPILE_CLOCK.measure() as compiled:
       if chains is None:
         kv, token, done = self.program.prefill_rows(
           self.parts, jnp.asarray(tokens), jnp.asarray(pad), samp, program_mode(params)
@@ -532,7 +532,7 @@ class SlotEngine:
       self.prefill_rows += n
     out = []
     for p, r in enumerate(reqs):
-      r.trace.device_start, r.trace.first_token, r.trace.compile_s = started, first, compile_s[0]
+      r.trace.device_start, r.trace.first_token, r.trace.compile_s = started, first, compiled.seconds
       out.append(
         Prefilled(
           r.ids,

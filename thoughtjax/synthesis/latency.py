@@ -5,7 +5,8 @@ A request's latency is predicted as five stages (milliseconds)::
     synthesis  planning overhead (a measured constant)
     restore    sum over the path's thoughtlets not yet resident of  r.a + r.b * bytes
                (r.a: fixed cost per restore, 1 / r.b: measured restore bandwidth in bytes/ms)
-    compile    0 when the program key is compiled, else  c[bucket].a + c[bucket].b * layers_run
+    compile    0 when the program key is compiled, else its measured load when the persistent compilation cache
+               holds it (``Residency.cached``, no correction), else  c[bucket].a + c[bucket].b * layers_run
                (one fit per prompt-length bucket; the nearest measured bucket serves others)
     prefill    sum over the executed thoughtlets of  p[u].a + p[u].b * P          (P = bucket(T))
     decode     (N - 1) * (step_ms + sum over units of  d[u].a + d[u].b * S)      (S = bucket(T) + bucket(N))
@@ -135,6 +136,9 @@ class Prediction:
   # stage -> the request's hints' factor over the path's own (LatencyParams "hints"), where one applied: learning
   # divides it out, so what a run on one hint's text teaches the path does not move the other hints twice
   hint_scale: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  # compile priced as a load from the persistent compilation cache (the ledger's measured price): the compile
+  # correction neither applies to it nor learns from it
+  compile_cached: bool = False
 
   @property
   def total(self) -> float:
@@ -376,7 +380,13 @@ class LatencyModel:
     r = self.params.restore
     restore = sum(r.a + r.b * nbytes for ref, nbytes in c.units if ref not in resident)
     key = self.program_key(c.program, T, n)
-    compile_ = 0.0 if key in residency.compiled else self._compile_fit(bucket(T))(c.layers)
+    cached = key not in residency.compiled and key in residency.cached
+    if key in residency.compiled:
+      compile_ = 0.0
+    elif cached:  # a load from the persistent cache, measured on this machine: no correction applies
+      compile_ = residency.cached[key]
+    else:
+      compile_ = self._compile_fit(bucket(T))(c.layers)
     A, B = c.decode.a, c.decode.b
     if constrained or ctx.engine == "masked":
       A += MASKED_STEP_MS
@@ -388,6 +398,8 @@ class LatencyModel:
     for s, scale in hint_scale.items():  # what was learned moves the hints' base as it moves the path's
       f, _, count = fs[s]
       fs[s] = (_clip(f * scale), "path", count)
+    if cached:
+      fs["compile"] = (1.0, "global", 0)
     load_factor, W = 1.0, 1
     if load.engines:
       load_factor, S, W = self._under_load(candidate, (A, B), S, load, fs["decode"][0])
@@ -418,6 +430,7 @@ class LatencyModel:
       load=load if load.engines else IDLE,
       width=W,
       hint_scale=hint_scale,
+      compile_cached=cached,
     )
 
   def rows_factor(self, path_hash: str, rows: float) -> float:
@@ -477,6 +490,8 @@ class LatencyModel:
     for s, ms in actual.items():
       if ms is None or not math.isfinite(ms) or ms < 0:
         raise LatencyModelError(f"trace actual_ms[{s}]: expected a finite time >= 0, got {ms!r}")
+      if s == "compile" and p.compile_cached:
+        continue  # a load's time is the ledger's to record, not the compile fit's to learn
       if first_run and s in ("prefill", "decode"):
         continue  # a first run's device time includes one-off costs (allocation, first execution)
       if raw[s] > 0:  # in the path's own terms: a hint's measured difference is the calibration's, not learned

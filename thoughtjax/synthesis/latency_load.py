@@ -1,7 +1,7 @@
 """The state of the machine a latency prediction is made under: what is warm and what slot engines decode now.
 
-Contract: :class:`Residency` is the thoughtlet refs already restored and the program keys already compiled
-(:data:`COLD`: none); :class:`Load` is a server's slot engines with the streams each decodes now
+Contract: :class:`Residency` is the thoughtlet refs already restored, the program keys already compiled and those the
+persistent compilation cache holds with their load price (:data:`COLD`: none); :class:`Load` is a server's slot engines with the streams each decodes now
 (:class:`EngineLoad` each; :data:`IDLE`: none), validated on construction
 (:class:`~thoughtjax.synthesis.latency_params.LatencyModelError`). Both are plain frozen values: how they change a
 prediction is :mod:`thoughtjax.synthesis.latency`'s.
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
+from collections.abc import Mapping
 
 from thoughtjax.serving.pool import choose_engine
 from thoughtjax.synthesis.latency_params import LatencyModelError
@@ -18,14 +20,19 @@ from thoughtjax.synthesis.latency_params import LatencyModelError
 
 @dataclasses.dataclass(frozen=True)
 class Residency:
-  """What is warm right now: resident thoughtlet refs (``name@version``) and compiled program keys."""
+  """What is warm right now: resident thoughtlet refs (``name@version``), the program keys this process has
+  compiled, and ``cached``: program key -> the ms this process would pay to load it from the persistent
+  compilation cache (:mod:`thoughtjax.synthesis.program_ledger`; a program neither compiled nor cached is priced
+  as a full compile)."""
 
   resident: frozenset[str] = frozenset()
   compiled: frozenset[str] = frozenset()
+  cached: Mapping[str, float] = dataclasses.field(default_factory=dict, hash=False)
 
   def __post_init__(self):
     object.__setattr__(self, "resident", frozenset(self.resident))
     object.__setattr__(self, "compiled", frozenset(self.compiled))
+    object.__setattr__(self, "cached", types.MappingProxyType(dict(self.cached)))
 
 
 COLD = Residency()

@@ -11,7 +11,9 @@
 A :class:`Synthesizer` holds one registry, its stored calibration (at the registry's current sequence),
 the synthesis dictionary's floors, a :class:`~thoughtjax.synthesis.latency.LatencyModel` that learns from
 every finished request, and what is warm: composed paths (their thoughtlets restored) and the program
-keys it has run (compiled). Planning sees that residency, so a warm path predicts no restore or compile.
+keys it has run (compiled). Planning sees that residency, so a warm path predicts no restore or compile, and a
+program that an earlier process put into the persistent compilation cache is priced as the load it then is
+(:mod:`~thoughtjax.synthesis.program_ledger`), so a cold process plans as a warm one would where only loads differ.
 What the latency model learns persists per machine and registry (:mod:`~thoughtjax.synthesis.corrections`),
 per execution context: a request teaches the context it ran in (its own plain or speculative program, or the
 slot engine a server's scheduler moved it into, :meth:`Synthesizer.ran_in`), and plans are predicted for
@@ -53,6 +55,7 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from thoughtjax import settings
 from thoughtjax.constraint import Constraint
 from thoughtjax.decode.request import RequestRun
 from thoughtjax.decode.speculative import Draft
@@ -243,9 +246,11 @@ class Synthesizer:
     learn: bool = True,
     context: LatencyContext | None = None,
   ):
+    from thoughtjax.decode.program import compilation_cache_dir
     from thoughtjax.synthesis import corrections as corr_lib
     from thoughtjax.synthesis.calibrate_latency import machine_fingerprint
     from thoughtjax.synthesis.dictionary import load_dictionary
+    from thoughtjax.synthesis.program_ledger import ledger_for
 
     if calibration.sequence != registry.sequence:
       raise SynthesisError(
@@ -266,6 +271,11 @@ class Synthesizer:
     )
     self.latency = LatencyModel(params, context=self.context, learned=learned)
     self.corrections_loaded = learned
+    # The programs the persistent compilation cache holds for this registry and calibration: a cold plan prices
+    # them as the load they are, not as a full compile (kept in the process only without learned corrections, or
+    # with THOUGHTJAX_PROGRAM_LEDGER=off).
+    shared = learned_corrections and not settings.current().program_ledger_off
+    self.ledger = ledger_for(self.corrections_key, compilation_cache_dir() if shared else None)
     self._store = corr_lib.CorrectionsStore(self.corrections_key, self.latency, path)
     weakref.finalize(self, self._store.flush)  # what the last requests taught, saved at exit
     self.kernels, self.keep_paths, self.learn = kernels, keep_paths, learn
@@ -286,7 +296,7 @@ class Synthesizer:
   def residency(self) -> Residency:
     with self._lock:
       composed = {u.ref for h in self._models for c in self.calibration.candidates if c.path_hash == h for u in c.units}
-      return Residency(set(self.registry.stats().resident) | composed, set(self._compiled))
+      return Residency(set(self.registry.stats().resident) | composed, set(self._compiled), self.ledger.prices())
 
   def model_of(self, candidate):
     """The composed model of ``candidate``'s units (cached; a speculative candidate shares the full path's);
@@ -581,6 +591,10 @@ class Synthesizer:
     actual = {s: result.trace.actual_ms[s] for s in STAGES if s in result.trace.actual_ms}
     tokens = result.trace.tokens_out
     gen = result.generation.trace
+    if gen.compile_s > 0 and not isinstance(result.generation, SlotRun) and _persistent_cache_on():
+      # Its program compiled (or loaded) in this process, into the persistent cache: what the next process pays
+      # for it. A slot engine's run compiled the engine's programs, not this one.
+      self.ledger.record(result.plan.predicted.program_key, gen.compile_s * 1e3, loaded=gen.compile_misses == 0)
     if self.learn and tokens and not gen.cancelled:
       # compile_s > 0: this call traced or compiled its program (its first run in this process).
       run = result.generation
@@ -609,6 +623,13 @@ class Synthesizer:
   def save_corrections(self) -> None:
     """Write the learned latency corrections now (otherwise at most once a second, and at exit)."""
     self._store.flush()
+
+
+def _persistent_cache_on() -> bool:
+  """Whether this process writes what it compiles to JAX's persistent compilation cache."""
+  import jax
+
+  return bool(jax.config.jax_compilation_cache_dir)
 
 
 class _Unavailable(Exception):
