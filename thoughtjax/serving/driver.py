@@ -15,7 +15,8 @@ from thoughtjax.sampling import (
   SamplingParams,
 )
 from thoughtjax.serving.errors import ConstraintsRefused, SlotRequestError, SlotsClosed
-from thoughtjax.serving.slots import Prefilled, SlotEngine, SlotRun
+from thoughtjax.serving.slot_run import Prefilled, SlotRun
+from thoughtjax.serving.slots import SlotEngine
 
 
 class SlotDriver:

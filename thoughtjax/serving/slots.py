@@ -64,20 +64,16 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from thoughtjax.constraint import ConstraintError, Matcher
-from thoughtjax.decode.interface import COMPILE_CLOCK
-from thoughtjax.decode.masks import ALL, grammars_for
-from thoughtjax.decode.program import bucket
+from thoughtjax.decode.masks import ALL
 from thoughtjax.decode.request import ModelRequest
 from thoughtjax.decode.state import DecodeState
 from thoughtjax.decode.stream import Delta, Rows, Trace
@@ -86,182 +82,17 @@ from thoughtjax.sampling import (
   SamplingArrays,
   SamplingMode,
   SamplingParams,
-  program_mode,
-  sampling_arrays,
   stop_ids_for,
 )
-from thoughtjax.serving.errors import ConstraintsRefused, SlotRequestError, SlotsFull
+from thoughtjax.serving.errors import SlotRequestError, SlotsFull
 from thoughtjax.serving.prefix import PrefixCache
+from thoughtjax.serving.slot_prefill import SlotPrefill
 from thoughtjax.serving.slot_program import SlotProgram, slot_program
+from thoughtjax.serving.slot_run import Prefilled, SlotRequest, SlotRun
 from thoughtjax.transformer import GraphDefs
 
 DEFAULT_SLOTS = 8
 DEFAULT_STOP_WIDTH = 16
-
-
-@dataclasses.dataclass
-class Prefilled:
-  """A request after its prefill, ready to take a slot (its keys stay on the device until inserted).
-
-  Requests prefilled in one call share ``kv`` and ``token``; ``row`` is this request's row in them."""
-
-  ids: list[int]
-  params: SamplingParams
-  kv: tuple  # per path block: (k, v) [P, K, T, E], row ``row``'s prompt left-padded in [:, :, T - n:]
-  token: jax.Array  # [P] i32, each row's first token
-  done: bool
-  count: int
-  trace: Trace
-  rows: Rows
-  row: int = 0
-  batch: int = 1  # requests prefilled in the same call (padding rows not counted)
-  matcher: Matcher | None = None  # a constrained request's grammar state, past its first token
-  scope: str = ""  # its prefix-cache scope (a client's cache_salt): blocks are shared within a scope only
-
-
-class _Request(NamedTuple):
-  """A request checked against the engine's limits, with its trace and row bookkeeping (no device work yet)."""
-
-  ids: list[int]
-  params: SamplingParams
-  trace: Trace
-  rows: Rows
-  matcher: Matcher | None = None  # a constrained request's grammar state
-  scope: str = ""  # prefix-cache scope (see Prefilled.scope)
-
-
-class SlotRun:
-  """One request in a slot engine: iterate for :class:`~thoughtjax.decode.stream.Delta`s (blocking until the
-  engine produced them), ``cancel()`` from any thread, ``trace`` as a Generation's.
-
-  ``slot`` is the slot it held (None when it finished at its prefill); ``chunks_at_cancel`` and
-  ``chunks_at_free`` are the engine's decode chunks when ``cancel`` came and when the slot was freed;
-  ``prefill_batch`` how many requests shared its prefill call; ``max_prefills_between_chunks`` the most prefill
-  calls the engine ran between two of its decode chunks (how long it stalled, in program calls);
-  :attr:`mean_width` the mean rows of the decode steps it took part in.
-  """
-
-  def __init__(self, engine: SlotEngine, req: _Request | Prefilled, on_delta: Callable[[Delta | None], None] | None):
-    self.engine, self.ids, self.params, self.trace, self.rows = engine, req.ids, req.params, req.trace, req.rows
-    self.matcher = req.matcher  # a constrained request's grammar state (the driver prefills it from the run)
-    self.scope = req.scope  # its prefix-cache scope
-    self.slot: int | None = None
-    self.prefill_batch: int | None = None  # requests prefilled in the same program call as this one
-    self.max_prefills_between_chunks = 0  # most prefill calls run between two of its decode chunks
-    self._prefills_mark = 0  # engine.prefill_calls at its last chunk (or when it took its slot)
-    self.steps_taken = 0  # decode steps of the chunks it was in
-    self.rows_stepped = 0  # the sum over those steps of the rows each computed
-    self.on_delta = on_delta
-    self._queue: queue.SimpleQueue = queue.SimpleQueue()
-    self.freed = threading.Event()
-    self._on_free: list[Callable[[], None]] = []
-    self.cancel_requested = False
-    self.chunks_at_cancel: int | None = None
-    self.chunks_at_free: int | None = None
-    self.cancelled_at: float | None = None  # time.perf_counter() of cancel() and of the slot's release
-    self.freed_at: float | None = None
-    self.finish_reason: str | None = None
-    self.error: BaseException | None = None
-    self.token_ids: list[int] = []
-    self.text = ""
-
-  @property
-  def mean_width(self) -> float | None:
-    """The mean rows of the decode steps it took part in (the engine's width, padded as it computes), or None
-    before its first chunk: how many streams its decode shared the steps with."""
-    return self.rows_stepped / self.steps_taken if self.steps_taken else None
-
-  # ---- engine side ------------------------------------------------------------------
-  def _placed(self, slot: int, prefill_calls: int) -> None:
-    """It holds ``slot`` from now; ``prefill_calls``: the engine's count of prefill calls at that moment."""
-    self.slot, self._prefills_mark = slot, prefill_calls
-
-  def _stepped(self, steps: int, width: int, prefill_calls: int) -> None:
-    """It took part in a decode chunk of ``steps`` steps over ``width`` rows; ``prefill_calls`` as above."""
-    self.trace.decode_chunks += 1
-    self.steps_taken += steps
-    self.rows_stepped += width * steps
-    stalled, self._prefills_mark = prefill_calls - self._prefills_mark, prefill_calls
-    self.max_prefills_between_chunks = max(self.max_prefills_between_chunks, stalled)
-
-  def _push(self, d: Delta) -> None:
-    self.token_ids.extend(d.token_ids)
-    self.text += d.text
-    if d.finished:
-      self.finish_reason = d.finish_reason
-    self._queue.put(d)
-    if self.on_delta is not None:
-      self.on_delta(d)
-
-  def _end(self, error: BaseException | None = None) -> None:
-    """No more deltas: the slot (if any) is free again."""
-    self.error = error
-    self.trace.end = self.freed_at = time.perf_counter()
-    self.trace.tokens_out = list(self.rows.counts)
-    self._queue.put(None)
-    if self.on_delta is not None:
-      self.on_delta(None)
-    with self.engine._cancel_lock:
-      self.freed.set()
-      callbacks, self._on_free = self._on_free, []
-    for fn in callbacks:
-      fn()
-
-  def abandon(self, error: BaseException | None = None) -> None:
-    """End a run that holds no slot: cancelled (``error`` None: its rows end as cancelled) or failed. A run
-    that ended already is left alone."""
-    if self.freed.is_set():
-      return
-    if error is None:
-      self.trace.cancelled = True
-      for d in self.rows.cancel():
-        self._push(d)
-    self.chunks_at_free = self.engine.chunks
-    self._end(error)
-
-  # ---- user side --------------------------------------------------------------------
-  def when_freed(self, fn: Callable[[], None]) -> None:
-    """Call ``fn`` (on the engine's thread) once the slot is free; at once if it already is."""
-    with self.engine._cancel_lock:
-      if not self.freed.is_set():
-        self._on_free.append(fn)
-        return
-    fn()
-
-  @property
-  def finished(self) -> bool:
-    return self.freed.is_set()
-
-  def __iter__(self) -> SlotRun:
-    return self
-
-  def __next__(self) -> Delta:
-    d = self._queue.get()
-    if d is None:
-      self._queue.put(None)  # later calls end too
-      if self.error is not None:
-        raise self.error
-      raise StopIteration
-    return d
-
-  def deltas(self) -> list[Delta]:
-    """Every delta produced so far, without waiting (the run must have ended, or some are missed later)."""
-    out = []
-    while True:
-      try:
-        d = self._queue.get_nowait()
-      except queue.Empty:
-        return out
-      if d is None:
-        self._queue.put(None)
-        return out
-      out.append(d)
-
-  def cancel(self) -> None:
-    self.engine.cancel(self)
-
-  def close(self) -> None:
-    self.cancel()
 
 
 class SlotEngine:
@@ -290,14 +121,11 @@ class SlotEngine:
     self.defs = GraphDefs.from_model(model.module)
     self.parts = model.parts.by_position(self.layers)  # the programs are keyed by the path's shape
     self._lock = threading.RLock()  # engine state: insert, step, free
-    self._cancel_lock = threading.Lock()
+    self.cancel_lock = threading.Lock()  # a run's slot freed (and its free callbacks taken) under it
     self._runs: list[SlotRun | None] = [None] * self.slots
     self._cancelled: set[int] = set()
     self.chunks = 0  # decode chunks run
     self.rows_computed = 0  # rows those chunks computed (each: the slots in use, padded to a power of two)
-    self.prefill_calls = 0  # prefill program calls run
-    self.prefill_rows = 0  # requests those calls prefilled
-    self._stats_lock = threading.Lock()
     self.steps = 0  # decode steps run (the cursor)
     self.freed_total = 0
     self.chunk_seconds: collections.deque[float] = collections.deque(maxlen=1024)  # wall time of recent chunks
@@ -324,7 +152,7 @@ class SlotEngine:
     # Prompt keys by token prefix (None: off). A path whose blocks keep no keys (bridges only) has none to reuse.
     keyed = [i for i in self.layers if i >= 0]
     self.prefix_cache = prefix_cache if keyed else None
-    self._zero_block: jax.Array | None = None  # a prefix row's padding block
+    self.prefiller = SlotPrefill(model, self.program, self.parts, stop_width, self.prefix_cache)
 
   # ---- host API ----------------------------------------------------------------------
   @property
@@ -354,7 +182,7 @@ class SlotEngine:
     with self._lock:
       yield
 
-  def request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, scope: str = "") -> _Request:
+  def request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, scope: str = "") -> SlotRequest:
     """Check a request against the engine's limits (:class:`SlotRequestError` names the limit and the fix) and the
     model's (:meth:`Model.request <thoughtjax.model.Model.request>`), and make its trace and row bookkeeping; no
     device work. ``scope``: its prefix-cache scope (blocks are reused within a scope only). Any thread."""
@@ -363,7 +191,7 @@ class SlotEngine:
     self._check_limits(ids, params)
     return self._request_of(self.model.request([ids], params), ids, params, scope)
 
-  def checked(self, request: ModelRequest, scope: str = "") -> _Request:
+  def checked(self, request: ModelRequest, scope: str = "") -> SlotRequest:
     """:meth:`request` for one the model already checked (``Model.request`` of one plain prompt on this engine's
     path, e.g. a synthesized request's): only the engine's own limits are checked here."""
     row = request.slot()
@@ -390,18 +218,33 @@ class SlotEngine:
         f"stop_width of {self.stop_width}; send fewer stop ids or make the engine with a larger stop_width"
       )
 
-  def _request_of(self, request: ModelRequest, ids: list[int], params: SamplingParams, scope: str) -> _Request:
+  def _request_of(self, request: ModelRequest, ids: list[int], params: SamplingParams, scope: str) -> SlotRequest:
     # The trace names the program the request would run alone in, from its token ids (as the engine takes it).
     key = self.model.program_key(dataclasses.replace(request, template=None, user=None))
     trace = Trace(key, [ids], time.perf_counter(), tokens_out=[0])
     c = params.constraint
     matcher = None if c is None else self._grammars.matcher(c)
     stops = stop_ids_for(params, self.model.codec.eos_ids)
-    return _Request(ids, params, trace, Rows(self.model.codec, [params], [stops]), matcher, scope)
+    return SlotRequest(ids, params, trace, Rows(self.model.codec, [params], [stops]), matcher, scope)
 
   @property
   def _grammars(self):
-    return grammars_for(self.model.codec, self.cfg.vocab_size)
+    return self.prefiller.grammars
+
+  @property
+  def prefill_calls(self) -> int:
+    """Prefill program calls run."""
+    return self.prefiller.calls
+
+  @property
+  def prefill_rows(self) -> int:
+    """Requests those calls prefilled."""
+    return self.prefiller.rows
+
+  def prefill_group(self, prompt_ids: Sequence[int], scope: str = "") -> tuple:
+    """The prefill program a prompt would go through now (:meth:`SlotPrefill.group
+    <thoughtjax.serving.slot_prefill.SlotPrefill.group>`); requests of one group share a prefill call."""
+    return self.prefiller.group(prompt_ids, scope)
 
   def prefill(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Prefilled:
     """Run one request's prefill; takes no slot. Any thread."""
@@ -410,158 +253,12 @@ class SlotEngine:
   def prefill_batch(self, requests: Sequence[tuple[Sequence[int], SamplingParams | None]]) -> list[Prefilled]:
     """Prefill requests together in one program call (prompts padded to the longest one's bucket); takes no
     slot. Any thread."""
-    return self._prefill([self.request(ids, params) for ids, params in requests])
-
-  def prefill_group(self, prompt_ids: Sequence[int], scope: str = "") -> tuple:
-    """The prefill program a prompt would go through now: ("whole", prompt bucket), or ("rest", bucket of the
-    tokens after its cached prefix) when the prefix cache holds some of it. Requests of one group share a prefill
-    call (:class:`~thoughtjax.serving.driver.SlotDriver`, :meth:`insert_batch`); a peek, nothing is counted."""
-    n = len(prompt_ids)
-    cache = self.prefix_cache
-    have = 0 if cache is None else cache.peek(prompt_ids, self._reuse_limit(prompt_ids, scope), scope)
-    return ("rest", bucket(n - have)) if have else ("whole", bucket(n))
-
-  def _reuse_limit(self, ids: Sequence[int], scope: str) -> int:
-    """The most prompt tokens a prefix-cache hit may reuse: all but the last (the first token comes from a forward
-    over it), and none when the prefix cached now would not shrink the prefill's bucket (the call would cost the
-    same, in a program of its own, split from the batch's other prefills)."""
-    n = len(ids)
-    have = self.prefix_cache.peek(ids, n - 1, scope)
-    return n - 1 if have and bucket(n - have) < bucket(n) else 0
+    return self.prefiller.run([self.request(ids, params) for ids, params in requests])
 
   def prefill_runs(self, runs: Sequence[SlotRun]) -> list[Prefilled]:
     """Prefill runs made before their prefill (a driver's queue: :meth:`SlotDriver.submit`) as :meth:`prefill_batch`
     does requests, each with the run's own trace, rows and grammar state; takes no slot."""
-    return self._prefill([_Request(r.ids, r.params, r.trace, r.rows, r.matcher, r.scope) for r in runs])
-
-  def _prefill(self, reqs: Sequence[_Request]) -> list[Prefilled]:
-    """The prefill of ``reqs``: one program call for those whose prompt starts with a cached prefix (only the
-    rest is computed), one for the others; then each prompt's new full blocks go into the prefix cache. Every
-    constraint gives its first mask before any call: :class:`ConstraintsRefused` names those that cannot, with
-    nothing of any request changed."""
-    constrained = any(r.matcher is not None for r in reqs)
-    refused, scratch = [], np.empty(self._grammars.words, np.uint32) if constrained else None
-    for r in reqs:
-      if r.matcher is not None:
-        try:
-          r.matcher.fill(scratch)
-        except ConstraintError as e:
-          refused.append((r.matcher, e))
-    if refused:
-      raise ConstraintsRefused(refused)
-    cache = self.prefix_cache
-    if cache is None:
-      return self._prefill_call(reqs, None)
-    chains = [cache.lookup(r.ids, self._reuse_limit(r.ids, r.scope), r.scope) for r in reqs]
-    for r, chain in zip(reqs, chains, strict=True):
-      r.trace.prefix_cache_tokens = len(chain) * cache.block_tokens
-    out: list[Prefilled | None] = [None] * len(reqs)
-    for part in ([i for i, c in enumerate(chains) if c], [i for i, c in enumerate(chains) if not c]):
-      if part:
-        got = self._prefill_call([reqs[i] for i in part], [chains[i] for i in part] if chains[part[0]] else None)
-        for i, pre in zip(part, got, strict=True):
-          out[i] = pre
-    self._keep_prefixes(out)
-    return out
-
-  def _keep_prefixes(self, pres: Sequence[Prefilled]) -> None:
-    """Put each prompt's full blocks not cached yet into the prefix cache (one cut per prefill call)."""
-    cache, B = self.prefix_cache, self.prefix_cache.block_tokens
-    cut: dict[int, jax.Array] = {}
-    for pre in pres:
-      first, full = cache.first_missing(pre.ids, pre.scope), len(pre.ids) // B
-      if first >= full:
-        continue
-      key = id(pre.kv)
-      if key not in cut:
-        P, _, T, _ = next(k for layer, (k, _) in zip(self.layers, pre.kv, strict=True) if layer >= 0).shape
-        pad = np.full(P, T, np.int32)
-        for q in pres:
-          if q.kv is pre.kv:
-            pad[q.row] = T - len(q.ids)
-        cut[key] = self.program.blocks(pre.kv, jnp.asarray(pad), B)
-      arrays = [_block_at(cut[key], jnp.int32(pre.row), jnp.int32(j)) for j in range(first, full)]
-      cache.add(pre.ids, first, arrays, pre.scope)
-
-  def _prefill_call(self, reqs: Sequence[_Request], chains: Sequence[list] | None) -> list[Prefilled]:
-    """One prefill program call for ``reqs``: whole prompts (``chains`` None), or each prompt after its cached
-    prefix (``chains[p]``: its blocks' keys)."""
-    n = len(reqs)
-    have = [0] * n if chains is None else [len(c) * self.prefix_cache.block_tokens for c in chains]
-    T = bucket(max(len(r.ids) - h for r, h in zip(reqs, have, strict=True)))
-    P = bucket(n, 1)
-    tokens = np.zeros((P, T), np.int32)
-    pad = np.full(P, T - 1, np.int32)  # padding rows: one token, inert
-    for p, (r, h) in enumerate(zip(reqs, have, strict=True)):
-      rest = r.ids[h:]
-      tokens[p, T - len(rest) :] = rest
-      pad[p] = T - len(rest)
-    params = [r.params for r in reqs]
-    has_bias = any(p.logit_bias for p in params)
-    samp = sampling_arrays(params, P, self.cfg.vocab_size, self.stop_width, self.model.codec.eos_ids, has_bias)
-    masked = [p for p, r in enumerate(reqs) if r.matcher is not None]
-    if masked:
-      words = np.full((P, self._grammars.words), ALL, np.uint32)
-      for p in masked:
-        reqs[p].matcher.fill(words[p])
-      samp = samp._replace(allowed=jax.device_put(words))
-    started = time.perf_counter()
-    with COMPILE_CLOCK.measure() as compiled:
-      if chains is None:
-        kv, token, done = self.program.prefill_rows(
-          self.parts, jnp.asarray(tokens), jnp.asarray(pad), samp, program_mode(params)
-        )
-      else:
-        kv, token, done = self.program.prefill_after(
-          self.parts,
-          self._prefix_rows(chains, P),
-          jnp.asarray(tokens),
-          jnp.asarray(pad),
-          jnp.asarray(np.array(have + [0] * (P - n), np.int32)),
-          samp,
-          program_mode(params),
-        )
-      done = jax.device_get(done)
-    if masked:
-      first_tokens = jax.device_get(token)
-      for p in masked:
-        reqs[p].matcher.consume(int(first_tokens[p]))
-    first = time.perf_counter()
-    with self._stats_lock:
-      self.prefill_calls += 1
-      self.prefill_rows += n
-    out = []
-    for p, r in enumerate(reqs):
-      r.trace.device_start, r.trace.first_token, r.trace.compile_s = started, first, compiled.seconds
-      out.append(
-        Prefilled(
-          r.ids,
-          r.params,
-          kv,
-          token,
-          bool(done[p]),
-          1,
-          r.trace,
-          r.rows,
-          row=p,
-          batch=n,
-          matcher=r.matcher,
-          scope=r.scope,
-        )
-      )
-    return out
-
-  def _prefix_rows(self, chains: Sequence[list], P: int) -> tuple:
-    """The block arrays of a :meth:`SlotProgram._prefill_after_impl` call: P rows of NB blocks (NB: the longest
-    chain's block bucket), each row's chain right-aligned after zero blocks."""
-    if self._zero_block is None:
-      # Made like a cached block (committed to its device where those are), so a call's arguments keep one
-      # signature however many of its rows are padding: a fresh array would be uncommitted and compile anew.
-      self._zero_block = jnp.zeros_like(next(b for c in chains for b in c))
-    B = self.prefix_cache.block_tokens
-    NB = bucket(max(len(c) for c in chains) * B, B) // B
-    rows = [*chains, *([[]] * (P - len(chains)))]
-    return tuple(a for c in rows for a in [self._zero_block] * (NB - len(c)) + list(c))
+    return self.prefiller.run([SlotRequest(r.ids, r.params, r.trace, r.rows, r.matcher, r.scope) for r in runs])
 
   def warm(
     self,
@@ -575,34 +272,10 @@ class SlotEngine:
     ... and all the slots), run with no slot active. With a prefix cache, also the cut of a new prompt's blocks
     into the cache, and the prefill after the prefix that a prompt of that length reuses when it comes again (all
     its full blocks but the last token's) with the insert of its keys."""
-    T = bucket(prompt_len)
-    hit = self._repeat_hit(prompt_len)
-    params = SamplingParams()  # the mode and the bias's presence, not the settings, shape the program
     for mode, bias in ((m, b) for m in modes for b in biases):
       P = 1
       while True:
-        samp = sampling_arrays([params] * P, P, self.cfg.vocab_size, self.stop_width, self.model.codec.eos_ids, bias)
-        # From host arrays, as requests come: the transfer of each shape is compiled too.
-        tokens, pad = jnp.asarray(np.zeros((P, T), np.int32)), jnp.asarray(np.full((P,), T - 1, np.int32))
-        kv, token, _ = self.program.prefill_rows(self.parts, tokens, pad, samp, mode)
-        self._warm_insert(kv, token)
-        if self.prefix_cache is not None:  # a new prompt's blocks are cut from its prefill's keys into the cache
-          block = _block_at(self.program.blocks(kv, pad, self.prefix_cache.block_tokens), jnp.int32(0), jnp.int32(0))
-        if hit is not None:
-          have, Ts = hit
-          # Cached blocks as the cache holds them: outputs of _block_at, placed on the device, which a program
-          # call takes as a committed argument (a fresh array is not, and would compile a program of its own).
-          blocks = [block] * (have // self.prefix_cache.block_tokens)
-          kv, token, _ = self.program.prefill_after(
-            self.parts,
-            self._prefix_rows([blocks] * P, P),
-            jnp.asarray(np.zeros((P, Ts), np.int32)),
-            jnp.asarray(np.full((P,), Ts - (prompt_len - have), np.int32)),
-            jnp.asarray(np.full((P,), have, np.int32)),
-            samp,
-            mode,
-          )
-          self._warm_insert(kv, token)
+        self.prefiller.warm(prompt_len, P, mode, bias, self._warm_insert)
         if P >= self.slots:
           break
         P *= 2
@@ -622,16 +295,6 @@ class SlotEngine:
       self._state, _, _ = self.program.chunk(
         self.parts, samp, self._state, jnp.asarray(np.zeros(self.slots, bool)), mode
       )
-
-  def _repeat_hit(self, prompt_len: int) -> tuple[int, int] | None:
-    """(tokens reused, rest's bucket) of a prompt of ``prompt_len`` tokens whose prefix is cached, or None when
-    this engine keeps no prefix cache or such a hit is not taken (:meth:`_reuse_limit`)."""
-    if self.prefix_cache is None or prompt_len < 2:
-      return None
-    have = (prompt_len - 1) // self.prefix_cache.block_tokens * self.prefix_cache.block_tokens
-    if not have or bucket(prompt_len - have) >= bucket(prompt_len):
-      return None
-    return have, bucket(prompt_len - have)
 
   def _warm_insert(self, kv, token) -> None:
     """Insert warm-up keys into a free slot (its row is ignored by the chunk and rewritten by the next insert)."""
@@ -669,7 +332,7 @@ class SlotEngine:
     pre: list[Prefilled | None] = [r if isinstance(r, Prefilled) else None for r in requests]
     todo = [i for i, p in enumerate(pre) if p is None]
     for group in _by_group([(i, self.request(*requests[i])) for i in todo], self.prefill_group):
-      for (i, _), p in zip(group, self._prefill([r for _, r in group]), strict=True):
+      for (i, _), p in zip(group, self.prefiller.run([r for _, r in group]), strict=True):
         pre[i] = p
     runs = [self.admit(p, on_delta=on_delta) for p in pre]
     for run, p in zip(runs, pre, strict=True):
@@ -690,10 +353,10 @@ class SlotEngine:
     token = int(jax.device_get(pre.token)[pre.row])
     d = pre.rows.emit(0, [token], pre.done, pre.count)
     if d is not None:
-      run._push(d)
+      run.push(d)
     if pre.rows.all_finished:
       run.chunks_at_free = self.chunks
-      run._end()
+      run.end()
 
   def place(self, run: SlotRun, pre: Prefilled) -> None:
     """Write an admitted run's prompt keys into a free slot (waits for the chunk running); it joins at the next
@@ -732,16 +395,16 @@ class SlotEngine:
         pre.token,
         (jnp.bool_(pre.done), jnp.int32(pre.count)),
       )
-      run._placed(b, self.prefill_calls)
+      run.placed(b, self.prefill_calls)
       self._runs[b] = run
-      with self._cancel_lock:  # a cancel that came while this waited for the chunk: freed at the next step
+      with self.cancel_lock:  # a cancel that came while this waited for the chunk: freed at the next step
         if run.cancel_requested:
           self._cancelled.add(b)
 
   def cancel(self, run: SlotRun) -> None:
     """End ``run``: its slot is freed at the end of the chunk now running (at once when none runs) with a
     last delta of finish_reason ``cancelled``. Any thread; a finished run is left alone."""
-    with self._cancel_lock:
+    with self.cancel_lock:
       if run.freed.is_set() or run.cancel_requested:
         return
       run.cancel_requested = True
@@ -762,10 +425,10 @@ class SlotEngine:
     self._runs[b] = None
     self._matchers[b] = None
     run.chunks_at_free = self.chunks
-    run._end(error)
+    run.end(error)
 
   def _free_cancelled(self) -> None:
-    with self._cancel_lock:
+    with self.cancel_lock:
       cancelled, self._cancelled = self._cancelled, set()
     for b in sorted(cancelled):
       run = self._runs[b]
@@ -773,7 +436,7 @@ class SlotEngine:
         continue
       run.trace.cancelled = True
       for d in run.rows.cancel():
-        run._push(d)
+        run.push(d)
       self._free(b)
 
   def _sampling(self) -> tuple[bool, SamplingArrays]:
@@ -836,7 +499,7 @@ class SlotEngine:
       new: dict[int, list[int]] = {}
       for b in live:
         run = self._runs[b]
-        run._stepped(int(steps), W, self.prefill_calls)
+        run.stepped(int(steps), W, self.prefill_calls)
         if b in refused:
           self._free(b, refused[b])
           continue
@@ -844,7 +507,7 @@ class SlotEngine:
         new[b] = ids
         d = run.rows.emit(0, ids, bool(done[b]), int(count[b]))
         if d is not None:
-          run._push(d)
+          run.push(d)
         if run.rows.all_finished:
           self._free(b)
       self._free_cancelled()
@@ -885,7 +548,7 @@ class SlotEngine:
         if run is not None:
           self._runs[b] = None
           run.chunks_at_free = self.chunks
-          run._end(error)
+          run.end(error)
 
 
 def width(live: int, slots: int) -> int:
@@ -909,10 +572,3 @@ def _by_group(items: Sequence[tuple], group: Callable[[Sequence[int], str], tupl
   for item in items:
     groups.setdefault(group(item[1].ids, item[1].scope), []).append(item)
   return list(groups.values())
-
-
-@jax.jit
-def _block_at(blocks: jax.Array, row: jax.Array, j: jax.Array) -> jax.Array:
-  """Block ``j`` of row ``row`` of a :meth:`SlotProgram._blocks_impl` cut, as its own array (one program per cut
-  shape, whatever the indices)."""
-  return jax.lax.dynamic_index_in_dim(jax.lax.dynamic_index_in_dim(blocks, row, 0, False), j, 0, False)

@@ -62,7 +62,7 @@ from thoughtjax.decode.speculative import Draft
 from thoughtjax.errors import UserError
 from thoughtjax.kernels.dispatch import resolve as resolve_kernels
 from thoughtjax.sampling import DEFAULT_MAX_TOKENS, SamplingParams
-from thoughtjax.serving.slots import SlotRun
+from thoughtjax.serving.slot_run import SlotRun
 from thoughtjax.synthesis.calibration import Calibration
 from thoughtjax.synthesis.candidate import path_hash_of
 from thoughtjax.synthesis.latency import LatencyModel, LatencyTrace
