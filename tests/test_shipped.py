@@ -103,6 +103,20 @@ def test_in_a_checkout_the_package_data_is_a_link_to_the_registry_folder():
   assert shipped.DATA_DIR.resolve() == SHIPPED
 
 
+def test_the_server_folder_is_the_server_package_with_no_link_and_every_package_is_listed():
+  """server/ is thoughtjax.server through pyproject's package-dir, not a link inside thoughtjax/ (the import graph
+  shows the server's own imports); the explicit package list misses no folder of the package."""
+  import thoughtjax.server.app
+
+  assert not (Path(thoughtjax.__file__).parent / "server").exists()
+  assert Path(thoughtjax.server.app.__file__).resolve() == REPO / "server" / "app.py"
+  tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+  assert tool["package-dir"] == {"thoughtjax.server": "server"}
+  package = REPO / "thoughtjax"
+  folders = {".".join(("thoughtjax", *p.parent.relative_to(package).parts)) for p in package.rglob("__init__.py")}
+  assert set(tool["packages"]) == folders | {"thoughtjax.server"}
+
+
 def test_every_file_of_the_registry_folder_is_package_data():
   """A wheel carries only what pyproject's package-data globs match (relative to the package)."""
   globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["thoughtjax"]
@@ -130,6 +144,7 @@ def test_a_built_wheel_carries_the_files_and_uses_them_from_any_directory(tmp_pa
   (wheel,) = (tmp_path / "dist").glob("thoughtjax-*.whl")
   names = set(zipfile.ZipFile(wheel).namelist())
   wanted = {f"thoughtjax/data/{p.relative_to(SHIPPED)}" for p in SHIPPED.rglob("*") if p.is_file()}
+  wanted |= {f"thoughtjax/server/{p.name}" for p in (REPO / "server").glob("*.py")} | {"thoughtjax/server/config.yaml"}
   assert wanted <= names, sorted(wanted - names)
   site = tmp_path / "site"
   r = subprocess.run(
