@@ -177,6 +177,9 @@ class ServerConfig:
   grpc_handshake_timeout_s: float = 15.0
   max_concurrent: int = 16
   max_queue: int = 64
+  # A request's checks (tokenizing its prompt, compiling its constraint) not done this long after they were handed to
+  # the check workers: RESOURCE_EXHAUSTED; the check is dropped if it has not started, else its result discarded.
+  validation_timeout_s: float = 10.0
   max_tokens_limit: int = 2048
   grace_s: float = 30.0
   warm: WarmConfig = WarmConfig()
@@ -223,7 +226,13 @@ class ServerConfig:
       "grpc_max_connections",
     ):
       _positive_int(getattr(self, name), name)
-    for name in ("http_idle_timeout_s", "http_body_timeout_s", "http_write_timeout_s", "grpc_handshake_timeout_s"):
+    for name in (
+      "http_idle_timeout_s",
+      "http_body_timeout_s",
+      "http_write_timeout_s",
+      "grpc_handshake_timeout_s",
+      "validation_timeout_s",
+    ):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
         raise ConfigError(f"{name}: expected a finite number of seconds > 0, got {v!r}")

@@ -415,15 +415,25 @@ class SynthesizerService:
         f"request {m.request_id or '(no id)'}: {self._validating} requests are being checked (at most "
         f"max_concurrent + max_queue = {bound}); retry with backoff"
       )
-    self._validating += 1  # the event loop's own counter: only this coroutine changes it
+    # Tokenizing a prompt up to max_message_bytes long must not hold the event loop.
+    # ``self.serving`` is read on the worker: a reload that switched meanwhile is taken.
+    check = self._validation_pool.submit(validate, m, time_remaining, self.serving, self.config, until_eos=until_eos)
+    self._validating += 1  # the event loop's own counter, given back once the check has ended or was dropped
+    loop = asyncio.get_running_loop()
+    check.add_done_callback(lambda _: _call_soon(loop, self._checked))
+    limit = self.config.validation_timeout_s
     try:
-      # Tokenizing a prompt up to max_message_bytes long must not hold the event loop.
-      # ``self.serving`` is read on the worker: a reload that switched meanwhile is taken.
-      return await asyncio.get_running_loop().run_in_executor(
-        self._validation_pool, lambda: validate(m, time_remaining, self.serving, self.config, until_eos=until_eos)
-      )
-    finally:
-      self._validating -= 1
+      # A client that leaves (this coroutine cancelled) or a check past its time drops the check if it has not
+      # started; one running (a constraint compiling, bounded by llguidance's limits) ends on its own, unread.
+      return await asyncio.wait_for(asyncio.wrap_future(check), limit)
+    except TimeoutError:
+      raise QueueFull(
+        f"request {m.request_id or '(no id)'}: its checks (tokenizing the prompt, compiling its constraint) did not "
+        f"end within validation_timeout_s ({limit:g} s); retry with backoff, or send a simpler constraint"
+      ) from None
+
+  def _checked(self) -> None:
+    self._validating -= 1
 
   async def _request(self, raw: bytes, context, method: str) -> Request:
     self.check_client(_metadata(context, "authorization"), method)
@@ -600,6 +610,12 @@ class SynthesizerService:
       warmed_paths=list(got.warmed),
       notes=list(got.notes),
     )
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn) -> None:
+  """``fn`` on ``loop``, from any thread; nothing once the loop has closed (the server stopped)."""
+  with contextlib.suppress(RuntimeError):
+    loop.call_soon_threadsafe(fn)
 
 
 def _metadata(context, key: str) -> str | None:

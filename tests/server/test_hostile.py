@@ -337,3 +337,93 @@ def test_grpc_connection_limits_are_checked():
   for bad in ({"grpc_max_connections": 0}, {"grpc_handshake_timeout_s": 0}, {"grpc_handshake_timeout_s": math.inf}):
     with pytest.raises(ConfigError, match=next(iter(bad))):
       from_mapping(bad)
+
+
+# ---------------------------------------------------------------------------------- request checks: time-bounded
+
+
+@pytest.fixture
+def held_checks(monkeypatch):
+  """Request checks of requests whose id starts with "slow" block until ``release`` is set (a constraint whose
+  compile runs long); ``started`` lists the ids whose checks ran."""
+  from thoughtjax.server import servicer as servicer_mod
+
+  release, started, real = threading.Event(), [], servicer_mod.validate
+
+  def validate(m, *a, **kw):
+    started.append(m.request_id)
+    if m.request_id.startswith("slow"):
+      release.wait(60)
+    return real(m, *a, **kw)
+
+  monkeypatch.setattr(servicer_mod, "validate", validate)
+  yield release, started
+  release.set()
+
+
+def _checking(srv) -> int:
+  """Request checks the server counts in flight now (read on its event loop, where the count changes)."""
+
+  async def read():
+    return srv.app.service._validating
+
+  return srv.call(read)
+
+
+def _until(what, seconds: float = 30.0) -> None:
+  """Poll ``what()`` until true (state another thread changes), failing after ``seconds``."""
+  import time
+
+  end = time.monotonic() + seconds
+  while not what():
+    assert time.monotonic() < end, "condition not reached"
+    time.sleep(0.02)
+
+
+def test_checks_past_validation_timeout_are_refused_and_count_until_they_end(synthesizer, held_checks):
+  """Two checks that do not end: each client gets RESOURCE_EXHAUSTED naming validation_timeout_s; the checks still
+  hold their place in the bound (max_concurrent + max_queue = 2) while they run, so a third request is refused at
+  once; once they end, requests are served."""
+  release, started = held_checks
+  with BackgroundServer(synthesizer, config(validation_timeout_s=0.5, max_concurrent=1, max_queue=1)) as srv:
+    wait_ready(srv)
+    with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+      stub = rpc.SynthesizerStub(ch)
+      for i in range(2):
+        code, details = call(stub.GetOptimalPath, pb.SynthesizeRequest(prompt=PROMPT, request_id=f"slow{i}"))
+        assert code == C.RESOURCE_EXHAUSTED and "validation_timeout_s (0.5 s)" in details, details
+      code, details = call(stub.GetOptimalPath, pb.SynthesizeRequest(prompt=PROMPT, request_id="third"))
+      assert code == C.RESOURCE_EXHAUSTED and "2 requests are being checked" in details, details
+      assert "third" not in started
+      release.set()
+      _until(lambda: _checking(srv) == 0)
+    still_serves(srv.port)
+    no_bug_statuses(srv)
+
+
+def test_a_check_queued_behind_busy_workers_is_dropped_when_its_client_leaves(synthesizer, held_checks):
+  """Both check workers busy; a request queued behind them whose client gives up (its deadline) is never checked:
+  its prompt is not tokenized, its constraint not compiled."""
+  release, started = held_checks
+  with BackgroundServer(synthesizer, config(validation_timeout_s=60)) as srv:
+    wait_ready(srv)
+    with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+      stub = rpc.SynthesizerStub(ch)
+      slow = [
+        threading.Thread(
+          target=call, args=(stub.GetOptimalPath, pb.SynthesizeRequest(prompt=PROMPT, request_id=f"slow{i}"))
+        )
+        for i in range(2)
+      ]
+      for t in slow:
+        t.start()
+      _until(lambda: {"slow0", "slow1"} <= set(started))
+      with pytest.raises(grpc.RpcError) as e:
+        stub.GetOptimalPath(pb.SynthesizeRequest(prompt=PROMPT, regex="[a-z]+", request_id="left"), timeout=0.3)
+      assert e.value.code() == C.DEADLINE_EXCEEDED
+      release.set()
+      for t in slow:
+        t.join(60)
+      _until(lambda: _checking(srv) == 0)
+      assert "left" not in started
+    still_serves(srv.port)
