@@ -382,7 +382,7 @@ def verify_weight_cache(root: Path | None = None) -> dict[str, str]:
   return report
 
 
-def _read_index(index_path: Path) -> dict:
+def read_index(index_path: Path) -> dict:
   if not index_path.exists():
     return {}
   try:
@@ -430,7 +430,7 @@ def _params_from_entry(entry: Path, meta: dict) -> dict:
 def _load_gguf_cached(path: Path, weights: str = "f32"):
   root = cache_subdir("weights")
   index_path = root / "index.json"
-  index = _read_index(index_path)
+  index = read_index(index_path)
   digest = index.get(_stat_key(path))
   indexed = digest is not None
   if not indexed:

@@ -35,7 +35,7 @@ from thoughtjax.registry import (
   dir_name,
   is_older_format,
 )
-from thoughtjax.registry.checkpoint import _save_checkpoint
+from thoughtjax.registry.checkpoint import save_checkpoint
 from thoughtjax.transformer import init_random
 
 KINDS = ("Q8_0", "Q4_0", "Q4_1")
@@ -148,7 +148,7 @@ def _tampered_checkpoint(reg, name, edit, tmp_path):
   edit(params)
   dst = tmp_path / "forged"
   shutil.rmtree(dst, ignore_errors=True)
-  _save_checkpoint(dst, params)
+  save_checkpoint(dst, params)
   return dst
 
 
@@ -189,12 +189,12 @@ def test_a_changed_scale_or_q_byte_is_refused_loudly(ggufs, tmp_path, keypair, e
 def test_a_resigned_change_is_caught_by_the_versioned_hash(ggufs, tmp_path, keypair, edit):
   """A key holder re-signs the manifest with the forged checkpoint's digests: files and signatures
   pass, the versioned hash over the packed bytes does not."""
-  from thoughtjax.registry.layout import _files_under, _sha256_file
+  from thoughtjax.registry.layout import files_under, sha256_of_file
 
   root, version, vdir = _plant_forged_checkpoint(ggufs, tmp_path, keypair, edit)
   files = {
-    str(p.relative_to(vdir)): {"sha256": _sha256_file(p), "bytes": p.stat().st_size}
-    for p in _files_under(vdir / "checkpoint")
+    str(p.relative_to(vdir)): {"sha256": sha256_of_file(p), "bytes": p.stat().st_size}
+    for p in files_under(vdir / "checkpoint")
   }
   rewrite_manifest(vdir, lambda raw: raw.update(files=files), keypair[0], root)
   fresh = Registry.open(root)

@@ -21,7 +21,7 @@ def test_a_file_swapped_after_its_check_is_never_read(registry_copy, built, monk
   reg = Registry.open(registry_copy)
   vdir = reg.version_dir("blocks[2:3)", reg.current["blocks[2:3)"])
   victim = largest_data_file(vdir)
-  real_restore = store_mod._restore_checkpoint
+  real_restore = store_mod.restore_checkpoint
   read_from = []
 
   def swap_then_restore(ckptr, path, target):
@@ -31,14 +31,14 @@ def test_a_file_swapped_after_its_check_is_never_read(registry_copy, built, monk
     read_from.append(path)
     return real_restore(ckptr, path, target)
 
-  monkeypatch.setattr(store_mod, "_restore_checkpoint", swap_then_restore)
+  monkeypatch.setattr(store_mod, "restore_checkpoint", swap_then_restore)
   got = reg.restore("blocks[2:3)")
   # Orbax read the private copy whose bytes were hashed, not the swapped file.
   assert len(read_from) == 1 and not read_from[0].is_relative_to(registry_copy)
   assert not read_from[0].exists()  # the copy is removed after the restore
   for a, b in zip(*(map(np.asarray, __import__("jax").tree.leaves(t)) for t in (got, expected))):
     np.testing.assert_array_equal(a, b)
-  monkeypatch.setattr(store_mod, "_restore_checkpoint", real_restore)
+  monkeypatch.setattr(store_mod, "restore_checkpoint", real_restore)
   with pytest.raises(IntegrityError, match=str(victim)):  # and the swap is caught by the next reader
     Registry.open(registry_copy).restore("blocks[2:3)")
 
@@ -48,7 +48,7 @@ def test_an_orbax_failure_that_is_not_tampering_says_what_it_is(built, monkeypat
   def failing_restore(ckptr, path, target):
     raise error
 
-  monkeypatch.setattr(store_mod, "_restore_checkpoint", failing_restore)
+  monkeypatch.setattr(store_mod, "restore_checkpoint", failing_restore)
   reg = Registry.open(built, mapped=False)  # what Orbax's failure looks like (a mapped form would skip Orbax)
   with pytest.raises(
     RestoreError,

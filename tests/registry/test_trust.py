@@ -135,17 +135,17 @@ def test_a_newer_sequence_recorded_while_reading_is_not_a_rollback(registry_copy
 
   trust = TrustPolicy(state_file=tmp_path / "state.json")
   writer = Registry.open(registry_copy, trust)
-  read_index = store._read_index
+  read_index = store.read_index
 
   def read_then_race(root):
     body = read_index(root)
-    monkeypatch.setattr(store, "_read_index", read_index)
+    monkeypatch.setattr(store, "read_index", read_index)
     writer.publish([_bumped(writer, 1)], sign_key=keypair[0], settings=None)
     assert Registry.open(registry_copy, trust).sequence == 2  # reader B records 2
     return body
 
   old = _index_bytes(registry_copy)
-  monkeypatch.setattr(store, "_read_index", read_then_race)
+  monkeypatch.setattr(store, "read_index", read_then_race)
   assert Registry.open(registry_copy, trust).sequence == 1
   (registry_copy / "index.json").write_bytes(old)
   with pytest.raises(RollbackError):

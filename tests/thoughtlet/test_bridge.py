@@ -37,7 +37,7 @@ def _trained_like(cfg, rank=8, seed=1):
   return jax.tree.map(np.asarray, p)
 
 
-def _publish(reg, params, span=(3, 6), cut_path="embed, blocks[0:3), head", settings=None):
+def publish_version(reg, params, span=(3, 6), cut_path="embed, blocks[0:3), head", settings=None):
   t = bridge_lib.bridge_thoughtlet(reg.config, reg.tokenizer_hash, params, cut_path=cut_path, span=span)
   return t, reg.publish([t], settings=settings)[t.name]
 
@@ -52,7 +52,7 @@ def test_untrained_bridge_is_the_identity(tiny):
 
 def test_bridged_path_with_an_untrained_bridge_equals_the_cut_path(reg_copy):
   params = jax.tree.map(np.asarray, bridge_lib.init_params(reg_copy.config, 8, 0))
-  _publish(reg_copy, params)
+  publish_version(reg_copy, params)
   cut = compose("embed, blocks[0:3), head", reg_copy, compile_cache=False)
   bridged = compose("embed, blocks[0:3), bridge.3-6, head", reg_copy, compile_cache=False)
   assert bridged.layers == (0, 1, 2, -1)
@@ -64,7 +64,7 @@ def test_a_bridged_path_taken_from_an_indexed_model_runs_unrolled(reg_copy):
   """A path with a bridge has no layer-indexed form: from an indexed model it keeps the unrolled layout (a model
   made indexed on purpose with a bridge is refused) and gives the cut path's tokens."""
   params = jax.tree.map(np.asarray, bridge_lib.init_params(reg_copy.config, 8, 0))
-  _publish(reg_copy, params)
+  publish_version(reg_copy, params)
   fast = compose("embed, blocks[0:3), head", reg_copy, compile_cache=False).with_layout("indexed")
   bridged = fast.with_path("embed, blocks[0:3), bridge.3-6, head")
   assert bridged.layout == "unrolled" and bridged.layers == (0, 1, 2, -1)
@@ -74,7 +74,7 @@ def test_a_bridged_path_taken_from_an_indexed_model_runs_unrolled(reg_copy):
 
 
 def test_a_trained_bridge_changes_the_path_and_runs_as_one_program(reg_copy):
-  _publish(reg_copy, _trained_like(reg_copy.config))
+  publish_version(reg_copy, _trained_like(reg_copy.config))
   cut = compose("embed, blocks[0:3), head", reg_copy, compile_cache=False)
   bridged = compose("embed, blocks[0:3), bridge.3-6, head", reg_copy, compile_cache=False)
   assert np.abs(bridged.logits(PROMPT) - cut.logits(PROMPT)).max() > 1e-3
@@ -82,7 +82,7 @@ def test_a_trained_bridge_changes_the_path_and_runs_as_one_program(reg_copy):
   first = bridged.generate(PROMPT, max_tokens=4).token_ids[0]
   assert first == int(np.argmax(bridged.logits(PROMPT)[-1]))
   # A skip bridge sits between two block ranges.
-  _publish(
+  publish_version(
     reg_copy, _trained_like(reg_copy.config, seed=5), span=(3, 5), cut_path="embed, blocks[0:3), blocks[5:6), head"
   )
   skip = compose("embed, blocks[0:3), bridge.3-5, blocks[5:6), head", reg_copy, compile_cache=False)
@@ -90,7 +90,7 @@ def test_a_trained_bridge_changes_the_path_and_runs_as_one_program(reg_copy):
 
 
 def test_bridge_links_are_type_checked(reg_copy):
-  _publish(reg_copy, _trained_like(reg_copy.config))
+  publish_version(reg_copy, _trained_like(reg_copy.config))
   with pytest.raises(PathTypeError) as e:
     compose("bridge.3-6, embed, blocks[0:3), head", reg_copy, compile_cache=False)
   assert e.value.link == 0 and "residual" in str(e.value)
@@ -106,7 +106,7 @@ def test_bridge_links_are_type_checked(reg_copy):
 def test_replay_bridge_inside_the_composed_path(reg_copy, monkeypatch):
   """Capture the bridge's input and output inside the bridged path's own forward, run it alone, compare."""
   params = _trained_like(reg_copy.config)
-  _publish(reg_copy, params)
+  publish_version(reg_copy, params)
   model = compose("embed, blocks[0:3), bridge.3-6, head", reg_copy, compile_cache=False)
   records = []
 

@@ -327,7 +327,7 @@ def main(argv=None) -> int:
   args.level_seconds = 120.0 if args.level_seconds is None else args.level_seconds
 
   from thoughtjax.assembly import full_path
-  from thoughtjax.bench.synthesis import _prompt_ids
+  from thoughtjax.bench.synthesis import synthetic_prompt_ids
   from thoughtjax.compose import compose
   from thoughtjax.proto.v1 import synthesis_pb2 as pb
   from thoughtjax.sampling import SamplingParams
@@ -345,7 +345,7 @@ def main(argv=None) -> int:
   syn = Synthesizer.open(reg)
   path = args.path or full_path(reg)
   codec = reg.codec
-  ids = _prompt_ids(codec, T)
+  ids = synthetic_prompt_ids(codec, T)
   eos = [int(e) for e in codec.eos_ids]
   bias = {e: -100.0 for e in eos}  # every stream decodes max_tokens
   text = codec.decode(ids)

@@ -54,7 +54,7 @@ def _percentile(xs, q: float) -> float:
   return float(np.percentile(xs, q)) if len(xs) else float("nan")
 
 
-def _prompt_ids(codec, tokens: int) -> list[int]:
+def synthetic_prompt_ids(codec, tokens: int) -> list[int]:
   """``tokens`` token ids of ordinary text (the filler repeated as needed)."""
   base = codec.encode(FILLER)
   return (base * (tokens // len(base) + 1))[:tokens]
@@ -95,7 +95,7 @@ def bench_prediction(
     hints = [str(h) for h in rng.choice(hints_all, k, replace=False)]
     T = int(rng.integers(prompt_range[0], prompt_range[1] + 1))
     n = int(rng.integers(tokens_range[0], tokens_range[1] + 1))
-    ids = _prompt_ids(codec, T)
+    ids = synthetic_prompt_ids(codec, T)
     syn.synthesize(ids, hints, max_latency_ms=math.inf, max_tokens=n, ignore_eos=True).finish()
     p = syn.plan(ids, hints, max_latency_ms=math.inf, max_tokens=n).predicted.total  # warm
     budget = float(p * rng.uniform(0.7, 2.5))
@@ -154,7 +154,7 @@ def _tok_s(syn, candidate, ids: list[int], tokens: int) -> float:
 
 def bench_per_hint(syn, codec, prompt_tokens: int, tokens: int) -> list[dict]:
   cal = syn.calibration
-  ids = _prompt_ids(codec, prompt_tokens)
+  ids = synthetic_prompt_ids(codec, prompt_tokens)
   full = cal.full
   speed: dict[str, float] = {}
 
@@ -214,7 +214,7 @@ def bench_load(syn, codec, *, streams: int, budget_ms: float | None, prompt_toke
   from thoughtjax.server.config import ServerConfig
 
   cal = syn.calibration
-  prompt = codec.decode(_prompt_ids(codec, prompt_tokens))
+  prompt = codec.decode(synthetic_prompt_ids(codec, prompt_tokens))
   T = len(syn.prompt_ids(prompt))
   forced = [cal.full, *(c for c in cal.candidates if c.kind.value == "variant")]
   if budget_ms is None:
@@ -351,7 +351,7 @@ def bench_streams(
   from thoughtjax.server.config import ServerConfig
 
   cal = syn.calibration
-  prompt = codec.decode(_prompt_ids(codec, prompt_tokens))
+  prompt = codec.decode(synthetic_prompt_ids(codec, prompt_tokens))
   T = len(syn.prompt_ids(prompt))
   if budget_ms is None:
     everything = syn.latency.warm_residency(cal.candidates, T, tokens)
@@ -423,7 +423,7 @@ def bench_streams(
 # ------------------------------------------------------------------------------ 4. router
 def bench_router(reg, quick: bool) -> dict:
   """The stored router's held-out numbers, or those of one trained here (not stored) if none is."""
-  from thoughtjax.synthesis.router import RouterError, _metrics, _predict_times
+  from thoughtjax.synthesis.router import RouterError, confusion_metrics, predict_times
   from thoughtjax.synthesis.router_data import load_router_prompts
   from thoughtjax.synthesis.router_store import ROUTER_NAME, load_router, train_registry_router
 
@@ -443,8 +443,8 @@ def bench_router(reg, quick: bool) -> dict:
   index = {h: i for i, h in enumerate(router.labels)}
   confusion = np.zeros((len(router.labels),) * 2, np.int64)
   np.add.at(confusion, ([index[r.hint] for r in rows], np.argmax(probs, axis=-1)), 1)
-  accuracy, precision, recall = _metrics(confusion)
-  times = _predict_times(router, [r.prompt for r in (rows[:40] if quick else rows)])
+  accuracy, precision, recall = confusion_metrics(confusion)
+  times = predict_times(router, [r.prompt for r in (rows[:40] if quick else rows)])
   return {
     "source": source,
     "labels": list(router.labels),
@@ -568,7 +568,7 @@ def main(argv=None) -> int:
 
   if "overhead" not in args.skip:
     calls = args.plan_calls or (200 if quick else 2000)
-    result["overhead"] = o = bench_overhead(syn, _prompt_ids(codec, 64), hints[:3], calls)
+    result["overhead"] = o = bench_overhead(syn, synthetic_prompt_ids(codec, 64), hints[:3], calls)
     common.print_table(
       "GetOptimalPath overhead, warm, in process (plan(): hints + GetOptimalPath)",
       ["calls", "hints", "p50 ms", "p99 ms", "mean ms"],

@@ -13,7 +13,7 @@ from thoughtjax.cli.args import add_registry_arg, add_trust_args, existing_path,
 
 
 def cmd_train_router(args) -> int:
-  from thoughtjax.cli.synthesis import _progress_bars
+  from thoughtjax.cli.synthesis import progress_bars
   from thoughtjax.synthesis.router_data import load_router_prompts
   from thoughtjax.synthesis.router_store import train_registry_router
 
@@ -21,7 +21,7 @@ def cmd_train_router(args) -> int:
   sign_key = existing_path(args.sign_key, "--sign-key") if args.sign_key else None
   prompts = existing_path(args.prompts, "--prompts", kind="dir") if args.prompts else None
   train, heldout = load_router_prompts("train", prompts), load_router_prompts("heldout", prompts)
-  with _progress_bars() as progress:
+  with progress_bars() as progress:
     _, report, version = train_registry_router(
       reg,
       train,

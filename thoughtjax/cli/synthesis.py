@@ -46,7 +46,7 @@ from thoughtjax.defaults import DEFAULT_MAX_TOKENS
 
 
 @contextlib.contextmanager
-def _progress_bars():
+def progress_bars():
   """A ``progress(stage, done, total, item)`` callback drawing one rich bar per stage on stderr."""
   from rich.console import Console
   from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -83,7 +83,7 @@ def _registry(args):
 
   root = default_registry_dir()
   print(f"using the default registry {root}", file=sys.stderr)
-  with _progress_bars() as progress:
+  with progress_bars() as progress:
     return ensure_default(progress, weights=weights)
 
 
@@ -410,7 +410,7 @@ def cmd_calibrate(args) -> int:
     )
   report = CalibrateReport()
   t0 = time.perf_counter()
-  with _progress_bars() as progress:
+  with progress_bars() as progress:
     if args.latency_only:
       cal = cal_lib.recalibrate_latency(
         reg, read_calibration(reg), latency_settings(), progress=progress, report=report, kernels=args.kernels

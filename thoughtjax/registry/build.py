@@ -30,9 +30,9 @@ from thoughtjax.mapping import load_mapping
 from thoughtjax.path_syntax import VARIANTS
 from thoughtjax.registry.codec import codec_digest
 from thoughtjax.registry.errors import RegistryError
-from thoughtjax.registry.layout import _writer_lock, check_format, index_format, is_older_format
+from thoughtjax.registry.layout import check_format, index_format, is_older_format, writer_lock
 from thoughtjax.registry.lease import LEASE_DIR
-from thoughtjax.registry.publish import _publish
+from thoughtjax.registry.publish import publish_version
 from thoughtjax.registry.store import Registry
 from thoughtjax.registry.trust import TrustPolicy
 from thoughtjax.thoughtlet import (
@@ -153,7 +153,7 @@ def build(
   if is_older_format(out):
     if not replace_old_format:
       check_format(index_format(out), Path(out))  # raises, naming the way out
-    with _writer_lock(Path(out)):  # two processes replacing one cache: the second finds it replaced
+    with writer_lock(Path(out)):  # two processes replacing one cache: the second finds it replaced
       if is_older_format(out):
         report("replace", str(out), 0, 1)
         _remove_registry(Path(out))
@@ -198,7 +198,7 @@ def build(
     "source": source or "in-memory model",
     "source_hash": source_hash,
   }
-  _publish(
+  publish_version(
     Path(out),
     units,
     sign_key=sign_key,

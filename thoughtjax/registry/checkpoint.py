@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 
 from thoughtjax.registry.errors import RegistryError, ScratchSpaceError
-from thoughtjax.registry.layout import UnsafeFile, _open_regular, _read_chunks
+from thoughtjax.registry.layout import UnsafeFile, open_regular, read_chunks
 from thoughtjax.registry.manifest import check_files
 
 
-def _checkpointer():
+def checkpointer():
   """A synchronous Orbax PyTree checkpointer (OCDBT). Uncompressed: weights barely compress,
   and zstd decoding made restores 2-3x slower than reading the bytes (BENCHMARKS.md)."""
   import orbax.checkpoint as ocp  # deferred for start-up: orbax loads when a checkpoint is read or written
@@ -27,7 +27,7 @@ def _checkpointer():
   return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
 
 
-def _restore_checkpoint(ckptr, path: Path, target):
+def restore_checkpoint(ckptr, path: Path, target):
   """Restore straight into ``target``'s dtypes and shardings (``jax.ShapeDtypeStruct`` leaves)."""
   import orbax.checkpoint as ocp  # deferred for start-up: orbax loads when a checkpoint is read or written
 
@@ -36,11 +36,11 @@ def _restore_checkpoint(ckptr, path: Path, target):
   )
 
 
-def _save_checkpoint(path: Path, params: Mapping) -> None:
+def save_checkpoint(path: Path, params: Mapping) -> None:
   import orbax.checkpoint as ocp  # deferred for start-up: orbax loads when a checkpoint is read or written
 
   tree = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x), dict(params))
-  _checkpointer().save(path, args=ocp.args.PyTreeSave(tree))
+  checkpointer().save(path, args=ocp.args.PyTreeSave(tree))
 
 
 SCRATCH_PREFIX = "thoughtjax-restore-"  # + the pid of the process that made it + "-" + a random suffix
@@ -98,7 +98,7 @@ def _write(dst: Path, src: int, limit: int) -> tuple[str, int]:
   h, n = hashlib.sha256(), 0
   out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
   with os.fdopen(out, "wb") as g:
-    for block in _read_chunks(src, limit):
+    for block in read_chunks(src, limit):
       h.update(block)
       n += len(block)
       g.write(block)
@@ -163,7 +163,7 @@ def _copy_checked(tmp: Path, base: Path, prefix: Path, files: Mapping[str, Mappi
     dst = tmp / rel
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:
-      src = _open_regular(base, prefix / rel)
+      src = open_regular(base, prefix / rel)
     except FileNotFoundError:
       return rel, None
     except UnsafeFile as e:

@@ -13,11 +13,11 @@ from tokenizers import Tokenizer
 from thoughtjax.registry.layout import (
   MAX_JSON_BYTES,
   UnsafeFile,
-  _files_under,
-  _read_regular,
-  _sha256_bytes,
-  _sha256_file,
-  _write_file,
+  files_under,
+  read_regular,
+  sha256_bytes,
+  sha256_of_file,
+  write_file,
 )
 from thoughtjax.thoughtlet import canonical_json
 from thoughtjax.tokenizer import TextCodec
@@ -43,12 +43,12 @@ def codec_digest(codec) -> str:
   return hashlib.sha3_256(canonical_json(doc)).hexdigest()[:16]
 
 
-def _stage_codec(staging: Path, codec) -> tuple[str, dict]:
+def stage_codec(staging: Path, codec) -> tuple[str, dict]:
   digest = codec_digest(codec)
   cdir = staging / "codec" / digest
   cdir.mkdir(parents=True)
-  _write_file(cdir / "tokenizer.json", codec.tokenizer.to_str().encode())
-  _write_file(
+  write_file(cdir / "tokenizer.json", codec.tokenizer.to_str().encode())
+  write_file(
     cdir / "codec.json",
     canonical_json(
       {
@@ -60,7 +60,7 @@ def _stage_codec(staging: Path, codec) -> tuple[str, dict]:
       }
     ),
   )
-  return digest, {p.name: _sha256_file(p) for p in _files_under(cdir)}
+  return digest, {p.name: sha256_of_file(p) for p in files_under(cdir)}
 
 
 def load_codec(cdir: Path, files: dict, fail: Callable[[str, str], Exception], root: Path | None = None):
@@ -74,12 +74,12 @@ def load_codec(cdir: Path, files: dict, fail: Callable[[str, str], Exception], r
     if not isinstance(files, dict) or not isinstance(files.get(rel), str):
       raise fail(rel, "the index lists no digest for it")
     try:
-      data[rel] = _read_regular(base, Path(cdir).relative_to(base) / rel, MAX_JSON_BYTES)
+      data[rel] = read_regular(base, Path(cdir).relative_to(base) / rel, MAX_JSON_BYTES)
     except FileNotFoundError:
       raise fail(rel, "the file is missing") from None
     except UnsafeFile as e:
       raise fail(rel, f"{e}; a codec file is a plain file") from None
-    if _sha256_bytes(data[rel]) != files[rel]:
+    if sha256_bytes(data[rel]) != files[rel]:
       raise fail(rel, "sha256 does not match the digest in the index")
   try:
     meta = json.loads(data["codec.json"])

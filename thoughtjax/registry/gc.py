@@ -9,7 +9,7 @@ import uuid
 from pathlib import Path
 
 from thoughtjax.registry.errors import RegistryError
-from thoughtjax.registry.layout import _read_index, _writer_lock, dir_name
+from thoughtjax.registry.layout import dir_name, read_index, writer_lock
 from thoughtjax.registry.lease import HOLDS_ALL, LEASE_DIR, held_versions
 from thoughtjax.registry.trust import RollbackState, TrustPolicy, Verifier
 
@@ -50,10 +50,10 @@ def collect_garbage(
     raise ValueError(f"keep must be >= 1 (the current version always stays), got {keep}")
   root = Path(root).absolute()
   report = GcReport(dry_run=dry_run)
-  with _writer_lock(root):
+  with writer_lock(root):
     trust = trust or TrustPolicy()
     state = RollbackState(trust.state_path()).snapshot()  # before the read (see RollbackState.snapshot)
-    body, record = _read_index(root)
+    body, record = read_index(root)
     # gc trusts the index to say what is live: an edited or rolled-back one must not decide deletions.
     Verifier(root, trust).check_index(body, record, state)
     live = set()

@@ -50,7 +50,7 @@ class UnsafeFile(Exception):
   Internal: every reader of registry files turns it into a named :class:`RegistryError` with its context."""
 
 
-def _open_regular(root: Path, rel: str | os.PathLike) -> int:
+def open_regular(root: Path, rel: str | os.PathLike) -> int:
   """A read-only descriptor of the regular file ``root/rel``, opened one component at a time without following
   a symbolic link below ``root`` (``O_NOFOLLOW``) and without blocking on a FIFO (``O_NONBLOCK``); the type is
   checked on the open descriptor, so nothing can be swapped in between. Raises ``FileNotFoundError`` when a
@@ -84,7 +84,7 @@ def _open_regular(root: Path, rel: str | os.PathLike) -> int:
   return fd
 
 
-def _read_chunks(fd: int, limit: int) -> Iterator[bytes]:
+def read_chunks(fd: int, limit: int) -> Iterator[bytes]:
   """The bytes of ``fd`` in chunks, at most ``limit`` + 1 of them (the caller sees an oversized file)."""
   left = limit + 1
   while left > 0:
@@ -95,12 +95,12 @@ def _read_chunks(fd: int, limit: int) -> Iterator[bytes]:
     yield block
 
 
-def _read_regular(root: Path, rel: str | os.PathLike, limit: int = MAX_JSON_BYTES) -> bytes:
-  """The bytes of the regular file ``root/rel`` (see :func:`_open_regular`); :class:`UnsafeFile` when it holds
+def read_regular(root: Path, rel: str | os.PathLike, limit: int = MAX_JSON_BYTES) -> bytes:
+  """The bytes of the regular file ``root/rel`` (see :func:`open_regular`); :class:`UnsafeFile` when it holds
   more than ``limit`` bytes (at most ``limit`` + 1 are read)."""
-  fd = _open_regular(root, rel)
+  fd = open_regular(root, rel)
   try:
-    data = b"".join(_read_chunks(fd, limit))
+    data = b"".join(read_chunks(fd, limit))
   finally:
     os.close(fd)
   if len(data) > limit:
@@ -108,13 +108,13 @@ def _read_regular(root: Path, rel: str | os.PathLike, limit: int = MAX_JSON_BYTE
   return data
 
 
-def _sha256_regular(root: Path, rel: str | os.PathLike, limit: int) -> tuple[str, int]:
+def sha256_regular(root: Path, rel: str | os.PathLike, limit: int) -> tuple[str, int]:
   """SHA-256 and size of the regular file ``root/rel``, reading at most ``limit`` + 1 bytes (a size above
   ``limit`` is reported as such by the caller, whose digest then cannot match)."""
-  fd = _open_regular(root, rel)
+  fd = open_regular(root, rel)
   h, n = hashlib.sha256(), 0
   try:
-    for block in _read_chunks(fd, limit):
+    for block in read_chunks(fd, limit):
       h.update(block)
       n += len(block)
   finally:
@@ -139,7 +139,7 @@ def _open_dir(root: Path, rel: str | os.PathLike) -> int:
   return dfd
 
 
-def _tree(root: Path, rel: str | os.PathLike) -> dict[str, str]:
+def file_tree(root: Path, rel: str | os.PathLike) -> dict[str, str]:
   """Every entry below the directory ``root/rel`` (reached without links), never following a link:
   path relative to ``root/rel`` -> ``"file"`` (regular), ``"dir"``, ``"link"`` or ``"special"``."""
   dfd = _open_dir(root, rel)
@@ -157,7 +157,7 @@ def _tree(root: Path, rel: str | os.PathLike) -> dict[str, str]:
   return out
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_of_file(path: Path) -> str:
   h = hashlib.sha256()
   with open(path, "rb") as f:
     while block := f.read(1 << 22):
@@ -165,11 +165,11 @@ def _sha256_file(path: Path) -> str:
   return h.hexdigest()
 
 
-def _sha256_bytes(data: bytes) -> str:
+def sha256_bytes(data: bytes) -> str:
   return hashlib.sha256(data).hexdigest()
 
 
-def _fsync(path: Path) -> None:
+def fsync_entry(path: Path) -> None:
   fd = os.open(path, os.O_RDONLY)
   try:
     os.fsync(fd)
@@ -177,23 +177,23 @@ def _fsync(path: Path) -> None:
     os.close(fd)
 
 
-def _write_file(path: Path, data: bytes) -> None:
+def write_file(path: Path, data: bytes) -> None:
   with open(path, "wb") as f:
     f.write(data)
     f.flush()
     os.fsync(f.fileno())
 
 
-def _fsync_tree(root: Path) -> None:
+def fsync_dir_tree(root: Path) -> None:
   """fsync every file and directory under ``root`` (and ``root``), children before parents, so that
   a rename of ``root`` made after this cannot outlive a crash with any of its content missing."""
   for p in sorted(root.rglob("*"), key=lambda p: -len(p.parts)):
     if not p.is_symlink():
-      _fsync(p)
-  _fsync(root)
+      fsync_entry(p)
+  fsync_entry(root)
 
 
-def _mkdir_durable(path: Path) -> None:
+def mkdir_durable(path: Path) -> None:
   """Create ``path`` and any missing parents, fsyncing each new directory's parent."""
   missing = []
   p = path
@@ -205,10 +205,10 @@ def _mkdir_durable(path: Path) -> None:
       d.mkdir()
     except FileExistsError:
       continue
-    _fsync(d.parent)
+    fsync_entry(d.parent)
 
 
-def _files_under(root: Path) -> list[Path]:
+def files_under(root: Path) -> list[Path]:
   return sorted(p for p in root.rglob("*") if p.is_file())
 
 
@@ -222,11 +222,11 @@ def dir_name(name: str) -> str:
   return "x" + hashlib.sha3_256(name.encode()).hexdigest()[:16]
 
 
-def _now() -> str:
+def utc_now() -> str:
   return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
-def _nest(flat: Mapping[str, Any]) -> dict:
+def nest_flat(flat: Mapping[str, Any]) -> dict:
   out: dict = {}
   for path, leaf in flat.items():
     node = out
@@ -237,10 +237,10 @@ def _nest(flat: Mapping[str, Any]) -> dict:
   return out
 
 
-def _read_index(root: Path) -> tuple[dict, dict | None]:
+def read_index(root: Path) -> tuple[dict, dict | None]:
   path = root / "index.json"
   try:
-    doc = json.loads(_read_regular(root, "index.json"))
+    doc = json.loads(read_regular(root, "index.json"))
   except FileNotFoundError:
     raise RegistryError(
       f"{root} is not a thoughtlet registry (no index.json); create one with `thoughtjax registry build`"
@@ -268,7 +268,7 @@ def _format_version(fmt) -> int | None:
 def index_format(root: str | os.PathLike) -> str | None:
   """The ``format`` an existing ``root/index.json`` declares (None: no index, or not one)."""
   try:
-    doc = json.loads(_read_regular(Path(root), "index.json"))
+    doc = json.loads(read_regular(Path(root), "index.json"))
   except (OSError, ValueError, UnsafeFile, RecursionError):
     return None
   body = doc.get("index") if isinstance(doc, dict) else None
@@ -302,7 +302,7 @@ def check_format(fmt, root: Path) -> None:
 
 
 @contextlib.contextmanager
-def _writer_lock(root: Path):
+def writer_lock(root: Path):
   root.mkdir(parents=True, exist_ok=True)
   try:  # never through a link: a planted DIR/.lock must not create or lock a file elsewhere
     fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)

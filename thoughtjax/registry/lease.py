@@ -23,7 +23,7 @@ import uuid
 import weakref
 from pathlib import Path
 
-from thoughtjax.registry.layout import UnsafeFile, _read_regular
+from thoughtjax.registry.layout import UnsafeFile, read_regular
 
 LEASE_DIR = ".readers"
 HOLDS_ALL = "*"
@@ -106,7 +106,7 @@ def held_versions(root: Path) -> dict:
     except BlockingIOError:  # a live reader
       who = f"an open reader (lease {lock}, pid {lock.name.split('-')[0]})"
       try:
-        data = _read_regular(Path(root), Path(LEASE_DIR) / lock.with_suffix(".json").name, 16 << 20)
+        data = read_regular(Path(root), Path(LEASE_DIR) / lock.with_suffix(".json").name, 16 << 20)
         versions = json.loads(data)["versions"]
         for dname, version in versions:
           held.setdefault((str(dname), str(version)), who)

@@ -11,7 +11,7 @@ import numpy as np
 
 from thoughtjax.config import ModelConfig
 from thoughtjax.registry.errors import RegistryError
-from thoughtjax.registry.layout import MANIFEST_FORMAT, _now
+from thoughtjax.registry.layout import MANIFEST_FORMAT, utc_now
 from thoughtjax.thoughtlet import Kind, ResourceProfile, SemanticSignature, Thoughtlet, param_spec
 
 # A manifest's file list names checkpoint files only: relative, normalised, below ``checkpoint/``.
@@ -163,7 +163,7 @@ class Manifest:
     )
 
 
-def _manifest_json(
+def manifest_json(
   t: Thoughtlet,
   version: str,
   vhash: str,
@@ -186,5 +186,5 @@ def _manifest_json(
     "files": dict(files),
     "parent": parent,
     "signed_by": signed_by,
-    "created": _now(),
+    "created": utc_now(),
   }

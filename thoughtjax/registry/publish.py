@@ -1,6 +1,6 @@
 """Publishing: new thoughtlet versions become current in one atomic index switch.
 
-:func:`_publish` takes the writer lock, writes every new version under ``.staging/``, verifies
+:func:`publish_version` takes the writer lock, writes every new version under ``.staging/``, verifies
 what it wrote (file digests, signature, and the versioned hash recomputed from a restore), renames
 each version directory into place (new, unreferenced directories: invisible to readers), then
 writes the new index beside the old one and swaps it in with one ``os.replace``. A process killed
@@ -34,8 +34,8 @@ import jax
 import numpy as np
 
 from thoughtjax import signing
-from thoughtjax.registry.checkpoint import _checkpointer, _restore_checkpoint, _save_checkpoint
-from thoughtjax.registry.codec import _stage_codec, codec_digest
+from thoughtjax.registry.checkpoint import checkpointer, restore_checkpoint, save_checkpoint
+from thoughtjax.registry.codec import codec_digest, stage_codec
 from thoughtjax.registry.errors import (
   IntegrityError,
   RegistryError,
@@ -50,22 +50,22 @@ from thoughtjax.registry.layout import (
   MAX_SIG_BYTES,
   VERSION_LEN,
   UnsafeFile,
-  _files_under,
-  _fsync,
-  _fsync_tree,
-  _mkdir_durable,
-  _nest,
-  _now,
-  _read_index,
-  _read_regular,
-  _sha256_bytes,
-  _sha256_file,
-  _sha256_regular,
-  _write_file,
-  _writer_lock,
   dir_name,
+  files_under,
+  fsync_dir_tree,
+  fsync_entry,
+  mkdir_durable,
+  nest_flat,
+  read_index,
+  read_regular,
+  sha256_bytes,
+  sha256_of_file,
+  sha256_regular,
+  utc_now,
+  write_file,
+  writer_lock,
 )
-from thoughtjax.registry.manifest import Manifest, _manifest_json
+from thoughtjax.registry.manifest import Manifest, manifest_json
 from thoughtjax.registry.trust import (
   DOWNGRADE,
   INTEGRITY,
@@ -82,7 +82,7 @@ from thoughtjax.thoughtlet.stored import to_stored
 StepHook = Callable[[str, "str | None"], None]
 
 
-def _publish(
+def publish_version(
   root: Path,
   thoughtlets: Sequence[Thoughtlet],
   *,
@@ -107,7 +107,7 @@ def _publish(
   key_id = None if key is None else signing.key_id(key.public_key())
   trust = trust or TrustPolicy()
   root = Path(root).absolute()  # Orbax takes absolute paths only
-  with _writer_lock(root):
+  with writer_lock(root):
     staging_root = root / ".staging"
     if staging_root.is_symlink():
       staging_root.unlink()  # a planted link: staged files never go through it out of the registry
@@ -115,7 +115,7 @@ def _publish(
     staging = staging_root / uuid.uuid4().hex
     staging.mkdir(parents=True)
     try:
-      old, old_record = _read_index(root) if (root / "index.json").exists() else (None, None)
+      old, old_record = read_index(root) if (root / "index.json").exists() else (None, None)
       if old is None and (model is None or codec is None):
         raise RegistryError(f"{root} is not a registry yet; build it first")
       signed_base, revoked = False, set()
@@ -138,9 +138,9 @@ def _publish(
       tok_hash = codec_digest(codec) if codec is not None else old["codec"]["digest"]
       codec_entry = None
       if codec is not None:
-        digest, files = _stage_codec(staging, codec)
+        digest, files = stage_codec(staging, codec)
         codec_entry = {"dir": f"codec/{digest}", "digest": digest, "files": files}
-        _fsync_tree(staging / "codec" / digest)
+        fsync_dir_tree(staging / "codec" / digest)
 
       published = set() if old is None else {(n, v) for n, vs in old["history"].items() for v in vs}
       staged: list[tuple[Thoughtlet, str, Path]] = []
@@ -160,21 +160,21 @@ def _publish(
         vdir = staging / "thoughtlets" / dir_name(t.name) / version
         vdir.mkdir(parents=True)
         step("stage:start", t.name)
-        _save_checkpoint(vdir / "checkpoint", t.params)
+        save_checkpoint(vdir / "checkpoint", t.params)
         step("stage:checkpoint", t.name)
         files = {
-          str(p.relative_to(vdir)): {"sha256": _sha256_file(p), "bytes": p.stat().st_size}
-          for p in _files_under(vdir / "checkpoint")
+          str(p.relative_to(vdir)): {"sha256": sha256_of_file(p), "bytes": p.stat().st_size}
+          for p in files_under(vdir / "checkpoint")
         }
         parent = None if old is None or t.name not in old["current"] else old["current"][t.name]["version"]
-        manifest = _manifest_json(t, version, vhash, files, parent, key_id, tok_hash)
+        manifest = manifest_json(t, version, vhash, files, parent, key_id, tok_hash)
         data = json.dumps(manifest, indent=1, sort_keys=True).encode()
-        _write_file(vdir / "manifest.json", data)
-        digests[f"{t.name}@{version}"] = _sha256_bytes(data)
+        write_file(vdir / "manifest.json", data)
+        digests[f"{t.name}@{version}"] = sha256_bytes(data)
         if key is not None:
-          _write_file(vdir / "manifest.sig", canonical_json(signing.sign(key, canonical_json(manifest)).to_json()))
+          write_file(vdir / "manifest.sig", canonical_json(signing.sign(key, canonical_json(manifest)).to_json()))
         # Every checkpoint file and directory reaches the disk before the rename that makes it reachable.
-        _fsync_tree(vdir)
+        fsync_dir_tree(vdir)
         step("stage:manifest", t.name)
         staged.append((t, version, vdir))
 
@@ -187,35 +187,35 @@ def _publish(
 
       # Commit: new version directories first (unreferenced, so invisible), then the index.
       if codec_entry is not None and not (root / codec_entry["dir"]).exists():
-        _mkdir_durable(root / "codec")
+        mkdir_durable(root / "codec")
         os.rename(staging / codec_entry["dir"], root / codec_entry["dir"])
-        _fsync(root / "codec")
+        fsync_entry(root / "codec")
       if key is not None:
-        _mkdir_durable(root / "keys")
+        mkdir_durable(root / "keys")
         pub = root / "keys" / f"{key_id}.pub"
         if not pub.exists():  # readers list this directory: the file appears whole or not at all
-          _write_file(staging / f"{key_id}.pub", signing.public_pem(key.public_key()))
+          write_file(staging / f"{key_id}.pub", signing.public_pem(key.public_key()))
           os.replace(staging / f"{key_id}.pub", pub)
-          _fsync(root / "keys")
+          fsync_entry(root / "keys")
       for t, version, vdir in staged:
         final = root / "thoughtlets" / dir_name(t.name) / version
         if vdir != final:
-          _mkdir_durable(final.parent)
+          mkdir_durable(final.parent)
           try:
             os.rename(vdir, final)
           except OSError:
             if not final.exists():
               raise
-          _fsync(final.parent)
+          fsync_entry(final.parent)
         step("commit:version", t.name)
 
       body = _next_index(old, staged, model, codec_entry, order, mapping_text, key_id, digests, set(revoke))
       doc = {"index": body, "signature": None if key is None else signing.sign(key, canonical_json(body)).to_json()}
       tmp = staging / "index.json"
-      _write_file(tmp, json.dumps(doc, indent=1, sort_keys=True).encode())
+      write_file(tmp, json.dumps(doc, indent=1, sort_keys=True).encode())
       step("commit:index-written", None)
       os.replace(tmp, root / "index.json")
-      _fsync(root)
+      fsync_entry(root)
       step("commit:index", None)
       shutil.rmtree(staging_root, ignore_errors=True)
       try:  # the writer has seen its own sequence; a reader records it on open anyway
@@ -303,7 +303,7 @@ def _check_existing(final: Path, name: str, version: str, vhash: str, key, publi
   (unsigned for an unsigned publish) and its files and weights hash to the version."""
   ref = f"{name}@{version}"
   try:
-    data = _read_regular(final, "manifest.json")
+    data = read_regular(final, "manifest.json")
   except (OSError, UnsafeFile):
     data = b""
   try:
@@ -322,7 +322,7 @@ def _check_existing(final: Path, name: str, version: str, vhash: str, key, publi
         f"it records versioned hash {str(raw.get('versioned_hash'))[:16]}..., but the weights "
         f"being published hash to {vhash[:16]}...",
       )
-    return _sha256_bytes(data)
+    return sha256_bytes(data)
   key_id = None if key is None else signing.key_id(key.public_key())
   sig = final / "manifest.sig"
   problem = None
@@ -330,7 +330,7 @@ def _check_existing(final: Path, name: str, version: str, vhash: str, key, publi
     problem = f"it is signed (by key {raw.get('signed_by')}) but this publish is unsigned"
   elif key is not None:
     try:
-      record = signing.SignatureRecord.from_json(json.loads(_read_regular(final, "manifest.sig", MAX_SIG_BYTES)))
+      record = signing.SignatureRecord.from_json(json.loads(read_regular(final, "manifest.sig", MAX_SIG_BYTES)))
       signing.verify({key_id: key.public_key()}, canonical_json(raw), record, f"{final / 'manifest.json'}")
     except FileNotFoundError:
       problem = f"it is unsigned, but this publish signs with key {key_id}"
@@ -353,7 +353,7 @@ def _check_existing(final: Path, name: str, version: str, vhash: str, key, publi
       str(final),
       f"a left-over version directory fails verification ({e}); run `thoughtjax registry gc` and publish again",
     ) from None
-  return _sha256_bytes(data)
+  return sha256_bytes(data)
 
 
 def _next_index(
@@ -409,26 +409,26 @@ def _next_index(
       body["order"].append(t.name)
   if mapping_text is not None:
     body["mapping_sha3_256"] = hashlib.sha3_256(mapping_text.encode()).hexdigest()
-  body["published"] = _now()
+  body["published"] = utc_now()
   return body
 
 
 def _verify_version_dir(vdir: Path, name: str, version: str, keys: dict) -> None:
   """Staged-version check: digests, signature, and the versioned hash of a fresh restore."""
-  raw = json.loads(_read_regular(vdir, "manifest.json"))
+  raw = json.loads(read_regular(vdir, "manifest.json"))
   if keys:
     signing.verify(
       keys,
       canonical_json(raw),
-      signing.SignatureRecord.from_json(json.loads(_read_regular(vdir, "manifest.sig", MAX_SIG_BYTES))),
+      signing.SignatureRecord.from_json(json.loads(read_regular(vdir, "manifest.sig", MAX_SIG_BYTES))),
       f"{name}@{version} manifest.json (staged)",
     )
   m = Manifest.from_json(raw)  # checks the file list: relative paths below checkpoint/ only
   for rel, spec in m.files.items():
-    got, n = _sha256_regular(vdir, rel, spec["bytes"])
+    got, n = sha256_regular(vdir, rel, spec["bytes"])
     if got != spec["sha256"] or n != spec["bytes"]:
       raise IntegrityError(name, version, str(vdir / rel), "staged file changed before commit")
-  target = _nest({p: jax.ShapeDtypeStruct(tuple(s["shape"]), np.dtype(s["dtype"])) for p, s in m.params.items()})
-  params = _restore_checkpoint(_checkpointer(), vdir / "checkpoint", target)
+  target = nest_flat({p: jax.ShapeDtypeStruct(tuple(s["shape"]), np.dtype(s["dtype"])) for p, s in m.params.items()})
+  params = restore_checkpoint(checkpointer(), vdir / "checkpoint", target)
   if versioned_hash(m.identity(), params) != m.versioned_hash:
     raise IntegrityError(name, version, str(vdir / "checkpoint"), "staged weights do not hash to the version")

@@ -62,7 +62,7 @@ FAILURE_COUNTERS = {
 
 
 @dataclasses.dataclass
-class _Resident:
+class ResidentEntry:
   params: dict
   nbytes: int
   ref: str
@@ -73,19 +73,19 @@ class ResidentSet:
 
   def __init__(self, budget_bytes: int | None = None):
     self.budget = budget_bytes
-    self._entries: collections.OrderedDict[tuple, _Resident] = collections.OrderedDict()
+    self._entries: collections.OrderedDict[tuple, ResidentEntry] = collections.OrderedDict()
 
   @property
   def nbytes(self) -> int:
     return sum(e.nbytes for e in self._entries.values())
 
-  def get(self, key: tuple) -> _Resident | None:
+  def get(self, key: tuple) -> ResidentEntry | None:
     entry = self._entries.get(key)
     if entry is not None:
       self._entries.move_to_end(key)
     return entry
 
-  def make_room(self, need: int, pinned: set, what: str) -> list[_Resident]:
+  def make_room(self, need: int, pinned: set, what: str) -> list[ResidentEntry]:
     """Evict least recently used unpinned entries until ``need`` more bytes fit."""
     if self.budget is None:
       return []
@@ -103,7 +103,7 @@ class ResidentSet:
         evicted.append(self._entries.pop(key))
     return evicted
 
-  def put(self, key: tuple, entry: _Resident) -> None:
+  def put(self, key: tuple, entry: ResidentEntry) -> None:
     self._entries[key] = entry
     self._entries.move_to_end(key)
 

@@ -30,7 +30,7 @@ def param_partition(kind: str, path: str, shape: Sequence[int], model_size: int)
   return P(*spec)
 
 
-def _sharding_key(mesh) -> Any:
+def sharding_key(mesh) -> Any:
   if mesh is None:
     return None
   return (tuple(mesh.shape.items()), tuple(int(d.id) for d in mesh.devices.flat))

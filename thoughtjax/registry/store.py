@@ -53,17 +53,17 @@ import jax
 import numpy as np
 
 from thoughtjax.config import ModelConfig
-from thoughtjax.registry.checkpoint import _checkpointer, _restore_checkpoint, verified_copy
+from thoughtjax.registry.checkpoint import checkpointer, restore_checkpoint, verified_copy
 from thoughtjax.registry.codec import load_codec
 from thoughtjax.registry.errors import IntegrityError, Mismatch, RegistryError, RestoreError, UnknownThoughtletError
 from thoughtjax.registry.forms import check_form, resident_bytes, restore_targets, to_form
-from thoughtjax.registry.layout import UnsafeFile, _nest, _read_index, _sha256_regular, _tree, dir_name
+from thoughtjax.registry.layout import UnsafeFile, dir_name, file_tree, nest_flat, read_index, sha256_regular
 from thoughtjax.registry.lease import ReaderLease
 from thoughtjax.registry.manifest import Manifest
 from thoughtjax.registry.mapped import MAPPED, MappedFileChanged, MappedStore, content_key, source_identities
-from thoughtjax.registry.publish import StepHook, _publish
-from thoughtjax.registry.resident import RegistryStats, ResidentSet, _Resident
-from thoughtjax.registry.sharding import _sharding_key
+from thoughtjax.registry.publish import StepHook, publish_version
+from thoughtjax.registry.resident import RegistryStats, ResidentEntry, ResidentSet
+from thoughtjax.registry.sharding import sharding_key
 from thoughtjax.registry.trust import INTEGRITY, RESTORE, SIGNATURE, RollbackState, TrustPolicy, Verifier, sequence_of
 from thoughtjax.registry.verify import Tolerance, VerifyReport, verify_hardware, verify_registry
 from thoughtjax.registry.versions import match_version
@@ -164,7 +164,7 @@ class Registry:
     """Read the index again (one read: a consistent snapshot of current versions), check its
     structure, signature and sequence (never lower than one seen before: :class:`RollbackError`)."""
     state = RollbackState(self.trust.state_path()).snapshot()  # before the read (see snapshot)
-    body, sig = _read_index(self.root)
+    body, sig = read_index(self.root)
     same = self._index is not None and self._index.get("registry_id") == body.get("registry_id")
     seen = sequence_of(self._index) if same else None  # a registry rebuilt at this path starts over
     verifier = Verifier(self.root, self.trust, self.record_failure)
@@ -305,7 +305,7 @@ class Registry:
     a FIFO or a device there (or a linked directory on the way) is refused before anything is read."""
     rel_dir = vdir.relative_to(self.root) / "checkpoint"
     try:
-      entries = _tree(self.root, rel_dir)
+      entries = file_tree(self.root, rel_dir)
     except FileNotFoundError:
       entries = {}
     except UnsafeFile as e:
@@ -332,7 +332,7 @@ class Registry:
 
     def digest(rel):
       try:
-        got, n = _sha256_regular(self.root, base / rel, int(listed[rel]["bytes"]))
+        got, n = sha256_regular(self.root, base / rel, int(listed[rel]["bytes"]))
       except FileNotFoundError:
         return rel, None, None
       except UnsafeFile as e:
@@ -364,7 +364,7 @@ class Registry:
   # ---- restore --------------------------------------------------------------------------
   def _key(self, name: str, version: str, dtype, mesh, weights: str | None = None) -> tuple:
     form = check_form(weights or self.weights)
-    return (name, version, None if dtype is None else np.dtype(dtype).name, _sharding_key(mesh), form)
+    return (name, version, None if dtype is None else np.dtype(dtype).name, sharding_key(mesh), form)
 
   def restore(
     self,
@@ -403,7 +403,7 @@ class Registry:
       entry = self._resident.get(key)
       if entry is not None:  # another thread restored it meanwhile; keep one copy
         return entry.params
-      self._resident.put(key, _Resident(params, need, m.ref))
+      self._resident.put(key, ResidentEntry(params, need, m.ref))
       return params
 
   def _mapped_store(self) -> MappedStore | None:
@@ -423,7 +423,7 @@ class Registry:
     checked, kept mapped for the next restore (module docstring, "Mapped restore")."""
     store = self._mapped_store() if mesh is None else None
     if store is None:
-      return to_form(m, self._read(m, _nest(restore_targets(m, dtype, mesh)))[0], dtype, mesh, weights)
+      return to_form(m, self._read(m, nest_flat(restore_targets(m, dtype, mesh)))[0], dtype, mesh, weights)
     key = content_key(m, weights, dtype)
     vdir = self.version_dir(m.name, m.version)
     sources = source_identities(vdir / rel for rel in sorted(m.files))
@@ -435,7 +435,7 @@ class Registry:
         with self._lock:
           self._stats.mapped_restores += 1
         return params
-    params = to_form(m, self._read(m, _nest(restore_targets(m, dtype, mesh)))[0], dtype, mesh, weights)
+    params = to_form(m, self._read(m, nest_flat(restore_targets(m, dtype, mesh)))[0], dtype, mesh, weights)
     # Kept only from files that were checked and did not change while they were read.
     if self.verify_files and sources is not None and source_identities(sources) == sources:
       if store.save(key, params, sources):
@@ -466,7 +466,7 @@ class Registry:
 
       copy = verified_copy(vdir, m.files, fail, root=self.root)
     try:
-      params = jax.block_until_ready(_restore_checkpoint(_checkpointer(), (copy or vdir) / "checkpoint", target))
+      params = jax.block_until_ready(restore_checkpoint(checkpointer(), (copy or vdir) / "checkpoint", target))
     except Exception as e:
       self.record_failure(RESTORE, m.ref, "checkpoint", f"{type(e).__name__}: {e}")
       checked = (
@@ -608,7 +608,7 @@ class Registry:
         t if t.profile is not None else dataclasses.replace(t, profile=measure_profile(t, settings, table))
         for t in thoughtlets
       ]
-    versions = _publish(
+    versions = publish_version(
       self.root,
       thoughtlets,
       sign_key=sign_key,

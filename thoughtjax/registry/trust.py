@@ -58,9 +58,9 @@ from thoughtjax.registry.layout import (
   MAX_SIG_BYTES,
   VERSION_RE,
   UnsafeFile,
-  _read_index,
-  _read_regular,
-  _sha256_bytes,
+  read_index,
+  read_regular,
+  sha256_bytes,
 )
 from thoughtjax.thoughtlet import canonical_json
 
@@ -133,7 +133,7 @@ def recorded_keys(root: Path) -> dict:
   keys = {}
   for p in sorted((root / "keys").glob("*.pub")):
     try:
-      k = signing.load_public_key(_read_regular(root, Path("keys") / p.name, MAX_SIG_BYTES))
+      k = signing.load_public_key(read_regular(root, Path("keys") / p.name, MAX_SIG_BYTES))
     except (UnsafeFile, signing.SignatureError) as e:
       raise SignatureError(
         f"{p}: {e}; a registry's keys directory holds only the PEM public keys of its "
@@ -338,7 +338,7 @@ def accept(root: str | os.PathLike, trust: TrustPolicy | None = None) -> dict:
   root = Path(root).absolute()
   trust = trust or TrustPolicy()
   state = RollbackState(trust.state_path())
-  body, record = _read_index(root)
+  body, record = read_index(root)
   verifier = Verifier(root, trust)
   verifier.check_index(body, record, state, accept=True)
   return state.record(
@@ -372,7 +372,7 @@ class Verifier:
 
   def _read(self, path: Path, limit: int) -> bytes:
     """A registry file's bytes: a regular file below the root reached without links, at most ``limit``."""
-    return _read_regular(self.root, Path(path).relative_to(self.root), limit)
+    return read_regular(self.root, Path(path).relative_to(self.root), limit)
 
   def fail(self, kind: str, exc: Exception, thoughtlet: str, file: str) -> Exception:
     self._on_failure(kind, thoughtlet, file, str(exc))
@@ -612,7 +612,7 @@ class Verifier:
       raise self.fail(
         INTEGRITY, IntegrityError(name, version, str(path), f"{e}; a manifest is a plain file"), ref, "manifest.json"
       ) from None
-    digest_ok = index_digest is None or _sha256_bytes(raw_bytes) == index_digest
+    digest_ok = index_digest is None or sha256_bytes(raw_bytes) == index_digest
 
     def digest_error():
       return self.fail(
@@ -621,7 +621,7 @@ class Verifier:
           name,
           version,
           str(path),
-          f"sha256 {_sha256_bytes(raw_bytes)[:16]}... does not match the "
+          f"sha256 {sha256_bytes(raw_bytes)[:16]}... does not match the "
           f"{index_digest[:16]}... that the index records for it",
         ),
         ref,

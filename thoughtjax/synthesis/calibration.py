@@ -35,9 +35,9 @@ from thoughtjax.synthesis.candidate import (
   CalibrationError,
   Candidate,
   CandidateKind,
-  _count,
-  _number,
-  _obj,
+  json_count,
+  json_fields,
+  json_number,
 )
 from thoughtjax.synthesis.latency import LatencyModel
 from thoughtjax.synthesis.latency_params import LatencyModelError, LatencyParams
@@ -63,10 +63,10 @@ class PathQuality:
   tokens: int
 
   def __post_init__(self):
-    _number(self.top1_agreement, "top1_agreement", 0.0, 1.0)
-    _number(self.mean_kl, "mean_kl")
-    _number(self.delta_nll, "delta_nll", -math.inf)
-    _count(self.tokens, "tokens")
+    json_number(self.top1_agreement, "top1_agreement", 0.0, 1.0)
+    json_number(self.mean_kl, "mean_kl")
+    json_number(self.delta_nll, "delta_nll", -math.inf)
+    json_count(self.tokens, "tokens")
 
   def to_json(self) -> dict:
     return {
@@ -78,12 +78,12 @@ class PathQuality:
 
   @classmethod
   def from_json(cls, d: Any, where: str) -> PathQuality:
-    d = _obj(d, where, {"top1_agreement", "mean_kl", "delta_nll", "tokens"})
+    d = json_fields(d, where, {"top1_agreement", "mean_kl", "delta_nll", "tokens"})
     return cls(
-      _number(d["top1_agreement"], f"{where}.top1_agreement", 0.0, 1.0),
-      _number(d["mean_kl"], f"{where}.mean_kl"),
-      _number(d["delta_nll"], f"{where}.delta_nll", -math.inf),
-      _count(d["tokens"], f"{where}.tokens"),
+      json_number(d["top1_agreement"], f"{where}.top1_agreement", 0.0, 1.0),
+      json_number(d["mean_kl"], f"{where}.mean_kl"),
+      json_number(d["delta_nll"], f"{where}.delta_nll", -math.inf),
+      json_count(d["tokens"], f"{where}.tokens"),
     )
 
 
@@ -102,7 +102,7 @@ class HintQuality:
 
   @classmethod
   def from_json(cls, d: Any, where: str) -> HintQuality:
-    d = _obj(d, where, {"calibration", "heldout"})
+    d = json_fields(d, where, {"calibration", "heldout"})
     return cls(
       PathQuality.from_json(d["calibration"], f"{where}.calibration"),
       PathQuality.from_json(d["heldout"], f"{where}.heldout"),
@@ -131,7 +131,7 @@ class Calibration:
 
   def __post_init__(self):
     object.__setattr__(self, "candidates", tuple(self.candidates))
-    _count(self.sequence, "calibration sequence")
+    json_count(self.sequence, "calibration sequence")
     if not isinstance(self.fingerprint, str) or not self.fingerprint:
       raise CalibrationError(f"calibration fingerprint: expected a non-empty string, got {self.fingerprint!r}")
     hashes = [c.path_hash for c in self.candidates]
@@ -241,7 +241,7 @@ class Calibration:
         f"{d.get('format')!r} version {d.get('version')!r}; recalibrate with this "
         f"thoughtjax (thoughtjax registry calibrate DIR)"
       )
-    d = _obj(
+    d = json_fields(
       d, "calibration", {"format", "version", "sequence", "fingerprint", "current", "candidates", "quality", "latency"}
     )
     current = d["current"]
@@ -264,5 +264,5 @@ class Calibration:
     if not isinstance(d["fingerprint"], str):
       raise CalibrationError(f"calibration.fingerprint: expected a string, got {d['fingerprint']!r}")
     return cls(
-      _count(d["sequence"], "calibration.sequence"), d["fingerprint"], candidates, quality, latency, dict(current)
+      json_count(d["sequence"], "calibration.sequence"), d["fingerprint"], candidates, quality, latency, dict(current)
     )

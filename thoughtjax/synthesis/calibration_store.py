@@ -30,11 +30,11 @@ from thoughtjax.registry.layout import (
   MAX_JSON_BYTES,
   MAX_SIG_BYTES,
   UnsafeFile,
-  _fsync,
-  _mkdir_durable,
-  _read_regular,
-  _write_file,
-  _writer_lock,
+  fsync_entry,
+  mkdir_durable,
+  read_regular,
+  write_file,
+  writer_lock,
 )
 from thoughtjax.registry.trust import DOWNGRADE, INTEGRITY, SIGNATURE
 from thoughtjax.synthesis.calibration import Calibration, CalibrationError
@@ -87,21 +87,21 @@ def write_calibration(registry, calibration, *, sign_key=None) -> Path:
   }
   data = canonical_json(doc)
   path = calibration_path(root, calibration.sequence)
-  with _writer_lock(root):
-    _mkdir_durable(path.parent)
+  with writer_lock(root):
+    mkdir_durable(path.parent)
     sig_path = path.with_suffix(".sig")
     if key is not None:
       tmp_sig = path.with_name(f".{path.stem}.sig.{os.getpid()}.tmp")
-      _write_file(tmp_sig, canonical_json(signing.sign(key, data).to_json()))
+      write_file(tmp_sig, canonical_json(signing.sign(key, data).to_json()))
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    _write_file(tmp, data)
+    write_file(tmp, data)
     # The signature goes first: a reader that sees the new .json always finds its own signature.
     if key is not None:
       os.replace(tmp_sig, sig_path)
     elif sig_path.exists():
       os.unlink(sig_path)
     os.replace(tmp, path)
-    _fsync(path.parent)
+    fsync_entry(path.parent)
   return path
 
 
@@ -119,7 +119,7 @@ def read_calibration(registry, sequence: int | None = None):
     return IntegrityError("calibration", str(seq), str(path), reason)
 
   try:  # a regular file reached without links, bounded (a FIFO or a link to /dev/zero never hangs a reload)
-    data = _read_regular(root, path.relative_to(root), MAX_JSON_BYTES)
+    data = read_regular(root, path.relative_to(root), MAX_JSON_BYTES)
   except UnsafeFile as e:
     raise integrity(f"{e}; a calibration is a plain file") from None
   except FileNotFoundError:
@@ -134,7 +134,7 @@ def read_calibration(registry, sequence: int | None = None):
   if os.path.lexists(sig_path):
     try:
       record = signing.SignatureRecord.from_json(
-        json.loads(_read_regular(root, sig_path.relative_to(root), MAX_SIG_BYTES))
+        json.loads(read_regular(root, sig_path.relative_to(root), MAX_SIG_BYTES))
       )
       signing.verify(registry.verifier.keys(), data, record, what)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, UnsafeFile, signing.SignatureError) as e:

@@ -36,19 +36,19 @@ class CandidateKind(enum.StrEnum):
   MANUAL = "manual"
 
 
-def _number(v: Any, where: str, lo: float = 0.0, hi: float = math.inf) -> float:
+def json_number(v: Any, where: str, lo: float = 0.0, hi: float = math.inf) -> float:
   if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
     raise CalibrationError(f"{where}: expected a finite number in [{lo}, {hi}], got {v!r}")
   return float(v)
 
 
-def _count(v: Any, where: str) -> int:
+def json_count(v: Any, where: str) -> int:
   if isinstance(v, bool) or not isinstance(v, int) or v < 0:
     raise CalibrationError(f"{where}: expected an integer >= 0, got {v!r}")
   return v
 
 
-def _obj(d: Any, where: str, required: set[str], optional: set[str] = frozenset()) -> Mapping:
+def json_fields(d: Any, where: str, required: set[str], optional: set[str] = frozenset()) -> Mapping:
   if not isinstance(d, Mapping):
     raise CalibrationError(f"{where}: expected an object, got {type(d).__name__}")
   missing, extra = required - set(d), set(d) - required - set(optional)
@@ -86,8 +86,8 @@ class Unit:
           + (f" (a name may end in one weight variant: @{', @'.join(VARIANTS)})" if f == "name" else "")
           + f", got {v!r}"
         )
-    _count(self.nbytes, f"unit {self.ref} nbytes")
-    _count(self.layers, f"unit {self.ref} layers")
+    json_count(self.nbytes, f"unit {self.ref} nbytes")
+    json_count(self.layers, f"unit {self.ref} layers")
     if not self.cost_key:
       object.__setattr__(self, "cost_key", self.ref)
 
@@ -106,7 +106,7 @@ class Unit:
 
   @classmethod
   def from_json(cls, d: Any, where: str) -> Unit:
-    d = _obj(d, where, {"name", "version", "nbytes", "layers", "cost_key"})
+    d = json_fields(d, where, {"name", "version", "nbytes", "layers", "cost_key"})
     try:
       return cls(d["name"], d["version"], d["nbytes"], d["layers"], d["cost_key"])
     except CalibrationError as e:
@@ -138,7 +138,7 @@ class DraftPlan:
       raise CalibrationError(f"draft {self.path!r} draft_tokens: expected an integer >= 1, got {self.draft_tokens!r}")
     if self.vocab is not None and (isinstance(self.vocab, bool) or not isinstance(self.vocab, int) or self.vocab < 1):
       raise CalibrationError(f"draft {self.path!r} vocab: expected None or an integer >= 1, got {self.vocab!r}")
-    _count(self.layers, f"draft {self.path!r} layers")
+    json_count(self.layers, f"draft {self.path!r} layers")
 
   @property
   def weights(self) -> tuple[str, ...]:
@@ -163,7 +163,7 @@ class DraftPlan:
 
   @classmethod
   def from_json(cls, d: Any, where: str) -> DraftPlan:
-    d = _obj(d, where, {"path", "draft_tokens", "vocab", "units", "layers"})
+    d = json_fields(d, where, {"path", "draft_tokens", "vocab", "units", "layers"})
     if not isinstance(d["units"], list):
       raise CalibrationError(f"{where}.units: expected a list, got {type(d['units']).__name__}")
     units = tuple(Unit.from_json(u, f"{where}.units[{i}]") for i, u in enumerate(d["units"]))
@@ -274,7 +274,7 @@ class Candidate:
 
   @classmethod
   def from_json(cls, d: Any, where: str) -> Candidate:
-    d = _obj(d, where, {"path", "kind", "units", "path_hash", "program"}, {"draft"})
+    d = json_fields(d, where, {"path", "kind", "units", "path_hash", "program"}, {"draft"})
     if not isinstance(d["path"], str) or not d["path"].strip():
       raise CalibrationError(f"{where}.path: expected a path string, got {d['path']!r}")
     if not isinstance(d["units"], list):

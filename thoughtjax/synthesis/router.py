@@ -212,7 +212,7 @@ def _features(defs: GraphDefs, cfg, settings: FeatureSettings, table, blocks, id
   return jnp.concatenate(parts, axis=-1)
 
 
-def _logits(params: Mapping[str, Any], f):  # f [B, F] -> [B, C]
+def router_logits(params: Mapping[str, Any], f):  # f [B, F] -> [B, C]
   h = (f - params["standardize.mean"][None, :]) / params["standardize.scale"][None, :]
   n = sum(1 for k in params if k.endswith(".kernel"))
   for i in range(n):
@@ -222,7 +222,7 @@ def _logits(params: Mapping[str, Any], f):  # f [B, F] -> [B, C]
   return h
 
 
-_logits_jit = jax.jit(_logits)
+_logits_jit = jax.jit(router_logits)
 
 
 # The router owns its jit boundary like calibration does (synthesis/quality.py): it runs pieces no
@@ -237,12 +237,12 @@ def _jit_features(defs: GraphDefs, cfg, settings: FeatureSettings):
 @functools.lru_cache(maxsize=16)  # routers over the same model and settings share compiled programs
 def _jit_probs(defs: GraphDefs, cfg, settings: FeatureSettings):
   def probs(params, table, blocks, ids, lengths):  # -> [B, C] f32
-    return jax.nn.softmax(_logits(params, _features(defs, cfg, settings, table, blocks, ids, lengths)), axis=-1)
+    return jax.nn.softmax(router_logits(params, _features(defs, cfg, settings, table, blocks, ids, lengths)), axis=-1)
 
   return jax.jit(probs)
 
 
-def _feature_parts(model, settings: FeatureSettings):
+def feature_parts(model, settings: FeatureSettings):
   """(graph defs, config, embed table [V, D], block states 0..layers-1) read from ``model.parts``."""
   cfg = model.config
   if settings.layers > cfg.num_layers:
@@ -262,7 +262,7 @@ def _feature_parts(model, settings: FeatureSettings):
   return GraphDefs.from_model(model.module), cfg, parts.embed["table"][...], blocks
 
 
-def _fingerprint(table, blocks) -> str:
+def weights_fingerprint(table, blocks) -> str:
   """SHA3-256 over the shapes and a fixed strided sample of every array the features read: cheap
   (no full pass over a 100 MB table) and enough to tell another model's weights apart."""
   h = hashlib.sha3_256()
@@ -324,7 +324,7 @@ class Router:
     self._meta = dict(meta)
     self._params = {k: np.asarray(v, np.float32) for k, v in params.items()}
     self._device_params = {k: jnp.asarray(v) for k, v in self._params.items()}
-    defs, cfg, self._table, self._blocks = _feature_parts(model, features)
+    defs, cfg, self._table, self._blocks = feature_parts(model, features)
     self._probs = _jit_probs(defs, cfg, features)
 
   @property
@@ -385,8 +385,8 @@ class Router:
         f"this router was trained on a model whose tokenizer has digest {codec}; the given "
         f"model's has {have}; train a router for this model with train_router"
       )
-    _, _, table, blocks = _feature_parts(model, features)
-    have = _fingerprint(table, blocks)
+    _, _, table, blocks = feature_parts(model, features)
+    have = weights_fingerprint(table, blocks)
     if have != fingerprint:
       raise RouterError(
         f"this router was trained on other weights (fingerprint {fingerprint}); the given "
@@ -418,7 +418,7 @@ def _labeled(data, labels: Sequence[str], split: str) -> tuple[list[str], np.nda
 def _feature_matrix(
   model, features: FeatureSettings, prompts: Sequence[str], split: str, progress: Progress | None
 ) -> np.ndarray:
-  defs, cfg, table, blocks = _feature_parts(model, features)
+  defs, cfg, table, blocks = feature_parts(model, features)
   run = _jit_features(defs, cfg, features)
   rows = [_token_ids(model.codec, p, features.max_tokens, f" {i} of the {split} set") for i, p in enumerate(prompts)]
   out = []
@@ -458,7 +458,7 @@ def _train_programs(sizes: tuple[int, ...], learning_rate: float, weight_decay: 
   @jax.jit
   def step(p, s, fixed, xs, ys):
     def loss_fn(p):
-      return optax.softmax_cross_entropy_with_integer_labels(_logits(p | fixed, xs), ys).mean()
+      return optax.softmax_cross_entropy_with_integer_labels(router_logits(p | fixed, xs), ys).mean()
 
     updates, s = opt.update(jax.grad(loss_fn)(p), s, p)
     return optax.apply_updates(p, updates), s
@@ -495,7 +495,7 @@ def fit(
   return params, final_loss, train_acc
 
 
-def _metrics(confusion: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+def confusion_metrics(confusion: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
   tp = np.diag(confusion).astype(np.float64)
   predicted, actual = confusion.sum(axis=0), confusion.sum(axis=1)
   precision = np.divide(tp, predicted, out=np.zeros_like(tp), where=predicted > 0)
@@ -542,13 +542,13 @@ def train_router(
   x = _feature_matrix(model, features, train_prompts, "train", progress)
   params, final_loss, train_acc = fit(x, y, len(labels), training, progress)
 
-  _, _, table, blocks = _feature_parts(model, features)
+  _, _, table, blocks = feature_parts(model, features)
   meta = {
     "format": FORMAT,
     "labels": list(labels),
     "features": dataclasses.asdict(features),
     "codec_digest": _codec_digest(model.codec),
-    "weights_fingerprint": _fingerprint(table, blocks),
+    "weights_fingerprint": weights_fingerprint(table, blocks),
     "d_model": model.config.d_model,
     "params": {k: list(v.shape) for k, v in sorted(params.items())},
     "training": dataclasses.asdict(training)
@@ -561,8 +561,8 @@ def train_router(
   pred = np.argmax(np.asarray(_logits_jit(params, x_held)), axis=-1)
   confusion = np.zeros((len(labels), len(labels)), np.int64)
   np.add.at(confusion, (y_held, pred), 1)
-  accuracy, precision, recall = _metrics(confusion)
-  times = _predict_times(router, held_prompts)
+  accuracy, precision, recall = confusion_metrics(confusion)
+  times = predict_times(router, held_prompts)
   report = RouterReport(
     labels,
     accuracy,
@@ -590,7 +590,7 @@ def train_router(
   return router, report
 
 
-def _predict_times(router: Router, prompts: Sequence[str]) -> list[float]:
+def predict_times(router: Router, prompts: Sequence[str]) -> list[float]:
   """Warm wall time (ms) of one ``predict`` per prompt: a first pass compiles every length bucket."""
   for p in prompts:
     router.predict(p)

@@ -54,10 +54,10 @@ from thoughtjax.synthesis.router import (
   RouterError,
   RouterReport,
   TrainSettings,
-  _feature_parts,
-  _fingerprint,
-  _logits,
+  feature_parts,
+  router_logits,
   train_router,
+  weights_fingerprint,
 )
 from thoughtjax.thoughtlet import Kind, ProfileSettings, Thoughtlet, measure_profile, signature_for
 from thoughtjax.thoughtlet.profile import register_step
@@ -92,7 +92,7 @@ def profile_step(t: Thoughtlet, settings):
 
   params = flatten_params(t.params)
   f = jnp.zeros((settings.batch, params["standardize.mean"].shape[0]), jnp.float32)
-  return (lambda p, x: jax.nn.softmax(_logits(p, x), axis=-1)), (params, f), settings.batch
+  return (lambda p, x: jax.nn.softmax(router_logits(p, x), axis=-1)), (params, f), settings.batch
 
 
 register_step(Kind.ROUTER, profile_step)
@@ -118,8 +118,8 @@ def _check_model(meta: Mapping[str, Any], registry, model, what: str) -> None:
       f"{registry.root} has tokenizer {registry.tokenizer_hash}. Train a router for this registry: "
       f"thoughtjax registry train-router {registry.root}"
     )
-  _, _, table, blocks = _feature_parts(model, features)
-  have = _fingerprint(table, blocks)
+  _, _, table, blocks = feature_parts(model, features)
+  have = weights_fingerprint(table, blocks)
   if meta.get("weights_fingerprint") != have:
     raise RouterMismatchError(
       f"{what} was trained on other weights (fingerprint {meta.get('weights_fingerprint')}); the current "
@@ -157,7 +157,7 @@ def publish_router(
   ``carry_calibration``, the calibration of the previous sequence moves to the new one (module docstring).
   """
   from thoughtjax.registry import RegistryError
-  from thoughtjax.registry.publish import _publish
+  from thoughtjax.registry.publish import publish_version
   from thoughtjax.synthesis.calibration_store import MissingCalibrationError, read_calibration, write_calibration
 
   if name in registry.names and registry.manifest(name).kind is not Kind.ROUTER:
@@ -174,7 +174,7 @@ def publish_router(
       calibration = read_calibration(registry)
     except MissingCalibrationError:
       calibration = None
-  versions = _publish(
+  versions = publish_version(
     registry.root,
     [t],
     sign_key=sign_key,
