@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import jax
 
@@ -21,8 +21,14 @@ from thoughtjax.constraint import Matcher
 from thoughtjax.decode.stream import Delta, Rows, Trace
 from thoughtjax.sampling import SamplingParams
 
-if TYPE_CHECKING:
-  from thoughtjax.serving.slots import SlotEngine
+
+class RunHost(Protocol):
+  """What a run needs of the engine it runs in (:class:`~thoughtjax.serving.slots.SlotEngine` is one)."""
+
+  cancel_lock: threading.Lock  # a run's slot is freed, and its free callbacks taken, under it
+  chunks: int  # decode chunks the engine has run
+
+  def cancel(self, run: SlotRun) -> None: ...
 
 
 @dataclasses.dataclass
@@ -67,7 +73,7 @@ class SlotRun:
   :attr:`mean_width` the mean rows of the decode steps it took part in.
   """
 
-  def __init__(self, engine: SlotEngine, req: SlotRequest | Prefilled, on_delta: Callable[[Delta | None], None] | None):
+  def __init__(self, engine: RunHost, req: SlotRequest | Prefilled, on_delta: Callable[[Delta | None], None] | None):
     self.engine, self.ids, self.params, self.trace, self.rows = engine, req.ids, req.params, req.trace, req.rows
     self.matcher = req.matcher  # a constrained request's grammar state (the driver prefills it from the run)
     self.scope = req.scope  # its prefix-cache scope
