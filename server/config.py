@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from thoughtjax.defaults import DEFAULT_MAX_TOKENS
 from thoughtjax.errors import UserError
 
 DEFAULT_CONFIG = Path(__file__).with_name("config.yaml")
@@ -59,7 +60,7 @@ class KeepaliveConfig:
 class WarmConfig:
   hints: tuple[str, ...] = ()
   prompt_tokens: tuple[int, ...] = (16,)
-  max_tokens: tuple[int, ...] = (64,)
+  max_tokens: tuple[int, ...] = (DEFAULT_MAX_TOKENS,)
   # The plan each budget gets on a warm process is warmed: a tight one warms the faster path (the int8 full path)
   # that a tight budget or a busy server moves a request to, which a cold server would never choose.
   budgets_ms: tuple[float, ...] = (math.inf,)

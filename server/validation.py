@@ -25,10 +25,11 @@ from google.protobuf.message import DecodeError
 
 from thoughtjax.decode.masks import grammars_for
 from thoughtjax.decode.request import ContextError, check_request
+from thoughtjax.defaults import DEFAULT_MAX_TOKENS
 from thoughtjax.errors import UserError
 from thoughtjax.path_syntax import parse_path
 from thoughtjax.proto.v1 import synthesis_pb2 as pb
-from thoughtjax.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from thoughtjax.sampling import SamplingParams
 from thoughtjax.server.config import ServerConfig
 from thoughtjax.synthesis.hints import normalize_hints
 

@@ -579,7 +579,15 @@ class Model:
     )
 
   def generate_batch(
-    self, prompts, params=None, chat=False, system=None, stream_mode="chunks", *, draft=None, draft_tokens=4
+    self,
+    prompts,
+    params=None,
+    chat=False,
+    system=None,
+    stream_mode="chunks",
+    *,
+    draft=None,
+    draft_tokens=DEFAULT_DRAFT_TOKENS,
   ) -> list[Completion]:
     """Whole continuations of several prompts, generated as one batch."""
     if isinstance(prompts, str):

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from thoughtjax.constraint import Constraint
-from thoughtjax.defaults import DEFAULT_MAX_TOKENS as DEFAULT_MAX_TOKENS  # where callers have found it
+from thoughtjax.defaults import DEFAULT_MAX_TOKENS
 from thoughtjax.errors import UserError
 from thoughtjax.kernels.sample_stop import sample_stop, unpack_allowed
 

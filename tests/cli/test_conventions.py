@@ -13,7 +13,8 @@ import pytest
 from thoughtjax import cli
 from thoughtjax.cli import args as args_lib
 from thoughtjax.cli.bench import BENCHMARKS
-from thoughtjax.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from thoughtjax.defaults import DEFAULT_MAX_TOKENS
+from thoughtjax.sampling import SamplingParams
 
 # The other engineer's commands (thoughtjax/cli/serve.py): the formatter reaches them, their help texts are theirs.
 SERVING = ("serve", "client")

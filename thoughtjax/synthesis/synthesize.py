@@ -59,9 +59,10 @@ from thoughtjax import settings
 from thoughtjax.constraint import Constraint
 from thoughtjax.decode.request import RequestRun
 from thoughtjax.decode.speculative import Draft
+from thoughtjax.defaults import DEFAULT_MAX_TOKENS
 from thoughtjax.errors import UserError
 from thoughtjax.kernels.dispatch import resolve as resolve_kernels
-from thoughtjax.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from thoughtjax.sampling import SamplingParams
 from thoughtjax.serving.slot_run import SlotRun
 from thoughtjax.synthesis.calibration import Calibration
 from thoughtjax.synthesis.candidate import path_hash_of
@@ -349,7 +350,7 @@ class Synthesizer:
     hints: Sequence[str] | None = None,
     *,
     prompt_tokens: Sequence[int] = (16,),
-    max_tokens: Sequence[int] = (64,),
+    max_tokens: Sequence[int] = (DEFAULT_MAX_TOKENS,),
     pool: EnginePool | None = None,
     budgets: Sequence[float] = (math.inf,),
   ) -> list[str]:
