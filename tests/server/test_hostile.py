@@ -421,6 +421,7 @@ def test_a_check_queued_behind_busy_workers_is_dropped_when_its_client_leaves(sy
       with pytest.raises(grpc.RpcError) as e:
         stub.GetOptimalPath(pb.SynthesizeRequest(prompt=PROMPT, regex="[a-z]+", request_id="left"), timeout=0.3)
       assert e.value.code() == C.DEADLINE_EXCEEDED
+      _until(lambda: _checking(srv) == 2)  # the server saw it leave: its queued check was dropped, not run later
       release.set()
       for t in slow:
         t.join(60)

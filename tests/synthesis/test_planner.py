@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from thoughtjax.synthesis.calibration import FORMAT_VERSION, Calibration, HintQuality, PathQuality
 from thoughtjax.synthesis.candidate import CalibrationError, Candidate, Unit
-from thoughtjax.synthesis.latency import LatencyModel
+from thoughtjax.synthesis.latency import LatencyModel, LatencyTrace
 from thoughtjax.synthesis.latency_context import LatencyContext
 from thoughtjax.synthesis.latency_load import COLD, EngineLoad, Load, Residency
 from thoughtjax.synthesis.latency_params import LatencyParams, LinearCost
@@ -358,7 +358,6 @@ def test_a_malformed_per_hint_factor_is_refused_by_name(hints):
 def test_a_run_on_one_hints_text_teaches_the_path_without_moving_the_other_hints_by_its_difference():
   """A run that decodes as fast as calibration measured for its hint teaches nothing new: the other hints keep
   their own factors (learning divides the hint's calibrated difference out); a run faster than that moves all."""
-  import types
 
   from thoughtjax.synthesis.candidate import DraftPlan
 
@@ -376,9 +375,9 @@ def test_a_run_on_one_hints_text_teaches_the_path_without_moving_the_other_hints
   legal = model.predict(spec, 40, 64, hints=("legal_analysis",))
   assert legal.decode == pytest.approx(0.6 * raw) and legal.hint_scale == {"decode": pytest.approx(0.6 / 1.05)}
   for _ in range(5):
-    model.update(types.SimpleNamespace(prediction=legal, actual_ms={"decode": 0.6 * raw}))
+    model.update(LatencyTrace(legal, {"decode": 0.6 * raw}))
   assert model.predict(spec, 40, 64, hints=("general_purpose",)).decode == pytest.approx(1.2 * raw, rel=1e-6)
-  model.update(types.SimpleNamespace(prediction=legal, actual_ms={"decode": 0.3 * raw}))  # twice as fast as measured
+  model.update(LatencyTrace(legal, {"decode": 0.3 * raw}))  # twice as fast as measured
   assert model.predict(spec, 40, 64, hints=("general_purpose",)).decode < 1.2 * raw * 0.99
 
 

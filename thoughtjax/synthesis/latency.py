@@ -67,7 +67,7 @@ import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from thoughtjax.decode.program import bucket
 from thoughtjax.serving.slots import width
@@ -269,7 +269,7 @@ class LatencyModel:
         )
       pa, pb, da, db = pa + p.a, pb + p.b, da + d.a, db + d.b
     seen: dict[str, int] = {}
-    draft = getattr(c, "draft", None)
+    draft = c.draft
     for u in (*c.units, *(() if draft is None else draft.units)):  # a draft's own units are restored too
       seen.setdefault(u.ref, u.nbytes)
     costs = _Costs(
@@ -309,7 +309,7 @@ class LatencyModel:
     """The context ``candidate`` runs in: ``context`` (default: the model's), except that a speculative
     candidate always runs its own speculative program, alone."""
     ctx = context or self.context
-    if getattr(candidate, "draft", None) is not None and ctx.engine != "speculative":
+    if candidate.draft is not None and ctx.engine != "speculative":
       ctx = dataclasses.replace(ctx, engine="speculative", batch=1)
     return ctx
 
@@ -448,7 +448,7 @@ class LatencyModel:
     enters the raw decode divided by it)."""
     h = candidate.path_hash
     # A speculative plan decodes alone beside the engines; any other joins its path's engine when its ring fits.
-    own = None if getattr(candidate, "draft", None) is not None else load.of(h, S)
+    own = None if candidate.draft is not None else load.of(h, S)
     if own is None:
       return 1.0 + CONTENTION * len(load.engines), S, 1
     W = width(own.rows + 1, load.slots)
@@ -459,12 +459,12 @@ class LatencyModel:
     return step / (idle * factor), own.cache_len, W
 
   # ---- learning
-  def update(self, trace: Any) -> dict[str, float]:
+  def update(self, trace: LatencyTrace) -> dict[str, float]:
     """Move the correction factors of the context the run ran in toward what it measured; returns the
     observed ratios used.
 
-    ``trace`` has ``prediction`` (:class:`Prediction`), ``actual_ms`` (stage -> ms) and optionally
-    ``tokens_out`` (tokens actually produced; the raw decode is re-evaluated for that count), ``compiled``
+    ``trace`` (:class:`LatencyTrace`) has ``prediction`` (:class:`Prediction`), ``actual_ms`` (stage -> ms) and
+    optionally ``tokens_out`` (tokens actually produced; the raw decode is re-evaluated for that count), ``compiled``
     (the run compiled its program: its prefill and decode are not learned from), ``context`` (where it
     ran; default the prediction's) and ``width`` (the mean rows of its steps in a slot engine: the raw decode is
     scaled by the batching fit from the predicted width to that one).
@@ -474,18 +474,18 @@ class LatencyModel:
     unknown = set(actual) - set(STAGES)
     if unknown:
       raise LatencyModelError(f"trace actual_ms: unknown stages {sorted(unknown)}; expected some of {list(STAGES)}")
-    ctx = getattr(trace, "context", None) or p.context
+    ctx = trace.context or p.context
     raw = dict(p.raw)
-    tokens = getattr(trace, "tokens_out", None)
+    tokens = trace.tokens_out
     if tokens is not None:
       raw["decode"] = p.raw_decode(int(tokens))
-    ran_width = getattr(trace, "width", None)
+    ran_width = trace.width
     if ran_width is not None and math.isfinite(ran_width) and ran_width >= 1 and ran_width != p.width:
       # Its steps computed another width than predicted (streams joined or left after it was planned): learn
       # against the decode it would have been predicted at that width, so the load's change is not the model's.
       h = p.path_hash
       raw["decode"] *= self.rows_factor(h, ran_width) / self.rows_factor(h, p.width)
-    first_run = bool(getattr(trace, "compiled", False))
+    first_run = trace.compiled
     ratios = {}
     for s, ms in actual.items():
       if ms is None or not math.isfinite(ms) or ms < 0:
