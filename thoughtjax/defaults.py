@@ -20,3 +20,7 @@ MIN_POOL_RING = 64
 
 # The ring (KV cache length, tokens) of a slot engine made directly without saying.
 DEFAULT_SLOT_CACHE_LEN = 512
+
+# Prompt tokens a slot engine prefills per program call (a longer prompt takes several calls, a shorter one is
+# padded to it): one prefill program per number of rows, whatever the prompts' lengths.
+DEFAULT_PREFILL_CHUNK = 64

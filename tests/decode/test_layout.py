@@ -41,19 +41,6 @@ def test_steps_at_and_step_at_follow_their_definition():
   np.testing.assert_array_equal(one_mask, per_mask)
 
 
-def test_after_prefix_sees_the_kept_prefix_and_the_rows_own_tokens():
-  pad, have = np.array([0, 1], np.int32), np.array([4, 2], np.int32)
-  Sp, Ts = 4, 3
-  positions, mask = map(np.asarray, layout.after_prefix(jnp.asarray(pad), jnp.asarray(have), Sp, Ts))
-  assert mask.shape == (2, Ts, Sp + Ts)
-  for b in range(2):
-    for t in range(Ts):
-      q = Sp + t
-      assert positions[b, t] == have[b] + max(t - pad[b], 0)
-      want = [(Sp - have[b] <= s < Sp) or (Sp + pad[b] <= s <= q) or s == q for s in range(Sp + Ts)]
-      assert mask[b, t].tolist() == want, (b, t)
-
-
 def test_ring_step_sees_what_each_row_wrote_since_it_started():
   S = 5
   start = np.array([3, 0, 9], np.int32)  # row 2 has not started: a free row

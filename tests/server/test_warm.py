@@ -1,5 +1,6 @@
 """The warm set (config ``warm``) is compiled where requests run: with the continuous scheduler, in the slot engine
-of each hint's path, so the first requests after SERVING trace no program."""
+of each hint's path, so requests of any length after SERVING trace no program (the prefill runs in chunks of a fixed
+size, one program per number of rows)."""
 
 from __future__ import annotations
 
@@ -22,20 +23,23 @@ jax.monitoring.register_event_duration_secs_listener(
 )
 
 PROMPT = "The quick brown fox"
+# Past one prefill chunk (64 tokens), and its first blocks shared by the next one: a prefix-cache hit.
+LONG = " ".join(["the river ran past the old mill and the dog slept in the sun"] * 2)
 HINT = "general_purpose"
 
 
-def _final(stub, **fields) -> pb.Final:
-  *_, last = stub.Synthesize(pb.SynthesizeRequest(prompt=PROMPT, hints=[HINT], **fields), timeout=120)
+def _final(stub, prompt: str = PROMPT, **fields) -> pb.Final:
+  *_, last = stub.Synthesize(pb.SynthesizeRequest(prompt=prompt, hints=[HINT], **fields), timeout=120)
   return last.final
 
 
-def test_warm_hints_compile_the_slot_engine_so_first_requests_alone_and_together_trace_nothing(synthesizer):
-  # Three slots and a 12-token answer: a layout no other test compiles in this process. (No prefix cache: its
-  # programs are warmed too, tests/serving/test_prefix.py, and would double the warm-up here.)
-  T, n = len(synthesizer.prompt_ids(PROMPT)), 12
+def test_warm_hints_compile_the_slot_engine_so_requests_of_any_length_alone_and_together_trace_nothing(synthesizer):
+  # Three slots and a 12-token answer: a layout no other test compiles in this process. The warmed ring holds the
+  # longest prompt; shorter ones join the same engine.
+  T, n = len(synthesizer.prompt_ids(LONG + " and then")), 12
+  assert T > 64
   warm = WarmConfig(hints=(HINT,), prompt_tokens=(T,), max_tokens=(n,))
-  cfg = config(scheduler="continuous", max_concurrent=3, warm=warm, prefix_cache=PrefixCacheConfig(max_mb=0))
+  cfg = config(scheduler="continuous", max_concurrent=3, warm=warm, prefix_cache=PrefixCacheConfig(max_mb=8, report_reuse=True))
   with BackgroundServer(synthesizer, cfg, timeout=300) as srv:
     wait_ready(srv)
     pool = srv.app.service.scheduler.pool
@@ -45,14 +49,17 @@ def test_warm_hints_compile_the_slot_engine_so_first_requests_alone_and_together
       _tracing.set()
       try:
         alone = _final(stub, max_tokens=n)
+        prompts = [PROMPT, LONG, LONG + " and then"]  # the third reuses the second's blocks
         with ThreadPoolExecutor(3) as ex:  # prefilled together (or not), decoded in one chunk of up to 3 rows
-          together = list(ex.map(lambda k: _final(stub, max_tokens=n, logit_bias={k: 1.0}), range(3)))
+          together = list(ex.map(lambda k: _final(stub, prompts[k], max_tokens=n, logit_bias={k: 1.0}), range(3)))
+        again = _final(stub, LONG + " and then", max_tokens=n)
       finally:
         _tracing.clear()
     stats = pool.stats()
   assert _traced == []
-  assert stats["engines"] == 1  # the four ran in the warmed engine, the only one
-  assert alone.usage.tokens_out > 0 and all(f.usage.tokens_out > 0 for f in together)
+  assert stats["engines"] == 1  # the five ran in the warmed engine, the only one
+  assert alone.usage.tokens_out > 0 and all(f.usage.tokens_out > 0 for f in [*together, again])
+  assert again.trace.prefix_cache_tokens > 0
 
 
 def test_warm_budgets_plan_each_budget_before_serving(synthesizer):

@@ -15,6 +15,7 @@ from thoughtjax.serving import PrefixCache, PrefixCacheError, SlotDriver, SlotEn
 
 SYSTEM = list(range(10, 50))  # 40 tokens: two full blocks of 16, then 8 more
 CACHE_LEN = 128
+PREFILL_CHUNK = 32  # prompt tokens per prefill call: a hit is taken when it saves one
 
 
 # ---- the cache alone ---------------------------------------------------------------------------------------
@@ -99,8 +100,10 @@ def model():
 
 
 def _engines(model, max_bytes: int = 1 << 24):
-  plain = SlotEngine(model, slots=3, cache_len=CACHE_LEN)
-  cached = SlotEngine(model, slots=3, cache_len=CACHE_LEN, prefix_cache=PrefixCache(16, max_bytes))
+  plain = SlotEngine(model, slots=3, cache_len=CACHE_LEN, prefill_chunk=PREFILL_CHUNK)
+  cached = SlotEngine(
+    model, slots=3, cache_len=CACHE_LEN, prefix_cache=PrefixCache(16, max_bytes), prefill_chunk=PREFILL_CHUNK
+  )
   return plain, cached
 
 
@@ -112,10 +115,11 @@ GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 CASES = {
   # name: (prompts in order, tokens each reuses)
   "shared system prompt": ([SYSTEM + [1, 2, 3], SYSTEM + [4, 5, 6, 7, 8], SYSTEM + list(range(60, 90))], [0, 32, 32]),
-  "whole previous prompt": ([SYSTEM[:32], SYSTEM[:32] + [7, 8, 9], SYSTEM[:32]], [0, 32, 16]),
+  # the third may reuse 16 of its 32 tokens (not the last one's block), which leaves one chunk to prefill all the same
+  "whole previous prompt": ([SYSTEM[:32], SYSTEM[:32] + [7, 8, 9], SYSTEM[:32]], [0, 32, 0]),
   "shorter than one block": ([[5, 6, 7], [5, 6, 7, 8], SYSTEM[:15]], [0, 0, 0]),
   "nothing shared": ([SYSTEM, list(range(100, 140)), [3] + SYSTEM], [0, 0, 0]),
-  # 60 tokens prefill in a 64 bucket; the 16 cached would leave 44, still 64: not worth a call of its own
+  # 60 tokens prefill in two chunks of 32; the 16 cached would leave 44, still two: not worth a call of its own
   "a hit that would not shrink the prefill": ([SYSTEM[:16] + [1] * 10, SYSTEM[:16] + list(range(60, 104))], [0, 0]),
 }
 
@@ -175,13 +179,14 @@ def test_requests_together_split_into_one_call_for_hits_and_one_for_misses(model
 
 
 def test_warm_also_compiles_the_prefill_after_a_repeated_prompt_s_prefix(model):
-  """With a prefix cache, warm() also compiles the prefill a prompt of that length takes when it comes again (after
-  its cached blocks), at every batch size, and the insert of its keys: the repeats, prefilled together, compile
-  nothing and give the tokens they give without the cache. (Its own layout, 4 slots and a 96-token ring, so no other
-  test has compiled these programs in this process.) And the decode chunks of one and of all rows compile nothing."""
-  prompt = SYSTEM[:35]  # a repeat reuses two blocks (32 tokens): 3 left, bucket 16 instead of 64
-  cached = SlotEngine(model, slots=4, cache_len=96, prefix_cache=PrefixCache(16, 1 << 24))
-  cached.warm(len(prompt))
+  """With a prefix cache, warm() also compiles what a prompt takes when it comes again (its cached blocks written
+  into its prefill, the rest prefilled after them), at every batch size, and the insert of its keys: the repeats,
+  prefilled together, compile nothing and give the tokens they give without the cache. (Its own layout, 4 slots
+  and a 96-token ring, so no other test has compiled these programs in this process.) And the decode chunks of one
+  and of all rows compile nothing."""
+  prompt = SYSTEM[:35]  # a repeat reuses two blocks (32 tokens): 3 left, one prefill chunk instead of two
+  cached = SlotEngine(model, slots=4, cache_len=96, prefix_cache=PrefixCache(16, 1 << 24), prefill_chunk=PREFILL_CHUNK)
+  cached.warm()
   with COMPILE_CLOCK.measure() as compiled:
     first = generate_in_slots(cached, [(prompt, GREEDY)])[0]  # a miss: caches the two blocks; one-row chunks
     runs = cached.insert_batch([(prompt, GREEDY)] * 3)  # hits, prefilled together: batch bucket 4
@@ -190,7 +195,8 @@ def test_warm_also_compiles_the_prefill_after_a_repeated_prompt_s_prefix(model):
   assert [r.trace.prefix_cache_tokens for r in runs] == [32] * 3 and [r.prefill_batch for r in runs] == [3] * 3
   assert [first.trace.compile_s] + [r.trace.compile_s for r in runs] == [0.0] * 4
   assert compiled.seconds == 0.0  # nor did a decode chunk, a block cut or a transfer
-  want = generate_in_slots(SlotEngine(model, slots=4, cache_len=96), [(prompt, GREEDY)])[0].token_ids
+  plain = SlotEngine(model, slots=4, cache_len=96, prefill_chunk=PREFILL_CHUNK)
+  want = generate_in_slots(plain, [(prompt, GREEDY)])[0].token_ids
   assert first.token_ids == want and [r.token_ids for r in runs] == [want] * 3
 
 
@@ -257,8 +263,9 @@ def test_the_default_model_with_a_shared_system_prompt_gives_the_tokens_it_gives
   questions = ["Where are the atlases?", "Can I renew a book online?", "Where are the atlases?"]
   ids = [default_model.prompt_ids(q, chat=True, system=system) for q in questions]
   params = SamplingParams(max_tokens=12)
-  plain = SlotEngine(default_model, slots=2, cache_len=128)
-  cached = SlotEngine(default_model, slots=2, cache_len=128, prefix_cache=PrefixCache())
+  # Prefill chunks of one block: every block reused saves a chunk.
+  plain = SlotEngine(default_model, slots=2, cache_len=128, prefill_chunk=16)
+  cached = SlotEngine(default_model, slots=2, cache_len=128, prefix_cache=PrefixCache(16), prefill_chunk=16)
   want = _one_by_one(plain, [(i, params) for i in ids])
   got = _one_by_one(cached, [(i, params) for i in ids])
   assert [r.token_ids for r in got] == [r.token_ids for r in want]

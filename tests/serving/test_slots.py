@@ -11,12 +11,11 @@ import jax
 import pytest
 
 from tests.tiny import tiny_engine
-from thoughtjax.decode.program import bucket
 from thoughtjax.decode.request import DecodeRequest
 from thoughtjax.sampling import SamplingParams
 from thoughtjax.serving import SlotDriver, SlotEngine, SlotRequestError, SlotsClosed, SlotsFull, generate_in_slots
 
-# Prompts and max_tokens stay within one shape bucket (16 and 16), so one prefill program serves every test.
+# Prompts fit one prefill chunk and max_tokens one ring, so one prefill program per number of rows serves the tests.
 PROMPTS = [[7, 8, 9], list(range(40, 52)), [100], [5, 6, 7, 8, 9, 10, 11], [3] * 15, [200, 201]]
 MAX_TOKENS = [10, 16, 7, 13, 12, 16]
 SLOTS = 3
@@ -214,9 +213,10 @@ def test_requests_that_do_not_fit_are_refused_with_the_limit(model, engine):
   assert engine.active == 0
 
 
-def test_requests_arriving_together_are_prefilled_in_one_call_per_prompt_bucket(model, engine):
-  """Three requests inserted together: the two whose prompts share a bucket (16) go through one prefill call, the
-  third (bucket 32) through another; each still gives its alone tokens."""
+def test_requests_arriving_together_are_prefilled_in_one_chunked_call_whatever_their_lengths(model):
+  """Three requests of 12, 20 and 7 tokens inserted together go through one prefill call, in chunks of 8 prompt
+  tokens (the 20-token prompt ends in the third chunk, the others earlier); each still gives its alone tokens."""
+  engine = SlotEngine(model, slots=SLOTS, cache_len=64, prefill_chunk=8)
   reqs = [
     (PROMPTS[1], SamplingParams(max_tokens=12, ignore_eos=True)),
     (list(range(60, 80)), SamplingParams(max_tokens=9, ignore_eos=True)),
@@ -224,8 +224,8 @@ def test_requests_arriving_together_are_prefilled_in_one_call_per_prompt_bucket(
   ]
   calls, rows = engine.prefill_calls, engine.prefill_rows
   runs = engine.insert_batch(reqs)
-  assert engine.prefill_calls - calls == 2 and engine.prefill_rows - rows == 3
-  assert [r.prefill_batch for r in runs] == [2, 1, 2] and len({r.slot for r in runs}) == 3
+  assert engine.prefill_calls - calls == 1 and engine.prefill_rows - rows == 3
+  assert [r.prefill_batch for r in runs] == [3, 3, 3] and len({r.slot for r in runs}) == 3
   while engine.active:
     engine.step()
   for (p, params), run in zip(reqs, runs, strict=True):
@@ -233,10 +233,10 @@ def test_requests_arriving_together_are_prefilled_in_one_call_per_prompt_bucket(
 
 
 def test_the_driver_prefills_waiting_requests_together_and_a_stream_waits_at_most_one_prefill(model, engine):
-  """The driver is held inside a decode chunk while five requests are submitted: two in prompt bucket 16, one in
-  32, one in 64, one cancelled while it waits. Released, it prefills the two of bucket 16 in one call, the others
-  in calls of their own once slots free, never two prefill calls between two decode chunks of the running
-  stream; the cancelled one ends without a prefill or a slot; every other request gives its alone tokens."""
+  """The driver is held inside a decode chunk while five requests of 3 to 40 tokens are submitted, one cancelled
+  while it waits. Released, it prefills the first two together (two slots are free), the others once slots free,
+  never two prefill calls between two decode chunks of the running stream; the cancelled one ends without a
+  prefill or a slot; every other request gives its alone tokens."""
   driver = SlotDriver(engine)
   inside, gate = threading.Event(), threading.Event()
   seen = []
@@ -250,7 +250,7 @@ def test_the_driver_prefills_waiting_requests_together_and_a_stream_waits_at_mos
   try:
     long = driver.submit([9, 9, 9], SamplingParams(max_tokens=60, ignore_eos=True), on_delta=hold)
     assert inside.wait(60)
-    calls = engine.prefill_calls
+    rows = engine.prefill_rows
     reqs = [
       (PROMPTS[0], SamplingParams(max_tokens=6, ignore_eos=True)),
       (PROMPTS[3], SamplingParams(max_tokens=6, ignore_eos=True)),
@@ -270,7 +270,7 @@ def test_the_driver_prefills_waiting_requests_together_and_a_stream_waits_at_mos
   finally:
     gate.set()
     driver.close()
-  assert [r.prefill_batch for r in runs] == [2, 2, 1, 1] and engine.prefill_calls - calls == 3
+  assert [r.prefill_batch for r in runs[:2]] == [2, 2] and engine.prefill_rows - rows == 4
   assert dropped.prefill_batch is None and dropped.slot is None and dropped.token_ids == []
   assert (
     long.max_prefills_between_chunks == 1 and long.token_ids == alone(model, [9, 9, 9], **_kw(long.params)).token_ids
@@ -280,7 +280,7 @@ def test_the_driver_prefills_waiting_requests_together_and_a_stream_waits_at_mos
 
 def test_warm_compiles_the_prefill_of_every_batch_size(model, engine):
   """After warm(), requests prefilled together (3 rows: batch bucket 4), with a logit bias, compile nothing."""
-  engine.warm(len(PROMPTS[3]))
+  engine.warm()
   params = SamplingParams(max_tokens=4, logit_bias={5: 1.0}, ignore_eos=True)
   runs = engine.insert_batch([(PROMPTS[3], params), (PROMPTS[0], params), (PROMPTS[5], params)])
   assert [r.trace.compile_s for r in runs] == [0.0] * 3 and [r.prefill_batch for r in runs] == [3] * 3
@@ -339,7 +339,7 @@ def test_the_default_model_in_slots_gives_its_alone_tokens(default_model):
   for slots, arrivals in ((2, [0, 1, 2]), (3, [0, 0, 0])):
     engine = SlotEngine(default_model, slots=slots, cache_len=128)
     runs = generate_in_slots(engine, list(zip(ids, params, strict=True)), arrivals=arrivals)
-    assert engine.prefill_calls == (3 if slots == 2 else len({bucket(len(i)) for i in ids}))
+    assert engine.prefill_calls == (3 if slots == 2 else 1)
     for want, run in zip(wants, runs, strict=True):
       assert (run.token_ids, run.text, run.finish_reason) == (want.token_ids, want.text, want.finish_reason)
 

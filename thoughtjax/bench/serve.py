@@ -376,7 +376,7 @@ def main(argv=None) -> int:
       load.closed_loop(min(args.slots, 2), 1, args.level_seconds, args.timeout)  # compile prefill, insert, chunk
       sched = srv.app.service.scheduler
       for d in sched.pool.drivers():  # every prefill batch size the levels may meet
-        d.engine.warm(prompt_len)
+        d.engine.warm()
       rows = []
       for c in levels:
         before = _engine_counts(sched)

@@ -8,8 +8,8 @@ package, which sits below the decode layer, may use it too.
 
 Two cache layouts:
 
-* **Left-padded rows** (plain and speculative programs, prefill of a slot engine). Row ``b``'s prompt sits in
-  slots ``[pad[b], T)`` of a cache of ``S >= T`` slots and every generated token follows it in order, so a key's
+* **Left-padded rows** (plain and speculative programs; a slot engine's chunked prefill is the case ``pad = 0``).
+  Row ``b``'s prompt sits in slots ``[pad[b], T)`` of a cache of ``S >= T`` slots and every generated token follows it in order, so a key's
   slot is also its time; its RoPE position is ``slot - pad[b]``. A query at slot ``q`` sees slots
   ``[pad[b], q]``. A padding query sees itself only, so no softmax row is empty (no NaN).
 * **A ring** (a slot engine's decode). All rows share one cursor (absolute time) and row ``b`` started at
@@ -72,19 +72,6 @@ def step_at(pad: jax.Array, slot: jax.Array, cache_len: int) -> tuple[jax.Array,
   mask [B, 1, S]."""
   slots = jnp.broadcast_to(slot, pad.shape)[:, None]
   return steps_at(pad, slots, cache_len)
-
-
-def after_prefix(pad: jax.Array, have: jax.Array, prefix_len: int, rest_len: int) -> tuple[jax.Array, jax.Array]:
-  """Prompts whose first ``have[p]`` keys are already known: those keys sit right-aligned at slots
-  ``[Sp - have, Sp)`` (``Sp = prefix_len``) and the rest of each prompt, left-padded into ``rest_len`` slots
-  (row p's in ``[pad[p], Ts)``), is written at ``[Sp, Sp + Ts)``. Positions [P, Ts] continue from ``have``; each
-  query sees its row's prefix and its own tokens up to itself (mask [P, Ts, Sp + Ts])."""
-  t, s = jnp.arange(rest_len), jnp.arange(prefix_len + rest_len)
-  positions = have[:, None] + jnp.maximum(t[None, :] - pad[:, None], 0)
-  q = (prefix_len + t)[None, :, None]  # each query's cache slot
-  kept = (s[None, None, :] >= (prefix_len - have)[:, None, None]) & (s[None, None, :] < prefix_len)
-  own = (s[None, None, :] >= (prefix_len + pad)[:, None, None]) & (s[None, None, :] <= q)
-  return positions, kept | own | (s[None, None, :] == q)
 
 
 def ring_behind(cursor: jax.Array, ring_len: int) -> jax.Array:

@@ -153,13 +153,13 @@ class EnginePool:
 
   def warm(self, model, prompt_tokens: int, max_tokens: int) -> SlotDriver:
     """Make (if need be) the engine a request of ``prompt_tokens`` prompt and ``max_tokens`` new tokens on
-    ``model``'s path joins, and compile what its first requests of that length run
-    (:meth:`SlotEngine.warm <thoughtjax.serving.slots.SlotEngine.warm>`: every prefill batch size, every decode
-    width, the prefix cache's cut and reuse), holding a lease meanwhile so it is not evicted. Returns its driver.
+    ``model``'s path joins, and compile what its requests run (:meth:`SlotEngine.warm
+    <thoughtjax.serving.slots.SlotEngine.warm>`: the chunked prefill of every number of rows, every decode width,
+    the prefix cache's cut and reuse), holding a lease meanwhile so it is not evicted. Returns its driver.
     Blocks for the compiles (seconds per program); belongs on a worker thread."""
     driver = self.lease(model, prompt_tokens + max_tokens)
     try:
-      driver.engine.warm(prompt_tokens)
+      driver.engine.warm()
     finally:
       self.give_back(driver)
     return driver

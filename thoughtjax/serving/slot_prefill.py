@@ -44,25 +44,25 @@ class SlotPrefill:
     return grammars_for(self.model.codec, self.cfg.vocab_size)
 
   def group(self, prompt_ids: Sequence[int], scope: str = "") -> tuple:
-    """The prefill program a prompt would go through now: ("whole", prompt bucket), or ("rest", bucket of the
-    tokens after its cached prefix) when the prefix cache holds some of it. Requests of one group share a prefill
-    call (:class:`~thoughtjax.serving.driver.SlotDriver`, :meth:`SlotEngine.insert_batch <thoughtjax.serving.slots.SlotEngine.insert_batch>`); a peek, nothing is counted."""
-    n = len(prompt_ids)
-    cache = self.prefix_cache
-    have = 0 if cache is None else cache.peek(prompt_ids, self._reuse_limit(prompt_ids, scope), scope)
-    return ("rest", bucket(n - have)) if have else ("whole", bucket(n))
+    """The prefill call a prompt would go through now: ("from", tokens of it the prefix cache gives, 0 on a miss).
+    Requests of one group share a prefill call (:class:`~thoughtjax.serving.driver.SlotDriver`,
+    :meth:`SlotEngine.insert_batch <thoughtjax.serving.slots.SlotEngine.insert_batch>`), whatever their lengths; a
+    peek, nothing is counted."""
+    return ("from", self._reuse(prompt_ids, scope))
 
-  def _reuse_limit(self, ids: Sequence[int], scope: str) -> int:
-    """The most prompt tokens a prefix-cache hit may reuse: all but the last (the first token comes from a forward
-    over it), and none when the prefix cached now would not shrink the prefill's bucket (the call would cost the
-    same, in a program of its own, split from the batch's other prefills)."""
-    n = len(ids)
+  def _reuse(self, ids: Sequence[int], scope: str) -> int:
+    """The prompt tokens a prefix-cache hit reuses (whole blocks): at most all but the last (the first token comes
+    from a forward over it), and none when the prefix cached now would not save a prefill chunk (the call would
+    cost the same, split from the batch's other prefills)."""
+    if self.prefix_cache is None:
+      return 0
+    n, C = len(ids), self.program.prefill_tokens
     have = self.prefix_cache.peek(ids, n - 1, scope)
-    return n - 1 if have and bucket(n - have) < bucket(n) else 0
+    return have if have and -(-(n - have) // C) < -(-n // C) else 0
 
   def run(self, reqs: Sequence[SlotRequest]) -> list[Prefilled]:
-    """The prefill of ``reqs``: one program call for those whose prompt starts with a cached prefix (only the
-    rest is computed), one for the others; then each prompt's new full blocks go into the prefix cache. Every
+    """The prefill of ``reqs``: one chunked prefill for those whose prompts start with cached prefixes of one length
+    (only the rest is computed), one for the others; then each prompt's new full blocks go into the prefix cache. Every
     constraint gives its first mask before any call: :class:`ConstraintsRefused` names those that cannot, with
     nothing of any request changed."""
     constrained = any(r.matcher is not None for r in reqs)
@@ -77,51 +77,38 @@ class SlotPrefill:
       raise ConstraintsRefused(refused)
     cache = self.prefix_cache
     if cache is None:
-      return self._call(reqs, None)
-    chains = [cache.lookup(r.ids, self._reuse_limit(r.ids, r.scope), r.scope) for r in reqs]
-    for r, chain in zip(reqs, chains, strict=True):
-      r.trace.prefix_cache_tokens = len(chain) * cache.block_tokens
+      return self._call(reqs, 0, ())
+    chains = [cache.lookup(r.ids, self._reuse(r.ids, r.scope), r.scope) for r in reqs]
     out: list[Prefilled | None] = [None] * len(reqs)
-    for part in ([i for i, c in enumerate(chains) if c], [i for i, c in enumerate(chains) if not c]):
-      if part:
-        got = self._call([reqs[i] for i in part], [chains[i] for i in part] if chains[part[0]] else None)
-        for i, pre in zip(part, got, strict=True):
-          out[i] = pre
+    for have in sorted({len(c) * cache.block_tokens for c in chains}):
+      part = [i for i, c in enumerate(chains) if len(c) * cache.block_tokens == have]
+      for i in part:
+        reqs[i].trace.prefix_cache_tokens = have
+      got = self._call([reqs[i] for i in part], have, [chains[i] for i in part] if have else ())
+      for i, pre in zip(part, got, strict=True):
+        out[i] = pre
     self._keep_prefixes(out)
     return out
 
   def _keep_prefixes(self, pres: Sequence[Prefilled]) -> None:
-    """Put each prompt's full blocks not cached yet into the prefix cache (one cut per prefill call)."""
+    """Put each prompt's full blocks not cached yet into the prefix cache."""
     cache, B = self.prefix_cache, self.prefix_cache.block_tokens
-    cut: dict[int, jax.Array] = {}
     for pre in pres:
       first, full = cache.first_missing(pre.ids, pre.scope), len(pre.ids) // B
-      if first >= full:
-        continue
-      key = id(pre.kv)
-      if key not in cut:
-        P, _, T, _ = next(k for layer, (k, _) in zip(self.layers, pre.kv, strict=True) if layer >= 0).shape
-        pad = np.full(P, T, np.int32)
-        for q in pres:
-          if q.kv is pre.kv:
-            pad[q.row] = T - len(q.ids)
-        cut[key] = self.program.blocks(pre.kv, jnp.asarray(pad), B)
-      arrays = [block_at(cut[key], jnp.int32(pre.row), jnp.int32(j)) for j in range(first, full)]
-      cache.add(pre.ids, first, arrays, pre.scope)
+      if first < full:
+        row = jnp.int32(pre.row)
+        cache.add(
+          pre.ids, first, [self.program.block(pre.kv, row, jnp.int32(j), B) for j in range(first, full)], pre.scope
+        )
 
-  def _call(self, reqs: Sequence[SlotRequest], chains: Sequence[list] | None) -> list[Prefilled]:
-    """One prefill program call for ``reqs``: whole prompts (``chains`` None), or each prompt after its cached
-    prefix (``chains[p]``: its blocks' keys)."""
+  def _call(self, reqs: Sequence[SlotRequest], start: int, chains: Sequence[list]) -> list[Prefilled]:
+    """One chunked prefill (:meth:`SlotProgram.prefill_prompts
+    <thoughtjax.serving.slot_program.SlotProgram.prefill_prompts>`) of ``reqs``, rows padded to a power of two:
+    whole prompts (``start`` 0), or each prompt from ``start`` on, its first ``start`` tokens' keys given by its
+    cached blocks (``chains[p]``)."""
     n = len(reqs)
-    have = [0] * n if chains is None else [len(c) * self.prefix_cache.block_tokens for c in chains]
-    T = bucket(max(len(r.ids) - h for r, h in zip(reqs, have, strict=True)))
     P = bucket(n, 1)
-    tokens = np.zeros((P, T), np.int32)
-    pad = np.full(P, T - 1, np.int32)  # padding rows: one token, inert
-    for p, (r, h) in enumerate(zip(reqs, have, strict=True)):
-      rest = r.ids[h:]
-      tokens[p, T - len(rest) :] = rest
-      pad[p] = T - len(rest)
+    prompts = [r.ids for r in reqs] + [[0]] * (P - n)  # padding rows: one token, inert
     params = [r.params for r in reqs]
     has_bias = any(p.logit_bias for p in params)
     samp = sampling_arrays(params, P, self.cfg.vocab_size, self.stop_width, self.model.codec.eos_ids, has_bias)
@@ -133,20 +120,9 @@ class SlotPrefill:
       samp = samp._replace(allowed=jax.device_put(words))
     started = time.perf_counter()
     with COMPILE_CLOCK.measure() as compiled:
-      if chains is None:
-        kv, token, done = self.program.prefill_rows(
-          self.parts, jnp.asarray(tokens), jnp.asarray(pad), samp, program_mode(params)
-        )
-      else:
-        kv, token, done = self.program.prefill_after(
-          self.parts,
-          self.prefix_rows(chains, P),
-          jnp.asarray(tokens),
-          jnp.asarray(pad),
-          jnp.asarray(np.array(have + [0] * (P - n), np.int32)),
-          samp,
-          program_mode(params),
-        )
+      kv, token, done = self.program.prefill_prompts(
+        self.parts, prompts, samp, program_mode(params), start=start, prefix=chains
+      )
       done = jax.device_get(done)
     if masked:
       first_tokens = jax.device_get(token)
@@ -177,65 +153,17 @@ class SlotPrefill:
       )
     return out
 
-  def prefix_rows(self, chains: Sequence[list], P: int) -> tuple:
-    """The block arrays of a :meth:`SlotProgram._prefill_after_impl` call: P rows of NB blocks (NB: the longest
-    chain's block bucket), each row's chain right-aligned after zero blocks."""
-    if self._zero_block is None:
-      # Made like a cached block (committed to its device where those are), so a call's arguments keep one
-      # signature however many of its rows are padding: a fresh array would be uncommitted and compile anew.
-      self._zero_block = jnp.zeros_like(next(b for c in chains for b in c))
-    B = self.prefix_cache.block_tokens
-    NB = bucket(max(len(c) for c in chains) * B, B) // B
-    rows = [*chains, *([[]] * (P - len(chains)))]
-    return tuple(a for c in rows for a in [self._zero_block] * (NB - len(c)) + list(c))
-
-  def repeat_hit(self, prompt_len: int) -> tuple[int, int] | None:
-    """(tokens reused, rest's bucket) of a prompt of ``prompt_len`` tokens whose prefix is cached, or None when
-    the engine keeps no prefix cache or such a hit is not taken (:meth:`_reuse_limit`)."""
-    if self.prefix_cache is None or prompt_len < 2:
-      return None
-    have = (prompt_len - 1) // self.prefix_cache.block_tokens * self.prefix_cache.block_tokens
-    if not have or bucket(prompt_len - have) >= bucket(prompt_len):
-      return None
-    return have, bucket(prompt_len - have)
-
-  def warm(self, prompt_len: int, P: int, mode: SamplingMode, bias: bool, insert: Callable[..., None]) -> None:
-    """Compile the prefill of ``P`` prompts of ``prompt_len`` tokens (its bucket) in ``mode``, with or without a
-    logit bias; with a prefix cache, also the cut of their blocks into it and the prefill after the prefix such a
-    prompt reuses when it comes again (:meth:`repeat_hit`). ``insert(kv, token)`` gets each call's keys (the
-    engine compiles their insert)."""
-    T = bucket(prompt_len)
+  def warm(self, P: int, mode: SamplingMode, bias: bool, insert: Callable[..., None]) -> None:
+    """Compile the prefill of ``P`` prompts (any lengths: one chunk program serves them) in ``mode``, with or
+    without a logit bias; with a prefix cache, also the cut of a prompt's blocks into it and the writing of cached
+    blocks before a prefill. ``insert(kv, token)`` gets the call's keys (the engine compiles their insert)."""
     params = SamplingParams()  # the mode and the bias's presence, not the settings, shape the program
     samp = sampling_arrays([params] * P, P, self.cfg.vocab_size, self.stop_width, self.model.codec.eos_ids, bias)
-    # From host arrays, as requests come: the transfer of each shape is compiled too.
-    tokens, pad = jnp.asarray(np.zeros((P, T), np.int32)), jnp.asarray(np.full((P,), T - 1, np.int32))
-    kv, token, _ = self.program.prefill_rows(self.parts, tokens, pad, samp, mode)
+    kv, token, _ = self.program.prefill_prompts(self.parts, [[0]] * P, samp, mode)
+    if self.prefix_cache is not None and self.prefix_cache.block_tokens < self.program.cache_len:
+      # A new prompt's blocks are cut from its prefill's keys into the cache, and written back before a prefill
+      # that reuses them.
+      B = self.prefix_cache.block_tokens
+      block = self.program.block(kv, jnp.int32(0), jnp.int32(0), B)
+      self.program.prefill_prompts(self.parts, [[0] * (B + 1)] * P, samp, mode, start=B, prefix=[[block]] * P)
     insert(kv, token)
-    if self.prefix_cache is None:
-      return
-    # A new prompt's blocks are cut from its prefill's keys into the cache.
-    block = block_at(self.program.blocks(kv, pad, self.prefix_cache.block_tokens), jnp.int32(0), jnp.int32(0))
-    hit = self.repeat_hit(prompt_len)
-    if hit is None:
-      return
-    have, Ts = hit
-    # Cached blocks as the cache holds them: outputs of block_at, placed on the device, which a program call takes
-    # as a committed argument (a fresh array is not, and would compile a program of its own).
-    blocks = [block] * (have // self.prefix_cache.block_tokens)
-    kv, token, _ = self.program.prefill_after(
-      self.parts,
-      self.prefix_rows([blocks] * P, P),
-      jnp.asarray(np.zeros((P, Ts), np.int32)),
-      jnp.asarray(np.full((P,), Ts - (prompt_len - have), np.int32)),
-      jnp.asarray(np.full((P,), have, np.int32)),
-      samp,
-      mode,
-    )
-    insert(kv, token)
-
-
-@jax.jit
-def block_at(blocks: jax.Array, row: jax.Array, j: jax.Array) -> jax.Array:
-  """Block ``j`` of row ``row`` of a :meth:`SlotProgram._blocks_impl` cut, as its own array (one program per cut
-  shape, whatever the indices)."""
-  return jax.lax.dynamic_index_in_dim(jax.lax.dynamic_index_in_dim(blocks, row, 0, False), j, 0, False)

@@ -16,6 +16,7 @@ from thoughtjax.decode import program as program_lib
 from thoughtjax.decode import state as state_lib
 from thoughtjax.decode.interface import DecodeInputs, DecodeKey, DecodeProgram, Tokens
 from thoughtjax.decode.state import DecodeState
+from thoughtjax.defaults import DEFAULT_PREFILL_CHUNK
 from thoughtjax.sampling import (
   SamplingArrays,
   SamplingMode,
@@ -33,6 +34,7 @@ class SlotKey(DecodeKey):
   cache_len: int
   chunk: int
   kernels: str | None
+  prefill: int = DEFAULT_PREFILL_CHUNK  # prompt tokens per prefill chunk (at most the ring's length)
 
 
 class SlotProgram(DecodeProgram):
@@ -41,7 +43,7 @@ class SlotProgram(DecodeProgram):
   It is the decode program interface (:class:`~thoughtjax.decode.interface.DecodeProgram`) over N slots:
   :meth:`prefill` puts N prompts into the N slots, :meth:`advance` runs a decode chunk of every slot in use,
   :meth:`read` gives each slot's tokens; a :class:`~thoughtjax.serving.slots.SlotEngine` uses the same executables piecewise
-  (``prefill_rows`` of waiting requests apart, ``insert`` into a free slot, ``chunk`` / ``chunk_rows``) so
+  (``prefill_prompts`` of waiting requests apart, ``insert`` into a free slot, ``chunk`` / ``chunk_rows``) so
   requests join and leave between chunks."""
 
   def __init__(self, key: SlotKey, defs: GraphDefs, cfg):
@@ -50,9 +52,11 @@ class SlotProgram(DecodeProgram):
     self.init = jax.jit(self._init_impl)
     self.chunk = jax.jit(self._chunk_impl, static_argnums=(4,), donate_argnums=(2,))
     self.chunk_rows = jax.jit(self._chunk_rows_impl, static_argnums=(5,), donate_argnums=(2,))
-    self.prefill_rows = jax.jit(self._prefill_impl, static_argnums=(4,))
-    self.prefill_after = jax.jit(self._prefill_after_impl, static_argnums=(6,))
-    self.blocks = jax.jit(self._blocks_impl, static_argnums=(2,))
+    self.prefill_tokens = min(key.prefill, key.cache_len)
+    self.scratch = jax.jit(self._scratch_impl, static_argnums=(0,))
+    self.put_block = jax.jit(self._put_block_impl, donate_argnums=(0,))
+    self.prefill_chunk = jax.jit(self._prefill_chunk_impl, static_argnums=(8,), donate_argnums=(1,))
+    self.block = jax.jit(self._block_impl, static_argnums=(3,))
     self.insert = jax.jit(self._insert_impl, donate_argnums=(0,))
 
   # ---- traced code (under jit) -------------------------------------------------------------------
@@ -66,20 +70,48 @@ class SlotProgram(DecodeProgram):
     return program_lib.on_device_of(self.init(), parts)
 
   def prefill(self, inputs: DecodeInputs, state: DecodeState) -> DecodeState:
-    """The N prompts of ``inputs`` ([N, T], left-padded) prefilled in one call, prompt p into slot p at the
+    """The N prompts of ``inputs`` ([N, T], left-padded) prefilled together, prompt p into slot p at the
     cursor; ``inputs.mode`` is their sampling mode, ``inputs.samp`` has N rows (a slot's prompt + max_tokens
     must fit the ring). ``state`` is donated."""
-    tokens = inputs.prompt
+    tokens = np.asarray(jax.device_get(inputs.prompt))
     P, T = tokens.shape
     if P != self.slots or inputs.mode is None:
       raise SlotRequestError(f"a slot program's prefill takes {self.slots} prompts and a sampling mode; got {P}")
-    kv, token, done = self.prefill_rows(inputs.parts, tokens, inputs.pad, inputs.samp, inputs.mode)
-    lengths = T - np.asarray(jax.device_get(inputs.pad))
+    pad = np.asarray(jax.device_get(inputs.pad))
+    prompts = [tokens[p, pad[p] :].tolist() for p in range(P)]
+    kv, token, done = self.prefill_prompts(inputs.parts, prompts, inputs.samp, inputs.mode)
     one = jnp.int32(1)
     for p in range(P):
       p_ = jnp.int32(p)
-      state = self.insert(state, kv, p_, p_, jnp.int32(lengths[p]), token, (done[p], one))
+      state = self.insert(state, kv, p_, p_, jnp.int32(len(prompts[p])), token, (done[p], one))
     return state
+
+  def prefill_prompts(self, parts, prompts, samp: SamplingArrays, mode: SamplingMode, *, start: int = 0, prefix=()):
+    """The chunked prefill of P prompts (``prompts``: P token-id lists, each at least one token and at most the
+    ring's length): each row's key i at index i of its prefill caches, computed ``prefill_tokens`` positions at a
+    time from ``start`` on, every row in each chunk; the keys of [0, start) come from ``prefix`` (per row, its
+    cached blocks, first block first). Returns (caches [P, K, S, E] per path block, first tokens [P], stopped
+    [P]). One program per number of rows, whatever the prompts' lengths: a chunk past the ring's end is moved
+    back to end there (it recomputes keys it already has)."""
+    P, S, C = len(prompts), self.cache_len, self.prefill_tokens
+    lengths = np.array([len(ids) for ids in prompts], np.int32)
+    tokens = np.zeros((P, S), np.int32)
+    for p, ids in enumerate(prompts):
+      tokens[p, : len(ids)] = ids
+    scratch = self.scratch(P)
+    for p, blocks in enumerate(prefix):
+      for j, block in enumerate(blocks):
+        scratch = self.put_block(scratch, block, jnp.int32(p), jnp.int32(j))
+    n = jnp.asarray(lengths)
+    token, stop = jnp.zeros(P, jnp.int32), jnp.zeros(P, bool)
+    at = start
+    while at < lengths.max():
+      a = min(at, S - C)
+      scratch, token, stop = self.prefill_chunk(
+        parts, scratch, jnp.asarray(tokens[:, a : a + C]), jnp.int32(a), n, token, stop, samp, mode
+      )
+      at = a + C
+    return scratch, token, stop
 
   def advance(self, inputs: DecodeInputs, state: DecodeState) -> DecodeState:
     """One decode chunk of every slot still running (``state`` donated)."""
@@ -137,76 +169,64 @@ class SlotProgram(DecodeProgram):
     got = jnp.take_along_axis(state.out, jnp.minimum(start[:, None] + j, S - 1), axis=1)
     return state, jnp.where(j < (state.count - start)[:, None], got, -1), steps
 
-  def _prefill_impl(self, parts, tokens, pad, samp: SamplingArrays, mode: SamplingMode):
-    """The prefill of P left-padded prompts [P, T] (row p's prompt in [pad[p], T)): per path block (k, v)
-    [P, K, T, E], each row's first token [P] and whether it stopped there [P]. Positions, mask and sampling are
-    those of the alone run's prefill (:class:`~thoughtjax.decode.program.Program`); the head sees only the last
-    position, the one the first token comes from."""
-    embed, blocks, head = merge_path(self.defs, parts, self.layers)
-    P, T = tokens.shape
-    positions, mask = layout.prefill(pad, T, T)
-    caches = layout.empty_caches(self.cfg, self.layers, P, T)
-    zero = jnp.zeros((), jnp.int32)
-    logits, out = run_path(embed, blocks, head, tokens, positions, caches, zero, mask, last=True)
-    token, stop = sample(logits[:, -1], samp, zero, mode, self.kernels)
-    return tuple(out), token, stop | (samp.max_new <= 1)
+  def _scratch_impl(self, rows: int):
+    """Zero prefill caches for ``rows`` prompts: per path block (k, v) [rows, K, S, E] (S: the ring's length); a
+    prompt's key i goes to index i."""
+    return layout.empty_caches(self.cfg, self.layers, rows, self.cache_len)
 
-  def _prefill_after_impl(self, parts, prefix, tokens, pad, have, samp: SamplingArrays, mode: SamplingMode):
-    """The prefill of P prompts whose first ``have[p]`` tokens' keys are given: only the rest is computed.
-
-    prefix: P * NB block arrays [L, 2, K, B, E] (L: the path's blocks with keys), row p's NB blocks in a row,
-    its cached prefix right-aligned (zero blocks before it); tokens [P, Ts] the rest of each prompt, left-padded
-    (row p's in [pad[p], Ts)). The prefix keys sit at [Sp - have, Sp) of a [P, K, Sp + Ts, E] cache (Sp = NB * B)
-    and the rest is written at [Sp, Sp + Ts), at RoPE positions have, have + 1, ...; each query sees its row's
-    prefix and its own tokens up to itself. Returns what :meth:`_prefill_impl` returns, the keys moved to its
-    layout (each row's whole prompt left-padded, ending at Sp + Ts), so :meth:`_insert_impl` takes them as they are.
-    """
-    embed, blocks, head = merge_path(self.defs, parts, self.layers)
-    P, Ts = tokens.shape
-    NB = len(prefix) // P
-    L, _, K, B, E = prefix[0].shape
-    Sp = NB * B
-    S = Sp + Ts
-    # [P * NB, L, 2, K, B, E] -> [L, 2, P, K, Sp, E]
-    pre = jnp.stack(prefix).reshape(P, NB, L, 2, K, B, E).transpose(2, 3, 0, 4, 1, 5, 6).reshape(L, 2, P, K, Sp, E)
-    rest = jnp.zeros((P, K, Ts, E), pre.dtype)
-    caches, i = [], 0
-    for layer in self.layers:
+  def _put_block_impl(self, scratch, block, row, j):
+    """``scratch`` with cached prefix block ``j`` ([L, 2, K, B, E], L: the path's blocks with keys) written into
+    row ``row`` at indices [j * B, (j + 1) * B)."""
+    B = block.shape[3]
+    out, i = [], 0
+    for layer, (ck, cv) in zip(self.layers, scratch, strict=True):
       if layer < 0:  # a bridge keeps no keys
-        caches.append((jnp.zeros((P, 1, 1, 1)),) * 2)
+        out.append((ck, cv))
         continue
-      caches.append((jnp.concatenate([pre[i, 0], rest], axis=2), jnp.concatenate([pre[i, 1], rest], axis=2)))
+      at = (row, jnp.int32(0), j * B, jnp.int32(0))
+      out.append(
+        tuple(jax.lax.dynamic_update_slice(c, block[i, h][None].astype(c.dtype), at) for h, c in enumerate((ck, cv)))
+      )
       i += 1
-    positions, mask = layout.after_prefix(pad, have, Sp, Ts)
-    s = jnp.arange(S)
+    return tuple(out)
+
+  def _prefill_chunk_impl(self, parts, scratch, tokens, at, n, token, stop, samp: SamplingArrays, mode: SamplingMode):
+    """One prefill chunk of P prompts: ``tokens`` [P, C] are each row's prompt tokens at indices [at, at + C) of
+    its prefill caches ``scratch`` (donated; keys of [0, at) already there), at RoPE positions at, at + 1, ...;
+    each query sees its row's keys up to itself. A row whose prompt (``n`` [P] tokens) ends in this chunk gets its
+    first token sampled from its last position and whether it stopped there; the others keep ``token`` and
+    ``stop`` [P]. Returns (scratch, token, stop). Keys past a row's end are never read: its queries see only keys
+    before them, and an insert copies [0, n)."""
+    embed, blocks, head = merge_path(self.defs, parts, self.layers)
+    P, C = tokens.shape
+    slots = jnp.broadcast_to(at + jnp.arange(C, dtype=jnp.int32)[None, :], (P, C))
+    positions, mask = layout.steps_at(jnp.zeros(P, jnp.int32), slots, self.cache_len)
     x = embed(tokens)
     cfg = path_config(blocks)
     cos, sin = (None, None) if cfg is None else rope_tables(positions, cfg.head_dim, cfg.rope_theta)
     out = []
-    # Cache index t of the prefill layout holds the rest's key t when t >= Sp + pad, else the prefix's key t - pad.
-    src = jnp.where(s[None, :] >= (Sp + pad)[:, None], s[None, :], jnp.maximum(s[None, :] - pad[:, None], 0))
-    src = src[:, None, :, None]  # [P, 1, S, 1]
-    for layer, block, (ck, cv) in zip(self.layers, blocks, caches, strict=True):
-      x, ck, cv = block(x, cos, sin, ck, cv, jnp.int32(Sp), mask)
-      if layer >= 0:
-        ck, cv = jnp.take_along_axis(ck, src, axis=2), jnp.take_along_axis(cv, src, axis=2)
+    for block, (ck, cv) in zip(blocks, scratch, strict=True):
+      x, ck, cv = block(x, cos, sin, ck, cv, at, mask)
       out.append((ck, cv))
-    logits = head(x[:, -1:], embed.table[...])
-    token, stop = sample(logits[:, -1], samp, jnp.zeros((), jnp.int32), mode, self.kernels)
-    return tuple(out), token, stop | (samp.max_new <= 1)
+    last = jnp.clip(n - 1 - at, 0, C - 1)
+    logits = head(jnp.take_along_axis(x, last[:, None, None], axis=1), embed.table[...])
+    new, stopped = sample(logits[:, -1], samp, jnp.zeros((), jnp.int32), mode, self.kernels)
+    ends = (n - 1 >= at) & (n - 1 < at + C)
+    return tuple(out), jnp.where(ends, new, token), jnp.where(ends, stopped | (samp.max_new <= 1), stop)
 
-  def _blocks_impl(self, kv, pad, block_tokens: int):
-    """Each row's prompt keys from a prefill's ``kv`` (row p's prompt in [pad[p], T)) cut into blocks:
-    [P, T // B, L, 2, K, B, E] (B = ``block_tokens``; L: the path's blocks with keys), block j of row p holding
-    prompt positions [j * B, (j + 1) * B) (past the prompt's end: whatever the cache held)."""
-    real = [(k, v) for layer, (k, v) in zip(self.layers, kv, strict=True) if layer >= 0]
-    P, K, T, E = real[0][0].shape
+  def _block_impl(self, kv, row, j, block_tokens: int):
+    """Keys of prompt positions [j * B, (j + 1) * B) of row ``row`` of a prefill's ``kv`` (B = ``block_tokens``),
+    as one prefix-cache block [L, 2, K, B, E] (L: the path's blocks with keys)."""
     B = block_tokens
-    NB = T // B
-    src = jnp.clip(jnp.arange(NB * B)[None, :] + pad[:, None], 0, T - 1)[:, None, :, None]  # [P, 1, NB * B, 1]
-    moved = jnp.stack([jnp.stack([jnp.take_along_axis(a, src, axis=2) for a in pair]) for pair in real])
-    # [L, 2, P, K, NB * B, E] -> [P, NB, L, 2, K, B, E]
-    return moved.reshape(len(real), 2, P, K, NB, B, E).transpose(2, 4, 0, 1, 3, 5, 6)
+    real = [pair for layer, pair in zip(self.layers, kv, strict=True) if layer >= 0]
+    return jnp.stack(
+      [
+        jnp.stack(
+          [jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(a, row, 0, False), j * B, B, 1) for a in pair]
+        )
+        for pair in real
+      ]
+    )
 
   def _insert_impl(self, state: DecodeState, kv, slot, row, n, token, done_count) -> DecodeState:
     """Write row ``row`` of a prefill's keys (the prompt of ``n`` tokens) into ``slot``'s ring at absolute
@@ -221,7 +241,7 @@ class SlotProgram(DecodeProgram):
         caches.append((ck, cv))
         continue
       T = pk.shape[2]
-      src = jnp.clip(T - d, 0, T - 1)  # the prefill cache holds the prompt left-padded in [T - n, T)
+      src = jnp.clip(n - d, 0, T - 1)  # the prefill caches hold the prompt at [0, n)
       rows = []
       for pre in (pk, pv):
         one = jax.lax.dynamic_index_in_dim(pre, row, 0, keepdims=False)  # [K, T, E]
@@ -240,10 +260,14 @@ class SlotProgram(DecodeProgram):
     )
 
 
-def slot_program(defs, cfg, layers, slots, cache_len, chunk, kernels) -> SlotProgram:
+def slot_program(
+  defs, cfg, layers, slots, cache_len, chunk, kernels, prefill: int = DEFAULT_PREFILL_CHUNK
+) -> SlotProgram:
   """The slot program of this layout from the process's one program cache (:data:`thoughtjax.decode.program.PROGRAMS`):
   a new engine of the same layout compiles nothing.
 
   Keyed by the path's shape (:func:`~thoughtjax.transformer.path_shape`): it runs any path of that shape on the
   path's parts :meth:`~thoughtjax.transformer.PathParts.by_position`."""
-  return program_lib.PROGRAMS.get(SlotKey(tuple(layers), slots, cache_len, chunk, kernels), defs, cfg, SlotProgram)
+  return program_lib.PROGRAMS.get(
+    SlotKey(tuple(layers), slots, cache_len, chunk, kernels, prefill), defs, cfg, SlotProgram
+  )

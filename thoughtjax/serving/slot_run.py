@@ -39,7 +39,7 @@ class Prefilled:
 
   ids: list[int]
   params: SamplingParams
-  kv: tuple  # per path block: (k, v) [P, K, T, E], row ``row``'s prompt left-padded in [:, :, T - n:]
+  kv: tuple  # per path block: (k, v) [P, K, S, E], row ``row``'s prompt key i at index i
   token: jax.Array  # [P] i32, each row's first token
   done: bool
   count: int

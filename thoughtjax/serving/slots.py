@@ -9,25 +9,27 @@ Or with a :class:`~thoughtjax.serving.driver.SlotDriver`, a thread that prefills
 any slot is in use: ``driver.submit(ids, params)`` returns a :class:`SlotRun` at once, to iterate (deltas as they
 are produced) or ``cancel()`` from any thread.
 
-Prefill: requests waiting at the same moment are prefilled together, in one call of the engine's prefill program
-(:meth:`SlotEngine.prefill_batch`: prompts left-padded to their shared prompt bucket T, rows padded to a power of
-two P, one [P, T] program call; only the last position goes through the head), and each row's keys are written
-into its own slot. A request's prefill is computed as in its alone run (same left padding, positions, mask and
-first-token sampling), so its first token and keys are the alone run's. :meth:`SlotEngine.prefill` takes no slot
+Prefill: requests waiting at the same moment are prefilled together, whatever their lengths
+(:meth:`SlotEngine.prefill_batch`), in chunks of ``prefill_chunk`` prompt tokens
+(:meth:`SlotProgram.prefill_prompts <thoughtjax.serving.slot_program.SlotProgram.prefill_prompts>`): rows padded to a
+power of two P, row p's key i written at index i of [P, K, S, E] prefill caches (S: the ring's length), each chunk
+one call of one program per P; a row's first token is sampled from its last prompt position, in the chunk where its
+prompt ends. So the prefill programs are a fixed few (one per P), compiled by :meth:`SlotEngine.warm` before any
+request. A request's prefill computes the keys and first token of its alone run (same positions, causal mask and
+first-token sampling, up to float rounding). :meth:`SlotEngine.prefill` takes no slot
 and touches no engine state (any thread); :meth:`SlotEngine.insert` writes the keys into a free slot and the
 request joins at the next decode chunk. A server splits insert in two: :meth:`SlotEngine.admit` hands out the
 prefill's token at once, :meth:`SlotEngine.place` takes the slot once the chunk running ends. A driver does all
-of it on its thread: ``driver.submit(ids, params)`` queues a request; between two decode chunks the driver runs at most one prefill call (every request waiting in the oldest one's prompt
-bucket, up to the free slots), so a running stream waits for at most one prefill between its chunks
-(``SlotRun.max_prefills_between_chunks``).
+of it on its thread: ``driver.submit(ids, params)`` queues a request; between two decode chunks the driver runs at
+most one prefill (every request waiting in the oldest one's prefill group, up to the free slots), so a running
+stream waits for at most one prefill between its chunks (``SlotRun.max_prefills_between_chunks``).
 
 Prefix cache (``prefix_cache=``, a :class:`~thoughtjax.serving.prefix.PrefixCache`; off by default, on in the
 server): after each prefill the prompt's full blocks of keys are kept by token prefix; a later prompt that starts
 with cached blocks (at most its length - 1 tokens: the first token still comes from a forward over the prompt's
-last token) prefills only the rest (:meth:`SlotProgram._prefill_after_impl`: the cached keys stay where the
-prefill would have put them, the rest attends to them at the positions that follow), one program per (rows,
-prefix bucket, rest bucket) like the whole prompt's. Requests waiting together are grouped by the program they
-need (:meth:`SlotEngine.prefill_group`); the trace's ``prefix_cache_tokens`` says how many tokens were reused.
+last token) gets them written into its prefill caches and prefills only the rest, from the first token after them,
+when that saves a chunk. Requests waiting together are grouped by the tokens they reuse
+(:meth:`SlotEngine.prefill_group`); the trace's ``prefix_cache_tokens`` says how many tokens were reused.
 Only prompt keys are cached, never generated ones.
 
 Decode: one program per (mode, bias on/off), compiled once per slot layout (:func:`slot_program`): up to ``chunk`` steps,
@@ -77,7 +79,7 @@ from thoughtjax.decode.masks import ALL
 from thoughtjax.decode.request import ModelRequest
 from thoughtjax.decode.state import DecodeState
 from thoughtjax.decode.stream import Delta, Rows, Trace
-from thoughtjax.defaults import DEFAULT_SLOT_CACHE_LEN
+from thoughtjax.defaults import DEFAULT_PREFILL_CHUNK, DEFAULT_SLOT_CACHE_LEN
 from thoughtjax.sampling import (
   SamplingArrays,
   SamplingMode,
@@ -108,6 +110,7 @@ class SlotEngine:
     chunk: int | None = None,
     stop_width: int = DEFAULT_STOP_WIDTH,
     prefix_cache: PrefixCache | None = None,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
   ):
     if slots < 1:
       raise SlotRequestError(f"slots must be >= 1, got {slots}")
@@ -115,8 +118,12 @@ class SlotEngine:
     self.cfg = model.config
     self.cache_len = int(min(cache_len or DEFAULT_SLOT_CACHE_LEN, self.cfg.max_context))
     self.chunk = int(chunk or model.chunk)
-    if self.chunk < 1 or self.cache_len < 2:
-      raise SlotRequestError(f"chunk must be >= 1 and cache_len >= 2, got chunk={self.chunk} cache_len={cache_len}")
+    if self.chunk < 1 or self.cache_len < 2 or prefill_chunk < 1:
+      raise SlotRequestError(
+        f"chunk and prefill_chunk must be >= 1 and cache_len >= 2, got chunk={self.chunk} "
+        f"prefill_chunk={prefill_chunk} cache_len={cache_len}"
+      )
+    self.prefill_chunk = int(prefill_chunk)
     self.stop_width, self.layers, self.kernels = stop_width, tuple(model.layers), model.kernels
     self.defs = GraphDefs.from_model(model.module)
     self.parts = model.parts.by_position(self.layers)  # the programs are keyed by the path's shape
@@ -143,7 +150,7 @@ class SlotEngine:
     self._modes = [SamplingMode.GREEDY] * N
     self._has_bias = [False] * N
     self._samp: tuple | None = None  # (has_bias, SamplingArrays) on the device, rebuilt after an insert
-    self.program = slot_program(self.defs, self.cfg, self.layers, self.slots, self.cache_len, self.chunk, self.kernels)
+    self.program = self._program(self.chunk)
     # Constrained slots: their grammar matchers, and the allowed-token masks of every slot. While any slot
     # holds a constrained request the engine steps one token per call (each mask depends on the token before).
     self._matchers: list[Matcher | None] = [None] * N
@@ -153,6 +160,12 @@ class SlotEngine:
     keyed = [i for i in self.layers if i >= 0]
     self.prefix_cache = prefix_cache if keyed else None
     self.prefiller = SlotPrefill(model, self.program, self.parts, stop_width, self.prefix_cache)
+
+  def _program(self, chunk: int) -> SlotProgram:
+    """The engine's slot program with ``chunk`` decode steps per call."""
+    return slot_program(
+      self.defs, self.cfg, self.layers, self.slots, self.cache_len, chunk, self.kernels, self.prefill_chunk
+    )
 
   # ---- host API ----------------------------------------------------------------------
   @property
@@ -262,20 +275,18 @@ class SlotEngine:
 
   def warm(
     self,
-    prompt_len: int,
     modes: Sequence[SamplingMode] = (SamplingMode.GREEDY,),
     biases: Sequence[bool] = (False, True),
   ) -> None:
-    """Compile what the first requests of ``prompt_len`` tokens run, so they compile nothing: in each mode, without
-    and with a logit bias, the prefill of every batch size (1, 2, 4, ... up to the slots) for prompts of that
-    length (its bucket) and the insert of their keys; the decode chunk at every width a chunk computes (1, 2, 4,
-    ... and all the slots), run with no slot active. With a prefix cache, also the cut of a new prompt's blocks
-    into the cache, and the prefill after the prefix that a prompt of that length reuses when it comes again (all
-    its full blocks but the last token's) with the insert of its keys."""
+    """Compile everything a request of any length the engine holds runs, so requests compile nothing: in each
+    mode, without and with a logit bias, the chunked prefill of every number of rows (1, 2, 4, ... up to the
+    slots) and the insert of their keys; the decode chunk at every width a chunk computes (1, 2, 4, ... and all the
+    slots), run with no slot active. With a prefix cache, also the cut of a prompt's blocks into the cache and
+    their writing back before a prefill that reuses them."""
     for mode, bias in ((m, b) for m in modes for b in biases):
       P = 1
       while True:
-        self.prefiller.warm(prompt_len, P, mode, bias, self._warm_insert)
+        self.prefiller.warm(P, mode, bias, self._warm_insert)
         if P >= self.slots:
           break
         P *= 2
@@ -538,7 +549,7 @@ class SlotEngine:
         self._words[b] = ALL
         refused.add(b)
         self._free(b, e)
-    program = slot_program(self.defs, self.cfg, self.layers, self.slots, self.cache_len, 1, self.kernels)
+    program = self._program(1)
     return program, samp._replace(allowed=jax.device_put(self._words)), refused
 
   def fail(self, error: BaseException) -> None:
