@@ -39,7 +39,9 @@ def test_warm_hints_compile_the_slot_engine_so_requests_of_any_length_alone_and_
   T, n = len(synthesizer.prompt_ids(LONG + " and then")), 12
   assert T > 64
   warm = WarmConfig(hints=(HINT,), prompt_tokens=(T,), max_tokens=(n,))
-  cfg = config(scheduler="continuous", max_concurrent=3, warm=warm, prefix_cache=PrefixCacheConfig(max_mb=8, report_reuse=True))
+  cfg = config(
+    scheduler="continuous", max_concurrent=3, warm=warm, prefix_cache=PrefixCacheConfig(max_mb=8, report_reuse=True)
+  )
   with BackgroundServer(synthesizer, cfg, timeout=300) as srv:
     wait_ready(srv)
     pool = srv.app.service.scheduler.pool
