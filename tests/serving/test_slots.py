@@ -232,11 +232,12 @@ def test_requests_arriving_together_are_prefilled_in_one_chunked_call_whatever_t
     assert run.token_ids == alone(model, p, **_kw(params)).token_ids and run.finish_reason == "length"
 
 
-def test_the_driver_prefills_waiting_requests_together_and_a_stream_waits_at_most_one_prefill(model, engine):
+def test_the_driver_prefills_waiting_requests_together_and_a_stream_waits_at_most_one_prefill_chunk(model):
   """The driver is held inside a decode chunk while five requests of 3 to 40 tokens are submitted, one cancelled
   while it waits. Released, it prefills the first two together (two slots are free), the others once slots free,
-  never two prefill calls between two decode chunks of the running stream; the cancelled one ends without a
-  prefill or a slot; every other request gives its alone tokens."""
+  in chunks of 8 prompt tokens, never two prefill chunks between two decode chunks of the running stream; the
+  cancelled one ends without a prefill or a slot; every other request gives its alone tokens."""
+  engine = SlotEngine(model, slots=SLOTS, cache_len=64, prefill_chunk=8)
   driver = SlotDriver(engine)
   inside, gate = threading.Event(), threading.Event()
   seen = []
@@ -250,7 +251,7 @@ def test_the_driver_prefills_waiting_requests_together_and_a_stream_waits_at_mos
   try:
     long = driver.submit([9, 9, 9], SamplingParams(max_tokens=60, ignore_eos=True), on_delta=hold)
     assert inside.wait(60)
-    rows = engine.prefill_rows
+    rows, prefills, chunks = engine.prefill_rows, engine.prefill_calls, engine.prefill_chunks
     reqs = [
       (PROMPTS[0], SamplingParams(max_tokens=6, ignore_eos=True)),
       (PROMPTS[3], SamplingParams(max_tokens=6, ignore_eos=True)),
@@ -271,6 +272,7 @@ def test_the_driver_prefills_waiting_requests_together_and_a_stream_waits_at_mos
     gate.set()
     driver.close()
   assert [r.prefill_batch for r in runs[:2]] == [2, 2] and engine.prefill_rows - rows == 4
+  assert engine.prefill_chunks - chunks >= (engine.prefill_calls - prefills) + 4  # the 40-token prompt: 5 chunks
   assert dropped.prefill_batch is None and dropped.slot is None and dropped.token_ids == []
   assert (
     long.max_prefills_between_chunks == 1 and long.token_ids == alone(model, [9, 9, 9], **_kw(long.params)).token_ids

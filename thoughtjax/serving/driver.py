@@ -1,6 +1,6 @@
 """The thread that drives a :class:`~thoughtjax.serving.slots.SlotEngine`: :class:`SlotDriver` queues requests
-from any thread, prefills those waiting between two decode chunks (at most one prefill call between chunks) and
-steps while any slot is in use; :func:`generate_in_slots` runs a list of requests through one engine and
+from any thread, prefills those waiting one prefill chunk at a time between two decode chunks, and steps while any
+slot is in use; :func:`generate_in_slots` runs a list of requests through one engine and
 returns their runs."""
 
 from __future__ import annotations
@@ -15,16 +15,19 @@ from thoughtjax.sampling import (
   SamplingParams,
 )
 from thoughtjax.serving.errors import ConstraintsRefused, SlotRequestError, SlotsClosed
+from thoughtjax.serving.slot_prefill import PrefillJob
 from thoughtjax.serving.slot_run import Prefilled, SlotRun
 from thoughtjax.serving.slots import SlotEngine
 
 
 class SlotDriver:
   """A thread that runs one :class:`SlotEngine`: it prefills the requests waiting (``submit``), places them in
-  free slots and steps while any slot is in use (idle otherwise). A prefill call takes every waiting request in
-  the oldest one's prompt bucket, up to the free slots; waiting requests beyond the free slots stay queued in
-  order. Between two decode chunks it runs at most ``prefills_between_chunks`` prefill calls while slots are in
-  use (a call when none is, e.g. the first of a burst, makes nobody wait)."""
+  free slots and steps while any slot is in use (idle otherwise). A prefill takes every waiting request in the
+  oldest one's prefill group (:meth:`SlotEngine.prefill_group`), up to the free slots; waiting requests beyond the
+  free slots stay queued in order. A prefill runs chunk by chunk (:meth:`SlotEngine.prefill_job`): between two
+  decode chunks the driver runs at most ``prefills_between_chunks`` prefill chunks while slots are in use, so a
+  long prompt never stalls the streams for more than that (chunks run back to back when no slot is in use, e.g.
+  the first prefill of a burst)."""
 
   def __init__(self, engine: SlotEngine, prefills_between_chunks: int = 1):
     if prefills_between_chunks < 1:
@@ -128,30 +131,30 @@ class SlotDriver:
     return dropped, batch
 
   def _loop(self) -> None:
-    stalls = 0  # prefill calls since the last chunk that made slots in use wait
+    stalls = 0  # prefill chunks since the last decode chunk that made slots in use wait
+    job: tuple[list[SlotRun], PrefillJob] | None = None  # the prefill under way: its runs and its chunks
     while True:
       with self._cond:
-        self._cond.wait_for(lambda: self._closed or self.engine.active > 0 or bool(self._pending))
+        if job is None:
+          self._cond.wait_for(lambda: self._closed or self.engine.active > 0 or bool(self._pending))
         if self._closed:
+          if job is not None:
+            self._prefilling = 0
+            for run in job[0]:
+              run.abandon(SlotsClosed(f"the slot driver of path {self.engine.model.path!r} was closed"))
           return
         dropped, batch = [], []
-        if stalls < self.prefills_between_chunks or not self.engine.active:
+        prefill = stalls < self.prefills_between_chunks or not self.engine.active
+        if prefill and job is None:
           dropped, batch = self._take()
           self._prefilling = len(batch)
       for run in dropped:
         run.abandon()
       if batch:
+        job = self._begin(batch)
+      if job is not None and prefill:
         stalls += self.engine.active > 0
-        try:
-          self._start(batch)
-        except BaseException as e:  # the batch's requests get the error; those in slots go on
-          self.error = e
-          for run in batch:
-            if not run.finished and run.slot is None:
-              run.abandon(e)
-        finally:
-          with self._cond:
-            self._prefilling = 0
+        job = self._advance(*job)
       elif self.engine.active:
         try:
           self.engine.step()
@@ -160,12 +163,11 @@ class SlotDriver:
           self.engine.fail(e)
         stalls = 0
 
-  def _start(self, batch: list[SlotRun]) -> None:
-    """One prefill call for ``batch``, each run's first token out, then each into a free slot. A run whose
-    constraint cannot give its first mask ends with that error; the others are prefilled without it."""
-    engine = self.engine
+  def _begin(self, batch: list[SlotRun]) -> tuple[list[SlotRun], PrefillJob] | None:
+    """The prefill of ``batch`` (:meth:`SlotEngine.prefill_job`), not run yet. A run whose constraint cannot give
+    its first mask ends with that error; the others are prefilled without it. None when none is left."""
     try:
-      pres = engine.prefill_runs(batch)
+      return batch, self.engine.prefill_job(batch)
     except ConstraintsRefused as e:
       errors = {id(m): err for m, err in e.refused}
       rest = []
@@ -175,15 +177,40 @@ class SlotDriver:
           rest.append(run)
         else:
           run.abandon(err)
-      if rest and len(rest) < len(batch):
-        self._start(rest)
-      elif rest:
-        raise
-      return
-    for run, pre in zip(batch, pres, strict=True):
-      engine.deliver(run, pre)
-    for run, pre in zip(batch, pres, strict=True):
-      engine.place(run, pre)
+      if not rest or len(rest) == len(batch):
+        self._failed(batch, e if rest else None)
+        return None
+      return self._begin(rest)
+    except BaseException as e:
+      self._failed(batch, e)
+      return None
+
+  def _advance(self, batch: list[SlotRun], job: PrefillJob) -> tuple[list[SlotRun], PrefillJob] | None:
+    """Run the next chunk of ``job``; at its end, each run's first token out, then each into a free slot. None
+    once it ended (or failed: its runs get the error; those in slots go on)."""
+    try:
+      if not job.advance():
+        return batch, job
+      for run, pre in zip(batch, job.result, strict=True):
+        self.engine.deliver(run, pre)
+      for run, pre in zip(batch, job.result, strict=True):
+        self.engine.place(run, pre)
+    except BaseException as e:
+      self._failed(batch, e)
+      return None
+    with self._cond:
+      self._prefilling = 0
+    return None
+
+  def _failed(self, batch: list[SlotRun], error: BaseException | None) -> None:
+    """End the runs of a prefill that failed with ``error`` (None: they ended already) and forget it."""
+    if error is not None:
+      self.error = error
+      for run in batch:
+        if not run.finished and run.slot is None:
+          run.abandon(error)
+    with self._cond:
+      self._prefilling = 0
 
   def close(self) -> None:
     """Stop; runs still in a slot or waiting end with an error (nobody would step them again)."""

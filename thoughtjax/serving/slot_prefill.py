@@ -8,6 +8,7 @@ Prefilled`) into its slots. How a prefill is computed (left padding, the prefix 
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +24,7 @@ from thoughtjax.decode.program import bucket
 from thoughtjax.sampling import SamplingMode, SamplingParams, program_mode, sampling_arrays
 from thoughtjax.serving.errors import ConstraintsRefused
 from thoughtjax.serving.prefix import PrefixCache
-from thoughtjax.serving.slot_program import SlotProgram
+from thoughtjax.serving.slot_program import ChunkedPrefill, SlotProgram
 from thoughtjax.serving.slot_run import Prefilled, SlotRequest
 
 
@@ -36,6 +37,7 @@ class SlotPrefill:
     self.layers, self.stop_width, self.prefix_cache = tuple(model.layers), stop_width, prefix_cache
     self.calls = 0
     self.rows = 0
+    self.chunks = 0
     self._lock = threading.Lock()
     self._zero_block: jax.Array | None = None  # a prefix row's padding block
 
@@ -61,10 +63,17 @@ class SlotPrefill:
     return have if have and -(-(n - have) // C) < -(-n // C) else 0
 
   def run(self, reqs: Sequence[SlotRequest]) -> list[Prefilled]:
-    """The prefill of ``reqs``: one chunked prefill for those whose prompts start with cached prefixes of one length
-    (only the rest is computed), one for the others; then each prompt's new full blocks go into the prefix cache. Every
-    constraint gives its first mask before any call: :class:`ConstraintsRefused` names those that cannot, with
-    nothing of any request changed."""
+    """The prefill of ``reqs`` run to its end (:meth:`begin`): each request's :class:`Prefilled`, in order."""
+    job = self.begin(reqs)
+    while not job.advance():
+      pass
+    return job.result
+
+  def begin(self, reqs: Sequence[SlotRequest]) -> PrefillJob:
+    """The prefill of ``reqs``, to run one chunk at a time (:class:`PrefillJob`): one chunked prefill for those whose
+    prompts start with cached prefixes of one length (only the rest is computed), one for the others; at its end
+    each prompt's new full blocks go into the prefix cache. Every constraint gives its first mask here, before any
+    device work: :class:`ConstraintsRefused` names those that cannot, with nothing of any request changed."""
     constrained = any(r.matcher is not None for r in reqs)
     refused, scratch = [], np.empty(self.grammars.words, np.uint32) if constrained else None
     for r in reqs:
@@ -77,20 +86,17 @@ class SlotPrefill:
       raise ConstraintsRefused(refused)
     cache = self.prefix_cache
     if cache is None:
-      return self._call(reqs, 0, ())
+      return PrefillJob(self, reqs, [(list(range(len(reqs))), 0, ())])
     chains = [cache.lookup(r.ids, self._reuse(r.ids, r.scope), r.scope) for r in reqs]
-    out: list[Prefilled | None] = [None] * len(reqs)
+    groups = []
     for have in sorted({len(c) * cache.block_tokens for c in chains}):
       part = [i for i, c in enumerate(chains) if len(c) * cache.block_tokens == have]
       for i in part:
         reqs[i].trace.prefix_cache_tokens = have
-      got = self._call([reqs[i] for i in part], have, [chains[i] for i in part] if have else ())
-      for i, pre in zip(part, got, strict=True):
-        out[i] = pre
-    self._keep_prefixes(out)
-    return out
+      groups.append((part, have, [chains[i] for i in part] if have else ()))
+    return PrefillJob(self, reqs, groups)
 
-  def _keep_prefixes(self, pres: Sequence[Prefilled]) -> None:
+  def keep_prefixes(self, pres: Sequence[Prefilled]) -> None:
     """Put each prompt's full blocks not cached yet into the prefix cache."""
     cache, B = self.prefix_cache, self.prefix_cache.block_tokens
     for pre in pres:
@@ -101,11 +107,14 @@ class SlotPrefill:
           pre.ids, first, [self.program.block(pre.kv, row, jnp.int32(j), B) for j in range(first, full)], pre.scope
         )
 
-  def _call(self, reqs: Sequence[SlotRequest], start: int, chains: Sequence[list]) -> list[Prefilled]:
-    """One chunked prefill (:meth:`SlotProgram.prefill_prompts
-    <thoughtjax.serving.slot_program.SlotProgram.prefill_prompts>`) of ``reqs``, rows padded to a power of two:
-    whole prompts (``start`` 0), or each prompt from ``start`` on, its first ``start`` tokens' keys given by its
-    cached blocks (``chains[p]``)."""
+  def count_chunk(self) -> None:
+    with self._lock:
+      self.chunks += 1
+
+  def open(self, reqs: Sequence[SlotRequest], start: int, chains: Sequence[list]) -> tuple[ChunkedPrefill, list[int]]:
+    """The chunked prefill (:class:`~thoughtjax.serving.slot_program.ChunkedPrefill`) of ``reqs``, rows padded to a
+    power of two: whole prompts (``start`` 0), or each prompt from ``start`` on, its first ``start`` tokens' keys
+    given by its cached blocks (``chains[p]``); and the rows whose constraint masked their first token."""
     n = len(reqs)
     P = bucket(n, 1)
     prompts = [r.ids for r in reqs] + [[0]] * (P - n)  # padding rows: one token, inert
@@ -118,12 +127,16 @@ class SlotPrefill:
       for p in masked:
         reqs[p].matcher.fill(words[p])
       samp = samp._replace(allowed=jax.device_put(words))
-    started = time.perf_counter()
-    with COMPILE_CLOCK.measure() as compiled:
-      kv, token, done = self.program.prefill_prompts(
-        self.parts, prompts, samp, program_mode(params), start=start, prefix=chains
-      )
-      done = jax.device_get(done)
+    mode = program_mode(params)
+    return ChunkedPrefill(self.program, self.parts, prompts, samp, mode, start=start, prefix=chains), masked
+
+  def close(
+    self, reqs: Sequence[SlotRequest], job: ChunkedPrefill, masked: list[int], started: float, compile_s: float
+  ) -> list[Prefilled]:
+    """Each request's :class:`Prefilled` once ``job`` (of :meth:`open`) is done; a constrained request's matcher
+    takes its first token."""
+    kv, token, done = job.result
+    done = jax.device_get(done)
     if masked:
       first_tokens = jax.device_get(token)
       for p in masked:
@@ -131,10 +144,10 @@ class SlotPrefill:
     first = time.perf_counter()
     with self._lock:
       self.calls += 1
-      self.rows += n
+      self.rows += len(reqs)
     out = []
     for p, r in enumerate(reqs):
-      r.trace.device_start, r.trace.first_token, r.trace.compile_s = started, first, compiled.seconds
+      r.trace.device_start, r.trace.first_token, r.trace.compile_s = started, first, compile_s
       out.append(
         Prefilled(
           r.ids,
@@ -146,7 +159,7 @@ class SlotPrefill:
           r.trace,
           r.rows,
           row=p,
-          batch=n,
+          batch=len(reqs),
           matcher=r.matcher,
           scope=r.scope,
         )
@@ -167,3 +180,43 @@ class SlotPrefill:
       block = self.program.block(kv, jnp.int32(0), jnp.int32(0), B)
       self.program.prefill_prompts(self.parts, [[0] * (B + 1)] * P, samp, mode, start=B, prefix=[[block]] * P)
     insert(kv, token)
+
+
+class PrefillJob:
+  """A slot engine's prefill of requests waiting together (:meth:`SlotPrefill.begin`), one chunk per
+  :meth:`advance`: its groups (requests that reuse the same number of cached tokens) one after another. Once
+  :meth:`advance` returned True, :attr:`result` holds each request's :class:`Prefilled`, in order."""
+
+  def __init__(
+    self, prefiller: SlotPrefill, reqs: Sequence[SlotRequest], groups: list[tuple[list[int], int, Sequence]]
+  ):
+    self._prefiller, self._reqs, self._groups = prefiller, list(reqs), collections.deque(groups)
+    self._out: list[Prefilled | None] = [None] * len(reqs)
+    self._open: tuple | None = None  # (indices, ChunkedPrefill, masked rows, started, compile seconds)
+    self.result: list[Prefilled] | None = None
+
+  def advance(self) -> bool:
+    """Run the next chunk; True when the prefill ended."""
+    if self._open is None:
+      part, start, chains = self._groups[0]
+      job, masked = self._prefiller.open([self._reqs[i] for i in part], start, chains)
+      self._open = (part, job, masked, time.perf_counter(), 0.0)
+    part, job, masked, started, compile_s = self._open
+    with COMPILE_CLOCK.measure() as compiled:
+      job.advance()
+      self._prefiller.count_chunk()
+      if job.done:
+        got = self._prefiller.close([self._reqs[i] for i in part], job, masked, started, compile_s + compiled.seconds)
+    if not job.done:
+      self._open = (part, job, masked, started, compile_s + compiled.seconds)
+      return False
+    for i, pre in zip(part, got, strict=True):
+      self._out[i] = pre
+    self._groups.popleft()
+    self._open = None
+    if self._groups:
+      return False
+    if self._prefiller.prefix_cache is not None:
+      self._prefiller.keep_prefixes(self._out)
+    self.result = self._out
+    return True

@@ -87,31 +87,12 @@ class SlotProgram(DecodeProgram):
     return state
 
   def prefill_prompts(self, parts, prompts, samp: SamplingArrays, mode: SamplingMode, *, start: int = 0, prefix=()):
-    """The chunked prefill of P prompts (``prompts``: P token-id lists, each at least one token and at most the
-    ring's length): each row's key i at index i of its prefill caches, computed ``prefill_tokens`` positions at a
-    time from ``start`` on, every row in each chunk; the keys of [0, start) come from ``prefix`` (per row, its
-    cached blocks, first block first). Returns (caches [P, K, S, E] per path block, first tokens [P], stopped
-    [P]). One program per number of rows, whatever the prompts' lengths: a chunk past the ring's end is moved
-    back to end there (it recomputes keys it already has)."""
-    P, S, C = len(prompts), self.cache_len, self.prefill_tokens
-    lengths = np.array([len(ids) for ids in prompts], np.int32)
-    tokens = np.zeros((P, S), np.int32)
-    for p, ids in enumerate(prompts):
-      tokens[p, : len(ids)] = ids
-    scratch = self.scratch(P)
-    for p, blocks in enumerate(prefix):
-      for j, block in enumerate(blocks):
-        scratch = self.put_block(scratch, block, jnp.int32(p), jnp.int32(j))
-    n = jnp.asarray(lengths)
-    token, stop = jnp.zeros(P, jnp.int32), jnp.zeros(P, bool)
-    at = start
-    while at < lengths.max():
-      a = min(at, S - C)
-      scratch, token, stop = self.prefill_chunk(
-        parts, scratch, jnp.asarray(tokens[:, a : a + C]), jnp.int32(a), n, token, stop, samp, mode
-      )
-      at = a + C
-    return scratch, token, stop
+    """The chunked prefill of P prompts run to its end (:class:`ChunkedPrefill`, which states the layout): (caches
+    [P, K, S, E] per path block, first tokens [P], stopped [P])."""
+    job = ChunkedPrefill(self, parts, prompts, samp, mode, start=start, prefix=prefix)
+    while not job.done:
+      job.advance()
+    return job.result
 
   def advance(self, inputs: DecodeInputs, state: DecodeState) -> DecodeState:
     """One decode chunk of every slot still running (``state`` donated)."""
@@ -258,6 +239,47 @@ class SlotProgram(DecodeProgram):
       state.count.at[slot].set(count),
       state.out.at[slot].set(first),
     )
+
+
+class ChunkedPrefill:
+  """The chunked prefill of P prompts (``prompts``: P token-id lists, each at least one token and at most the ring's
+  length), one chunk per :meth:`advance`, so a driver can step its decode between chunks.
+
+  Each row's key i goes to index i of its prefill caches, computed ``prefill_tokens`` positions at a time from
+  ``start`` on, every row in each chunk; the keys of [0, start) come from ``prefix`` (per row, its cached blocks,
+  first block first), written at the outset. One program per number of rows, whatever the prompts' lengths: a chunk
+  past the ring's end is moved back to end there (it recomputes keys it already has). Once :attr:`done`,
+  :attr:`result` is (caches [P, K, S, E] per path block, first tokens [P], stopped [P])."""
+
+  def __init__(self, program: SlotProgram, parts, prompts, samp, mode, *, start: int = 0, prefix=()):
+    self.program, self.parts, self.samp, self.mode = program, parts, samp, mode
+    P, S = len(prompts), program.cache_len
+    lengths = np.array([len(ids) for ids in prompts], np.int32)
+    self.tokens = np.zeros((P, S), np.int32)
+    for p, ids in enumerate(prompts):
+      self.tokens[p, : len(ids)] = ids
+    scratch = program.scratch(P)
+    for p, blocks in enumerate(prefix):
+      for j, block in enumerate(blocks):
+        scratch = program.put_block(scratch, block, jnp.int32(p), jnp.int32(j))
+    self.end, self.at, self.chunks = int(lengths.max()), int(start), 0
+    self._n = jnp.asarray(lengths)
+    self.result = (scratch, jnp.zeros(P, jnp.int32), jnp.zeros(P, bool))
+
+  @property
+  def done(self) -> bool:
+    return self.at >= self.end
+
+  def advance(self) -> None:
+    """Run the next chunk (the program's :meth:`~SlotProgram._prefill_chunk_impl`)."""
+    S, C = self.program.cache_len, self.program.prefill_tokens
+    a = min(self.at, S - C)
+    scratch, token, stop = self.result
+    tokens = jnp.asarray(self.tokens[:, a : a + C])
+    self.result = self.program.prefill_chunk(
+      self.parts, scratch, tokens, jnp.int32(a), self._n, token, stop, self.samp, self.mode
+    )
+    self.at, self.chunks = a + C, self.chunks + 1
 
 
 def slot_program(

@@ -68,8 +68,8 @@ class SlotRun:
 
   ``slot`` is the slot it held (None when it finished at its prefill); ``chunks_at_cancel`` and
   ``chunks_at_free`` are the engine's decode chunks when ``cancel`` came and when the slot was freed;
-  ``prefill_batch`` how many requests shared its prefill call; ``max_prefills_between_chunks`` the most prefill
-  calls the engine ran between two of its decode chunks (how long it stalled, in program calls);
+  ``prefill_batch`` how many requests shared its prefill; ``max_prefills_between_chunks`` the most prefill chunks
+  (program calls) the engine ran between two of its decode chunks (how long it stalled);
   :attr:`mean_width` the mean rows of the decode steps it took part in.
   """
 
@@ -78,9 +78,9 @@ class SlotRun:
     self.matcher = req.matcher  # a constrained request's grammar state (the driver prefills it from the run)
     self.scope = req.scope  # its prefix-cache scope
     self.slot: int | None = None
-    self.prefill_batch: int | None = None  # requests prefilled in the same program call as this one
-    self.max_prefills_between_chunks = 0  # most prefill calls run between two of its decode chunks
-    self._prefills_mark = 0  # engine.prefill_calls at its last chunk (or when it took its slot)
+    self.prefill_batch: int | None = None  # requests prefilled together with this one
+    self.max_prefills_between_chunks = 0  # most prefill chunks run between two of its decode chunks
+    self._prefills_mark = 0  # engine.prefill_chunks at its last chunk (or when it took its slot)
     self.steps_taken = 0  # decode steps of the chunks it was in
     self.rows_stepped = 0  # the sum over those steps of the rows each computed
     self.on_delta = on_delta
@@ -104,16 +104,16 @@ class SlotRun:
     return self.rows_stepped / self.steps_taken if self.steps_taken else None
 
   # ---- engine side ------------------------------------------------------------------
-  def placed(self, slot: int, prefill_calls: int) -> None:
-    """It holds ``slot`` from now; ``prefill_calls``: the engine's count of prefill calls at that moment."""
-    self.slot, self._prefills_mark = slot, prefill_calls
+  def placed(self, slot: int, prefill_chunks: int) -> None:
+    """It holds ``slot`` from now; ``prefill_chunks``: the engine's count of prefill chunks at that moment."""
+    self.slot, self._prefills_mark = slot, prefill_chunks
 
-  def stepped(self, steps: int, width: int, prefill_calls: int) -> None:
-    """It took part in a decode chunk of ``steps`` steps over ``width`` rows; ``prefill_calls`` as above."""
+  def stepped(self, steps: int, width: int, prefill_chunks: int) -> None:
+    """It took part in a decode chunk of ``steps`` steps over ``width`` rows; ``prefill_chunks`` as above."""
     self.trace.decode_chunks += 1
     self.steps_taken += steps
     self.rows_stepped += width * steps
-    stalled, self._prefills_mark = prefill_calls - self._prefills_mark, prefill_calls
+    stalled, self._prefills_mark = prefill_chunks - self._prefills_mark, prefill_chunks
     self.max_prefills_between_chunks = max(self.max_prefills_between_chunks, stalled)
 
   def push(self, d: Delta) -> None:

@@ -88,7 +88,7 @@ from thoughtjax.sampling import (
 )
 from thoughtjax.serving.errors import SlotRequestError, SlotsFull
 from thoughtjax.serving.prefix import PrefixCache
-from thoughtjax.serving.slot_prefill import SlotPrefill
+from thoughtjax.serving.slot_prefill import PrefillJob, SlotPrefill
 from thoughtjax.serving.slot_program import SlotProgram, slot_program
 from thoughtjax.serving.slot_run import Prefilled, SlotRequest, SlotRun
 from thoughtjax.transformer import GraphDefs
@@ -246,8 +246,13 @@ class SlotEngine:
 
   @property
   def prefill_calls(self) -> int:
-    """Prefill program calls run."""
+    """Prefills run (each of one or more chunks)."""
     return self.prefiller.calls
+
+  @property
+  def prefill_chunks(self) -> int:
+    """Prefill chunks (program calls) run."""
+    return self.prefiller.chunks
 
   @property
   def prefill_rows(self) -> int:
@@ -272,6 +277,12 @@ class SlotEngine:
     """Prefill runs made before their prefill (a driver's queue: :meth:`SlotDriver.submit`) as :meth:`prefill_batch`
     does requests, each with the run's own trace, rows and grammar state; takes no slot."""
     return self.prefiller.run([SlotRequest(r.ids, r.params, r.trace, r.rows, r.matcher, r.scope) for r in runs])
+
+  def prefill_job(self, runs: Sequence[SlotRun]) -> PrefillJob:
+    """:meth:`prefill_runs`, to run one prefill chunk at a time (:class:`~thoughtjax.serving.slot_prefill.PrefillJob`),
+    so a driver steps the slots in use between chunks. :class:`ConstraintsRefused` here, before any device work,
+    when a constraint cannot give its first mask."""
+    return self.prefiller.begin([SlotRequest(r.ids, r.params, r.trace, r.rows, r.matcher, r.scope) for r in runs])
 
   def warm(
     self,
@@ -406,7 +417,7 @@ class SlotEngine:
         pre.token,
         (jnp.bool_(pre.done), jnp.int32(pre.count)),
       )
-      run.placed(b, self.prefill_calls)
+      run.placed(b, self.prefill_chunks)
       self._runs[b] = run
       with self.cancel_lock:  # a cancel that came while this waited for the chunk: freed at the next step
         if run.cancel_requested:
@@ -510,7 +521,7 @@ class SlotEngine:
       new: dict[int, list[int]] = {}
       for b in live:
         run = self._runs[b]
-        run.stepped(int(steps), W, self.prefill_calls)
+        run.stepped(int(steps), W, self.prefill_chunks)
         if b in refused:
           self._free(b, refused[b])
           continue
