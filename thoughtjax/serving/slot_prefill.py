@@ -119,8 +119,8 @@ class SlotPrefill:
     P = bucket(n, 1)
     prompts = [r.ids for r in reqs] + [[0]] * (P - n)  # padding rows: one token, inert
     params = [r.params for r in reqs]
-    has_bias = any(p.logit_bias for p in params)
-    samp = sampling_arrays(params, P, self.cfg.vocab_size, self.stop_width, self.model.codec.eos_ids, has_bias)
+    # Logit biases always (zeros where a request has none): one program serves requests with and without.
+    samp = sampling_arrays(params, P, self.cfg.vocab_size, self.stop_width, self.model.codec.eos_ids, True)
     masked = [p for p, r in enumerate(reqs) if r.matcher is not None]
     if masked:
       words = np.full((P, self.grammars.words), ALL, np.uint32)
@@ -166,12 +166,12 @@ class SlotPrefill:
       )
     return out
 
-  def warm(self, P: int, mode: SamplingMode, bias: bool, insert: Callable[..., None]) -> None:
-    """Compile the prefill of ``P`` prompts (any lengths: one chunk program serves them) in ``mode``, with or
-    without a logit bias; with a prefix cache, also the cut of a prompt's blocks into it and the writing of cached
+  def warm(self, P: int, mode: SamplingMode, insert: Callable[..., None]) -> None:
+    """Compile the prefill of ``P`` prompts (any lengths, with a logit bias or none: one chunk program serves them)
+    in ``mode``; with a prefix cache, also the cut of a prompt's blocks into it and the writing of cached
     blocks before a prefill. ``insert(kv, token)`` gets the call's keys (the engine compiles their insert)."""
-    params = SamplingParams()  # the mode and the bias's presence, not the settings, shape the program
-    samp = sampling_arrays([params] * P, P, self.cfg.vocab_size, self.stop_width, self.model.codec.eos_ids, bias)
+    params = SamplingParams()  # the mode, not the settings, shapes the program
+    samp = sampling_arrays([params] * P, P, self.cfg.vocab_size, self.stop_width, self.model.codec.eos_ids, True)
     kv, token, _ = self.program.prefill_prompts(self.parts, [[0]] * P, samp, mode)
     if self.prefix_cache is not None and self.prefix_cache.block_tokens < self.program.cache_len:
       # A new prompt's blocks are cut from its prefill's keys into the cache, and written back before a prefill

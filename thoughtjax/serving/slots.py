@@ -32,7 +32,7 @@ when that saves a chunk. Requests waiting together are grouped by the tokens the
 (:meth:`SlotEngine.prefill_group`); the trace's ``prefix_cache_tokens`` says how many tokens were reused.
 Only prompt keys are cached, never generated ones.
 
-Decode: one program per (mode, bias on/off), compiled once per slot layout (:func:`slot_program`): up to ``chunk`` steps,
+Decode: one program per sampling mode, compiled once per slot layout (:func:`slot_program`): up to ``chunk`` steps,
 ending early when every active row has stopped. A chunk computes W rows, the next power of two of the slots in
 use (at most N; free slots pad it and are ignored): with fewer, their caches and settings are gathered into a
 W-row program and written back after it (:meth:`SlotProgram._chunk_rows_impl`), so one stream on a 16-slot
@@ -148,8 +148,7 @@ class SlotEngine:
     )
     self._bias = np.zeros((N, V), np.float32)
     self._modes = [SamplingMode.GREEDY] * N
-    self._has_bias = [False] * N
-    self._samp: tuple | None = None  # (has_bias, SamplingArrays) on the device, rebuilt after an insert
+    self._samp: tuple | None = None  # (mode, SamplingArrays) on the device, rebuilt after an insert
     self.program = self._program(self.chunk)
     # Constrained slots: their grammar matchers, and the allowed-token masks of every slot. While any slot
     # holds a constrained request the engine steps one token per call (each mask depends on the token before).
@@ -284,31 +283,27 @@ class SlotEngine:
     when a constraint cannot give its first mask."""
     return self.prefiller.begin([SlotRequest(r.ids, r.params, r.trace, r.rows, r.matcher, r.scope) for r in runs])
 
-  def warm(
-    self,
-    modes: Sequence[SamplingMode] = (SamplingMode.GREEDY,),
-    biases: Sequence[bool] = (False, True),
-  ) -> None:
+  def warm(self, modes: Sequence[SamplingMode] = (SamplingMode.GREEDY,)) -> None:
     """Compile everything a request of any length the engine holds runs, so requests compile nothing: in each
-    mode, without and with a logit bias, the chunked prefill of every number of rows (1, 2, 4, ... up to the
+    sampling mode (a logit bias or none runs the same programs), the chunked prefill of every number of rows (1, 2, 4, ... up to the
     slots) and the insert of their keys; the decode chunk at every width a chunk computes (1, 2, 4, ... and all the
     slots), run with no slot active. With a prefix cache, also the cut of a prompt's blocks into the cache and
     their writing back before a prefill that reuses them."""
-    for mode, bias in ((m, b) for m in modes for b in biases):
+    for mode in modes:
       P = 1
       while True:
-        self.prefiller.warm(P, mode, bias, self._warm_insert)
+        self.prefiller.warm(P, mode, self._warm_insert)
         if P >= self.slots:
           break
         P *= 2
-      self._warm_chunks(mode, bias)
+      self._warm_chunks(mode)
     jax.block_until_ready(self._state)
 
-  def _warm_chunks(self, mode: SamplingMode, bias: bool) -> None:
+  def _warm_chunks(self, mode: SamplingMode) -> None:
     """Run the decode chunk at every width :func:`width` gives, with no slot active: each compiles, none steps
     (the loop stops before its first step), the state stays as it was."""
     with self._lock:
-      samp = self._slot_arrays(bias)
+      samp = self._slot_arrays()
       W = 1
       while W < self.slots:
         rows, active = jnp.asarray(np.arange(W, dtype=np.int32)), jnp.asarray(np.zeros(W, bool))
@@ -405,7 +400,7 @@ class SlotEngine:
       self._bias[b] = 0.0
       for tok, bias in (p.logit_bias or {}).items():
         self._bias[b, int(tok)] += bias
-      self._modes[b], self._has_bias[b] = p.mode, bool(p.logit_bias)
+      self._modes[b] = p.mode
       self._matchers[b] = pre.matcher
       self._samp = None
       self._state = self.program.insert(
@@ -461,19 +456,19 @@ class SlotEngine:
         run.push(d)
       self._free(b)
 
-  def _sampling(self) -> tuple[bool, SamplingArrays]:
+  def _sampling(self) -> tuple[SamplingMode, SamplingArrays]:
     if self._samp is None:
       live = [b for b, r in enumerate(self._runs) if r is not None]
-      arrays = self._slot_arrays(any(self._has_bias[b] for b in live))
-      self._samp = (_widest({self._modes[b] for b in live}), arrays)
+      self._samp = (_widest({self._modes[b] for b in live}), self._slot_arrays())
     return self._samp
 
-  def _slot_arrays(self, bias: bool) -> SamplingArrays:
-    """Every slot's sampling settings on the device, with the slots' logit biases when ``bias``."""
+  def _slot_arrays(self) -> SamplingArrays:
+    """Every slot's sampling settings on the device, logit biases included (zeros where a slot has none: one
+    program serves requests with and without one)."""
     h = self._host
     return SamplingArrays(
       *(jnp.asarray(h[k]) for k in ("temperature", "top_k", "top_p", "seed", "max_new", "stop_ids")),
-      jnp.asarray(self._bias) if bias else None,
+      jnp.asarray(self._bias),
     )
 
   def step(self) -> dict[int, list[int]]:
