@@ -97,14 +97,17 @@ def test_a_cold_synthesizer_prices_a_program_an_earlier_one_compiled_as_its_load
 
   cold = Synthesizer.open(reg, learn=False)  # another process's view: nothing compiled, the ledger on disk
   price = cold.ledger.prices()[key]
-  plan = cold.plan(PROMPT, ["general_purpose"], max_latency_ms=math.inf, max_tokens=9)
-  assert plan.path_hash == run.plan.path_hash
-  assert plan.predicted.compile_cached and plan.predicted.compile == pytest.approx(price)
-  candidate = next(c for c in cold.calibration.candidates if c.path_hash == plan.path_hash)
-  unledgered = cold.latency.predict(candidate, plan.predicted.prompt_tokens, 9, Residency(cold.residency().resident))
-  assert not unledgered.compile_cached and unledgered.compile > 0 and unledgered.compile != plan.predicted.compile
+  # The same plan priced in the cold process (not re-planned: which path wins depends on the compile time measured
+  # above, a load on a busy machine can outweigh another path's whole compile).
+  candidate = next(c for c in cold.calibration.candidates if c.path_hash == run.plan.path_hash)
+  T = run.plan.predicted.prompt_tokens
+  predicted = cold.latency.predict(candidate, T, 9, cold.residency())
+  assert predicted.program_key == key
+  assert predicted.compile_cached and predicted.compile == pytest.approx(price)
+  unledgered = cold.latency.predict(candidate, T, 9, Residency(cold.residency().resident))
+  assert not unledgered.compile_cached and unledgered.compile > 0 and unledgered.compile != predicted.compile
   # What the load took is the ledger's to record: the compile correction does not move.
-  ratios = cold.latency.update(LatencyTrace(plan.predicted, {"compile": 50 * price + 1.0}, 9, compiled=True))
+  ratios = cold.latency.update(LatencyTrace(predicted, {"compile": 50 * price + 1.0}, 9, compiled=True))
   assert "compile" not in ratios
   assert "compile" in cold.latency.update(LatencyTrace(unledgered, {"compile": 50 * price + 1.0}, 9, compiled=True))
 
