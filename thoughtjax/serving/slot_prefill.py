@@ -34,12 +34,11 @@ class SlotPrefill:
 
   def __init__(self, model, program: SlotProgram, parts, stop_width: int, prefix_cache: PrefixCache | None):
     self.model, self.cfg, self.program, self.parts = model, model.config, program, parts
-    self.layers, self.stop_width, self.prefix_cache = tuple(model.layers), stop_width, prefix_cache
+    self.stop_width, self.prefix_cache = stop_width, prefix_cache
     self.calls = 0
     self.rows = 0
     self.chunks = 0
     self._lock = threading.Lock()
-    self._zero_block: jax.Array | None = None  # a prefix row's padding block
 
   @property
   def grammars(self):
