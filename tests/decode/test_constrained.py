@@ -191,3 +191,54 @@ def test_a_constraint_that_cannot_compile_is_refused_before_any_device_work(mode
 def test_speculation_with_a_constraint_is_refused(model):
   with pytest.raises(RequestError, match="draft"):
     model.stream_batch([PROMPTS[0]], SamplingParams(max_tokens=4, regex=REGEX), draft="embed, blocks[0:1), head")
+
+
+def test_constrained_slots_decode_in_chunks_and_take_back_what_their_grammar_refuses(model):
+  """A regex and a schema slot beside free ones in an engine of 4-step chunks: after a chunk's first step (under
+  the mask) a constrained slot samples freely, and the tokens its grammar refuses are taken back (the tiny model's
+  free choice often leaves these languages); every slot gives the tokens it gives alone (the constrained ones: the
+  masked full-forward reference)."""
+  engine = SlotEngine(model, slots=4, cache_len=64)
+  assert engine.chunk == 4
+  reqs = [
+    (PROMPTS[0], SamplingParams(max_tokens=20, regex=REGEX)),
+    (PROMPTS[1], SamplingParams(max_tokens=20, ignore_eos=True)),
+    (PROMPTS[2], SamplingParams(max_tokens=20, json_schema=SCHEMA)),
+    (PROMPTS[1][:5], SamplingParams(max_tokens=13, ignore_eos=True)),
+  ]
+  runs = generate_in_slots(engine, reqs)
+  assert engine.taken_back > 0 and engine.steps > engine.chunks
+  for (p, sp), run in zip(reqs, runs, strict=True):
+    assert run.token_ids == model.stream_batch([p], sp).result().token_ids
+  assert runs[0].token_ids == masked_greedy(model, PROMPTS[0], reqs[0][1], 20)
+  assert re.fullmatch(REGEX, runs[0].text)
+
+
+def test_a_constrained_slot_whose_choices_stay_in_its_language_keeps_its_neighbours_chunks(model):
+  """A constraint the tiny model's greedy output never leaves: the engine runs whole chunks beside it (it used to
+  step once per call while any slot was constrained), so a free neighbour's 19 decode tokens take 6 chunks (the
+  constrained slot tries 1, then 2, then 3 free tokens a chunk), not 19; nothing is taken back."""
+  engine = SlotEngine(model, slots=4, cache_len=64)
+  reqs = [
+    (PROMPTS[0], SamplingParams(max_tokens=20, regex=r"[\s\S]*")),
+    (PROMPTS[1], SamplingParams(max_tokens=20, ignore_eos=True)),
+  ]
+  runs = generate_in_slots(engine, reqs)
+  assert runs[1].chunks_at_free <= 6 and engine.taken_back == 0
+  assert runs[0].token_ids == model.generate(PROMPTS[0], max_tokens=20).token_ids
+  assert runs[1].token_ids == model.generate(PROMPTS[1], max_tokens=20, ignore_eos=True).token_ids
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_sampled_constrained_slots_beside_free_ones_stay_in_the_language(model, top_k):
+  """Sampling with a temperature: a constrained slot keeps the free draws its grammar allows (top_k 0) or only
+  its masked draw (top_k 5: the engine then steps once per call while it runs); either way each output is in the
+  language and ends there, and the free neighbour runs its 16 tokens."""
+  engine = SlotEngine(model, slots=4, cache_len=64)
+  reqs = [
+    (PROMPTS[s % 3], SamplingParams(max_tokens=16, regex=REGEX, temperature=1.3, top_k=top_k, seed=s)) for s in range(3)
+  ] + [(PROMPTS[1], SamplingParams(max_tokens=16, ignore_eos=True))]
+  runs = generate_in_slots(engine, reqs)
+  for run in runs[:3]:
+    assert run.finish_reason == "stop" and re.fullmatch(REGEX, run.text), run.text
+  assert len(runs[3].token_ids) == 16

@@ -304,6 +304,68 @@ def mask_overhead(
   return {"batch": batch, "constrained": k, "plain_ms_per_step": p, "masked_ms_per_step": m, "overhead": m / p - 1}
 
 
+def slot_overhead(
+  model,
+  items: Sequence[Extraction],
+  slots: int = 8,
+  *,
+  constrained: int = 1,
+  max_tokens: int = 48,
+  repeats: int = 3,
+) -> dict:
+  """What a constrained request costs its free neighbours in a slot engine (the server's continuous batching):
+  ``slots`` prompts (chat template) inserted together into a ``slots``-slot engine, the free ones with
+  ``ignore_eos`` (each runs ``max_tokens``), once all free and once with the first ``constrained`` under their own
+  schema. Per run, a row's decode rate is its tokens after the first over the time from the first decode chunk to
+  its end (what one stream sees); the report holds the medians over ``repeats`` interleaved runs (after one
+  untimed run each, which compiles) of the free rows' median rate, of the constrained rows' median rate and tokens,
+  and of the decode steps per chunk while the free rows ran."""
+  import statistics
+
+  from thoughtjax.sampling import SamplingParams
+  from thoughtjax.serving.slots import SlotEngine
+
+  if len(items) < slots:
+    raise BenchStructuredError(f"{slots} slots need {slots} prompts, the set has {len(items)}")
+  if not 1 <= constrained < slots:
+    raise BenchStructuredError(f"constrained rows: expected 1 to {slots - 1}, got {constrained}")
+  rows = items[:slots]
+  ids = [model.prompt_ids(it.prompt, chat=True) for it in rows]
+  engine = SlotEngine(model, slots=slots, cache_len=max(len(i) for i in ids) + max_tokens)
+  free = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+  bound = [SamplingParams(max_tokens=max_tokens, json_schema=it.schema) for it in rows[:constrained]]
+
+  def once(params) -> dict:
+    runs = engine.insert_batch(list(zip(ids, params, strict=True)))
+    is_free = [p.constraint is None for p in params]
+    chunks, steps, t0 = engine.chunks, engine.steps, time.perf_counter()
+    while not all(r.finished for r, f in zip(runs, is_free, strict=True) if f):
+      engine.step()
+    per_chunk = (engine.steps - steps) / max(engine.chunks - chunks, 1)
+    while engine.active:
+      engine.step()
+    rate = [(len(r.token_ids) - 1) / (r.freed_at - t0) for r in runs]
+    got = {"free_row_tok_s": statistics.median(x for x, f in zip(rate, is_free, strict=True) if f)}
+    if not all(is_free):
+      got["bound_row_tok_s"] = statistics.median(x for x, f in zip(rate, is_free, strict=True) if not f)
+      got["bound_tokens"] = statistics.median(len(r.token_ids) for r, f in zip(runs, is_free, strict=True) if not f)
+    return got | {"steps_per_chunk": per_chunk}
+
+  plans = {"alone": [free] * slots, "beside": bound + [free] * (slots - constrained)}
+  for params in plans.values():
+    once(params)
+  got: dict[str, list[dict]] = {name: [] for name in plans}
+  for _ in range(repeats):
+    for name, params in plans.items():
+      got[name].append(once(params))
+  out = {"slots": slots, "constrained": constrained, "max_tokens": max_tokens}
+  for name, runs in got.items():
+    for key in runs[0]:
+      out[f"{name}_{key}"] = statistics.median(r[key] for r in runs)
+  out["neighbour_ratio"] = out["beside_free_row_tok_s"] / out["alone_free_row_tok_s"]
+  return out
+
+
 def run(
   items: Sequence[Extraction],
   generate: Generate,
@@ -418,9 +480,13 @@ def main(argv=None) -> int:
   p.add_argument("--llama-server", default=None, metavar="BIN", help="the llama-server binary (default: on PATH)")
   p.add_argument(
     "--overhead",
-    action="store_true",
-    help="also time a decode step with and without per-row schemas at batch 1 and 8, and with one schema among 8 "
-    "rows (the mask's cost to the row and to its free neighbours)",
+    nargs="?",
+    const="all",
+    choices=("all", "batch", "slots"),
+    default=None,
+    help="also measure what a constraint costs: batch: a decode step with and without per-row schemas at batch 1 and "
+    "8, and with one schema among 8 rows (the mask's cost to the row and to its free neighbours); slots: a free "
+    "row's decode rate in an 8-slot engine with and without a constrained neighbour; bare --overhead: both",
   )
   p.add_argument("--json", default=None, type=common.json_path, help="write the report (with every output) here")
   args = p.parse_args(argv)
@@ -444,7 +510,7 @@ def main(argv=None) -> int:
   }
   title = f"structured output: {len(items)} extraction prompts, greedy, max {args.max_tokens} tokens"
   print_report(report, title + (" (reference decoder)" if args.generator == "reference" else ""))
-  if args.overhead:
+  if args.overhead in ("all", "batch"):
     shapes = [(1, None), (8, None), (8, 1)]  # (batch, constrained rows): alone, all, one among free neighbours
     report["overhead"] = [mask_overhead(model, items, b, constrained=k) for b, k in shapes if b <= len(items)]
     common.print_table(
@@ -461,6 +527,23 @@ def main(argv=None) -> int:
         for o in report["overhead"]
       ],
       right=["free ms/step", "constrained ms/step", "overhead"],
+    )
+  if args.overhead in ("all", "slots"):
+    report["slot_overhead"] = so = slot_overhead(model, items, min(8, len(items)))
+    common.print_table(
+      "a slot engine's free rows alone and beside a constrained one (its own schema): decode tok/s of one stream",
+      ["slots", "free row: alone", "free row: beside", "ratio", "steps per chunk", "constrained row (tokens)"],
+      [
+        [
+          so["slots"],
+          f"{so['alone_free_row_tok_s']:.2f}",
+          f"{so['beside_free_row_tok_s']:.2f}",
+          f"{so['neighbour_ratio']:.2f}x",
+          f"{so['alone_steps_per_chunk']:.1f} / {so['beside_steps_per_chunk']:.1f}",
+          f"{so['beside_bound_row_tok_s']:.2f} ({so['beside_bound_tokens']:.0f})",
+        ]
+      ],
+      right=["free row: alone", "free row: beside", "ratio", "steps per chunk", "constrained row (tokens)"],
     )
   if args.json:  # written now and again with the peer's rows: a peer that fails to start loses nothing
     common.write_json(args.json, report)

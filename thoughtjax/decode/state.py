@@ -19,9 +19,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from thoughtjax.decode import layout
 from thoughtjax.sampling import SamplingArrays, SamplingMode, sample
+
+_EVERY_TOKEN = np.uint32(0xFFFFFFFF)  # an allowed-token mask word that allows all 32 ids
 
 # run(tokens [B, 1], positions [B, 1], caches, write_at, mask [B, 1, S]) -> (logits [B, 1, V], caches)
 RunPath = Callable[..., tuple[jax.Array, tuple]]
@@ -72,7 +75,7 @@ def decode_chunk(
   mode: SamplingMode,
   kernels: str | None,
   *,
-  steps: int,
+  steps: int | jax.Array,
   ring: int,
   base: int = 0,
   limit: int | None = None,
@@ -80,14 +83,18 @@ def decode_chunk(
   """Up to ``steps`` decode steps of the ``active`` rows still running (traced code); returns the state and the
   steps run. ``ring``: the caches' slots. A step feeds every row's last token through ``run`` at the cursor (positions and mask:
   :func:`~thoughtjax.decode.layout.ring_step`), samples step ``cursor - base`` and :func:`record`\\ s the
-  tokens. ``limit``: no step writes at or past this absolute time (a ring that must not wrap)."""
+  tokens. ``limit``: no step writes at or past this absolute time (a ring that must not wrap). ``samp.allowed``
+  (the constrained rows' allowed-token masks) holds for the chunk's first step only, the one whose mask the host
+  knew; later steps sample freely and a slot engine checks their tokens against each row's matcher
+  (:meth:`~thoughtjax.serving.slots.SlotEngine.step`)."""
 
   def body(c):
     i, st = c
     live = active & ~st.done
     positions, mask, w = layout.ring_step(st.cursor, st.start, ring)
     logits, caches = run(st.token[:, None], positions, st.caches, w, mask)
-    token, stop = sample(logits[:, -1], samp, st.cursor - base, mode, kernels)
+    s = samp if samp.allowed is None else samp._replace(allowed=jnp.where(i == 0, samp.allowed, _EVERY_TOKEN))
+    token, stop = sample(logits[:, -1], s, st.cursor - base, mode, kernels)
     st = record(st._replace(caches=tuple(caches), cursor=st.cursor + 1), token, stop, samp, live)
     return i + 1, st
 

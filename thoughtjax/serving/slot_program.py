@@ -58,6 +58,7 @@ class SlotProgram(DecodeProgram):
     self.prefill_chunk = jax.jit(self._prefill_chunk_impl, static_argnums=(8,), donate_argnums=(1,))
     self.block = jax.jit(self._block_impl, static_argnums=(3,))
     self.insert = jax.jit(self._insert_impl, donate_argnums=(0,))
+    self.rewind = jax.jit(self._rewind_impl, donate_argnums=(0,))
 
   # ---- traced code (under jit) -------------------------------------------------------------------
   def _init_impl(self) -> DecodeState:
@@ -96,17 +97,20 @@ class SlotProgram(DecodeProgram):
 
   def advance(self, inputs: DecodeInputs, state: DecodeState) -> DecodeState:
     """One decode chunk of every slot still running (``state`` donated)."""
-    state, _, _ = self.chunk(inputs.parts, inputs.samp, state, jnp.ones(self.slots, bool), inputs.mode)
+    state, _, _ = self.chunk(
+      inputs.parts, inputs.samp, state, jnp.ones(self.slots, bool), inputs.mode, jnp.int32(self.steps_per_chunk)
+    )
     return state
 
   def read(self, state: DecodeState) -> Tokens:
     return Tokens(state.out, state.count, state.done)
 
-  def _chunk_impl(self, parts, samp: SamplingArrays, state: DecodeState, active, mode: SamplingMode):
-    """Up to ``chunk`` decode steps of every slot; returns the state, tokens [N, chunk] (-1: none), steps."""
-    return self._decode(parts, samp, state, active, mode)
+  def _chunk_impl(self, parts, samp: SamplingArrays, state: DecodeState, active, mode: SamplingMode, steps):
+    """Up to ``steps`` (at most ``chunk``) decode steps of every slot; returns the state, tokens [N, chunk] (-1:
+    none), steps run."""
+    return self._decode(parts, samp, state, active, mode, steps)
 
-  def _chunk_rows_impl(self, parts, samp: SamplingArrays, state: DecodeState, rows, active, mode: SamplingMode):
+  def _chunk_rows_impl(self, parts, samp: SamplingArrays, state: DecodeState, rows, active, mode: SamplingMode, steps):
     """:meth:`_chunk_impl` computed on the W slots ``rows`` only (W < N, distinct; ``active`` [W] marks the
     slots in use among them): their caches and settings are gathered, decoded, and written back, so a step costs
     W rows, not N. Returns the state, tokens [N, chunk] (-1 for every other slot) and the steps run."""
@@ -119,7 +123,7 @@ class SlotProgram(DecodeProgram):
       state.count[rows],
       state.out[rows],
     )
-    sub, out, steps = self._decode(parts, jax.tree.map(lambda x: x[rows], samp), sub, active, mode)
+    sub, out, steps = self._decode(parts, jax.tree.map(lambda x: x[rows], samp), sub, active, mode, steps)
     state = DecodeState(
       tuple(
         (k.at[rows].set(sk), v.at[rows].set(sv)) for (k, v), (sk, sv) in zip(state.caches, sub.caches, strict=True)
@@ -133,9 +137,10 @@ class SlotProgram(DecodeProgram):
     )
     return state, jnp.full((self.slots, self.steps_per_chunk), -1, jnp.int32).at[rows].set(out), steps
 
-  def _decode(self, parts, samp: SamplingArrays, state: DecodeState, active, mode: SamplingMode):
-    """Up to ``chunk`` decode steps of the rows of ``state`` (any number of them, all sharing the cursor): the one
-    decode step of every pool (:func:`~thoughtjax.decode.state.decode_chunk`), sampling step ``cursor``."""
+  def _decode(self, parts, samp: SamplingArrays, state: DecodeState, active, mode: SamplingMode, steps):
+    """Up to ``steps`` (at most ``chunk``) decode steps of the rows of ``state`` (any number of them, all sharing
+    the cursor): the one decode step of every pool (:func:`~thoughtjax.decode.state.decode_chunk`), sampling step
+    ``cursor``."""
     embed, blocks, head = merge_path(self.defs, parts, self.layers)
     S, C = self.cache_len, self.steps_per_chunk
 
@@ -143,7 +148,8 @@ class SlotProgram(DecodeProgram):
       return run_path(embed, blocks, head, tokens, positions, caches, write_at, mask)
 
     start = state.count
-    state, steps = state_lib.decode_chunk(run, state, samp, active, mode, self.kernels, steps=C, ring=S)
+    steps = jnp.minimum(steps, C)
+    state, steps = state_lib.decode_chunk(run, state, samp, active, mode, self.kernels, steps=steps, ring=S)
     # A row runs from the chunk's first step until it stops, so its chunk tokens follow its earlier ones in the
     # history: [N, C], -1 where a row produced none.
     j = jnp.arange(C)[None, :]
@@ -238,6 +244,30 @@ class SlotProgram(DecodeProgram):
       state.done.at[slot].set(done),
       state.count.at[slot].set(count),
       state.out.at[slot].set(first),
+    )
+
+  def _rewind_impl(self, state: DecodeState, slot, keep, token, shift) -> DecodeState:
+    """Take back slot ``slot``'s tokens past its first ``keep`` (those its constraint refused, and the ones after):
+    its count becomes ``keep``, its last token ``token`` (the last one kept), it runs again, and its keys move
+    ``shift`` ring slots forward (the chunk's steps less the tokens it kept), start with them, so that the kept
+    keys end at the cursor and the next step writes the key after them. The keys taken back land before the new
+    start, where the row sees nothing, and are overwritten as the cursor goes on."""
+    S = self.cache_len
+    src = (jnp.arange(S, dtype=jnp.int32) - shift) % S
+    caches = []
+    for layer, pair in zip(self.layers, state.caches, strict=True):
+      if layer < 0:  # a bridge keeps no keys
+        caches.append(pair)
+        continue
+      caches.append(tuple(c.at[slot].set(jnp.take(c[slot], src, axis=1)) for c in pair))
+    row = state.out[slot]
+    return state._replace(
+      caches=tuple(caches),
+      token=state.token.at[slot].set(token),
+      start=state.start.at[slot].add(shift),
+      done=state.done.at[slot].set(False),
+      count=state.count.at[slot].set(keep),
+      out=state.out.at[slot].set(jnp.where(jnp.arange(row.shape[0]) < keep, row, -1)),
     )
 
 

@@ -37,9 +37,16 @@ ending early when every active row has stopped. A chunk computes W rows, the nex
 use (at most N; free slots pad it and are ignored): with fewer, their caches and settings are gathered into a
 W-row program and written back after it (:meth:`SlotProgram._chunk_rows_impl`), so one stream on a 16-slot
 engine pays a one-row step. Per-slot sampling
-settings are arrays (:class:`~thoughtjax.sampling.SamplingArrays`, [N] rows). While any slot holds a constrained
-request (json_schema, regex, grammar) the engine runs the one-step program of the same layout, each slot's
-allowed-token mask written from its grammar matcher before the step; the others allow every token. A slot is freed at the end of
+settings are arrays (:class:`~thoughtjax.sampling.SamplingArrays`, [N] rows). A constrained request (json_schema,
+regex, grammar) decodes in the same chunks as the others: before each chunk its allowed-token mask is written from
+its grammar matcher (the other slots allow every token) and holds for the chunk's first step; its later tokens are
+sampled freely and checked against the matcher after the chunk, which keeps them up to the first it refuses and
+takes back the rest (:meth:`SlotProgram.rewind <thoughtjax.serving.slot_program.SlotProgram.rewind>`: the row's
+keys move forward so that its next key goes at the cursor). So a constrained slot gets at least one token per chunk
+and its neighbours keep their multi-step chunks. Exact: greedy, a token the grammar allows that is the free
+argmax is the masked argmax; sampling with temperature alone, a free draw kept when allowed is a draw from the
+masked distribution (a refused one is drawn again under the mask at the next chunk); with top-k or top-p the mask
+changes which tokens those keep, so such a row keeps only its masked token. A slot is freed at the end of
 the chunk in which its row stopped (stop ids, EOS, max_tokens, a stop string found on the host) or at the
 end of the chunk running when ``cancel`` came (at once if none runs), and is reused.
 
@@ -134,6 +141,7 @@ class SlotEngine:
     self.chunks = 0  # decode chunks run
     self.rows_computed = 0  # rows those chunks computed (each: the slots in use, padded to a power of two)
     self.steps = 0  # decode steps run (the cursor)
+    self.taken_back = 0  # constrained slots' tokens refused by their matcher after a chunk, and those after them
     self.freed_total = 0
     self.chunk_seconds: collections.deque[float] = collections.deque(maxlen=1024)  # wall time of recent chunks
     self._step_ms: collections.deque[tuple[int, float]] = collections.deque(maxlen=8)  # (width, ms per step)
@@ -150,10 +158,11 @@ class SlotEngine:
     self._modes = [SamplingMode.GREEDY] * N
     self._samp: tuple | None = None  # (mode, SamplingArrays) on the device, rebuilt after an insert
     self.program = self._program(self.chunk)
-    # Constrained slots: their grammar matchers, and the allowed-token masks of every slot. While any slot
-    # holds a constrained request the engine steps one token per call (each mask depends on the token before).
+    # Constrained slots: their grammar matchers, and the allowed-token masks of every slot (for a chunk's first
+    # step; later steps are checked against the matchers after the chunk).
     self._matchers: list[Matcher | None] = [None] * N
     self._words: np.ndarray | None = None
+    self._ahead = [0] * N  # per constrained slot: free tokens it tries per chunk (:meth:`_next_ahead`)
     self._state = self.program.init()
     # Prompt keys by token prefix (None: off). A path whose blocks keep no keys (bridges only) has none to reuse.
     keyed = [i for i in self.layers if i >= 0]
@@ -303,14 +312,14 @@ class SlotEngine:
     """Run the decode chunk at every width :func:`width` gives, with no slot active: each compiles, none steps
     (the loop stops before its first step), the state stays as it was."""
     with self._lock:
-      samp = self._slot_arrays()
+      samp, steps = self._slot_arrays(), jnp.int32(self.chunk)
       W = 1
       while W < self.slots:
         rows, active = jnp.asarray(np.arange(W, dtype=np.int32)), jnp.asarray(np.zeros(W, bool))
-        self._state, _, _ = self.program.chunk_rows(self.parts, samp, self._state, rows, active, mode)
+        self._state, _, _ = self.program.chunk_rows(self.parts, samp, self._state, rows, active, mode, steps)
         W *= 2
       self._state, _, _ = self.program.chunk(
-        self.parts, samp, self._state, jnp.asarray(np.zeros(self.slots, bool)), mode
+        self.parts, samp, self._state, jnp.asarray(np.zeros(self.slots, bool)), mode, steps
       )
 
   def _warm_insert(self, kv, token) -> None:
@@ -402,6 +411,7 @@ class SlotEngine:
         self._bias[b, int(tok)] += bias
       self._modes[b] = p.mode
       self._matchers[b] = pre.matcher
+      self._ahead[b] = 1
       self._samp = None
       self._state = self.program.insert(
         self._state,
@@ -481,13 +491,15 @@ class SlotEngine:
         return {}
       mode, samp = self._sampling()
       program, constrained = self.program, [b for b in live if self._matchers[b] is not None]
+      limit = self.chunk
       if constrained:
-        program, samp, refused = self._masked_step(samp, constrained)
+        samp, refused = self._masks(samp, constrained)
         if refused:  # those slots ended with their constraint's error; the others step
           live = [b for b in live if b not in refused]
           constrained = [b for b in constrained if b not in refused]
           if not live:
             return {}
+        limit = 1 + min((self._ahead[b] for b in constrained), default=self.chunk)
       active = np.zeros(self.slots, bool)
       active[live] = True
       t0 = time.perf_counter()
@@ -495,21 +507,37 @@ class SlotEngine:
       if W < self.slots:  # compute only the slots in use (padded to a power of two with free ones)
         rows = live + [b for b in range(self.slots) if b not in set(live)][: W - len(live)]
         self._state, out, steps = program.chunk_rows(
-          self.parts, samp, self._state, jnp.asarray(np.asarray(rows, np.int32)), jnp.asarray(active[rows]), mode
+          self.parts,
+          samp,
+          self._state,
+          jnp.asarray(np.asarray(rows, np.int32)),
+          jnp.asarray(active[rows]),
+          mode,
+          jnp.int32(limit),
         )
       else:
-        self._state, out, steps = program.chunk(self.parts, samp, self._state, jnp.asarray(active), mode)
+        self._state, out, steps = program.chunk(
+          self.parts, samp, self._state, jnp.asarray(active), mode, jnp.int32(limit)
+        )
       out, done, count, steps = jax.device_get((out, self._state.done, self._state.count, steps))
-      refused = {}
+      out, done, count, refused = np.array(out), np.array(done), np.array(count), {}
       for b in constrained:  # out holds -1 where a slot sampled nothing (it had stopped)
+        got = [int(t) for t in out[b] if t >= 0]
         try:
-          for t in out[b][out[b] >= 0]:
-            self._matchers[b].consume(int(t))
+          kept = self._checked(b, got)
         except ConstraintError as e:
           refused[b] = e
+          continue
+        self._ahead[b] = self._next_ahead(b, kept, len(got))
+        if kept < len(got):  # take back the tokens from the first one its constraint refused
+          count[b], done[b] = count[b] - (len(got) - kept), False
+          self.taken_back += len(got) - kept
+          self._state = program.rewind(
+            self._state, jnp.int32(b), jnp.int32(count[b]), jnp.int32(got[kept - 1]), jnp.int32(int(steps) - kept)
+          )
+          out[b, kept:] = -1
       self.chunk_seconds.append(time.perf_counter() - t0)
-      if not constrained:
-        self._step_ms.append((W, self.chunk_seconds[-1] * 1e3 / max(int(steps), 1)))
+      self._step_ms.append((W, self.chunk_seconds[-1] * 1e3 / max(int(steps), 1)))
       self.chunks += 1
       self.rows_computed += W
       self.steps += int(steps)
@@ -531,19 +559,55 @@ class SlotEngine:
       return new
 
   def recent_step(self) -> tuple[int, float] | None:
-    """(width, median wall ms per decode step) of the latest chunks at the width of the last one (a chunk of
-    constrained slots, stepping once per call, excluded), or None before any chunk: what one step costs now,
-    beside whatever else runs on the machine."""
+    """(width, median wall ms per decode step) of the latest chunks at the width of the last one, or None before
+    any chunk: what one step costs now, beside whatever else runs on the machine."""
     got = list(self._step_ms)
     if not got:
       return None
     w = got[-1][0]
     return w, float(np.median([ms for width, ms in got if width == w]))
 
-  def _masked_step(self, samp: SamplingArrays, constrained: list[int]) -> tuple[SlotProgram, SamplingArrays, set[int]]:
-    """The one-step program and sampling arrays carrying every slot's allowed-token mask (unconstrained slots
-    allow everything), and the slots whose matcher refused to give one (past llguidance's limits): each of those
-    runs ends with its :class:`~thoughtjax.constraint.ConstraintError` here, and its slot is free."""
+  def _checked(self, b: int, tokens: list[int]) -> int:
+    """How many of constrained slot ``b``'s chunk ``tokens`` it keeps, each consumed by its matcher: the first
+    (sampled under its mask; a refusal raises :class:`~thoughtjax.constraint.ConstraintError`), then the later
+    ones up to the first the matcher refuses, when a free draw the grammar allows is a masked draw (greedy, or a
+    temperature without top-k or top-p; see the module docstring)."""
+    if not tokens:
+      return 0
+    matcher = self._matchers[b]
+    matcher.consume(tokens[0])
+    if not self._free_draws_count(b):
+      return 1
+    for i, t in enumerate(tokens[1:], 1):
+      try:
+        matcher.consume(t)
+      except ConstraintError:
+        return i
+    return len(tokens)
+
+  def _free_draws_count(self, b: int) -> bool:
+    """A free draw that constrained slot ``b``'s grammar allows is a draw under its mask: greedy, or a temperature
+    without top-k or top-p (with those, the mask changes which tokens they keep)."""
+    h = self._host
+    return not (h["temperature"][b] > 0 and (h["top_k"][b] > 0 or h["top_p"][b] < 1))
+
+  def _next_ahead(self, b: int, kept: int, got: int) -> int:
+    """How many free tokens constrained slot ``b`` tries in the next chunk, which runs one step more than the
+    fewest any constrained slot tries: after a chunk whose tokens it kept all, twice as many (at most the chunk's
+    length less one); after one where its matcher refused a token, the free tokens it kept before it; none for a
+    slot that keeps only its masked token. So the engine runs whole chunks while the constrained slots' free
+    choices stay in their languages, and one step per call, as every slot did beside a constrained one before,
+    where they leave them."""
+    if not self._free_draws_count(b):
+      return 0
+    if kept < got:
+      return max(kept - 1, 0)
+    return min(max(2 * self._ahead[b], 1), self.chunk - 1)
+
+  def _masks(self, samp: SamplingArrays, constrained: list[int]) -> tuple[SamplingArrays, set[int]]:
+    """The sampling arrays carrying every slot's allowed-token mask for the next step (unconstrained slots allow
+    everything), and the slots whose matcher refused to give one (past llguidance's limits): each of those runs
+    ends with its :class:`~thoughtjax.constraint.ConstraintError` here, and its slot is free."""
     if self._words is None:
       self._words = np.full((self.slots, self._grammars.words), ALL, np.uint32)
     self._words[:] = ALL
@@ -555,8 +619,7 @@ class SlotEngine:
         self._words[b] = ALL
         refused.add(b)
         self._free(b, e)
-    program = self._program(1)
-    return program, samp._replace(allowed=jax.device_put(self._words)), refused
+    return samp._replace(allowed=jax.device_put(self._words)), refused
 
   def fail(self, error: BaseException) -> None:
     """End every run in a slot with ``error`` (a device failure): their iterators raise it."""

@@ -135,10 +135,10 @@ class PlanRequest:
   max_tokens: int
   max_latency_ms: float
   corrections: tuple[tuple[str, str], ...] = ()
-  # The output constraint in words (e.g. "JSON schema (412 characters)"), or None. A constrained request
-  # decodes one step per call (its mask depends on the token before), so it is predicted so (alone: in the
-  # ``masked`` latency context; in a server's slot engine: in the engine's) and never planned speculatively
-  # (a drafted run would not see the grammar's masks).
+  # The output constraint in words (e.g. "JSON schema (412 characters)"), or None. Alone, a constrained request
+  # decodes one step per call (its mask depends on the token before), so it is predicted so (in the ``masked``
+  # latency context); in a server's slot engine it decodes in the engine's chunks (in the engine's context).
+  # Never planned speculatively (a drafted run would not see the grammar's masks).
   constraint: str | None = None
 
   def __post_init__(self):
