@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from thoughtjax.serving.slots import width
+from thoughtjax.serving.slot_program import width
 from thoughtjax.synthesis.candidate import Candidate, Unit
 from thoughtjax.synthesis.latency import CONTENTION, LatencyModel, LatencyTrace
 from thoughtjax.synthesis.latency_context import HALF_LIFE_S, LatencyContext, Learned

@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from thoughtjax.constraint import ConstraintError
@@ -101,9 +100,8 @@ class SlotPrefill:
     for pre in pres:
       first, full = cache.first_missing(pre.ids, pre.scope), len(pre.ids) // B
       if first < full:
-        row = jnp.int32(pre.row)
         cache.add(
-          pre.ids, first, [self.program.block(pre.kv, row, jnp.int32(j), B) for j in range(first, full)], pre.scope
+          pre.ids, first, [self.program.prefix_block(pre.kv, pre.row, j, B) for j in range(first, full)], pre.scope
         )
 
   def count_chunk(self) -> None:
@@ -176,7 +174,7 @@ class SlotPrefill:
       # A new prompt's blocks are cut from its prefill's keys into the cache, and written back before a prefill
       # that reuses them.
       B = self.prefix_cache.block_tokens
-      block = self.program.block(kv, jnp.int32(0), jnp.int32(0), B)
+      block = self.program.prefix_block(kv, 0, 0, B)
       self.program.prefill_prompts(self.parts, [[0] * (B + 1)] * P, samp, mode, start=B, prefix=[[block]] * P)
     insert(kv, token)
 

@@ -43,22 +43,23 @@ class SlotProgram(DecodeProgram):
   It is the decode program interface (:class:`~thoughtjax.decode.interface.DecodeProgram`) over N slots:
   :meth:`prefill` puts N prompts into the N slots, :meth:`advance` runs a decode chunk of every slot in use,
   :meth:`read` gives each slot's tokens; a :class:`~thoughtjax.serving.slots.SlotEngine` uses the same executables piecewise
-  (``prefill_prompts`` of waiting requests apart, ``insert`` into a free slot, ``chunk`` / ``chunk_rows``) so
-  requests join and leave between chunks."""
+  through the methods below (:meth:`prefill_prompts` of waiting requests apart, :meth:`insert` into a free slot,
+  :meth:`decode` of the slots in use, :meth:`take_back`), so requests join and leave between chunks. Its jitted
+  functions are its own: nothing outside this module calls them."""
 
   def __init__(self, key: SlotKey, defs: GraphDefs, cfg):
     self.key, self.defs, self.cfg, self.layers, self.kernels = key, defs, cfg, key.layers, key.kernels
     self.slots, self.cache_len, self.steps_per_chunk = key.slots, key.cache_len, key.chunk
-    self.init = jax.jit(self._init_impl)
-    self.chunk = jax.jit(self._chunk_impl, static_argnums=(4,), donate_argnums=(2,))
-    self.chunk_rows = jax.jit(self._chunk_rows_impl, static_argnums=(5,), donate_argnums=(2,))
     self.prefill_tokens = min(key.prefill, key.cache_len)
-    self.scratch = jax.jit(self._scratch_impl, static_argnums=(0,))
-    self.put_block = jax.jit(self._put_block_impl, donate_argnums=(0,))
-    self.prefill_chunk = jax.jit(self._prefill_chunk_impl, static_argnums=(8,), donate_argnums=(1,))
-    self.block = jax.jit(self._block_impl, static_argnums=(3,))
-    self.insert = jax.jit(self._insert_impl, donate_argnums=(0,))
-    self.rewind = jax.jit(self._rewind_impl, donate_argnums=(0,))
+    self._init = jax.jit(self._init_impl)
+    self._chunk = jax.jit(self._chunk_impl, static_argnums=(4,), donate_argnums=(2,))
+    self._chunk_rows = jax.jit(self._chunk_rows_impl, static_argnums=(5,), donate_argnums=(2,))
+    self._scratch = jax.jit(self._scratch_impl, static_argnums=(0,))
+    self._put_block = jax.jit(self._put_block_impl, donate_argnums=(0,))
+    self._prefill_chunk = jax.jit(self._prefill_chunk_impl, static_argnums=(8,), donate_argnums=(1,))
+    self._block = jax.jit(self._block_impl, static_argnums=(3,))
+    self._insert = jax.jit(self._insert_impl, donate_argnums=(0,))
+    self._rewind = jax.jit(self._rewind_impl, donate_argnums=(0,))
 
   # ---- traced code (under jit) -------------------------------------------------------------------
   def _init_impl(self) -> DecodeState:
@@ -68,7 +69,7 @@ class SlotProgram(DecodeProgram):
 
   # ---- the decode program interface (a pool of N slots filled at once) --------------------------
   def init_state(self, parts=None) -> DecodeState:
-    return program_lib.on_device_of(self.init(), parts)
+    return program_lib.on_device_of(self._init(), parts)
 
   def prefill(self, inputs: DecodeInputs, state: DecodeState) -> DecodeState:
     """The N prompts of ``inputs`` ([N, T], left-padded) prefilled together, prompt p into slot p at the
@@ -81,10 +82,8 @@ class SlotProgram(DecodeProgram):
     pad = np.asarray(jax.device_get(inputs.pad))
     prompts = [tokens[p, pad[p] :].tolist() for p in range(P)]
     kv, token, done = self.prefill_prompts(inputs.parts, prompts, inputs.samp, inputs.mode)
-    one = jnp.int32(1)
     for p in range(P):
-      p_ = jnp.int32(p)
-      state = self.insert(state, kv, p_, p_, jnp.int32(len(prompts[p])), token, (done[p], one))
+      state = self.insert(state, kv, p, p, len(prompts[p]), token, done[p], 1)
     return state
 
   def prefill_prompts(self, parts, prompts, samp: SamplingArrays, mode: SamplingMode, *, start: int = 0, prefix=()):
@@ -97,14 +96,63 @@ class SlotProgram(DecodeProgram):
 
   def advance(self, inputs: DecodeInputs, state: DecodeState) -> DecodeState:
     """One decode chunk of every slot still running (``state`` donated)."""
-    state, _, _ = self.chunk(
-      inputs.parts, inputs.samp, state, jnp.ones(self.slots, bool), inputs.mode, jnp.int32(self.steps_per_chunk)
-    )
+    state, _, _, _ = self.decode(inputs.parts, inputs.samp, state, range(self.slots), inputs.mode)
     return state
 
   def read(self, state: DecodeState) -> Tokens:
     return Tokens(state.out, state.count, state.done)
 
+  # ---- what an engine drives ---------------------------------------------------------------------
+  def decode(self, parts, samp: SamplingArrays, state: DecodeState, live, mode: SamplingMode, steps: int | None = None):
+    """One decode chunk of the slots ``live`` (at most ``steps`` steps, default the chunk's), computed on W rows:
+    the next power of two of the slots in use (:func:`width`), padded with free ones, so one stream on a 16-slot
+    engine pays a one-row step. ``state`` is donated. Returns (state, tokens [N, chunk] (-1: none), steps run, W)."""
+    live = list(live)
+    W = width(len(live), self.slots)
+    taken = set(live)
+    rows = live + [b for b in range(self.slots) if b not in taken][: W - len(live)]
+    state, out, n = self._run_rows(parts, samp, state, rows, len(live), mode, steps)
+    return state, out, n, W
+
+  def warm_decode(self, parts, samp: SamplingArrays, state: DecodeState, mode: SamplingMode) -> DecodeState:
+    """Compile the decode chunk at every width :meth:`decode` computes (1, 2, 4, ... and all the slots) by running
+    it with no slot active: none steps (the loop stops before its first step), the state stays as it was."""
+    W = 1
+    while True:
+      W = min(W, self.slots)
+      state, _, _ = self._run_rows(parts, samp, state, list(range(W)), 0, mode, None)
+      if W == self.slots:
+        return state
+      W *= 2
+
+  def _run_rows(self, parts, samp, state, rows: list[int], active: int, mode, steps: int | None):
+    """The chunk on slots ``rows`` (all of them: the whole program; fewer: gathered), the first ``active`` in use."""
+    limit = jnp.int32(self.steps_per_chunk if steps is None else steps)
+    on = np.arange(len(rows)) < active
+    if len(rows) == self.slots:
+      whole = np.zeros(self.slots, bool)
+      whole[rows] = on
+      return self._chunk(parts, samp, state, jnp.asarray(whole), mode, limit)
+    return self._chunk_rows(parts, samp, state, jnp.asarray(np.asarray(rows, np.int32)), jnp.asarray(on), mode, limit)
+
+  def insert(self, state: DecodeState, kv, slot: int, row: int, n: int, token, done, count) -> DecodeState:
+    """Write row ``row`` of a prefill's keys ``kv`` (its prompt of ``n`` tokens; ``token`` [P] the prefill's first
+    tokens) into slot ``slot`` at the cursor, with its stopped flag and token count (:meth:`_insert_impl`);
+    ``state`` is donated."""
+    return self._insert(
+      state, kv, jnp.int32(slot), jnp.int32(row), jnp.int32(n), token, (jnp.bool_(done), jnp.int32(count))
+    )
+
+  def take_back(self, state: DecodeState, slot: int, keep: int, token: int, shift: int) -> DecodeState:
+    """Slot ``slot`` keeps its first ``keep`` tokens, the last of them ``token``; its keys move ``shift`` ring slots
+    forward (:meth:`_rewind_impl`). ``state`` is donated."""
+    return self._rewind(state, jnp.int32(slot), jnp.int32(keep), jnp.int32(token), jnp.int32(shift))
+
+  def prefix_block(self, kv, row: int, j: int, block_tokens: int):
+    """Block ``j`` of row ``row`` of a prefill's keys, as the prefix cache keeps it (:meth:`_block_impl`)."""
+    return self._block(kv, jnp.int32(row), jnp.int32(j), block_tokens)
+
+  # ---- traced code (under jit) -------------------------------------------------------------------
   def _chunk_impl(self, parts, samp: SamplingArrays, state: DecodeState, active, mode: SamplingMode, steps):
     """Up to ``steps`` (at most ``chunk``) decode steps of every slot; returns the state, tokens [N, chunk] (-1:
     none), steps run."""
@@ -288,10 +336,10 @@ class ChunkedPrefill:
     self.tokens = np.zeros((P, S), np.int32)
     for p, ids in enumerate(prompts):
       self.tokens[p, : len(ids)] = ids
-    scratch = program.scratch(P)
+    scratch = program._scratch(P)
     for p, blocks in enumerate(prefix):
       for j, block in enumerate(blocks):
-        scratch = program.put_block(scratch, block, jnp.int32(p), jnp.int32(j))
+        scratch = program._put_block(scratch, block, jnp.int32(p), jnp.int32(j))
     self.end, self.at, self.chunks = int(lengths.max()), int(start), 0
     self._n = jnp.asarray(lengths)
     self.result = (scratch, jnp.zeros(P, jnp.int32), jnp.zeros(P, bool))
@@ -306,7 +354,7 @@ class ChunkedPrefill:
     a = min(self.at, S - C)
     scratch, token, stop = self.result
     tokens = jnp.asarray(self.tokens[:, a : a + C])
-    self.result = self.program.prefill_chunk(
+    self.result = self.program._prefill_chunk(
       self.parts, scratch, tokens, jnp.int32(a), self._n, token, stop, self.samp, self.mode
     )
     self.at, self.chunks = a + C, self.chunks + 1
@@ -323,3 +371,9 @@ def slot_program(
   return program_lib.PROGRAMS.get(
     SlotKey(tuple(layers), slots, cache_len, chunk, kernels, prefill), defs, cfg, SlotProgram
   )
+
+
+def width(live: int, slots: int) -> int:
+  """The rows a decode chunk computes for ``live`` slots in use: the next power of two, at most ``slots`` (a few
+  compiled widths serve every occupancy). The latency model prices a joining stream by it."""
+  return min(1 << max(int(live) - 1, 0).bit_length(), max(int(slots), 1))

@@ -35,13 +35,13 @@ Only prompt keys are cached, never generated ones.
 Decode: one program per sampling mode, compiled once per slot layout (:func:`slot_program`): up to ``chunk`` steps,
 ending early when every active row has stopped. A chunk computes W rows, the next power of two of the slots in
 use (at most N; free slots pad it and are ignored): with fewer, their caches and settings are gathered into a
-W-row program and written back after it (:meth:`SlotProgram._chunk_rows_impl`), so one stream on a 16-slot
+W-row program and written back after it (:meth:`SlotProgram.decode`), so one stream on a 16-slot
 engine pays a one-row step. Per-slot sampling
 settings are arrays (:class:`~thoughtjax.sampling.SamplingArrays`, [N] rows). A constrained request (json_schema,
 regex, grammar) decodes in the same chunks as the others: before each chunk its allowed-token mask is written from
 its grammar matcher (the other slots allow every token) and holds for the chunk's first step; its later tokens are
 sampled freely and checked against the matcher after the chunk, which keeps them up to the first it refuses and
-takes back the rest (:meth:`SlotProgram.rewind <thoughtjax.serving.slot_program.SlotProgram.rewind>`: the row's
+takes back the rest (:meth:`SlotProgram.take_back <thoughtjax.serving.slot_program.SlotProgram.take_back>`: the row's
 keys move forward so that its next key goes at the cursor). So a constrained slot gets at least one token per chunk
 and its neighbours keep their multi-step chunks. Exact: greedy, a token the grammar allows that is the free
 argmax is the masked argmax; sampling with temperature alone, a free draw kept when allowed is a draw from the
@@ -163,7 +163,7 @@ class SlotEngine:
     self._matchers: list[Matcher | None] = [None] * N
     self._words: np.ndarray | None = None
     self._ahead = [0] * N  # per constrained slot: free tokens it tries per chunk (:meth:`_next_ahead`)
-    self._state = self.program.init()
+    self._state = self.program.init_state()
     # Prompt keys by token prefix (None: off). A path whose blocks keep no keys (bridges only) has none to reuse.
     keyed = [i for i in self.layers if i >= 0]
     self.prefix_cache = prefix_cache if keyed else None
@@ -309,27 +309,17 @@ class SlotEngine:
     jax.block_until_ready(self._state)
 
   def _warm_chunks(self, mode: SamplingMode) -> None:
-    """Run the decode chunk at every width :func:`width` gives, with no slot active: each compiles, none steps
-    (the loop stops before its first step), the state stays as it was."""
+    """Compile the decode chunk at every width it computes (:meth:`SlotProgram.warm_decode
+    <thoughtjax.serving.slot_program.SlotProgram.warm_decode>`); the state stays as it was."""
     with self._lock:
-      samp, steps = self._slot_arrays(), jnp.int32(self.chunk)
-      W = 1
-      while W < self.slots:
-        rows, active = jnp.asarray(np.arange(W, dtype=np.int32)), jnp.asarray(np.zeros(W, bool))
-        self._state, _, _ = self.program.chunk_rows(self.parts, samp, self._state, rows, active, mode, steps)
-        W *= 2
-      self._state, _, _ = self.program.chunk(
-        self.parts, samp, self._state, jnp.asarray(np.zeros(self.slots, bool)), mode, steps
-      )
+      self._state = self.program.warm_decode(self.parts, self._slot_arrays(), self._state, mode)
 
   def _warm_insert(self, kv, token) -> None:
     """Insert warm-up keys into a free slot (its row is ignored by the chunk and rewritten by the next insert)."""
     with self._lock:
       if self.free:
         b = self._runs.index(None)
-        self._state = self.program.insert(
-          self._state, kv, jnp.int32(b), jnp.int32(0), jnp.int32(1), token, (jnp.bool_(True), jnp.int32(1))
-        )
+        self._state = self.program.insert(self._state, kv, b, 0, 1, token, True, 1)
 
   def insert(
     self,
@@ -413,15 +403,7 @@ class SlotEngine:
       self._matchers[b] = pre.matcher
       self._ahead[b] = 1
       self._samp = None
-      self._state = self.program.insert(
-        self._state,
-        pre.kv,
-        jnp.int32(b),
-        jnp.int32(pre.row),
-        jnp.int32(len(pre.ids)),
-        pre.token,
-        (jnp.bool_(pre.done), jnp.int32(pre.count)),
-      )
+      self._state = self.program.insert(self._state, pre.kv, b, pre.row, len(pre.ids), pre.token, pre.done, pre.count)
       run.placed(b, self.prefill_chunks)
       self._runs[b] = run
       with self.cancel_lock:  # a cancel that came while this waited for the chunk: freed at the next step
@@ -500,25 +482,8 @@ class SlotEngine:
           if not live:
             return {}
         limit = 1 + min((self._ahead[b] for b in constrained), default=self.chunk)
-      active = np.zeros(self.slots, bool)
-      active[live] = True
       t0 = time.perf_counter()
-      W = width(len(live), self.slots)
-      if W < self.slots:  # compute only the slots in use (padded to a power of two with free ones)
-        rows = live + [b for b in range(self.slots) if b not in set(live)][: W - len(live)]
-        self._state, out, steps = program.chunk_rows(
-          self.parts,
-          samp,
-          self._state,
-          jnp.asarray(np.asarray(rows, np.int32)),
-          jnp.asarray(active[rows]),
-          mode,
-          jnp.int32(limit),
-        )
-      else:
-        self._state, out, steps = program.chunk(
-          self.parts, samp, self._state, jnp.asarray(active), mode, jnp.int32(limit)
-        )
+      self._state, out, steps, W = program.decode(self.parts, samp, self._state, live, mode, limit)
       out, done, count, steps = jax.device_get((out, self._state.done, self._state.count, steps))
       out, done, count, refused = np.array(out), np.array(done), np.array(count), {}
       for b in constrained:  # out holds -1 where a slot sampled nothing (it had stopped)
@@ -532,9 +497,7 @@ class SlotEngine:
         if kept < len(got):  # take back the tokens from the first one its constraint refused
           count[b], done[b] = count[b] - (len(got) - kept), False
           self.taken_back += len(got) - kept
-          self._state = program.rewind(
-            self._state, jnp.int32(b), jnp.int32(count[b]), jnp.int32(got[kept - 1]), jnp.int32(int(steps) - kept)
-          )
+          self._state = program.take_back(self._state, b, int(count[b]), got[kept - 1], int(steps) - kept)
           out[b, kept:] = -1
       self.chunk_seconds.append(time.perf_counter() - t0)
       self._step_ms.append((W, self.chunk_seconds[-1] * 1e3 / max(int(steps), 1)))
@@ -629,12 +592,6 @@ class SlotEngine:
           self._runs[b] = None
           run.chunks_at_free = self.chunks
           run.end(error)
-
-
-def width(live: int, slots: int) -> int:
-  """The rows a decode chunk computes for ``live`` slots in use: the next power of two, at most ``slots`` (a few
-  compiled widths serve every occupancy). The latency model prices a joining stream by it."""
-  return min(1 << max(int(live) - 1, 0).bit_length(), max(int(slots), 1))
 
 
 def _widest(modes: set[SamplingMode]) -> SamplingMode:

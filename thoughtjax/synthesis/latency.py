@@ -70,7 +70,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from thoughtjax.decode.program import bucket
-from thoughtjax.serving.slots import width
+from thoughtjax.serving.slot_program import width
 from thoughtjax.synthesis.latency_context import HALF_LIFE_S, LatencyContext, Learned
 from thoughtjax.synthesis.latency_load import COLD, IDLE, Load, Residency
 from thoughtjax.synthesis.latency_params import (
