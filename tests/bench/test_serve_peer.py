@@ -136,11 +136,24 @@ def test_a_missing_gguf_and_a_registry_without_one_are_named_errors(tmp_path, st
   assert "--registry needs --gguf FILE" in capsys.readouterr().err
 
 
+def test_a_server_config_reaches_thoughtjax_serve_and_a_missing_one_is_refused_before_anything_starts(
+  tmp_path, stub_llama_server, capsys
+):
+  assert serve_peer.ThoughtjaxServe(None, tmp_path / "c.yaml").argv[-2:] == ["--config", str(tmp_path / "c.yaml")]
+  assert "--config" not in serve_peer.ThoughtjaxServe(None).argv
+  out = tmp_path / "out.json"
+  argv = peer_args(stub_llama_server, tmp_path / "x.gguf", "--server-config", str(tmp_path / "absent.yaml"))
+  assert main([*argv, "--json", str(out)]) == 2
+  assert "PeerBenchError: --server-config" in capsys.readouterr().err
+  assert not out.exists()
+
+
 @pytest.mark.parametrize(
   "argv, message",
   [
     (["--seconds", "5"], "--seconds: only with --peer llama-server"),
     (["--llama-server", "x"], "--llama-server: only with --peer llama-server"),
+    (["--server-config", "x.yaml"], "--server-config: only with --peer llama-server"),
     (["--max-tokens", "32,128"], "--max-tokens: one number without --peer"),
     (["--peer", "llama-server", "--slots", "4"], "--slots: not with --peer"),
     (["--peer", "llama-server", "--soak", "3"], "--soak: not with --peer"),

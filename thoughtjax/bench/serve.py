@@ -213,7 +213,7 @@ def _f(x, spec: str) -> str:
   return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-PEER_ONLY = ("llama_server", "gguf", "seconds", "requests_per_user", "plot")
+PEER_ONLY = ("llama_server", "gguf", "seconds", "requests_per_user", "plot", "server_config")
 GRPC_ONLY = ("path", "slots", "rounds", "level_seconds", "prompt_tokens", "static_reps", "cancels", "soak")
 
 
@@ -271,9 +271,9 @@ def main(argv=None) -> int:
   p.add_argument("--json", default=None, type=common.json_path, help="write the results here")
   peer = p.add_argument_group(
     "peer benchmark (--peer llama-server)",
-    "thoughtjax serve (default config, its own process) against llama.cpp's llama-server on the same GGUF, one "
-    "at a time, both through the same OpenAI-compatible streaming client (thoughtjax/bench/serve_peer.py). "
-    "The default run takes about 15 minutes on a 2-core machine.",
+    "thoughtjax serve (its own process; its built-in config unless --server-config) against llama.cpp's "
+    "llama-server on the same GGUF, one at a time, both through the same OpenAI-compatible streaming client "
+    "(thoughtjax/bench/serve_peer.py). The default run takes about 15 minutes on a 2-core machine.",
   )
   peer.add_argument(
     "--peer",
@@ -302,6 +302,12 @@ def main(argv=None) -> int:
   )
   peer.add_argument(
     "--plot", default=None, metavar="FILE", help="plot tokens/s and TTFT p95 against users (matplotlib)"
+  )
+  peer.add_argument(
+    "--server-config",
+    default=None,
+    metavar="FILE",
+    help="a config file for the thoughtjax serve it starts (e.g. a warm set; default: its built-in config)",
   )
   args = p.parse_args(argv)
   given = lambda names: [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) is not None]

@@ -157,13 +157,14 @@ class PromptSet:
 
 # ------------------------------------------------------------------------------------ servers
 class ThoughtjaxServe:
-  """``thoughtjax serve`` as its own process (a context manager): default config, free gRPC and HTTP ports,
-  ``registry`` (None: the default one). Ready once ``GET /v1/models`` answers 200 (503 while the registry loads);
+  """``thoughtjax serve`` as its own process (a context manager): free gRPC and HTTP ports, ``registry`` (None: the
+  default one), ``config`` (a server config file; None: the built-in config). Ready once ``GET /v1/models`` answers 200 (503 while the registry loads);
   output goes to a temporary file, whose tail a failed start quotes. Stopped with SIGTERM (it drains)."""
 
-  def __init__(self, registry: str | None = None):
+  def __init__(self, registry: str | None = None, config: str | Path | None = None):
     argv = [sys.executable, "-m", "thoughtjax.cli", "serve", "--port", "0", "--http-port", "0"]
-    self.argv = argv + (["--registry", str(registry)] if registry else [])
+    argv += ["--registry", str(registry)] if registry else []
+    self.argv = argv + (["--config", str(config)] if config else [])
     self.url: str | None = None
     self._proc: subprocess.Popen | None = None
     self._out = None
@@ -565,6 +566,8 @@ def run(args, argv: Sequence[str]) -> int:
   if args.plot:
     require_matplotlib()
   binary = find_binary(args.llama_server)  # before anything long runs
+  if args.server_config and not Path(args.server_config).expanduser().is_file():
+    raise PeerBenchError(f"--server-config {args.server_config}: no such file; give a thoughtjax serve config file")
   if args.gguf:
     gguf = Path(args.gguf).expanduser()
     if not gguf.is_file():
@@ -632,11 +635,15 @@ def run(args, argv: Sequence[str]) -> int:
   report["servers"]["llama-server"] = theirs
   save()
 
-  server = ThoughtjaxServe(args.registry)
-  log(f"thoughtjax serve: starting {' '.join(server.argv)} (default config)")
+  config = str(Path(args.server_config).expanduser()) if args.server_config else None
+  server = ThoughtjaxServe(args.registry, config)
+  log(f"thoughtjax serve: starting {' '.join(server.argv)}{'' if config else ' (default config)'}")
   with server:
     ours = drive("thoughtjax", server.url, server.pid, load, log)
-  report["servers"]["thoughtjax"] = ours | {"argv": server.argv, "config": "default (server/config.yaml), ports only"}
+  report["servers"]["thoughtjax"] = ours | {
+    "argv": server.argv,
+    "config": config or "default (server/config.yaml), ports only",
+  }
   report["ratios"] = ratios(ours, theirs)
   save()
   print_report(report)
