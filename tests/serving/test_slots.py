@@ -420,3 +420,27 @@ def test_a_request_the_model_checked_is_not_checked_again_and_gives_its_alone_to
       driver.submit_checked(real(model, [PROMPTS[0]], SamplingParams(max_tokens=62)))
   finally:
     driver.close()
+
+
+def test_a_short_prompt_decodes_while_the_long_one_prefilled_with_it_goes_on(model):
+  """A 3-token and a 40-token prompt waiting together share one prefill (chunks of 8 tokens): the short one's first
+  token comes after the first chunk and it takes its slot and decodes while the long one's later chunks run (before,
+  it waited for all 5); those later chunks compute one row, not both. Both give their alone tokens."""
+  engine = SlotEngine(model, slots=4, cache_len=64, prefill_chunk=8)
+  driver = SlotDriver(engine)
+  order = []
+  short_p = (PROMPTS[0], SamplingParams(max_tokens=6, ignore_eos=True))
+  long_p = (list(range(100, 140)), SamplingParams(max_tokens=4, ignore_eos=True))
+  try:
+    with engine.paused():  # both wait, so they are prefilled together
+      short = driver.submit(*short_p, on_delta=lambda d: d is not None and order.append("short"))
+      long = driver.submit(*long_p, on_delta=lambda d: d is not None and order.append("long"))
+    assert list(short)[-1].finish_reason == "length" and list(long)[-1].finish_reason == "length"
+  finally:
+    driver.close()
+  assert short.prefill_batch == long.prefill_batch == 2 and engine.prefill_calls == 1
+  assert engine.prefill_chunks == 5 and engine.prefill_chunk_rows == 2 + 1 + 1 + 1 + 1  # 10 before
+  assert order.index("long") >= 2  # the short one's first token and a decode chunk of it came first
+  assert short.trace.first_token < long.trace.first_token
+  assert short.token_ids == alone(model, short_p[0], **_kw(short_p[1])).token_ids
+  assert long.token_ids == alone(model, long_p[0], **_kw(long_p[1])).token_ids

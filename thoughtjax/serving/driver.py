@@ -186,21 +186,22 @@ class SlotDriver:
       return None
 
   def _advance(self, batch: list[SlotRun], job: PrefillJob) -> tuple[list[SlotRun], PrefillJob] | None:
-    """Run the next chunk of ``job``; at its end, each run's first token out, then each into a free slot. None
-    once it ended (or failed: its runs get the error; those in slots go on)."""
+    """Run the next chunk of ``job``; each run whose prompt ended in it gets its first token out, then a free slot
+    (it decodes while the longer prompts of its batch go on). None once the job ended (or failed: its runs not in
+    a slot yet get the error; those in slots go on)."""
     try:
-      if not job.advance():
-        return batch, job
-      for run, pre in zip(batch, job.result, strict=True):
-        self.engine.deliver(run, pre)
-      for run, pre in zip(batch, job.result, strict=True):
-        self.engine.place(run, pre)
+      ended = job.advance()
+      ready = job.take_ready()
+      for i, pre in ready:
+        self.engine.deliver(batch[i], pre)
+      for i, pre in ready:
+        self.engine.place(batch[i], pre)
     except BaseException as e:
       self._failed(batch, e)
       return None
     with self._cond:
-      self._prefilling = 0
-    return None
+      self._prefilling = 0 if ended else self._prefilling - len(ready)
+    return None if ended else (batch, job)
 
   def _failed(self, batch: list[SlotRun], error: BaseException | None) -> None:
     """End the runs of a prefill that failed with ``error`` (None: they ended already) and forget it."""

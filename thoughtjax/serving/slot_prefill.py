@@ -19,7 +19,6 @@ import numpy as np
 from thoughtjax.constraint import ConstraintError
 from thoughtjax.decode.interface import COMPILE_CLOCK
 from thoughtjax.decode.masks import ALL, grammars_for
-from thoughtjax.decode.program import bucket
 from thoughtjax.sampling import SamplingMode, SamplingParams, program_mode, sampling_arrays
 from thoughtjax.serving.errors import ConstraintsRefused
 from thoughtjax.serving.prefix import PrefixCache
@@ -29,7 +28,8 @@ from thoughtjax.serving.slot_run import Prefilled, SlotRequest
 
 class SlotPrefill:
   """Prefill program calls of one slot engine (see the module docstring). ``calls`` and ``rows``: the calls run and
-  the requests they prefilled. Thread-safe."""
+  the requests they prefilled; ``chunks`` and ``chunk_rows``: their chunks and the rows those computed.
+  Thread-safe."""
 
   def __init__(self, model, program: SlotProgram, parts, stop_width: int, prefix_cache: PrefixCache | None):
     self.model, self.cfg, self.program, self.parts = model, model.config, program, parts
@@ -37,6 +37,7 @@ class SlotPrefill:
     self.calls = 0
     self.rows = 0
     self.chunks = 0
+    self.chunk_rows = 0  # rows those chunks computed (the prompts each reached, padded to a power of two)
     self._lock = threading.Lock()
 
   @property
@@ -104,17 +105,18 @@ class SlotPrefill:
           pre.ids, first, [self.program.prefix_block(pre.kv, pre.row, j, B) for j in range(first, full)], pre.scope
         )
 
-  def count_chunk(self) -> None:
+  def count_chunk(self, rows: int) -> None:
     with self._lock:
       self.chunks += 1
+      self.chunk_rows += rows
 
   def open(self, reqs: Sequence[SlotRequest], start: int, chains: Sequence[list]) -> tuple[ChunkedPrefill, list[int]]:
-    """The chunked prefill (:class:`~thoughtjax.serving.slot_program.ChunkedPrefill`) of ``reqs``, rows padded to a
-    power of two: whole prompts (``start`` 0), or each prompt from ``start`` on, its first ``start`` tokens' keys
-    given by its cached blocks (``chains[p]``); and the rows whose constraint masked their first token."""
-    n = len(reqs)
-    P = bucket(n, 1)
-    prompts = [r.ids for r in reqs] + [[0]] * (P - n)  # padding rows: one token, inert
+    """The chunked prefill (:class:`~thoughtjax.serving.slot_program.ChunkedPrefill`) of ``reqs`` (longest prompt
+    first), padded to the engine's slots with empty rows: whole prompts (``start`` 0), or each prompt from ``start``
+    on, its first ``start`` tokens' keys given by its cached blocks (``chains[p]``); and the rows whose constraint
+    masked their first token."""
+    n, P = len(reqs), self.program.slots
+    prompts = [r.ids for r in reqs] + [[]] * (P - n)  # padding rows: empty, never computed
     params = [r.params for r in reqs]
     # Logit biases always (zeros where a request has none): one program serves requests with and without.
     samp = sampling_arrays(params, P, self.cfg.vocab_size, self.stop_width, self.model.codec.eos_ids, True)
@@ -127,35 +129,38 @@ class SlotPrefill:
     mode = program_mode(params)
     return ChunkedPrefill(self.program, self.parts, prompts, samp, mode, start=start, prefix=chains), masked
 
-  def close(
-    self, reqs: Sequence[SlotRequest], job: ChunkedPrefill, masked: list[int], started: float, compile_s: float
+  def finish(
+    self,
+    reqs: Sequence[SlotRequest],
+    job: ChunkedPrefill,
+    rows: Sequence[int],
+    masked: list[int],
+    started: float,
+    compile_s: float,
   ) -> list[Prefilled]:
-    """Each request's :class:`Prefilled` once ``job`` (of :meth:`open`) is done; a constrained request's matcher
-    takes its first token."""
+    """The :class:`Prefilled` of each of ``rows`` of ``job`` (of :meth:`open` on ``reqs``), whose prompts ended in
+    its last chunk: its first token, whether it stopped, and its keys copied out of the job's caches (which go on
+    to the next chunk); a constrained request's matcher takes its first token."""
     kv, token, done = job.result
-    done = jax.device_get(done)
-    if masked:
-      first_tokens = jax.device_get(token)
-      for p in masked:
-        reqs[p].matcher.consume(int(first_tokens[p]))
+    token, done = jax.device_get((token, done))
     first = time.perf_counter()
-    with self._lock:
-      self.calls += 1
-      self.rows += len(reqs)
     out = []
-    for p, r in enumerate(reqs):
+    for p in rows:
+      r = reqs[p]
+      if p in masked:
+        r.matcher.consume(int(token[p]))
       r.trace.device_start, r.trace.first_token, r.trace.compile_s = started, first, compile_s
       out.append(
         Prefilled(
           r.ids,
           r.params,
-          kv,
-          token,
+          self.program.row_keys(kv, p),
+          np.asarray(token[p : p + 1]),
           bool(done[p]),
           1,
           r.trace,
           r.rows,
-          row=p,
+          row=0,
           batch=len(reqs),
           matcher=r.matcher,
           scope=r.scope,
@@ -163,32 +168,49 @@ class SlotPrefill:
       )
     return out
 
-  def warm(self, P: int, mode: SamplingMode, insert: Callable[..., None]) -> None:
-    """Compile the prefill of ``P`` prompts (any lengths, with a logit bias or none: one chunk program serves them)
-    in ``mode``; with a prefix cache, also the cut of a prompt's blocks into it and the writing of cached
-    blocks before a prefill. ``insert(kv, token)`` gets the call's keys (the engine compiles their insert)."""
+  def count_call(self, rows: int) -> None:
+    with self._lock:
+      self.calls += 1
+      self.rows += rows
+
+  def warm(self, mode: SamplingMode, insert: Callable[..., None]) -> None:
+    """Compile the prefill chunk of every number of rows it computes (1, 2, 4, ... and all the slots; prompts of
+    any lengths, with a logit bias or none: one chunk program serves them) in ``mode``, the copy of a row's keys
+    out of it; with a prefix cache, also the cut of a prompt's blocks into it and the writing of cached blocks
+    before a prefill. ``insert(kv, token)`` gets a row's keys (the engine compiles their insert)."""
+    P = self.program.slots
     params = SamplingParams()  # the mode, not the settings, shapes the program
     samp = sampling_arrays([params] * P, P, self.cfg.vocab_size, self.stop_width, self.model.codec.eos_ids, True)
-    kv, token, _ = self.program.prefill_prompts(self.parts, [[0]] * P, samp, mode)
+    R = 1
+    while True:
+      R = min(R, P)
+      kv, token, _ = self.program.prefill_prompts(self.parts, [[0]] * R + [[]] * (P - R), samp, mode)
+      if R == P:
+        break
+      R *= 2
+    row = self.program.row_keys(kv, 0)
     if self.prefix_cache is not None and self.prefix_cache.block_tokens < self.program.cache_len:
       # A new prompt's blocks are cut from its prefill's keys into the cache, and written back before a prefill
       # that reuses them.
       B = self.prefix_cache.block_tokens
-      block = self.program.prefix_block(kv, 0, 0, B)
+      block = self.program.prefix_block(row, 0, 0, B)
       self.program.prefill_prompts(self.parts, [[0] * (B + 1)] * P, samp, mode, start=B, prefix=[[block]] * P)
-    insert(kv, token)
+    insert(row, token[:1])
 
 
 class PrefillJob:
   """A slot engine's prefill of requests waiting together (:meth:`SlotPrefill.begin`), one chunk per
-  :meth:`advance`: its groups (requests that reuse the same number of cached tokens) one after another. Once
-  :meth:`advance` returned True, :attr:`result` holds each request's :class:`Prefilled`, in order."""
+  :meth:`advance`: its groups (requests that reuse the same number of cached tokens) one after another, each group's
+  requests longest prompt first. A request is ready (:meth:`take_ready`) after the chunk in which its prompt ended,
+  so a short prompt does not wait for the long ones it was prefilled with. Once :meth:`advance` returned True,
+  :attr:`result` holds each request's :class:`Prefilled`, in order."""
 
   def __init__(
     self, prefiller: SlotPrefill, reqs: Sequence[SlotRequest], groups: list[tuple[list[int], int, Sequence]]
   ):
     self._prefiller, self._reqs, self._groups = prefiller, list(reqs), collections.deque(groups)
     self._out: list[Prefilled | None] = [None] * len(reqs)
+    self._ready: list[int] = []
     self._open: tuple | None = None  # (indices, ChunkedPrefill, masked rows, started, compile seconds)
     self.result: list[Prefilled] | None = None
 
@@ -196,19 +218,24 @@ class PrefillJob:
     """Run the next chunk; True when the prefill ended."""
     if self._open is None:
       part, start, chains = self._groups[0]
+      order = sorted(range(len(part)), key=lambda k: -len(self._reqs[part[k]].ids))  # longest first
+      part, chains = [part[k] for k in order], [chains[k] for k in order] if chains else chains
       job, masked = self._prefiller.open([self._reqs[i] for i in part], start, chains)
       self._open = (part, job, masked, time.perf_counter(), 0.0)
     part, job, masked, started, compile_s = self._open
     with COMPILE_CLOCK.measure() as compiled:
       job.advance()
-      self._prefiller.count_chunk()
-      if job.done:
-        got = self._prefiller.close([self._reqs[i] for i in part], job, masked, started, compile_s + compiled.seconds)
+      self._prefiller.count_chunk(job.computed)
+      if job.ended:
+        reqs = [self._reqs[i] for i in part]
+        got = self._prefiller.finish(reqs, job, job.ended, masked, started, compile_s + compiled.seconds)
+    for p, pre in zip(job.ended, got if job.ended else (), strict=True):
+      self._out[part[p]] = pre
+      self._ready.append(part[p])
     if not job.done:
       self._open = (part, job, masked, started, compile_s + compiled.seconds)
       return False
-    for i, pre in zip(part, got, strict=True):
-      self._out[i] = pre
+    self._prefiller.count_call(len(part))
     self._groups.popleft()
     self._open = None
     if self._groups:
@@ -217,3 +244,8 @@ class PrefillJob:
       self._prefiller.keep_prefixes(self._out)
     self.result = self._out
     return True
+
+  def take_ready(self) -> list[tuple[int, Prefilled]]:
+    """(index in the requests, its :class:`Prefilled`) of each request that became ready since the last call."""
+    ready, self._ready = self._ready, []
+    return [(i, self._out[i]) for i in ready]

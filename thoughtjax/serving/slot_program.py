@@ -56,7 +56,8 @@ class SlotProgram(DecodeProgram):
     self._chunk_rows = jax.jit(self._chunk_rows_impl, static_argnums=(5,), donate_argnums=(2,))
     self._scratch = jax.jit(self._scratch_impl, static_argnums=(0,))
     self._put_block = jax.jit(self._put_block_impl, donate_argnums=(0,))
-    self._prefill_chunk = jax.jit(self._prefill_chunk_impl, static_argnums=(8,), donate_argnums=(1,))
+    self._prefill_chunk = jax.jit(self._prefill_chunk_impl, static_argnums=(8, 9), donate_argnums=(1,))
+    self._row_keys = jax.jit(self._row_keys_impl)
     self._block = jax.jit(self._block_impl, static_argnums=(3,))
     self._insert = jax.jit(self._insert_impl, donate_argnums=(0,))
     self._rewind = jax.jit(self._rewind_impl, donate_argnums=(0,))
@@ -81,14 +82,16 @@ class SlotProgram(DecodeProgram):
       raise SlotRequestError(f"a slot program's prefill takes {self.slots} prompts and a sampling mode; got {P}")
     pad = np.asarray(jax.device_get(inputs.pad))
     prompts = [tokens[p, pad[p] :].tolist() for p in range(P)]
-    kv, token, done = self.prefill_prompts(inputs.parts, prompts, inputs.samp, inputs.mode)
-    for p in range(P):
-      state = self.insert(state, kv, p, p, len(prompts[p]), token, done[p], 1)
+    order = sorted(range(P), key=lambda p: -len(prompts[p]))  # a chunked prefill takes its rows longest first
+    samp = jax.tree.map(lambda x: x[np.asarray(order)], inputs.samp)
+    kv, token, done = self.prefill_prompts(inputs.parts, [prompts[p] for p in order], samp, inputs.mode)
+    for row, p in enumerate(order):
+      state = self.insert(state, kv, p, row, len(prompts[p]), token, done[row], 1)
     return state
 
   def prefill_prompts(self, parts, prompts, samp: SamplingArrays, mode: SamplingMode, *, start: int = 0, prefix=()):
-    """The chunked prefill of P prompts run to its end (:class:`ChunkedPrefill`, which states the layout): (caches
-    [P, K, S, E] per path block, first tokens [P], stopped [P])."""
+    """The chunked prefill of P prompts (longest first) run to its end (:class:`ChunkedPrefill`, which states the
+    layout): (caches [P, K, S, E] per path block, first tokens [P], stopped [P])."""
     job = ChunkedPrefill(self, parts, prompts, samp, mode, start=start, prefix=prefix)
     while not job.done:
       job.advance()
@@ -147,6 +150,11 @@ class SlotProgram(DecodeProgram):
     """Slot ``slot`` keeps its first ``keep`` tokens, the last of them ``token``; its keys move ``shift`` ring slots
     forward (:meth:`_rewind_impl`). ``state`` is donated."""
     return self._rewind(state, jnp.int32(slot), jnp.int32(keep), jnp.int32(token), jnp.int32(shift))
+
+  def row_keys(self, kv, row: int):
+    """Row ``row`` of a prefill's keys ``kv`` as keys of their own ([1, K, S, E] per path block), so that the
+    prefill's caches can go on to its next chunk (they are donated to it) while this row waits for its slot."""
+    return self._row_keys(kv, jnp.int32(row))
 
   def prefix_block(self, kv, row: int, j: int, block_tokens: int):
     """Block ``j`` of row ``row`` of a prefill's keys, as the prefix cache keeps it (:meth:`_block_impl`)."""
@@ -225,29 +233,47 @@ class SlotProgram(DecodeProgram):
       i += 1
     return tuple(out)
 
-  def _prefill_chunk_impl(self, parts, scratch, tokens, at, n, token, stop, samp: SamplingArrays, mode: SamplingMode):
-    """One prefill chunk of P prompts: ``tokens`` [P, C] are each row's prompt tokens at indices [at, at + C) of
-    its prefill caches ``scratch`` (donated; keys of [0, at) already there), at RoPE positions at, at + 1, ...;
-    each query sees its row's keys up to itself. A row whose prompt (``n`` [P] tokens) ends in this chunk gets its
+  def _prefill_chunk_impl(
+    self, parts, scratch, tokens, at, n, token, stop, samp: SamplingArrays, mode: SamplingMode, rows: int
+  ):
+    """One prefill chunk of the first ``rows`` of P prompts: ``tokens`` [rows, C] are each row's prompt tokens at
+    indices [at, at + C) of its prefill caches ``scratch`` (donated; keys of [0, at) already there), at RoPE
+    positions at, at + 1, ...; each query sees its row's keys up to itself. The other rows (prompts that ended
+    before ``at``, padding) are not computed. A row whose prompt (``n`` [P] tokens) ends in this chunk gets its
     first token sampled from its last position and whether it stopped there; the others keep ``token`` and
     ``stop`` [P]. Returns (scratch, token, stop). Keys past a row's end are never read: its queries see only keys
     before them, and an insert copies [0, n)."""
     embed, blocks, head = merge_path(self.defs, parts, self.layers)
-    P, C = tokens.shape
-    slots = jnp.broadcast_to(at + jnp.arange(C, dtype=jnp.int32)[None, :], (P, C))
-    positions, mask = layout.steps_at(jnp.zeros(P, jnp.int32), slots, self.cache_len)
+    R, C = tokens.shape
+    whole = R == scratch[0][0].shape[0]
+    part = scratch if whole else tuple((ck[:R], cv[:R]) for ck, cv in scratch)
+    n_r, samp_r = (n, samp) if whole else (n[:R], jax.tree.map(lambda x: x[:R], samp))
+    slots = jnp.broadcast_to(at + jnp.arange(C, dtype=jnp.int32)[None, :], (R, C))
+    positions, mask = layout.steps_at(jnp.zeros(R, jnp.int32), slots, self.cache_len)
     x = embed(tokens)
     cfg = path_config(blocks)
     cos, sin = (None, None) if cfg is None else rope_tables(positions, cfg.head_dim, cfg.rope_theta)
     out = []
-    for block, (ck, cv) in zip(blocks, scratch, strict=True):
+    for block, (ck, cv) in zip(blocks, part, strict=True):
       x, ck, cv = block(x, cos, sin, ck, cv, at, mask)
       out.append((ck, cv))
-    last = jnp.clip(n - 1 - at, 0, C - 1)
+    last = jnp.clip(n_r - 1 - at, 0, C - 1)
     logits = head(jnp.take_along_axis(x, last[:, None, None], axis=1), embed.table[...])
-    new, stopped = sample(logits[:, -1], samp, jnp.zeros((), jnp.int32), mode, self.kernels)
-    ends = (n - 1 >= at) & (n - 1 < at + C)
-    return tuple(out), jnp.where(ends, new, token), jnp.where(ends, stopped | (samp.max_new <= 1), stop)
+    new, stopped = sample(logits[:, -1], samp_r, jnp.zeros((), jnp.int32), mode, self.kernels)
+    ends = (n_r - 1 >= at) & (n_r - 1 < at + C)
+    new = jnp.where(ends, new, token[:R])
+    stopped = jnp.where(ends, stopped | (samp_r.max_new <= 1), stop[:R])
+    if whole:
+      return tuple(out), new, stopped
+    zero = jnp.zeros((), jnp.int32)
+    out = tuple(
+      tuple(jax.lax.dynamic_update_slice(c, u, (zero,) * c.ndim) for c, u in zip(full, new_pair, strict=True))
+      for full, new_pair in zip(scratch, out, strict=True)
+    )
+    return out, token.at[:R].set(new), stop.at[:R].set(stopped)
+
+  def _row_keys_impl(self, kv, row):
+    return tuple(tuple(jax.lax.dynamic_slice_in_dim(a, row, 1, 0) for a in pair) for pair in kv)
 
   def _block_impl(self, kv, row, j, block_tokens: int):
     """Keys of prompt positions [j * B, (j + 1) * B) of row ``row`` of a prefill's ``kv`` (B = ``block_tokens``),
@@ -320,19 +346,24 @@ class SlotProgram(DecodeProgram):
 
 
 class ChunkedPrefill:
-  """The chunked prefill of P prompts (``prompts``: P token-id lists, each at least one token and at most the ring's
-  length), one chunk per :meth:`advance`, so a driver can step its decode between chunks.
+  """The chunked prefill of P prompts (``prompts``: P token-id lists, longest first, each at most the ring's length;
+  an empty one is a padding row), one chunk per :meth:`advance`, so a driver can step its decode between chunks.
 
   Each row's key i goes to index i of its prefill caches, computed ``prefill_tokens`` positions at a time from
-  ``start`` on, every row in each chunk; the keys of [0, start) come from ``prefix`` (per row, its cached blocks,
-  first block first), written at the outset. One program per number of rows, whatever the prompts' lengths: a chunk
-  past the ring's end is moved back to end there (it recomputes keys it already has). Once :attr:`done`,
-  :attr:`result` is (caches [P, K, S, E] per path block, first tokens [P], stopped [P])."""
+  ``start`` on; the keys of [0, start) come from ``prefix`` (per row, its cached blocks, first block first), written
+  at the outset. A chunk computes only the rows whose prompts reach into it (the first ones, as the longest come
+  first), padded to a power of two (:func:`width`): one program per number of rows, whatever the prompts' lengths. A
+  chunk past the ring's end is moved back to end there (it recomputes keys it already has). After each chunk,
+  :attr:`ended` lists the rows whose prompts ended in it (their first token and stop flag are then in
+  :attr:`result`) and :attr:`computed` the rows it computed; once :attr:`done`, :attr:`result` is (caches [P, K, S, E] per path block, first tokens [P],
+  stopped [P])."""
 
   def __init__(self, program: SlotProgram, parts, prompts, samp, mode, *, start: int = 0, prefix=()):
     self.program, self.parts, self.samp, self.mode = program, parts, samp, mode
     P, S = len(prompts), program.cache_len
-    lengths = np.array([len(ids) for ids in prompts], np.int32)
+    self.lengths = np.array([len(ids) for ids in prompts], np.int32)
+    if np.any(np.diff(self.lengths) > 0):
+      raise ValueError(f"a chunked prefill takes its prompts longest first, got lengths {self.lengths.tolist()}")
     self.tokens = np.zeros((P, S), np.int32)
     for p, ids in enumerate(prompts):
       self.tokens[p, : len(ids)] = ids
@@ -340,8 +371,10 @@ class ChunkedPrefill:
     for p, blocks in enumerate(prefix):
       for j, block in enumerate(blocks):
         scratch = program._put_block(scratch, block, jnp.int32(p), jnp.int32(j))
-    self.end, self.at, self.chunks = int(lengths.max()), int(start), 0
-    self._n = jnp.asarray(lengths)
+    self.end, self.at, self.chunks, self.computed = int(self.lengths.max()), int(start), 0, 0
+    self._n = jnp.asarray(self.lengths)
+    self._reported = np.zeros(P, bool)
+    self.ended: list[int] = []
     self.result = (scratch, jnp.zeros(P, jnp.int32), jnp.zeros(P, bool))
 
   @property
@@ -349,15 +382,20 @@ class ChunkedPrefill:
     return self.at >= self.end
 
   def advance(self) -> None:
-    """Run the next chunk (the program's :meth:`~SlotProgram._prefill_chunk_impl`)."""
+    """Run the next chunk (the program's :meth:`~SlotProgram._prefill_chunk_impl`) on the rows it reaches."""
     S, C = self.program.cache_len, self.program.prefill_tokens
     a = min(self.at, S - C)
+    reach = self.lengths > a
+    R = width(int(reach.sum()), len(self.lengths))
     scratch, token, stop = self.result
-    tokens = jnp.asarray(self.tokens[:, a : a + C])
+    tokens = jnp.asarray(self.tokens[:R, a : a + C])
     self.result = self.program._prefill_chunk(
-      self.parts, scratch, tokens, jnp.int32(a), self._n, token, stop, self.samp, self.mode
+      self.parts, scratch, tokens, jnp.int32(a), self._n, token, stop, self.samp, self.mode, R
     )
-    self.at, self.chunks = a + C, self.chunks + 1
+    ends = reach & (self.lengths <= a + C) & ~self._reported
+    self._reported |= ends
+    self.ended = np.flatnonzero(ends).tolist()
+    self.at, self.chunks, self.computed = a + C, self.chunks + 1, R
 
 
 def slot_program(

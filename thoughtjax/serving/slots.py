@@ -11,10 +11,11 @@ are produced) or ``cancel()`` from any thread.
 
 Prefill: requests waiting at the same moment are prefilled together, whatever their lengths
 (:meth:`SlotEngine.prefill_batch`), in chunks of ``prefill_chunk`` prompt tokens
-(:meth:`SlotProgram.prefill_prompts <thoughtjax.serving.slot_program.SlotProgram.prefill_prompts>`): rows padded to a
-power of two P, row p's key i written at index i of [P, K, S, E] prefill caches (S: the ring's length), each chunk
-one call of one program per P; a row's first token is sampled from its last prompt position, in the chunk where its
-prompt ends. So the prefill programs are a fixed few (one per P), compiled by :meth:`SlotEngine.warm` before any
+(:class:`~thoughtjax.serving.slot_program.ChunkedPrefill`): longest prompt first, row p's key i written at index i
+of [N, K, S, E] prefill caches (N: the slots, S: the ring's length); a chunk computes only the rows whose prompts
+reach into it, padded to a power of two R, one call of one program per R; a row's first token is sampled from its
+last prompt position, in the chunk where its prompt ends, and from then on it is ready for a slot while the longer
+prompts go on. So the prefill programs are a fixed few (one per R), compiled by :meth:`SlotEngine.warm` before any
 request. A request's prefill computes the keys and first token of its alone run (same positions, causal mask and
 first-token sampling, up to float rounding). :meth:`SlotEngine.prefill` takes no slot
 and touches no engine state (any thread); :meth:`SlotEngine.insert` writes the keys into a free slot and the
@@ -263,6 +264,11 @@ class SlotEngine:
     return self.prefiller.chunks
 
   @property
+  def prefill_chunk_rows(self) -> int:
+    """Rows those chunks computed: each chunk the prompts that reach into it, padded to a power of two."""
+    return self.prefiller.chunk_rows
+
+  @property
   def prefill_rows(self) -> int:
     """Requests those calls prefilled."""
     return self.prefiller.rows
@@ -277,7 +283,7 @@ class SlotEngine:
     return self.prefill_batch([(prompt_ids, params)])[0]
 
   def prefill_batch(self, requests: Sequence[tuple[Sequence[int], SamplingParams | None]]) -> list[Prefilled]:
-    """Prefill requests together in one program call (prompts padded to the longest one's bucket); takes no
+    """Prefill requests together, longest prompt first (each chunk computes the rows its prompts reach); takes no
     slot. Any thread."""
     return self.prefiller.run([self.request(ids, params) for ids, params in requests])
 
@@ -294,17 +300,12 @@ class SlotEngine:
 
   def warm(self, modes: Sequence[SamplingMode] = (SamplingMode.GREEDY,)) -> None:
     """Compile everything a request of any length the engine holds runs, so requests compile nothing: in each
-    sampling mode (a logit bias or none runs the same programs), the chunked prefill of every number of rows (1, 2, 4, ... up to the
-    slots) and the insert of their keys; the decode chunk at every width a chunk computes (1, 2, 4, ... and all the
+    sampling mode (a logit bias or none runs the same programs), the prefill chunk of every number of rows it
+    computes (1, 2, 4, ... up to the slots) and the insert of a row's keys; the decode chunk at every width a chunk computes (1, 2, 4, ... and all the
     slots), run with no slot active. With a prefix cache, also the cut of a prompt's blocks into the cache and
     their writing back before a prefill that reuses them."""
     for mode in modes:
-      P = 1
-      while True:
-        self.prefiller.warm(P, mode, self._warm_insert)
-        if P >= self.slots:
-          break
-        P *= 2
+      self.prefiller.warm(mode, self._warm_insert)
       self._warm_chunks(mode)
     jax.block_until_ready(self._state)
 
