@@ -15,8 +15,9 @@ MAX_HINTS = 3
 DEFAULT_DRAFT_TOKENS = 4
 
 # The shortest ring an engine pool (a server's slot engines) makes an engine with: a request's prompt + new tokens,
-# bucketed, at least this.
-MIN_POOL_RING = 64
+# bucketed, at least this. A path decodes in one engine, the longest ring it needed: long enough for a chat prompt
+# and its answer, so that a server does not make a longer one (and compile its programs) under traffic.
+MIN_POOL_RING = 512
 
 # The ring (KV cache length, tokens) of a slot engine made directly without saying.
 DEFAULT_SLOT_CACHE_LEN = 512

@@ -16,18 +16,22 @@ def model():
   return tiny_engine("llama_gqa", seed=3, chunk=4)
 
 
-def test_engines_per_ring_length_and_requests_join_the_busiest_engine_that_fits(model):
-  """A short request gets a 64-token ring, a long one a 256-token ring; a request joins the engine that fits it
-  with the most leases on it (ties: the smallest ring) instead of making its own."""
-  pool = EnginePool(2, max_engines=2)
+def test_a_path_decodes_in_its_longest_ring_and_a_superseded_engine_closes_once_drained(model):
+  """A short request gets a 64-token ring; a long one makes a 256-token ring, which from then on takes every
+  request of the path, short ones too (one batch, not two engines stepping in turn). The 64-token engine finishes
+  what it holds and is closed once its last lease is given back; nothing else is evicted."""
+  pool = EnginePool(2, max_engines=4, cache_len=64)
   try:
-    short, long = pool.lease(model, 20), pool.lease(model, 200)
-    assert (short.engine.cache_len, long.engine.cache_len) == (64, 256)
-    assert pool.lease(model, 60) is short and pool.leases(short) == 2
-    assert pool.lease(model, 100) is long and pool.stats()["engines"] == 2  # no 128-token ring made
+    short = pool.lease(model, 20)
+    assert short.engine.cache_len == 64 and pool.lease(model, 60) is short  # fits: no second engine
+    long = pool.lease(model, 200)
+    assert long.engine.cache_len == 256 and short.alive  # short still holds two leases
+    assert pool.lease(model, 20) is long and pool.lease(model, 100) is long and pool.stats()["engines"] == 2
     pool.give_back(short)
-    pool.give_back(short)  # the short requests ended: the long engine is the busier one that fits
-    assert pool.lease(model, 20) is long and pool.stats()["engines"] == 2
+    assert short.alive and pool.stats()["engines"] == 2  # one lease left on it
+    pool.give_back(short)
+    assert not short.alive and pool.drivers() == [long] and pool.stats()["engine_evictions"] == 0
+    assert pool.lease(model, 20) is long
   finally:
     pool.close()
 
@@ -65,18 +69,20 @@ def _kw(p: SamplingParams) -> dict:
 
 
 def test_a_reserved_request_counts_in_the_occupancy_of_the_engine_it_will_join(model):
-  """A request planned onto a path counts in the pool's occupancy from its reservation: in the busiest engine of
-  its path whose ring holds it, or as an engine of its own (not stepped yet) when none does; releasing takes it
-  back out, once however often it is released."""
-  pool = EnginePool(4, max_engines=2)
+  """A request planned onto a path counts in the pool's occupancy from its reservation: in the engine of its path it
+  will join (the longest ring, when it holds it), or as an engine of its own (not stepped yet) when none does, which
+  the path's shorter requests planned meanwhile join too; releasing takes it back out, once however often it is
+  released."""
+  pool = EnginePool(4, max_engines=2, cache_len=64)
   h = model.path_hash
   try:
     driver = pool.lease(model, 20)
     assert pool.occupancy() == [(h, 0, 64, None)]
     joins = pool.reserve(h, 30)
+    assert pool.occupancy() == [(h, 1, 64, None)]
     own = pool.reserve(h, 200)  # no engine of this path holds 200 tokens
-    also = pool.reserve(h, 100)  # fits the 256-token ring the reservation before it will make
-    assert sorted(pool.occupancy(), key=lambda e: e[2]) == [(h, 1, 64, None), (h, 2, 256, None)]
+    also = pool.reserve(h, 100)  # joins the 256-token ring the reservation before it will make, and so does 30
+    assert sorted(pool.occupancy(), key=lambda e: e[2]) == [(h, 0, 64, None), (h, 3, 256, None)]
     for r in (joins, own, also, joins):
       r.release()
     assert pool.occupancy() == [(h, 0, 64, None)] and joins.released

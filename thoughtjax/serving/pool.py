@@ -5,9 +5,11 @@ A server (any transport) asks the pool for the engine of a request (:meth:`Engin
 (:meth:`EnginePool.give_back`) once the request's slot is free, or when it never took one.
 
 * Engines are made lazily per path and ring length (the request's prompt + max_tokens bucket, at least
-  ``cache_len``), at most ``max_engines``. A request joins the path's engine that fits it with the most leases on
-  it (ties: the smallest ring), so requests of different lengths share one batch instead of several engines
-  stepping in turn on the same cores; a new engine is made only when none fits.
+  ``cache_len``), at most ``max_engines``. A path decodes in one engine: a request joins the path's engine with the
+  longest ring when it fits there (:func:`choose_engine`), so requests of any length share one batch instead of
+  several engines stepping in turn on the same cores; one that does not fit makes an engine of its own, longer
+  ring, which from then on takes the path's requests: the shorter engine finishes what it holds and is closed once
+  nothing holds it.
 * Past ``max_engines`` an unused engine is evicted for the new one; when every engine is in use,
   :class:`PoolFull`. An engine is in use while a request holds a lease on it (handed out, not yet submitted) or it
   has work queued, prefilling, being placed or in a slot: such an engine is never evicted or released
@@ -39,16 +41,17 @@ from thoughtjax.serving.slots import SlotEngine
 T = TypeVar("T")
 
 
-def choose_engine(engines: Iterable[tuple[T, int, int]], ring: int) -> T | None:
-  """The engine a request whose prompt and new tokens need a ring of ``ring`` slots joins, of ``engines``
-  (engine, streams, ring length): of those whose ring holds it, the one with the most streams (so requests of
-  different lengths share one batch), ties the smallest ring; None when none holds it. The pool leases by it and
-  the latency model predicts by it (:meth:`Load.of <thoughtjax.synthesis.latency_load.Load.of>`)."""
+def choose_engine(engines: Iterable[tuple[T, int]], ring: int) -> T | None:
+  """The engine a request whose prompt and new tokens need a ring of ``ring`` slots joins, of a path's ``engines``
+  (engine, ring length): the one with the longest ring, when it holds the request; None when it does not (then
+  none does, and a longer one is made). So a path decodes in one engine: the longest ring it has needed, where every
+  new request goes; a shorter one only finishes what it holds. The pool leases by it and the latency model predicts
+  by it (:meth:`Load.of <thoughtjax.synthesis.latency_load.Load.of>`)."""
   best = None
-  for engine, streams, length in engines:
-    if length >= ring and (best is None or (-streams, length) < best[0]):
-      best = ((-streams, length), engine)
-  return None if best is None else best[1]
+  for engine, length in engines:
+    if best is None or length > best[0]:
+      best = (length, engine)
+  return best[1] if best is not None and best[0] >= ring else None
 
 
 class PoolFull(UserError, RuntimeError):
@@ -97,11 +100,11 @@ class EnginePool:
     lease on it; :class:`PoolFull` when it needs a new engine and every engine is in use."""
     cache_len = min(bucket(tokens, self.cache_len), model.config.max_context)
     path = (model.path_hash, tuple(model.layers), model.kernels, model.chunk)
-    evicted = None
+    evicted, superseded = None, []
     with self._lock:
       if self._closed:
         raise PoolFull("the engine pool is closed (the server is stopping); retry on another replica")
-      mine = ((k, self._leases[d], k[-1]) for k, d in self._engines.items() if k[:-1] == path)
+      mine = [(k, k[-1]) for k in self._engines if k[:-1] == path]
       key = choose_engine(mine, cache_len)
       if key is not None:
         self._engines.move_to_end(key)
@@ -120,10 +123,22 @@ class EnginePool:
         prefix = PrefixCache(self.prefix_block_tokens, self.prefix_cache_bytes) if self.prefix_cache_bytes else None
         engine = SlotEngine(model, self.slots, cache_len=cache_len, prefix_cache=prefix)
         driver = self._engines[(*path, cache_len)] = SlotDriver(engine)
+        superseded = self._drop_superseded(path)
       self._leases[driver] += 1
-    if evicted is not None:
-      evicted.close()  # unused: only its thread stops, and nobody waits on the lock meanwhile
+    for d in ([evicted] if evicted is not None else []) + superseded:
+      d.close()  # unused: only its thread stops, and nobody waits on the lock meanwhile
     return driver
+
+  def _drop_superseded(self, path: tuple) -> list[SlotDriver]:
+    """Take out the engines of ``path`` that a longer ring superseded and that hold nothing any more (under
+    ``_lock``); the caller closes them outside it."""
+    mine = [(k, k[-1]) for k in self._engines if k[:-1] == path]
+    current = choose_engine(mine, 0)
+    gone = [k for k, _ in mine if k != current and self._unused(self._engines[k])]
+    drivers = [self._engines.pop(k) for k in gone]
+    for d in drivers:
+      self._freed_by_closed += d.engine.freed_total
+    return drivers
 
   def reserve(self, path_hash: str, tokens: int) -> Reservation:
     """Count a request planned onto the path ``path_hash`` (``tokens`` prompt + new tokens) in :meth:`occupancy`
@@ -145,11 +160,16 @@ class EnginePool:
         del self._reserved[r.key]
 
   def give_back(self, driver: SlotDriver) -> None:
-    """End one lease on ``driver`` (its request's slot is free, or it never took one)."""
+    """End one lease on ``driver`` (its request's slot is free, or it never took one); an engine a longer ring of
+    its path superseded is closed once nothing holds it."""
     with self._lock:
       self._leases[driver] -= 1
       if self._leases[driver] <= 0:
         del self._leases[driver]
+      key = next((k for k, d in self._engines.items() if d is driver), None)
+      superseded = self._drop_superseded(key[:-1]) if key is not None else []
+    for d in superseded:  # its thread ends; never joined from itself
+      threading.Thread(target=d.close, daemon=True).start() if d.on_driver_thread() else d.close()
 
   def warm(self, model, prompt_tokens: int, max_tokens: int) -> SlotDriver:
     """Make (if need be) the engine a request of ``prompt_tokens`` prompt and ``max_tokens`` new tokens on
@@ -223,9 +243,8 @@ class EnginePool:
     out = [[d.engine.model.path_hash, d.rows, d.engine.cache_len, d.engine.recent_step()] for d in drivers]
     made: list[list] = []  # the engines reserved requests will make, longest ring first
     for (h, ring), n in sorted(reserved.items(), key=lambda kv: -kv[0][1]):
-      # The engine a lease would join (of the engines now, else of those reserved requests will make).
-      joins = choose_engine(((e, e[1], e[2]) for e in out if e[0] == h), ring)
-      joins = joins or choose_engine(((e, e[1], e[2]) for e in made if e[0] == h), ring)
+      # The engine a lease would join: of the engines now and those longer reservations will make.
+      joins = choose_engine(((e, e[2]) for e in out + made if e[0] == h), ring)
       if joins is not None:
         joins[1] += n
       else:

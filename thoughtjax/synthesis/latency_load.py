@@ -92,9 +92,9 @@ class Load:
     return sum(e.rows for e in self.engines)
 
   def of(self, path_hash: str, cache_len: int = 1) -> EngineLoad | None:
-    """The engine of ``path_hash`` a request attending over ``cache_len`` slots joins (of those whose ring holds
-    it, the one with the most streams, as an engine pool picks), or None."""
-    return choose_engine(((e, e.rows, e.cache_len) for e in self.engines if e.path_hash == path_hash), cache_len)
+    """The engine of ``path_hash`` a request attending over ``cache_len`` slots joins (the path's longest ring, when
+    it holds the request, as an engine pool picks), or None."""
+    return choose_engine(((e, e.cache_len) for e in self.engines if e.path_hash == path_hash), cache_len)
 
   def describe(self) -> str:
     if not self.engines:
