@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from thoughtjax.server.config import ConfigError, ServerConfig
+from thoughtjax.server.reload import warm_set
 from thoughtjax.server.scheduling import Scheduler
 from thoughtjax.server.servicer import SERVICE, SynthesizerService
 from thoughtjax.server.tls import server_credentials
@@ -71,17 +72,8 @@ class ServerApp:
     self._stopped = asyncio.Event()
 
   def _default_warm(self):
-    w = self.config.warm
-    if not w.hints:
-      return []
     # The continuous scheduler's engines are what requests run in: warmed there, not as a lone generation.
-    return self.service.syn.warm(
-      w.hints,
-      prompt_tokens=w.prompt_tokens,
-      max_tokens=w.max_tokens,
-      pool=self.service.scheduler.pool,
-      budgets=w.budgets_ms,
-    )
+    return warm_set(self.service.syn, self.config.warm, self.service.scheduler.pool)
 
   async def _set_health(self, status) -> None:
     for name in ("", SERVICE):

@@ -56,14 +56,31 @@ class KeepaliveConfig:
   max_ping_strikes: int = 0
 
 
+WARM_ALL = "all"  # warm.hints: every hint the registry calibrated (what a request without hints is routed to)
+WARM_MODES = ("greedy", "sample", "sample_top_p")
+
+
 @dataclasses.dataclass(frozen=True)
 class WarmConfig:
-  hints: tuple[str, ...] = ()
+  hints: tuple[str, ...] = ()  # WARM_ALL among them: every calibrated hint
   prompt_tokens: tuple[int, ...] = (16,)
   max_tokens: tuple[int, ...] = (DEFAULT_MAX_TOKENS,)
   # The plan each budget gets on a warm process is warmed: a tight one warms the faster path (the int8 full path)
   # that a tight budget or a busy server moves a request to, which a cold server would never choose.
   budgets_ms: tuple[float, ...] = (math.inf,)
+  # The sampling modes a slot engine's programs are compiled in: greedy (temperature 0), sample (a temperature;
+  # OpenAI's default), sample_top_p (top_p < 1). A mode not warmed compiles at its first request.
+  modes: tuple[str, ...] = ("greedy",)
+
+  def __post_init__(self):
+    bad = [m for m in self.modes if m not in WARM_MODES]
+    if bad or not self.modes:
+      raise ConfigError(f"warm.modes: expected a non-empty list of {list(WARM_MODES)}, got {list(self.modes)!r}")
+
+  @property
+  def every_hint(self) -> bool:
+    """Whether the hints name :data:`WARM_ALL`: warm every hint the registry calibrated."""
+    return WARM_ALL in self.hints
 
 
 _TOKEN_FILES: dict[Path, tuple[tuple[int, int, int], str]] = {}  # path -> (stat signature, secret read)
@@ -417,7 +434,7 @@ def from_mapping(data: Mapping | None, where: str = "server config", base: Path 
     WarmConfig,
     data.pop("warm", None),
     f"{where}: warm",
-    {"hints": _strs, "prompt_tokens": _ints, "max_tokens": _ints, "budgets_ms": _budgets},
+    {"hints": _strs, "prompt_tokens": _ints, "max_tokens": _ints, "budgets_ms": _budgets, "modes": _strs},
   )
   admin = _section(
     AdminConfig,

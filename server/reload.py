@@ -23,17 +23,39 @@ from typing import Any
 import grpc
 
 from thoughtjax.registry import Registry
-from thoughtjax.server.config import ServerConfig
+from thoughtjax.sampling import SamplingMode
+from thoughtjax.server.config import ServerConfig, WarmConfig
 from thoughtjax.server.messages import failure_field, public_message, status_of
 from thoughtjax.server.metrics import ServerMetrics, failure_totals
 from thoughtjax.server.validation import Refused, Serving
 from thoughtjax.serving.pool import EnginePool
 from thoughtjax.synthesis.calibration import Calibration
 from thoughtjax.synthesis.calibration_store import MissingCalibrationError, read_calibration
-from thoughtjax.synthesis.router_store import forget_router
+from thoughtjax.synthesis.router_store import forget_router, stored_router
 from thoughtjax.synthesis.synthesize import Synthesizer
 
 log = logging.getLogger("thoughtjax.server")
+
+
+def warm_set(syn: Synthesizer, warm: WarmConfig, pool: EnginePool | None) -> list[str]:
+  """Restore and compile ``syn``'s warm set (config ``warm``) where requests run: with ``pool`` (the continuous
+  scheduler's), in the slot engine of each hint's plan, in each of ``warm.modes``; with every hint
+  (:data:`~thoughtjax.server.config.WARM_ALL`), also the stored router's programs, which route a request without
+  hints. Returns the paths warmed (none when no hint is set). Blocks for the compiles; a worker thread's."""
+  if not warm.hints:
+    return []
+  if warm.every_hint:
+    router, _ = stored_router(syn.registry)
+    if router is not None:
+      router.warm()
+  return syn.warm(
+    None if warm.every_hint else warm.hints,
+    prompt_tokens=warm.prompt_tokens,
+    max_tokens=warm.max_tokens,
+    pool=pool,
+    budgets=warm.budgets_ms,
+    modes=[SamplingMode(m) for m in warm.modes],
+  )
 
 
 @dataclasses.dataclass
@@ -103,12 +125,7 @@ class Reloader:
         keep_paths=old.syn.keep_paths,
         learn=old.syn.learn,
       )
-      w = self.config.warm
-      warmed = (
-        syn.warm(w.hints, prompt_tokens=w.prompt_tokens, max_tokens=w.max_tokens, pool=self.pool, budgets=w.budgets_ms)
-        if w.hints
-        else []
-      )
+      warmed = warm_set(syn, self.config.warm, self.pool)
       return Reload(Serving.of(syn, owned=True), fresh.sequence, how, tuple(dropped), tuple(warmed), tuple(notes))
     except Exception as e:
       seq = "" if fresh is None else f" sequence {fresh.sequence}"

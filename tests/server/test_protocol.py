@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from thoughtjax.server.config import ConfigError, from_mapping, load_config
+from thoughtjax.server.config import ConfigError, ServerConfig, from_mapping, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTO = "thoughtjax/proto/v1/synthesis.proto"
@@ -60,6 +60,9 @@ def test_the_shipped_config_is_loopback_and_tolerates_pinging_clients():
   assert c.bind == "127.0.0.1" and not c.tls.enabled
   opts = dict(c.grpc_options())
   assert opts["grpc.keepalive_permit_without_calls"] == 1 and opts["grpc.http2.max_ping_strikes"] == 0
+  # `thoughtjax serve` warms every calibrated hint, greedy and sampled; the Python API's default warms nothing.
+  assert (c.warm.hints, c.warm.modes, c.warm.every_hint) == (("all",), ("greedy", "sample"), True)
+  assert ServerConfig().warm.hints == ()
 
 
 @pytest.mark.parametrize(
@@ -76,6 +79,8 @@ def test_the_shipped_config_is_loopback_and_tolerates_pinging_clients():
     ({"warm": {"budgets_ms": []}}, r"warm.budgets_ms: expected a non-empty list"),
     ({"warm": {"budgets_ms": ["fast"]}}, r"warm.budgets_ms: expected"),
     ({"warm": {"budgets_ms": [True]}}, r"warm.budgets_ms: expected"),
+    ({"warm": {"modes": ["beam"]}}, r"warm.modes: expected a non-empty list of \['greedy', 'sample', 'sample_top_p'\]"),
+    ({"warm": {"modes": []}}, r"warm.modes: expected a non-empty list"),
   ],
 )
 def test_a_bad_config_is_a_named_error(data, match):

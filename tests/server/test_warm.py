@@ -74,3 +74,38 @@ def test_warm_budgets_plan_each_budget_before_serving(synthesizer):
     wait_ready(srv)
     after = synthesizer.planner.counters.snapshot()
   assert after["plans"] - before["plans"] == 2 and after["degraded_budget"] - before["degraded_budget"] == 1
+
+
+def test_warming_every_hint_in_greedy_and_sampled_modes_leaves_nothing_to_compile_under_a_mixed_load(synthesizer):
+  """The shipped config's warm set (hints ``all``, modes greedy and sample): after SERVING, a load of concurrent
+  requests with and without hints (routed), greedy and sampled, of mixed prompt lengths, traces no program; every
+  request ran in an engine the warm-up made."""
+  warm = WarmConfig(hints=("all",), modes=("greedy", "sample"))
+  cfg = config(scheduler="continuous", max_concurrent=4, warm=warm, prefix_cache=PrefixCacheConfig(max_mb=8))
+  prompts = [PROMPT, LONG, LONG + " and then", "Hi", PROMPT + " jumps over the lazy dog " * 3]
+  hints = [[], *([h] for h in synthesizer.calibration.hints)]
+  with BackgroundServer(synthesizer, cfg, timeout=600) as srv:
+    wait_ready(srv)
+    pool = srv.app.service.scheduler.pool
+    engines = pool.stats()["engines"]
+    assert engines >= 1  # made by the warm-up, before any request
+    ch, stub = stub_of(srv)
+
+    def call(k: int) -> pb.Final:
+      sampled = {"temperature": 0.8, "seed": k} if k % 2 else {}
+      request = pb.SynthesizeRequest(
+        prompt=prompts[k % len(prompts)], hints=hints[k % len(hints)], max_tokens=4 + 3 * (k % 4), **sampled
+      )
+      *_, last = stub.Synthesize(request, timeout=300)
+      return last.final
+
+    with ch:
+      _tracing.set()
+      try:
+        with ThreadPoolExecutor(4) as ex:
+          finals = list(ex.map(call, range(12)))
+      finally:
+        _tracing.clear()
+    stats = pool.stats()
+  assert _traced == []
+  assert stats["engines"] == engines and all(f.usage.tokens_out > 0 for f in finals)

@@ -2,7 +2,8 @@
 the same GGUF, one server at a time on this machine, both driven by the same OpenAI-compatible streaming client.
 
 Servers. ``thoughtjax serve`` runs as its own process with its default config: only the gRPC and the HTTP port
-are set (free ones), so what is measured is what a user gets without tuning. ``llama-server`` (``--llama-server
+are set (free ones), so what is measured is what a user gets without tuning; it is started when ``GET /health``
+answers 200 (its warm set compiled; the time to then is reported as ``ready_s``). ``llama-server`` (``--llama-server
 BIN``, default: on PATH) runs on the same GGUF (``--gguf FILE``; default: the default model's) with ``--parallel``
 equal to the highest level and a per-slot context that holds the longest prompt of the set plus the largest
 ``--max-tokens``. llama-server is measured first: a peer that cannot start fails the run within seconds, not
@@ -158,21 +159,24 @@ class PromptSet:
 # ------------------------------------------------------------------------------------ servers
 class ThoughtjaxServe:
   """``thoughtjax serve`` as its own process (a context manager): free gRPC and HTTP ports, ``registry`` (None: the
-  default one), ``config`` (a server config file; None: the built-in config). Ready once ``GET /v1/models`` answers 200 (503 while the registry loads);
-  output goes to a temporary file, whose tail a failed start quotes. Stopped with SIGTERM (it drains)."""
+  default one), ``config`` (a server config file; None: the built-in config). Ready once ``GET /health`` answers 200
+  (503 while the registry loads and the warm set compiles); :attr:`ready_s` is the time from the start to then.
+  Output goes to a temporary file, whose tail a failed start quotes. Stopped with SIGTERM (it drains)."""
 
   def __init__(self, registry: str | None = None, config: str | Path | None = None):
     argv = [sys.executable, "-m", "thoughtjax.cli", "serve", "--port", "0", "--http-port", "0"]
     argv += ["--registry", str(registry)] if registry else []
     self.argv = argv + (["--config", str(config)] if config else [])
     self.url: str | None = None
+    self.ready_s: float | None = None
     self._proc: subprocess.Popen | None = None
     self._out = None
 
   def __enter__(self) -> ThoughtjaxServe:
     self._out = tempfile.TemporaryFile()  # a full pipe would stall the server
+    started = time.monotonic()
     self._proc = subprocess.Popen(self.argv, stdout=self._out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + START_TIMEOUT_S
+    deadline = started + START_TIMEOUT_S
     while True:
       if self._proc.poll() is not None:
         tail = self._tail()
@@ -183,7 +187,8 @@ class ThoughtjaxServe:
       if self.url is None:
         m = re.search(rb"openai http on (http://\S+)/v1", self._read())
         self.url = m.group(1).decode() if m else None
-      if self.url is not None and _ready(self.url + "/v1/models"):
+      if self.url is not None and _ready(self.url + "/health"):
+        self.ready_s = time.monotonic() - started
         return self
       if time.monotonic() > deadline:
         self.__exit__()
@@ -642,6 +647,7 @@ def run(args, argv: Sequence[str]) -> int:
     ours = drive("thoughtjax", server.url, server.pid, load, log)
   report["servers"]["thoughtjax"] = ours | {
     "argv": server.argv,
+    "ready_s": server.ready_s,
     "config": config or "default (server/config.yaml), ports only",
   }
   report["ratios"] = ratios(ours, theirs)

@@ -105,8 +105,8 @@ def add_parsers(sub) -> None:
     "--warm",
     default=None,
     metavar="HINT[,HINT]",
-    help="hints whose paths are restored and compiled before the server reports ready (env THOUGHTJAX_WARM; "
-    "config warm.hints; default: none)",
+    help="hints whose paths are restored and compiled before the server reports ready, or 'all': every calibrated "
+    "hint and the hint router (env THOUGHTJAX_WARM; config warm.hints; default: all)",
   )
   p.add_argument(
     "--strict-fields",
@@ -203,8 +203,10 @@ def cmd_serve(args) -> int:
   import asyncio
 
   from thoughtjax import heap
+  from thoughtjax.cli.model_commands import trim_heap_after_compiles
 
   heap.cap_arenas()  # first, before the server's threads allocate (thoughtjax.heap: RSS under a flood)
+  trim_heap_after_compiles()  # the warm set's compiles free hundreds of MiB glibc would keep
   from thoughtjax.server.app import serve
   from thoughtjax.server.config import serve_config
   from thoughtjax.synthesis.synthesize import Synthesizer

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TypeVar
 
 from thoughtjax.decode.program import bucket
 from thoughtjax.defaults import MIN_POOL_RING
 from thoughtjax.errors import UserError
+from thoughtjax.sampling import SamplingMode
 from thoughtjax.serving.driver import SlotDriver
 from thoughtjax.serving.prefix import PrefixCache
 from thoughtjax.serving.slots import SlotEngine
@@ -171,15 +172,17 @@ class EnginePool:
     for d in superseded:  # its thread ends; never joined from itself
       threading.Thread(target=d.close, daemon=True).start() if d.on_driver_thread() else d.close()
 
-  def warm(self, model, prompt_tokens: int, max_tokens: int) -> SlotDriver:
+  def warm(
+    self, model, prompt_tokens: int, max_tokens: int, modes: Sequence[SamplingMode] = (SamplingMode.GREEDY,)
+  ) -> SlotDriver:
     """Make (if need be) the engine a request of ``prompt_tokens`` prompt and ``max_tokens`` new tokens on
-    ``model``'s path joins, and compile what its requests run (:meth:`SlotEngine.warm
-    <thoughtjax.serving.slots.SlotEngine.warm>`: the chunked prefill of every number of rows, every decode width,
-    the prefix cache's cut and reuse), holding a lease meanwhile so it is not evicted. Returns its driver.
-    Blocks for the compiles (seconds per program); belongs on a worker thread."""
+    ``model``'s path joins, and compile what its requests run in each sampling mode of ``modes``
+    (:meth:`SlotEngine.warm <thoughtjax.serving.slots.SlotEngine.warm>`: the chunked prefill of every number of rows,
+    every decode width, the prefix cache's cut and reuse), holding a lease meanwhile so it is not evicted. Returns
+    its driver. Blocks for the compiles (seconds per program); belongs on a worker thread."""
     driver = self.lease(model, prompt_tokens + max_tokens)
     try:
-      driver.engine.warm()
+      driver.engine.warm(modes)
     finally:
       self.give_back(driver)
     return driver

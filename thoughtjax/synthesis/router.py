@@ -339,6 +339,17 @@ class Router:
     ids, lengths = _padded(rows)
     return np.asarray(self._probs(self._device_params, self._table, self._blocks, ids, lengths))
 
+  def warm(self) -> None:
+    """Compile the prediction of every prompt length bucket (8, 16, ... up to the features' ``max_tokens``), so that
+    routing a request compiles nothing."""
+    T = 8
+    while True:
+      ids, lengths = _padded([[0] * T])
+      self._probs(self._device_params, self._table, self._blocks, ids, lengths)
+      if T >= self.features.max_tokens:
+        return
+      T *= 2
+
   def predict(self, prompt: str) -> tuple[str, dict[str, float]]:
     """The most probable hint for ``prompt`` and every hint's probability."""
     ids, lengths = _padded([_token_ids(self.model.codec, prompt, self.features.max_tokens)])

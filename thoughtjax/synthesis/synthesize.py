@@ -62,7 +62,7 @@ from thoughtjax.decode.speculative import Draft
 from thoughtjax.defaults import DEFAULT_MAX_TOKENS
 from thoughtjax.errors import UserError
 from thoughtjax.kernels.dispatch import resolve as resolve_kernels
-from thoughtjax.sampling import SamplingParams
+from thoughtjax.sampling import SamplingMode, SamplingParams
 from thoughtjax.serving.slot_run import SlotRun
 from thoughtjax.synthesis.calibration import Calibration
 from thoughtjax.synthesis.candidate import path_hash_of
@@ -353,6 +353,7 @@ class Synthesizer:
     max_tokens: Sequence[int] = (DEFAULT_MAX_TOKENS,),
     pool: EnginePool | None = None,
     budgets: Sequence[float] = (math.inf,),
+    modes: Sequence[SamplingMode] = (SamplingMode.GREEDY,),
   ) -> list[str]:
     """Restore and compile ahead of time the plans of ``hints`` (default: every calibrated hint) under each of
     ``budgets`` (ms; default a generous one), for the given shape buckets, so a first request pays no restore or
@@ -360,7 +361,7 @@ class Synthesizer:
     float32 full path does not fit warms the faster path it would get (the int8 full path, a cut path), which a
     cold process would never choose, as restoring and compiling it would not fit either.
     With ``pool`` (a server's slot engines), a plan that a slot engine would run is warmed where it will run:
-    its engine in the pool is made and compiled (:meth:`EnginePool.warm
+    its engine in the pool is made and compiled in each sampling mode of ``modes`` (:meth:`EnginePool.warm
     <thoughtjax.serving.pool.EnginePool.warm>`) instead of the program a request running alone takes; a plan
     that runs alone (speculative) is run as without. Returns the paths warmed."""
     warmed = []
@@ -373,7 +374,7 @@ class Synthesizer:
             if pool is None or r.request.slot() is None:
               r.finish()
             else:  # never started: a slot engine runs such a request, so its engine is what is warmed
-              pool.warm(r.model, T, n)
+              pool.warm(r.model, T, n, modes)
             if r.plan.path not in warmed:
               warmed.append(r.plan.path)
     return warmed
