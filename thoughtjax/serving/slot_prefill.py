@@ -223,13 +223,14 @@ class PrefillJob:
       job, masked = self._prefiller.open([self._reqs[i] for i in part], start, chains)
       self._open = (part, job, masked, time.perf_counter(), 0.0)
     part, job, masked, started, compile_s = self._open
+    got: list[Prefilled] = []
     with COMPILE_CLOCK.measure() as compiled:
       job.advance()
       self._prefiller.count_chunk(job.computed)
       if job.ended:
         reqs = [self._reqs[i] for i in part]
         got = self._prefiller.finish(reqs, job, job.ended, masked, started, compile_s + compiled.seconds)
-    for p, pre in zip(job.ended, got if job.ended else (), strict=True):
+    for p, pre in zip(job.ended, got, strict=True):
       self._out[part[p]] = pre
       self._ready.append(part[p])
     if not job.done:
