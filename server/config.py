@@ -26,6 +26,7 @@ from thoughtjax.errors import UserError
 
 DEFAULT_CONFIG = Path(__file__).with_name("config.yaml")
 SCHEDULERS = ("continuous", "simple")
+ENGINE_LAYOUTS = (None, "unrolled", "indexed")  # ServerConfig.engine_layout
 
 
 class ConfigError(UserError, ValueError):
@@ -204,6 +205,11 @@ class ServerConfig:
   metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: any free port
   metrics_bind: str = "127.0.0.1"
   scheduler: str = "continuous"  # "continuous" (slot engines, server/scheduling.py) or "simple" (one generation each)
+  # Continuous: how the slot engines' programs run a path's blocks. None: the model's own layout (a registry path's:
+  # unrolled); "indexed": one loop over the stacked layer weights (thoughtjax.decode.indexed), which compiles and
+  # warms in less than half the time into a fraction of the memory, and decodes a wide batch slower in float32
+  # (BENCHMARKS.md); a path with a bridge always runs unrolled.
+  engine_layout: str | None = None
   admin: AdminConfig = AdminConfig()
   clients: ClientsConfig = ClientsConfig()
   http_port: int | None = None  # OpenAI-compatible HTTP (server/http.py) on ``bind``; None: off, 0: any free port
@@ -233,6 +239,8 @@ class ServerConfig:
   def __post_init__(self):
     if self.scheduler not in SCHEDULERS:
       raise ConfigError(f"scheduler: expected one of {list(SCHEDULERS)}, got {self.scheduler!r}")
+    if self.engine_layout not in ENGINE_LAYOUTS:
+      raise ConfigError(f"engine_layout: expected one of {list(ENGINE_LAYOUTS)}, got {self.engine_layout!r}")
     for name in (
       "max_message_bytes",
       "max_concurrent",
@@ -478,6 +486,7 @@ ENVIRONMENT = {
   "THOUGHTJAX_MODEL_ALIAS": "model_name",
   "THOUGHTJAX_SLOTS": "max_concurrent",
   "THOUGHTJAX_WARM": "warm.hints",
+  "THOUGHTJAX_ENGINE_LAYOUT": "engine_layout",
 }
 # Setting -> the flag of `thoughtjax serve` that gives it, for errors that name what the user typed.
 FLAGS = {
@@ -505,6 +514,8 @@ def _from_text(key: str, value: str, source: str) -> Any:
     if not text or not all(hints):
       raise ConfigError(f"{source}: expected hint names separated by commas, got {value!r}; e.g. general_purpose")
     return hints
+  if key == "engine_layout" and text not in ENGINE_LAYOUTS:
+    raise ConfigError(f"{source}: expected one of {', '.join(ENGINE_LAYOUTS[1:])}, got {value!r}")
   if key == "clients.token" and len(text) < 16:
     raise ConfigError(
       f"{source}: expected a client token of at least 16 characters, got {len(text)}; generate a long random one "

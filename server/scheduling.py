@@ -393,6 +393,7 @@ class ContinuousScheduler(SimpleScheduler):
     keep_records: int = 256,
     prefix_cache_bytes: int = 0,
     prefix_block_tokens: int = 16,
+    layout: str | None = None,
   ):
     super().__init__(max_concurrent, max_queue, keep_records=keep_records)
     self._pool = EnginePool(
@@ -401,6 +402,7 @@ class ContinuousScheduler(SimpleScheduler):
       cache_len=cache_len,
       prefix_cache_bytes=prefix_cache_bytes,
       prefix_block_tokens=prefix_block_tokens,
+      layout=layout,
     )
     self.refused_deadline = 0
     self._planning = threading.Lock()  # one plan at a time (see planning)
@@ -619,5 +621,6 @@ def make_scheduler(config) -> Scheduler:
       config.max_queue,
       prefix_cache_bytes=config.prefix_cache.max_mb << 20,
       prefix_block_tokens=config.prefix_cache.block_tokens,
+      layout=config.engine_layout,
     )
   return SimpleScheduler(config.max_concurrent, config.max_queue)

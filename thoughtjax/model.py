@@ -295,7 +295,8 @@ class Model:
     """The same model and path compiled ``"unrolled"`` (every block traced into the program) or ``"indexed"``
     (one loop over the held blocks stacked, :mod:`thoughtjax.decode.indexed`; the stack is a copy of the held
     weights). :func:`load` picks per weight form (:data:`DEFAULT_LAYOUT`); a Model made otherwise is unrolled.
-    The layout is plain generation's: speculative and slot-engine programs run the blocks unrolled."""
+    Plain generation and the slot engines (:class:`~thoughtjax.serving.slots.SlotEngine`) take this layout;
+    speculative programs run the blocks unrolled."""
     return self._replace(layout=layout)
 
   def with_chunk(self, chunk: int) -> Model:
@@ -342,11 +343,15 @@ class Model:
       other._stacked = stacked
     return other
 
-  def _program_parts(self, positions: int):
-    """What this path's program takes: its parts by position, or (indexed) the held blocks stacked and the path
-    as an index vector over ``positions``."""
-    if self.layout == "unrolled":
+  def program_parts(self, layout: str | None = None):
+    """What this path's programs take in ``layout`` (default: this model's): its parts by position (unrolled), or
+    the held blocks stacked and the path as an index vector over :func:`~thoughtjax.decode.indexed.max_layers`
+    positions (indexed; the stack is made on first use and shared, see :meth:`with_path`)."""
+    if (layout or self.layout) == "unrolled":
       return self._parts.by_position(self.layers)
+    if any(i < 0 for i in self.layers):
+      raise RequestError("a path with a bridge has no layer-indexed form; use layout='unrolled'")
+    positions = indexed.max_layers(len(self.layers), self.config.num_layers)
     return indexed.stacked_parts(self._parts, self._stack(), self.layers, positions)
 
   def _stack(self) -> indexed.Stack:
@@ -517,7 +522,7 @@ class Model:
         lengths[r] = len(u)
       prompt = TemplatePrompt(template.prefix_rows, template.suffix_rows, _to_device(user_ids), _to_device(lengths))
     samp = sampling_arrays(params, B, self.config.vocab_size, key.stop_width, self.codec.eos_ids, key.has_bias)
-    inputs = DecodeInputs(self._program_parts(len(prog.key.layers)), prompt, _to_device(pad), samp)
+    inputs = DecodeInputs(self.program_parts(), prompt, _to_device(pad), samp)
     trace = Trace(key, [list(i) for i in ids], start, tokens_out=[0] * len(ids))
     cancelled = threading.Event()
     rows = Rows(self.codec, params, decode.stops)

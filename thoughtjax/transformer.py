@@ -93,7 +93,7 @@ def _write(cache: Array, new: Array, write_at: Array) -> Array:
   return jax.lax.dynamic_update_slice(cache, new, (zero, zero, write_at, zero))
 
 
-def _after(at: Array, ctx: Array, last: int) -> Array:
+def after(at: Array, ctx: Array, last: int) -> Array:
   """``at`` (already in [0, last]) unchanged, as a value computed after ``ctx``.
 
   An ordering edge for XLA's copy insertion (optimization barriers are gone by then): min(at, last or
@@ -151,14 +151,24 @@ class Attention(nnx.Module):
       self.v_bias = _zeros((K, E), dtype)
 
   def __call__(
-    self, x: Array, cos: Array, sin: Array, cache_k: Array, cache_v: Array, write_at: Array, mask: Array
+    self,
+    x: Array,
+    cos: Array,
+    sin: Array,
+    cache_k: Array,
+    cache_v: Array,
+    write_at: Array,
+    mask: Array,
+    *,
+    new_only: bool = False,
   ) -> tuple[Array, Array, Array]:
     """One attention step over new tokens.
 
     x [B, T, D]; cos, sin [B, T, E/2]; cache_k, cache_v [B, K, S, E] (see kv_cache_shape);
     write_at: scalar index where the T new keys go in the cache;
     mask [B, T, S] bool, True where a query may attend a cache slot (of the updated cache).
-    Returns the output [B, T, D] and the updated caches.
+    Returns the output [B, T, D] and the updated caches (``new_only``: the new keys and values [B, K, T, E] instead,
+    which belong at ``clip(write_at, 0, S - T)``, for a caller that keeps the caches elsewhere).
 
     A short write (2T <= S: decode, verification) attends over the cache as it was plus the new keys in
     one softmax and writes the cache last, so a loop carrying the cache updates it in place.
@@ -184,16 +194,18 @@ class Attention(nnx.Module):
     if 2 * T > S:  # a prefill-sized write: attend over the updated cache (the old part is mostly replaced)
       cache_k, cache_v = _write(cache_k, k_new, write_at), _write(cache_v, v_new, write_at)
       ctx = _attend(qg, ((cache_k, cache_v, mask),), B, T, G, E)
+    elif new_only:
+      ctx = _attend(qg, _before_and_new(cache_k, cache_v, k_new, v_new, write_at, mask), B, T, G, E)
     else:
       ctx = _attend(qg, _before_and_new(cache_k, cache_v, k_new, v_new, write_at, mask), B, T, G, E)
       # The write is the cache's last use in the step, and its index depends on ctx so that the reads
       # of the old cache data-precede it: XLA then updates the loop-carried buffer in place. With the
       # order of a read and the write left open, copy insertion copies the cache (every layer, every step).
-      at = _after(jnp.clip(write_at, 0, S - T), ctx, S - T)
+      at = after(jnp.clip(write_at, 0, S - T), ctx, S - T)
       cache_k, cache_v = _write(cache_k, k_new, at), _write(cache_v, v_new, at)
     ctx = ctx.reshape(B, K, T, G, E).transpose(0, 2, 1, 3, 4).reshape(B, T, H * E)
     out = _matmul(ctx.astype(x.dtype), _matrix(self.o[...], H * E, D))  # btf,fd->btd
-    return out, cache_k, cache_v
+    return (out, k_new, v_new) if new_only else (out, cache_k, cache_v)
 
 
 class MLP(nnx.Module):
@@ -219,8 +231,9 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_eps, dtype)
     self.mlp = MLP(cfg, dtype)
 
-  def __call__(self, x, cos, sin, cache_k, cache_v, write_at, mask):
-    h, cache_k, cache_v = self.attn(self.attn_norm(x), cos, sin, cache_k, cache_v, write_at, mask)
+  def __call__(self, x, cos, sin, cache_k, cache_v, write_at, mask, *, new_only: bool = False):
+    """x [B, T, D] -> (x, caches); ``new_only``: (x, the new keys, the new values), see :class:`Attention`."""
+    h, cache_k, cache_v = self.attn(self.attn_norm(x), cos, sin, cache_k, cache_v, write_at, mask, new_only=new_only)
     x = x + h
     x = x + self.mlp(self.mlp_norm(x))
     return x, cache_k, cache_v

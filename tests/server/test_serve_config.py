@@ -56,6 +56,24 @@ def test_a_flag_wins_over_its_variable_which_wins_over_the_file(tmp_path):
   assert serve_config(path, {"strict_fields": True}, environ={}).strict_fields
 
 
+def test_the_engine_layout_comes_from_the_file_or_its_variable_and_reaches_the_slot_engines(tmp_path):
+  """``engine_layout`` (YAML, or THOUGHTJAX_ENGINE_LAYOUT over it) is the layout the continuous scheduler's pool
+  gives its slot engines; unset, each engine takes its model's; a value that is not a layout is refused."""
+  from thoughtjax.server.scheduling import make_scheduler
+
+  assert load_config().engine_layout is None  # the shipped file: each model's own
+  path = yaml_file(tmp_path, "engine_layout: unrolled\n")
+  assert serve_config(path, environ={}).engine_layout == "unrolled"
+  c = serve_config(path, environ={"THOUGHTJAX_ENGINE_LAYOUT": "indexed"})
+  scheduler = make_scheduler(c)
+  try:
+    assert c.engine_layout == "indexed" and scheduler.pool.layout == "indexed"
+  finally:
+    scheduler.close()
+  with pytest.raises(ConfigError, match="engine_layout: expected one of"):
+    serve_config(yaml_file(tmp_path, "engine_layout: scan\n"), environ={})
+
+
 def test_the_name_from_model_is_a_default_the_file_the_variable_and_the_flag_override(tmp_path):
   given = {"model_name": "tiny"}
   assert serve_config(yaml_file(tmp_path, "model_name: null\n"), environ={}, defaults=given).model_name == "tiny"
@@ -73,6 +91,7 @@ def test_the_name_from_model_is_a_default_the_file_the_variable_and_the_flag_ove
     ({"clients.token": "short"}, {}, "--api-key: expected a client token of at least 16"),
     ({}, {"THOUGHTJAX_WARM": "a,,b"}, "THOUGHTJAX_WARM: expected hint names separated by commas"),
     ({"model_name": " "}, {}, "--alias/--served-model-name: expected a non-empty value"),
+    ({}, {"THOUGHTJAX_ENGINE_LAYOUT": "scan"}, "THOUGHTJAX_ENGINE_LAYOUT: expected one of unrolled, indexed"),
   ],
 )
 def test_a_bad_flag_or_variable_is_a_config_error_naming_it(tmp_path, flags, env, match):
@@ -92,7 +111,13 @@ def served_config(monkeypatch):
     got["config"], got["load"] = config, load
 
   monkeypatch.setattr(app_mod, "serve", fake_serve)
-  for var in ("THOUGHTJAX_API_KEY", "THOUGHTJAX_MODEL_ALIAS", "THOUGHTJAX_SLOTS", "THOUGHTJAX_WARM"):
+  for var in (
+    "THOUGHTJAX_API_KEY",
+    "THOUGHTJAX_MODEL_ALIAS",
+    "THOUGHTJAX_SLOTS",
+    "THOUGHTJAX_WARM",
+    "THOUGHTJAX_ENGINE_LAYOUT",
+  ):
     monkeypatch.delenv(var, raising=False)
   return got
 

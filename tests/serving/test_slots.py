@@ -49,6 +49,44 @@ def test_requests_in_slots_give_the_tokens_they_give_alone(model, engine):
   assert len(set(used)) == SLOTS and len(used) > len(set(used))  # slots were reused
 
 
+@pytest.mark.parametrize("layout", ["unrolled", "indexed"])
+def test_both_layer_layouts_give_the_alone_tokens_with_joins_a_reused_prefix_and_cancels(model, layout):
+  """The engine's programs in either layout (blocks traced one by one, or one loop over the stacked weights):
+  staggered requests through reused slots, a prompt whose first blocks come from the prefix cache and a neighbour
+  cancelled mid-stream leave every request's greedy tokens equal to its alone run's."""
+  from thoughtjax.serving.prefix import PrefixCache
+
+  cache = PrefixCache(4, 1 << 20)
+  engine = SlotEngine(model, slots=SLOTS, cache_len=64, layout=layout, prefix_cache=cache, prefill_chunk=8)
+  assert engine.program.key.layout == layout
+  params = SamplingParams(max_tokens=9, ignore_eos=True)
+  long = list(range(40, 60))
+  first, victim = engine.insert_batch([(long, params), (PROMPTS[0], SamplingParams(max_tokens=30, ignore_eos=True))])
+  engine.step()
+  later = engine.insert(PROMPTS[3], params)  # joins mid-stream
+  engine.step()
+  victim.cancel()
+  reused = engine.insert(long + [7], params)  # the victim's slot, and the first prompt's cached blocks
+  while engine.active:
+    engine.step()
+  assert victim.finish_reason == "cancelled" and len(victim.token_ids) < 30
+  assert reused.trace.prefix_cache_tokens >= 16
+  for ids, run in ((long, first), (PROMPTS[3], later), (long + [7], reused)):
+    assert run.token_ids == alone(model, ids, **_kw(params)).token_ids, layout
+
+
+def test_indexed_engines_on_paths_of_different_lengths_share_one_program(model):
+  """Layer-indexed, the path is data: engines on a two-block and a three-block path over one model run one slot
+  program (unrolled, each path shape compiles its own), each its own path's alone tokens."""
+  short, longer = model.with_path((0, 1)), model.with_path((2, 0, 1))
+  a, b = (SlotEngine(path, slots=2, cache_len=64, layout="indexed") for path in (short, longer))
+  assert a.program is b.program
+  params = SamplingParams(max_tokens=8, ignore_eos=True)
+  for path, engine in ((short, a), (longer, b)):
+    (run,) = generate_in_slots(engine, [(PROMPTS[1], params)])
+    assert run.token_ids == alone(path, PROMPTS[1], **_kw(params)).token_ids
+
+
 def test_a_request_joins_mid_stream_at_the_next_chunk(model, engine):
   first = engine.insert(PROMPTS[1], SamplingParams(max_tokens=16, ignore_eos=True))
   assert first.mean_width is None  # no decode step yet

@@ -193,3 +193,26 @@ def test_cut_point_and_bridged_path():
     bridge_lib.cut_point("embed, blocks[0:20), blocks[10:30), head", 30)
   with pytest.raises(ThoughtletError, match="positive integer"):
     bridge_lib.init_params(None, rank=0)
+
+
+def test_a_bridged_path_in_a_slot_engine_runs_unrolled_and_gives_its_alone_tokens(reg_copy):
+  """A path with a bridge has no layer-indexed form: its slot engine runs unrolled (asking for indexed is refused by
+  name), a pool of indexed engines makes it an unrolled one, and a request in it gives the path's alone tokens."""
+  from thoughtjax.sampling import SamplingParams
+  from thoughtjax.serving import SlotEngine, SlotRequestError, generate_in_slots
+  from thoughtjax.serving.pool import EnginePool
+
+  publish_version(reg_copy, _trained_like(reg_copy.config))
+  bridged = compose("embed, blocks[0:3), bridge.3-6, head", reg_copy, compile_cache=False)
+  with pytest.raises(SlotRequestError, match="no layer-indexed form"):
+    SlotEngine(bridged, slots=2, cache_len=32, layout="indexed")
+  pool = EnginePool(2, cache_len=32, layout="indexed")
+  try:
+    driver = pool.lease(bridged, 16)
+    assert driver.engine.layout == "unrolled" and driver.engine.program.key.layout == "unrolled"
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    (run,) = generate_in_slots(driver.engine, [(PROMPT, params)])
+    assert run.token_ids == bridged.generate(PROMPT, max_tokens=6, ignore_eos=True).token_ids
+    pool.give_back(driver)
+  finally:
+    pool.close()

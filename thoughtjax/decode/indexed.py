@@ -12,7 +12,10 @@ own weights runs on that model's stack when the stack holds every block it runs 
 It computes what the unrolled form computes, block by block in the same order (``tests/decode/test_indexed.py``
 checks tokens against it); paths with bridges have no indexed form. Which form is faster on this machine, and by
 how much, is measured by ``thoughtjax bench layers`` (BENCHMARKS.md); ``thoughtjax.load`` defaults to this form for
-native weights and to the unrolled one for float32 (``thoughtjax.model.DEFAULT_LAYOUT``).
+native weights and to the unrolled one for float32 (``thoughtjax.model.DEFAULT_LAYOUT``). The slot engines' programs
+have this form too (:class:`~thoughtjax.serving.slot_program.SlotProgram`, its caches [positions, N, K, S, E]), and
+:func:`run_blocks` is the loop both run: a block hands back only its new keys and values, which go into the stack in
+place.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from thoughtjax.decode.program import Program
-from thoughtjax.transformer import PathParts, kv_cache_shape, rope_tables
+from thoughtjax.transformer import PathParts, after, kv_cache_shape, rope_tables
 
 LAYOUTS = ("unrolled", "indexed")
 
@@ -95,25 +98,44 @@ class IndexedProgram(Program):
 
   def _init_caches(self) -> tuple:
     k = self.key
-    shape = (len(k.layers), *kv_cache_shape(self.cfg, k.batch, k.cache_len))
-    return ((jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32)),)
+    return empty_caches(self.cfg, len(k.layers), k.batch, k.cache_len)
 
   def _run(self, parts: StackedParts, tokens, positions, caches, write_at, mask, embeddings=None, *, last=False):
     embed, head = nnx.merge(self.defs.embed, parts.embed), nnx.merge(self.defs.head, parts.head)
     x = embed(tokens) if embeddings is None else embeddings
     cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
-    ((keys, values),) = caches
+    x, caches = run_blocks(self.defs, parts, x, cos, sin, caches, write_at, mask)
+    return head(x[:, -1:] if last else x, embed.table[...]), caches
 
-    def body(p, carry):
-      x, keys, values = carry
-      take = lambda a: jax.lax.dynamic_index_in_dim(a, parts.index[p], keepdims=False)  # noqa: E731
-      block = nnx.merge(self.defs.block, jax.tree.map(take, parts.blocks))
-      ck = jax.lax.dynamic_index_in_dim(keys, p, keepdims=False)
-      cv = jax.lax.dynamic_index_in_dim(values, p, keepdims=False)
-      x, ck, cv = block(x, cos, sin, ck, cv, write_at, mask)
-      keys = jax.lax.dynamic_update_index_in_dim(keys, ck, p, 0)
-      values = jax.lax.dynamic_update_index_in_dim(values, cv, p, 0)
-      return x, keys, values
 
-    x, keys, values = jax.lax.fori_loop(0, parts.count, body, (x, keys, values))
-    return head(x[:, -1:] if last else x, embed.table[...]), ((keys, values),)
+def empty_caches(cfg, positions: int, batch: int, length: int) -> tuple:
+  """Zero caches of an indexed program: one (keys, values) pair, each [positions, B, K, S, E]."""
+  shape = (positions, *kv_cache_shape(cfg, batch, length))
+  return ((jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32)),)  # two arrays: each may be donated
+
+
+def run_blocks(defs, parts: StackedParts, x, cos, sin, caches, write_at, mask):
+  """``x`` through the path's ``parts.count`` positions, in order: position p runs stacked layer ``parts.index[p]``
+  on its own keys and values (``caches``: ((keys, values),), each [positions, B, K, S, E]). Returns (x, caches)."""
+  ((keys, values),) = caches
+
+  def body(p, carry):
+    x, keys, values = carry
+    take = lambda a: jax.lax.dynamic_index_in_dim(a, parts.index[p], keepdims=False)  # noqa: E731
+    block = nnx.merge(defs.block, jax.tree.map(take, parts.blocks))
+    ck = jax.lax.dynamic_index_in_dim(keys, p, keepdims=False)
+    cv = jax.lax.dynamic_index_in_dim(values, p, keepdims=False)
+    T, S = x.shape[1], ck.shape[2]
+    # The block gives its T new keys and values, and only they go into the stack (where a cache write would put
+    # them): an in-place update of the loop-carried caches, not a copy of the layer's whole cache every step.
+    x, k_new, v_new = block(x, cos, sin, ck, cv, write_at, mask, new_only=True)
+    zero = jnp.zeros((), jnp.int32)
+    # The index depends on the block's output, so the reads of the stack come before this write (then XLA
+    # updates the loop-carried stack in place; left open, copy insertion copies the whole stack every layer).
+    at = (p, zero, zero, after(jnp.clip(write_at, 0, S - T), x, S - T), zero)
+    keys = jax.lax.dynamic_update_slice(keys, k_new[None].astype(keys.dtype), at)
+    values = jax.lax.dynamic_update_slice(values, v_new[None].astype(values.dtype), at)
+    return x, keys, values
+
+  x, keys, values = jax.lax.fori_loop(0, parts.count, body, (x, keys, values))
+  return x, ((keys, values),)

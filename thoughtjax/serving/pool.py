@@ -82,11 +82,13 @@ class EnginePool:
     cache_len: int = MIN_POOL_RING,
     prefix_cache_bytes: int = 0,
     prefix_block_tokens: int = 16,
+    layout: str | None = None,
   ):
     if slots < 1 or max_engines < 1:
       raise ValueError(f"an engine pool needs slots >= 1 and max_engines >= 1, got {slots} and {max_engines}")
     self.slots, self.max_engines, self.cache_len = slots, max_engines, cache_len
     self.prefix_cache_bytes, self.prefix_block_tokens = prefix_cache_bytes, prefix_block_tokens
+    self.layout = layout  # the engines' layer layout (SlotEngine's layout=; None: each model's)
     self._engines: collections.OrderedDict[tuple, SlotDriver] = collections.OrderedDict()  # least recent first
     self._leases: collections.Counter[SlotDriver] = collections.Counter()
     self._reserved: collections.Counter[tuple[str, int]] = collections.Counter()  # (path hash, ring length)
@@ -94,6 +96,10 @@ class EnginePool:
     self._freed_by_closed = 0  # slots freed by engines since closed, so the count survives them
     self.evictions = 0
     self._closed = False
+
+  def _layout(self, model) -> str | None:
+    """The pool's layout for ``model``'s engine; a path with a bridge runs unrolled whatever the pool's."""
+    return None if any(i < 0 for i in model.layers) else self.layout
 
   # ---- leases ----------------------------------------------------------------------------------------------
   def lease(self, model, tokens: int) -> SlotDriver:
@@ -122,7 +128,7 @@ class EnginePool:
           self._freed_by_closed += evicted.engine.freed_total
           self.evictions += 1
         prefix = PrefixCache(self.prefix_block_tokens, self.prefix_cache_bytes) if self.prefix_cache_bytes else None
-        engine = SlotEngine(model, self.slots, cache_len=cache_len, prefix_cache=prefix)
+        engine = SlotEngine(model, self.slots, cache_len=cache_len, prefix_cache=prefix, layout=self._layout(model))
         driver = self._engines[(*path, cache_len)] = SlotDriver(engine)
         superseded = self._drop_superseded(path)
       self._leases[driver] += 1

@@ -34,6 +34,7 @@ class SlotPrefill:
   def __init__(self, model, program: SlotProgram, parts, stop_width: int, prefix_cache: PrefixCache | None):
     self.model, self.cfg, self.program, self.parts = model, model.config, program, parts
     self.stop_width, self.prefix_cache = stop_width, prefix_cache
+    self.keyed = sum(i >= 0 for i in model.layers)  # path blocks with keys: a prefix-cache block's first axis
     self.calls = 0
     self.rows = 0
     self.chunks = 0
@@ -102,7 +103,10 @@ class SlotPrefill:
       first, full = cache.first_missing(pre.ids, pre.scope), len(pre.ids) // B
       if first < full:
         cache.add(
-          pre.ids, first, [self.program.prefix_block(pre.kv, pre.row, j, B) for j in range(first, full)], pre.scope
+          pre.ids,
+          first,
+          [self.program.prefix_block(pre.kv, pre.row, j, B, self.keyed) for j in range(first, full)],
+          pre.scope,
         )
 
   def count_chunk(self, rows: int) -> None:
@@ -193,7 +197,7 @@ class SlotPrefill:
       # A new prompt's blocks are cut from its prefill's keys into the cache, and written back before a prefill
       # that reuses them.
       B = self.prefix_cache.block_tokens
-      block = self.program.prefix_block(row, 0, 0, B)
+      block = self.program.prefix_block(row, 0, 0, B, self.keyed)
       self.program.prefill_prompts(self.parts, [[0] * (B + 1)] * P, samp, mode, start=B, prefix=[[block]] * P)
     insert(row, token[:1])
 

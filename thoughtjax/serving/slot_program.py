@@ -6,12 +6,14 @@ and the decode chunk are described in :mod:`thoughtjax.serving.slots`."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from thoughtjax.decode import layout
+from thoughtjax.decode import indexed, layout
 from thoughtjax.decode import program as program_lib
 from thoughtjax.decode import state as state_lib
 from thoughtjax.decode.interface import DecodeInputs, DecodeKey, DecodeProgram, Tokens
@@ -23,18 +25,20 @@ from thoughtjax.sampling import (
   sample,
 )
 from thoughtjax.serving.errors import SlotRequestError
-from thoughtjax.transformer import GraphDefs, merge_path, path_config, rope_tables, run_path
+from thoughtjax.transformer import GraphDefs, merge_path, path_config, rope_tables
 
 
 @dataclasses.dataclass(frozen=True)
 class SlotKey(DecodeKey):
-  """A slot program's key: the path, the number of slots, the ring's length, decode steps per chunk, kernels."""
+  """A slot program's key: the path, the number of slots, the ring's length, decode steps per chunk, kernels, the
+  layer layout (``"indexed"``: ``layers`` are the positions the program holds, the path is data)."""
 
   slots: int
   cache_len: int
   chunk: int
   kernels: str | None
   prefill: int = DEFAULT_PREFILL_CHUNK  # prompt tokens per prefill chunk (at most the ring's length)
+  layout: str = "unrolled"
 
 
 class SlotProgram(DecodeProgram):
@@ -45,12 +49,22 @@ class SlotProgram(DecodeProgram):
   :meth:`read` gives each slot's tokens; a :class:`~thoughtjax.serving.slots.SlotEngine` uses the same executables piecewise
   through the methods below (:meth:`prefill_prompts` of waiting requests apart, :meth:`insert` into a free slot,
   :meth:`decode` of the slots in use, :meth:`take_back`), so requests join and leave between chunks. Its jitted
-  functions are its own: nothing outside this module calls them."""
+  functions are its own: nothing outside this module calls them.
+
+  In the ``"unrolled"`` layout every block of the path is traced into each program and the caches are one (keys,
+  values) pair per path block, [N, K, S, E]; in the ``"indexed"`` one (:mod:`thoughtjax.decode.indexed`) the
+  programs loop over stacked layer weights, take :class:`~thoughtjax.decode.indexed.StackedParts`, and the caches
+  are one pair [positions, N, K, S, E]: a fraction of the executable, compiled in a fraction of the time, and
+  every path of at most that many positions over the same stack runs it."""
 
   def __init__(self, key: SlotKey, defs: GraphDefs, cfg):
     self.key, self.defs, self.cfg, self.layers, self.kernels = key, defs, cfg, key.layers, key.kernels
     self.slots, self.cache_len, self.steps_per_chunk = key.slots, key.cache_len, key.chunk
     self.prefill_tokens = min(key.prefill, key.cache_len)
+    self.indexed = key.layout == "indexed"
+    self._axis = 1 if self.indexed else 0  # the slot (row) axis of a cache array
+    # Per cache pair: whether it holds keys (a bridge's pair is a placeholder).
+    self._keeps = (True,) if self.indexed else tuple(i >= 0 for i in self.layers)
     self._init = jax.jit(self._init_impl)
     self._chunk = jax.jit(self._chunk_impl, static_argnums=(4,), donate_argnums=(2,))
     self._chunk_rows = jax.jit(self._chunk_rows_impl, static_argnums=(5,), donate_argnums=(2,))
@@ -58,15 +72,41 @@ class SlotProgram(DecodeProgram):
     self._put_block = jax.jit(self._put_block_impl, donate_argnums=(0,))
     self._prefill_chunk = jax.jit(self._prefill_chunk_impl, static_argnums=(8, 9), donate_argnums=(1,))
     self._row_keys = jax.jit(self._row_keys_impl)
-    self._block = jax.jit(self._block_impl, static_argnums=(3,))
+    self._block = jax.jit(self._block_impl, static_argnums=(3, 4))
     self._insert = jax.jit(self._insert_impl, donate_argnums=(0,))
     self._rewind = jax.jit(self._rewind_impl, donate_argnums=(0,))
 
   # ---- traced code (under jit) -------------------------------------------------------------------
   def _init_impl(self) -> DecodeState:
     N = self.slots
-    caches = layout.empty_caches(self.cfg, self.layers, N, self.cache_len)
-    return state_lib.empty(caches, N, self.cache_len, free=True)
+    return state_lib.empty(self._empty(N), N, self.cache_len, free=True)
+
+  def _empty(self, rows: int):
+    """Zero caches of ``rows`` rows over the ring, in this program's layout."""
+    if self.indexed:
+      return indexed.empty_caches(self.cfg, len(self.layers), rows, self.cache_len)
+    return layout.empty_caches(self.cfg, self.layers, rows, self.cache_len)
+
+  def _at(self, slot) -> tuple:
+    """The index of one slot (or rows, an index array) of a cache array."""
+    return (slice(None),) * self._axis + (slot,)
+
+  def _modules(self, parts):
+    """(embed, head, config, run_blocks) of the path in ``parts``; ``run_blocks(x, cos, sin, caches, write_at,
+    mask) -> (x, caches)`` runs its blocks in order (traced code)."""
+    if self.indexed:
+      embed, head = nnx.merge(self.defs.embed, parts.embed), nnx.merge(self.defs.head, parts.head)
+      return embed, head, self.cfg, functools.partial(indexed.run_blocks, self.defs, parts)
+    embed, blocks, head = merge_path(self.defs, parts, self.layers)
+
+    def run_blocks(x, cos, sin, caches, write_at, mask):
+      out = []
+      for block, (ck, cv) in zip(blocks, caches, strict=True):
+        x, ck, cv = block(x, cos, sin, ck, cv, write_at, mask)
+        out.append((ck, cv))
+      return x, tuple(out)
+
+    return embed, head, path_config(blocks), run_blocks
 
   # ---- the decode program interface (a pool of N slots filled at once) --------------------------
   def init_state(self, parts=None) -> DecodeState:
@@ -156,9 +196,10 @@ class SlotProgram(DecodeProgram):
     prefill's caches can go on to its next chunk (they are donated to it) while this row waits for its slot."""
     return self._row_keys(kv, jnp.int32(row))
 
-  def prefix_block(self, kv, row: int, j: int, block_tokens: int):
-    """Block ``j`` of row ``row`` of a prefill's keys, as the prefix cache keeps it (:meth:`_block_impl`)."""
-    return self._block(kv, jnp.int32(row), jnp.int32(j), block_tokens)
+  def prefix_block(self, kv, row: int, j: int, block_tokens: int, keyed: int):
+    """Block ``j`` of row ``row`` of a prefill's keys, as the prefix cache keeps it (:meth:`_block_impl`; ``keyed``:
+    the path's blocks with keys)."""
+    return self._block(kv, jnp.int32(row), jnp.int32(j), block_tokens, keyed)
 
   # ---- traced code (under jit) -------------------------------------------------------------------
   def _chunk_impl(self, parts, samp: SamplingArrays, state: DecodeState, active, mode: SamplingMode, steps):
@@ -170,8 +211,9 @@ class SlotProgram(DecodeProgram):
     """:meth:`_chunk_impl` computed on the W slots ``rows`` only (W < N, distinct; ``active`` [W] marks the
     slots in use among them): their caches and settings are gathered, decoded, and written back, so a step costs
     W rows, not N. Returns the state, tokens [N, chunk] (-1 for every other slot) and the steps run."""
+    at = self._at(rows)
     sub = DecodeState(
-      tuple((k[rows], v[rows]) for k, v in state.caches),
+      tuple((k[at], v[at]) for k, v in state.caches),
       state.token[rows],
       state.start[rows],
       state.cursor,
@@ -181,9 +223,7 @@ class SlotProgram(DecodeProgram):
     )
     sub, out, steps = self._decode(parts, jax.tree.map(lambda x: x[rows], samp), sub, active, mode, steps)
     state = DecodeState(
-      tuple(
-        (k.at[rows].set(sk), v.at[rows].set(sv)) for (k, v), (sk, sv) in zip(state.caches, sub.caches, strict=True)
-      ),
+      tuple((k.at[at].set(sk), v.at[at].set(sv)) for (k, v), (sk, sv) in zip(state.caches, sub.caches, strict=True)),
       state.token.at[rows].set(sub.token),
       state.start,
       sub.cursor,
@@ -197,11 +237,14 @@ class SlotProgram(DecodeProgram):
     """Up to ``steps`` (at most ``chunk``) decode steps of the rows of ``state`` (any number of them, all sharing
     the cursor): the one decode step of every pool (:func:`~thoughtjax.decode.state.decode_chunk`), sampling step
     ``cursor``."""
-    embed, blocks, head = merge_path(self.defs, parts, self.layers)
+    embed, head, cfg, run_blocks = self._modules(parts)
     S, C = self.cache_len, self.steps_per_chunk
 
     def run(tokens, positions, caches, write_at, mask):
-      return run_path(embed, blocks, head, tokens, positions, caches, write_at, mask)
+      x = embed(tokens)
+      cos, sin = (None, None) if cfg is None else rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+      x, caches = run_blocks(x, cos, sin, caches, write_at, mask)
+      return head(x, embed.table[...]), caches
 
     start = state.count
     steps = jnp.minimum(steps, C)
@@ -213,14 +256,22 @@ class SlotProgram(DecodeProgram):
     return state, jnp.where(j < (state.count - start)[:, None], got, -1), steps
 
   def _scratch_impl(self, rows: int):
-    """Zero prefill caches for ``rows`` prompts: per path block (k, v) [rows, K, S, E] (S: the ring's length); a
-    prompt's key i goes to index i."""
-    return layout.empty_caches(self.cfg, self.layers, rows, self.cache_len)
+    """Zero prefill caches for ``rows`` prompts, in this program's layout (unrolled: per path block (k, v) [rows, K,
+    S, E], S: the ring's length); a prompt's key i goes to index i."""
+    return self._empty(rows)
 
   def _put_block_impl(self, scratch, block, row, j):
     """``scratch`` with cached prefix block ``j`` ([L, 2, K, B, E], L: the path's blocks with keys) written into
     row ``row`` at indices [j * B, (j + 1) * B)."""
     B = block.shape[3]
+    if self.indexed:  # positions [0, L) of the stacked caches
+      at = (jnp.int32(0), row, jnp.int32(0), j * B, jnp.int32(0))
+      ((ck, cv),) = scratch
+      return (
+        tuple(
+          jax.lax.dynamic_update_slice(c, block[:, h][:, None].astype(c.dtype), at) for h, c in enumerate((ck, cv))
+        ),
+      )
     out, i = [], 0
     for layer, (ck, cv) in zip(self.layers, scratch, strict=True):
       if layer < 0:  # a bridge keeps no keys
@@ -243,20 +294,17 @@ class SlotProgram(DecodeProgram):
     first token sampled from its last position and whether it stopped there; the others keep ``token`` and
     ``stop`` [P]. Returns (scratch, token, stop). Keys past a row's end are never read: its queries see only keys
     before them, and an insert copies [0, n)."""
-    embed, blocks, head = merge_path(self.defs, parts, self.layers)
+    embed, head, cfg, run_blocks = self._modules(parts)
     R, C = tokens.shape
-    whole = R == scratch[0][0].shape[0]
-    part = scratch if whole else tuple((ck[:R], cv[:R]) for ck, cv in scratch)
+    whole = R == scratch[0][0].shape[self._axis]
+    first = self._at(slice(0, R))
+    part = scratch if whole else tuple((ck[first], cv[first]) for ck, cv in scratch)
     n_r, samp_r = (n, samp) if whole else (n[:R], jax.tree.map(lambda x: x[:R], samp))
     slots = jnp.broadcast_to(at + jnp.arange(C, dtype=jnp.int32)[None, :], (R, C))
     positions, mask = layout.steps_at(jnp.zeros(R, jnp.int32), slots, self.cache_len)
     x = embed(tokens)
-    cfg = path_config(blocks)
     cos, sin = (None, None) if cfg is None else rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-    out = []
-    for block, (ck, cv) in zip(blocks, part, strict=True):
-      x, ck, cv = block(x, cos, sin, ck, cv, at, mask)
-      out.append((ck, cv))
+    x, out = run_blocks(x, cos, sin, part, at, mask)
     last = jnp.clip(n_r - 1 - at, 0, C - 1)
     logits = head(jnp.take_along_axis(x, last[:, None, None], axis=1), embed.table[...])
     new, stopped = sample(logits[:, -1], samp_r, jnp.zeros((), jnp.int32), mode, self.kernels)
@@ -273,12 +321,15 @@ class SlotProgram(DecodeProgram):
     return out, token.at[:R].set(new), stop.at[:R].set(stopped)
 
   def _row_keys_impl(self, kv, row):
-    return tuple(tuple(jax.lax.dynamic_slice_in_dim(a, row, 1, 0) for a in pair) for pair in kv)
+    return tuple(tuple(jax.lax.dynamic_slice_in_dim(a, row, 1, self._axis) for a in pair) for pair in kv)
 
-  def _block_impl(self, kv, row, j, block_tokens: int):
+  def _block_impl(self, kv, row, j, block_tokens: int, keyed: int):
     """Keys of prompt positions [j * B, (j + 1) * B) of row ``row`` of a prefill's ``kv`` (B = ``block_tokens``),
-    as one prefix-cache block [L, 2, K, B, E] (L: the path's blocks with keys)."""
+    as one prefix-cache block [L, 2, K, B, E] (L = ``keyed``: the path's blocks with keys)."""
     B = block_tokens
+    if self.indexed:
+      one = [jax.lax.dynamic_index_in_dim(a, row, 1, False)[:keyed] for a in kv[0]]  # [L, K, S, E]
+      return jnp.stack([jax.lax.dynamic_slice_in_dim(a, j * B, B, 2) for a in one], axis=1)
     real = [pair for layer, pair in zip(self.layers, kv, strict=True) if layer >= 0]
     return jnp.stack(
       [
@@ -296,18 +347,20 @@ class SlotProgram(DecodeProgram):
     c = state.cursor
     d = layout.ring_behind(c, S)
     valid = (d >= 1) & (d <= n)
+    ax, at = self._axis, self._at(slot)
     caches = []
-    for layer, (ck, cv), (pk, pv) in zip(self.layers, state.caches, kv, strict=True):
-      if layer < 0:  # a bridge keeps no keys
+    for keeps, (ck, cv), (pk, pv) in zip(self._keeps, state.caches, kv, strict=True):
+      if not keeps:  # a bridge keeps no keys
         caches.append((ck, cv))
         continue
-      T = pk.shape[2]
+      T = pk.shape[ax + 2]
       src = jnp.clip(n - d, 0, T - 1)  # the prefill caches hold the prompt at [0, n)
+      seen = valid.reshape((1,) * (ax + 1) + (S, 1))
       rows = []
       for pre in (pk, pv):
-        one = jax.lax.dynamic_index_in_dim(pre, row, 0, keepdims=False)  # [K, T, E]
-        rows.append(jnp.where(valid[None, :, None], jnp.take(one, src, axis=1), 0).astype(ck.dtype))
-      caches.append((ck.at[slot].set(rows[0]), cv.at[slot].set(rows[1])))
+        one = jax.lax.dynamic_index_in_dim(pre, row, ax, keepdims=False)  # [(L,) K, T, E]
+        rows.append(jnp.where(seen, jnp.take(one, src, axis=ax + 1), 0).astype(ck.dtype))
+      caches.append((ck.at[at].set(rows[0]), cv.at[at].set(rows[1])))
     done, count = done_count
     first = jnp.where(jnp.arange(S) == 0, token[row], -1)  # the prefill's token is the slot's first
     return DecodeState(
@@ -328,12 +381,13 @@ class SlotProgram(DecodeProgram):
     start, where the row sees nothing, and are overwritten as the cursor goes on."""
     S = self.cache_len
     src = (jnp.arange(S, dtype=jnp.int32) - shift) % S
+    at = self._at(slot)
     caches = []
-    for layer, pair in zip(self.layers, state.caches, strict=True):
-      if layer < 0:  # a bridge keeps no keys
+    for keeps, pair in zip(self._keeps, state.caches, strict=True):
+      if not keeps:  # a bridge keeps no keys
         caches.append(pair)
         continue
-      caches.append(tuple(c.at[slot].set(jnp.take(c[slot], src, axis=1)) for c in pair))
+      caches.append(tuple(c.at[at].set(jnp.take(c[at], src, axis=self._axis + 1)) for c in pair))
     row = state.out[slot]
     return state._replace(
       caches=tuple(caches),
@@ -399,15 +453,23 @@ class ChunkedPrefill:
 
 
 def slot_program(
-  defs, cfg, layers, slots, cache_len, chunk, kernels, prefill: int = DEFAULT_PREFILL_CHUNK
+  defs, cfg, layers, slots, cache_len, chunk, kernels, prefill: int = DEFAULT_PREFILL_CHUNK, layout: str = "unrolled"
 ) -> SlotProgram:
   """The slot program of this layout from the process's one program cache (:data:`thoughtjax.decode.program.PROGRAMS`):
   a new engine of the same layout compiles nothing.
 
-  Keyed by the path's shape (:func:`~thoughtjax.transformer.path_shape`): it runs any path of that shape on the
-  path's parts :meth:`~thoughtjax.transformer.PathParts.by_position`."""
+  Unrolled, it is keyed by the path's shape (:func:`~thoughtjax.transformer.path_shape`) and runs any path of that
+  shape on the path's parts :meth:`~thoughtjax.transformer.PathParts.by_position`; indexed, by the positions it
+  holds (:func:`~thoughtjax.decode.indexed.max_layers`), and runs any path of at most that many on
+  :class:`~thoughtjax.decode.indexed.StackedParts` (see :meth:`thoughtjax.model.Model.program_parts`)."""
+  if layout not in indexed.LAYOUTS:
+    raise SlotRequestError(f"layout is one of {', '.join(indexed.LAYOUTS)}; got {layout!r}")
+  if layout == "indexed":
+    if any(i < 0 for i in layers):
+      raise SlotRequestError("a path with a bridge has no layer-indexed form; use layout='unrolled'")
+    layers = range(indexed.max_layers(len(layers), cfg.num_layers))
   return program_lib.PROGRAMS.get(
-    SlotKey(tuple(layers), slots, cache_len, chunk, kernels, prefill), defs, cfg, SlotProgram
+    SlotKey(tuple(layers), slots, cache_len, chunk, kernels, prefill, layout), defs, cfg, SlotProgram
   )
 
 

@@ -57,7 +57,9 @@ every slot (the number of decode steps the engine has run): each step writes all
 ``c`` with ``n`` prompt tokens gets its prompt keys at absolute positions ``[c - n, c)``: its start is
 ``c - n``, its RoPE position at cursor ``c'`` is ``c' - start``, and ring index ``s`` (absolute position
 ``c' - ((c' - s) mod S)``) is visible to it when that position is ``>= start``. A request fits when
-``n + max_tokens <= S``, so its keys never wrap onto themselves; other slots live in other rows. The state
+``n + max_tokens <= S``, so its keys never wrap onto themselves; other slots live in other rows. Layer-indexed
+(``layout="indexed"``, the model's layout by default; never for a path with a bridge) the pairs are one, [positions,
+N, K, S, E], and the programs loop over the stacked layer weights (:mod:`thoughtjax.decode.indexed`). The state
 (:class:`~thoughtjax.decode.state.DecodeState`) and the decode step (:func:`~thoughtjax.decode.state.decode_chunk`)
 are those of plain generation, whose pool of rows is filled once by its prefill and whose ring never wraps.
 
@@ -119,6 +121,7 @@ class SlotEngine:
     stop_width: int = DEFAULT_STOP_WIDTH,
     prefix_cache: PrefixCache | None = None,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    layout: str | None = None,
   ):
     if slots < 1:
       raise SlotRequestError(f"slots must be >= 1, got {slots}")
@@ -134,7 +137,12 @@ class SlotEngine:
     self.prefill_chunk = int(prefill_chunk)
     self.stop_width, self.layers, self.kernels = stop_width, tuple(model.layers), model.kernels
     self.defs = GraphDefs.from_model(model.module)
-    self.parts = model.parts.by_position(self.layers)  # the programs are keyed by the path's shape
+    bridged = any(i < 0 for i in self.layers)
+    if layout == "indexed" and bridged:
+      raise SlotRequestError("a path with a bridge has no layer-indexed form; use layout='unrolled'")
+    # None: the model's own layout (thoughtjax.load picks it per weight form), unrolled for a path with a bridge
+    self.layout = layout or ("unrolled" if bridged else model.layout)
+    self.parts = model.program_parts(self.layout)
     self._lock = threading.RLock()  # engine state: insert, step, free
     self.cancel_lock = threading.Lock()  # a run's slot freed (and its free callbacks taken) under it
     self._runs: list[SlotRun | None] = [None] * self.slots
@@ -173,7 +181,7 @@ class SlotEngine:
   def _program(self, chunk: int) -> SlotProgram:
     """The engine's slot program with ``chunk`` decode steps per call."""
     return slot_program(
-      self.defs, self.cfg, self.layers, self.slots, self.cache_len, chunk, self.kernels, self.prefill_chunk
+      self.defs, self.cfg, self.layers, self.slots, self.cache_len, chunk, self.kernels, self.prefill_chunk, self.layout
     )
 
   # ---- host API ----------------------------------------------------------------------
