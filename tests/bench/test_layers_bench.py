@@ -1,5 +1,6 @@
 """``thoughtjax bench layers`` on a tiny GGUF: both layouts compile in processes of their own into empty caches,
-every figure is measured for both, the table and the JSON report come out (no timing asserted)."""
+every figure is measured for both (the plain programs and a slot engine), the tables and the JSON report come out
+(no timing asserted)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ def test_both_layouts_are_measured_and_reported(tmp_path, monkeypatch, capsys):
   gguf = write_gguf(tmp_path / "tiny.gguf", cfg, init_random(cfg, 1, scale=0.08))
   out = tmp_path / "layers.json"
   argv = ["--model", str(gguf), "--new-tokens", "4", "--prompt-tokens", "20", "--repeats", "1"]
-  assert layers.main([*argv, "--startup-runs", "1", "--json", str(out)]) == 0
+  assert layers.main([*argv, "--startup-runs", "1", "--slots", "2", "--ring", "64", "--json", str(out)]) == 0
   text = capsys.readouterr().out
-  assert "decode b1" in text and "indexed / unrolled" in text
+  assert "decode b1" in text and "indexed / unrolled" in text and "slot engine, indexed / unrolled: warm" in text
   report = json.loads(out.read_text())
   for name in layers.LAYOUTS:
     assert all(s > 0 for s in report["compile_s"][name].values()) and report["executable_cache_bytes"][name] > 0
@@ -28,3 +29,7 @@ def test_both_layouts_are_measured_and_reported(tmp_path, monkeypatch, capsys):
     (load,) = report["startup_executable_load_s"][name]
     assert 0 < load <= report["startup_first_token_s"][name][0]
   assert report["prompt_tokens"] == 20
+  assert (report["slots"], report["ring"]) == (2, 64)
+  for name, engine in report["slot_engine"].items():  # each child ran an engine in the layout it was given
+    assert engine["layout"] == name and engine["warm_s"] > 0 and len(engine["step_ms"]) == 1
+    assert 0 < engine["rss_before_mib"] <= engine["peak_rss_mib"] and engine["step_ms"][0] > 0

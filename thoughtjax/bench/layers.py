@@ -14,7 +14,12 @@ For each layout (``unrolled``: every block traced into the program; ``indexed``:
   start to the first token, with that layout's compilation cache warm (an untimed process ran the same request
   first): median of ``--startup-runs``; and in that process the executable load: the seconds JAX spends reading
   and loading the request's compiled programs from the persistent cache (its ``cache_retrieval_time_sec`` events;
-  tracing and lowering not included).
+  tracing and lowering not included);
+* slot engine (``--slots N``, 0: skipped): in a new process per layout with an empty compilation cache, a
+  :class:`~thoughtjax.serving.slots.SlotEngine` of N slots over a ring of ``--ring`` tokens in that layout: the
+  seconds its greedy warm takes (every prefill row count and decode width compiled), the process's resident memory
+  before and after it and its peak, and the decode step with every slot in use (ms per step, the median of
+  ``--repeats`` rounds of 3 chunks);
 
 ``--json FILE`` writes the report. The layout with the higher batch-1 and batch-8 decode is the one to default to.
 """
@@ -55,7 +60,9 @@ from thoughtjax.decode import program
 from thoughtjax.bench import layers
 program.configure_compilation_cache(sys.argv[1])
 model = thoughtjax.load(sys.argv[2] or None, weights=sys.argv[3], compile_cache=False).with_layout(sys.argv[4])
-if sys.argv[5] == "startup":
+if sys.argv[5] == "slots":
+  print(json.dumps(layers.slot_engine(model, int(sys.argv[6]), int(sys.argv[7]), int(sys.argv[8]))))
+elif sys.argv[5] == "startup":
   g = model.stream([1, 2, 3, 4], max_tokens=2, ignore_eos=True)
   next(iter(g))
   print(json.dumps({"first_token_s": time.perf_counter() - t0, "executable_load_s": sum(loads), "loads": len(loads)}))
@@ -108,6 +115,40 @@ def prefill_rate(model, ids: list[int]) -> tuple[float, float]:
   return len(ids) / (t.first_token - t.device_start), t.compile_s
 
 
+def slot_engine(model, slots: int, ring: int, repeats: int) -> dict:
+  """A slot engine of ``slots`` slots over ``ring`` tokens in ``model``'s layout: warm seconds (greedy), resident
+  MiB before and after, peak MiB, and ms per decode step with every slot in use (3 chunks per round)."""
+  import resource
+
+  from thoughtjax.bench.process import rss_mib
+  from thoughtjax.sampling import SamplingParams
+  from thoughtjax.serving import SlotEngine
+
+  before = rss_mib(os.getpid())
+  t = time.perf_counter()
+  engine = SlotEngine(model, slots, cache_len=ring)
+  engine.warm()
+  warm_s = time.perf_counter() - t
+  after = rss_mib(os.getpid())
+  ids = model.codec.encode(TEXT)[:16]
+  engine.insert_batch([(ids, SamplingParams(max_tokens=ring - len(ids), ignore_eos=True))] * slots)
+  engine.step()
+  step_ms = []
+  for _ in range(repeats):
+    steps, t = engine.steps, time.perf_counter()
+    for _ in range(3):
+      engine.step()
+    step_ms.append((time.perf_counter() - t) * 1e3 / max(engine.steps - steps, 1))
+  return {
+    "layout": engine.layout,
+    "warm_s": warm_s,
+    "rss_before_mib": before,
+    "rss_after_warm_mib": after,
+    "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    "step_ms": step_ms,
+  }
+
+
 def run(
   model_name: str | None,
   *,
@@ -117,6 +158,8 @@ def run(
   repeats: int,
   startup_runs: int,
   workdir: str,
+  slots: int = 0,
+  ring: int = 512,
 ) -> dict:
   import thoughtjax
 
@@ -146,8 +189,16 @@ def run(
       got = _child(caches[name], model_name, weights, name, "startup")
       startup[name].append(got["first_token_s"])
       load_s[name].append(got["executable_load_s"])
+  engines = {
+    name: _child(os.path.join(workdir, f"xla-slots-{name}"), model_name, weights, name, "slots", str(slots),
+                 str(ring), str(repeats))
+    for name in (LAYOUTS if slots else ())
+  }  # fmt: skip
   med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
   return {
+    "slots": slots,
+    "ring": ring,
+    "slot_engine": engines,
     "model": base.loaded.name,
     "weights": weights,
     "new_tokens": new_tokens,
@@ -176,10 +227,14 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--prompt-tokens", type=int, default=250, help="prompt of the prefill run (default 250)")
   p.add_argument("--repeats", type=int, default=3, help="measured rounds, layouts alternating (default 3)")
   p.add_argument("--startup-runs", type=int, default=3, help="new processes per layout (default 3; 0: none)")
+  p.add_argument("--slots", type=int, default=16, help="slots of the slot-engine run (default 16; 0: skip it)")
+  p.add_argument("--ring", type=int, default=512, help="ring length of the slot-engine run in tokens (default 512)")
   p.add_argument("--json", default=None, type=common.json_path, help="write the report to this JSON file")
   args = p.parse_args(argv)
   if args.repeats < 1 or args.new_tokens < 2 or args.prompt_tokens < 1 or args.startup_runs < 0:
     p.error("--repeats >= 1, --new-tokens >= 2, --prompt-tokens >= 1 and --startup-runs >= 0")
+  if args.slots < 0 or (args.slots and args.ring < 32):
+    p.error("--slots >= 0 and --ring >= 32")
   t0 = time.perf_counter()
   with tempfile.TemporaryDirectory(prefix="thoughtjax-bench-layers-") as work:
     res = run(
@@ -190,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
       repeats=args.repeats,
       startup_runs=args.startup_runs,
       workdir=work,
+      slots=args.slots,
+      ring=args.ring,
     )
   med, comp = res["median"], res["compile_s"]
   rows = []
@@ -220,6 +277,29 @@ def main(argv: list[str] | None = None) -> int:
     f"indexed / unrolled: decode b1 {i['batch1'] / u['batch1']:.2f}x, b8 {i['batch8'] / u['batch8']:.2f}x, "
     f"prefill {i['prefill'] / u['prefill']:.2f}x; ran {time.perf_counter() - t0:.0f} s"
   )
+  if res["slot_engine"]:
+    eng = res["slot_engine"]
+    common.print_table(
+      f"slot engine: {args.slots} slots, ring {args.ring}, greedy warm from an empty compilation cache",
+      ["layout", "warm s", "RSS before MiB", "RSS after warm MiB", "peak RSS MiB", f"step ms ({args.slots} rows)"],
+      [
+        (
+          name,
+          common.fmt(e["warm_s"], ".1f"),
+          common.fmt(e["rss_before_mib"], ".0f"),
+          common.fmt(e["rss_after_warm_mib"], ".0f"),
+          common.fmt(e["peak_rss_mib"], ".0f"),
+          common.fmt(statistics.median(e["step_ms"]), ".1f"),
+        )
+        for name, e in eng.items()
+      ],
+      right=["warm s", "RSS before MiB", "RSS after warm MiB", "peak RSS MiB", f"step ms ({args.slots} rows)"],
+    )
+    ui, ii = eng["unrolled"], eng["indexed"]
+    print(
+      f"slot engine, indexed / unrolled: warm {ii['warm_s'] / ui['warm_s']:.2f}x, decode step "
+      f"{statistics.median(ii['step_ms']) / statistics.median(ui['step_ms']):.2f}x"
+    )
   if args.json:
     common.write_json(args.json, res)
   return 0
