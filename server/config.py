@@ -200,6 +200,11 @@ class ServerConfig:
   # the check workers: RESOURCE_EXHAUSTED; the check is dropped if it has not started, else its result discarded.
   validation_timeout_s: float = 10.0
   max_tokens_limit: int = 2048
+  # A request without max_tokens (HTTP, OpenAI's default) generates until the end of text or until its prompt and
+  # output fill this many tokens (doubled until the prompt + 64 new tokens fit), as a llama-server slot's context
+  # bounds it: such a request joins the engine its path already runs instead of making one with a ring for
+  # max_tokens_limit, which every later request would decode over. None: the model's context bounds it.
+  until_eos_tokens: int | None = 512
   grace_s: float = 30.0
   warm: WarmConfig = WarmConfig()
   metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: any free port
@@ -239,6 +244,8 @@ class ServerConfig:
   def __post_init__(self):
     if self.scheduler not in SCHEDULERS:
       raise ConfigError(f"scheduler: expected one of {list(SCHEDULERS)}, got {self.scheduler!r}")
+    if self.until_eos_tokens is not None:
+      _positive_int(self.until_eos_tokens, "until_eos_tokens")
     if self.engine_layout not in ENGINE_LAYOUTS:
       raise ConfigError(f"engine_layout: expected one of {list(ENGINE_LAYOUTS)}, got {self.engine_layout!r}")
     for name in (

@@ -13,8 +13,8 @@ developer as system) or ``prompt`` (a string), ``max_tokens`` /
 ``n`` (1 only), ``stream``, ``stream_options.include_usage``, ``response_format`` (``text``; ``json_object``
 and ``json_schema`` map to the request's ``json_schema``). Extensions: ``top_k``, ``synthesis_hints`` (at most
 3), ``max_latency_ms``, ``path``, ``regex``, ``grammar``. Unset fields take OpenAI's defaults: temperature 1,
-top_p 1, and no ``max_tokens`` generates until the end of text or ``max_tokens_limit`` or the context runs out,
-whichever comes first. A field OpenAI defines but this server cannot honour (tools, logprobs, penalties) is
+top_p 1, and no ``max_tokens`` generates until the end of text or the config's ``until_eos_tokens``,
+``max_tokens_limit`` or the context runs out, whichever comes first. A field OpenAI defines but this server cannot honour (tools, logprobs, penalties) is
 refused unless it asks for the default. An unknown field (another server's extension: ``min_p``,
 ``repetition_penalty``, ``cache_prompt``) is left out and returned to the caller, which names it once in the log
 and in the answer's ``thoughtjax.ignored_fields``, as vLLM and llama-server do; ``strict`` (``strict_fields`` in the

@@ -24,6 +24,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from thoughtjax.decode.masks import grammars_for
+from thoughtjax.decode.program import bucket
 from thoughtjax.decode.request import ContextError, check_request
 from thoughtjax.defaults import DEFAULT_MAX_TOKENS
 from thoughtjax.errors import UserError
@@ -36,6 +37,7 @@ from thoughtjax.synthesis.hints import normalize_hints
 MAX_REQUEST_ID = 128
 MAX_CACHE_SALT = 256  # characters of a cache_salt
 ROLES = ("system", "user", "assistant")
+UNTIL_EOS_MIN_NEW = 64  # new tokens the room of a request without max_tokens holds at least (context permitting)
 
 
 class Refused(Exception):
@@ -108,7 +110,8 @@ def validate(
   """A :class:`Request` on ``s`` under ``config``'s limits, or :class:`Refused` naming the field (no model
   work; tokenization only). ``deadline_s``: the call's remaining deadline in seconds (None: none).
   ``max_tokens`` unset: :data:`DEFAULT_MAX_TOKENS`, or with ``until_eos`` (OpenAI's meaning, the HTTP endpoint)
-  as many as fit: ``max_tokens_limit`` or the context left after the prompt, whichever is smaller."""
+  as many as fit: ``max_tokens_limit``, the context left after the prompt, or what is left of ``until_eos_tokens``
+  (doubled until the prompt and :data:`UNTIL_EOS_MIN_NEW` tokens fit) after it, whichever is smallest."""
   bad = lambda msg: Refused(grpc.StatusCode.INVALID_ARGUMENT, msg)
   rid = m.request_id or uuid.uuid4().hex
   if len(rid) > MAX_REQUEST_ID or not rid.isprintable() or not rid.isascii():
@@ -143,7 +146,10 @@ def validate(
   if m.HasField("max_tokens"):
     n = int(m.max_tokens)
   elif until_eos:
-    n = min(config.max_tokens_limit, s.max_context - len(ids))
+    room = s.max_context
+    if config.until_eos_tokens:
+      room = min(room, bucket(len(ids) + UNTIL_EOS_MIN_NEW, config.until_eos_tokens))
+    n = min(config.max_tokens_limit, room - len(ids))
     if n < 1:
       raise Refused(
         grpc.StatusCode.OUT_OF_RANGE,

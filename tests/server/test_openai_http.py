@@ -695,6 +695,12 @@ def test_unset_fields_take_openais_defaults(http_served, synthesizer):
   r = validate(m, None, s, config(), until_eos=True)
   assert r.max_tokens == context - len(r.prompt_ids) and (r.sampling["temperature"], r.sampling["top_p"]) == (1, 1)
   assert validate(m, None, s, config(), until_eos=False).max_tokens == 64  # gRPC's unset max_tokens
+  # until_eos_tokens bounds the prompt and its output (doubled until the prompt and 64 new tokens fit), so such a
+  # request does not make an engine with a ring of max_tokens_limit that every later request decodes over.
+  p = len(r.prompt_ids)
+  assert p + 64 <= 128 < context
+  assert validate(m, None, s, config(until_eos_tokens=128), until_eos=True).max_tokens == 128 - p
+  assert validate(m, None, s, config(until_eos_tokens=32), until_eos=True).max_tokens == 128 - p  # 32 -> 64 -> 128
   long = pb.SynthesizeRequest(prompt="x" * (context + 10))
   with pytest.raises(Exception, match="fill the model's context"):
     validate(long, None, s, config(), until_eos=True)
