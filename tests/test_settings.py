@@ -41,6 +41,17 @@ def test_export_off_values(off):
   assert s.export_off and s.export_cache is None
 
 
+@pytest.mark.parametrize("off", ["off", " Off", "0", "none"])
+def test_turning_the_compile_cache_off_is_refused_by_name_not_made_a_folder(off, tmp_path, monkeypatch):
+  from thoughtjax.decode import program
+
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setenv("THOUGHTJAX_COMPILE_CACHE", off)
+  with pytest.raises(settings.SettingsError, match="THOUGHTJAX_COMPILE_CACHE names the folder"):
+    program.compilation_cache_dir()
+  assert list(tmp_path.iterdir()) == []
+
+
 def test_corrections_off_and_the_module_readers_follow_the_environment(monkeypatch, tmp_path):
   from thoughtjax import exported
   from thoughtjax.synthesis import corrections

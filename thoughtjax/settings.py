@@ -8,7 +8,8 @@ variable                            field                       meaning (unset: 
 ==================================  ==========================  ==================================================
 ``THOUGHTJAX_CACHE``                ``cache``                   the cache directory (``$XDG_CACHE_HOME/thoughtjax``,
                                                                 else ``~/.cache/thoughtjax``)
-``THOUGHTJAX_COMPILE_CACHE``        ``compile_cache``           XLA's persistent compilation cache (``<cache>/xla``)
+``THOUGHTJAX_COMPILE_CACHE``        ``compile_cache``           XLA's persistent compilation cache (``<cache>/xla``);
+                                                                a folder: ``off`` is refused, not made a folder
 ``THOUGHTJAX_EXPORT_CACHE``         ``export_cache``,           exported programs (``<cache>/exported``); ``off``
                                     ``export_off``              (or ``0``, ``none``, empty) turns exporting off
 ``THOUGHTJAX_TRUST_STATE``          ``trust_state``             the registry rollback state
@@ -82,9 +83,15 @@ def current(environ: Mapping[str, str] = os.environ) -> Settings:
     program_cache = 0
   if program_cache < 1:
     raise SettingsError(f"{PROGRAM_CACHE} must be a positive number of programs, got {programs!r}")
+  compile_cache = environ.get(COMPILE_CACHE)
+  if compile_cache is not None and compile_cache.strip().lower() in _OFF[:3]:
+    raise SettingsError(
+      f"{COMPILE_CACHE} names the folder of XLA's compilation cache, which cannot be turned off; got"
+      f" {compile_cache!r} (unset it for <cache>/xla)"
+    )
   return Settings(
     cache=_path(environ.get(CACHE)),
-    compile_cache=_path(environ.get(COMPILE_CACHE)),
+    compile_cache=_path(compile_cache),
     export_cache=None if export_off else _path(export),
     export_off=export_off,
     trust_state=_path(environ.get(TRUST_STATE)),
