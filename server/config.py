@@ -27,6 +27,7 @@ from thoughtjax.errors import UserError
 DEFAULT_CONFIG = Path(__file__).with_name("config.yaml")
 SCHEDULERS = ("continuous", "simple")
 ENGINE_LAYOUTS = (None, "unrolled", "indexed")  # ServerConfig.engine_layout
+WEIGHTS = ("f32", "native")  # ServerConfig.weights
 
 
 class ConfigError(UserError, ValueError):
@@ -215,6 +216,9 @@ class ServerConfig:
   # warms in less than half the time into a fraction of the memory, and decodes a wide batch slower in float32
   # (BENCHMARKS.md); a path with a bridge always runs unrolled.
   engine_layout: str | None = None
+  # The form the registry's restores take: "f32" (dequantized float32) or "native" (a quantized model's blocks kept
+  # packed, computed in float32: the same logits, fewer bytes per step). Weight variants (@int8) are paths.
+  weights: str = "f32"
   admin: AdminConfig = AdminConfig()
   clients: ClientsConfig = ClientsConfig()
   http_port: int | None = None  # OpenAI-compatible HTTP (server/http.py) on ``bind``; None: off, 0: any free port
@@ -248,6 +252,8 @@ class ServerConfig:
       _positive_int(self.until_eos_tokens, "until_eos_tokens")
     if self.engine_layout not in ENGINE_LAYOUTS:
       raise ConfigError(f"engine_layout: expected one of {list(ENGINE_LAYOUTS)}, got {self.engine_layout!r}")
+    if self.weights not in WEIGHTS:
+      raise ConfigError(f"weights: expected one of {list(WEIGHTS)}, got {self.weights!r}")
     for name in (
       "max_message_bytes",
       "max_concurrent",
@@ -494,6 +500,7 @@ ENVIRONMENT = {
   "THOUGHTJAX_SLOTS": "max_concurrent",
   "THOUGHTJAX_WARM": "warm.hints",
   "THOUGHTJAX_ENGINE_LAYOUT": "engine_layout",
+  "THOUGHTJAX_WEIGHTS": "weights",
 }
 # Setting -> the flag of `thoughtjax serve` that gives it, for errors that name what the user typed.
 FLAGS = {
@@ -501,6 +508,7 @@ FLAGS = {
   "model_name": "--alias/--served-model-name",
   "max_concurrent": "--parallel/-np/--slots",
   "warm.hints": "--warm",
+  "weights": "--weights",
 }
 
 
@@ -523,6 +531,8 @@ def _from_text(key: str, value: str, source: str) -> Any:
     return hints
   if key == "engine_layout" and text not in ENGINE_LAYOUTS:
     raise ConfigError(f"{source}: expected one of {', '.join(ENGINE_LAYOUTS[1:])}, got {value!r}")
+  if key == "weights" and text not in WEIGHTS:
+    raise ConfigError(f"{source}: expected one of {', '.join(WEIGHTS)}, got {value!r}")
   if key == "clients.token" and len(text) < 16:
     raise ConfigError(
       f"{source}: expected a client token of at least 16 characters, got {len(text)}; generate a long random one "

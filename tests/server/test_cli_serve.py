@@ -134,3 +134,34 @@ def test_serve_weights_opens_the_registry_in_that_form(tiny_registry, monkeypatc
   with pytest.raises(SystemExit) as refused:
     main(["serve", "--registry", str(tiny_registry.root), "--weights", "int8a8"])
   assert refused.value.code == 2
+
+
+def test_serve_takes_its_weight_form_from_the_config_file_or_its_variable(tiny_registry, monkeypatch, tmp_path, capsys):
+  """``weights`` in the config file (or THOUGHTJAX_WEIGHTS over it, ``--weights`` over both) is the form the
+  registry's restores take; a form that is not one is refused by the name of where it came from."""
+  import thoughtjax.server.app as app_mod
+
+  got = []
+
+  async def fake_serve(_, config, *, load, **kw):
+    got.append((config.weights, load().registry.weights))
+
+  monkeypatch.setattr(app_mod, "serve", fake_serve)
+  monkeypatch.delenv("THOUGHTJAX_WEIGHTS", raising=False)
+  config = tmp_path / "native.yaml"
+  config.write_text("weights: native\n")
+  base = ["serve", "--registry", str(tiny_registry.root), "--port", "0"]
+  assert main([*base, "--config", str(config)]) == 0
+  monkeypatch.setenv("THOUGHTJAX_WEIGHTS", "f32")
+  assert main([*base, "--config", str(config)]) == 0
+  assert main([*base, "--config", str(config), "--weights", "native"]) == 0
+  assert got == [("native", "native"), ("f32", "f32"), ("native", "native")]
+  capsys.readouterr()
+  monkeypatch.setenv("THOUGHTJAX_WEIGHTS", "int4")
+  assert main(base) == 2
+  assert "THOUGHTJAX_WEIGHTS: expected one of f32, native, got 'int4'" in capsys.readouterr().err
+  monkeypatch.delenv("THOUGHTJAX_WEIGHTS")
+  config.write_text("weights: int4\n")
+  assert main([*base, "--config", str(config)]) == 2
+  assert "weights: expected one of ['f32', 'native'], got 'int4'" in capsys.readouterr().err
+  assert len(got) == 3

@@ -119,9 +119,9 @@ def add_parsers(sub) -> None:
     "--weights",
     choices=("f32", "native"),
     default=None,
-    help="the form the registry's restores take: f32 (dequantized float32, the default) or native (a quantized "
-    "model's blocks kept packed, computed in float32: the same logits, fewer bytes per step); weight variants "
-    "(@int8, @int8a8) are paths of their own",
+    help="the form the registry's restores take: f32 (dequantized float32) or native (a quantized model's blocks "
+    "kept packed, computed in float32: the same logits, fewer bytes per step); weight variants (@int8, @int8a8) are "
+    "paths of their own (env THOUGHTJAX_WEIGHTS; config weights; default f32)",
   )
   add_kernels_arg(p)
   add_trust_args(p)
@@ -158,19 +158,19 @@ def add_parsers(sub) -> None:
   c.set_defaults(fn=cmd_client)
 
 
-def served_model(text: str, weights: str):
-  """What ``serve --model TEXT`` serves: a function opening its registry (built and calibrated on first use;
-  called after the ports are bound) and the model id it goes by. A missing file or one that is not a GGUF is a
-  :class:`CommandLineError` now, before anything listens."""
+def served_model(text: str):
+  """What ``serve --model TEXT`` serves: a function of the weight form opening its registry (built and calibrated
+  on first use; called after the ports are bound) and the model id it goes by. A missing file or one that is not a
+  GGUF is a :class:`CommandLineError` now, before anything listens."""
   from thoughtjax import fetch as fetch_lib
 
   if text in fetch_lib.KNOWN_MODELS:
     if text == fetch_lib.DEFAULT_MODEL:
       from thoughtjax.synthesis.default_registry import ensure_default
 
-      return lambda: ensure_default(weights=weights), text
+      return lambda weights: ensure_default(weights=weights), text
 
-    def fetched():
+    def fetched(weights: str):
       from thoughtjax.synthesis.default_registry import ensure_gguf
 
       return ensure_gguf(fetch_lib.fetch(text), weights=weights)
@@ -191,7 +191,7 @@ def served_model(text: str, weights: str):
       f"model name ({', '.join(fetch_lib.KNOWN_MODELS)}) or a registry with --registry DIR"
     )
 
-  def built():
+  def built(weights: str):
     from thoughtjax.synthesis.default_registry import ensure_gguf
 
     return ensure_gguf(path, weights=weights)
@@ -211,10 +211,9 @@ def cmd_serve(args) -> int:
   from thoughtjax.server.config import serve_config
   from thoughtjax.synthesis.synthesize import Synthesizer
 
-  weights = args.weights or "f32"
   opened, model_name = None, None
   if args.model is not None:  # a missing or non-GGUF file fails before listening
-    opened, model_name = served_model(args.model, weights)
+    opened, model_name = served_model(args.model)
   flags = {
     "port": args.port,
     "bind": args.bind,
@@ -225,12 +224,14 @@ def cmd_serve(args) -> int:
     "max_concurrent": args.slots,
     "warm.hints": args.warm,
     "strict_fields": args.strict_fields,
+    "weights": args.weights,
   }
   config = serve_config(
     existing_path(args.config, "--config") if args.config else None,
     flags,
     defaults={"model_name": model_name} if model_name else None,
   )
+  weights = config.weights
   if args.registry:  # a bad --registry fails before listening
     registry = open_registry(args.registry, args, "--registry", weights=weights)
   elif args.public_key or args.require_signatures:
@@ -246,7 +247,7 @@ def cmd_serve(args) -> int:
     if registry is not None:
       reg = registry
     elif opened is not None:
-      reg = opened()
+      reg = opened(weights)
     else:
       reg = ensure_default(weights=weights)
     return Synthesizer.open(reg, kernels=args.kernels, context=serving_context(config, reg, args.kernels))
