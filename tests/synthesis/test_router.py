@@ -194,3 +194,27 @@ def test_router_on_the_default_model_and_the_project_prompts(default_model):
   params, meta = router.to_params()
   restored = Router.from_params(params, json.loads(json.dumps(meta)), default_model)
   assert restored.predict(heldout[0].prompt) == router.predict(heldout[0].prompt)
+
+
+def test_a_packed_model_has_the_fingerprint_of_the_float32_it_computes_as():
+  """A registry restored with native weights (embed table and blocks packed) checks a stored router against the
+  same fingerprint as its float32 restore; before, the packed table could not be read as an array and
+  ``serve --weights native`` failed its warm-up on the router."""
+  from thoughtjax.quantized import BlockQuant, dequantize
+  from thoughtjax.synthesis.router import weights_fingerprint
+
+  rng = np.random.default_rng(0)
+
+  def packed(rows, cols):
+    return BlockQuant(
+      rng.integers(0, 16, (rows, cols), dtype=np.uint8),
+      rng.random((rows, cols // 32), dtype=np.float32),
+      rng.random((rows, cols // 32), dtype=np.float32),
+      "Q4_1",
+    )
+
+  table, w = packed(64, 64), packed(32, 64)
+  blocks = [{"mlp": {"up": w}, "norm": np.ones(64, np.float32)}]
+  dense = [{"mlp": {"up": dequantize(w)}, "norm": np.ones(64, np.float32)}]
+  assert weights_fingerprint(table, blocks) == weights_fingerprint(dequantize(table), dense)
+  assert weights_fingerprint(table, blocks) != weights_fingerprint(packed(64, 64), blocks)

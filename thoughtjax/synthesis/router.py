@@ -264,10 +264,15 @@ def feature_parts(model, settings: FeatureSettings):
 
 def weights_fingerprint(table, blocks) -> str:
   """SHA3-256 over the shapes and a fixed strided sample of every array the features read: cheap
-  (no full pass over a 100 MB table) and enough to tell another model's weights apart."""
+  (no full pass over a 100 MB float32 table; a packed one is dequantized first) and enough to tell another
+  model's weights apart."""
+  from thoughtjax.quantized import dequantize, is_packed
+
   h = hashlib.sha3_256()
-  for leaf in [table] + jax.tree.leaves(blocks):
-    flat = np.asarray(leaf, np.float32).reshape(-1)
+  # A packed weight (native or int8 restores) counts as the float32 it computes as, so the same model restored
+  # packed or dequantized has one fingerprint.
+  for leaf in [table] + jax.tree.leaves(blocks, is_leaf=is_packed):
+    flat = (dequantize(leaf) if is_packed(leaf) else np.asarray(leaf, np.float32)).reshape(-1)
     stride = max(1, flat.size // _FINGERPRINT_SAMPLES)
     h.update(repr(tuple(leaf.shape)).encode())
     h.update(np.ascontiguousarray(flat[::stride]).tobytes())
