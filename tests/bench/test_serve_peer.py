@@ -127,6 +127,24 @@ def test_a_thoughtjax_serve_that_dies_at_start_is_a_named_error_quoting_it(tmp_p
   assert "no-registry" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_thoughtjax_serve_whose_warm_up_failed_is_a_named_error_at_once_not_a_wait_for_the_deadline():
+  import os
+  import sys
+
+  server = serve_peer.ThoughtjaxServe(None)
+  server.argv = [
+    sys.executable,
+    "-c",
+    "import time; print('openai http on http://127.0.0.1:9/v1'); print('ERROR:thoughtjax.server:warming failed, "
+    "health stays NOT_SERVING: ValueError: bad warm', flush=True); time.sleep(600)",
+  ]
+  with pytest.raises(serve_peer.PeerBenchError, match="will not become ready.*ValueError: bad warm"):
+    with server:
+      pass
+  with pytest.raises(ProcessLookupError):  # stopped and reaped, not left running
+    os.kill(server.pid, 0)
+
+
 def test_a_missing_gguf_and_a_registry_without_one_are_named_errors(tmp_path, stub_llama_server, capsys):
   assert main(peer_args(stub_llama_server, tmp_path / "absent.gguf")) == 2
   assert "PeerBenchError: --gguf" in capsys.readouterr().err

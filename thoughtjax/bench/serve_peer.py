@@ -160,7 +160,8 @@ class PromptSet:
 class ThoughtjaxServe:
   """``thoughtjax serve`` as its own process (a context manager): free gRPC and HTTP ports, ``registry`` (None: the
   default one), ``config`` (a server config file; None: the built-in config). Ready once ``GET /health`` answers 200
-  (503 while the registry loads and the warm set compiles); :attr:`ready_s` is the time from the start to then.
+  (503 while the registry loads and the warm set compiles); :attr:`ready_s` is the time from the start to then. A
+  server that logs it will stay unready (its warm-up failed) is stopped and its error raised at once.
   Output goes to a temporary file, whose tail a failed start quotes. Stopped with SIGTERM (it drains)."""
 
   def __init__(self, registry: str | None = None, config: str | Path | None = None):
@@ -184,9 +185,14 @@ class ThoughtjaxServe:
         raise PeerBenchError(
           f"thoughtjax serve exited with {self._proc.returncode} while starting; its last output: {tail}"
         )
+      out = self._read()
       if self.url is None:
-        m = re.search(rb"openai http on (http://\S+)/v1", self._read())
+        m = re.search(rb"openai http on (http://\S+)/v1", out)
         self.url = m.group(1).decode() if m else None
+      if b"health stays NOT_SERVING" in out:  # its warm-up failed: it would answer 503 until the deadline
+        tail = self._tail()
+        self.__exit__()
+        raise PeerBenchError(f"thoughtjax serve will not become ready; its last output: {tail}")
       if self.url is not None and _ready(self.url + "/health"):
         self.ready_s = time.monotonic() - started
         return self
