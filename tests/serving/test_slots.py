@@ -270,6 +270,31 @@ def test_requests_arriving_together_are_prefilled_in_one_chunked_call_whatever_t
     assert run.token_ids == alone(model, p, **_kw(params)).token_ids and run.finish_reason == "length"
 
 
+@pytest.mark.parametrize("layout", ["unrolled", "indexed"])
+def test_a_prefill_computes_into_the_last_one_s_caches_and_never_reads_what_they_held(model, layout, monkeypatch):
+  """A prefill hands its caches to the next one instead of allocating zeroed ones. Filled with 1e30 in between
+  (keys no query may read), they still give each prompt, shorter or longer than the last, its alone tokens."""
+  import jax.numpy as jnp
+
+  engine = SlotEngine(model, slots=SLOTS, cache_len=64, prefill_chunk=8, layout=layout)
+  params = SamplingParams(max_tokens=6, ignore_eos=True)
+  engine.insert_batch([(list(range(60, 80)), params)])
+  while engine.active:
+    engine.step()
+  made = []
+  scratch = engine.program._scratch
+  monkeypatch.setattr(engine.program, "_scratch", lambda rows: made.append(rows) or scratch(rows))
+  prefiller = engine.prefiller
+  prefiller._spare = [jax.tree.map(lambda a: jnp.full_like(a, 1e30), s) for s in prefiller._spare]
+  reqs = [(PROMPTS[3], params), (list(range(90, 120)), params), (PROMPTS[0], params)]
+  runs = [engine.insert_batch([r])[0] for r in reqs[:2]] + engine.insert_batch(reqs[2:])
+  while engine.active:
+    engine.step()
+  assert made == []  # every prefill computed into the one before's caches
+  for (p, kw), run in zip(reqs, runs, strict=True):
+    assert run.token_ids == alone(model, p, **_kw(kw)).token_ids, layout
+
+
 def test_the_driver_prefills_waiting_requests_together_and_a_stream_waits_at_most_one_prefill_chunk(model):
   """The driver is held inside a decode chunk while five requests of 3 to 40 tokens are submitted, one cancelled
   while it waits. Released, it prefills the first two together (two slots are free), the others once slots free,

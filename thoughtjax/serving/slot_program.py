@@ -410,9 +410,13 @@ class ChunkedPrefill:
   chunk past the ring's end is moved back to end there (it recomputes keys it already has). After each chunk,
   :attr:`ended` lists the rows whose prompts ended in it (their first token and stop flag are then in
   :attr:`result`) and :attr:`computed` the rows it computed; once :attr:`done`, :attr:`result` is (caches [P, K, S, E] per path block, first tokens [P],
-  stopped [P])."""
+  stopped [P]).
 
-  def __init__(self, program: SlotProgram, parts, prompts, samp, mode, *, start: int = 0, prefix=()):
+  ``scratch``: prefill caches of P rows to compute into (donated), whatever finite values they hold: a row's queries
+  weigh only keys it wrote or was given (the others get probability 0), so an earlier prefill's caches serve again
+  without being zeroed (None: zeros)."""
+
+  def __init__(self, program: SlotProgram, parts, prompts, samp, mode, *, start: int = 0, prefix=(), scratch=None):
     self.program, self.parts, self.samp, self.mode = program, parts, samp, mode
     P, S = len(prompts), program.cache_len
     self.lengths = np.array([len(ids) for ids in prompts], np.int32)
@@ -421,7 +425,7 @@ class ChunkedPrefill:
     self.tokens = np.zeros((P, S), np.int32)
     for p, ids in enumerate(prompts):
       self.tokens[p, : len(ids)] = ids
-    scratch = program._scratch(P)
+    scratch = program._scratch(P) if scratch is None else scratch
     for p, blocks in enumerate(prefix):
       for j, block in enumerate(blocks):
         scratch = program._put_block(scratch, block, jnp.int32(p), jnp.int32(j))
