@@ -33,3 +33,5 @@ def test_both_layouts_are_measured_and_reported(tmp_path, monkeypatch, capsys):
   for name, engine in report["slot_engine"].items():  # each child ran an engine in the layout it was given
     assert engine["layout"] == name and engine["warm_s"] > 0 and len(engine["step_ms"]) == 1
     assert 0 < engine["rss_before_mib"] <= engine["peak_rss_mib"] and engine["step_ms"][0] > 0
+    assert len(engine["prefill_chunk_ms"]) == 1 and engine["prefill_chunk_ms"][0] > 0
+    assert 0 < engine["prefill_chunk_tokens"] <= 64

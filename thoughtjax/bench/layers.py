@@ -18,8 +18,9 @@ For each layout (``unrolled``: every block traced into the program; ``indexed``:
 * slot engine (``--slots N``, 0: skipped): in a new process per layout with an empty compilation cache, a
   :class:`~thoughtjax.serving.slots.SlotEngine` of N slots over a ring of ``--ring`` tokens in that layout: the
   seconds its greedy warm takes (every prefill row count and decode width compiled), the process's resident memory
-  before and after it and its peak, and the decode step with every slot in use (ms per step, the median of
-  ``--repeats`` rounds of 3 chunks);
+  before and after it and its peak, the decode step with every slot in use (ms per step, the median of
+  ``--repeats`` rounds of 3 chunks), and the prefill of one prompt that fills one prefill chunk (ms, the median of
+  ``--repeats``, after the engine's first prefill);
 
 ``--json FILE`` writes the report. The layout with the higher batch-1 and batch-8 decode is the one to default to.
 """
@@ -117,8 +118,11 @@ def prefill_rate(model, ids: list[int]) -> tuple[float, float]:
 
 def slot_engine(model, slots: int, ring: int, repeats: int) -> dict:
   """A slot engine of ``slots`` slots over ``ring`` tokens in ``model``'s layout: warm seconds (greedy), resident
-  MiB before and after, peak MiB, and ms per decode step with every slot in use (3 chunks per round)."""
+  MiB before and after, peak MiB, ms per decode step with every slot in use (3 chunks per round), and ms per
+  prefill of one prompt that fills one prefill chunk, before any slot (one per round)."""
   import resource
+
+  import jax
 
   from thoughtjax.bench.process import rss_mib
   from thoughtjax.sampling import SamplingParams
@@ -130,6 +134,14 @@ def slot_engine(model, slots: int, ring: int, repeats: int) -> dict:
   engine.warm()
   warm_s = time.perf_counter() - t
   after = rss_mib(os.getpid())
+  chunk = model.codec.encode(TEXT * (1 + engine.prefill_chunk // 16))[: min(engine.prefill_chunk, ring - 1)]
+  prefill_ms = []
+  for k in range(repeats + 1):  # the first: the engine's first prefill, not measured
+    t = time.perf_counter()
+    (pre,) = engine.prefiller.run([engine.request(chunk, SamplingParams(max_tokens=1))])
+    jax.block_until_ready(pre.kv)
+    if k:
+      prefill_ms.append((time.perf_counter() - t) * 1e3)
   ids = model.codec.encode(TEXT)[:16]
   engine.insert_batch([(ids, SamplingParams(max_tokens=ring - len(ids), ignore_eos=True))] * slots)
   engine.step()
@@ -146,6 +158,8 @@ def slot_engine(model, slots: int, ring: int, repeats: int) -> dict:
     "rss_after_warm_mib": after,
     "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     "step_ms": step_ms,
+    "prefill_chunk_tokens": len(chunk),
+    "prefill_chunk_ms": prefill_ms,
   }
 
 
@@ -279,9 +293,11 @@ def main(argv: list[str] | None = None) -> int:
   )
   if res["slot_engine"]:
     eng = res["slot_engine"]
+    step = f"step ms ({args.slots} rows)"
+    columns = ["warm s", "RSS before MiB", "RSS after warm MiB", "peak RSS MiB", step, "prefill chunk ms (1 row)"]
     common.print_table(
       f"slot engine: {args.slots} slots, ring {args.ring}, greedy warm from an empty compilation cache",
-      ["layout", "warm s", "RSS before MiB", "RSS after warm MiB", "peak RSS MiB", f"step ms ({args.slots} rows)"],
+      ["layout", *columns],
       [
         (
           name,
@@ -290,10 +306,11 @@ def main(argv: list[str] | None = None) -> int:
           common.fmt(e["rss_after_warm_mib"], ".0f"),
           common.fmt(e["peak_rss_mib"], ".0f"),
           common.fmt(statistics.median(e["step_ms"]), ".1f"),
+          common.fmt(statistics.median(e["prefill_chunk_ms"]), ".0f"),
         )
         for name, e in eng.items()
       ],
-      right=["warm s", "RSS before MiB", "RSS after warm MiB", "peak RSS MiB", f"step ms ({args.slots} rows)"],
+      right=columns,
     )
     ui, ii = eng["unrolled"], eng["indexed"]
     print(
