@@ -211,14 +211,16 @@ class ServerConfig:
   metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: any free port
   metrics_bind: str = "127.0.0.1"
   scheduler: str = "continuous"  # "continuous" (slot engines, server/scheduling.py) or "simple" (one generation each)
-  # Continuous: how the slot engines' programs run a path's blocks. None: the model's own layout (a registry path's:
-  # unrolled); "indexed": one loop over the stacked layer weights (thoughtjax.decode.indexed), which compiles and
-  # warms in less than half the time into a fraction of the memory, and decodes a wide batch slower in float32
-  # (BENCHMARKS.md); a path with a bridge always runs unrolled.
-  engine_layout: str | None = None
-  # The form the registry's restores take: "f32" (dequantized float32) or "native" (a quantized model's blocks kept
-  # packed, computed in float32: the same logits, fewer bytes per step). Weight variants (@int8) are paths.
-  weights: str = "f32"
+  # Continuous: how the slot engines' programs run a path's blocks. "indexed": one loop over the stacked layer
+  # weights (thoughtjax.decode.indexed), which compiles and warms in a fraction of the time into less memory; None:
+  # the model's own layout (a registry path's: unrolled), which decodes a wide float32 batch faster (BENCHMARKS.md);
+  # a path with a bridge always runs unrolled.
+  engine_layout: str | None = "indexed"
+  # The form the registry's restores take: "native" (a quantized model's blocks kept packed, computed in float32:
+  # the same logits, fewer bytes per step) or "f32" (dequantized float32). Weight variants (@int8) are paths.
+  # Native and indexed together served the peer benchmark 1.1-2.8x faster than f32 and the model's own layout, ready
+  # in 56 s against 265 s, at 0.66x the peak RSS (BENCHMARKS.md).
+  weights: str = "native"
   admin: AdminConfig = AdminConfig()
   clients: ClientsConfig = ClientsConfig()
   http_port: int | None = None  # OpenAI-compatible HTTP (server/http.py) on ``bind``; None: off, 0: any free port

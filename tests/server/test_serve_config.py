@@ -10,7 +10,7 @@ import argparse
 import pytest
 
 from thoughtjax.cli import build_parser, main
-from thoughtjax.server.config import DEFAULT_HTTP_PORT, ConfigError, load_config, serve_config
+from thoughtjax.server.config import DEFAULT_HTTP_PORT, ConfigError, ServerConfig, load_config, serve_config
 
 KEY = "k" * 24
 
@@ -58,10 +58,12 @@ def test_a_flag_wins_over_its_variable_which_wins_over_the_file(tmp_path):
 
 def test_the_engine_layout_comes_from_the_file_or_its_variable_and_reaches_the_slot_engines(tmp_path):
   """``engine_layout`` (YAML, or THOUGHTJAX_ENGINE_LAYOUT over it) is the layout the continuous scheduler's pool
-  gives its slot engines; unset, each engine takes its model's; a value that is not a layout is refused."""
+  gives its slot engines (by default indexed; null: each engine takes its model's); a value that is not a layout is
+  refused."""
   from thoughtjax.server.scheduling import make_scheduler
 
-  assert load_config().engine_layout is None  # the shipped file: each model's own
+  assert load_config().engine_layout == "indexed" == ServerConfig().engine_layout  # the shipped file and the default
+  assert serve_config(yaml_file(tmp_path, "engine_layout: null\n"), environ={}).engine_layout is None
   path = yaml_file(tmp_path, "engine_layout: unrolled\n")
   assert serve_config(path, environ={}).engine_layout == "unrolled"
   c = serve_config(path, environ={"THOUGHTJAX_ENGINE_LAYOUT": "indexed"})

@@ -121,7 +121,7 @@ def add_parsers(sub) -> None:
     default=None,
     help="the form the registry's restores take: f32 (dequantized float32) or native (a quantized model's blocks "
     "kept packed, computed in float32: the same logits, fewer bytes per step); weight variants (@int8, @int8a8) are "
-    "paths of their own (env THOUGHTJAX_WEIGHTS; config weights; default f32)",
+    "paths of their own (env THOUGHTJAX_WEIGHTS; config weights; default native)",
   )
   add_kernels_arg(p)
   add_trust_args(p)
