@@ -285,7 +285,7 @@ def test_a_prefill_computes_into_the_last_one_s_caches_and_never_reads_what_they
   scratch = engine.program._scratch
   monkeypatch.setattr(engine.program, "_scratch", lambda rows: made.append(rows) or scratch(rows))
   prefiller = engine.prefiller
-  prefiller._spare = [jax.tree.map(lambda a: jnp.full_like(a, 1e30), s) for s in prefiller._spare]
+  prefiller._spare = jax.tree.map(lambda a: jnp.full_like(a, 1e30), prefiller._spare)
   reqs = [(PROMPTS[3], params), (list(range(90, 120)), params), (PROMPTS[0], params)]
   runs = [engine.insert_batch([r])[0] for r in reqs[:2]] + engine.insert_batch(reqs[2:])
   while engine.active:

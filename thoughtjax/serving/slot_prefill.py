@@ -42,7 +42,7 @@ class SlotPrefill:
     self._lock = threading.Lock()
     # Prefill caches a finished prefill handed back, for the next to compute into: allocating and zeroing the
     # caches of every slot over the ring took most of a one-chunk prefill (230 of 400 ms, 16 slots x 512).
-    self._spare: list = []
+    self._spare = None
 
   @property
   def grammars(self):
@@ -135,15 +135,14 @@ class SlotPrefill:
       samp = samp._replace(allowed=jax.device_put(words))
     mode = program_mode(params)
     with self._lock:
-      scratch = self._spare.pop() if self._spare else None
+      scratch, self._spare = self._spare, None
     job = ChunkedPrefill(self.program, self.parts, prompts, samp, mode, start=start, prefix=chains, scratch=scratch)
     return job, masked
 
   def give_back(self, scratch) -> None:
     """Keep the prefill caches of a prefill whose rows' keys were all copied out, for the next :meth:`open`."""
     with self._lock:
-      if not self._spare:
-        self._spare.append(scratch)
+      self._spare = scratch
 
   def finish(
     self,
