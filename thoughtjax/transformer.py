@@ -135,6 +135,55 @@ def _attend(qg: Array, parts, B: int, T: int, G: int, E: int) -> Array:
   return ctx
 
 
+class KeyBlocks(NamedTuple):
+  """Which blocks of a cache one decode step's queries read (:func:`key_blocks`): ``M`` (row, block) pairs, each
+  ``size`` consecutive cache slots of one row. A row's keys outside its pairs are masked for all its queries."""
+
+  rows: Array  # [M] i32, ascending
+  blocks: Array  # [M] i32, the block of the cache (slots [block * size, block * size + size))
+  allowed: Array  # [M, size] bool, the row's mask over those slots (False for every slot of a padding pair)
+
+
+def key_blocks(mask: Array, blocks: int, pairs: int) -> KeyBlocks:
+  """The (row, block) pairs of a one-query mask [B, 1, S] (S divisible by ``blocks``) that allow any slot, in order,
+  padded with pairs that allow none up to ``pairs`` (which must be at least as many as allow any: see
+  :func:`blocks_needed`)."""
+  B, _, S = mask.shape
+  by_block = mask.reshape(B, blocks, S // blocks)
+  needed = by_block.any(-1)
+  rows, index = jnp.nonzero(needed, size=pairs, fill_value=0)
+  real = jnp.arange(pairs) < needed.sum()
+  return KeyBlocks(rows.astype(jnp.int32), index.astype(jnp.int32), by_block[rows, index] & real[:, None])
+
+
+def blocks_needed(mask: Array, blocks: int) -> Array:
+  """How many (row, block) pairs of a one-query mask [B, 1, S] allow any slot: i32 []."""
+  B, _, S = mask.shape
+  return mask.reshape(B, blocks, S // blocks).any(-1).sum(dtype=jnp.int32)
+
+
+def _attend_blocks(qg: Array, before, new, plan: KeyBlocks) -> Array:
+  """:func:`_attend` of one query per row (T = 1) over ``before`` (the cache, read only at ``plan``'s pairs) and
+  ``new`` (the new keys), one softmax over both: the scores of each row's pairs are gathered, not the whole cache's."""
+  keys, values, mask = before
+  B, K, S, E = keys.shape
+  size = plan.allowed.shape[1]
+  take = lambda c: c.reshape(B, K, S // size, size, E)[plan.rows, :, plan.blocks]  # noqa: E731  [M, K, size, E]
+  allowed = plan.allowed & mask.reshape(B, S // size, size)[plan.rows, plan.blocks]  # without the slot replaced
+  at = dict(num_segments=B, indices_are_sorted=True)
+  scores = _batched(qg[plan.rows], take(keys), 3).astype(jnp.float32) * (E**-0.5)  # [M, K, G, size]
+  scores = jnp.where(allowed[:, None, None, :], scores, -jnp.inf)
+  k_new, v_new, mask_new = new
+  fresh = _batched(qg, k_new, 3).astype(jnp.float32) * (E**-0.5)  # [B, K, G, 1]
+  fresh = jnp.where(mask_new[:, :, None, :], fresh, -jnp.inf)
+  top = jnp.maximum(jax.ops.segment_max(scores.max(-1), plan.rows, **at), fresh.max(-1))  # [B, K, G], finite
+  weights, weights_new = jnp.exp(scores - top[plan.rows][..., None]), jnp.exp(fresh - top[..., None])
+  total = jax.ops.segment_sum(weights.sum(-1), plan.rows, **at) + weights_new.sum(-1)
+  ctx = jax.ops.segment_sum(_batched(weights.astype(values.dtype), take(values), 2), plan.rows, **at)
+  ctx = ctx + _batched(weights_new.astype(v_new.dtype), v_new, 2)
+  return ctx / total[..., None]
+
+
 class Attention(nnx.Module):
   """Grouped-query self-attention over a KV cache."""
 
@@ -161,6 +210,7 @@ class Attention(nnx.Module):
     mask: Array,
     *,
     new_only: bool = False,
+    blocks: KeyBlocks | None = None,
   ) -> tuple[Array, Array, Array]:
     """One attention step over new tokens.
 
@@ -171,7 +221,9 @@ class Attention(nnx.Module):
     which belong at ``clip(write_at, 0, S - T)``, for a caller that keeps the caches elsewhere).
 
     A short write (2T <= S: decode, verification) attends over the cache as it was plus the new keys in
-    one softmax and writes the cache last, so a loop carrying the cache updates it in place.
+    one softmax and writes the cache last, so a loop carrying the cache updates it in place. ``blocks`` (one query
+    per row, ``new_only``): the cache is read at those (row, block) pairs only, which must hold every slot ``mask``
+    allows outside the one written (:func:`key_blocks`).
     """
     cfg = self.cfg
     B, T, D = x.shape
@@ -194,6 +246,10 @@ class Attention(nnx.Module):
     if 2 * T > S:  # a prefill-sized write: attend over the updated cache (the old part is mostly replaced)
       cache_k, cache_v = _write(cache_k, k_new, write_at), _write(cache_v, v_new, write_at)
       ctx = _attend(qg, ((cache_k, cache_v, mask),), B, T, G, E)
+    elif new_only and blocks is not None:
+      if T != 1:
+        raise ValueError(f"attention over key blocks takes one query per row, not {T}")
+      ctx = _attend_blocks(qg, *_before_and_new(cache_k, cache_v, k_new, v_new, write_at, mask), blocks)
     elif new_only:
       ctx = _attend(qg, _before_and_new(cache_k, cache_v, k_new, v_new, write_at, mask), B, T, G, E)
     else:
@@ -231,9 +287,12 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_eps, dtype)
     self.mlp = MLP(cfg, dtype)
 
-  def __call__(self, x, cos, sin, cache_k, cache_v, write_at, mask, *, new_only: bool = False):
-    """x [B, T, D] -> (x, caches); ``new_only``: (x, the new keys, the new values), see :class:`Attention`."""
-    h, cache_k, cache_v = self.attn(self.attn_norm(x), cos, sin, cache_k, cache_v, write_at, mask, new_only=new_only)
+  def __call__(self, x, cos, sin, cache_k, cache_v, write_at, mask, *, new_only: bool = False, blocks=None):
+    """x [B, T, D] -> (x, caches); ``new_only``: (x, the new keys, the new values), ``blocks``: the cache's blocks
+    to read, see :class:`Attention`."""
+    h, cache_k, cache_v = self.attn(
+      self.attn_norm(x), cos, sin, cache_k, cache_v, write_at, mask, new_only=new_only, blocks=blocks
+    )
     x = x + h
     x = x + self.mlp(self.mlp_norm(x))
     return x, cache_k, cache_v

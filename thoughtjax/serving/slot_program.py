@@ -91,12 +91,13 @@ class SlotProgram(DecodeProgram):
     """The index of one slot (or rows, an index array) of a cache array."""
     return (slice(None),) * self._axis + (slot,)
 
-  def _modules(self, parts):
+  def _modules(self, parts, *, decode: bool = False):
     """(embed, head, config, run_blocks) of the path in ``parts``; ``run_blocks(x, cos, sin, caches, write_at,
-    mask) -> (x, caches)`` runs its blocks in order (traced code)."""
+    mask) -> (x, caches)`` runs its blocks in order (traced code). ``decode``: for the ring's decode step, which in
+    the indexed layout reads each row's keys by blocks (:func:`~thoughtjax.decode.indexed.run_blocks`)."""
     if self.indexed:
       embed, head = nnx.merge(self.defs.embed, parts.embed), nnx.merge(self.defs.head, parts.head)
-      return embed, head, self.cfg, functools.partial(indexed.run_blocks, self.defs, parts)
+      return embed, head, self.cfg, functools.partial(indexed.run_blocks, self.defs, parts, by_blocks=decode)
     embed, blocks, head = merge_path(self.defs, parts, self.layers)
 
     def run_blocks(x, cos, sin, caches, write_at, mask):
@@ -237,7 +238,7 @@ class SlotProgram(DecodeProgram):
     """Up to ``steps`` (at most ``chunk``) decode steps of the rows of ``state`` (any number of them, all sharing
     the cursor): the one decode step of every pool (:func:`~thoughtjax.decode.state.decode_chunk`), sampling step
     ``cursor``."""
-    embed, head, cfg, run_blocks = self._modules(parts)
+    embed, head, cfg, run_blocks = self._modules(parts, decode=True)
     S, C = self.cache_len, self.steps_per_chunk
 
     def run(tokens, positions, caches, write_at, mask):
