@@ -26,7 +26,9 @@ def step(by_blocks: bool, caches, start):
   x = jax.random.normal(jax.random.key(1), (ROWS, 1, cfg.d_model))
   cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
   run = jax.jit(
-    lambda c: indexed.run_blocks(GraphDefs.from_model(model), sp, x, cos, sin, c, w, mask, by_blocks=by_blocks)
+    lambda c: indexed.run_blocks(
+      GraphDefs.from_model(model), sp, x, cos, sin, c, w, mask, reads="blocks" if by_blocks else "all"
+    )
   )
   return run(caches), mask
 
@@ -84,3 +86,37 @@ def test_key_blocks_lists_the_pairs_a_mask_allows_in_order_and_pads_with_pairs_t
   assert int(blocks_needed(jnp.asarray(mask), 4)) == 3
   assert indexed.pair_budgets(16, 512) == (32, 64, 128) and indexed.pair_budgets(1, 512) == (2, 4, 8)
   assert indexed.pair_budgets(4, 32) == ()  # too short a ring to read by blocks
+
+
+@pytest.mark.parametrize(("at", "window"), [(0, 8), (4, 16), (12, 32), (40, RING)])
+def test_a_prefill_chunk_reads_the_slots_before_its_end_only(at, window):
+  """A chunk of 8 prompt tokens at slots [at, at + 8) reads the smallest window of leading slots that holds them:
+  slots past it hold NaN, which any read of them would spread."""
+  cfg, model = tiny_model("llama_gqa", seed=7)
+  parts = PathParts.from_model(model, range(cfg.num_layers))
+  sp = indexed.stacked_parts(parts, indexed.stack(parts), range(cfg.num_layers), cfg.num_layers)
+  T = 8
+  assert indexed.prefix_windows(T, RING) == (8, 16, 32)
+  slots = jnp.broadcast_to(at + jnp.arange(T, dtype=jnp.int32)[None, :], (ROWS, T))
+  positions, mask = layout.steps_at(jnp.zeros(ROWS, jnp.int32), slots, RING)
+  x = jax.random.normal(jax.random.key(1), (ROWS, T, cfg.d_model))
+  cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+  keys, values = ring_caches()
+
+  def run(reads, k, v):
+    f = jax.jit(
+      lambda c: indexed.run_blocks(GraphDefs.from_model(model), sp, x, cos, sin, c, jnp.int32(at), mask, reads=reads)
+    )
+    return f(((jnp.asarray(k), jnp.asarray(v)),))
+
+  want_x, ((want_k, want_v),) = run("all", keys, values)
+  past = (np.arange(RING) >= window)[None, None, None, :, None]
+  got_x, ((got_k, got_v),) = run("prefix", np.where(past, np.nan, keys), np.where(past, np.nan, values))
+  np.testing.assert_allclose(np.asarray(got_x), np.asarray(want_x), rtol=1e-5, atol=1e-5)
+  new = (slice(None), slice(None), slice(None), slice(at, at + T))
+  np.testing.assert_allclose(np.asarray(got_k)[new], np.asarray(want_k)[new], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(got_v)[new], np.asarray(want_v)[new], rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="reads is one of all, blocks, prefix; got 'some'"):
+    indexed.run_blocks(
+      GraphDefs.from_model(model), sp, x, cos, sin, ((keys, values),), jnp.int32(at), mask, reads="some"
+    )

@@ -116,46 +116,59 @@ def empty_caches(cfg, positions: int, batch: int, length: int) -> tuple:
   return ((jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32)),)  # two arrays: each may be donated
 
 
-# A decode step of a slot program's ring reads its caches by blocks of S / KEY_BLOCKS slots: only the (row, block)
-# pairs its rows' masks allow (rows share the ring, each attends over its own request's keys). The step is compiled
-# for pair budgets of these fractions of all pairs and for the whole cache, and takes the smallest that holds.
+# A slot program reads its caches in part where it can. A decode step of its ring reads them by blocks of
+# S / KEY_BLOCKS slots: only the (row, block) pairs its rows' masks allow (rows share the ring, each attends over its
+# own request's keys). A prefill chunk reads the slots before its end only (a prompt's key i sits at slot i). Each is
+# compiled for these fractions of what it could read (pairs, slots) and for the whole caches, and a call takes the
+# smallest that holds what it reads.
 KEY_BLOCKS = 16
-PAIR_FRACTIONS = (1 / 8, 1 / 4, 1 / 2)
+READ_FRACTIONS = (1 / 8, 1 / 4, 1 / 2)
+READS = ("all", "blocks", "prefix")
 
 
 def pair_budgets(rows: int, ring: int) -> tuple[int, ...]:
   """The pair budgets a ring decode step of ``rows`` rows is compiled for (empty: it reads whole caches)."""
   if ring % KEY_BLOCKS or ring < 4 * KEY_BLOCKS:
     return ()
-  return tuple(sorted({max(1, int(rows * KEY_BLOCKS * f)) for f in PAIR_FRACTIONS}))
+  return tuple(sorted({max(1, int(rows * KEY_BLOCKS * f)) for f in READ_FRACTIONS}))
 
 
-def run_blocks(defs, parts: StackedParts, x, cos, sin, caches, write_at, mask, *, by_blocks: bool = False):
+def prefix_windows(tokens: int, length: int) -> tuple[int, ...]:
+  """The leading slots a prefill chunk of ``tokens`` over caches of ``length`` is compiled to read (and all)."""
+  return tuple(sorted({int(length * f) for f in READ_FRACTIONS if tokens <= int(length * f) < length}))
+
+
+def run_blocks(defs, parts: StackedParts, x, cos, sin, caches, write_at, mask, *, reads: str = "all"):
   """``x`` through the path's ``parts.count`` positions, in order: position p runs stacked layer ``parts.index[p]``
   on its own keys and values (``caches``: ((keys, values),), each [positions, B, K, S, E]). Returns (x, caches).
 
   The loop only reads the caches; every position's new keys and values go into them after it, in one write (an
-  in-place update of the caches, not a copy of them). ``by_blocks`` (one query per row): each step reads the caches
-  at the (row, block) pairs its mask allows (:func:`~thoughtjax.transformer.key_blocks`), under the smallest of
-  :func:`pair_budgets` that holds them, or whole."""
+  in-place update of the caches, not a copy of them). ``reads``: what of the caches a call reads. ``"all"``: all of
+  them. ``"blocks"`` (one query per row): the (row, block) pairs its mask allows
+  (:func:`~thoughtjax.transformer.key_blocks`), under the smallest of :func:`pair_budgets` that holds them.
+  ``"prefix"`` (the mask allows no slot at or past ``write_at + T``): the first slots, the smallest of
+  :func:`prefix_windows` that holds them."""
+  if reads not in READS:
+    raise ValueError(f"reads is one of {', '.join(READS)}; got {reads!r}")
   ((keys, values),) = caches
   P, B, K, S, E = keys.shape
   T = x.shape[1]
   at = jnp.clip(write_at, 0, S - T)  # where the new keys go (where a cache write would put them)
   # One query per row: the slots read from the caches, all those the mask allows but the one the new key replaces.
-  reads = mask & (jnp.arange(S) != at)[None, None, :]
+  seen = mask & (jnp.arange(S) != at)[None, None, :]
 
-  def through(pairs: int | None):
+  def through(pairs: int | None = None, window: int = S):
     def run(x):
-      plan = None if pairs is None else key_blocks(reads, KEY_BLOCKS, pairs)
+      plan = None if pairs is None else key_blocks(seen, KEY_BLOCKS, pairs)
+      part = mask[..., :window]
 
       def body(p, carry):
         x, new_k, new_v = carry
         take = lambda a: jax.lax.dynamic_index_in_dim(a, parts.index[p], keepdims=False)  # noqa: E731
         block = nnx.merge(defs.block, jax.tree.map(take, parts.blocks))
-        ck = jax.lax.dynamic_index_in_dim(keys, p, keepdims=False)
-        cv = jax.lax.dynamic_index_in_dim(values, p, keepdims=False)
-        x, k_new, v_new = block(x, cos, sin, ck, cv, write_at, mask, new_only=True, blocks=plan)
+        ck = jax.lax.dynamic_index_in_dim(keys, p, keepdims=False)[:, :, :window]
+        cv = jax.lax.dynamic_index_in_dim(values, p, keepdims=False)[:, :, :window]
+        x, k_new, v_new = block(x, cos, sin, ck, cv, at, part, new_only=True, blocks=plan)
         new_k = jax.lax.dynamic_update_index_in_dim(new_k, k_new.astype(new_k.dtype), p, 0)
         new_v = jax.lax.dynamic_update_index_in_dim(new_v, v_new.astype(new_v.dtype), p, 0)
         return x, new_k, new_v
@@ -165,13 +178,17 @@ def run_blocks(defs, parts: StackedParts, x, cos, sin, caches, write_at, mask, *
 
     return run
 
-  budgets = pair_budgets(B, S) if by_blocks and T == 1 else ()
-  if budgets:
-    needed = blocks_needed(reads, KEY_BLOCKS)
-    choice = sum((needed > n).astype(jnp.int32) for n in budgets)  # the first budget that holds them, else whole
-    x, new_k, new_v = jax.lax.switch(choice, [*(through(n) for n in budgets), through(None)], x)
+  if reads == "blocks" and T == 1 and (budgets := pair_budgets(B, S)):
+    needed, ways = blocks_needed(seen, KEY_BLOCKS), [through(pairs=n) for n in budgets]
+  elif reads == "prefix" and (budgets := prefix_windows(T, S)):
+    needed, ways = at + T, [through(window=w) for w in budgets]
   else:
-    x, new_k, new_v = through(None)(x)
+    budgets, ways = (), []
+  if budgets:  # the first budget that holds what the call reads, else the whole caches
+    choice = sum((needed > n).astype(jnp.int32) for n in budgets)
+    x, new_k, new_v = jax.lax.switch(choice, [*ways, through()], x)
+  else:
+    x, new_k, new_v = through()(x)
   # Positions past ``count`` write zeros into their own caches, which no position of this path reads.
   keys, values = (jax.lax.dynamic_update_slice_in_dim(c, new, at, 3) for c, new in ((keys, new_k), (values, new_v)))
   return x, ((keys, values),)

@@ -93,11 +93,13 @@ class SlotProgram(DecodeProgram):
 
   def _modules(self, parts, *, decode: bool = False):
     """(embed, head, config, run_blocks) of the path in ``parts``; ``run_blocks(x, cos, sin, caches, write_at,
-    mask) -> (x, caches)`` runs its blocks in order (traced code). ``decode``: for the ring's decode step, which in
-    the indexed layout reads each row's keys by blocks (:func:`~thoughtjax.decode.indexed.run_blocks`)."""
+    mask) -> (x, caches)`` runs its blocks in order (traced code). In the indexed layout a decode step of the ring
+    (``decode``) reads each row's keys by blocks, a prefill chunk the slots before its end only
+    (:func:`~thoughtjax.decode.indexed.run_blocks`)."""
     if self.indexed:
       embed, head = nnx.merge(self.defs.embed, parts.embed), nnx.merge(self.defs.head, parts.head)
-      return embed, head, self.cfg, functools.partial(indexed.run_blocks, self.defs, parts, by_blocks=decode)
+      reads = "blocks" if decode else "prefix"
+      return embed, head, self.cfg, functools.partial(indexed.run_blocks, self.defs, parts, reads=reads)
     embed, blocks, head = merge_path(self.defs, parts, self.layers)
 
     def run_blocks(x, cos, sin, caches, write_at, mask):
