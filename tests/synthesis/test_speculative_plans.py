@@ -188,3 +188,20 @@ def test_the_planner_picks_the_ngram_plan_exactly_when_it_is_the_fastest_and_it_
   t = r.trace
   assert t.kind == "speculative" and t.draft == "ngram:3:2 (k=4)" and t.verify_passes > 0
   assert t.drafted == 4 * t.verify_passes and 0 <= t.accepted <= t.drafted
+
+
+def test_warming_a_speculative_plan_with_a_pool_also_warms_its_paths_slot_engine(reg, cal):
+  """A request of another shape, or one planned while the drafted program is not compiled, runs the plan's path in
+  its slot engine: the warm-up makes and compiles that engine too, so the first such request traces nothing."""
+  from thoughtjax.serving.pool import EnginePool
+
+  syn = Synthesizer(reg, _with_factor(cal, FACTOR_BOUNDS[0]), learned_corrections=False)
+  pool = EnginePool(slots=2, max_engines=2)
+  try:
+    assert syn.warm([HINTS[0]], prompt_tokens=(8,), max_tokens=(8,), pool=pool) == [FULL]
+    plan = syn.plan(PROMPT, [HINTS[0]], max_latency_ms=math.inf, max_tokens=8)
+    assert plan.kind == "speculative" and pool.stats()["engines"] == 1
+    (driver,) = pool.drivers()
+    assert driver.engine.model.path_hash == compose(FULL, reg).path_hash and driver.engine.program.slots == 2
+  finally:
+    pool.close()

@@ -363,7 +363,9 @@ class Synthesizer:
     With ``pool`` (a server's slot engines), a plan that a slot engine would run is warmed where it will run:
     its engine in the pool is made and compiled in each sampling mode of ``modes`` (:meth:`EnginePool.warm
     <thoughtjax.serving.pool.EnginePool.warm>`) instead of the program a request running alone takes; a plan
-    that runs alone (speculative) is run as without. Returns the paths warmed."""
+    that runs alone (speculative) is run as without, and its path's engine is warmed too: a request of another
+    shape, or planned while its drafted program is not compiled, runs that path in its slot engine. Returns the
+    paths warmed."""
     warmed = []
     for hint in hints or self.calibration.hints:
       for T in prompt_tokens:
@@ -373,7 +375,7 @@ class Synthesizer:
             r = self._synthesize([3] * T, [hint], budget, n, False, None, everything, {"ignore_eos": True})
             if pool is None or r.request.slot() is None:
               r.finish()
-            else:  # never started: a slot engine runs such a request, so its engine is what is warmed
+            if pool is not None:  # a slot engine runs the plan's path (or its requests a drafted program misses)
               pool.warm(r.model, T, n, modes)
             if r.plan.path not in warmed:
               warmed.append(r.plan.path)
