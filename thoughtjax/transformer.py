@@ -148,9 +148,7 @@ def key_blocks(mask: Array, blocks: int, pairs: int) -> KeyBlocks:
   """The (row, block) pairs of a one-query mask [B, 1, S] (S divisible by ``blocks``) that allow any slot, in order,
   padded with pairs that allow none up to ``pairs`` (which must be at least as many as allow any: see
   :func:`blocks_needed`)."""
-  B, _, S = mask.shape
-  by_block = mask.reshape(B, blocks, S // blocks)
-  needed = by_block.any(-1)
+  by_block, needed = _by_block(mask, blocks)
   rows, index = jnp.nonzero(needed, size=pairs, fill_value=0)
   real = jnp.arange(pairs) < needed.sum()
   return KeyBlocks(rows.astype(jnp.int32), index.astype(jnp.int32), by_block[rows, index] & real[:, None])
@@ -158,8 +156,14 @@ def key_blocks(mask: Array, blocks: int, pairs: int) -> KeyBlocks:
 
 def blocks_needed(mask: Array, blocks: int) -> Array:
   """How many (row, block) pairs of a one-query mask [B, 1, S] allow any slot: i32 []."""
+  return _by_block(mask, blocks)[1].sum(dtype=jnp.int32)
+
+
+def _by_block(mask: Array, blocks: int) -> tuple[Array, Array]:
+  """A one-query mask [B, 1, S] as [B, blocks, S / blocks], and whether each (row, block) allows any slot."""
   B, _, S = mask.shape
-  return mask.reshape(B, blocks, S // blocks).any(-1).sum(dtype=jnp.int32)
+  by_block = mask.reshape(B, blocks, S // blocks)
+  return by_block, by_block.any(-1)
 
 
 def _attend_blocks(qg: Array, before, new, plan: KeyBlocks) -> Array:
